@@ -1,0 +1,32 @@
+"""The executor's one configuration object, passed from the scheduler as msgspec JSON."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import msgspec
+
+LoadFormat = Literal["auto", "hf", "gguf", "dummy"]
+
+
+class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    model: str  # HF folder, .gguf file, or config.json / folder for dummy weights
+    plan_addr: str  # executor PULLs plans here (scheduler binds)
+    result_addr: str  # executor PUSHes results here (scheduler binds)
+    load_format: LoadFormat = "auto"
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
+    num_slots: int = 64  # = max running requests
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None  # None: size from free memory
+    kv_memory_fraction: float = 0.85  # of free device memory after weights (cuda)
+    max_model_len: Optional[int] = None  # None: the model's context length
+    max_num_batched_tokens: int = 2048
+    tokenizer_path: str = ""
+    model_name: str = ""
+    parent_pid: int = 0  # exit when this process goes away
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"

@@ -1,0 +1,229 @@
+"""The wire protocol: every message that crosses a socket, as msgspec structs.
+
+Two conversations share this module:
+
+* client <-> scheduler (untrusted: bytes from clients are decoded with a size
+  limit and a closed union of types, unknown fields are rejected);
+* scheduler <-> executor (trusted, but still msgspec: nothing is ever pickled).
+
+Messages are tagged unions (``{"type": "generate", ...}`` on the wire) encoded
+with msgpack.  Plans are diffs: decode rows carry no token ids, only the slot;
+the executor gathers the input token from its last-token table on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# Limits on what a client may send.  Sampling limits follow vLLM's.
+MAX_REQUEST_ID_LEN = 128
+MAX_STOP_TOKEN_IDS = 64
+MAX_SEED = 2**63 - 1
+
+# A token id on the wire is a non-negative int; the vocabulary bound is checked
+# by the scheduler, which knows the model.
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+
+
+class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+# ---------------------------------------------------------------------------
+# client <-> scheduler
+# ---------------------------------------------------------------------------
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """How to pick tokens.  ``temperature == 0`` means greedy.
+
+    Ranges are checked by :func:`scheduler_proc.validate.validate_generate` so
+    that each violation names the field and its limit.
+    """
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Hello(_Msg, tag="hello"):
+    protocol_version: int
+    client_name: str = ""
+
+
+class ServerInfo(_Msg, tag="server_info"):
+    protocol_version: int
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer_path: str
+    eos_token_ids: list[int]
+    device: str
+    dtype: str
+    pipeline_depth: int
+
+
+class Generate(_Msg, tag="generate"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+
+
+class Abort(_Msg, tag="abort"):
+    request_id: str
+
+
+class TokenDelta(_Msg, tag="token_delta"):
+    request_id: str
+    token_ids: list[int]
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class Finished(_Msg, tag="finished"):
+    request_id: str
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    # Tokens not yet sent in a TokenDelta (the last ones), so that a finish
+    # never needs a separate delta message.
+    token_ids: list[int] = []
+    message: str = ""
+
+
+class Error(_Msg, tag="error"):
+    """A request (or a frame) was rejected; ``field`` names what was wrong."""
+
+    code: str  # "invalid_request", "bad_frame", "protocol", "executor_failed", "duplicate_id", ...
+    message: str
+    request_id: Optional[str] = None
+    field: Optional[str] = None
+
+
+ClientToServer = Union[Hello, Generate, Abort]
+ServerToClient = Union[ServerInfo, TokenDelta, Finished, Error]
+
+
+# ---------------------------------------------------------------------------
+# scheduler <-> executor
+# ---------------------------------------------------------------------------
+
+
+class SlotSampling(msgspec.Struct, array_like=True):
+    """Sampling parameters of one slot, as the executor stores them on the device."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+
+
+class Admit(msgspec.Struct, array_like=True):
+    slot: int
+    sampling: SlotSampling
+
+
+class LoadProgress(_Msg, tag="load_progress"):
+    stage: str
+    done: int
+    total: int
+
+
+class ExecutorReady(_Msg, tag="executor_ready"):
+    """Capacity the scheduler must plan within."""
+
+    model_name: str
+    num_slots: int
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    tokenizer_path: str
+    device: str
+    dtype: str
+
+
+class StepPlan(_Msg, tag="step_plan"):
+    """One forward step, as a diff against the executor's slot tables.
+
+    Row ``i`` is ``slots[i]`` with ``num_tokens[i]`` query tokens starting at
+    position ``positions[i]``.  Rows with ``num_tokens == 1`` and no prompt
+    tokens are decode rows: their input is ``last_token[slot]`` on the device.
+    Prefill-chunk rows take their tokens, in row order, from ``prefill_tokens``
+    (``is_prefill[i]`` says which rows those are).  ``sample[i]`` says whether
+    the row's last position is sampled (false for a prompt chunk that does not
+    reach the end of the prompt).
+
+    Block-table appends are flat triples ``(slot, index, block_id)``.
+    """
+
+    step_id: int
+    slots: list[int]
+    num_tokens: list[int]
+    positions: list[int]
+    is_prefill: list[bool]
+    sample: list[bool]
+    prefill_tokens: list[int] = []
+    block_appends: list[int] = []
+    admits: list[Admit] = []
+    releases: list[int] = []
+
+
+class StepResult(_Msg, tag="step_result"):
+    """Sampled tokens of a step, one per row with ``sample[i]`` true, in row order.
+
+    Timestamps are ``time.perf_counter()`` of the executor process (seconds):
+    ``t_start``/``t_end`` bracket the step's work, ``idle_s`` is how long the
+    executor waited for this step's plan after finishing the previous one.
+    """
+
+    step_id: int
+    token_ids: list[int]
+    t_start: float = 0.0
+    t_end: float = 0.0
+    idle_s: float = 0.0
+
+
+class ExecutorFatal(_Msg, tag="executor_fatal"):
+    message: str
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    pass
+
+
+SchedulerToExecutor = Union[StepPlan, Shutdown]
+ExecutorToScheduler = Union[LoadProgress, ExecutorReady, StepResult, ExecutorFatal]
+
+
+# ---------------------------------------------------------------------------
+# codecs
+# ---------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+client_request_decoder = msgspec.msgpack.Decoder(ClientToServer)
+server_reply_decoder = msgspec.msgpack.Decoder(ServerToClient)
+executor_input_decoder = msgspec.msgpack.Decoder(SchedulerToExecutor)
+executor_output_decoder = msgspec.msgpack.Decoder(ExecutorToScheduler)

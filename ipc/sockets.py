@@ -1,0 +1,71 @@
+"""ZeroMQ socket helpers: addresses, options, and bounded decoding.
+
+Every socket gets explicit high-water marks, ``linger=0`` (closing never
+blocks on unsent messages) and, for sockets that read untrusted bytes, a
+maximum message size enforced by libzmq itself (oversized frames are dropped
+by the transport and the peer is disconnected, the server keeps serving).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+
+import zmq
+
+# Unix domain socket paths are limited to 107 bytes on Linux (sun_path is 108).
+MAX_IPC_PATH = 107
+DEFAULT_HWM = 100_000
+# The largest client frame: a 1M-token prompt as msgpack ints is about 5 MB.
+MAX_CLIENT_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def new_run_dir() -> str:
+    """A private per-server directory for ipc:// socket files."""
+    base = os.environ.get("FORERUN_RUN_DIR") or tempfile.gettempdir()
+    path = os.path.join(base, f"forerun-{uuid.uuid4().hex[:12]}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def ipc_address(run_dir: str, name: str) -> str:
+    path = os.path.join(run_dir, f"{name}.sock")
+    if len(path.encode()) > MAX_IPC_PATH:
+        raise ValueError(
+            f"ipc socket path {path!r} is {len(path.encode())} bytes; the limit is "
+            f"{MAX_IPC_PATH}. Set FORERUN_RUN_DIR to a shorter directory."
+        )
+    return f"ipc://{path}"
+
+
+def check_address(addr: str) -> str:
+    """Validate a user-supplied ``ipc://`` or ``tcp://`` address."""
+    if addr.startswith("ipc://"):
+        path = addr[len("ipc://") :]
+        if len(path.encode()) > MAX_IPC_PATH:
+            raise ValueError(f"ipc path {path!r} is longer than {MAX_IPC_PATH} bytes")
+        return addr
+    if addr.startswith("tcp://"):
+        return addr
+    raise ValueError(f"address {addr!r} must start with ipc:// or tcp://")
+
+
+def configure(sock: zmq.Socket, *, max_msg_bytes: int | None = None, hwm: int = DEFAULT_HWM) -> zmq.Socket:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    if max_msg_bytes is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+    return sock
+
+
+def make_socket(ctx: zmq.Context, kind: int, addr: str, *, bind: bool,
+                max_msg_bytes: int | None = None, hwm: int = DEFAULT_HWM) -> zmq.Socket:
+    """Create, configure and bind or connect one socket."""
+    sock = configure(ctx.socket(kind), max_msg_bytes=max_msg_bytes, hwm=hwm)
+    if bind:
+        sock.bind(check_address(addr))
+    else:
+        sock.connect(check_address(addr))
+    return sock

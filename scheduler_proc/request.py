@@ -1,0 +1,81 @@
+"""A request as the scheduler sees it: two lengths, one slot, a list of blocks.
+
+Lengths (``P`` = prompt tokens)::
+
+    received   = len(output)          tokens that came back and were applied
+    pending    = sampled tokens still in flight (will come back)
+    total      = P + received + pending
+    num_computed = tokens whose KV is written or being written
+
+At admission ``num_prefill = P + received`` (a recompute after preemption
+prefills the received tokens too); while prefilling, ``num_computed < num_prefill``.  Once the last prompt chunk is planned,
+``num_computed == total - 1``: the newest token (on the device, in the
+last-token table) is the next decode row's input.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ipc.protocol import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # no slot, no blocks
+    RUNNING = "running"  # in future plans
+    PREEMPTED = "preempted"  # out of plans; waits for its in-flight steps, then WAITING
+    FINISHED = "finished"  # out of plans; its slot and blocks return when in-flight steps do
+
+
+@dataclass(eq=False)
+class Request:
+    rid: int  # internal id, unique for the server's life
+    client: bytes  # ZeroMQ identity of the client that sent it
+    request_id: str  # the client's id
+    prompt: list[int]
+    sampling: SamplingParams
+    seed: int
+    max_tokens: int
+    stop_ids: frozenset[int]
+    arrival: float = 0.0
+    output: list[int] = field(default_factory=list)
+    num_pending: int = 0
+    num_computed: int = 0
+    num_prefill: int = 0  # tokens fed from the host since admission (prompt + received at admission)
+    slot: Optional[int] = None
+    blocks: list[int] = field(default_factory=list)
+    num_inflight_steps: int = 0
+    status: Status = Status.WAITING
+    finish_reason: Optional[str] = None
+    num_sent: int = 0  # output tokens already sent to the client
+    num_preemptions: int = 0
+
+    @property
+    def num_known(self) -> int:
+        """Tokens known on the host: the prompt and every received token."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def num_total(self) -> int:
+        return len(self.prompt) + len(self.output) + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        """Generated tokens, received or in flight."""
+        return len(self.output) + self.num_pending
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.num_prefill
+
+    def known_token(self, i: int) -> int:
+        p = len(self.prompt)
+        return self.prompt[i] if i < p else self.output[i - p]
+
+    def known_tokens(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt)
+        if end <= p:
+            return self.prompt[start:end]
+        return (self.prompt + self.output)[start:end]
