@@ -1,0 +1,69 @@
+"""Helpers shared by the benchmark scripts: percentiles, summaries, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Iterable, Optional, Sequence
+
+DEFAULT_PERCENTILES = (50, 90, 99)
+
+
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    """The q-th percentile (0..100) with linear interpolation, as numpy's default; None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(values: Iterable[float], percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+              scale: float = 1.0) -> dict[str, Optional[float]]:
+    """Mean and percentiles of ``values`` times ``scale`` (e.g. 1000 for seconds -> ms)."""
+    scaled = [v * scale for v in values]
+    summary: dict[str, Optional[float]] = {"mean": sum(scaled) / len(scaled) if scaled else None}
+    for q in percentiles:
+        summary[f"p{q:g}"] = percentile(scaled, q)
+    return summary
+
+
+def fmt(value: Optional[float], digits: int = 2) -> str:
+    """A number for a table cell; "-" for a missing one."""
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.{digits}f}"
+
+
+def format_table(rows: Sequence[tuple[str, Any]], title: Optional[str] = None) -> str:
+    """Two aligned columns (label, value) with an optional centred title."""
+    cells = [(label, value if isinstance(value, str) else fmt(value)) for label, value in rows]
+    left = max((len(label) for label, _ in cells), default=0)
+    right = max((len(value) for _, value in cells), default=0)
+    width = max(left + right + 2, len(title) + 4 if title else 0)
+    lines = []
+    if title:
+        lines += [f" {title} ".center(width, "="), ""]
+    lines += [f"{label:<{width - right}}{value:>{right}}" for label, value in cells]
+    lines.append("=" * width)
+    return "\n".join(lines)
+
+
+def latency_rows(name: str, summary: dict[str, Optional[float]], unit: str = "ms") -> list[tuple[str, Any]]:
+    """Table rows for one summarize() result: "Mean TTFT (ms)", "P50 TTFT (ms)", ..."""
+    return [(f"{key.capitalize() if key == 'mean' else key.upper()} {name} ({unit})", value)
+            for key, value in summary.items()]
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    """Write benchmark figures as indented JSON, creating the folder if needed."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=False)
+        f.write("\n")

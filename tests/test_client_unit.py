@@ -1,0 +1,528 @@
+"""Unit tests of the client SDK and the detokenizer against a scripted fake server.
+
+The fake server is a ZeroMQ ROUTER in a thread: it answers Hello with a
+ServerInfo that names a tiny byte-level tokenizer built in a temp folder, and
+plays a script of TokenDelta / Finished / Error messages for each Generate,
+round-robin across requests so that concurrent replies interleave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from typing import Callable, Optional
+
+import pytest
+import zmq
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from ipc.client import (
+    AsyncClient,
+    BadFrameError,
+    Client,
+    ExecutorFailedError,
+    ForerunError,
+    InvalidRequestError,
+    ProtocolError,
+)
+from ipc.detokenizer import IncrementalDetokenizer
+from ipc.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Error,
+    Finished,
+    Generate,
+    Hello,
+    ServerInfo,
+    TokenDelta,
+    client_request_decoder,
+    encode,
+)
+
+BOS, EOS = 0, 1
+SPECIALS = ["<bos>", "<eos>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "<bos>{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# Multi-byte characters (2, 3 and 4 bytes) that a byte-level tokenizer splits across tokens.
+COMPLETION = "héllo 世界 🙂!"
+HANG = object()  # script marker: keep the request open and send nothing more
+
+
+# ---------------------------------------------------------------------------
+# fixtures: tokenizer and fake server
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer (one token per byte) saved as an HF folder."""
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch in pre_tokenizers.ByteLevel.alphabet():
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    path = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def completion_ids(tokenizer):
+    return tokenizer.encode(COMPLETION, add_special_tokens=False)
+
+
+def finish_script(gen: Generate, ids: list[int], *, in_finished: int = 1, reason: str = "length") -> list:
+    """One TokenDelta per token, the last ``in_finished`` tokens carried by Finished."""
+    split = len(ids) - in_finished
+    msgs: list = [TokenDelta(request_id=gen.request_id, token_ids=[t]) for t in ids[:split]]
+    msgs.append(Finished(request_id=gen.request_id, reason=reason, prompt_tokens=len(gen.prompt_token_ids),
+                         completion_tokens=len(ids), token_ids=ids[split:]))
+    return msgs
+
+
+class FakeServer:
+    """A scripted scheduler on a ROUTER socket, run in a thread."""
+
+    def __init__(self, address: str, tokenizer_path: str, script: Callable[[Generate], list],
+                 *, protocol_version: int = PROTOCOL_VERSION, reject_hello: bool = False,
+                 step_delay: float = 0.0) -> None:
+        self.address = address
+        self.tokenizer_path = tokenizer_path
+        self.script = script
+        self.protocol_version = protocol_version
+        self.reject_hello = reject_hello
+        self.step_delay = step_delay
+        self.generates: list[Generate] = []
+        self.aborts: list[str] = []
+        self.hellos = 0
+        self.peak_active = 0
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "FakeServer":
+        self._thread.start()
+        assert self._ready.wait(5)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 3.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(0.005)
+        return False
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self.address)
+        self._ready.set()
+        # (identity, request_id) -> (Generate, queue of messages still to send, tokens sent)
+        active: dict[tuple[bytes, str], list] = {}
+        try:
+            while not self._stop.is_set():
+                wait_ms = int(self.step_delay * 1000) if active else 10
+                if sock.poll(wait_ms):
+                    while sock.poll(0):
+                        ident, frame = sock.recv_multipart()
+                        self._handle(sock, ident, client_request_decoder.decode(frame), active)
+                self.peak_active = max(self.peak_active, len(active))
+                self._play_one_round(sock, active)
+        finally:
+            sock.close()
+            ctx.term()
+
+    def _handle(self, sock, ident: bytes, msg, active: dict) -> None:
+        if isinstance(msg, Hello):
+            self.hellos += 1
+            if self.reject_hello:
+                reply = Error(code="protocol", message=f"server speaks {PROTOCOL_VERSION}")
+            else:
+                reply = ServerInfo(protocol_version=self.protocol_version, model_name="fake",
+                                   max_model_len=4096, vocab_size=260, tokenizer_path=self.tokenizer_path,
+                                   eos_token_ids=[EOS], device="cpu", dtype="float32", pipeline_depth=2)
+            sock.send_multipart([ident, encode(reply)])
+        elif isinstance(msg, Generate):
+            self.generates.append(msg)
+            active[(ident, msg.request_id)] = [msg, deque(self.script(msg)), 0]
+        elif isinstance(msg, Abort):
+            self.aborts.append(msg.request_id)
+            entry = active.pop((ident, msg.request_id), None)
+            if entry is not None:
+                gen, _, sent = entry
+                fin = Finished(request_id=gen.request_id, reason="abort",
+                               prompt_tokens=len(gen.prompt_token_ids), completion_tokens=sent)
+                sock.send_multipart([ident, encode(fin)])
+
+    def _play_one_round(self, sock, active: dict) -> None:
+        for key, entry in list(active.items()):
+            queue = entry[1]
+            if queue and queue[0] is HANG:
+                continue
+            if not queue:
+                del active[key]
+                continue
+            msg = queue.popleft()
+            entry[2] += len(getattr(msg, "token_ids", []))
+            sock.send_multipart([key[0], encode(msg)])
+            if isinstance(msg, (Finished, Error)):
+                del active[key]
+
+
+@pytest.fixture
+def address():
+    run_dir = tempfile.mkdtemp(prefix="fr-", dir="/tmp")
+    yield f"ipc://{run_dir}/client.sock"
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def serve(address, tokenizer_dir):
+    """Start a FakeServer with a script; stopped at the end of the test."""
+    servers = []
+
+    def start(script: Callable[[Generate], list], tokenizer_path: Optional[str] = None, **kwargs) -> FakeServer:
+        path = tokenizer_dir if tokenizer_path is None else tokenizer_path
+        server = FakeServer(address, path, script, **kwargs).__enter__()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.__exit__()
+
+
+# ---------------------------------------------------------------------------
+# detokenizer
+# ---------------------------------------------------------------------------
+
+
+def test_detokenizer_holds_back_split_multibyte_chars(tokenizer, completion_ids):
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add([t]) for t in completion_ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + detok.flush() == COMPLETION
+    # "é" is two byte tokens: the first one emits nothing, the second the whole character.
+    assert deltas[1:3] == ["", "é"]
+    assert deltas.count("") == len(completion_ids) - len(COMPLETION)
+
+
+def test_detokenizer_batches_and_skips_special_tokens(tokenizer, completion_ids):
+    detok = IncrementalDetokenizer(tokenizer)
+    text = detok.add(completion_ids[:7]) + detok.add(completion_ids[7:] + [EOS]) + detok.flush()
+    assert text == COMPLETION
+    keep = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert keep.add(completion_ids + [EOS]) + keep.flush() == COMPLETION + "<eos>"
+
+
+def test_detokenizer_flush_emits_incomplete_tail(tokenizer):
+    ids = tokenizer.encode("a世", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.add(ids[:2]) == "a"  # only the first byte of the 3-byte character follows
+    assert detok.flush() == "\ufffd"
+    assert detok.flush() == ""
+
+
+def test_detokenizer_uses_prompt_as_context_only(tokenizer, completion_ids):
+    prompt = tokenizer.encode("the prompt ")
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    assert "".join(detok.add([t]) for t in completion_ids) + detok.flush() == COMPLETION
+
+
+# ---------------------------------------------------------------------------
+# async client
+# ---------------------------------------------------------------------------
+
+
+async def test_generate_returns_text_tokens_and_timings(serve, address, tokenizer, completion_ids):
+    server = serve(lambda g: finish_script(g, completion_ids), step_delay=0.002)
+    async with AsyncClient(address, timeout=5) as client:
+        assert client.server_info.model_name == "fake"
+        result = await client.generate("Hi there", max_tokens=64, temperature=0.5, top_k=5,
+                                       seed=7, stop_token_ids=[EOS])
+    assert result.text == COMPLETION
+    assert result.token_ids == completion_ids
+    assert result.finish_reason == "length"
+    assert result.completion_tokens == len(completion_ids)
+    gen = server.generates[0]
+    assert gen.prompt_token_ids == tokenizer.encode("Hi there") and gen.prompt_token_ids[0] == BOS
+    assert result.prompt_tokens == len(gen.prompt_token_ids)
+    assert result.request_id == gen.request_id
+    s = gen.sampling
+    assert (s.max_tokens, s.temperature, s.top_k, s.seed, s.stop_token_ids) == (64, 0.5, 5, 7, [EOS])
+    t = result.timings
+    assert 0 < t.ttft <= t.e2e
+    assert len(t.token_times) == len(completion_ids)
+    assert t.token_times == sorted(t.token_times)
+    # One message per token (the last one is the Finished): one gap fewer than tokens.
+    assert len(t.itl) == len(completion_ids) - 1 and all(x >= 0 for x in t.itl)
+    assert t.tpot is not None and t.tpot > 0
+
+
+async def test_messages_go_through_the_chat_template(serve, address, tokenizer, completion_ids):
+    server = serve(lambda g: finish_script(g, completion_ids))
+    messages = [{"role": "user", "content": "hi"}]
+    async with AsyncClient(address, timeout=5) as client:
+        await client.generate(messages=messages)
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"]
+    assert server.generates[0].prompt_token_ids == expected
+    assert expected.count(BOS) == 1
+
+
+async def test_token_ids_without_tokenizer(serve, address, completion_ids):
+    server = serve(lambda g: finish_script(g, completion_ids), tokenizer_path="")
+    async with AsyncClient(address, timeout=5) as client:
+        result = await client.generate(prompt_token_ids=[5, 6, 7], detokenize=False, ignore_eos=True)
+    assert server.generates[0].prompt_token_ids == [5, 6, 7]
+    assert server.generates[0].sampling.ignore_eos is True
+    assert result.text == "" and result.token_ids == completion_ids
+
+
+async def test_stream_yields_chunks_and_exposes_request_id(serve, address, completion_ids):
+    server = serve(lambda g: finish_script(g, completion_ids, in_finished=3))
+    async with AsyncClient(address, timeout=5) as client:
+        stream = client.stream("Hi", request_id="req-1")
+        assert stream.request_id == "req-1"
+        chunks = [chunk async for chunk in stream]
+    assert server.generates[0].request_id == "req-1"
+    assert "".join(c.text_delta for c in chunks) == COMPLETION
+    assert [t for c in chunks for t in c.token_ids] == completion_ids
+    assert chunks[-1].token_ids == completion_ids[-3:]
+    assert stream.result.text == COMPLETION and stream.result.finish_reason == "length"
+
+
+async def test_concurrent_generates_are_demultiplexed(serve, address):
+    # Each request's completion is derived from its prompt, so a mix-up shows.
+    server = serve(lambda g: finish_script(g, [t + 10 for t in g.prompt_token_ids]), step_delay=0.001)
+    prompts = [[i, i + 1, i + 2, i + 3] for i in range(0, 96, 3)]
+    async with AsyncClient(address, timeout=10) as client:
+        results = await asyncio.gather(*(
+            client.generate(prompt_token_ids=p, detokenize=False) for p in prompts))
+        assert client.in_flight == 0
+    assert [r.token_ids for r in results] == [[t + 10 for t in p] for p in prompts]
+    assert len({r.request_id for r in results}) == len(prompts)
+    assert server.peak_active > 1  # replies really were interleaved
+
+
+async def test_abort_mid_stream_ends_with_reason_abort(serve, address, completion_ids):
+    server = serve(lambda g: finish_script(g, completion_ids)[:2] + [HANG])
+    async with AsyncClient(address, timeout=5) as client:
+        stream = client.stream("Hi")
+        chunks = []
+        async for chunk in stream:
+            chunks.append(chunk)
+            if len(chunks) == 2:
+                await client.abort(stream.request_id)
+        assert client.in_flight == 0
+    assert server.aborts == [stream.request_id]
+    assert stream.result.finish_reason == "abort"
+    assert stream.result.token_ids == completion_ids[:2]
+
+
+async def test_leaving_a_stream_early_aborts_it(serve, address, completion_ids):
+    server = serve(lambda g: finish_script(g, completion_ids)[:1] + [HANG])
+    async with AsyncClient(address, timeout=5) as client:
+        async with client.stream("Hi") as stream:
+            async for _ in stream:
+                break
+        assert server.wait_for(lambda: server.aborts == [stream.request_id])
+        assert client.in_flight == 0
+
+
+async def test_server_error_raises_with_code_and_field(serve, address):
+    def script(gen: Generate) -> list:
+        if math.isnan(gen.sampling.temperature):
+            return [Error(code="invalid_request", field="sampling.temperature",
+                          message="temperature must be finite", request_id=gen.request_id)]
+        return [Error(code="executor_failed", message="executor died", request_id=gen.request_id)]
+
+    serve(script)
+    async with AsyncClient(address, timeout=5) as client:
+        with pytest.raises(InvalidRequestError) as info:
+            await client.generate(prompt_token_ids=[1, 2], temperature=float("nan"))
+        assert (info.value.code, info.value.field) == ("invalid_request", "sampling.temperature")
+        assert isinstance(info.value, ForerunError)
+        with pytest.raises(ExecutorFailedError):
+            async for _ in client.stream(prompt_token_ids=[1, 2]):
+                pass
+        assert client.in_flight == 0
+
+
+async def test_error_without_request_id_fails_unanswered_requests(serve, address):
+    serve(lambda g: [Error(code="bad_frame", message="cannot decode")])
+    async with AsyncClient(address, timeout=5) as client:
+        with pytest.raises(BadFrameError):
+            await client.generate(prompt_token_ids=[1])
+        assert client.last_connection_error.code == "bad_frame"
+
+
+async def test_timeout_raises_and_aborts_on_server(serve, address, completion_ids):
+    server = serve(lambda g: [HANG] if g.request_id == "slow" else finish_script(g, completion_ids))
+    async with AsyncClient(address, timeout=5) as client:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await client.generate(prompt_token_ids=[1], request_id="slow", timeout=0.2)
+        assert 0.15 < time.monotonic() - start < 2.0
+        assert server.wait_for(lambda: server.aborts == ["slow"])
+        # The connection is still good, and the late Finished(abort) is dropped.
+        result = await client.generate(prompt_token_ids=[1], detokenize=False)
+        assert result.token_ids == completion_ids
+
+
+async def test_duplicate_request_id_in_flight_is_refused(serve, address):
+    serve(lambda g: [HANG])
+    async with AsyncClient(address, timeout=5) as client:
+        first = client.stream(prompt_token_ids=[1], request_id="same", detokenize=False)
+        await first.start()
+        with pytest.raises(ValueError):
+            await client.generate(prompt_token_ids=[1], request_id="same")
+        await first.aclose()
+
+
+async def test_close_fails_waiting_requests_and_aborts_them(serve, address):
+    server = serve(lambda g: [HANG])
+    client = AsyncClient(address, timeout=5)
+    task = asyncio.create_task(client.generate(prompt_token_ids=[1], request_id="r"))
+    assert await asyncio.to_thread(server.wait_for, lambda: len(server.generates) == 1)
+    await client.close()
+    with pytest.raises(ConnectionError):
+        await task
+    assert server.wait_for(lambda: server.aborts == ["r"])
+    with pytest.raises(RuntimeError):
+        await client.generate(prompt_token_ids=[1])
+
+
+async def test_protocol_error_reply_to_hello(serve, address):
+    serve(lambda g: [], reject_hello=True)
+    client = AsyncClient(address, timeout=5)
+    with pytest.raises(ProtocolError) as info:
+        await client.connect()
+    assert info.value.code == "protocol"
+    await client.close()
+
+
+async def test_server_info_with_another_protocol_version(serve, address):
+    serve(lambda g: [], protocol_version=PROTOCOL_VERSION + 1)
+    client = AsyncClient(address, timeout=5)
+    with pytest.raises(ProtocolError):
+        await client.connect()
+    await client.close()
+
+
+async def test_connect_times_out_without_server(address):
+    client = AsyncClient(address, timeout=0.2)
+    with pytest.raises(TimeoutError):
+        await client.connect()
+    await client.close()
+
+
+# ---------------------------------------------------------------------------
+# blocking client
+# ---------------------------------------------------------------------------
+
+
+def test_blocking_generate_and_stream(serve, address, completion_ids):
+    server = serve(lambda g: finish_script(g, completion_ids))
+    with Client(address, timeout=5) as client:
+        assert client.server_info.vocab_size == 260
+        assert client.generate("Hi").text == COMPLETION
+        stream = client.stream(messages=[{"role": "user", "content": "hi"}])
+        assert "".join(c.text_delta for c in stream) == COMPLETION
+        assert stream.result.completion_tokens == len(completion_ids)
+        assert server.generates[1].prompt_token_ids == client.encode(messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(RuntimeError):
+        client.generate("Hi")
+
+
+def test_blocking_calls_from_threads_and_abort_from_another_thread(serve, address, completion_ids):
+    def script(gen: Generate) -> list:
+        return [HANG] if gen.request_id == "hang" else finish_script(gen, completion_ids)
+
+    server = serve(script, step_delay=0.001)
+    with Client(address, timeout=5) as client:
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(client.generate("Hi")))
+                   for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(5)
+        assert [r.text for r in results] == [COMPLETION] * 4
+
+        stream = client.stream("Hi", request_id="hang")
+        aborter = threading.Timer(0.1, client.abort, args=("hang",))
+        aborter.start()
+        assert list(stream) == []
+        aborter.join()
+        assert stream.result.finish_reason == "abort"
+        assert server.aborts == ["hang"]
+
+
+def test_blocking_timeout_aborts(serve, address):
+    def script(gen: Generate) -> list:
+        return [HANG] if gen.request_id == "t" else [TokenDelta(request_id=gen.request_id, token_ids=[5]), HANG]
+
+    server = serve(script)
+    with Client(address, timeout=0.2) as client:
+        with pytest.raises(TimeoutError):
+            client.generate(prompt_token_ids=[1], request_id="t")
+        assert server.wait_for(lambda: server.aborts == ["t"])
+        for _ in client.stream(prompt_token_ids=[1], request_id="s", timeout=math.inf):
+            break
+        assert server.wait_for(lambda: server.aborts == ["t", "s"])
+
+
+# ---------------------------------------------------------------------------
+# benchmark script
+# ---------------------------------------------------------------------------
+
+
+def test_bench_serve_runs_against_a_server(serve, address, tmp_path):
+    import json
+
+    from scripts import bench_serve
+
+    def script(gen: Generate) -> list:
+        return finish_script(gen, [7] * gen.sampling.max_tokens, in_finished=2)
+
+    server = serve(script)
+    out = tmp_path / "bench.json"
+    figures = bench_serve.main(["--address", address, "--num-requests", "6", "--warmup", "1",
+                                "--input-len", "5", "--output-len", "4", "--concurrency", "3",
+                                "--request-rate", "500", "--no-progress", "--json", str(out)])
+    assert figures["completed"] == 6 and figures["failed"] == 0
+    assert figures["total_output_tokens"] == 24 and figures["total_input_tokens"] == 30
+    assert len(server.generates) == 7
+    assert all(g.sampling.ignore_eos and len(g.prompt_token_ids) == 5 for g in server.generates)
+    assert all(EOS not in g.prompt_token_ids for g in server.generates)
+    saved = json.loads(out.read_text())
+    assert saved["ttft_ms"]["p50"] > 0 and saved["itl_ms"]["p99"] is not None
