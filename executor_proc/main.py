@@ -58,7 +58,10 @@ class OutputThread(threading.Thread):
             if step.event is not None:
                 step.event.synchronize()
             tokens = step.tokens if isinstance(step.tokens, list) else step.tokens.tolist()
-            result = p.StepResult(step.step_id, tokens, step.t_start, time.perf_counter(), step.idle_s)
+            # A device clock that knows when the step ran (the scripted one) overrides the host's view.
+            t_start, t_end, idle_s = getattr(step.event, "timing", None) or (
+                step.t_start, time.perf_counter(), step.idle_s)
+            result = p.StepResult(step.step_id, tokens, t_start, t_end, idle_s)
             self.sock.send(p.encode(result))
 
 
@@ -77,7 +80,7 @@ class Executor:
         """Load the model, size and allocate the KV cache, report capacity."""
         if self.cfg.load_format == "scripted":
             return self._setup_scripted()
-        from executor_proc.kv_cache import KVCache, kv_bytes_per_block
+        from executor_proc.kv_cache import KVCache, kv_cache_bytes_per_block
         from executor_proc.loader import load_model
         from executor_proc.slot_tables import SlotTables
         from executor_proc.worker import Worker
@@ -89,12 +92,12 @@ class Executor:
         dtype = getattr(torch, cfg.resolved_dtype())
         model, mcfg = load_model(cfg.model, cfg.load_format, device, dtype,
                                  progress_cb=lambda stage, done, total: self.send(p.LoadProgress(stage, done, total)))
-        max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        max_len = min(cfg.max_model_len or mcfg.max_model_len, mcfg.max_model_len)
         max_blocks = -(-max_len // cfg.block_size)
-        per_block = kv_bytes_per_block(mcfg, cfg.block_size, dtype)
+        per_block = kv_cache_bytes_per_block(mcfg, cfg.block_size, dtype)
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(device, per_block, cfg.num_slots * max_blocks)
         self.send(p.LoadProgress("kv_cache", 0, 1))
-        kv = KVCache(mcfg, num_blocks, cfg.block_size, dtype, device)
+        kv = KVCache(mcfg, num_blocks, cfg.block_size, device=device, dtype=dtype)
         self.worker = Worker(model, kv, SlotTables(cfg.num_slots, max_blocks, device), cfg.block_size, device)
         self.send(p.LoadProgress("kv_cache", 1, 1))
         self.send(p.ExecutorReady(
@@ -111,7 +114,8 @@ class Executor:
         num_blocks = cfg.num_kv_blocks or 4096
         self.worker = ScriptedWorker(ScriptedExecutor(
             cfg.num_slots, num_blocks, cfg.block_size, vocab_size=cfg.scripted_vocab_size,
-            eos_at=dict(cfg.scripted_eos_at), step_latency_s=cfg.scripted_step_latency_s))
+            eos_at=dict(cfg.scripted_eos_at), tokens_at={s: dict(t) for s, t in cfg.scripted_tokens_at.items()}),
+            step_latency_s=cfg.scripted_step_latency_s)
         self.send(p.ExecutorReady(
             model_name="scripted", num_slots=cfg.num_slots, num_kv_blocks=num_blocks, block_size=cfg.block_size,
             max_model_len=cfg.max_model_len or 4096, vocab_size=cfg.scripted_vocab_size, eos_token_ids=[2],
@@ -126,10 +130,15 @@ class Executor:
         return max(1, min(useful, budget // per_block))
 
     def receive(self):
-        """The next message; while waiting, exit if the parent (the scheduler) is gone."""
+        """The next message; while waiting, exit if the parent (the scheduler) is gone.
+
+        ``t_ready`` is when a message was there to read: the wait before it is idle
+        time, reading and decoding it is the step's own work.
+        """
         while not self.plans.poll(PARENT_POLL_MS):
             if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
                 return p.Shutdown()
+        self.t_ready = time.perf_counter()
         return p.executor_input_decoder.decode(self.plans.recv())
 
     def run(self) -> None:
@@ -140,7 +149,7 @@ class Executor:
             plan = self.receive()
             if isinstance(plan, p.Shutdown):
                 break
-            t_start = time.perf_counter()
+            t_start = self.t_ready
             batch = worker.prepare(plan)
             tokens = worker.launch(plan, batch)
             host, event = worker.copy_out(tokens)

@@ -35,6 +35,8 @@ class SlotTables:
         self.top_p = torch.ones(num_slots, dtype=torch.float32, **z)
         self.min_p = torch.zeros(num_slots, dtype=torch.float32, **z)
         self.seed = torch.zeros(num_slots, dtype=torch.int64, **z)
+        # Host mirror of which slots are greedy: an all-greedy step skips the sampler (no sync needed).
+        self.greedy = [True] * num_slots
 
     def apply(self, plan: StepPlan) -> None:
         """Releases, then admissions, then block-table appends (a plan may reuse a freed slot)."""
@@ -49,6 +51,8 @@ class SlotTables:
             self.top_p[slots] = to_device([x.top_p for x in s], torch.float32, dev)
             self.min_p[slots] = to_device([x.min_p for x in s], torch.float32, dev)
             self.seed[slots] = to_device([x.seed for x in s], torch.int64, dev)
+            for a in plan.admits:
+                self.greedy[a.slot] = a.sampling.temperature == 0.0
             self.block_table[slots] = 0
         if plan.block_appends:
             a = to_device(plan.block_appends, torch.int64, dev).view(-1, 3)

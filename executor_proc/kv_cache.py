@@ -1,0 +1,59 @@
+"""The paged KV cache: one K and one V tensor per layer, carved from one allocation.
+
+Layout::
+
+    storage  [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    k[layer] = storage[layer, 0]   -> [num_blocks, block_size, num_kv_heads, head_dim]
+    v[layer] = storage[layer, 1]
+
+Block ids are shared by all layers: block b of a request holds its tokens
+``b_index * block_size ...`` in every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from executor_proc.model_config import ModelConfig
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes over all layers (K and V)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * item
+
+
+def num_blocks_for_memory(config: ModelConfig, block_size: int, dtype: torch.dtype, free_bytes: int) -> int:
+    """How many KV blocks fit in ``free_bytes``."""
+    return max(0, free_bytes // kv_cache_bytes_per_block(config, block_size, dtype))
+
+
+class KVCache:
+    """Per-layer K/V block pools, zero-initialised."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # Zeros, not empty: masked-out keys still multiply their V by 0 in SDPA, and 0 * NaN = NaN.
+        self.storage = torch.zeros(
+            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
+            device=device,
+            dtype=dtype,
+        )
+        self.k = [self.storage[layer, 0] for layer in range(config.num_layers)]
+        self.v = [self.storage[layer, 1] for layer in range(config.num_layers)]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()

@@ -1,0 +1,307 @@
+"""Weight loading: HF safetensors folders, GGUF files and random ("dummy") weights.
+
+Every format ends the same way: a :class:`ModelConfig`, a model allocated
+directly on the target device in the target dtype (:func:`build_model`), and a
+stream of HF-named tensors fed to :meth:`CausalLM.load_weights`, which names
+anything missing or unexpected.
+
+GGUF notes: llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` of
+``llama`` models so that each head's rotary pairs are interleaved
+(``x0 y0 x1 y1 ...``) instead of HF's half split (``x0 x1 ... y0 y1 ...``);
+:func:`unpermute_qk` undoes it.  Qwen2/Qwen3 GGUFs are not permuted.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import replace
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from executor_proc.model import CausalLM, build_model, rope_inv_freq
+from executor_proc.model_config import Llama3RopeScaling, ModelConfig
+
+ProgressCallback = Callable[[str, int, int], None]
+WeightStream = Iterator[tuple[str, torch.Tensor]]
+
+DUMMY_SEED = 0
+DUMMY_INIT_STD = 0.02
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from a dtype or its name ("bfloat16", "float32", ...)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r} (supported: {', '.join(_DTYPES)})")
+    return _DTYPES[dtype]
+
+
+def detect_format(path: str) -> str:
+    """The load format "auto" resolves to: "gguf" for a .gguf file, "hf" for a folder with safetensors."""
+    if path.endswith(".gguf"):
+        return "gguf"
+    if os.path.isdir(path) and _safetensors_files(path):
+        return "hf"
+    if os.path.isdir(path) and glob.glob(os.path.join(path, "*.gguf")):
+        return "gguf"
+    raise ValueError(
+        f"cannot tell the weight format of {path!r}: expected a .gguf file or a folder with "
+        "config.json and *.safetensors (use load_format='dummy' for random weights from a config.json)"
+    )
+
+
+def load_model(
+    path: str,
+    load_format: str = "auto",
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    progress_cb: Optional[ProgressCallback] = None,
+) -> tuple[CausalLM, ModelConfig]:
+    """Load a model for serving; ``progress_cb(stage, done, total)`` is called as tensors load."""
+    dtype = resolve_dtype(dtype)
+    if load_format == "auto":
+        load_format = detect_format(path)
+    if load_format == "hf":
+        config = ModelConfig.from_pretrained(path)
+        total, weights = hf_weights(path)
+        stage = "loading weights"
+    elif load_format == "gguf":
+        reader = open_gguf(path)
+        config = gguf_config(reader)
+        total, weights = gguf_weights(reader, config)
+        stage = "dequantizing weights"
+    elif load_format == "dummy":
+        config = ModelConfig.from_pretrained(path)
+        model = build_model(config, device, dtype)
+        init_dummy_weights(model, DUMMY_SEED, progress_cb)
+        return model, config
+    else:
+        raise ValueError(f"unknown load_format {load_format!r} (auto, hf, gguf, dummy)")
+    model = build_model(config, device, dtype)
+    report = None if progress_cb is None else (lambda done: progress_cb(stage, done, total))
+    model.load_weights(weights, report)
+    return model, config
+
+
+# --------------------------------------------------------------------------- HF safetensors
+
+
+def _safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, name) for name in files]
+    return sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+
+
+def hf_weights(folder: str) -> tuple[int, WeightStream]:
+    """(number of tensors, stream of (name, CPU tensor)) over a folder's safetensors shards."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(folder)
+    if not files:
+        bins = glob.glob(os.path.join(folder, "*.bin"))
+        hint = " (only safetensors are supported, not .bin)" if bins else ""
+        raise FileNotFoundError(f"no *.safetensors in {folder!r}{hint}")
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            total += len(list(f.keys()))
+
+    def stream() -> WeightStream:
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    return total, stream()
+
+
+# --------------------------------------------------------------------------- GGUF
+
+# GGUF general.architecture -> HF architecture.  Mistral GGUFs say "llama" too.
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_PARTS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def open_gguf(path: str):
+    """A ``gguf.GGUFReader`` over a .gguf file (or the one .gguf file in a folder)."""
+    from gguf import GGUFReader
+
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(files) != 1:
+            raise ValueError(f"expected exactly one .gguf file in {path!r}, found {len(files)}")
+        path = files[0]
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no GGUF file at {path!r}")
+    return GGUFReader(path)
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_hf_name(gguf_name: str) -> str:
+    """The HF parameter name of a GGUF tensor (unknown names are returned unchanged)."""
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_PARTS:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_PARTS[parts[2]]}.{parts[3]}"
+    return gguf_name
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: per head, rows ``2i + j`` go back to ``j * D/2 + i``."""
+    head_dim = w.shape[0] // n_head
+    return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_config(gguf) -> ModelConfig:
+    """A :class:`ModelConfig` from a GGUF file's metadata (``{arch}.*`` and ``tokenizer.ggml.*`` keys).
+
+    ``gguf`` is a path or a reader from :func:`open_gguf` (parsing the header takes seconds).
+    """
+    reader = open_gguf(gguf) if isinstance(gguf, str) else gguf
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; forerun supports {', '.join(_GGUF_ARCHITECTURES)}"
+        )
+
+    def key(name: str, default=None):
+        value = _field(reader, f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF file lacks the metadata key {arch}.{name}")
+        if isinstance(value, list):
+            raise ValueError(f"GGUF key {arch}.{name} varies per layer ({value[:4]}...), which is not supported")
+        return value
+
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling_type not in ("none", None):
+        raise ValueError(f"GGUF rope scaling type {scaling_type!r} is not supported (supported: none, llama3)")
+    tensors = {t.name: t for t in reader.tensors}
+    hidden = key("embedding_length")
+    num_heads = key("attention.head_count")
+    num_kv_heads = key("attention.head_count_kv", num_heads)
+    head_dim = key("attention.key_length", hidden // num_heads)
+    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = [_field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    config = ModelConfig(
+        architecture=_GGUF_ARCHITECTURES[arch],
+        hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"),
+        num_layers=key("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=int(vocab),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=key("context_length"),
+        tie_word_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        o_bias="blk.0.attn_output.bias" in tensors,
+        mlp_bias="blk.0.ffn_gate.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+    )
+    if _ROPE_FREQS in tensors:
+        factors = _dequantize(tensors[_ROPE_FREQS])
+        config = with_llama3_scaling(config, factors)
+    return config
+
+
+def with_llama3_scaling(config: ModelConfig, rope_factors: np.ndarray) -> ModelConfig:
+    """Recover llama3 rope parameters from the ``rope_freqs`` divisors llama.cpp stores instead of metadata."""
+    factor = float(rope_factors.max())
+    # Every released Llama 3.1/3.2 uses these three; the check below rejects anything else.
+    scaling = Llama3RopeScaling(factor, 1.0, 4.0, 8192)
+    candidate = replace(config, rope_scaling=scaling)
+    plain = rope_inv_freq(replace(config, rope_scaling=None)).numpy()
+    expected = plain / rope_inv_freq(candidate).numpy()
+    if not np.allclose(expected, rope_factors, rtol=1e-3):
+        raise ValueError("GGUF rope_freqs tensor does not match llama3 rope scaling; it is not supported")
+    return candidate
+
+
+def _dequantize(tensor) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    # Copy: the reader memory-maps the file read-only.
+    return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+
+
+def gguf_weights(gguf, config: ModelConfig) -> tuple[int, WeightStream]:
+    """(number of tensors, stream of (HF name, float32 CPU tensor)) dequantised from a GGUF path or reader."""
+    reader = open_gguf(gguf) if isinstance(gguf, str) else gguf
+    tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS]
+    permuted = _field(reader, "general.architecture") == "llama"
+
+    def stream() -> WeightStream:
+        for tensor in tensors:
+            w = _dequantize(tensor)
+            if permuted and ".attn_q." in tensor.name:
+                w = unpermute_qk(w, config.num_heads)
+            elif permuted and ".attn_k." in tensor.name:
+                w = unpermute_qk(w, config.num_kv_heads)
+            yield gguf_hf_name(tensor.name), torch.from_numpy(w)
+
+    return len(tensors), stream()
+
+
+# --------------------------------------------------------------------------- dummy
+
+
+@torch.no_grad()
+def init_dummy_weights(model: CausalLM, seed: int = DUMMY_SEED, progress_cb: Optional[ProgressCallback] = None) -> None:
+    """Deterministic random weights, generated on the model's device: N(0, 0.02) matrices, unit norms, zero biases."""
+    params = list(model.named_parameters())
+    device = params[0][1].device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for done, (name, param) in enumerate(params, 1):
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, DUMMY_INIT_STD, generator=generator)
+        if progress_cb is not None:
+            progress_cb("initialising weights", done, len(params))
+

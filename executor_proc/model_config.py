@@ -1,0 +1,275 @@
+"""The model's shape, parsed once from an HF ``config.json`` dict.
+
+Only the Llama family is supported: Llama, Mistral, Qwen2 and Qwen3 share one
+decoder (RMSNorm, rotary attention with GQA, SiLU-gated MLP) and differ only in
+biases, the Qwen3 per-head q/k norms and the rope variant.  Anything else is
+refused here, naming the field, so that a model never runs with silently wrong
+numerics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+# HF architecture name -> model_type written back into config.json.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_ARCHITECTURE_BY_MODEL_TYPE = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1 frequency-dependent rope scaling (``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: Optional[Llama3RopeScaling] = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: Optional[int] = None
+    # Sliding-window attention is not implemented; max_model_len is capped to it instead.
+    sliding_window: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(_unsupported_architecture(self.architecture))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def model_type(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence this engine runs exactly (capped at the sliding window)."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Parse an HF ``config.json`` dict (transformers 4.x or 5.x layout)."""
+        architecture = _architecture(d)
+        model_type = SUPPORTED_ARCHITECTURES[architecture]
+        act = d.get("hidden_act", d.get("hidden_activation", "silu"))
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        hidden_size = _required(d, "hidden_size")
+        num_heads = _required(d, "num_attention_heads")
+        num_kv_heads = d.get("num_key_value_heads") or num_heads
+        rope_theta, rope_scaling = _parse_rope(d)
+        max_pos = _required(d, "max_position_embeddings")
+        attention_bias = bool(d.get("attention_bias", False))
+        if model_type == "qwen2":
+            qkv_bias, o_bias = True, False  # Qwen2 always has q/k/v biases and no o_proj bias
+        elif model_type == "mistral":
+            qkv_bias = o_bias = False
+        else:
+            qkv_bias = o_bias = attention_bias
+        sliding_window = _sliding_window(d, model_type, max_pos)
+        return cls(
+            architecture=architecture,
+            hidden_size=hidden_size,
+            intermediate_size=_required(d, "intermediate_size"),
+            num_layers=_required(d, "num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=d.get("head_dim") or hidden_size // num_heads,
+            vocab_size=_required(d, "vocab_size"),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=max_pos,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=model_type == "llama" and bool(d.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=_token_ids(d.get("eos_token_id")),
+            bos_token_id=d.get("bos_token_id"),
+            sliding_window=sliding_window,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "ModelConfig":
+        """Read ``config.json`` from a folder (or a config file given directly), plus generation eos ids."""
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"no config.json at {path!r}")
+        with open(file) as f:
+            d = json.load(f)
+        # generation_config.json often lists more end tokens (e.g. Llama 3's <|eot_id|>) than config.json.
+        generation = os.path.join(os.path.dirname(file), "generation_config.json")
+        if os.path.isfile(generation):
+            with open(generation) as f:
+                extra = _token_ids(json.load(f).get("eos_token_id"))
+            d = d | {"eos_token_id": list(dict.fromkeys(_token_ids(d.get("eos_token_id")) + extra))}
+        return cls.from_hf_dict(d)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """An HF-compatible ``config.json`` dict (readable by transformers 4.x and 5.x)."""
+        rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        d: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": _token_id_field(self.eos_token_ids),
+        }
+        if self.rope_scaling is not None:
+            s = self.rope_scaling
+            scaling = {
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            }
+            rope_parameters.update(scaling)
+            d["rope_scaling"] = scaling  # transformers 4.x reads this one
+        d["rope_parameters"] = rope_parameters
+        if self.model_type in ("llama", "qwen3"):
+            d["attention_bias"] = self.qkv_bias
+        if self.model_type == "llama":
+            d["mlp_bias"] = self.mlp_bias
+        if self.model_type == "mistral":
+            d["sliding_window"] = self.sliding_window
+        return d
+
+
+def _unsupported_architecture(name: str) -> str:
+    return f"unsupported architecture {name!r}; forerun supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+
+
+def _architecture(d: dict[str, Any]) -> str:
+    archs = d.get("architectures") or []
+    if archs:
+        for arch in archs:
+            if arch in SUPPORTED_ARCHITECTURES:
+                return arch
+        raise ValueError(_unsupported_architecture(archs[0]))
+    model_type = d.get("model_type")
+    if model_type in _ARCHITECTURE_BY_MODEL_TYPE:
+        return _ARCHITECTURE_BY_MODEL_TYPE[model_type]
+    raise ValueError(
+        f"config.json names no supported architecture (architectures={archs}, model_type={model_type!r}); "
+        f"forerun supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _required(d: dict[str, Any], key: str) -> Any:
+    if d.get(key) is None:
+        raise ValueError(f"config.json lacks the required field {key!r}")
+    return d[key]
+
+
+def _parse_rope(d: dict[str, Any]) -> tuple[float, Optional[Llama3RopeScaling]]:
+    # transformers 5.x: rope_parameters holds theta and type; 4.x: rope_theta + rope_scaling.
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"per-layer-type rope_parameters are not supported: {sorted(params)}")
+    theta = float(params.get("rope_theta") or d.get("rope_theta") or 10000.0)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    try:
+        scaling = Llama3RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings") or d["max_position_embeddings"]
+            ),
+        )
+    except KeyError as e:
+        raise ValueError(f"llama3 rope scaling lacks the field {e.args[0]!r}") from None
+    return theta, scaling
+
+
+def _sliding_window(d: dict[str, Any], model_type: str, max_pos: int) -> Optional[int]:
+    window = d.get("sliding_window")
+    if model_type in ("qwen2", "qwen3"):
+        layer_types = d.get("layer_types") or []
+        uses_window = d.get("use_sliding_window", False) and (
+            not layer_types or "sliding_attention" in layer_types
+        )
+        window = window if uses_window else None
+    elif model_type != "mistral":
+        window = None
+    if window is not None and window < max_pos:
+        logger.warning(
+            "sliding_window=%d is not implemented; sequences are capped at %d tokens so attention stays exact",
+            window,
+            window,
+        )
+        return int(window)
+    return None
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _token_id_field(ids: tuple[int, ...]) -> Any:
+    if not ids:
+        return None
+    return ids[0] if len(ids) == 1 else list(ids)
