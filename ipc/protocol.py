@@ -62,6 +62,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 class Hello(_Msg, tag="hello"):
     protocol_version: int
     client_name: str = ""
+    # True: this client reads TokenDeltas, one message per step with every request's new tokens.
+    batch_deltas: bool = False
 
 
 class ServerInfo(_Msg, tag="server_info"):
@@ -74,6 +76,7 @@ class ServerInfo(_Msg, tag="server_info"):
     device: str
     dtype: str
     pipeline_depth: int
+    batch_deltas: bool = False  # the server will send TokenDeltas (the client asked in its Hello)
 
 
 class Generate(_Msg, tag="generate"):
@@ -86,9 +89,41 @@ class Abort(_Msg, tag="abort"):
     request_id: str
 
 
+class GetStats(_Msg, tag="get_stats"):
+    pass
+
+
+class ServerStats(_Msg, tag="server_stats"):
+    """Pool occupancy and counters: tests use it to prove that nothing leaked."""
+
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_slots: int
+    num_free_slots: int
+    num_running: int
+    num_waiting: int
+    num_draining: int
+    num_inflight_steps: int
+    steps: int
+    requests: int
+
+
 class TokenDelta(_Msg, tag="token_delta"):
     request_id: str
     token_ids: list[int]
+
+
+class TokenDeltas(_Msg, tag="token_deltas"):
+    """New tokens of several requests of one client, from one step: ``request_ids[i]`` got ``token_ids[i]``.
+
+    Sent instead of one TokenDelta per request to a client whose Hello set
+    ``batch_deltas``: at hundreds of running requests, one message per request
+    per step costs the server (and the client) more than the step itself.
+    Each request appears once; its Finished never rides in a batch.
+    """
+
+    request_ids: list[str]
+    token_ids: list[list[int]]
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -114,8 +149,8 @@ class Error(_Msg, tag="error"):
     field: Optional[str] = None
 
 
-ClientToServer = Union[Hello, Generate, Abort]
-ServerToClient = Union[ServerInfo, TokenDelta, Finished, Error]
+ClientToServer = Union[Hello, Generate, Abort, GetStats]
+ServerToClient = Union[ServerInfo, TokenDelta, TokenDeltas, Finished, Error, ServerStats]
 
 
 # ---------------------------------------------------------------------------

@@ -25,6 +25,7 @@ class ServerConfig:
     executor_start_timeout_s: float = 600.0
     debug_checks: bool = False  # check_integrity() after every step
     executor_threads: Optional[int] = None
+    step_log: Optional[str] = None  # append each step's executor timings here (JSON lines)
     # ExecutorConfig fields to override (tests: load_format "scripted" and its options).
     executor_overrides: dict = field(default_factory=dict)
 

@@ -29,6 +29,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                         "or 'scripted' (no model: scripted tokens, for scheduler tests and benchmarks)")
     s.add_argument("--scripted-step-ms", type=float, default=0.0,
                    help="with --load-format scripted: how long each step takes, in milliseconds")
+    s.add_argument("--scripted-eos-at", type=_seed_position, action="append", default=[], metavar="SEED:POS",
+                   help="with --load-format scripted: the token at absolute position POS of requests with this "
+                        "seed is EOS (repeatable)")
     s.add_argument("--tokenizer", default=None, help="folder with tokenizer files (default: the model folder)")
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -49,10 +52,23 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="client address, ipc://PATH or tcp://HOST:PORT (default: ipc:// in a private run dir)")
     s.add_argument("--executor-threads", type=int, default=None, help="torch CPU threads in the executor")
     s.add_argument("--debug-checks", action="store_true", help="check scheduler invariants after every step")
+    s.add_argument("--step-log", default=None, metavar="PATH",
+                   help="append each step's executor timings (step_id, t_start, t_end, idle_s, num_rows) "
+                        "to PATH as JSON lines, in batches and at shutdown")
     s.add_argument("--ask", default=None, metavar="QUESTION",
                    help="once ready, answer QUESTION through the client SDK (streamed), then keep serving")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     return s
+
+
+def _seed_position(text: str) -> tuple[int, int]:
+    seed, sep, pos = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(seed), int(pos)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SEED:POS (two integers), got {text!r}") from None
 
 
 def _chat_parser(sub) -> argparse.ArgumentParser:
@@ -82,7 +98,7 @@ def stream_answer(address: str, prompt: str, *, system=None, max_tokens=256, tem
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     with Client(address, timeout=timeout) as client:
         for chunk in client.stream(messages=messages, max_tokens=max_tokens, temperature=temperature, seed=seed):
-            out.write(chunk.text)
+            out.write(chunk.text_delta)
             out.flush()
     out.write("\n")
     out.flush()
@@ -142,8 +158,9 @@ def serve(args) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, kv_memory_fraction=args.kv_memory_fraction,
             pipeline_depth=args.pipeline_depth, client_address=args.address, debug_checks=args.debug_checks,
-            executor_threads=args.executor_threads,
-            executor_overrides={"scripted_step_latency_s": args.scripted_step_ms / 1000}
+            executor_threads=args.executor_threads, step_log=args.step_log,
+            executor_overrides={"scripted_step_latency_s": args.scripted_step_ms / 1000,
+                                "scripted_eos_at": dict(args.scripted_eos_at)}
             if args.load_format == "scripted" else {},
         )
     except ValueError as e:

