@@ -88,6 +88,7 @@ class Executor:
         cfg = self.cfg
         device = torch.device(cfg.device)
         if device.type == "cuda":
+            device = torch.device("cuda", device.index or 0)  # an explicit index for every CUDA call
             torch.cuda.set_device(device)
         dtype = getattr(torch, cfg.resolved_dtype())
         model, mcfg = load_model(cfg.model, cfg.load_format, device, dtype,
@@ -164,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m executor_proc.main CONFIG_JSON", file=sys.stderr)
         return 2
     cfg = msgspec.json.decode(argv[0], type=ExecutorConfig)
-    torch.set_num_threads(max(1, int(os.environ.get("FORERUN_EXECUTOR_THREADS", torch.get_num_threads()))))
+    # One core is left to the scheduler and clients: OpenMP matmuls that share a core slow down tenfold.
+    default_threads = max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(int(os.environ.get("FORERUN_EXECUTOR_THREADS", default_threads)))
     ex = Executor(cfg)
     try:
         ex.setup()

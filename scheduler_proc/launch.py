@@ -50,7 +50,7 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                         "before step N's tokens are back")
     s.add_argument("--address", default=None,
                    help="client address, ipc://PATH or tcp://HOST:PORT (default: ipc:// in a private run dir)")
-    s.add_argument("--executor-threads", type=int, default=None, help="torch CPU threads in the executor")
+    s.add_argument("--executor-threads", type=int, default=None, help="torch CPU threads in the executor (default: all cores but one)")
     s.add_argument("--debug-checks", action="store_true", help="check scheduler invariants after every step")
     s.add_argument("--step-log", default=None, metavar="PATH",
                    help="append each step's executor timings (step_id, t_start, t_end, idle_s, num_rows) "
@@ -141,8 +141,7 @@ class _Progress:
             self.close()
             self.stage = msg.stage
             self.bar = tqdm(total=msg.total, desc=f"forerun: {msg.stage}", unit="", file=sys.stderr, leave=False)
-        self.bar.n = msg.done
-        self.bar.refresh()
+        self.bar.update(msg.done - self.bar.n)  # tqdm throttles redraws (mininterval)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -11,7 +11,11 @@ ADDR="ipc:///tmp/forerun-gpu.sock"
 python3 -m scheduler_proc.launch serve --device cuda --address "$ADDR" --max-num-seqs 256 \
     --ask "What is the capital of France?" ${SERVE_FLAGS:-} > "$OUT/serve.log" 2>&1 &
 SERVER=$!
-for _ in $(seq 1 300); do grep -q "still serving\|question failed" "$OUT/serve.log" && break; sleep 0.5; done
+for _ in $(seq 1 300); do
+  grep -q "still serving\|question failed" "$OUT/serve.log" && break
+  kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -30 "$OUT/serve.log"; exit 1; }
+  sleep 0.5
+done
 cat "$OUT/serve.log" | grep -v "it/s\]" | tail -8
 python3 scripts/bench_serve.py --address "$ADDR" --num-requests 256 --concurrency 64 --input-len 128 \
     --output-len 128 --warmup 8 --no-progress --json "$OUT/bench_serve_gpu.json"

@@ -1,0 +1,71 @@
+"""Small fixes for running the kernels under Triton's CPU interpreter (TRITON_INTERPRET=1).
+
+Triton 3.6's interpreter turns a scalar tensor into a Python int with
+``int(ndarray_of_shape_(1,))``, which numpy >= 2.3 refuses; that breaks every
+``for i in range(lo, hi)`` whose bounds are loaded from memory.  We re-patch
+``__index__`` to take the single element.
+
+It also multiplies bfloat16 operands of ``tl.dot`` as their raw uint16 bit
+patterns (its numpy stand-in type for bf16); we widen them to float32 first.
+And its float32 -> bfloat16 cast truncates, where the GPU rounds to nearest
+even; we round through torch instead.
+Nothing happens on a real GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def patch_interpreter() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+        return
+    try:
+        import triton.runtime.interpreter as interp
+    except Exception:  # pragma: no cover - triton missing or changed
+        return
+    orig = getattr(interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_forerun_patched", False):
+        return
+
+    def _patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _patched._forerun_patched = True
+    interp._patch_lang_tensor = _patched
+
+    builder = getattr(interp, "InterpreterBuilder", None)
+    orig_dot = getattr(builder, "create_dot", None)
+    if orig_dot is not None:
+        import numpy as np
+        import triton.language as tl
+
+        def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            def widen(x):
+                if x.dtype.scalar == tl.bfloat16:
+                    data = interp._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+                    return interp.TensorHandle(data, tl.float32)
+                return x
+
+            return orig_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+        builder.create_dot = _create_dot
+
+    orig_cast = getattr(builder, "cast_impl", None)
+    if orig_cast is not None:
+        import numpy as np
+        import torch
+        import triton.language as tl
+
+        def _cast_impl(self, src, dst_type):
+            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+                t = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+                data = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+                return interp.TensorHandle(data, dst_type.scalar)
+            return orig_cast(self, src, dst_type)
+
+        builder.cast_impl = _cast_impl
+
+
+patch_interpreter()

@@ -1,0 +1,279 @@
+"""Paged decode attention, split-KV ("flash decoding") with a merge step.
+
+One query token per row.  The grid is fixed for a given batch size and
+``num_splits``: ``(B, Hkv, num_splits)``.  Each program reads its row's length
+from ``context_lens`` *on the device*, cuts the row's KV into ``num_splits``
+contiguous ranges of whole ``BLOCK_N``-token tiles, and exits at once when its
+range is empty (short rows, padded rows with length 0).  Nothing depends on
+host-side lengths, so a launch is capturable in a CUDA graph and replays for
+any lengths that fit the block tables.
+
+All ``G = H // Hkv`` query heads of one KV head are handled by one program: they
+are the M dimension of ``tl.dot`` (padded to 16), so each K/V tile is read from
+memory once per KV head.  Scores and the online softmax are float32; P is cast
+to the cache dtype for the P@V product (fp16/bf16) as in FlashAttention.
+
+With ``num_splits > 1`` each split writes an unnormalised partial output and its
+(max, sum) into a preallocated workspace (:class:`DecodeWorkspace`), and
+``_merge_kernel`` (grid ``(B, H)``) combines the non-empty splits.  With
+``num_splits == 1`` the split kernel normalises and writes the output directly.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _compat  # noqa: F401  (interpreter fixes)
+
+from .reference import decode_attention_ref  # noqa: F401  (re-exported)
+
+__all__ = ["decode_attention", "DecodeWorkspace", "default_num_splits", "decode_attention_ref"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_btb,
+    stride_ob, stride_oh,
+    stride_pob, stride_poh, stride_pos,
+    stride_pmb, stride_pmh,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+
+    ctx = tl.load(cl_ptr + b)
+    n_tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    tile_lo = sp * tiles_per_split
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    if tile_lo >= n_tiles:
+        if NUM_SPLITS == 1:  # empty row (length 0): zeros; with splits the merge writes them
+            tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                     tl.zeros([G_PAD, D_PAD], tl.float32).to(out_ptr.dtype.element_ty),
+                     mask=g_mask[:, None] & d_mask[None, :])
+        return
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
+
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    offs_n = tl.arange(0, BLOCK_N)
+    for tile in range(tile_lo, tile_hi):
+        t = tile * BLOCK_N + offs_n
+        t_mask = t < ctx
+        blk = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        off = (t % BLOCK_SIZE).to(tl.int64)
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + (blk * stride_kb + off * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + (blk * stride_vb + off * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2 units
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    st_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=st_mask)
+    else:
+        tl.store(po_ptr + b.to(tl.int64) * stride_pob + heads[:, None] * stride_poh + sp * stride_pos
+                 + offs_d[None, :], acc, mask=st_mask)
+        ml_off = b.to(tl.int64) * stride_pmb + heads * stride_pmh + sp
+        tl.store(pm_ptr + ml_off, m_i, mask=g_mask)
+        tl.store(pl_ptr + ml_off, l_i, mask=g_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    cl_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
+    stride_ob, stride_oh,
+    stride_pob, stride_poh, stride_pos,
+    stride_pmb, stride_pmh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(cl_ptr + b)
+    n_tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    n_valid = tl.where(tiles_per_split > 0, tl.cdiv(n_tiles, tl.maximum(tiles_per_split, 1)), 0)
+
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < n_valid
+    d_mask = offs_d < HEAD_DIM
+    ml_off = b.to(tl.int64) * stride_pmb + h * stride_pmh + offs_s
+    m = tl.load(pm_ptr + ml_off, mask=s_mask, other=float("-inf"))
+    l = tl.load(pl_ptr + ml_off, mask=s_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(s_mask, tl.exp2(m - m_max), 0.0)
+    den = tl.sum(l * w, axis=0)
+    po = tl.load(po_ptr + b.to(tl.int64) * stride_pob + h * stride_poh + offs_s[:, None] * stride_pos
+                 + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    num = tl.sum(po * w[:, None], axis=0)
+    o = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+             o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+class DecodeWorkspace:
+    """Preallocated partial results for split-KV decode, sized for the largest batch.
+
+    Allocate once (outside graph capture) and pass to every :func:`decode_attention`
+    call; a call uses the first ``B`` rows and first ``num_splits`` splits.
+    """
+
+    def __init__(self, max_batch: int, num_heads: int, head_dim: int, max_splits: int = 16,
+                 device: torch.device | str = "cuda"):
+        self.max_batch, self.num_heads, self.head_dim, self.max_splits = max_batch, num_heads, head_dim, max_splits
+        self.partial_out = torch.empty(max_batch, num_heads, max_splits, head_dim, dtype=torch.float32, device=device)
+        self.partial_m = torch.empty(max_batch, num_heads, max_splits, dtype=torch.float32, device=device)
+        self.partial_l = torch.empty(max_batch, num_heads, max_splits, dtype=torch.float32, device=device)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def default_num_splits(batch: int, num_kv_heads: int, device: torch.device | str = "cuda",
+                       max_splits: int = 16) -> int:
+    """Splits per (row, KV head) so that the grid has about 4 programs per SM.
+
+    Depends on the batch size only (never on lengths), so one value serves a whole
+    CUDA-graph bucket.  Short rows simply leave the later splits empty.
+    """
+    device = torch.device(device)
+    want = 4 * _num_sms(device)
+    s = 1
+    while s < max_splits and batch * num_kv_heads * s < want:
+        s *= 2
+    return s
+
+
+def _default_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages): best of the H100 sweep in docs/kernels.md."""
+    if head_dim <= 64:
+        return 32, 2, 3
+    return 64, 4, 3
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: Optional[torch.Tensor] = None,
+    workspace: Optional[DecodeWorkspace] = None,
+    num_splits: Optional[int] = None,
+    block_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Paged decode attention.
+
+    q ``[B, H, D]`` (last dim contiguous), k_cache/v_cache ``[num_blocks, block_size, Hkv, D]``
+    (last dim contiguous), block_tables ``[B, max_blocks]`` int32, context_lens ``[B]`` int32
+    on the device (rows with length 0 give zeros).  Returns ``out [B, H, D]`` in q's dtype.
+
+    For CUDA-graph capture pass ``out`` and ``workspace`` (allocated beforehand) and a
+    fixed ``num_splits`` (default :func:`default_num_splits` of the batch size).
+    """
+    assert q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape)
+    B, H, D = q.shape
+    num_blocks, block_size, Hkv, Dk = k_cache.shape
+    assert Dk == D and D <= 256, "head_dim mismatch or > 256"
+    assert H % Hkv == 0, "num_heads must be a multiple of num_kv_heads"
+    assert block_size & (block_size - 1) == 0 and 1 <= block_size <= 256, "block_size must be a power of two"
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
+    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "q and cache dtypes must match"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "last dim must be contiguous"
+    assert block_tables.dim() == 2 and block_tables.shape[0] >= B and block_tables.dtype == torch.int32
+    assert block_tables.stride(1) == 1
+    assert context_lens.shape == (B,) and context_lens.dtype == torch.int32
+    assert q.device == k_cache.device == block_tables.device == context_lens.device
+    G = H // Hkv
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
+    if num_splits is None:
+        num_splits = default_num_splits(B, Hkv, q.device, workspace.max_splits if workspace else 16)
+    dflt = _default_config(D, q.dtype)
+    block_n = block_n or dflt[0]
+    num_warps = num_warps or dflt[1]
+    num_stages = num_stages or dflt[2]
+    if B == 0:
+        return out
+    if num_splits > 1:
+        if workspace is None:
+            workspace = DecodeWorkspace(B, H, D, num_splits, q.device)
+        assert workspace.max_batch >= B and workspace.num_heads == H and workspace.head_dim == D
+        assert workspace.max_splits >= num_splits
+        po, pm, pl = workspace.partial_out, workspace.partial_m, workspace.partial_l
+    else:
+        po = pm = pl = out  # unused
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    d_pad = triton.next_power_of_2(D)
+    _split_kernel[(B, Hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, po, pm, pl,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        po.stride(0) if num_splits > 1 else 0, po.stride(1) if num_splits > 1 else 0,
+        po.stride(2) if num_splits > 1 else 0,
+        pm.stride(0) if num_splits > 1 else 0, pm.stride(1) if num_splits > 1 else 0,
+        GROUP=G, G_PAD=max(16, triton.next_power_of_2(G)),
+        HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, DOT_PREC=dot_prec,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_kernel[(B, H)](
+            context_lens, out, po, pm, pl,
+            out.stride(0), out.stride(1),
+            po.stride(0), po.stride(1), po.stride(2),
+            pm.stride(0), pm.stride(1),
+            HEAD_DIM=D, D_PAD=d_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            S_PAD=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4 if D >= 128 else 2,
+        )
+    return out

@@ -1,0 +1,147 @@
+"""Write new K/V into the paged cache, optionally fused with rotary embedding of q and k.
+
+``slot_mapping[t]`` is the flat cache index ``block * block_size + offset`` of token
+``t``; a negative slot skips the token's K/V write (padded rows).  With rotary the
+query is still rotated for every token (cheap, and padded rows are ignored later).
+
+Rotary is the neox / HF-Llama "rotate half" form on the full head dim:
+``out[:D/2] = x1*cos - x2*sin``, ``out[D/2:] = x2*cos + x1*sin`` with
+``cos_sin_cache[pos] = cat(cos, sin)`` float32 ``[max_pos, D]`` built by
+:func:`kernels.reference.rope_cos_sin_cache` from the model's ``inv_freq``
+(Llama-3 scaling included).  Arithmetic is float32; results are cast to the
+output dtype once.
+
+One program per token: it reads all heads of the token's q, k and v (``[heads, D/2]``
+tiles) so every access is a contiguous head-dim run.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _compat  # noqa: F401  (interpreter fixes)
+from .reference import kv_write_ref, rope_cos_sin_cache, rope_kv_write_ref  # noqa: F401
+
+__all__ = ["kv_write", "rope_kv_write", "rope_cos_sin_cache", "kv_write_ref", "rope_kv_write_ref"]
+
+
+@triton.jit
+def _rope_kv_write_kernel(
+    q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cs_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_qot, stride_qoh,
+    stride_kcb, stride_kct, stride_kch,
+    stride_vcb, stride_vct, stride_vch,
+    stride_cs,
+    H: tl.constexpr, H_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    ROPE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, HALF_PAD)
+    d_mask = offs_d < HALF
+    offs_kh = tl.arange(0, HKV_PAD)
+    kv_mask = (offs_kh < HKV)[:, None] & d_mask[None, :]
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+
+    k_lo = k_ptr + t * stride_kt + offs_kh[:, None] * stride_kh + offs_d[None, :]
+    v_lo = v_ptr + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :]
+    k1 = tl.load(k_lo, mask=kv_mask, other=0.0)
+    k2 = tl.load(k_lo + HALF, mask=kv_mask, other=0.0)
+
+    if ROPE:
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cos = tl.load(cs_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0)[None, :]
+        sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
+        offs_h = tl.arange(0, H_PAD)
+        q_mask = (offs_h < H)[:, None] & d_mask[None, :]
+        q_lo = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+        q1 = tl.load(q_lo, mask=q_mask, other=0.0).to(tl.float32)
+        q2 = tl.load(q_lo + HALF, mask=q_mask, other=0.0).to(tl.float32)
+        qo_lo = qo_ptr + t * stride_qot + offs_h[:, None] * stride_qoh + offs_d[None, :]
+        tl.store(qo_lo, (q1 * cos - q2 * sin).to(qo_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(qo_lo + HALF, (q2 * cos + q1 * sin).to(qo_ptr.dtype.element_ty), mask=q_mask)
+        k1f = k1.to(tl.float32)
+        k2f = k2.to(tl.float32)
+        k1 = k1f * cos - k2f * sin
+        k2 = k2f * cos + k1f * sin
+
+    if slot >= 0:
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        v1 = tl.load(v_lo, mask=kv_mask, other=0.0)
+        v2 = tl.load(v_lo + HALF, mask=kv_mask, other=0.0)
+        kc = kc_ptr + blk * stride_kcb + off * stride_kct + offs_kh[:, None] * stride_kch + offs_d[None, :]
+        vc = vc_ptr + blk * stride_vcb + off * stride_vct + offs_kh[:, None] * stride_vch + offs_d[None, :]
+        tl.store(kc, k1.to(kc_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(kc + HALF, k2.to(kc_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(vc, v1.to(vc_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(vc + HALF, v2.to(vc_ptr.dtype.element_ty), mask=kv_mask)
+
+
+def _check_cache(k, v, k_cache, v_cache, slot_mapping):
+    assert k.dim() == 3 and v.shape == k.shape, (k.shape, v.shape)
+    T, Hkv, D = k.shape
+    assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape
+    assert k_cache.shape[2] == Hkv and k_cache.shape[3] == D, (k_cache.shape, k.shape)
+    bs = k_cache.shape[1]
+    assert bs & (bs - 1) == 0, "block_size must be a power of two"
+    assert D % 2 == 0
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert slot_mapping.shape == (T,) and slot_mapping.dtype in (torch.int32, torch.int64)
+    return T, Hkv, D, bs
+
+
+def _launch(q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, rope):
+    T, Hkv, D, bs = _check_cache(k, v, k_cache, v_cache, slot_mapping)
+    if T == 0:
+        return
+    H = q.shape[1]
+    half = D // 2
+    _rope_kv_write_kernel[(T,)](
+        q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        cos_sin_cache.stride(0),
+        H=H, H_PAD=triton.next_power_of_2(H), HKV=Hkv, HKV_PAD=triton.next_power_of_2(Hkv),
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=bs, ROPE=rope,
+        num_warps=4 if (H * D) >= 2048 else 2,
+    )
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """In place: ``k_cache/v_cache[slot] = k/v[t]`` for ``slot_mapping[t] >= 0``.
+
+    k, v ``[T, Hkv, D]`` (last dim contiguous, any token/head strides); caches
+    ``[num_blocks, block_size, Hkv, D]``; slot_mapping ``[T]`` int32/int64 on the device.
+    """
+    _launch(k, k, v, k, k_cache, v_cache, slot_mapping, slot_mapping, k, False)
+
+
+def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, *, q_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rotate q and k at ``positions``, write rotated k and v into the cache; return rotated q.
+
+    q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (last dim contiguous; views of a fused QKV
+    output are fine), positions ``[T]`` int, cos_sin_cache ``[max_pos, D]`` float32.
+    ``q_out`` may be ``q`` itself (in place); default a new tensor.
+    """
+    T, Hkv, D, _ = _check_cache(k, v, k_cache, v_cache, slot_mapping)
+    assert q.dim() == 3 and q.shape[0] == T and q.shape[2] == D and q.stride(2) == 1
+    assert q.shape[1] % Hkv == 0
+    assert positions.shape == (T,) and positions.dtype in (torch.int32, torch.int64)
+    assert cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == D and cos_sin_cache.dtype == torch.float32
+    assert cos_sin_cache.stride(1) == 1
+    if q_out is None:
+        q_out = torch.empty_like(q)
+    assert q_out.shape == q.shape and q_out.stride(2) == 1
+    _launch(q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, True)
+    return q_out

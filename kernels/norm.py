@@ -1,0 +1,96 @@
+"""RMSNorm and fused residual-add + RMSNorm (HF LlamaRMSNorm semantics).
+
+``rms_norm(x, w)``: ``y = w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` - the
+normalised value is rounded to x's dtype *before* the weight multiply, exactly as
+HF does (the product is then rounded again), so results match HF bit for bit up
+to the rsqrt / summation order.
+
+``fused_add_rms_norm(x, residual, w)``: ``residual = (x + residual).to(dtype)``
+(HF adds in the model dtype), then ``rms_norm(residual, w)``; returns
+``(normed, residual)``.  Either output may alias its input (pass ``out=x`` /
+``residual_out=residual``): each program reads its row before writing it.
+
+One program per row, the whole row in registers (``BLOCK = next_pow2(N)``; N up
+to 16384).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _compat  # noqa: F401  (interpreter fixes)
+from .reference import fused_add_rms_norm_ref, rms_norm_ref  # noqa: F401
+
+__all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_ref", "fused_add_rms_norm_ref"]
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr,
+    stride_x, stride_r, stride_o, stride_ro,
+    N, eps,
+    BLOCK: tl.constexpr, ADD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if ADD:
+        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(rout_ptr + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x, weight):
+    assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, N] with a contiguous last dim"
+    assert weight.shape == (x.shape[1],) and weight.stride(0) == 1
+    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    assert x.shape[1] <= 16384
+
+
+def _warps(n):
+    return 1 if n <= 512 else (4 if n <= 4096 else 8)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x ``[T, N]``, weight ``[N]`` -> ``[T, N]`` in x's dtype."""
+    _check(x, weight)
+    if out is None:
+        out = torch.empty_like(x)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.stride(1) == 1
+    T, N = x.shape
+    if T:
+        _rms_norm_kernel[(T,)](x, x, weight, out, out, x.stride(0), 0, out.stride(0), 0, N, eps,
+                               BLOCK=triton.next_power_of_2(N), ADD=False, num_warps=_warps(N))
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                       out: Optional[torch.Tensor] = None,
+                       residual_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual_out = x + residual``; ``out = rms_norm(residual_out)``.  Returns both."""
+    _check(x, weight)
+    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
+    if out is None:
+        out = torch.empty_like(x)
+    if residual_out is None:
+        residual_out = torch.empty_like(x)
+    assert out.shape == x.shape and residual_out.shape == x.shape
+    assert out.stride(1) == 1 and residual_out.stride(1) == 1 and residual_out.dtype == x.dtype
+    T, N = x.shape
+    if T:
+        _rms_norm_kernel[(T,)](x, residual, weight, out, residual_out,
+                               x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
+                               N, eps, BLOCK=triton.next_power_of_2(N), ADD=True, num_warps=_warps(N))
+    return out, residual_out

@@ -1,0 +1,180 @@
+"""Pure-torch references for the Triton kernels in this package.
+
+Nothing here imports Triton, so the CPU executor can use these functions
+directly.  They favour clarity over speed (some loop over rows and read
+``block_tables`` / ``context_lens`` on the host); the fast paths are the
+Triton kernels.  Sampling's reference lives in :mod:`kernels.sampling_ref`
+because it is also the CPU executor's production sampler.
+
+Shapes and conventions (shared with the kernels):
+
+* KV cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token at
+  flat slot ``s`` lives at ``cache[s // block_size, s % block_size]``.
+* Grouped-query attention: query head ``h`` reads KV head ``h // (H // Hkv)``
+  (HF ``repeat_kv`` order).
+* Rotary: neox / HF-Llama "rotate half"; ``cos_sin_cache[pos] = cat(cos, sin)``,
+  each half ``head_dim // 2`` wide (see :func:`rope_cos_sin_cache`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "gather_kv",
+    "decode_attention_ref",
+    "prefill_attention_ref",
+    "kv_write_ref",
+    "rope_cos_sin_cache",
+    "rope_ref",
+    "rope_kv_write_ref",
+    "rms_norm_ref",
+    "fused_add_rms_norm_ref",
+    "silu_and_mul_ref",
+]
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence, ``[length, Hkv, D]``."""
+    block_size = cache.shape[1]
+    nb = (length + block_size - 1) // block_size
+    blocks = cache[block_table_row[:nb].long()]  # [nb, bs, Hkv, D]
+    return blocks.reshape(nb * block_size, *cache.shape[2:])[:length]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """q [M, H, D], k/v [L, Hkv, D] -> [M, H, D] in float32 (mask [M, L], True = visible)."""
+    h, hkv = q.shape[1], k.shape[1]
+    g = h // hkv
+    qf = q.float().transpose(0, 1)  # [H, M, D]
+    kf = k.float().repeat_interleave(g, dim=1).transpose(0, 1)  # [H, L, D]
+    vf = v.float().repeat_interleave(g, dim=1).transpose(0, 1)
+    s = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, M, L]
+    if mask is not None:
+        s = s.masked_fill(~mask[None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, vf).transpose(0, 1)  # [M, H, D]
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """One query token per row attending to its whole context.  ``[B, H, D]``, q's dtype.
+
+    A row with ``context_len == 0`` gives zeros (the kernel's convention for padded rows).
+    """
+    out = torch.zeros_like(q)
+    lens = context_lens.tolist()
+    for b, length in enumerate(lens):
+        if length <= 0:
+            continue
+        k = gather_kv(k_cache, block_tables[b], length)
+        v = gather_kv(v_cache, block_tables[b], length)
+        out[b] = _attend(q[b : b + 1], k, v, scale, None)[0].to(q.dtype)
+    return out
+
+
+def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, query_start: torch.Tensor,
+                          context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Varlen causal attention over the paged cache.  q ``[T, H, D]`` -> ``[T, H, D]``.
+
+    Row ``r`` owns tokens ``query_start[r]:query_start[r+1]``; its context holds
+    ``context_lens[r]`` tokens, the last ``qlen`` of which are the new ones, so the
+    ``j``-th new token sits at position ``context_len - qlen + j`` and sees keys
+    ``0..position``.
+    """
+    out = torch.zeros_like(q)
+    qs = query_start.tolist()
+    lens = context_lens.tolist()
+    for r, length in enumerate(lens):
+        s0, s1 = qs[r], qs[r + 1]
+        qlen = s1 - s0
+        if qlen <= 0:
+            continue
+        k = gather_kv(k_cache, block_tables[r], length)
+        v = gather_kv(v_cache, block_tables[r], length)
+        pos = torch.arange(length - qlen, length, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]
+        out[s0:s1] = _attend(q[s0:s1], k, v, scale, mask).to(q.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------- KV write / rotary
+
+
+def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """In place: ``cache[slot] = new`` for every token whose slot is >= 0."""
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blk, off = slots // block_size, slots % block_size
+    k_cache[blk, off] = k[keep].to(k_cache.dtype)
+    v_cache[blk, off] = v[keep].to(v_cache.dtype)
+
+
+def rope_cos_sin_cache(inv_freq: torch.Tensor, max_position: int,
+                       attention_scaling: float = 1.0) -> torch.Tensor:
+    """``[max_position, D]`` float32: ``cat(cos, sin)`` of ``pos * inv_freq`` (HF order).
+
+    ``inv_freq`` is the model's ``[D/2]`` inverse frequencies (Llama-3 rope scaling
+    already applied, as HF's ``rotary_emb.inv_freq`` holds it).
+    """
+    pos = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
+    freqs = torch.outer(pos, inv_freq.float())  # [P, D/2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling
+
+
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """Neox rotate-half on ``x [T, heads, D]`` in float32, cast back to x's dtype."""
+    half = x.shape[-1] // 2
+    cs = cos_sin_cache[positions.long()].float()  # [T, D]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rope_kv_write_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    """Rotate q and k, write rotated k and v into the cache; returns rotated q."""
+    q_rot = rope_ref(q, positions, cos_sin_cache)
+    k_rot = rope_ref(k, positions, cos_sin_cache)
+    kv_write_ref(k_rot, v, k_cache, v_cache, slot_mapping)
+    return q_rot
+
+
+# --------------------------------------------------------------------------- norm / activation
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm exactly: normalise in float32, cast to x's dtype, times weight."""
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    y = (xf * torch.rsqrt(var + eps)).to(x.dtype)
+    return (weight * y).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual`` (in x's dtype), then RMSNorm of it: ``(normed, residual)``."""
+    new_res = (x + residual).to(x.dtype)
+    return rms_norm_ref(new_res, weight, eps), new_res
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, 2I]`` (gate | up) -> ``silu(gate) * up`` computed in float32, cast once."""
+    i = x.shape[-1] // 2
+    xf = x.float()
+    return (torch.nn.functional.silu(xf[..., :i]) * xf[..., i:]).to(x.dtype)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
