@@ -10,16 +10,27 @@ The token sampled for a row depends only on the slot's seed and the position,
 like the real executor's seeded sampling, so outputs must not depend on the
 pipeline depth (or on preemption and recompute).  ``eos_at[seed] = p`` makes
 the token sampled at position ``p`` (prompt length + k for the k-th generated
-token) EOS.
+token) EOS; ``tokens_at[seed] = {p: token}`` places any token (a stop token)
+at chosen positions.  :func:`expected_output` is the oracle: what a correct
+scheduler streams for a request under this script.
+
+``step_latency_s`` makes each ``execute`` last that long (in-process use).  In
+the executor process the latency is spent on a :class:`ScriptedDevice`
+instead, as a GPU would: the main thread launches the next step while this one
+"runs", and the output thread waits for the step's end (sleeping most of it,
+so the core stays free for the scheduler, and spinning the last ``SPIN_S``).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from ipc.protocol import StepPlan, StepResult
+
+# time.sleep() overshoots by ~50-100 us; the last stretch of a step is spun instead.
+SPIN_S = 200e-6
 
 
 def default_token(seed: int, position: int, vocab: int) -> int:
@@ -40,11 +51,14 @@ class ScriptedExecutor:
     eos_token_id: int = 2
     # eos_at[seed] = p: the token at absolute position p of that seed is EOS.
     eos_at: dict[int, int] = field(default_factory=dict)
+    # tokens_at[seed] = {p: token}: the token at absolute position p of that seed.
+    tokens_at: dict[int, dict[int, int]] = field(default_factory=dict)
     token_fn: Optional[Callable[[int, int], int]] = None
     step_latency_s: float = 0.0
     seqs: dict[int, list[int]] = field(default_factory=dict)  # slot -> tokens by position
     seed: dict[int, int] = field(default_factory=dict)
     tables: dict[int, list[int]] = field(default_factory=dict)
+    block_slot: dict[int, int] = field(default_factory=dict)  # block -> the slot whose table holds it
     steps_run: int = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -67,20 +81,22 @@ class ScriptedExecutor:
                 assert start == len(seq) - 1, f"slot {slot}: decode at {start}, last known token at {len(seq) - 1}"
             assert len(self.tables[slot]) * self.block_size >= start + n, f"slot {slot}: KV beyond its blocks"
             if sample:
-                pos = start + n
-                tok = self._token(slot, pos)
+                tok = self.token_at(self.seed[slot], start + n)
                 seq.append(tok)
                 tokens.append(tok)
         assert cursor == len(plan.prefill_tokens), "prefill tokens left over"
         if self.step_latency_s:
-            _spin(self.step_latency_s - (time.perf_counter() - t0))
+            wait_until(t0 + self.step_latency_s)
         self.steps_run += 1
         return StepResult(plan.step_id, tokens, t_start=t0, t_end=time.perf_counter())
 
-    def _token(self, slot: int, position: int) -> int:
-        seed = self.seed[slot]
+    def token_at(self, seed: int, position: int) -> int:
+        """The token this script samples at absolute ``position`` for ``seed``."""
         if self.eos_at.get(seed) == position:
             return self.eos_token_id
+        placed = self.tokens_at.get(seed)
+        if placed is not None and position in placed:
+            return placed[position]
         if self.token_fn is not None:
             return self.token_fn(seed, position)
         return default_token(seed, position, self.vocab_size)
@@ -88,7 +104,9 @@ class ScriptedExecutor:
     def _apply_diffs(self, plan: StepPlan) -> None:
         for slot in plan.releases:
             assert slot in self.tables, f"release of free slot {slot}"
-            del self.tables[slot], self.seqs[slot], self.seed[slot]
+            for b in self.tables.pop(slot):
+                del self.block_slot[b]
+            del self.seqs[slot], self.seed[slot]
         for admit in plan.admits:
             assert 0 <= admit.slot < self.num_slots
             assert admit.slot not in self.tables, f"slot {admit.slot} admitted while still in use"
@@ -100,32 +118,101 @@ class ScriptedExecutor:
             slot, index, block = a[i], a[i + 1], a[i + 2]
             assert 0 <= block < self.num_kv_blocks
             assert index == len(self.tables[slot]), f"slot {slot}: append at {index}, table has {len(self.tables[slot])}"
+            assert block not in self.block_slot, (
+                f"block {block} is in the tables of slots {self.block_slot[block]} and {slot}")
+            self.block_slot[block] = slot
             self.tables[slot].append(block)
-        seen: dict[int, int] = {}
-        for slot, table in self.tables.items():
-            for b in table:
-                assert b not in seen, f"block {b} is in the tables of slots {seen[b]} and {slot}"
-                seen[b] = slot
 
 
-def _spin(seconds: float) -> None:
-    """Busy-wait: sleep() overshoots by ~50-100 us, which would swamp a 1 ms step."""
-    end = time.perf_counter() + max(0.0, seconds)
-    while time.perf_counter() < end:
+def wait_until(deadline: float) -> None:
+    """Sleep until ``SPIN_S`` before ``deadline`` (perf_counter), then spin: precise and mostly idle."""
+    ahead = deadline - time.perf_counter() - SPIN_S
+    if ahead > 0:
+        time.sleep(ahead)
+    while time.perf_counter() < deadline:
         pass
 
 
-class ScriptedWorker:
-    """Adapts a ScriptedExecutor to the executor process's prepare/launch/copy_out steps."""
+def expected_output(
+    token_at: Callable[[int, int], int], *, seed: int, prompt_len: int, max_tokens: int, max_model_len: int,
+    eos_token_ids: Iterable[int], stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
+) -> tuple[list[int], str]:
+    """The tokens and finish reason a correct scheduler streams for one request (no abort).
 
-    def __init__(self, executor: ScriptedExecutor):
+    The k-th generated token is ``token_at(seed, prompt_len + k)``, whatever the
+    batch, the pipeline depth or any preemption: the rules of
+    ``Planner._finish_reason`` applied to that sequence.
+    """
+    stops = frozenset(stop_token_ids)
+    eos = frozenset(() if ignore_eos else eos_token_ids)
+    out: list[int] = []
+    while True:
+        tok = token_at(seed, prompt_len + len(out))
+        out.append(tok)
+        if tok in stops or tok in eos:
+            return out, "stop"
+        if len(out) >= max_tokens or prompt_len + len(out) >= max_model_len:
+            return out, "length"
+
+
+class StepTiming:
+    """When a step ran on the scripted device; the output thread waits on it like on a CUDA event."""
+
+    __slots__ = ("t_start", "t_end", "idle_s")
+
+    def __init__(self, t_start: float, t_end: float, idle_s: float):
+        self.t_start, self.t_end, self.idle_s = t_start, t_end, idle_s
+
+    def synchronize(self) -> None:
+        wait_until(self.t_end)
+
+    @property
+    def timing(self) -> tuple[float, float, float]:
+        return self.t_start, self.t_end, self.idle_s
+
+
+class ScriptedDevice:
+    """A device that runs launched steps in order, ``step_latency_s`` each, while the host goes on.
+
+    A step starts when it is launched or when the previous one ends, whichever
+    is later; the gap between the two is the device's idle time.  So, as with
+    a GPU, the executor's main thread never waits for a step: it receives and
+    launches the next plan while this one "runs", and only a plan that comes
+    after the device has run dry costs idle time.
+    """
+
+    def __init__(self, step_latency_s: float):
+        self.step_latency_s = step_latency_s
+        self.free_at: Optional[float] = None  # end of the last launched step
+
+    def launch(self) -> StepTiming:
+        now = time.perf_counter()
+        start = now if self.free_at is None else max(now, self.free_at)
+        idle = 0.0 if self.free_at is None else start - self.free_at
+        self.free_at = start + self.step_latency_s
+        return StepTiming(start, self.free_at, idle)
+
+
+class ScriptedWorker:
+    """Adapts a ScriptedExecutor to the executor process's prepare/launch/copy_out steps.
+
+    The executor's checks and tokens are computed at launch (host work); the
+    step's latency is spent on a :class:`ScriptedDevice`, whose timing rides
+    to the scheduler in the StepResult.
+    """
+
+    def __init__(self, executor: ScriptedExecutor, step_latency_s: float = 0.0):
         self.executor = executor
+        self.device = ScriptedDevice(step_latency_s)
+        self._timing: Optional[StepTiming] = None
 
     def prepare(self, plan: StepPlan) -> StepPlan:
         return plan
 
     def launch(self, plan: StepPlan, batch) -> list[int]:
-        return self.executor.execute(plan).token_ids
+        tokens = self.executor.execute(plan).token_ids
+        self._timing = self.device.launch()
+        return tokens
 
     def copy_out(self, tokens: list[int]):
-        return tokens, None
+        return tokens, self._timing

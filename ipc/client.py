@@ -44,6 +44,7 @@ from ipc.protocol import (
     SamplingParams,
     ServerInfo,
     TokenDelta,
+    TokenDeltas,
     encode,
     server_reply_decoder,
 )
@@ -384,7 +385,8 @@ class AsyncClient:
         return info
 
     async def _handshake(self, sock: zmq.asyncio.Socket) -> ServerInfo:
-        await sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name=self.client_name)))
+        await sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name=self.client_name,
+                                     batch_deltas=True)))  # one message per step, not per request
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -424,6 +426,12 @@ class AsyncClient:
                         msg = server_reply_decoder.decode(frames[-1])
                     except msgspec.DecodeError as exc:
                         logger.warning("dropping an undecodable reply from %s: %s", self.address, exc)
+                        continue
+                    if isinstance(msg, TokenDeltas):
+                        for request_id, token_ids in zip(msg.request_ids, msg.token_ids):
+                            req = pending.get(request_id)
+                            if req is not None:
+                                req.deliver(t, TokenDelta(request_id, token_ids))
                         continue
                     request_id = getattr(msg, "request_id", None)
                     if request_id is None:

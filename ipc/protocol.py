@@ -106,6 +106,7 @@ class ServerStats(_Msg, tag="server_stats"):
     num_inflight_steps: int
     steps: int
     requests: int
+    preemptions: int = 0
 
 
 class TokenDelta(_Msg, tag="token_delta"):

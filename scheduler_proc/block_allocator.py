@@ -9,6 +9,8 @@ lives in :mod:`scheduler_proc.planner`, these pools only count.
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 class Pool:
     """A LIFO free list of ``0..size-1`` with an owner per handed-out id."""
@@ -36,6 +38,14 @@ class Pool:
         for i in ids:
             self._owner[i] = owner
         return ids
+
+    def take(self, owner: int) -> Optional[int]:
+        """One id for ``owner``, or None when the pool is empty (the hot path of ``allocate``)."""
+        if not self._free:
+            return None
+        i = self._free.pop()
+        self._owner[i] = owner
+        return i
 
     def free(self, owner: int, ids: list[int]) -> None:
         for i in ids:

@@ -16,6 +16,18 @@ The rules (see docs/architecture.md, "Life of a step"):
 * A sampled token for a request that has finished or been aborted is dropped.
   A preempted request keeps receiving the tokens of its in-flight steps (they
   are valid) and is re-queued, to be recomputed, once they have all returned.
+
+Per-step cost is one short loop over the rows (a decode row costs a few
+attribute updates) plus work proportional to what changed.  Running requests
+are kept in three insertion-ordered sets, updated only when a request changes
+phase, so a plan never sorts or filters everything that is running::
+
+    _running     every RUNNING request, in admission order (preemption picks from its end)
+    _prefilling  prompt (or recompute) chunks left to plan, in admission order
+    _decoding    decode rows left to plan, in the order requests reached decode;
+                 a request leaves it when its last length-bounded row is planned
+
+A running request in neither of the last two is waiting for its last tokens.
 """
 
 from __future__ import annotations
@@ -25,9 +37,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
+import msgspec
+
 from ipc.protocol import Admit, SlotSampling, StepPlan, StepResult
 from scheduler_proc.block_allocator import BlockAllocator, Pool
 from scheduler_proc.request import Request, Status
+
+_RUNNING = Status.RUNNING
+_FINISHED = Status.FINISHED
 
 
 @dataclass(frozen=True)
@@ -45,18 +62,43 @@ class PlannerLimits:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
-@dataclass
 class InflightStep:
     """A step that was sent and has not come back: who is in it, who samples."""
 
-    step_id: int
-    requests: list[Request]  # every request with a row in this step, row order
-    samplers: list[Request]  # requests whose row is sampled, in row order
+    __slots__ = ("step_id", "requests", "samplers")
+
+    def __init__(self, step_id: int, requests: list[Request], samplers: list[Request]):
+        self.step_id = step_id
+        self.requests = requests  # every request with a row in this step, row order
+        self.samplers = samplers  # requests whose row is sampled, in row order
 
 
-@dataclass
-class Output:
-    """What a reconcile produced for one request: new tokens and maybe a finish."""
+class _StepDraft:
+    """The plan being built: its rows' requests and the StepPlan's lists, filled in one pass."""
+
+    __slots__ = ("budget", "blocked", "rows", "slots", "positions", "appends", "admits", "num_decode",
+                 "chunk_lens", "chunk_sample", "chunk_tokens")
+
+    def __init__(self, budget: int):
+        self.budget = budget  # tokens left in the step
+        self.blocked = False  # a running request is short of blocks: no admissions
+        self.rows: list[Request] = []  # every row's request, row order (decode rows first)
+        self.slots: list[int] = []
+        self.positions: list[int] = []
+        self.appends: list[int] = []  # (slot, index, block) triples
+        self.admits: list[Admit] = []
+        self.num_decode = 0
+        self.chunk_lens: list[int] = []  # per prefill row
+        self.chunk_sample: list[bool] = []
+        self.chunk_tokens: list[int] = []
+
+
+class Output(msgspec.Struct, gc=False):
+    """What a reconcile produced for one request: new tokens and maybe a finish.
+
+    A msgspec struct because one is made per sampled row: its C constructor is
+    several times cheaper than a dataclass's, and it is not tracked by the GC.
+    """
 
     request: Request
     new_tokens: list[int]
@@ -67,26 +109,44 @@ class Output:
 class Planner:
     limits: PlannerLimits
     waiting: deque[Request] = field(default_factory=deque)
-    running: list[Request] = field(default_factory=list)
     inflight: deque[InflightStep] = field(default_factory=deque)
 
     def __post_init__(self):
         self.blocks = BlockAllocator(self.limits.num_kv_blocks, self.limits.block_size)
         self.slots = Pool(self.limits.num_slots, "slot")
         self.draining: dict[int, Request] = {}  # left the plans, waiting for in-flight steps
+        self._running: dict[int, Request] = {}
+        self._prefilling: dict[int, Request] = {}
+        self._decoding: dict[int, Request] = {}
+        self._draining_blocks = 0  # blocks held by draining requests: they will come back
+        self._stop_refs: dict[int, int] = {}  # stop token id -> live requests that list it
+        # A sampled token outside this set can only end a request by length (the fast path).
+        self._stop_tokens: set[int] = set(self.limits.eos_token_ids)
         self._step_ids = itertools.count()
         self._releases: list[int] = []  # slots freed since the last plan, for the executor
         self.num_steps_planned = 0
+        self.num_preemptions = 0
 
     # ------------------------------------------------------------------ intake
 
+    @property
+    def running(self) -> list[Request]:
+        """Running requests in admission order (a copy)."""
+        return list(self._running.values())
+
     def add(self, req: Request) -> None:
+        """Queue a validated request (first come, first served)."""
         req.status = Status.WAITING
+        req.max_output = min(req.max_tokens, self.limits.max_model_len - len(req.prompt))
+        req.max_total = len(req.prompt) + req.max_output
+        for t in req.stop_ids:
+            self._stop_refs[t] = self._stop_refs.get(t, 0) + 1
+            self._stop_tokens.add(t)
         self.waiting.append(req)
 
     def abort(self, req: Request) -> Optional[Output]:
         """Finish ``req`` with reason ``abort``; its resources return once safe."""
-        if req.status is Status.FINISHED:
+        if req.status is _FINISHED:
             return None
         if req.status is Status.WAITING:
             self.waiting.remove(req)
@@ -95,7 +155,7 @@ class Planner:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self._running)
 
     @property
     def num_inflight(self) -> int:
@@ -104,64 +164,136 @@ class Planner:
     # ---------------------------------------------------------------- planning
 
     def plan(self) -> Optional[StepPlan]:
-        """The next step's plan, or None when nothing can be scheduled now."""
-        budget = self.limits.max_num_batched_tokens
-        rows: list[tuple[Request, int, int, bool, bool]] = []  # req, start, n, prefill, sample
-        admits: list[Admit] = []
-        appends: list[int] = []
-        blocked = False
+        """The next step's plan, or None when nothing can be scheduled now.
 
-        # Decodes first, then chunks of requests still prefilling (running order).
-        for req in sorted(self.running, key=lambda r: r.is_prefilling):
-            if budget == 0:
+        Decode rows first, then prefill chunks of running requests, then
+        admissions, within the step's token budget.
+        """
+        draft = _StepDraft(self.limits.max_num_batched_tokens)
+        self._plan_decodes(draft)
+        self._plan_chunks(draft)
+        if not draft.blocked:
+            self._plan_admissions(draft)
+        if not draft.rows:
+            return None
+        return self._emit(draft)
+
+    def _plan_decodes(self, draft: _StepDraft) -> None:
+        """One row per decoding request; a block is reserved only when a row crosses into a new one."""
+        decoders = list(self._decoding.values())
+        if len(decoders) > draft.budget:
+            decoders = decoders[: draft.budget]
+        block_size = self.limits.block_size
+        rows, appends, ended = draft.rows, draft.appends, []
+        add_row, add_slot, add_position = rows.append, draft.slots.append, draft.positions.append
+        take_block = self.blocks.take
+        preemptions = self.num_preemptions
+        for req in decoders:
+            if self.num_preemptions != preemptions and req.status is not _RUNNING:
+                continue  # preempted by an earlier row of this plan
+            pos = req.num_computed
+            if pos >= len(req.blocks) * block_size:
+                block = take_block(req.rid)
+                if block is not None:
+                    appends += (req.slot, len(req.blocks), block)
+                    req.blocks.append(block)
+                elif not self._reserve(req, pos + 1, draft):  # none free: wait or preempt
+                    draft.blocked = True
+                    continue
+            add_row(req)
+            add_slot(req.slot)
+            add_position(pos)
+            pos += 1
+            req.num_computed = pos
+            req.num_pending += 1
+            req.num_inflight_steps += 1
+            if pos + 1 >= req.max_total:
+                ended.append(req)  # its last token is now in flight: a length finish, known ahead
+        for req in ended:
+            del self._decoding[req.rid]
+        draft.num_decode = len(rows)
+        draft.budget -= len(rows)
+
+    def _plan_chunks(self, draft: _StepDraft) -> None:
+        """Prefill chunks of running requests, in admission order."""
+        for req in list(self._prefilling.values()):
+            if draft.budget == 0:
                 break
-            if req.status is not Status.RUNNING or not self._wants_row(req):
+            if req.status is not _RUNNING:
+                continue  # preempted by an earlier row of this plan
+            n = min(draft.budget, req.num_prefill - req.num_computed)
+            if not self._reserve(req, req.num_computed + n, draft):
+                draft.blocked = True
                 continue
-            n = min(budget, req.num_prefill - req.num_computed) if req.is_prefilling else 1
-            if not self._reserve(req, req.num_computed + n, appends, rows):
-                blocked = True
-                continue
-            rows.append(self._row(req, n))
-            budget -= n
+            self._chunk(req, n, draft)
 
-        # Admissions, first come first served, only if nobody was short of blocks.
-        while self.waiting and budget > 0 and not blocked and self.slots.can_allocate():
+    def _plan_admissions(self, draft: _StepDraft) -> None:
+        """Admit waiting requests, first come first served, while a slot and blocks for their first chunk are free."""
+        while self.waiting and draft.budget > 0 and self.slots.can_allocate():
             req = self.waiting[0]
-            n = min(budget, req.num_known)
+            n = min(draft.budget, req.num_known)
             if not self.blocks.can_allocate(self.blocks.blocks_for(n)):
                 break
             self.waiting.popleft()
             req.slot = self.slots.allocate(req.rid)[0]
             req.num_prefill = req.num_known
-            req.status = Status.RUNNING
-            self.running.append(req)
-            admits.append(Admit(req.slot, self._slot_sampling(req)))
-            self._reserve(req, n, appends, rows)
-            rows.append(self._row(req, n))
-            budget -= n
+            req.status = _RUNNING
+            self._running[req.rid] = req
+            self._prefilling[req.rid] = req
+            draft.admits.append(Admit(req.slot, self._slot_sampling(req)))
+            self._reserve(req, n, draft)
+            self._chunk(req, n, draft)
 
-        if not rows:
-            return None
-        return self._emit(rows, admits, appends)
+    def _chunk(self, req: Request, n: int, draft: _StepDraft) -> None:
+        """Add a prefill row of ``n`` tokens for ``req``; the chunk reaching its end samples."""
+        start = req.num_computed
+        end = start + n
+        sample = end == req.num_prefill
+        draft.rows.append(req)
+        draft.slots.append(req.slot)
+        draft.positions.append(start)
+        draft.chunk_lens.append(n)
+        draft.chunk_sample.append(sample)
+        draft.chunk_tokens += req.known_tokens(start, end)
+        draft.budget -= n
+        req.num_computed = end
+        req.num_inflight_steps += 1
+        if sample:
+            req.num_pending += 1
+            del self._prefilling[req.rid]
+            if end + 1 < req.max_total:
+                self._decoding[req.rid] = req
 
-    def _wants_row(self, req: Request) -> bool:
-        if req.is_prefilling:
-            return True
-        # Finishes known ahead: the tokens in flight already reach the limit.
-        return req.num_generated < req.max_tokens and req.num_total < self.limits.max_model_len
+    def _emit(self, draft: _StepDraft) -> StepPlan:
+        """Record the step as in flight and build its plan: decode rows, then prefill rows."""
+        rows, nd, chunk_lens = draft.rows, draft.num_decode, draft.chunk_lens
+        if chunk_lens:
+            samplers = rows[:nd] + [r for r, s in zip(rows[nd:], draft.chunk_sample) if s]
+        else:
+            samplers = rows
+        step_id = next(self._step_ids)
+        self.inflight.append(InflightStep(step_id, rows, samplers))
+        self.num_steps_planned += 1
+        return StepPlan(
+            step_id=step_id,
+            slots=draft.slots,
+            num_tokens=[1] * nd + chunk_lens,
+            positions=draft.positions,
+            is_prefill=[False] * nd + [True] * len(chunk_lens),
+            sample=[True] * nd + draft.chunk_sample,
+            prefill_tokens=draft.chunk_tokens,
+            block_appends=draft.appends,
+            admits=draft.admits,
+            releases=self._take_releases(),
+        )
 
-    def _row(self, req: Request, n: int) -> tuple[Request, int, int, bool, bool]:
-        prefill = req.is_prefilling
-        sample = (not prefill) or req.num_computed + n == req.num_prefill
-        return (req, req.num_computed, n, prefill, sample)
-
-    def _reserve(self, req: Request, num_tokens: int, appends: list[int], rows) -> bool:
+    def _reserve(self, req: Request, num_tokens: int, draft: _StepDraft) -> bool:
         """Make ``req``'s blocks cover ``num_tokens`` tokens, preempting if needed."""
         need = self.blocks.blocks_for(num_tokens) - len(req.blocks)
         while need > 0 and not self.blocks.can_allocate(need):
-            if self.blocks.num_free + self._draining_blocks() >= need:
+            if self.blocks.num_free + self._draining_blocks >= need:
                 return False  # blocks are on their way back: wait, do not evict more
-            victim = self._pick_victim(req, rows)
+            victim = self._pick_victim(req, draft.rows)
             if victim is None:
                 return False
             self._preempt(victim)
@@ -172,54 +304,24 @@ class Planner:
             new = self.blocks.allocate(req.rid, need)
             req.blocks.extend(new)
             for i, b in enumerate(new):
-                appends += (req.slot, start + i, b)
+                draft.appends += (req.slot, start + i, b)
         return True
 
-    def _draining_blocks(self) -> int:
-        return sum(len(r.blocks) for r in self.draining.values())
-
-    def _pick_victim(self, req: Request, rows) -> Optional[Request]:
+    def _pick_victim(self, req: Request, rows: list[Request]) -> Optional[Request]:
         """The most recently admitted request not already in this plan (vLLM's policy)."""
-        planned = {r[0].rid for r in rows}
-        for victim in reversed(self.running):
+        planned = {r.rid for r in rows}
+        for victim in reversed(self._running.values()):
             if victim is req or victim.rid not in planned:
                 return victim
         return None
 
-    def _emit(self, rows, admits, appends) -> StepPlan:
-        step_id = next(self._step_ids)
-        slots, num_tokens, positions, is_prefill, sample, tokens = [], [], [], [], [], []
-        for req, start, n, prefill, samp in rows:
-            slots.append(req.slot)
-            num_tokens.append(n)
-            positions.append(start)
-            is_prefill.append(prefill)
-            sample.append(samp)
-            if prefill:
-                tokens += req.known_tokens(start, start + n)
-            req.num_computed = start + n
-            req.num_pending += samp
-            req.num_inflight_steps += 1
-        self.inflight.append(
-            InflightStep(step_id, [r[0] for r in rows], [r[0] for r in rows if r[4]])
-        )
-        self.num_steps_planned += 1
-        return StepPlan(
-            step_id=step_id,
-            slots=slots,
-            num_tokens=num_tokens,
-            positions=positions,
-            is_prefill=is_prefill,
-            sample=sample,
-            prefill_tokens=tokens,
-            block_appends=appends,
-            admits=admits,
-            releases=self._take_releases(),
-        )
-
     def _slot_sampling(self, req: Request) -> SlotSampling:
         s = req.sampling
         return SlotSampling(s.temperature, s.top_k if s.top_k > 0 else 0, s.top_p, s.min_p, req.seed)
+
+    def _take_releases(self) -> list[int]:
+        out, self._releases = self._releases, []
+        return out
 
     # ----------------------------------------------------------- reconciliation
 
@@ -229,59 +331,84 @@ class Planner:
             expected = self.inflight[0].step_id if self.inflight else None
             raise RuntimeError(f"step {result.step_id} returned, expected {expected}")
         step = self.inflight.popleft()
-        if len(result.token_ids) != len(step.samplers):
+        tokens = result.token_ids
+        if len(tokens) != len(step.samplers):
             raise RuntimeError(
-                f"step {step.step_id}: {len(result.token_ids)} tokens for {len(step.samplers)} sampled rows"
+                f"step {step.step_id}: {len(tokens)} tokens for {len(step.samplers)} sampled rows"
             )
-        outputs: dict[int, Output] = {}
-        for req, token in zip(step.samplers, result.token_ids):
-            if req.status is Status.FINISHED:
+        outputs: list[Output] = []
+        add_output = outputs.append
+        stop_tokens = self._stop_tokens
+        for req, token in zip(step.samplers, tokens):
+            if req.status is _FINISHED:
                 continue  # the ledger: a request that has left gets nothing more
             req.num_pending -= 1
-            req.output.append(token)
-            out = outputs.setdefault(req.rid, Output(req, []))
-            out.new_tokens.append(token)
-            reason = self._finish_reason(req, token)
-            if reason:
-                self._finish(req, reason)
-                out.finish_reason = reason
+            output = req.output
+            output.append(token)
+            if token in stop_tokens or len(output) >= req.max_output:
+                reason = self._finish_reason(req, token)
+                if reason is not None:
+                    self._finish(req, reason)
+                    add_output(Output(req, [token], reason))
+                    continue
+            add_output(Output(req, [token]))
+        draining = self.draining
         for req in step.requests:
-            req.num_inflight_steps -= 1
-            if req.num_inflight_steps == 0 and req.rid in self.draining:
+            left = req.num_inflight_steps - 1
+            req.num_inflight_steps = left
+            if not left and req.rid in draining:
                 self._drained(req)
-        return list(outputs.values())
+        return outputs
 
     def _finish_reason(self, req: Request, token: int) -> Optional[str]:
         if token in req.stop_ids or (not req.sampling.ignore_eos and token in self.limits.eos_token_ids):
             return "stop"
-        if len(req.output) >= req.max_tokens or req.num_known >= self.limits.max_model_len:
+        if len(req.output) >= req.max_output:
             return "length"
         return None
 
     def _finish(self, req: Request, reason: str) -> None:
         was = req.status
-        req.status = Status.FINISHED
+        req.status = _FINISHED
         req.finish_reason = reason
-        if was is Status.RUNNING:
-            self.running.remove(req)
-        if was in (Status.RUNNING, Status.PREEMPTED):
+        for t in req.stop_ids:
+            self._stop_refs[t] -= 1
+            if not self._stop_refs[t]:
+                del self._stop_refs[t]
+                if t not in self.limits.eos_token_ids:
+                    self._stop_tokens.discard(t)
+        if was is _RUNNING:
+            self._stop_running(req)
+        if was is _RUNNING or was is Status.PREEMPTED:
             self._leave(req)
 
     def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
+        self._stop_running(req)
         req.status = Status.PREEMPTED
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self._leave(req)
+
+    def _stop_running(self, req: Request) -> None:
+        del self._running[req.rid]
+        self._prefilling.pop(req.rid, None)
+        self._decoding.pop(req.rid, None)
 
     def _leave(self, req: Request) -> None:
         """Out of future plans; resources return now or when the last in-flight step does."""
-        self.draining[req.rid] = req
+        if req.rid not in self.draining:
+            self.draining[req.rid] = req
+            self._draining_blocks += len(req.blocks)
         if req.num_inflight_steps == 0:
             self._drained(req)
 
     def _drained(self, req: Request) -> None:
         del self.draining[req.rid]
-        self._release_slot(req)
+        self._draining_blocks -= len(req.blocks)
+        if req.slot is not None:
+            self.slots.free(req.rid, [req.slot])
+            self._releases.append(req.slot)
+            req.slot = None
         self.blocks.free(req.rid, req.blocks)
         req.blocks = []
         req.num_computed = 0
@@ -289,16 +416,6 @@ class Planner:
             # Recompute from scratch: prompt + received tokens are prefilled again.
             req.status = Status.WAITING
             self.waiting.appendleft(req)
-
-    def _release_slot(self, req: Request) -> None:
-        if req.slot is not None:
-            self.slots.free(req.rid, [req.slot])
-            self._releases.append(req.slot)
-            req.slot = None
-
-    def _take_releases(self) -> list[int]:
-        out, self._releases = self._releases, []
-        return out
 
     # --------------------------------------------------------------- invariants
 
@@ -309,14 +426,16 @@ class Planner:
         inflight_count: dict[int, int] = {}
         pending_count: dict[int, int] = {}
         for step in self.inflight:
+            assert len({r.rid for r in step.requests}) == len(step.requests), f"step {step.step_id}: a request twice"
             for r in step.requests:
                 inflight_count[r.rid] = inflight_count.get(r.rid, 0) + 1
             for r in step.samplers:
-                if r.status is not Status.FINISHED:
+                if r.status is not _FINISHED:
                     pending_count[r.rid] = pending_count.get(r.rid, 0) + 1
         block_owner = self.blocks.owned_by()
         slot_owner = self.slots.owned_by()
-        holders = list(self.running) + list(self.draining.values())
+        running = list(self._running.values())
+        holders = running + list(self.draining.values())
         assert len({r.rid for r in holders}) == len(holders), "a request is both running and draining"
         owned_blocks = 0
         for r in holders:
@@ -325,15 +444,25 @@ class Planner:
             assert r.slot is not None and slot_owner.get(r.slot) == r.rid, f"request {r.rid}: slot ownership"
             assert len(r.blocks) * self.limits.block_size >= r.num_computed, f"request {r.rid}: KV beyond blocks"
             owned_blocks += len(r.blocks)
-            if r.status is not Status.FINISHED:
+            if r.status is not _FINISHED:
                 assert r.num_pending == pending_count.get(r.rid, 0), f"request {r.rid}: pending count"
         assert owned_blocks == len(block_owner), "a block is owned by a request that holds none"
         assert len(slot_owner) == len(holders), "a slot is owned by a request that holds none"
-        for r in self.running:
-            assert r.status is Status.RUNNING
+        assert self._draining_blocks == sum(len(r.blocks) for r in self.draining.values()), "draining blocks"
+        for r in self.draining.values():
+            assert r.status is Status.PREEMPTED or r.status is _FINISHED, f"request {r.rid}: draining while {r.status}"
+        for r in running:
+            assert r.status is _RUNNING
             assert r.num_pending >= 0 and r.num_computed <= r.num_total
             if not r.is_prefilling:
                 assert r.num_computed == r.num_total - 1, f"request {r.rid}: decode invariant"
+            assert (r.rid in self._prefilling) == r.is_prefilling, f"request {r.rid}: prefilling set"
+            wants_decode = not r.is_prefilling and r.num_computed + 1 < r.max_total
+            assert (r.rid in self._decoding) == wants_decode, f"request {r.rid}: decoding set"
+        assert self._prefilling.keys() <= self._running.keys() and self._decoding.keys() <= self._running.keys()
+        live = running + list(self.waiting) + [r for r in self.draining.values() if r.status is not _FINISHED]
+        assert {t for r in live for t in r.stop_ids} <= self._stop_tokens, "a live request's stop token is missed"
+        assert self.limits.eos_token_ids <= self._stop_tokens
         for r in self.waiting:
             assert r.status is Status.WAITING and r.slot is None and not r.blocks
             assert r.num_pending == 0 and r.num_inflight_steps == 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import random
 import subprocess
@@ -43,6 +44,7 @@ from scheduler_proc.validate import InvalidRequest, ModelLimits, decode_client_f
 # application limit and this one get a clear error instead.
 TRANSPORT_MAX_MESSAGE_BYTES = 4 * MAX_CLIENT_MESSAGE_BYTES
 WATCHDOG_INTERVAL_S = 0.05
+STEP_LOG_FLUSH = 10_000  # step records kept in memory before they are appended to --step-log
 
 
 @dataclass
@@ -66,6 +68,8 @@ class Server:
         self._rids = itertools.count()
         self.proc: Optional[subprocess.Popen] = None
         self.stats = {"steps": 0, "requests": 0}
+        self.batch_clients: set[bytes] = set()  # clients that read TokenDeltas
+        self.step_records: Optional[list[tuple]] = [] if cfg.step_log else None
 
     # ------------------------------------------------------------- start-up
 
@@ -96,7 +100,11 @@ class Server:
             eos_token_ids=frozenset(r.eos_token_ids),
         ))
         self.frontend = make_socket(self.ctx, zmq.ROUTER, self.client_address, bind=True,
-                                    max_msg_bytes=TRANSPORT_MAX_MESSAGE_BYTES)
+                                    max_msg_bytes=TRANSPORT_MAX_MESSAGE_BYTES, hwm=0)  # a ROUTER drops at its HWM: never
+        # Plain (non-asyncio) views for the per-step sends: an asyncio send costs several
+        # times more (a Future and Flag-enum arithmetic per message).
+        self._plans_now = zmq.Socket.shadow(self.plans.underlying)
+        self._frontend_now = zmq.Socket.shadow(self.frontend.underlying)
         return r
 
     # ------------------------------------------------------------ main loop
@@ -117,6 +125,7 @@ class Server:
             for t in tasks:
                 t.cancel()
             self._shutdown_executor()
+            self._flush_step_log()
         return 1 if self.failure else 0
 
     def stop(self) -> None:
@@ -124,21 +133,30 @@ class Server:
         self.wake.set()
 
     def reconcile(self) -> None:
+        """Apply every returned step in order and stream its tokens: one message per client batch."""
+        planner = self.planner
         while self.returned:
-            outputs = self.planner.reconcile(self.returned.popleft())
+            result = self.returned.popleft()
+            if self.step_records is not None:
+                self._record_step(result)
+            outputs = planner.reconcile(result)
             self.stats["steps"] += 1
-            for out in outputs:
-                self._emit(out)
+            self._emit_step(outputs)
             if self.cfg.debug_checks:
-                self.planner.check_integrity()
+                planner.check_integrity()
 
     def plan_ahead(self) -> None:
+        """Plan and send until pipeline_depth + 1 steps are in flight."""
         planner = self.planner
         while planner.num_inflight <= self.cfg.pipeline_depth:
             plan = planner.plan()
             if plan is None:
                 break
-            self.plans.send(p.encode(plan))
+            data = p.encode(plan)
+            try:
+                self._plans_now.send(data, zmq.NOBLOCK)
+            except zmq.Again:  # the executor's queue is full (it never is at depth <= 2): wait asynchronously
+                self.plans.send(data)
             if self.cfg.debug_checks:
                 planner.check_integrity()
 
@@ -172,6 +190,16 @@ class Server:
             self._on_generate(client, msg)
         elif isinstance(msg, p.Abort):
             self._on_abort(client, msg)
+        elif isinstance(msg, p.GetStats):
+            self._send(client, self.server_stats())
+
+    def server_stats(self) -> p.ServerStats:
+        pl = self.planner
+        return p.ServerStats(
+            num_kv_blocks=pl.limits.num_kv_blocks, num_free_kv_blocks=pl.blocks.num_free,
+            num_slots=pl.limits.num_slots, num_free_slots=pl.slots.num_free, num_running=len(pl.running),
+            num_waiting=len(pl.waiting), num_draining=len(pl.draining), num_inflight_steps=pl.num_inflight,
+            steps=self.stats["steps"], requests=self.stats["requests"], preemptions=pl.num_preemptions)
 
     def _on_hello(self, client: bytes, msg: p.Hello) -> None:
         if msg.protocol_version != p.PROTOCOL_VERSION:
@@ -180,10 +208,14 @@ class Server:
                 message=f"client speaks protocol {msg.protocol_version}, server speaks {p.PROTOCOL_VERSION}"))
             return
         r = self.ready
+        if msg.batch_deltas:
+            self.batch_clients.add(client)
+        else:
+            self.batch_clients.discard(client)
         self._send(client, p.ServerInfo(
             protocol_version=p.PROTOCOL_VERSION, model_name=r.model_name, max_model_len=r.max_model_len,
             vocab_size=r.vocab_size, tokenizer_path=r.tokenizer_path, eos_token_ids=r.eos_token_ids,
-            device=r.device, dtype=r.dtype, pipeline_depth=self.cfg.pipeline_depth))
+            device=r.device, dtype=r.dtype, pipeline_depth=self.cfg.pipeline_depth, batch_deltas=msg.batch_deltas))
 
     def _on_generate(self, client: bytes, msg: p.Generate) -> None:
         if self.failure:
@@ -217,6 +249,41 @@ class Server:
         if out:
             self._emit(out)
 
+    def _emit_step(self, outputs: list[Output]) -> None:
+        """Stream a step's outputs: one TokenDeltas per client that reads them, else a TokenDelta per request.
+
+        Finishes go through ``_emit``.  Deltas go out on the plain socket; the
+        last message of the step goes through the asyncio socket, whose send
+        re-checks for incoming client frames (ZeroMQ's FD is edge-triggered, and
+        a plain send may consume the edge the client reader is waiting on).
+        """
+        batch_clients = self.batch_clients
+        batches: dict[bytes, tuple[list[str], list[list[int]]]] = {}
+        messages: list[tuple[bytes, bytes]] = []  # (client, encoded message)
+        encode = p.encode
+        for out in outputs:
+            req = out.request
+            if out.finish_reason is not None:
+                self._emit(out)
+                continue
+            req.num_sent = len(req.output)
+            if req.client in batch_clients:
+                batch = batches.get(req.client)
+                if batch is None:
+                    batch = batches[req.client] = ([], [])
+                batch[0].append(req.request_id)
+                batch[1].append(out.new_tokens)
+            else:
+                messages.append((req.client, encode(p.TokenDelta(req.request_id, out.new_tokens))))
+        for client, (request_ids, token_ids) in batches.items():
+            messages.append((client, encode(p.TokenDeltas(request_ids, token_ids))))
+        if messages:
+            send, more = self._frontend_now.send, zmq.SNDMORE
+            for client, data in messages[:-1]:
+                send(client, more)  # two plain sends: half the cost of one send_multipart
+                send(data)
+            self.frontend.send_multipart(messages[-1])
+
     def _emit(self, out: Output) -> None:
         req = out.request
         if out.finish_reason is None:
@@ -231,6 +298,24 @@ class Server:
 
     def _send(self, client: bytes, msg) -> None:
         self.frontend.send_multipart([client, p.encode(msg)])
+
+    # ------------------------------------------------------------- step log
+
+    def _record_step(self, result: p.StepResult) -> None:
+        rows = len(self.planner.inflight[0].requests)
+        self.step_records.append(
+            (result.step_id, result.t_start, result.t_end, result.idle_s, rows, len(result.token_ids)))
+        if len(self.step_records) >= STEP_LOG_FLUSH:
+            self._flush_step_log()
+
+    def _flush_step_log(self) -> None:
+        """Append the buffered step records to --step-log as JSON lines (rarely: off the hot path)."""
+        if not self.step_records:
+            return
+        keys = ("step_id", "t_start", "t_end", "idle_s", "num_rows", "num_tokens")
+        with open(self.cfg.step_log, "a") as f:
+            f.writelines(json.dumps(dict(zip(keys, r))) + "\n" for r in self.step_records)
+        self.step_records.clear()
 
     # ------------------------------------------------------------- executor
 

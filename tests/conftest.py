@@ -6,8 +6,13 @@ import os
 import tempfile
 
 import pytest
+import torch
 
-from tests.server_proc import ServerProcess
+# Triton kernels run on the CPU through the interpreter; set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.server_proc import ServerProcess  # noqa: E402
 
 CHAT_PROMPTS = [
     "What is the capital of France?",

@@ -1,25 +1,92 @@
-"""Drive a Planner against a ScriptedExecutor in-process, at a given pipeline depth."""
+"""Drive a Planner against a ScriptedExecutor in-process, at a given pipeline depth.
+
+The loop is the server's, one tick at a time::
+
+    arrivals and aborts due at tick t      (before planning: `depth` steps in flight)
+    plan until depth + 1 steps are in flight
+    aborts due at t + 0.5                  (after planning: `depth` + 1 steps in flight)
+    the executor runs the oldest plan; the planner reconciles it (or all of them, burst=True)
+
+Besides the planner's own ``check_integrity()`` after every operation, the
+harness keeps an independent ledger of what each in-flight step used
+(:class:`InflightLedger`) and records what a client would see (:class:`Trace`).
+"""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
-from executor_proc.scripted import ScriptedExecutor
-from ipc.protocol import SamplingParams
-from scheduler_proc.planner import Planner, PlannerLimits
-from scheduler_proc.request import Request
+from executor_proc.scripted import ScriptedExecutor, expected_output
+from ipc.protocol import SamplingParams, StepPlan
+from scheduler_proc.planner import Output, Planner, PlannerLimits
+from scheduler_proc.request import Request, Status
 
 EOS = 2
 
 
 @dataclass
 class Trace:
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    finishes: dict[str, list[str]] = field(default_factory=dict)
+    """What the clients saw, per request_id, and what it cost."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # every streamed token, in order
+    finishes: dict[str, list[str]] = field(default_factory=dict)  # finish reasons (exactly one expected)
+    counts: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # (prompt, completion) per finish
+    dropped: dict[str, int] = field(default_factory=dict)  # sampled rows whose token the ledger dropped
+    requests: dict[str, Request] = field(default_factory=dict)
     steps: int = 0
+    # Coverage: where each abort landed ("waiting",), ("running", steps in flight), ("finished",);
+    # and how many steps each preempted request had in flight when it was preempted.
+    abort_states: list[tuple] = field(default_factory=list)
+    preempted_inflight: set[int] = field(default_factory=set)
+
+    def client_view(self, request_id: str) -> tuple[list[int], list[str], list[tuple[int, int]]]:
+        return self.tokens[request_id], self.finishes[request_id], self.counts[request_id]
+
+
+class InflightLedger:
+    """Proves that no slot or block is handed on while an in-flight step that used it is out.
+
+    It mirrors the executor's slot tables from the plans' diffs alone and
+    records, per step, the slots of its rows and every block in their tables.
+    A new plan may not release, admit or append anything an outstanding step
+    used; an outstanding step is one sent and not yet reconciled.
+    """
+
+    def __init__(self) -> None:
+        self.tables: dict[int, list[int]] = {}
+        self.outstanding: deque[tuple[int, frozenset[int], frozenset[int]]] = deque()
+
+    def sent(self, plan: StepPlan) -> None:
+        used_slots: set[int] = set()
+        used_blocks: set[int] = set()
+        for _, slots, blocks in self.outstanding:
+            used_slots |= slots
+            used_blocks |= blocks
+        for slot in plan.releases:
+            assert slot not in used_slots, f"step {plan.step_id} releases slot {slot}, still used in flight"
+            assert slot in self.tables, f"step {plan.step_id} releases free slot {slot}"
+            del self.tables[slot]
+        for admit in plan.admits:
+            assert admit.slot not in used_slots, f"step {plan.step_id} admits into slot {admit.slot}, used in flight"
+            assert admit.slot not in self.tables, f"step {plan.step_id} admits into live slot {admit.slot}"
+            self.tables[admit.slot] = []
+        a = plan.block_appends
+        for i in range(0, len(a), 3):
+            slot, block = a[i], a[i + 2]
+            assert block not in used_blocks, f"step {plan.step_id} hands block {block} to slot {slot}, used in flight"
+            self.tables[slot].append(block)
+        row_blocks = frozenset(b for s in plan.slots for b in self.tables[s])
+        self.outstanding.append((plan.step_id, frozenset(plan.slots), row_blocks))
+
+    def returned(self, step_id: int) -> None:
+        sid, _, _ = self.outstanding.popleft()
+        assert sid == step_id, f"step {step_id} returned, ledger expected {sid}"
 
 
 def make_request(rid: int, prompt_len: int, max_tokens: int, *, seed=None, stop=(), ignore_eos=False) -> Request:
+    """A greedy request with a deterministic prompt; its seed keys the script (default: rid)."""
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=list(stop), ignore_eos=ignore_eos)
     return Request(
         rid=rid, client=b"c", request_id=f"r{rid}", prompt=[5 + (rid * 7 + i) % 90 for i in range(prompt_len)],
@@ -27,64 +94,156 @@ def make_request(rid: int, prompt_len: int, max_tokens: int, *, seed=None, stop=
     )
 
 
+def expected(trace: Trace, ex: ScriptedExecutor, max_len: int) -> dict[str, tuple[list[int], str]]:
+    """What each request of ``trace`` must stream if it is not aborted (the script's oracle)."""
+    return {
+        rid: expected_output(
+            ex.token_at, seed=r.seed, prompt_len=len(r.prompt), max_tokens=r.max_tokens, max_model_len=max_len,
+            eos_token_ids=(EOS,), stop_token_ids=r.stop_ids, ignore_eos=r.sampling.ignore_eos)
+        for rid, r in trace.requests.items()
+    }
+
+
+def check_counters(reqs) -> None:
+    """No counter of any request, live or gone, may go negative."""
+    for r in reqs:
+        assert r.num_pending >= 0 and r.num_inflight_steps >= 0 and r.num_computed >= 0, r.request_id
+        assert r.num_sent <= len(r.output), r.request_id
+
+
 def run(
     specs, *, depth: int, num_slots=4, num_blocks=64, block_size=4, max_len=512, budget=64,
-    eos_at=None, arrivals=None, aborts=None, check=True, max_steps=10_000,
+    eos_at=None, tokens_at=None, arrivals=None, aborts=None, burst=False, check=True, max_steps=10_000,
 ) -> tuple[Trace, Planner, ScriptedExecutor]:
     """Run requests to completion.
 
-    ``specs``: list of dicts for make_request.  ``arrivals[i]``: plan index at
-    which request i arrives (default 0).  ``aborts[i]``: plan index before which
-    request i is aborted.
+    ``specs``: list of dicts for make_request.  ``arrivals[i]``: tick at which
+    request i arrives (default 0).  ``aborts[i]``: tick at which request i is
+    aborted: an int aborts before that tick's planning, ``t + 0.5`` after it.
+    ``eos_at[i] = k``: request i's k-th generated token is EOS;
+    ``tokens_at[i] = {k: token}``: its k-th generated token is ``token``.
+    ``burst``: reconcile every in-flight step at once, as the server does
+    when several results are queued.
     """
     limits = PlannerLimits(num_slots, num_blocks, block_size, max_len, budget, frozenset({EOS}))
     planner = Planner(limits)
     reqs = [make_request(i, **s) for i, s in enumerate(specs)]
-    # eos_at[i] = k: request i's k-th generated token is EOS (the executor wants a position).
     eos_pos = {reqs[i].seed: len(reqs[i].prompt) + k for i, k in (eos_at or {}).items()}
-    ex = ScriptedExecutor(num_slots, num_blocks, block_size, eos_token_id=EOS, eos_at=eos_pos)
+    placed = {reqs[i].seed: {len(reqs[i].prompt) + k: t for k, t in at.items()} for i, at in (tokens_at or {}).items()}
+    ex = ScriptedExecutor(num_slots, num_blocks, block_size, eos_token_id=EOS, eos_at=eos_pos, tokens_at=placed)
     arrivals = arrivals or {}
     aborts = aborts or {}
-    trace = Trace({r.request_id: [] for r in reqs}, {r.request_id: [] for r in reqs})
-    sent = []  # plans sent, not yet executed (the executor's queue)
+    ids = [r.request_id for r in reqs]
+    trace = Trace({i: [] for i in ids}, {i: [] for i in ids}, {i: [] for i in ids}, {i: 0 for i in ids},
+                  dict(zip(ids, reqs)))
+    ledger = InflightLedger()
+    sent: deque[StepPlan] = deque()  # plans sent and not yet executed (the executor's queue)
+    done: deque = deque()  # results back and not yet reconciled
     tick = 0
+    preemptions = [0] * len(reqs)  # per request, as of the last plan that preempted anyone
 
-    def emit(outputs):
+    def emit(outputs: list[Output]) -> None:
         for out in outputs:
-            trace.tokens[out.request.request_id] += out.new_tokens
+            rid = out.request.request_id
+            assert not trace.finishes[rid], f"{rid}: output after its finish"
+            trace.tokens[rid] += out.new_tokens
+            out.request.num_sent = len(out.request.output)
             if out.finish_reason:
-                trace.finishes[out.request.request_id].append(out.finish_reason)
+                trace.finishes[rid].append(out.finish_reason)
+                trace.counts[rid].append((len(out.request.prompt), len(out.request.output)))
+                assert len(out.request.output) == len(trace.tokens[rid]), f"{rid}: completion count"
 
-    while True:
-        for i, r in enumerate(reqs):
-            if arrivals.get(i, 0) == tick:
+    due: dict[float, list[tuple[bool, int]]] = {}  # half tick -> (is_abort, request index), in order
+    for i in range(len(reqs)):
+        due.setdefault(arrivals.get(i, 0), []).append((False, i))
+    for i, at in sorted(aborts.items()):
+        due.setdefault(max(at, arrivals.get(i, 0)), []).append((True, i))
+    last_event = max(due)
+
+    def events(at: float) -> None:
+        for is_abort, i in due.pop(at, ()):
+            r = reqs[i]
+            if not is_abort:
                 planner.add(r)
-            if aborts.get(i) == tick and arrivals.get(i, 0) <= tick:
-                out = planner.abort(r)
-                if out:
-                    emit([out])
+                continue
+            live = r.status is Status.RUNNING or r.status is Status.PREEMPTED
+            trace.abort_states.append(("running", r.num_inflight_steps) if live else (r.status.value,))
+            out = planner.abort(r)
+            if out:
+                emit([out])
         if check:
             planner.check_integrity()
+
+    def record_preemptions() -> None:
+        """Note how many steps each request preempted by the last plan still had in flight."""
+        for i, r in enumerate(reqs):
+            if r.num_preemptions > preemptions[i]:
+                trace.preempted_inflight.add(r.num_inflight_steps)
+                preemptions[i] = r.num_preemptions
+
+    def reconcile_one() -> None:
+        result = done.popleft()
+        step = planner.inflight[0]
+        for r in step.samplers:
+            trace.dropped[r.request_id] += r.status is Status.FINISHED
+        emit(planner.reconcile(result))
+        ledger.returned(result.step_id)
+        if check:
+            planner.check_integrity()
+            check_counters(step.requests)
+        trace.steps += 1
+
+    while True:
+        events(tick)
         while planner.num_inflight <= depth:
+            before = planner.num_preemptions
             plan = planner.plan()
+            if planner.num_preemptions != before:
+                record_preemptions()
             if plan is None:
                 break
+            ledger.sent(plan)
             sent.append(plan)
             if check:
                 planner.check_integrity()
+        events(tick + 0.5)
         if not sent:
-            pending_arrivals = any(a > tick for a in arrivals.values())
-            pending_aborts = any(a > tick for a in aborts.values())
-            if not planner.has_work and not planner.draining and not pending_arrivals and not pending_aborts:
+            if not planner.has_work and not planner.draining and tick >= last_event:
                 break
-            tick += 1
-            assert tick < max_steps, "no progress"
-            continue
-        result = ex.execute(sent.pop(0))
-        emit(planner.reconcile(result))
-        if check:
-            planner.check_integrity()
-        trace.steps += 1
+        else:
+            done.append(ex.execute(sent.popleft()))
+            while burst and sent:
+                done.append(ex.execute(sent.popleft()))
+            while done:
+                reconcile_one()
         tick += 1
         assert tick < max_steps, "no progress"
     return trace, planner, ex
+
+
+def assert_drained(planner: Planner) -> None:
+    """Every block and slot is back in its pool and nothing is left anywhere."""
+    planner.check_integrity()
+    assert planner.blocks.num_free == planner.limits.num_kv_blocks
+    assert planner.slots.num_free == planner.limits.num_slots
+    assert not planner.running and not planner.waiting and not planner.draining and not planner.inflight
+
+
+def assert_client_view(trace: Trace, oracle: dict[str, tuple[list[int], str]],
+                       aborted: Optional[set[str]] = None) -> None:
+    """Exactly one finish per request; tokens and counts as the oracle says.
+
+    An aborted request's stream is either the whole expected stream with its
+    natural finish (the abort came after its last token) or a strict prefix of
+    it with reason ``abort``.
+    """
+    aborted = aborted or set()
+    for rid, (want, reason) in oracle.items():
+        got, finishes, counts = trace.client_view(rid)
+        assert len(finishes) == 1, f"{rid}: finishes {finishes}"
+        prompt_len = len(trace.requests[rid].prompt)
+        assert counts == [(prompt_len, len(got))], f"{rid}: counts {counts}, {len(got)} tokens"
+        if rid in aborted and finishes[0] == "abort":
+            assert len(got) < len(want) and got == want[: len(got)], f"{rid}: {got} is not a prefix of {want}"
+        else:
+            assert (got, finishes[0]) == (want, reason), f"{rid}: got {got} {finishes}, want {want} {reason}"

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 import time
 import uuid
+
+import zmq
+import zmq.asyncio
+
+from ipc import protocol as p
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,3 +46,33 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+async def server_stats(address: str) -> p.ServerStats:
+    """Ask a server for its pool counters over a raw socket (the SDK has no need for them)."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        await sock.send(p.encode(p.GetStats()))
+        return p.server_reply_decoder.decode(await asyncio.wait_for(sock.recv(), 10))
+    finally:
+        sock.close()
+        ctx.term()
+
+
+async def wait_idle(address: str) -> p.ServerStats:
+    """Stats once nothing is running, waiting, draining or in flight (or the last seen after 5 s)."""
+    for _ in range(100):
+        s = await server_stats(address)
+        if not (s.num_running or s.num_waiting or s.num_draining or s.num_inflight_steps):
+            return s
+        await asyncio.sleep(0.05)
+    return s
+
+
+def assert_no_leak(s: p.ServerStats) -> None:
+    """Every KV block and slot is back in its pool."""
+    assert s.num_free_kv_blocks == s.num_kv_blocks, s
+    assert s.num_free_slots == s.num_slots, s

@@ -11,41 +11,14 @@ import time
 import msgspec
 import pytest
 import zmq
+import zmq.asyncio
 
 from ipc import protocol as p
 from ipc.client import AsyncClient, Client, ExecutorFailedError, ForerunError
 from tests.conftest import CHAT_PROMPTS
+from tests.server_proc import assert_no_leak, wait_idle
 
 pytestmark = pytest.mark.slow
-
-
-async def _stats(address: str) -> p.ServerStats:
-    """Ask the server for its pool counters over a raw socket (the SDK does not need this)."""
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    try:
-        await sock.send(p.encode(p.GetStats()))
-        return p.server_reply_decoder.decode(await asyncio.wait_for(sock.recv(), 10))
-    finally:
-        sock.close()
-        ctx.term()
-
-
-async def _wait_idle(address: str) -> p.ServerStats:
-    """Stats once nothing is running, waiting or draining: every block and slot must be free."""
-    for _ in range(100):
-        s = await _stats(address)
-        if not (s.num_running or s.num_waiting or s.num_draining or s.num_inflight_steps):
-            return s
-        await asyncio.sleep(0.05)
-    return s
-
-
-def _assert_no_leak(s: p.ServerStats) -> None:
-    assert s.num_free_kv_blocks == s.num_kv_blocks, s
-    assert s.num_free_slots == s.num_slots, s
 
 
 @pytest.mark.parametrize("depth", [0, 1])
@@ -58,7 +31,7 @@ async def test_greedy_parity_with_hf_concurrent(depth, model_server, chat_prompt
             assert r.token_ids == ref, f"prompt {i} {CHAT_PROMPTS[i]!r}: {r.text!r}"
             assert r.finish_reason == ("stop" if ref[-1] == 2 else "length")
             assert r.completion_tokens == len(ref) and r.prompt_tokens == len(chat_prompt_ids[i])
-        _assert_no_leak(await _wait_idle(srv.address))
+        assert_no_leak(await wait_idle(srv.address))
 
 
 @pytest.mark.parametrize("depth", [0, 1])
@@ -108,7 +81,7 @@ async def test_abort_mid_stream_others_unaffected(depth, model_server, chat_prom
         done = await asyncio.gather(*others)
         for i, r in zip((2, 3, 4), done):
             assert r.token_ids == hf_greedy[i]
-        _assert_no_leak(await _wait_idle(srv.address))
+        assert_no_leak(await wait_idle(srv.address))
 
 
 async def test_max_tokens_and_eos_finishes(model_server, chat_prompt_ids, hf_greedy):
@@ -133,8 +106,9 @@ async def test_preemption_small_kv_pool_same_greedy_output(server_factory, defau
             c.generate(prompt_token_ids=ids, max_tokens=48, temperature=0.0) for ids in chat_prompt_ids])
         for r, ref in zip(results, hf_greedy):
             assert r.token_ids == ref
-        s = await _wait_idle(srv.address)
-        _assert_no_leak(s)
+        s = await wait_idle(srv.address)
+        assert_no_leak(s)
+        assert s.preemptions > 0, s  # the pool really was too small
 
 
 BAD_SAMPLING = [

@@ -1,0 +1,110 @@
+"""The scheduler and the scripted executor as real processes, at pipeline depths 0, 1 and 2.
+
+Requests go through the SDK (one TokenDelta per request and step) and through a
+bare socket that asks for batched TokenDeltas; both must receive exactly the
+script's tokens, across preemptions (the KV pool is small) and EOS at chosen
+positions (``--scripted-eos-at``).  The server's ``--step-log`` must hold one
+record per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from executor_proc.scripted import ScriptedExecutor, expected_output
+from ipc import protocol as p
+from ipc.client import AsyncClient
+from tests.server_proc import ServerProcess, wait_idle
+
+PROMPT_LEN = 5
+NUM_REQUESTS = 24
+MAX_MODEL_LEN = 256
+EOS_AT = {3: PROMPT_LEN + 4, 7: PROMPT_LEN, 11: PROMPT_LEN + 20}  # seed -> absolute position of EOS
+
+
+def expected(seed: int, max_tokens: int) -> tuple[list[int], str]:
+    script = ScriptedExecutor(1, 1, 1, vocab_size=1000, eos_token_id=2, eos_at=EOS_AT)
+    return expected_output(script.token_at, seed=seed, prompt_len=PROMPT_LEN, max_tokens=max_tokens,
+                           max_model_len=MAX_MODEL_LEN, eos_token_ids=(2,))
+
+
+def prompt(seed: int) -> list[int]:
+    return [10 + (seed + i) % 50 for i in range(PROMPT_LEN)]
+
+
+@pytest.fixture(params=[0, 1, 2], ids=lambda d: f"depth{d}")
+def server(request, tmp_path):
+    log = tmp_path / "steps.jsonl"
+    eos = [a for seed, pos in EOS_AT.items() for a in ("--scripted-eos-at", f"{seed}:{pos}")]
+    srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "0.2", "--pipeline-depth",
+                        str(request.param), "--max-num-seqs", "8", "--num-kv-blocks", "24", "--block-size", "4",
+                        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "16",
+                        "--step-log", str(log), "--debug-checks", *eos, tmpdir=str(tmp_path), timeout=120)
+    srv.step_log = log
+    yield srv
+    srv.stop()
+
+
+async def _sdk_requests(address: str) -> dict[int, tuple[list[int], str]]:
+    async with AsyncClient(address, timeout=60) as client:
+        results = await asyncio.gather(*[
+            client.generate(prompt_token_ids=prompt(seed), max_tokens=10 + seed % 20, temperature=0.0, seed=seed,
+                            detokenize=False) for seed in range(NUM_REQUESTS)])
+    return {seed: (r.token_ids, r.finish_reason) for seed, r in enumerate(results)}
+
+
+async def _raw_batched_requests(address: str) -> tuple[dict[int, tuple[list[int], str]], int]:
+    """The same requests on a bare DEALER that reads TokenDeltas; also returns how many batches came."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        await sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, "test", batch_deltas=True)))
+        info = p.server_reply_decoder.decode(await asyncio.wait_for(sock.recv(), 30))
+        assert isinstance(info, p.ServerInfo) and info.batch_deltas
+        for seed in range(NUM_REQUESTS):
+            sampling = p.SamplingParams(max_tokens=10 + seed % 20, temperature=0.0, seed=seed)
+            await sock.send(p.encode(p.Generate(f"s{seed}", prompt(seed), sampling)))
+        tokens: dict[int, list[int]] = {seed: [] for seed in range(NUM_REQUESTS)}
+        done: dict[int, tuple[list[int], str]] = {}
+        batches = 0
+        while len(done) < NUM_REQUESTS:
+            msg = p.server_reply_decoder.decode(await asyncio.wait_for(sock.recv(), 30))
+            if isinstance(msg, p.TokenDeltas):
+                batches += 1
+                assert len(set(msg.request_ids)) == len(msg.request_ids), "a request twice in one batch"
+                for rid, toks in zip(msg.request_ids, msg.token_ids):
+                    assert int(rid[1:]) not in done, f"{rid}: tokens after its finish"
+                    tokens[int(rid[1:])] += toks
+            elif isinstance(msg, p.Finished):
+                seed = int(msg.request_id[1:])
+                tokens[seed] += msg.token_ids
+                assert msg.completion_tokens == len(tokens[seed]) and msg.prompt_tokens == PROMPT_LEN
+                done[seed] = (tokens[seed], msg.reason)
+            else:
+                raise AssertionError(f"unexpected {msg}")
+        return done, batches
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_sdk_and_batched_clients_get_the_script_exactly(server):
+    want = {seed: expected(seed, 10 + seed % 20) for seed in range(NUM_REQUESTS)}
+    assert asyncio.run(_sdk_requests(server.address)) == want
+    got, batches = asyncio.run(_raw_batched_requests(server.address))
+    assert got == want and batches > 0
+    assert {reason for _, reason in want.values()} == {"stop", "length"}
+    stats = asyncio.run(wait_idle(server.address))
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_free_slots == stats.num_slots, stats
+
+    server.stop()
+    records = [json.loads(line) for line in server.step_log.read_text().splitlines()]
+    assert [r["step_id"] for r in records] == list(range(len(records))) == list(range(stats.steps))
+    assert all(r["idle_s"] >= 0 and r["t_end"] >= r["t_start"] and r["num_rows"] >= r["num_tokens"] for r in records)
