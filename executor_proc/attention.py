@@ -6,9 +6,12 @@ KV cache layout, per layer (one tensor for K, one for V)::
     token at position p of a row lives at flat index
         block_table[p // block_size] * block_size + p % block_size
 
-A backend has three calls: ``plan(batch)`` once per step (row shapes and masks,
-shared by all layers), ``write_kv`` and ``attend`` once per layer.  Every shape
-comes from the batch's host lists, so nothing here reads a device value back.
+A backend has three calls: ``plan(batch, rotary, dtype)`` once per step (row
+shapes, masks, rotary tables, shared by all layers), then per layer
+``rotate_and_store`` (rotary on q and k, k and v into the cache; returns the
+rotated q) and ``attend``.  Every shape comes from the batch's host lists, so
+nothing here reads a device value back.  :mod:`executor_proc.triton_backend`
+is the CUDA implementation.
 
 Decode rows (one query token) are attended in batched runs: the blocks of every
 row of a run are gathered into one padded tensor with a length mask and sent to
@@ -52,16 +55,34 @@ class AttentionPlan:
     prefill_rows: list[PrefillRow] = field(default_factory=list)
 
 
-class AttentionBackend(Protocol):
-    def plan(self, batch: ForwardBatch) -> object: ...
+@dataclass
+class EagerPlan:
+    """The eager backend's per-step state: row plan, rotary cos/sin ``[T, D]``, KV slots."""
 
-    def write_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None: ...
+    attention: AttentionPlan
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class AttentionBackend(Protocol):
+    def plan(self, batch: ForwardBatch, rotary: torch.nn.Module, dtype: torch.dtype) -> object: ...
+
+    def rotate_and_store(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        plan: object,
+    ) -> torch.Tensor: ...
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object, scale: float
     ) -> torch.Tensor: ...
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, D]`` by position (half-split layout, as HF's rotate_half)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 def write_kv(
@@ -162,15 +183,19 @@ def paged_attention(
 class EagerAttention:
     """The torch-native backend behind the :class:`AttentionBackend` interface."""
 
-    def plan(self, batch: ForwardBatch) -> AttentionPlan:
-        return plan_attention(batch)
+    def plan(self, batch: ForwardBatch, rotary: torch.nn.Module, dtype: torch.dtype) -> EagerPlan:
+        cos, sin = rotary(batch.positions, dtype)
+        return EagerPlan(plan_attention(batch), cos, sin, batch.slot_mapping)
 
-    def write_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        write_kv(k, v, k_cache, v_cache, slot_mapping)
+    def rotate_and_store(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        plan: EagerPlan,
+    ) -> torch.Tensor:
+        k = apply_rotary(k, plan.cos, plan.sin)
+        write_kv(k, v, k_cache, v_cache, plan.slot_mapping)
+        return apply_rotary(q, plan.cos, plan.sin)
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, scale: float
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: EagerPlan, scale: float
     ) -> torch.Tensor:
-        return attend(q, k_cache, v_cache, plan, scale)
+        return attend(q, k_cache, v_cache, plan.attention, scale)

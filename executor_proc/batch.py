@@ -13,14 +13,18 @@ Layout (T tokens in R rows, rows in plan order)::
     query_start   [R+1] cumulative query lengths (row r = tokens query_start[r]:query_start[r+1])
     context_lens  [R]   tokens of KV the row attends to, new ones included
     block_tables  [R, max_blocks] the rows' block tables (padded with 0)
-    sample_index  [S]   token index of each sampled row's last token
+    sample_index  [S]   token index of each sampled row's last token (None: every token, as in decode)
     sample_slots  [S]   slot of each sampled row (for sampling parameters)
+
+A CUDA-graph decode step builds its batch on the device from static buffers
+(:mod:`executor_proc.decode_step`): it has no host context lengths, which only
+the eager torch backend needs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -33,11 +37,11 @@ class ForwardBatch:
     query_start: torch.Tensor
     context_lens: torch.Tensor
     block_tables: torch.Tensor
-    sample_index: torch.Tensor
+    sample_index: Optional[torch.Tensor]
     sample_slots: torch.Tensor
     # Host copies of the row shapes (from the plan, never read back from the device).
     host_query_lens: list[int]
-    host_context_lens: list[int]
+    host_context_lens: Optional[list[int]]
     block_size: int
 
     @property

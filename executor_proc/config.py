@@ -25,10 +25,14 @@ class ExecutorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     tokenizer_path: str = ""
     model_name: str = ""
     parent_pid: int = 0  # exit when this process goes away
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: Triton on cuda, torch on cpu
+    cuda_graphs: bool = True  # capture pure-decode steps (with Triton kernels on cuda)
+    cuda_graph_max_batch: Optional[int] = None  # largest graph bucket; None: num_slots
     # load_format "scripted": no model; tokens come from executor_proc.scripted.
     scripted_vocab_size: int = 1000
     scripted_step_latency_s: float = 0.0
     scripted_eos_at: dict[int, int] = {}  # seed -> position of EOS
+    scripted_tokens_at: dict[int, dict[int, int]] = {}  # seed -> {position: token} (stop tokens)
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

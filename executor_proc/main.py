@@ -14,6 +14,7 @@ step N's tokens travel back.
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import sys
@@ -31,7 +32,6 @@ from ipc import protocol as p
 from ipc.sockets import make_socket
 
 PARENT_POLL_MS = 500
-CPU_KV_BUDGET_BYTES = 2 * 1024**3
 
 
 @dataclass
@@ -40,7 +40,7 @@ class LaunchedStep:
 
     step_id: int
     tokens: object  # host tensor (pinned on CUDA), or a list
-    event: object  # torch.cuda.Event, or None when the tokens are already on the host
+    event: object  # staging.TokenCopy (synchronize, release) on CUDA; None when the tokens are on the host
     t_start: float
     idle_s: float
 
@@ -58,6 +58,9 @@ class OutputThread(threading.Thread):
             if step.event is not None:
                 step.event.synchronize()
             tokens = step.tokens if isinstance(step.tokens, list) else step.tokens.tolist()
+            release = getattr(step.event, "release", None)  # a pinned ring slot, free again once read
+            if release is not None:
+                release()
             # A device clock that knows when the step ran (the scripted one) overrides the host's view.
             t_start, t_end, idle_s = getattr(step.event, "timing", None) or (
                 step.t_start, time.perf_counter(), step.idle_s)
@@ -77,36 +80,21 @@ class Executor:
         self.results.send(p.encode(msg))
 
     def setup(self) -> None:
-        """Load the model, size and allocate the KV cache, report capacity."""
+        """Load the model, allocate the KV cache, capture the decode graphs, report capacity."""
         if self.cfg.load_format == "scripted":
             return self._setup_scripted()
-        from executor_proc.kv_cache import KVCache, kv_cache_bytes_per_block
-        from executor_proc.loader import load_model
-        from executor_proc.slot_tables import SlotTables
-        from executor_proc.worker import Worker
+        from executor_proc.engine import build_engine
 
         cfg = self.cfg
-        device = torch.device(cfg.device)
-        if device.type == "cuda":
-            device = torch.device("cuda", device.index or 0)  # an explicit index for every CUDA call
-            torch.cuda.set_device(device)
-        dtype = getattr(torch, cfg.resolved_dtype())
-        model, mcfg = load_model(cfg.model, cfg.load_format, device, dtype,
-                                 progress_cb=lambda stage, done, total: self.send(p.LoadProgress(stage, done, total)))
-        max_len = min(cfg.max_model_len or mcfg.max_model_len, mcfg.max_model_len)
-        max_blocks = -(-max_len // cfg.block_size)
-        per_block = kv_cache_bytes_per_block(mcfg, cfg.block_size, dtype)
-        num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(device, per_block, cfg.num_slots * max_blocks)
-        self.send(p.LoadProgress("kv_cache", 0, 1))
-        kv = KVCache(mcfg, num_blocks, cfg.block_size, device=device, dtype=dtype)
-        self.worker = Worker(model, kv, SlotTables(cfg.num_slots, max_blocks, device), cfg.block_size, device)
-        self.send(p.LoadProgress("kv_cache", 1, 1))
+        engine = build_engine(cfg, lambda stage, done, total: self.send(p.LoadProgress(stage, done, total)))
+        self.worker, mcfg = engine.worker, engine.model_config
         self.send(p.ExecutorReady(
             model_name=cfg.model_name or os.path.basename(cfg.model.rstrip("/")),
-            num_slots=cfg.num_slots, num_kv_blocks=num_blocks, block_size=cfg.block_size,
-            max_model_len=max_len, vocab_size=mcfg.vocab_size, eos_token_ids=list(mcfg.eos_token_ids),
-            tokenizer_path=cfg.tokenizer_path or cfg.model, device=str(device), dtype=cfg.resolved_dtype(),
+            num_slots=cfg.num_slots, num_kv_blocks=engine.num_kv_blocks, block_size=cfg.block_size,
+            max_model_len=engine.max_model_len, vocab_size=mcfg.vocab_size, eos_token_ids=list(mcfg.eos_token_ids),
+            tokenizer_path=cfg.tokenizer_path or cfg.model, device=str(engine.device), dtype=cfg.resolved_dtype(),
         ))
+        gc.freeze()  # the hot loop must not pay for scanning start-up objects (see _setup_scripted)
 
     def _setup_scripted(self) -> None:
         from executor_proc.scripted import ScriptedExecutor, ScriptedWorker
@@ -121,14 +109,8 @@ class Executor:
             model_name="scripted", num_slots=cfg.num_slots, num_kv_blocks=num_blocks, block_size=cfg.block_size,
             max_model_len=cfg.max_model_len or 4096, vocab_size=cfg.scripted_vocab_size, eos_token_ids=[2],
             tokenizer_path=cfg.tokenizer_path, device="cpu", dtype="none"))
-
-    def _auto_num_blocks(self, device: torch.device, per_block: int, useful: int) -> int:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * self.cfg.kv_memory_fraction)
-        else:
-            budget = CPU_KV_BUDGET_BYTES
-        return max(1, min(useful, budget // per_block))
+        # torch's ~170k start-up objects make a full GC pass ~90 ms; frozen, they are never scanned again.
+        gc.freeze()
 
     def receive(self):
         """The next message; while waiting, exit if the parent (the scheduler) is gone.

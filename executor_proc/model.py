@@ -71,23 +71,37 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, D]`` by position (half-split layout, as HF's rotate_half)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+class TorchOps:
+    """Norm and activation in plain torch, with HF's rounding (the CPU path and the reference)."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        return norm(x)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; the sum is rounded to the model dtype, as HF does."""
+        total = x + residual
+        return norm(total), total
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return F.linear(x, weight, bias)
 
 
 @dataclass
 class StepContext:
     """What every layer needs from the step, computed once."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
-    slot_mapping: torch.Tensor
     attn_plan: object
     kv_cache: KVCache
     backend: AttentionBackend
+    ops: object
 
 
 class Attention(nn.Module):
@@ -106,20 +120,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.qkv: Optional[FusedLinear] = None
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x, step.ops)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, step.cos, step.sin)
-        k = apply_rotary(k, step.cos, step.sin)
         k_cache, v_cache = step.kv_cache.k[self.layer_id], step.kv_cache.v[self.layer_id]
-        step.backend.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
+        q = step.backend.rotate_and_store(q, k, v, k_cache, v_cache, step.attn_plan)
         out = step.backend.attend(q, k_cache, v_cache, step.attn_plan, self.scale)
-        return self.o_proj(out.view(t, self.num_heads * self.head_dim))
+        return step.ops.linear(out.view(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -129,9 +146,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias, dtype=dtype)
         self.up_proj = nn.Linear(h, i, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(i, h, bias=bias, dtype=dtype)
+        self.gate_up: Optional[FusedLinear] = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        if self.gate_up is not None:
+            h = ops.silu_and_mul(self.gate_up.matmul(x, ops))
+        else:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        return ops.linear(h, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -142,9 +164,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), step)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor], step: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual-stream form: returns (this layer's MLP output, the residual before it is added).
+
+        Same sums as HF's ``h = x + attn(norm(x)); out = h + mlp(norm(h))``, with each
+        add fused into the next norm.
+        """
+        ops = step.ops
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, self.input_layernorm)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, self.input_layernorm)
+        h, residual = ops.add_rms_norm(self.self_attn(h, step), residual, self.post_attention_layernorm)
+        return self.mlp(h, ops), residual
 
 
 class Decoder(nn.Module):
@@ -156,6 +190,33 @@ class Decoder(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
 
+class FusedLinear:
+    """Several ``nn.Linear`` of one input as one matmul; the originals become views of its weight.
+
+    ``__call__`` returns the per-projection output views; :meth:`matmul` the fused output
+    (both through ``ops.linear``).
+    """
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.sizes = [lin.out_features for lin in linears]
+        self.weight = torch.cat([lin.weight for lin in linears])
+        has_bias = linears[0].bias is not None
+        self.bias = torch.cat([lin.bias for lin in linears]) if has_bias else None
+        for lin, w, b in zip(linears, self.weight.split(self.sizes), self._bias_parts()):
+            lin.weight = nn.Parameter(w, requires_grad=False)  # frees the separate copy
+            if b is not None:
+                lin.bias = nn.Parameter(b, requires_grad=False)
+
+    def _bias_parts(self) -> list[Optional[torch.Tensor]]:
+        return list(self.bias.split(self.sizes)) if self.bias is not None else [None] * len(self.sizes)
+
+    def matmul(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+    def __call__(self, x: torch.Tensor, ops) -> tuple[torch.Tensor, ...]:
+        return self.matmul(x, ops).split(self.sizes, dim=-1)
+
+
 class CausalLM(nn.Module):
     """Decoder + LM head.  Build it with :func:`build_model`, fill it with :meth:`load_weights`."""
 
@@ -165,6 +226,7 @@ class CausalLM(nn.Module):
         self.model = Decoder(config, dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.attn_backend: AttentionBackend = EagerAttention()
+        self.ops = TorchOps()
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -172,24 +234,28 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def use_kernels(self, backend: AttentionBackend, ops) -> None:
+        """Run with another attention backend and norm/activation ops; fuse q/k/v and gate/up weights."""
+        self.attn_backend, self.ops = backend, ops
+        with torch.no_grad():
+            for layer in self.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                attn.qkv = attn.qkv or FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+                mlp.gate_up = mlp.gate_up or FusedLinear([mlp.gate_proj, mlp.up_proj])
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Run one step; float32 logits ``[S, vocab]`` for ``batch.sample_index`` (``[T, vocab]`` if all_logits)."""
         x = self.model.embed_tokens(batch.input_ids)
-        cos, sin = self.model.rotary_emb(batch.positions, x.dtype)
-        step = StepContext(
-            cos=cos,
-            sin=sin,
-            slot_mapping=batch.slot_mapping,
-            attn_plan=self.attn_backend.plan(batch),
-            kv_cache=kv_cache,
-            backend=self.attn_backend,
-        )
+        plan = self.attn_backend.plan(batch, self.model.rotary_emb, x.dtype)
+        step = StepContext(attn_plan=plan, kv_cache=kv_cache, backend=self.attn_backend, ops=self.ops)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, step)
-        if not all_logits:
-            x = x[batch.sample_index]
-        return self.lm_head(self.model.norm(x)).float()
+            x, residual = layer(x, residual, step)
+        if not all_logits and batch.sample_index is not None:
+            x, residual = x[batch.sample_index], residual[batch.sample_index]
+        x, _ = self.ops.add_rms_norm(x, residual, self.model.norm)
+        return self.ops.linear(x, self.lm_head.weight, None).float()
 
     def forward_all_logits(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` for every token of the step (for tests)."""

@@ -6,94 +6,178 @@ location of every token is computed on the device from the block table, and
 sampled tokens are written back to ``last_token`` on the device before they
 are copied to the host.  So step N+1 can be enqueued before step N's tokens
 have reached the CPU.
+
+A step's host inputs (and the plan's table diffs) go to the device in one
+pinned, non-blocking upload (:mod:`executor_proc.staging`).  A pure-decode step
+that fits a bucket runs as :func:`executor_proc.decode_step.decode_step`
+through :class:`executor_proc.cuda_graphs.DecodeGraphs` (replayed on CUDA);
+every other step runs the model eagerly with the same kernels.
 """
 
 from __future__ import annotations
 
-import itertools
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import numpy as np
 import torch
 
 from executor_proc.batch import ForwardBatch
-from executor_proc.slot_tables import SlotTables, to_device
+from executor_proc.cuda_graphs import DecodeGraphs
+from executor_proc.decode_step import argmax_rows, decode_step
+from executor_proc.slot_tables import SlotTables
+from executor_proc.staging import PinnedStaging, TokenRing
 from ipc.protocol import StepPlan
-from kernels.sampling_ref import sample
+
+Sampler = Callable[..., torch.Tensor]
+
+
+@dataclass
+class GraphStep:
+    """A pure-decode step whose inputs are in the graph runner's buffer: ``rows`` real rows of ``bucket``."""
+
+    bucket: int
+    rows: int
+    greedy: bool
+
+
+@dataclass
+class EagerStep:
+    batch: ForwardBatch
+    sample_positions: torch.Tensor  # [S] position of each sampled token (keys the random stream)
+    greedy: bool
 
 
 class Worker:
-    def __init__(self, model, kv_cache, tables: SlotTables, block_size: int, device: torch.device):
+    def __init__(self, model, kv_cache, tables: SlotTables, block_size: int, device: torch.device,
+                 sampler: Sampler, graph_max_batch: int = 0, capture_graphs: bool = False):
+        """``graph_max_batch > 0`` runs pure-decode steps of up to that many rows through
+        :class:`DecodeGraphs` (captured when ``capture_graphs``, else run eagerly)."""
         self.model = model
         self.kv_cache = kv_cache
         self.tables = tables
         self.block_size = block_size
         self.device = device
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.sampler = sampler
+        self.staging = PinnedStaging(device)
+        self.tokens_out = TokenRing(device, tables.num_slots + 1) if device.type == "cuda" else None
+        self.graphs = None
+        if graph_max_batch > 0:
+            self.graphs = DecodeGraphs(self._decode_step, min(graph_max_batch, tables.num_slots), tables.pad_slot,
+                                       device, capture=capture_graphs)
 
-    def prepare(self, plan: StepPlan) -> ForwardBatch:
-        """Apply the plan's diffs to the slot tables and build the step's device inputs."""
-        self.tables.apply(plan)
-        dev, bs = self.device, self.block_size
-        row_slots, qlens, starts = plan.slots, plan.num_tokens, plan.positions
-        token_rows = list(itertools.chain.from_iterable(itertools.repeat(r, n) for r, n in enumerate(qlens)))
-        positions = list(itertools.chain.from_iterable(range(s, s + n) for s, n in zip(starts, qlens)))
-        query_start = [0, *itertools.accumulate(qlens)]
-        prefill_idx = [i for i, r in enumerate(token_rows) if plan.is_prefill[r]]
-        decode_rows = [r for r, pre in enumerate(plan.is_prefill) if not pre]
-        sample_rows = [r for r, s in enumerate(plan.sample) if s]
+    def _decode_step(self, inputs, greedy: bool) -> torch.Tensor:
+        with torch.inference_mode():
+            return decode_step(self.model, self.kv_cache, self.tables, inputs, self.block_size, greedy, self.sampler)
 
-        slots_d = to_device(row_slots, torch.int64, dev)
-        pos_d = to_device(positions, torch.int64, dev)
-        tok_rows_d = to_device(token_rows, torch.int64, dev)
-        tok_slots = slots_d[tok_rows_d]
-        input_ids = torch.zeros(len(positions), dtype=torch.int64, device=dev)
-        if prefill_idx:
-            input_ids[to_device(prefill_idx, torch.int64, dev)] = to_device(plan.prefill_tokens, torch.int64, dev)
-        if decode_rows:
-            # A decode row is one token at query_start[r]; its input is the slot's last sampled token.
-            idx = to_device([query_start[r] for r in decode_rows], torch.int64, dev)
-            input_ids[idx] = self.tables.last_token[slots_d[to_device(decode_rows, torch.int64, dev)]]
-        block_ids = self.tables.block_table[tok_slots, pos_d // bs].to(torch.int64)
-        return ForwardBatch(
-            input_ids=input_ids,
-            positions=pos_d,
-            slot_mapping=block_ids * bs + pos_d % bs,
-            query_start=to_device(query_start, torch.int32, dev),
-            context_lens=to_device([s + n for s, n in zip(starts, qlens)], torch.int32, dev),
-            block_tables=self.tables.block_table[slots_d],
-            sample_index=to_device([query_start[r + 1] - 1 for r in sample_rows], torch.int64, dev),
-            sample_slots=to_device([row_slots[r] for r in sample_rows], torch.int64, dev),
-            host_query_lens=list(qlens),
-            host_context_lens=[s + n for s, n in zip(starts, qlens)],
-            block_size=bs,
+    def capture_graphs(self, progress: Optional[Callable[[int, int], None]] = None) -> None:
+        """Capture the decode graphs (start-up; no-op without graphs)."""
+        if self.graphs is not None:
+            self.graphs.capture_all(progress)
+
+    def prepare(self, plan: StepPlan) -> Union[GraphStep, EagerStep]:
+        """Apply the plan's diffs to the slot tables and put the step's inputs on the device."""
+        upload = self.staging.upload()
+        diff = self.tables.stage(plan, upload)
+        greedy = all(self.tables.greedy[s] for s, sampled in zip(plan.slots, plan.sample) if sampled)
+        bucket = self._graph_bucket(plan)
+        if bucket is not None:
+            part = upload.add(self._decode_rows(plan, bucket), torch.int64)
+            sent = upload.send()
+            self.tables.apply(diff, sent)
+            self.graphs.inputs[:, :bucket].copy_(sent[part].view(3, bucket))
+            return GraphStep(bucket, len(plan.slots), greedy)
+        parts = self._eager_rows(plan, upload)
+        sent = upload.send()
+        self.tables.apply(diff, sent)
+        return self._eager_batch(plan, sent, parts, greedy)
+
+    def _graph_bucket(self, plan: StepPlan) -> Optional[int]:
+        pure_decode = bool(plan.slots) and not any(plan.is_prefill) and all(plan.sample)
+        return self.graphs.bucket_for(len(plan.slots)) if self.graphs is not None and pure_decode else None
+
+    def _decode_rows(self, plan: StepPlan, bucket: int) -> np.ndarray:
+        """``[3, bucket]`` slots, positions, context lengths; padded rows: padding slot, 0, 1."""
+        rows = np.empty((3, bucket), dtype=np.int64)
+        rows[0] = self.tables.pad_slot
+        rows[1] = 0
+        rows[2] = 1
+        n = len(plan.slots)
+        rows[0, :n] = plan.slots
+        rows[1, :n] = plan.positions
+        rows[2, :n] = rows[1, :n] + 1
+        return rows.reshape(-1)
+
+    @staticmethod
+    def _eager_rows(plan: StepPlan, upload) -> dict[str, int]:
+        """Add the token- and row-level inputs of an eager step to the upload."""
+        qlens = np.asarray(plan.num_tokens, dtype=np.int64)
+        starts = np.asarray(plan.positions, dtype=np.int64)
+        slots = np.asarray(plan.slots, dtype=np.int64)
+        is_prefill = np.asarray(plan.is_prefill, dtype=bool)
+        sampled = np.flatnonzero(np.asarray(plan.sample, dtype=bool))
+        query_start = np.concatenate([[0], np.cumsum(qlens)])
+        token_rows = np.repeat(np.arange(len(qlens)), qlens)
+        positions = starts[token_rows] + np.arange(int(query_start[-1])) - query_start[token_rows]
+        # -1 marks a decode row's token: its id is gathered from last_token[slot] on the device.
+        ids = np.full(len(positions), -1, dtype=np.int64)
+        ids[is_prefill[token_rows]] = plan.prefill_tokens
+        return dict(
+            ids=upload.add(ids, torch.int64),
+            positions=upload.add(positions, torch.int64),
+            token_slots=upload.add(slots[token_rows], torch.int64),
+            row_slots=upload.add(slots, torch.int64),
+            query_start=upload.add(query_start, torch.int32),
+            context_lens=upload.add(starts + qlens, torch.int32),
+            sample_index=upload.add(query_start[sampled + 1] - 1, torch.int64),
+            sample_slots=upload.add(slots[sampled], torch.int64),
+            sample_positions=upload.add(starts[sampled] + qlens[sampled], torch.int64),
         )
 
+    def _eager_batch(self, plan: StepPlan, sent: list[torch.Tensor], parts: dict[str, int], greedy: bool) -> EagerStep:
+        t, bs = self.tables, self.block_size
+        ids, pos, token_slots = sent[parts["ids"]], sent[parts["positions"]], sent[parts["token_slots"]]
+        block_ids = t.block_table[token_slots, pos // bs].to(torch.int64)
+        batch = ForwardBatch(
+            input_ids=torch.where(ids < 0, t.last_token[token_slots], ids),
+            positions=pos,
+            slot_mapping=block_ids * bs + pos % bs,
+            query_start=sent[parts["query_start"]],
+            context_lens=sent[parts["context_lens"]],
+            block_tables=t.block_table[sent[parts["row_slots"]]],
+            sample_index=sent[parts["sample_index"]],
+            sample_slots=sent[parts["sample_slots"]],
+            host_query_lens=list(plan.num_tokens),
+            host_context_lens=[s + n for s, n in zip(plan.positions, plan.num_tokens)],
+            block_size=bs,
+        )
+        return EagerStep(batch, sent[parts["sample_positions"]], greedy)
+
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, batch: ForwardBatch) -> torch.Tensor:
+    def launch(self, plan: StepPlan, step: Union[GraphStep, EagerStep]) -> torch.Tensor:
         """Enqueue forward + sampling + last-token update; returns the device tensor of tokens."""
-        if batch.sample_slots.numel() == 0:
-            self.model(batch, self.kv_cache)  # a prompt chunk that samples nothing still writes KV
+        if isinstance(step, GraphStep):
+            return self.graphs.run(step.bucket, step.greedy)[:step.rows]
+        batch = step.batch
+        if batch.num_rows == 0:  # a plan of table diffs only
             return batch.sample_slots
-        logits = self.model(batch, self.kv_cache)
+        logits = self.model(batch, self.kv_cache)  # a prompt chunk that samples nothing still writes KV
         slots = batch.sample_slots
+        if slots.numel() == 0:
+            return slots
         t = self.tables
-        if all(t.greedy[plan.slots[r]] for r, s in enumerate(plan.sample) if s):
-            tokens = torch.argmax(logits, dim=-1)
+        if step.greedy:
+            tokens = argmax_rows(logits)
         else:
-            # The new token's position keys the random stream: the same seed gives the same token anywhere.
-            token_pos = batch.positions[batch.sample_index] + 1
-            tokens = sample(logits, t.temperature[slots], t.top_k[slots], t.top_p[slots], t.min_p[slots],
-                            t.seed[slots], token_pos)
+            tokens = self.sampler(logits, t.temperature[slots], t.top_k[slots], t.top_p[slots], t.min_p[slots],
+                                  t.seed[slots], step.sample_positions)
         t.last_token[slots] = tokens
         return tokens
 
     def copy_out(self, tokens: torch.Tensor):
-        """Start the device->host copy of the tokens; returns (host tensor, event or None)."""
-        if self.copy_stream is None:
+        """Start the device->host copy of the tokens; returns (host tensor or list, copy event or None)."""
+        if self.tokens_out is None:
             return tokens, None
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            host.copy_(tokens, non_blocking=True)
-            tokens.record_stream(self.copy_stream)
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        return host, event
+        if tokens.numel() == 0:
+            return [], None
+        return self.tokens_out.copy_out(tokens)

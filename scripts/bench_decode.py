@@ -1,0 +1,243 @@
+"""Decode step time through the worker and its CUDA graphs, against the weights-read floor.
+
+For each model shape (random weights from ``scripts/configs/<name>/config.json``,
+bf16): prefill ``--batch`` requests of ``--context`` tokens, then run decode
+steps the way the executor does (prepare -> launch -> copy out, up to two steps
+in flight, the oldest waited for on its copy event).  Reported per step:
+
+- ``step``: wall time of the pipelined loop / steps (what a client sees);
+- ``gpu``: CUDA-event time over the same loop / steps;
+- ``host``: CPU time of prepare + launch + copy_out per step (must stay under ``gpu``);
+- ``replay``: back-to-back replays of the bucket's graph alone;
+- ``eager``: the same decode step without a graph (Triton kernels, Python launches);
+- ``floor``: bytes of weights read per step / device copy bandwidth measured here
+  (``+kv`` adds the KV cache read at this context).
+
+    python3 scripts/bench_decode.py [--models llama-3.2-1b,llama-3-8b] [--batch 1] [--context 512]
+                                    [--steps 200] [--json OUT.json] [--profile PREFIX]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from collections import deque
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _bench_util import write_json  # noqa: E402
+from executor_proc.config import ExecutorConfig  # noqa: E402
+from executor_proc.engine import build_engine  # noqa: E402
+from executor_proc.synthetic import SyntheticPlanner  # noqa: E402
+
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+TARGET_MS = {"llama-3.2-1b": 1.2, "llama-3-8b": 6.2}
+BLOCK_SIZE = 16
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read + written (median of ``reps``)."""
+    src = torch.empty(nbytes // 2, dtype=torch.int16, device=device).random_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / sorted(times[2:])[reps // 2]
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights one decode step reads: every parameter, except an untied embedding (one row read)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        emb = model.model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def kv_bytes(mcfg, context: int, batch: int) -> int:
+    return 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * 2 * context * batch
+
+
+class DecodeLoop:
+    """The executor's hot loop without sockets: at most ``depth`` steps in flight."""
+
+    def __init__(self, worker, planner, depth: int = 2):
+        self.worker, self.planner, self.depth = worker, planner, depth
+        self.in_flight: deque = deque()
+        self.host_s = 0.0
+        self.tokens: list[list[int]] = []
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        plan = self.planner.step()
+        w = self.worker
+        host, copy = w.copy_out(w.launch(plan, w.prepare(plan)))
+        self.host_s += time.perf_counter() - t0
+        self.in_flight.append((host, copy))
+        while len(self.in_flight) > self.depth:
+            self.retire()
+
+    def retire(self) -> None:
+        host, copy = self.in_flight.popleft()
+        if copy is not None:
+            copy.synchronize()
+        self.tokens.append(host if isinstance(host, list) else host.tolist())
+        if copy is not None:
+            copy.release()
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self.retire()
+
+
+def time_calls(fn, n: int) -> float:
+    """Seconds per call of ``fn`` enqueued ``n`` times back to back (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / n
+
+
+def profile_kernels(fn, path: str, reps: int = 10) -> None:
+    """Per-kernel device time of ``reps`` calls of ``fn`` (graph replays are traced kernel by kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
+    except Exception as e:  # the profile is a diagnostic: never lose the benchmark for it
+        table = f"profiler failed: {type(e).__name__}: {e}"
+    with open(path, "w") as f:
+        f.write(table + "\n")
+
+
+def linear_report(ops) -> dict:
+    """Per weight shape and batch: cuBLAS's time per pass over the layers, the best skinny config's, the pick."""
+    report: dict = {}
+    for (n, k, m, what), ms in getattr(ops, "gemv_timings", {}).items():
+        row = report.setdefault(f"{n}x{k} m={m}", {"cublas_ms": None, "best_gemv_ms": None, "best_gemv": None})
+        if what == "cublas":
+            row["cublas_ms"] = ms
+        elif row["best_gemv_ms"] is None or ms < row["best_gemv_ms"]:
+            row["best_gemv_ms"], row["best_gemv"] = ms, list(what)
+    for (n, k, m), config in getattr(ops, "gemv_choice", {}).items():
+        report[f"{n}x{k} m={m}"]["chosen"] = list(config)
+    return report
+
+
+def bench_model(name: str, args, bandwidth: float) -> dict:
+    steps, warmup, batch, context = args.steps, args.warmup, args.batch, args.context
+    max_len = context + warmup + steps + 64
+    blocks = batch * -(-max_len // BLOCK_SIZE)
+    cfg = ExecutorConfig(model=os.path.join(CONFIGS, name), plan_addr="", result_addr="", load_format="dummy",
+                         device="cuda", dtype="bfloat16", num_slots=batch, num_kv_blocks=blocks,
+                         block_size=BLOCK_SIZE, max_model_len=max_len, cuda_graph_max_batch=batch)
+    stages: dict[str, float] = {}
+    t0 = time.perf_counter()
+    engine = build_engine(cfg, lambda stage, done, total: stages.setdefault(stage, time.perf_counter() - t0))
+    setup_s = time.perf_counter() - t0
+    worker, mcfg = engine.worker, engine.model_config
+    planner = SyntheticPlanner(batch, BLOCK_SIZE, blocks)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(batch):
+        planner.add(torch.randint(0, mcfg.vocab_size, (context,), generator=g).tolist())
+    loop = DecodeLoop(worker, planner)
+    loop.step()  # prefill (eager)
+    for _ in range(warmup):
+        loop.step()
+    loop.drain()
+    torch.cuda.synchronize()
+    loop.host_s = 0.0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t_wall = time.perf_counter()
+    start.record()
+    for _ in range(steps):
+        loop.step()
+    end.record()
+    loop.drain()
+    end.synchronize()
+    wall = (time.perf_counter() - t_wall) / steps
+    gpu = start.elapsed_time(end) / 1e3 / steps
+    host = loop.host_s / steps
+    bucket = worker.graphs.bucket_for(batch)
+    replay = time_calls(lambda: worker.graphs.run(bucket, True), steps)
+    view = worker.graphs.view(bucket)
+    eager = time_calls(lambda: worker.graphs.step_fn(view, True), max(10, steps // 10))
+    if args.profile:
+        profile_kernels(lambda: worker.graphs.run(bucket, True), f"{args.profile}.{name}.txt")
+    linears = linear_report(worker.model.ops)
+    w_bytes = weight_bytes_per_step(worker.model)
+    kv = kv_bytes(mcfg, context + warmup + steps // 2, batch)
+    floor = w_bytes / bandwidth
+    row = dict(model=name, batch=batch, context=context, steps=steps, setup_s=setup_s, stage_start_s=stages,
+               step_ms=wall * 1e3, gpu_ms=gpu * 1e3, host_ms=host * 1e3, replay_ms=replay * 1e3,
+               eager_ms=eager * 1e3, weight_bytes=w_bytes, kv_bytes=kv, floor_ms=floor * 1e3,
+               floor_kv_ms=(w_bytes + kv) / bandwidth * 1e3, target_ms=TARGET_MS.get(name),
+               linear_kernels=linears,
+               tokens_valid=all(0 <= t < mcfg.vocab_size for toks in loop.tokens for t in toks))
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama-3.2-1b,llama-3-8b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, help="write per-kernel times of graph replays to PREFIX.<model>.txt")
+    args = ap.parse_args(argv)
+    import triton
+
+    device = torch.device("cuda", 0)
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for name in args.models.split(","):
+        rows.append(bench_model(name, args, bandwidth))
+        gc.collect()  # the model, its KV cache and graphs go before the next one is built
+        torch.cuda.empty_cache()
+    meta = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, triton=triton.__version__,
+                copy_bandwidth_tb_s=bandwidth / 1e12, command=" ".join(sys.argv))
+    head = f"{'model':<14}{'B':>3}{'step ms':>9}{'gpu ms':>8}{'host ms':>8}{'replay':>8}{'eager':>8}" \
+           f"{'floor':>7}{'+kv':>7}{'%floor':>7}{'target':>7}"
+    print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  copy {meta['copy_bandwidth_tb_s']:.2f} TB/s")
+    print(head)
+    for r in rows:
+        target = r["target_ms"]
+        verdict = "-" if target is None else ("ok" if r["step_ms"] <= target else "MISS")
+        print(f"{r['model']:<14}{r['batch']:>3}{r['step_ms']:>9.3f}{r['gpu_ms']:>8.3f}{r['host_ms']:>8.3f}"
+              f"{r['replay_ms']:>8.3f}{r['eager_ms']:>8.2f}{r['floor_ms']:>7.3f}{r['floor_kv_ms']:>7.3f}"
+              f"{100 * r['floor_ms'] / r['step_ms']:>6.0f}%{verdict:>7}")
+    for r in rows:
+        for shape, t in r["linear_kernels"].items():
+            pick = "gemv" if "chosen" in t else "cublas"
+            print(f"  {r['model']} {shape:<18} cublas {t['cublas_ms']:.3f} ms  "
+                  f"best gemv {t['best_gemv_ms'] or 0:.3f} ms  -> {pick}")
+    if args.json:
+        write_json(args.json, dict(meta=meta, rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
