@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Optional
 
 import msgspec
 import torch
@@ -43,6 +44,7 @@ class LaunchedStep:
     event: object  # staging.TokenCopy (synchronize, release) on CUDA; None when the tokens are on the host
     t_start: float
     idle_s: float
+    gpu_events: Optional[tuple] = None  # (start, end) timing events on the compute stream
 
 
 class OutputThread(threading.Thread):
@@ -52,6 +54,16 @@ class OutputThread(threading.Thread):
         super().__init__(name="forerun-output", daemon=True)
         self.sock = sock
         self.steps: queue.SimpleQueue = queue.SimpleQueue()
+        self._prev_end = None  # the previous step's end event, for the GPU's idle gap
+
+    def _gpu_timing(self, step: LaunchedStep) -> tuple[float, float]:
+        """(busy, gap before) in seconds; both events have completed once the copy has."""
+        if step.gpu_events is None:
+            return 0.0, 0.0
+        start, end = step.gpu_events
+        gap = max(0.0, self._prev_end.elapsed_time(start) / 1e3) if self._prev_end is not None else 0.0
+        self._prev_end = end
+        return start.elapsed_time(end) / 1e3, gap
 
     def run(self) -> None:
         while (step := self.steps.get()) is not None:
@@ -64,7 +76,8 @@ class OutputThread(threading.Thread):
             # A device clock that knows when the step ran (the scripted one) overrides the host's view.
             t_start, t_end, idle_s = getattr(step.event, "timing", None) or (
                 step.t_start, time.perf_counter(), step.idle_s)
-            result = p.StepResult(step.step_id, tokens, t_start, t_end, idle_s)
+            busy, gap = self._gpu_timing(step)
+            result = p.StepResult(step.step_id, tokens, t_start, t_end, idle_s, busy, gap)
             self.sock.send(p.encode(result))
 
 
@@ -124,6 +137,14 @@ class Executor:
         self.t_ready = time.perf_counter()
         return p.executor_input_decoder.decode(self.plans.recv())
 
+    def _record_gpu_event(self):
+        """A timing event on the compute stream (CUDA only): where the GPU is in the step stream."""
+        if not self.cfg.device.startswith("cuda"):
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def run(self) -> None:
         self.output.start()
         worker = self.worker
@@ -133,10 +154,13 @@ class Executor:
             if isinstance(plan, p.Shutdown):
                 break
             t_start = self.t_ready
+            events = self._record_gpu_event()
             batch = worker.prepare(plan)
             tokens = worker.launch(plan, batch)
+            if events is not None:
+                events = (events, self._record_gpu_event())
             host, event = worker.copy_out(tokens)
-            self.output.steps.put(LaunchedStep(plan.step_id, host, event, t_start, t_start - t_wait))
+            self.output.steps.put(LaunchedStep(plan.step_id, host, event, t_start, t_start - t_wait, events))
         self.output.steps.put(None)
         self.output.join(timeout=5)
 

@@ -234,6 +234,10 @@ class StepResult(_Msg, tag="step_result"):
     t_start: float = 0.0
     t_end: float = 0.0
     idle_s: float = 0.0
+    # On CUDA, from timing events on the compute stream: the step's GPU time, and how long the
+    # GPU sat idle between the previous step's end and this step's start (0 when it was queued).
+    gpu_busy_s: float = 0.0
+    gpu_gap_s: float = 0.0
 
 
 class ExecutorFatal(_Msg, tag="executor_fatal"):

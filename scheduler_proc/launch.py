@@ -35,6 +35,10 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                         "seed is EOS (repeatable)")
     s.add_argument("--tokenizer", default=None, help="folder with tokenizer files (default: the model folder)")
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    s.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
+                   help="attention/norm/sampling kernels (auto: Triton on cuda, torch on cpu)")
+    s.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run pure-decode steps eagerly instead of replaying captured CUDA graphs")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda)")
     s.add_argument("--num-kv-blocks", type=int, default=None,
@@ -150,6 +154,13 @@ class _Progress:
             self.bar = None
 
 
+def _executor_overrides(args) -> dict:
+    """ExecutorConfig fields that only some flags set."""
+    if args.load_format == "scripted":
+        return {"scripted_step_latency_s": args.scripted_step_ms / 1000, "scripted_eos_at": dict(args.scripted_eos_at)}
+    return {"kernels": args.kernels, "cuda_graphs": not args.no_cuda_graphs}
+
+
 def serve(args) -> int:
     try:
         cfg = ServerConfig(
@@ -159,9 +170,7 @@ def serve(args) -> int:
             max_model_len=args.max_model_len, kv_memory_fraction=args.kv_memory_fraction,
             pipeline_depth=args.pipeline_depth, client_address=args.address, debug_checks=args.debug_checks,
             executor_threads=args.executor_threads, step_log=args.step_log,
-            executor_overrides={"scripted_step_latency_s": args.scripted_step_ms / 1000,
-                                "scripted_eos_at": dict(args.scripted_eos_at)}
-            if args.load_format == "scripted" else {},
+            executor_overrides=_executor_overrides(args),
         )
     except ValueError as e:
         raise SystemExit(f"forerun: {e}")

@@ -304,7 +304,8 @@ class Server:
     def _record_step(self, result: p.StepResult) -> None:
         rows = len(self.planner.inflight[0].requests)
         self.step_records.append(
-            (result.step_id, result.t_start, result.t_end, result.idle_s, rows, len(result.token_ids)))
+            (result.step_id, result.t_start, result.t_end, result.idle_s, rows, len(result.token_ids),
+             result.gpu_busy_s, result.gpu_gap_s))
         if len(self.step_records) >= STEP_LOG_FLUSH:
             self._flush_step_log()
 
@@ -312,7 +313,7 @@ class Server:
         """Append the buffered step records to --step-log as JSON lines (rarely: off the hot path)."""
         if not self.step_records:
             return
-        keys = ("step_id", "t_start", "t_end", "idle_s", "num_rows", "num_tokens")
+        keys = ("step_id", "t_start", "t_end", "idle_s", "num_rows", "num_tokens", "gpu_busy_s", "gpu_gap_s")
         with open(self.cfg.step_log, "a") as f:
             f.writelines(json.dumps(dict(zip(keys, r))) + "\n" for r in self.step_records)
         self.step_records.clear()

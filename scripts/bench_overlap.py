@@ -18,7 +18,7 @@ window (every request decoding, the first and last tenth trimmed):
 ``--client sdk`` (default) drives the server through ``ipc.client.AsyncClient``;
 ``--client raw`` speaks the wire protocol directly and asks for batched
 ``TokenDeltas``, which shows the scheduler's own limit when the SDK is not
-the bottleneck (the SDK does not ask for batches yet).
+the bottleneck (the SDK asks for batches too).
 """
 
 from __future__ import annotations
