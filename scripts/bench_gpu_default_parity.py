@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -29,24 +28,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_gpu_pipeline import stop_server  # noqa: E402
+from bench_gpu_pipeline import start_server, stop_server  # noqa: E402
 from executor_proc.default_model import default_gguf_path, ensure_default_model  # noqa: E402
 from ipc.client import AsyncClient  # noqa: E402
 from tests.conftest import CHAT_PROMPTS  # noqa: E402
 
 NEW_TOKENS = 48
-
-
-def serve(extra: list[str], tmp: str) -> tuple[subprocess.Popen, str]:
-    address = f"ipc://{tmp}/c.sock"
-    cmd = [sys.executable, "-m", "scheduler_proc.launch", "serve", "--device", "cuda", "--address", address,
-           "--quiet", *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
-    for line in proc.stdout:
-        if "ready at" in line:
-            return proc, address
-    raise RuntimeError("server exited during start-up")
 
 
 async def forerun_greedy(address: str, prompts: list[list[int]]) -> list[list[int]]:
@@ -90,7 +77,8 @@ def main() -> None:
 
     report = {}
     for name, extra in (("fast", []), ("eager", ["--kernels", "torch", "--no-cuda-graphs"])):
-        proc, address = serve(extra, tempfile.mkdtemp(prefix="frp", dir="/tmp"))
+        address = f"ipc://{tempfile.mkdtemp(prefix='frp', dir='/tmp')}/c.sock"
+        proc = start_server(address, *extra)
         try:
             ours = asyncio.run(forerun_greedy(address, prompts))
         finally:

@@ -32,10 +32,10 @@ sys.path.insert(0, ROOT)
 from ipc.client import AsyncClient  # noqa: E402
 
 
-def start_server(model: str, depth: int, step_log: str, address: str, slots: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "scheduler_proc.launch", "serve", "--device", "cuda", "--load-format", "dummy",
-           "--model", model, "--max-num-seqs", str(slots), "--pipeline-depth", str(depth),
-           "--step-log", step_log, "--address", address, "--quiet"]
+def start_server(address: str, *flags: str) -> subprocess.Popen:
+    """``forerun serve --device cuda`` with ``flags``, once it prints that it is ready."""
+    cmd = [sys.executable, "-m", "scheduler_proc.launch", "serve", "--device", "cuda", "--address", address,
+           "--quiet", *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
     for line in proc.stdout:
@@ -95,7 +95,8 @@ def main() -> None:
     for depth in args.depths:
         tmp = tempfile.mkdtemp(prefix="frg", dir="/tmp")
         log, address = os.path.join(tmp, "steps.jsonl"), f"ipc://{tmp}/c.sock"
-        proc = start_server(args.model, depth, log, address, slots=256)
+        proc = start_server(address, "--load-format", "dummy", "--model", args.model, "--max-num-seqs", "256",
+                            "--pipeline-depth", str(depth), "--step-log", log)
         try:
             asyncio.run(lockstep_decode(address, 8, 16, 8, vocab))  # warm-up
             wall = asyncio.run(lockstep_decode(address, args.batch, 128, args.new_tokens, vocab))
