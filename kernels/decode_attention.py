@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from . import _compat  # noqa: F401  (interpreter fixes)
+from .paged_kv import load_kv_tile
 
 from .reference import decode_attention_ref  # noqa: F401  (re-exported)
 
@@ -85,13 +86,8 @@ def _split_kernel(
     for tile in range(tile_lo, tile_hi):
         t = tile * BLOCK_N + offs_n
         t_mask = t < ctx
-        blk = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        off = (t % BLOCK_SIZE).to(tl.int64)
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + (blk * stride_kb + off * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + (blk * stride_vb + off * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_ptr, v_ptr, bt_row, t, t_mask, kvh, offs_d, d_mask,
+                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2 units
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
