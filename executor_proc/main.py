@@ -28,7 +28,7 @@ import msgspec
 import torch
 import zmq
 
-from executor_proc.config import ExecutorConfig
+from ipc.config import ExecutorConfig
 from ipc import protocol as p
 from ipc.sockets import make_socket
 
@@ -102,26 +102,22 @@ class Executor:
         engine = build_engine(cfg, lambda stage, done, total: self.send(p.LoadProgress(stage, done, total)))
         self.worker, mcfg = engine.worker, engine.model_config
         self.send(p.ExecutorReady(
-            model_name=cfg.model_name or os.path.basename(cfg.model.rstrip("/")),
-            num_slots=cfg.num_slots, num_kv_blocks=engine.num_kv_blocks, block_size=cfg.block_size,
-            max_model_len=engine.max_model_len, vocab_size=mcfg.vocab_size, eos_token_ids=list(mcfg.eos_token_ids),
-            tokenizer_path=cfg.tokenizer_path or cfg.model, device=str(engine.device), dtype=cfg.resolved_dtype(),
-        ))
+            num_kv_blocks=engine.num_kv_blocks, max_model_len=engine.max_model_len, vocab_size=mcfg.vocab_size,
+            eos_token_ids=list(mcfg.eos_token_ids), device=str(engine.device), dtype=cfg.resolved_dtype()))
         gc.freeze()  # the hot loop must not pay for scanning start-up objects (see _setup_scripted)
 
     def _setup_scripted(self) -> None:
         from executor_proc.scripted import ScriptedExecutor, ScriptedWorker
 
-        cfg = self.cfg
+        cfg, script = self.cfg, self.cfg.scripted
         num_blocks = cfg.num_kv_blocks or 4096
         self.worker = ScriptedWorker(ScriptedExecutor(
-            cfg.num_slots, num_blocks, cfg.block_size, vocab_size=cfg.scripted_vocab_size,
-            eos_at=dict(cfg.scripted_eos_at), tokens_at={s: dict(t) for s, t in cfg.scripted_tokens_at.items()}),
-            step_latency_s=cfg.scripted_step_latency_s)
+            cfg.num_slots, num_blocks, cfg.block_size, vocab_size=script.vocab_size,
+            eos_at=dict(script.eos_at), tokens_at={s: dict(t) for s, t in script.tokens_at.items()}),
+            step_latency_s=script.step_latency_s)
         self.send(p.ExecutorReady(
-            model_name="scripted", num_slots=cfg.num_slots, num_kv_blocks=num_blocks, block_size=cfg.block_size,
-            max_model_len=cfg.max_model_len or 4096, vocab_size=cfg.scripted_vocab_size, eos_token_ids=[2],
-            tokenizer_path=cfg.tokenizer_path, device="cpu", dtype="none"))
+            num_kv_blocks=num_blocks, max_model_len=cfg.max_model_len or 4096, vocab_size=script.vocab_size,
+            eos_token_ids=[2], device="cpu", dtype="none"))
         # torch's ~170k start-up objects make a full GC pass ~90 ms; frozen, they are never scanned again.
         gc.freeze()
 
@@ -172,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = msgspec.json.decode(argv[0], type=ExecutorConfig)
     # One core is left to the scheduler and clients: OpenMP matmuls that share a core slow down tenfold.
-    default_threads = max(1, (os.cpu_count() or 2) - 1)
-    torch.set_num_threads(int(os.environ.get("FORERUN_EXECUTOR_THREADS", default_threads)))
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
     ex = Executor(cfg)
     try:
         ex.setup()

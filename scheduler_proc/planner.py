@@ -41,25 +41,11 @@ import msgspec
 
 from ipc.protocol import Admit, SlotSampling, StepPlan, StepResult
 from scheduler_proc.block_allocator import BlockAllocator, Pool
+from scheduler_proc.limits import Limits
 from scheduler_proc.request import Request, Status
 
 _RUNNING = Status.RUNNING
 _FINISHED = Status.FINISHED
-
-
-@dataclass(frozen=True)
-class PlannerLimits:
-    num_slots: int
-    num_kv_blocks: int
-    block_size: int
-    max_model_len: int
-    max_num_batched_tokens: int
-    eos_token_ids: frozenset[int] = frozenset()
-
-    def __post_init__(self):
-        for name in ("num_slots", "num_kv_blocks", "block_size", "max_model_len", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 class InflightStep:
@@ -107,7 +93,7 @@ class Output(msgspec.Struct, gc=False):
 
 @dataclass
 class Planner:
-    limits: PlannerLimits
+    limits: Limits
     waiting: deque[Request] = field(default_factory=deque)
     inflight: deque[InflightStep] = field(default_factory=deque)
 

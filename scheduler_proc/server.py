@@ -24,21 +24,21 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Optional
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from executor_proc.config import ExecutorConfig
 from ipc import protocol as p
+from ipc.models import ModelSource
 from ipc.sockets import MAX_CLIENT_MESSAGE_BYTES, ipc_address, make_socket, new_run_dir
 from scheduler_proc.config import ServerConfig
 from scheduler_proc.executor_process import describe_exit, spawn_executor, wait_ready
-from scheduler_proc.planner import Output, Planner, PlannerLimits
+from scheduler_proc.limits import Limits
+from scheduler_proc.planner import Output, Planner
 from scheduler_proc.request import Request
-from scheduler_proc.validate import InvalidRequest, ModelLimits, decode_client_frame, validate_generate
+from scheduler_proc.validate import InvalidRequest, decode_client_frame, validate_generate
 
 # The transport drops (and disconnects) frames above this; frames between the
 # application limit and this one get a clear error instead.
@@ -47,16 +47,9 @@ WATCHDOG_INTERVAL_S = 0.05
 STEP_LOG_FLUSH = 10_000  # step records kept in memory before they are appended to --step-log
 
 
-@dataclass
-class ModelInfo:
-    name: str
-    tokenizer_path: str
-
-
 class Server:
-    def __init__(self, cfg: ServerConfig, model_path: str, model: ModelInfo):
+    def __init__(self, cfg: ServerConfig, model: ModelSource):
         self.cfg = cfg
-        self.model_path = model_path
         self.model = model
         self.run_dir = cfg.run_dir or new_run_dir()
         self.client_address = cfg.client_address or ipc_address(self.run_dir, "client")
@@ -80,32 +73,20 @@ class Server:
         result_addr = ipc_address(self.run_dir, "results")
         self.plans = make_socket(self.ctx, zmq.PUSH, plan_addr, bind=True)
         self.results = make_socket(self.ctx, zmq.PULL, result_addr, bind=True)
-        ecfg = ExecutorConfig(
-            model=self.model_path, plan_addr=plan_addr, result_addr=result_addr,
-            load_format=cfg.load_format, device=cfg.device, dtype=cfg.dtype, num_slots=cfg.max_num_seqs,
-            block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, kv_memory_fraction=cfg.kv_memory_fraction,
-            max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            tokenizer_path=self.model.tokenizer_path, model_name=self.model.name, parent_pid=os.getpid(),
-        )
-        if cfg.executor_overrides:
-            ecfg = msgspec.structs.replace(ecfg, **cfg.executor_overrides)
-        self.proc = spawn_executor(ecfg, cfg.executor_threads)
+        ecfg = msgspec.structs.replace(cfg.executor, model=self.model.path, plan_addr=plan_addr,
+                                       result_addr=result_addr, parent_pid=os.getpid())
+        self.proc = spawn_executor(ecfg)
         sync_results = zmq.Socket.shadow(self.results.underlying)
         self.ready = wait_ready(self.proc, sync_results, cfg.executor_start_timeout_s, on_progress)
-        r = self.ready
-        self.limits = ModelLimits(r.vocab_size, r.max_model_len, r.num_kv_blocks, r.block_size)
-        self.planner = Planner(PlannerLimits(
-            num_slots=r.num_slots, num_kv_blocks=r.num_kv_blocks, block_size=r.block_size,
-            max_model_len=r.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            eos_token_ids=frozenset(r.eos_token_ids),
-        ))
+        self.limits = Limits.of(ecfg, self.ready)
+        self.planner = Planner(self.limits)
         self.frontend = make_socket(self.ctx, zmq.ROUTER, self.client_address, bind=True,
                                     max_msg_bytes=TRANSPORT_MAX_MESSAGE_BYTES, hwm=0)  # a ROUTER drops at its HWM: never
         # Plain (non-asyncio) views for the per-step sends: an asyncio send costs several
         # times more (a Future and Flag-enum arithmetic per message).
         self._plans_now = zmq.Socket.shadow(self.plans.underlying)
         self._frontend_now = zmq.Socket.shadow(self.frontend.underlying)
-        return r
+        return self.ready
 
     # ------------------------------------------------------------ main loop
 
@@ -213,8 +194,8 @@ class Server:
         else:
             self.batch_clients.discard(client)
         self._send(client, p.ServerInfo(
-            protocol_version=p.PROTOCOL_VERSION, model_name=r.model_name, max_model_len=r.max_model_len,
-            vocab_size=r.vocab_size, tokenizer_path=r.tokenizer_path, eos_token_ids=r.eos_token_ids,
+            protocol_version=p.PROTOCOL_VERSION, model_name=self.model.name, max_model_len=r.max_model_len,
+            vocab_size=r.vocab_size, tokenizer_path=self.model.tokenizer_path, eos_token_ids=r.eos_token_ids,
             device=r.device, dtype=r.dtype, pipeline_depth=self.cfg.pipeline_depth, batch_deltas=msg.batch_deltas))
 
     def _on_generate(self, client: bytes, msg: p.Generate) -> None:

@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 from typing import Optional, Union
 
 import msgspec
 
 from ipc import protocol as p
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    vocab_size: int
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
+from scheduler_proc.limits import Limits
 
 
 class InvalidRequest(Exception):
@@ -63,7 +55,7 @@ def _finite(field: str, value: float) -> float:
     return value
 
 
-def validate_generate(msg: p.Generate, limits: ModelLimits) -> None:
+def validate_generate(msg: p.Generate, limits: Limits) -> None:
     """Raise InvalidRequest for the first field that breaks a limit."""
     if not msg.request_id or len(msg.request_id) > p.MAX_REQUEST_ID_LEN:
         raise InvalidRequest("request_id", f"request_id must be 1 to {p.MAX_REQUEST_ID_LEN} characters")

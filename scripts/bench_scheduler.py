@@ -35,7 +35,8 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc import protocol as p  # noqa: E402
-from scheduler_proc.planner import Planner, PlannerLimits  # noqa: E402
+from scheduler_proc.limits import Limits  # noqa: E402
+from scheduler_proc.planner import Planner  # noqa: E402
 from scheduler_proc.request import Request  # noqa: E402
 from scripts._bench_util import percentile, write_json  # noqa: E402
 
@@ -74,7 +75,7 @@ class Workload:
         self.running = running
         self.rid = 0
         max_len = 1 << 20
-        self.limits = PlannerLimits(num_slots=running, num_kv_blocks=running * 64, block_size=BLOCK_SIZE,
+        self.limits = Limits(num_slots=running, num_kv_blocks=running * 64, block_size=BLOCK_SIZE,
                                     max_model_len=max_len, max_num_batched_tokens=max(BUDGET, running),
                                     eos_token_ids=frozenset({2}))
 

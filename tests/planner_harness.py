@@ -20,7 +20,8 @@ from typing import Optional
 
 from executor_proc.scripted import ScriptedExecutor, expected_output
 from ipc.protocol import SamplingParams, StepPlan
-from scheduler_proc.planner import Output, Planner, PlannerLimits
+from scheduler_proc.limits import Limits
+from scheduler_proc.planner import Output, Planner
 from scheduler_proc.request import Request, Status
 
 EOS = 2
@@ -125,7 +126,7 @@ def run(
     ``burst``: reconcile every in-flight step at once, as the server does
     when several results are queued.
     """
-    limits = PlannerLimits(num_slots, num_blocks, block_size, max_len, budget, frozenset({EOS}))
+    limits = Limits(num_slots, num_blocks, block_size, max_len, budget, frozenset({EOS}))
     planner = Planner(limits)
     reqs = [make_request(i, **s) for i, s in enumerate(specs)]
     eos_pos = {reqs[i].seed: len(reqs[i].prompt) + k for i, k in (eos_at or {}).items()}

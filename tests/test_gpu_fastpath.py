@@ -16,7 +16,7 @@ from collections import deque
 import pytest
 import torch
 
-from executor_proc.config import ExecutorConfig
+from ipc.config import ExecutorConfig
 from executor_proc.cuda_graphs import graph_buckets
 from executor_proc.decode_step import argmax_rows
 from executor_proc.engine import GRAPH_STAGE, build_engine

@@ -1,0 +1,96 @@
+"""Configuration that crosses the process boundary: declared once, typed, validated once.
+
+The scheduler builds an :class:`ExecutorConfig` (from the CLI, whose defaults are
+read from here) and hands it to the executor process as msgspec JSON.  Every
+default of an executor setting lives in this file and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import msgspec
+
+LoadFormat = Literal["auto", "hf", "gguf", "dummy", "scripted"]
+Kernels = Literal["auto", "triton", "torch"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+# The paged attention kernels index a block with shifts and masks: a power of two up to this.
+MAX_BLOCK_SIZE = 256
+
+
+class _Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    pass
+
+
+class ScriptedOptions(_Config):
+    """The scripted executor (``load_format="scripted"``): no model, tokens from a seeded script."""
+
+    vocab_size: int = 1000
+    step_latency_s: float = 0.0  # how long each simulated step takes
+    eos_at: dict[int, int] = {}  # seed -> absolute position whose token is EOS
+    tokens_at: dict[int, dict[int, int]] = {}  # seed -> {position: token} (e.g. stop tokens)
+
+
+class ExecutorConfig(_Config):
+    """Everything the executor needs to build itself; the scheduler fills in the addresses."""
+
+    model: str = ""  # HF folder, .gguf file, config.json for dummy weights; "" = the default model
+    load_format: LoadFormat = "auto"
+    device: str = "cpu"
+    dtype: Dtype = "auto"  # auto: float32 on cpu, bfloat16 on cuda
+    kernels: Kernels = "auto"  # auto: Triton on cuda, torch on cpu
+    cuda_graphs: bool = True  # capture pure-decode steps (with Triton kernels on cuda)
+    cuda_graph_max_batch: Optional[int] = None  # largest graph bucket; None: num_slots
+    num_slots: int = 64  # most requests running at once
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: Optional[int] = None  # None: sized from free memory
+    kv_memory_fraction: float = 0.85  # of free device memory after weights (cuda)
+    max_model_len: Optional[int] = None  # None: the model's context length
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    threads: Optional[int] = None  # torch CPU threads; None: all cores but one
+    scripted: ScriptedOptions = ScriptedOptions()
+    # Filled in by the scheduler when it starts the executor.
+    plan_addr: str = ""  # the executor PULLs plans here (the scheduler binds)
+    result_addr: str = ""  # the executor PUSHes results here (the scheduler binds)
+    parent_pid: int = 0  # the executor exits when this process goes away
+
+    def __post_init__(self) -> None:
+        check_executor_config(self)
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+
+def check_executor_config(cfg: ExecutorConfig) -> None:
+    """Raise ValueError naming the field and its limit for anything the executor cannot run."""
+    bs = cfg.block_size
+    if bs < 1 or bs > MAX_BLOCK_SIZE or bs & (bs - 1):
+        raise ValueError(f"block_size must be a power of two between 1 and {MAX_BLOCK_SIZE}, got {bs}")
+    _at_least("num_slots", cfg.num_slots, 1)
+    _at_least("max_num_batched_tokens", cfg.max_num_batched_tokens, 1)
+    for name in ("num_kv_blocks", "max_model_len", "threads", "cuda_graph_max_batch"):
+        value = getattr(cfg, name)
+        if value is not None:
+            _at_least(name, value, 1)
+    if not 0 < cfg.kv_memory_fraction <= 1:
+        raise ValueError(f"kv_memory_fraction must be in (0, 1], got {cfg.kv_memory_fraction}")
+    if cfg.scripted.vocab_size < 3:
+        raise ValueError(f"scripted.vocab_size must be at least 3, got {cfg.scripted.vocab_size}")
+    if cfg.scripted.step_latency_s < 0:
+        raise ValueError(f"scripted.step_latency_s must be >= 0, got {cfg.scripted.step_latency_s}")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{name} must be at least {low}, got {value}")
+
+
+def default_of(struct: type, name: str):
+    """The declared default of a config field: the CLI's defaults come from here, never written twice."""
+    for f in msgspec.structs.fields(struct):
+        if f.name == name:
+            return f.default
+    raise KeyError(name)

@@ -1,0 +1,31 @@
+"""What the scheduler plans and validates within: one struct, built once the executor is ready."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ipc.config import ExecutorConfig
+from ipc.protocol import ExecutorReady
+
+
+@dataclass(frozen=True)
+class Limits:
+    num_slots: int
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    vocab_size: int = 2**31 - 1
+
+    def __post_init__(self):
+        for name in ("num_slots", "num_kv_blocks", "block_size", "max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def of(cls, cfg: ExecutorConfig, ready: ExecutorReady) -> "Limits":
+        """What the scheduler asked for (slots, block size, token budget) and what the executor decided."""
+        return cls(num_slots=cfg.num_slots, num_kv_blocks=ready.num_kv_blocks, block_size=cfg.block_size,
+                   max_model_len=ready.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                   eos_token_ids=frozenset(ready.eos_token_ids), vocab_size=ready.vocab_size)
