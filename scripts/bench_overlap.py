@@ -36,10 +36,8 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import zmq  # noqa: E402
-import zmq.asyncio  # noqa: E402
-
 from ipc import protocol as p  # noqa: E402
+from ipc.client.raw import RawConnection  # noqa: E402
 from scripts._bench_util import percentile, write_json  # noqa: E402
 from tests.server_proc import ServerProcess  # noqa: E402
 
@@ -86,37 +84,14 @@ async def drive_sdk(address: str, n: int, max_tokens: int) -> int:
 
 
 async def drive_raw(address: str, n: int, max_tokens: int) -> int:
-    """The same load on a bare DEALER socket that reads batched TokenDeltas."""
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    try:
-        await sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, "bench_overlap", batch_deltas=True)))
-        info = p.server_reply_decoder.decode(await sock.recv())
-        assert isinstance(info, p.ServerInfo) and info.batch_deltas, info
+    """The same load on a bare connection that reads batched TokenDeltas."""
+    async with RawConnection(address, timeout=None) as conn:
+        info = await conn.hello("bench_overlap", batch_deltas=True)
+        assert info.batch_deltas, info
         sampling = p.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        for i in range(n):
-            await sock.send(p.encode(p.Generate(f"b{i}", PROMPT, sampling)))
-        received = dict.fromkeys((f"b{i}" for i in range(n)), 0)
-        finished = 0
-        while finished < n:
-            msg = p.server_reply_decoder.decode(await sock.recv())
-            if isinstance(msg, p.TokenDeltas):
-                for rid, toks in zip(msg.request_ids, msg.token_ids):
-                    received[rid] += len(toks)
-            elif isinstance(msg, p.TokenDelta):
-                received[msg.request_id] += len(msg.token_ids)
-            elif isinstance(msg, p.Finished):
-                received[msg.request_id] += len(msg.token_ids)
-                assert received[msg.request_id] == msg.completion_tokens == max_tokens, msg
-                finished += 1
-            elif isinstance(msg, p.Error):
-                raise RuntimeError(f"server error: {msg}")
-        return sum(received.values())
-    finally:
-        sock.close()
-        ctx.term()
+        run = await conn.run_requests([p.Generate(f"b{i}", PROMPT, sampling) for i in range(n)])
+    assert all(fin.completion_tokens == max_tokens for fin in run.finished.values()), run.finished
+    return sum(len(ids) for ids in run.token_ids.values())
 
 
 # ----------------------------------------------------------------------- runs

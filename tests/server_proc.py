@@ -9,10 +9,8 @@ import sys
 import time
 import uuid
 
-import zmq
-import zmq.asyncio
-
 from ipc import protocol as p
+from ipc.client.raw import RawConnection
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,17 +47,9 @@ class ServerProcess:
 
 
 async def server_stats(address: str) -> p.ServerStats:
-    """Ask a server for its pool counters over a raw socket (the SDK has no need for them)."""
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    try:
-        await sock.send(p.encode(p.GetStats()))
-        return p.server_reply_decoder.decode(await asyncio.wait_for(sock.recv(), 10))
-    finally:
-        sock.close()
-        ctx.term()
+    """Ask a server for its pool counters over a raw connection (the SDK has no need for them)."""
+    async with RawConnection(address, timeout=10) as conn:
+        return await conn.stats()
 
 
 async def wait_idle(address: str) -> p.ServerStats:

@@ -21,6 +21,7 @@ import pytest
 import zmq
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+import ipc.client
 from ipc.client import (
     AsyncClient,
     BadFrameError,
@@ -30,7 +31,8 @@ from ipc.client import (
     InvalidRequestError,
     ProtocolError,
 )
-from ipc.detokenizer import IncrementalDetokenizer
+from ipc.client.detokenizer import IncrementalDetokenizer
+from ipc.client.raw import RawConnection
 from ipc.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -38,6 +40,7 @@ from ipc.protocol import (
     Finished,
     Generate,
     Hello,
+    SamplingParams,
     ServerInfo,
     TokenDelta,
     client_request_decoder,
@@ -443,6 +446,68 @@ async def test_connect_times_out_without_server(address):
     with pytest.raises(TimeoutError):
         await client.connect()
     await client.close()
+
+
+async def test_sampling_struct_and_keyword_overrides_merge(serve, address):
+    server = serve(lambda g: finish_script(g, [5]))
+    base = SamplingParams(max_tokens=3, temperature=0.7, top_k=5, seed=9)
+    async with AsyncClient(address, timeout=5) as client:
+        await client.generate(prompt_token_ids=[1], sampling=base, temperature=0, detokenize=False)
+        await client.generate(prompt_token_ids=[1], sampling=base, detokenize=False)
+        async for _ in client.stream(prompt_token_ids=[1], stop_token_ids=(7, 8), detokenize=False):
+            pass
+    merged, plain, streamed = (g.sampling for g in server.generates)
+    # The keyword wins, the struct's other fields stay, and the struct's type applies (0 -> 0.0).
+    assert merged == SamplingParams(max_tokens=3, temperature=0.0, top_k=5, seed=9)
+    assert type(merged.temperature) is float
+    assert plain == base and base.temperature == 0.7  # the caller's struct is not changed
+    assert streamed == SamplingParams(stop_token_ids=[7, 8])
+
+
+async def test_unknown_or_mistyped_sampling_keyword_is_refused_before_sending(serve, address):
+    server = serve(lambda g: finish_script(g, [5]))
+    async with AsyncClient(address, timeout=5) as client:
+        with pytest.raises(TypeError, match="'temprature'"):
+            await client.generate(prompt_token_ids=[1], temprature=0)
+        with pytest.raises(TypeError, match="'bogus'"):
+            client.stream(prompt_token_ids=[1], bogus=1)
+        with pytest.raises(InvalidRequestError) as info:
+            await client.generate(prompt_token_ids=[1], max_tokens="8")
+        assert info.value.field == "sampling.max_tokens"
+        assert client.in_flight == 0
+    with Client(address, timeout=5) as blocking:
+        with pytest.raises(TypeError, match="'temprature'"):
+            blocking.generate(prompt_token_ids=[1], temprature=0)
+        with pytest.raises(TypeError, match="'temprature'"):
+            blocking.stream(prompt_token_ids=[1], temprature=0)
+    assert server.generates == []
+
+
+def test_forerun_package_reexports_the_sdk():
+    import forerun
+    from forerun import AsyncClient as A, Client as C, ForerunError as E, SamplingParams as S
+
+    assert (A, C, E, S) == (AsyncClient, Client, ForerunError, SamplingParams)
+    assert forerun.__all__ == ipc.client.__all__
+    assert all(getattr(forerun, name) is getattr(ipc.client, name) for name in ipc.client.__all__)
+
+
+async def test_raw_connection_runs_requests_and_checks_counts(serve, address):
+    def script(gen: Generate) -> list:
+        if gen.request_id == "bad":  # Finished claims more tokens than were sent
+            return [Finished(request_id="bad", reason="length", prompt_tokens=1, completion_tokens=3,
+                             token_ids=[4])]
+        return finish_script(gen, [t + 1 for t in gen.prompt_token_ids], in_finished=2)
+
+    serve(script)
+    async with RawConnection(address, timeout=5) as conn:
+        info = await conn.hello("test")
+        assert info.model_name == "fake"
+        run = await conn.run_requests([Generate("a", [1, 2, 3]), Generate("b", [7, 8])])
+        assert run.token_ids == {"a": [2, 3, 4], "b": [8, 9]}
+        assert {rid: fin.reason for rid, fin in run.finished.items()} == {"a": "length", "b": "length"}
+        with pytest.raises(RuntimeError, match="completion_tokens 3, received 1"):
+            await conn.run_requests([Generate("bad", [1])])
 
 
 # ---------------------------------------------------------------------------

@@ -10,11 +10,10 @@ import time
 
 import msgspec
 import pytest
-import zmq
-import zmq.asyncio
 
 from ipc import protocol as p
 from ipc.client import AsyncClient, Client, ExecutorFailedError, ForerunError
+from ipc.client.raw import RawConnection
 from tests.conftest import CHAT_PROMPTS
 from tests.server_proc import assert_no_leak, wait_idle
 
@@ -137,35 +136,24 @@ async def test_bad_input_each_gets_clear_error_and_server_keeps_serving(model_se
             assert ok.completion_tokens == 2
 
     # Raw frames: unknown fields, garbage, multi-frame, oversized.
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(srv.address)
-
-    async def reply():
-        return p.server_reply_decoder.decode(await asyncio.wait_for(sock.recv(), 10))
-
-    try:
+    async with RawConnection(srv.address, timeout=10) as conn:
         bad = msgspec.msgpack.encode({"type": "generate", "request_id": "u1", "prompt_token_ids": [1, 2],
                                       "sampling": {"max_tokens": 2, "bogus": 1}})
-        await sock.send(bad)
-        err = await reply()
+        await conn.send_frames(bad)
+        err = await conn.recv()
         assert isinstance(err, p.Error) and err.field == "sampling.bogus" and err.request_id == "u1"
-        await sock.send(b"\xc1\xff garbage")
-        err = await reply()
+        await conn.send_frames(b"\xc1\xff garbage")
+        err = await conn.recv()
         assert isinstance(err, p.Error) and err.code == "bad_frame"
-        await sock.send_multipart([b"a", b"b"])
-        err = await reply()
+        await conn.send_frames(b"a", b"b")
+        err = await conn.recv()
         assert isinstance(err, p.Error) and err.code == "bad_frame"
-        await sock.send(b"\x00" * (17 * 1024 * 1024))
-        err = await reply()
+        await conn.send_frames(b"\x00" * (17 * 1024 * 1024))
+        err = await conn.recv()
         assert isinstance(err, p.Error) and err.code == "bad_frame" and "limit" in err.message
-        await sock.send(p.encode(p.Hello(protocol_version=999)))
-        err = await reply()
+        await conn.send(p.Hello(protocol_version=999))
+        err = await conn.recv()
         assert isinstance(err, p.Error) and err.code == "protocol"
-    finally:
-        sock.close()
-        ctx.term()
     with Client(srv.address, timeout=120) as c:
         assert c.generate(prompt_token_ids=good, max_tokens=3, temperature=0.0).completion_tokens == 3
 

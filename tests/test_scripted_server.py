@@ -13,12 +13,11 @@ import asyncio
 import json
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from executor_proc.scripted import ScriptedExecutor, expected_output
 from ipc import protocol as p
 from ipc.client import AsyncClient
+from ipc.client.raw import RawConnection
 from tests.server_proc import ServerProcess, wait_idle
 
 PROMPT_LEN = 5
@@ -59,40 +58,18 @@ async def _sdk_requests(address: str) -> dict[int, tuple[list[int], str]]:
 
 
 async def _raw_batched_requests(address: str) -> tuple[dict[int, tuple[list[int], str]], int]:
-    """The same requests on a bare DEALER that reads TokenDeltas; also returns how many batches came."""
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    try:
-        await sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, "test", batch_deltas=True)))
-        info = p.server_reply_decoder.decode(await asyncio.wait_for(sock.recv(), 30))
-        assert isinstance(info, p.ServerInfo) and info.batch_deltas
-        for seed in range(NUM_REQUESTS):
-            sampling = p.SamplingParams(max_tokens=10 + seed % 20, temperature=0.0, seed=seed)
-            await sock.send(p.encode(p.Generate(f"s{seed}", prompt(seed), sampling)))
-        tokens: dict[int, list[int]] = {seed: [] for seed in range(NUM_REQUESTS)}
-        done: dict[int, tuple[list[int], str]] = {}
-        batches = 0
-        while len(done) < NUM_REQUESTS:
-            msg = p.server_reply_decoder.decode(await asyncio.wait_for(sock.recv(), 30))
-            if isinstance(msg, p.TokenDeltas):
-                batches += 1
-                assert len(set(msg.request_ids)) == len(msg.request_ids), "a request twice in one batch"
-                for rid, toks in zip(msg.request_ids, msg.token_ids):
-                    assert int(rid[1:]) not in done, f"{rid}: tokens after its finish"
-                    tokens[int(rid[1:])] += toks
-            elif isinstance(msg, p.Finished):
-                seed = int(msg.request_id[1:])
-                tokens[seed] += msg.token_ids
-                assert msg.completion_tokens == len(tokens[seed]) and msg.prompt_tokens == PROMPT_LEN
-                done[seed] = (tokens[seed], msg.reason)
-            else:
-                raise AssertionError(f"unexpected {msg}")
-        return done, batches
-    finally:
-        sock.close()
-        ctx.term()
+    """The same requests on a bare connection that reads TokenDeltas; also returns how many batches came."""
+    async with RawConnection(address, timeout=30) as conn:
+        info = await conn.hello("test", batch_deltas=True)
+        assert info.batch_deltas
+        # run_requests also checks: no request twice in a batch, no tokens after a finish, counts match.
+        run = await conn.run_requests([
+            p.Generate(f"s{seed}", prompt(seed), p.SamplingParams(max_tokens=10 + seed % 20, temperature=0.0,
+                                                                  seed=seed))
+            for seed in range(NUM_REQUESTS)])
+    assert all(fin.prompt_tokens == PROMPT_LEN for fin in run.finished.values())
+    done = {int(rid[1:]): (run.token_ids[rid], fin.reason) for rid, fin in run.finished.items()}
+    return done, run.batches
 
 
 def test_sdk_and_batched_clients_get_the_script_exactly(server):

@@ -1,0 +1,60 @@
+"""The client SDK: send prompts to a forerun scheduler and read back tokens and text.
+
+    with Client("ipc:///tmp/forerun/client.sock") as client:
+        print(client.generate("The capital of France is", max_tokens=16).text)
+
+    async with AsyncClient(address) as client:
+        async for chunk in client.stream(messages=[{"role": "user", "content": "hi"}]):
+            print(chunk.text_delta, end="")
+
+One ZeroMQ DEALER socket per client.  :class:`AsyncClient` multiplexes any
+number of concurrent requests on it; :class:`Client` is a blocking facade that
+runs an AsyncClient on a private event-loop thread.  Sampling is a
+:class:`SamplingParams` and/or its fields as keyword arguments.
+
+Parameters are sent as given (NaN included): the server validates them and
+answers an ``Error`` that this package raises as :class:`ForerunError`.
+
+Modules: ``errors`` (exceptions), ``results`` (what a request returns),
+``request`` (one request's state, sampling arguments), ``async_client``,
+``blocking``, ``prompt`` (tokenizer and prompt encoding), ``detokenizer``,
+``raw`` (a bare protocol connection for tests and benchmarks).
+"""
+
+from ipc.client.async_client import DEFAULT_TIMEOUT, AsyncClient, AsyncStream
+from ipc.client.blocking import Client, Stream
+from ipc.client.errors import (
+    BadFrameError,
+    DuplicateRequestIdError,
+    ExecutorFailedError,
+    ForerunError,
+    InvalidRequestError,
+    ProtocolError,
+    error_from_wire,
+)
+from ipc.client.prompt import encode_prompt
+from ipc.client.request import sampling_params
+from ipc.client.results import GenerateResult, StreamChunk, Timings
+from ipc.protocol import SamplingParams, ServerInfo
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "AsyncClient",
+    "AsyncStream",
+    "BadFrameError",
+    "Client",
+    "DuplicateRequestIdError",
+    "ExecutorFailedError",
+    "ForerunError",
+    "GenerateResult",
+    "InvalidRequestError",
+    "ProtocolError",
+    "SamplingParams",
+    "ServerInfo",
+    "Stream",
+    "StreamChunk",
+    "Timings",
+    "encode_prompt",
+    "error_from_wire",
+    "sampling_params",
+]

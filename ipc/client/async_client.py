@@ -1,0 +1,415 @@
+"""The asyncio client: one DEALER socket, any number of concurrent requests on it.
+
+A reader task decodes every reply and hands it to its request's queue by
+``request_id`` (see :class:`~ipc.client.request.PendingRequest`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any, AsyncIterator, Optional, Sequence
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ipc.client.detokenizer import IncrementalDetokenizer
+from ipc.client.errors import ProtocolError, error_from_wire
+from ipc.client.prompt import encode_prompt, load_tokenizer
+from ipc.client.request import Call, PendingRequest, Stop, sampling_params
+from ipc.client.results import GenerateResult, StreamChunk
+from ipc.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Error,
+    Generate,
+    Hello,
+    SamplingParams,
+    ServerInfo,
+    TokenDelta,
+    TokenDeltas,
+    encode,
+    server_reply_decoder,
+)
+from ipc.sockets import check_address, make_socket
+
+logger = logging.getLogger("forerun.client")
+
+# Seconds allowed for the handshake and for each request unless a call says otherwise.
+DEFAULT_TIMEOUT = 300.0
+# Milliseconds that close() lets queued Abort messages drain before dropping them.
+CLOSE_LINGER_MS = 100
+# Replies read per wake-up of the reader task before it yields to other tasks.
+DRAIN_BATCH = 256
+
+
+class AsyncClient:
+    """An asyncio client; any number of generate/stream calls may run concurrently.
+
+    ``timeout`` (seconds, None for no limit) bounds the handshake and is the
+    default total time of each request.  ``tokenizer`` overrides the server's
+    tokenizer: a local folder, or an already loaded tokenizer object.
+    """
+
+    def __init__(self, address: str, *, timeout: Optional[float] = DEFAULT_TIMEOUT,
+                 tokenizer: Any = None, client_name: str = "forerun-python") -> None:
+        self.address = check_address(address)
+        self.timeout = timeout
+        self.client_name = client_name
+        self._tokenizer_path = tokenizer if isinstance(tokenizer, str) else None
+        self._tokenizer = None if isinstance(tokenizer, str) else tokenizer
+        self._ctx: Optional[zmq.asyncio.Context] = None
+        self._sock: Optional[zmq.asyncio.Socket] = None
+        self._reader: Optional[asyncio.Task] = None
+        self._server_info: Optional[ServerInfo] = None
+        self._pending: dict[str, PendingRequest] = {}
+        self._connect_lock: Optional[asyncio.Lock] = None
+        self._tokenizer_lock: Optional[asyncio.Lock] = None
+        self._closed = False
+        # The last Error that named no request (a bad frame, a connection problem).
+        self.last_connection_error: Optional[Error] = None
+
+    # -- connection ---------------------------------------------------------
+
+    @property
+    def server_info(self) -> ServerInfo:
+        """What the server said in its handshake; needs ``await connect()`` first."""
+        if self._server_info is None:
+            raise RuntimeError("not connected: await client.connect() first")
+        return self._server_info
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not yet finished."""
+        return len(self._pending)
+
+    async def connect(self) -> ServerInfo:
+        """Open the socket and do the Hello handshake (once; later calls return at once)."""
+        if self._server_info is not None:
+            return self._server_info
+        self._check_open()
+        if self._connect_lock is None:
+            self._connect_lock = asyncio.Lock()
+        async with self._connect_lock:
+            if self._server_info is not None:
+                return self._server_info
+            ctx = zmq.asyncio.Context()
+            # No high-water mark: a ROUTER drops replies to a full peer silently, and a
+            # lost Finished would hang its request; the client chose to ask for them all.
+            sock = make_socket(ctx, zmq.DEALER, self.address, bind=False, hwm=0)
+            try:
+                info = await self._handshake(sock)
+            except BaseException:
+                sock.close(linger=0)
+                ctx.term()
+                raise
+            self._ctx, self._sock, self._server_info = ctx, sock, info
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop(sock))
+        return info
+
+    async def _handshake(self, sock: zmq.asyncio.Socket) -> ServerInfo:
+        await sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name=self.client_name,
+                                     batch_deltas=True)))  # one message per step, not per request
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                frames = await asyncio.wait_for(sock.recv_multipart(), remaining)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"no answer to Hello from {self.address} within {self.timeout} s") from None
+            try:
+                msg = server_reply_decoder.decode(frames[-1])
+            except msgspec.DecodeError as exc:
+                raise ProtocolError("protocol", None, f"undecodable handshake reply: {exc}") from None
+            if isinstance(msg, ServerInfo):
+                if msg.protocol_version != PROTOCOL_VERSION:
+                    raise ProtocolError("protocol", "protocol_version",
+                                        f"server speaks protocol {msg.protocol_version}, "
+                                        f"this client {PROTOCOL_VERSION}")
+                return msg
+            if isinstance(msg, Error) and msg.request_id is None:
+                raise error_from_wire(msg)
+            # Anything else is a stray reply to an earlier connection's request.
+
+    async def _read_loop(self, sock: zmq.asyncio.Socket) -> None:
+        pending = self._pending
+        # Drain through a plain shadow socket: an awaited recv per message costs ~50 us
+        # of future bookkeeping, which caps a busy client far below the server's rate.
+        raw = zmq.Socket.shadow(sock.underlying)
+        try:
+            while True:
+                await sock.poll(flags=zmq.POLLIN)
+                for _ in range(DRAIN_BATCH):
+                    try:
+                        frames = raw.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    t = time.perf_counter()
+                    try:
+                        msg = server_reply_decoder.decode(frames[-1])
+                    except msgspec.DecodeError as exc:
+                        logger.warning("dropping an undecodable reply from %s: %s", self.address, exc)
+                        continue
+                    if isinstance(msg, TokenDeltas):
+                        for request_id, token_ids in zip(msg.request_ids, msg.token_ids):
+                            req = pending.get(request_id)
+                            if req is not None:
+                                req.deliver(t, TokenDelta(request_id, token_ids))
+                        continue
+                    request_id = getattr(msg, "request_id", None)
+                    if request_id is None:
+                        self._on_connection_error(msg)
+                        continue
+                    req = pending.get(request_id)
+                    if req is not None:
+                        req.deliver(t, msg)
+                else:
+                    # A full batch: let the consumers (and new requests) run before reading on.
+                    await asyncio.sleep(0)
+        except (asyncio.CancelledError, zmq.ContextTerminated):
+            raise
+        except Exception:
+            logger.exception("client reader for %s failed", self.address)
+            self._fail_pending("the connection to the server failed")
+
+    def _on_connection_error(self, msg: Any) -> None:
+        if not isinstance(msg, Error):
+            return
+        logger.warning("server error without a request id: [%s] %s", msg.code, msg.message)
+        self.last_connection_error = msg
+        # Only a request with no reply yet can own the frame the server could not read.
+        for req in list(self._pending.values()):
+            if not req.answered:
+                req.deliver(time.perf_counter(), msg)
+
+    def _fail_pending(self, message: str) -> None:
+        for req in self._pending.values():
+            req.queue.put_nowait(Stop(ConnectionError, message))
+        self._pending.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the client is closed")
+
+    async def close(self) -> None:
+        """Abort every in-flight request, then close the socket (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        sock = self._sock
+        if sock is not None:
+            for req in self._pending.values():
+                if not req.done:
+                    await sock.send(encode(Abort(request_id=req.request_id)))
+        self._fail_pending("the client was closed")
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        if sock is not None:
+            sock.close(linger=CLOSE_LINGER_MS)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    async def __aenter__(self) -> "AsyncClient":
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # -- tokenizer ----------------------------------------------------------
+
+    async def get_tokenizer(self) -> Any:
+        """The tokenizer (loaded once, from ServerInfo.tokenizer_path unless overridden)."""
+        if self._tokenizer is not None:
+            return self._tokenizer
+        if self._tokenizer_lock is None:
+            self._tokenizer_lock = asyncio.Lock()
+        async with self._tokenizer_lock:
+            if self._tokenizer is None:
+                path = self._tokenizer_path or (await self.connect()).tokenizer_path
+                if not path:
+                    raise RuntimeError("the server names no tokenizer; pass tokenizer= to the client")
+                self._tokenizer = await asyncio.to_thread(load_tokenizer, path)
+        return self._tokenizer
+
+    async def encode(self, prompt: Optional[str] = None, *,
+                     messages: Optional[list[dict[str, Any]]] = None) -> list[int]:
+        """Token ids that generate() would send for this prompt or these messages."""
+        return encode_prompt(await self.get_tokenizer(), prompt, messages=messages)
+
+    # -- requests -----------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: Optional[str] = None,
+        *,
+        messages: Optional[list[dict[str, Any]]] = None,
+        prompt_token_ids: Optional[Sequence[int]] = None,
+        sampling: Optional[SamplingParams] = None,
+        timeout: Optional[float] = None,
+        request_id: Optional[str] = None,
+        detokenize: bool = True,
+        **overrides: Any,
+    ) -> GenerateResult:
+        """Run one request to its end and return the result.
+
+        Give exactly one of ``prompt`` (text), ``messages`` (chat, through the
+        chat template) or ``prompt_token_ids``.  Sampling is ``sampling`` (a
+        :class:`~ipc.protocol.SamplingParams`, default ``SamplingParams()``)
+        with any of its fields overridden by keyword: ``max_tokens=16,
+        temperature=0``; an unknown keyword raises TypeError.  ``timeout`` is
+        the total time allowed (None: the client's default; ``math.inf``: no
+        limit); when it passes the request is aborted on the server and
+        TimeoutError raised.  ``detokenize=False`` skips text (and the
+        tokenizer, for token-id prompts).  Raises ForerunError (a subclass per
+        code) when the server rejects the request.
+        """
+        call = self._make_call(prompt, messages, prompt_token_ids, sampling, timeout, request_id, detokenize,
+                               overrides)
+        req = await self._start(call)
+        try:
+            while await req.next_chunk() is not None:
+                pass
+        finally:
+            await self._release(req)
+        return req.result
+
+    def stream(
+        self,
+        prompt: Optional[str] = None,
+        *,
+        messages: Optional[list[dict[str, Any]]] = None,
+        prompt_token_ids: Optional[Sequence[int]] = None,
+        sampling: Optional[SamplingParams] = None,
+        timeout: Optional[float] = None,
+        request_id: Optional[str] = None,
+        detokenize: bool = True,
+        **overrides: Any,
+    ) -> "AsyncStream":
+        """A streaming request (same arguments as generate): ``async for chunk in ...``.
+
+        The returned AsyncStream knows its ``request_id`` before anything is
+        sent, so another task can ``abort`` it; its ``result`` is filled in at
+        the end.  Leaving the loop early aborts the request on the server.
+        """
+        call = self._make_call(prompt, messages, prompt_token_ids, sampling, timeout, request_id, detokenize,
+                               overrides)
+        return AsyncStream(self, call)
+
+    async def abort(self, request_id: str) -> None:
+        """Ask the server to stop a request; its generate/stream ends with reason "abort"."""
+        self._check_open()
+        if self._sock is not None:
+            await self._sock.send(encode(Abort(request_id=request_id)))
+
+    def _make_call(self, prompt: Optional[str], messages: Optional[list[dict[str, Any]]],
+                   prompt_token_ids: Optional[Sequence[int]], sampling: Optional[SamplingParams],
+                   timeout: Optional[float], request_id: Optional[str], detokenize: bool,
+                   overrides: dict[str, Any]) -> Call:
+        return Call.make(prompt, messages, prompt_token_ids, request_id=request_id,
+                         timeout=self.timeout if timeout is None else timeout, detokenize=detokenize,
+                         sampling=sampling_params(sampling, **overrides))
+
+    async def _start(self, call: Call) -> PendingRequest:
+        """Tokenize, register and send one Generate."""
+        await self.connect()
+        prompt_ids = call.prompt_token_ids
+        if prompt_ids is None:
+            prompt_ids = await self.encode(call.prompt, messages=call.messages)
+        detok = IncrementalDetokenizer(await self.get_tokenizer(), prompt_ids) if call.detokenize else None
+        self._check_open()
+        # No await between this check and the insert: ids stay unique among pending requests.
+        if call.request_id in self._pending:
+            raise ValueError(f"request id {call.request_id!r} is already in flight on this client")
+        req = PendingRequest(call.request_id, detok)
+        self._pending[call.request_id] = req
+        frame = encode(Generate(request_id=call.request_id, prompt_token_ids=prompt_ids,
+                                sampling=call.sampling))
+        if call.timeout is not None and not math.isinf(call.timeout):
+            req.timer = asyncio.get_running_loop().call_later(
+                call.timeout, req.queue.put_nowait,
+                Stop(TimeoutError, f"request {call.request_id} timed out after {call.timeout} s"))
+        req.t_send = time.perf_counter()
+        try:
+            await self._sock.send(frame)
+        except BaseException:
+            await self._release(req)
+            raise
+        return req
+
+    async def _release(self, req: PendingRequest) -> None:
+        """Forget a request; abort it on the server if it has not ended."""
+        if req.timer is not None:
+            req.timer.cancel()
+        if self._pending.get(req.request_id) is req:
+            del self._pending[req.request_id]
+        if not req.done and not self._closed:
+            req.done = True
+            await self._sock.send(encode(Abort(request_id=req.request_id)))
+
+
+class AsyncStream:
+    """A streaming request: ``async for chunk in stream`` yields StreamChunk items.
+
+    The Generate is sent when iteration (or ``async with``) starts.  Leaving
+    early (``break``, an exception, ``aclose()``) aborts the request on the
+    server; ``abort()`` asks the server to stop it, after which the stream ends
+    normally with ``result.finish_reason == "abort"``.
+    """
+
+    def __init__(self, client: AsyncClient, call: Call) -> None:
+        self.request_id = call.request_id
+        self._client = client
+        self._call = call
+        self._req: Optional[PendingRequest] = None
+        self._closed = False
+
+    @property
+    def result(self) -> Optional[GenerateResult]:
+        """The finished request (None until the Finished message has been read)."""
+        return self._req.result if self._req is not None else None
+
+    async def start(self) -> None:
+        """Send the request now (iteration does it on its own)."""
+        if self._closed:
+            raise RuntimeError(f"stream {self.request_id} is closed")
+        if self._req is None:
+            self._req = await self._client._start(self._call)
+
+    async def next_chunk(self) -> Optional[StreamChunk]:
+        """The next chunk, or None at the end."""
+        await self.start()
+        return await self._req.next_chunk()
+
+    def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[StreamChunk]:
+        try:
+            while (chunk := await self.next_chunk()) is not None:
+                yield chunk
+        finally:
+            await self.aclose()
+
+    async def abort(self) -> None:
+        """Ask the server to stop this request."""
+        await self._client.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        """Stop reading; aborts the request on the server if it has not ended."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._req is not None:
+            await self._client._release(self._req)
+
+    async def __aenter__(self) -> "AsyncStream":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()

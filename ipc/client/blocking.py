@@ -1,0 +1,185 @@
+"""The blocking client: an AsyncClient run on a private event-loop thread.
+
+One ``Client`` may be used from several threads at once: every call is a
+coroutine handed to that loop, so all of them share one connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from typing import Any, Iterator, Optional, Sequence
+
+from ipc.client.async_client import DEFAULT_TIMEOUT, AsyncClient, AsyncStream
+from ipc.client.results import GenerateResult, StreamChunk
+from ipc.protocol import SamplingParams, ServerInfo
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=1.0)
+
+
+class Client:
+    """A blocking client with the same API as AsyncClient.
+
+    It runs an AsyncClient on a private event-loop thread, so calls from
+    several threads may be in flight at once on one connection.
+    """
+
+    def __init__(self, address: str, *, timeout: Optional[float] = DEFAULT_TIMEOUT,
+                 tokenizer: Any = None, client_name: str = "forerun-python") -> None:
+        self._async = AsyncClient(address, timeout=timeout, tokenizer=tokenizer, client_name=client_name)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="forerun-client", daemon=True)
+        self._thread.start()
+        self._closed = False
+        # A client dropped without close() still stops its loop thread.
+        self._finalizer = weakref.finalize(self, _stop_loop, self._loop, self._thread)
+
+    def _run(self, coro: Any) -> Any:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the client is closed")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result()
+        except BaseException:
+            # KeyboardInterrupt while waiting: cancel the coroutine so it aborts its request.
+            fut.cancel()
+            raise
+
+    @property
+    def address(self) -> str:
+        return self._async.address
+
+    @property
+    def timeout(self) -> Optional[float]:
+        return self._async.timeout
+
+    @property
+    def server_info(self) -> ServerInfo:
+        """What the server said in its handshake (connects on first use)."""
+        return self._run(self._async.connect())
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer (loaded once, on first use)."""
+        return self._run(self._async.get_tokenizer())
+
+    def connect(self) -> ServerInfo:
+        """Open the socket and do the Hello handshake (once)."""
+        return self._run(self._async.connect())
+
+    def encode(self, prompt: Optional[str] = None, *,
+               messages: Optional[list[dict[str, Any]]] = None) -> list[int]:
+        """Token ids that generate() would send for this prompt or these messages."""
+        return self._run(self._async.encode(prompt, messages=messages))
+
+    def generate(
+        self,
+        prompt: Optional[str] = None,
+        *,
+        messages: Optional[list[dict[str, Any]]] = None,
+        prompt_token_ids: Optional[Sequence[int]] = None,
+        sampling: Optional[SamplingParams] = None,
+        timeout: Optional[float] = None,
+        request_id: Optional[str] = None,
+        detokenize: bool = True,
+        **overrides: Any,
+    ) -> GenerateResult:
+        """Run one request to its end; see AsyncClient.generate (``**overrides``: SamplingParams fields)."""
+        return self._run(self._async.generate(
+            prompt, messages=messages, prompt_token_ids=prompt_token_ids, sampling=sampling, timeout=timeout,
+            request_id=request_id, detokenize=detokenize, **overrides))
+
+    def stream(
+        self,
+        prompt: Optional[str] = None,
+        *,
+        messages: Optional[list[dict[str, Any]]] = None,
+        prompt_token_ids: Optional[Sequence[int]] = None,
+        sampling: Optional[SamplingParams] = None,
+        timeout: Optional[float] = None,
+        request_id: Optional[str] = None,
+        detokenize: bool = True,
+        **overrides: Any,
+    ) -> "Stream":
+        """A streaming request: ``for chunk in client.stream(...)``; see AsyncClient.stream."""
+        self._check_open()
+        return Stream(self, self._async.stream(
+            prompt, messages=messages, prompt_token_ids=prompt_token_ids, sampling=sampling, timeout=timeout,
+            request_id=request_id, detokenize=detokenize, **overrides))
+
+    def abort(self, request_id: str) -> None:
+        """Ask the server to stop a request (safe to call from any thread)."""
+        self._run(self._async.abort(request_id))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the client is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Abort in-flight requests, close the socket and stop the loop thread (idempotent)."""
+        if self._closed:
+            return
+        try:
+            self._run(self._async.close())
+        finally:
+            self._closed = True
+            self._finalizer()
+            self._loop.close()
+
+    def __enter__(self) -> "Client":
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Stream:
+    """A blocking streaming request: ``for chunk in stream`` yields StreamChunk items.
+
+    Leaving the loop early aborts the request on the server; ``abort()`` (from
+    any thread) makes the stream end with ``result.finish_reason == "abort"``.
+    """
+
+    def __init__(self, client: Client, inner: AsyncStream) -> None:
+        self.request_id = inner.request_id
+        self._client = client
+        self._inner = inner
+
+    @property
+    def result(self) -> Optional[GenerateResult]:
+        """The finished request (None until the stream has ended)."""
+        return self._inner.result
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        try:
+            while (chunk := self._client._run(self._inner.next_chunk())) is not None:
+                yield chunk
+        finally:
+            self.close()
+
+    def abort(self) -> None:
+        """Ask the server to stop this request."""
+        self._client.abort(self.request_id)
+
+    def close(self) -> None:
+        """Stop reading; aborts the request on the server if it has not ended."""
+        if not self._client.closed:
+            self._client._run(self._inner.aclose())
+
+    def __enter__(self) -> "Stream":
+        self._client._run(self._inner.start())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,55 @@
+"""The exceptions of the client SDK: one per ``Error.code`` the server sends."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ipc.protocol import Error
+
+
+class ForerunError(Exception):
+    """The server rejected a request or a frame (an ``Error`` message on the wire)."""
+
+    def __init__(self, code: str, field: Optional[str], message: str,
+                 request_id: Optional[str] = None) -> None:
+        where = f" (field {field!r})" if field else ""
+        super().__init__(f"[{code}]{where} {message}")
+        self.code = code
+        self.field = field
+        self.message = message
+        self.request_id = request_id
+
+
+class InvalidRequestError(ForerunError):
+    """A parameter is out of range or malformed; ``field`` names it."""
+
+
+class ProtocolError(ForerunError):
+    """Client and server speak different protocol versions (or no Hello was sent)."""
+
+
+class BadFrameError(ForerunError):
+    """The server could not decode a frame."""
+
+
+class DuplicateRequestIdError(ForerunError):
+    """A request id was reused while the first request with it was still running."""
+
+
+class ExecutorFailedError(ForerunError):
+    """The server's executor (the GPU process) died; the request cannot finish."""
+
+
+_ERROR_TYPES: dict[str, type[ForerunError]] = {
+    "invalid_request": InvalidRequestError,
+    "protocol": ProtocolError,
+    "bad_frame": BadFrameError,
+    "duplicate_id": DuplicateRequestIdError,
+    "executor_failed": ExecutorFailedError,
+}
+
+
+def error_from_wire(err: Error) -> ForerunError:
+    """The exception for an ``Error`` message (a subclass of ForerunError by code)."""
+    cls = _ERROR_TYPES.get(err.code, ForerunError)
+    return cls(err.code, err.field, err.message, err.request_id)
