@@ -114,3 +114,121 @@ def test_logprobs_match_reference(S, V, dtype):
     assert (ids[n < 0] == -1).all() and (ids[n >= 0, 0] == tokens[n >= 0]).all()
     want = torch.log_softmax(logits.float(), -1)
     assert torch.allclose(lps[n >= 0, 0], want[n >= 0].gather(1, tokens[n >= 0, None])[:, 0], atol=1e-4)
+
+
+# --------------------------------------------------------------------------- windowed sampler
+
+
+def _params(S, V, gen, small_k=True):
+    """Per-row mixes of greedy / temperature / min-p / top-k / top-p (small and large)."""
+    temp = torch.rand(S, generator=gen) * 1.5 + 0.3
+    top_k = torch.zeros(S, dtype=torch.int64)
+    top_p = torch.ones(S)
+    min_p = torch.zeros(S)
+    for i in range(S):
+        kind = i % 7
+        if kind == 0:
+            temp[i] = 0.0
+        elif kind == 1:
+            min_p[i] = 0.05
+        elif kind == 2:
+            top_k[i] = int(torch.randint(1, 40, (1,), generator=gen)) if small_k else int(torch.randint(1, V, (1,), generator=gen))
+        elif kind == 3:
+            top_p[i] = float(torch.rand(1, generator=gen)) * 0.95
+        elif kind == 4:
+            top_k[i], top_p[i] = 50, 0.9
+        elif kind == 5:
+            top_p[i], min_p[i] = 0.99, 0.1
+    seed = torch.randint(-(2**62), 2**62, (S,), generator=gen, dtype=torch.int64)
+    pos = torch.randint(0, 2**40, (S,), generator=gen, dtype=torch.int64)
+    return [t.to(DEV) for t in (temp, top_k, top_p, min_p, seed, pos)]
+
+
+@pytest.mark.parametrize("candidates", [8, 64, 1024])
+@pytest.mark.parametrize("S,V", [(21, 2000)] + ([(64, 128256)] if ON_GPU else []))
+def test_window_sampler_matches_reference(S, V, candidates):
+    from kernels.sampling import sample
+    from kernels.sampling_window import sample_window
+
+    g = torch.Generator().manual_seed(candidates + V)
+    logits = (torch.randn(S, V, generator=g) * 3).to(DEV)
+    for small_k in (True, False):
+        params = _params(S, V, g, small_k)
+        ref = sample_ref(logits, *params)
+        got = sample(logits, *params, candidates=candidates)
+        assert torch.equal(got, ref), (got.tolist(), ref.tolist())
+        assert torch.equal(sample(logits, *params, method="rows"), ref)
+        # batch independence: each row alone
+        alone = torch.cat([sample(logits[i: i + 1], *[p[i: i + 1] for p in params], candidates=candidates)
+                           for i in range(0, S, 4)])
+        assert torch.equal(alone, ref[0::4])
+    # both outcomes of the window happen: rows it finishes and rows left to the row kernel
+    out = torch.empty(S, dtype=torch.int64, device=DEV)
+    done = torch.empty(S, dtype=torch.int32, device=DEV)
+    sample_window(logits, *params, out, done, candidates=candidates)
+    filt = (params[1] > 0) | (params[2] < 1)
+    assert done[~filt].all() and torch.equal(out[done.bool()], ref[done.bool()])
+    if candidates == 64:
+        assert done[filt].any() and not done[filt].all()
+    # filtered=False: no window, the row kernel does the top-k/top-p rows
+    assert torch.equal(sample(logits, *params, candidates=candidates, filtered=False), ref)
+
+
+def test_window_sampler_ties():
+    """Tied logits across the window's edge and at the thresholds (and -0.0 vs +0.0)."""
+    from kernels.sampling import sample
+
+    g = torch.Generator().manual_seed(77)
+    S, V = 21, 400
+    logits = ((torch.randn(S, V, generator=g) * 0.6).round() / 2).to(DEV)
+    params = _params(S, V, g)
+    params[0][params[0] > 0] = 0.5
+    for cand in (4, 32, 300):
+        assert torch.equal(sample(logits, *params, candidates=cand), sample_ref(logits, *params))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA only")
+def test_features_no_sync_and_graph():
+    """Penalties -> sample -> logprobs -> count_sampled: no host sync, and a CUDA graph of it replays right."""
+    from kernels.logprobs import token_logprobs
+    from kernels.penalties import apply_penalties
+    from kernels.sampling import sample
+
+    g = torch.Generator().manual_seed(3)
+    S, V = 64, 128256
+    tables = _penalty_tables(S + 1, V, g, max_bias=300, max_stop=4)
+    slots = torch.arange(S, device=DEV)
+    logits = (torch.randn(S, V, generator=g) * 3).to(DEV)
+    params = _params(S, V, g)
+    num_lp = torch.tensor([(-1, 0, 5, 20)[i % 4] for i in range(S)], dtype=torch.int32, device=DEV)
+    pen = torch.empty(S, V, device=DEV)
+    tok = torch.empty(S, dtype=torch.int64, device=DEV)
+    lp_out = (torch.empty(S, 21, dtype=torch.int64, device=DEV), torch.empty(S, 21, device=DEV))
+
+    def step():
+        apply_penalties(logits, tables, slots, out=pen)
+        sample(pen, *params, out=tok)
+        token_logprobs(logits, tok, num_lp, out=lp_out)
+        count_sampled(tables, slots, tok)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(2):
+        logits.copy_(torch.randn(S, V, generator=g).to(DEV) * 3)
+        params[5].add_(1)
+        before = PenaltyTables(**{k: v.clone() for k, v in vars(tables).items()})
+        graph.replay()
+        want_pen = apply_penalties_ref(logits, before, slots)
+        want_tok = sample_ref(want_pen, *params)
+        assert (tok != want_tok).sum() <= 1  # 1-ulp FMA differences may flip a near tie, nothing more
+        ids, lps = token_logprobs_ref(logits, tok, num_lp)
+        assert torch.equal(lp_out[0], ids) and torch.allclose(lp_out[1], lps, atol=1e-4)
+        assert torch.equal(tables.generated, before.generated + (torch.arange(S + 2, device=DEV) < S))
