@@ -97,9 +97,10 @@ def _sample_kernel(
     GREEDY_EPS: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr, NC: tl.constexpr, HAS_DONE: tl.constexpr,
 ):
     row = tl.program_id(0)
-    todo = True
     if HAS_DONE:  # rows the window pass finished exactly cost one load here
         todo = tl.load(done_ptr + row) == 0
+    else:
+        todo = tl.full((), 1, tl.int1)
     if todo:
         _sample_row(row, logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
                     out_ptr, V, GREEDY_EPS, BLOCK, SBLOCK, NC)
