@@ -132,7 +132,7 @@ def _params(S, V, gen, small_k=True):
         elif kind == 1:
             min_p[i] = 0.05
         elif kind == 2:
-            top_k[i] = int(torch.randint(1, 40, (1,), generator=gen)) if small_k else int(torch.randint(1, V, (1,), generator=gen))
+            top_k[i] = int(torch.randint(1, 40 if small_k else V, (1,), generator=gen))
         elif kind == 3:
             top_p[i] = float(torch.rand(1, generator=gen)) * 0.95
         elif kind == 4:
