@@ -1,12 +1,17 @@
-"""Sampling on the device: one Triton launch, no host sync, capturable in a CUDA graph.
+"""Sampling on the device: no host sync, capturable in a CUDA graph.
 
 Computes exactly the function documented in :mod:`kernels.sampling_ref` (greedy /
 temperature / top-k / top-p / min-p, Gumbel-max with the counter-based lowbias32
-hash), without sorting.  One program per row streams the row's logits in
-``BLOCK``-wide chunks:
+hash).  :func:`sample` runs the fast path of :mod:`kernels.sampling_window` (rows split
+over many programs; top-k/top-p on a sorted window of each row's largest logits), then
+the one-program-per-row kernel below, which does real work only for the rows the window
+could not finish exactly (top_k >= the window, a nucleus wider than it, ties at its edge).
+``method="rows"`` runs the row kernel alone (the previous sampler).
 
-1. pass A: max/min and first-index argmax of the raw logits.  Greedy rows stop
-   here.  ``s = x * div_rn(1, T)`` is the same float32 as the reference's.
+The row kernel streams the row's logits in ``BLOCK``-wide chunks:
+
+1. pass A: max/min and first-index argmax of the raw logits.  Greedy rows
+   stop here.  ``s = x * div_rn(1, T)`` is the same float32 as the reference's.
 2. top-k (if on): the threshold is the ``k``-th largest ``s``, found as the largest
    order-preserving integer key ``t`` (float bits, negative ones flipped) with
    ``count(key >= t) >= k``; an ``NC``-ary search over the key range
@@ -20,17 +25,15 @@ hash), without sorting.  One program per row streams the row's logits in
    first-index tie breaking (scores compared with a strict ``>`` across chunks).
 
 Ties: tied logits are kept or dropped together at both thresholds, like the
-reference (``-0.0`` and ``+0.0`` count as tied).  The random numbers are bit-identical to the reference's; the token
-can differ only when a top-p boundary mass or two Gumbel scores agree to within
-float rounding (different summation orders / libm ``exp``/``log``), which the
-tests' random logits never hit.
+reference (``-0.0`` and ``+0.0`` count as tied).  The random numbers are bit-identical to
+the reference's; the token can differ only when a top-p boundary mass or two Gumbel
+scores agree to within float rounding (different summation orders / libm
+``exp``/``log``), which the tests' random logits never hit.
 
-Cost (H100, S=64, V=128256, docs/kernels.md): greedy 33 us, temperature/min-p
-~100 us, top-k ~1.0 ms, top-p ~1.6 ms, both ~2.1 ms (torch sort-based reference:
-2.7 ms).  One program per row uses at most S of the SMs, and every search pass
-re-reads the row; splitting rows over several programs (one launch per pass, or
-compacting the few candidates left after the first pass and sorting them with
-``tl.sort``) is the known next step.
+Cost of the row kernel alone (H100, S=64, V=128256, docs/kernels.md): greedy 33 us,
+temperature/min-p ~100 us, top-k ~1.0 ms, top-p ~1.6 ms, both ~2.1 ms: one program per
+row uses at most S of the SMs, and every search pass re-reads the row.
+``scripts/bench_sampling.py`` compares it with the default path.
 """
 
 from __future__ import annotations
@@ -42,43 +45,11 @@ import triton
 import triton.language as tl
 
 from . import _compat  # noqa: F401  (interpreter fixes)
+from .sampling_hash import hash_uniform_triton, tl_okey, tl_row_key, tl_uniform
 from .sampling_ref import GREEDY_EPS, hash_uniform, sample as sample_ref  # noqa: F401
+from .sampling_window import DEFAULT_CANDIDATES, sample_window
 
 __all__ = ["sample", "hash_uniform_triton", "sample_ref", "hash_uniform"]
-
-
-@triton.jit
-def _mix32(x):
-    # lowbias32 on uint32 (wrapping multiplies); see sampling_ref.mix32
-    x = x ^ (x >> 16)
-    x = x * 0x7FEB352D
-    x = x ^ (x >> 15)
-    x = x * 0x846CA68B
-    x = x ^ (x >> 16)
-    return x
-
-
-@triton.jit
-def _row_key(seed, pos):
-    k = _mix32(seed.to(tl.uint32) ^ 0x243F6A88)
-    k = _mix32(k ^ (seed >> 32).to(tl.uint32))
-    k = _mix32(k ^ pos.to(tl.uint32))
-    k = _mix32(k ^ (pos >> 32).to(tl.uint32))
-    return k
-
-
-@triton.jit
-def _uniform(idx, k):
-    h = _mix32(_mix32(idx.to(tl.uint32) ^ 0x6A09E667) ^ k)
-    return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
-
-
-@triton.jit
-def _okey(s):
-    # float32 -> int32 whose signed order is the float order (-0.0 folded into +0.0,
-    # so that key order and float comparison agree on ties)
-    b = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
-    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
 
 
 @triton.jit
@@ -105,7 +76,7 @@ def _search(base, V, inv_t, smax, lo, hi, target,
             m = idx < V
             x = tl.load(base + idx, mask=m, other=0.0).to(tl.float32)
             s = x * inv_t
-            hit = (_okey(s)[:, None] >= cand[None, :]) & m[:, None]
+            hit = (tl_okey(s)[:, None] >= cand[None, :]) & m[:, None]
             if MASS:
                 w = tl.exp(s - smax).to(tl.float64)
                 acc += tl.where(hit, w[:, None], 0.0)
@@ -122,10 +93,22 @@ def _search(base, V, inv_t, smax, lo, hi, target,
 
 @triton.jit
 def _sample_kernel(
-    logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr, out_ptr, V,
-    GREEDY_EPS: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr, NC: tl.constexpr,
+    logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr, out_ptr, done_ptr, V,
+    GREEDY_EPS: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr, NC: tl.constexpr, HAS_DONE: tl.constexpr,
 ):
     row = tl.program_id(0)
+    if HAS_DONE:  # rows the window pass finished exactly cost one load here
+        todo = tl.load(done_ptr + row) == 0
+    else:
+        todo = tl.full((), 1, tl.int1)
+    if todo:
+        _sample_row(row, logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
+                    out_ptr, V, GREEDY_EPS, BLOCK, SBLOCK, NC)
+
+
+@triton.jit
+def _sample_row(row, logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr, out_ptr, V,
+                GREEDY_EPS: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr, NC: tl.constexpr):
     base = logits_ptr + row.to(tl.int64) * stride_row
     offs = tl.arange(0, BLOCK)
     temp = tl.load(temp_ptr + row).to(tl.float32)
@@ -155,8 +138,8 @@ def _sample_kernel(
     else:
         smax = xmax * inv_t  # == max(s): x -> x * c (c > 0, round-to-nearest) is monotone
         smin = xmin * inv_t
-        kmax = _okey(smax).to(tl.int64)
-        thr = _okey(smin).to(tl.int64)
+        kmax = tl_okey(smax).to(tl.int64)
+        thr = tl_okey(smin).to(tl.int64)
         top_k = tl.load(topk_ptr + row).to(tl.int64)
         top_p = tl.load(topp_ptr + row).to(tl.float32)
         min_p = tl.load(minp_ptr + row).to(tl.float32)
@@ -168,21 +151,21 @@ def _sample_kernel(
                 idx = start + offs
                 m = idx < V
                 s = tl.load(base + idx, mask=m, other=0.0).to(tl.float32) * inv_t
-                w = tl.where(m & (_okey(s) >= thr), tl.exp(s - smax), 0.0)
+                w = tl.where(m & (tl_okey(s) >= thr), tl.exp(s - smax), 0.0)
                 zacc += w.to(tl.float64)
             z = tl.sum(zacc, axis=0)
             thr = _search(base, V, inv_t, smax, thr, kmax, top_p.to(tl.float64) * z, SBLOCK, NC, True)
         log_mp = tl.where(min_p > 0, tl.log(tl.where(min_p > 0, min_p, 1.0)), float("-inf"))
 
-        k = _row_key(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
+        k = tl_row_key(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
         vbest = tl.full([BLOCK], float("-inf"), tl.float32)
         vbi = tl.zeros([BLOCK], tl.int32)
         for start in range(0, V, BLOCK):
             idx = start + offs
             m = idx < V
             s = tl.load(base + idx, mask=m, other=0.0).to(tl.float32) * inv_t
-            keep = m & (_okey(s) >= thr) & ((s - smax) >= log_mp)
-            u = _uniform(idx, k)
+            keep = m & (tl_okey(s) >= thr) & ((s - smax) >= log_mp)
+            u = tl_uniform(idx, k)
             sc = tl.where(keep, s - tl.log(-tl.log(u)), float("-inf"))
             upd = sc > vbest
             vbi = tl.where(upd, idx, vbi)
@@ -193,38 +176,29 @@ def _sample_kernel(
         tl.store(out_ptr + row, besti.to(tl.int64))
 
 
-@triton.jit
-def _hash_kernel(seed_ptr, pos_ptr, out_ptr, V, stride_o, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    k = _row_key(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
-    tl.store(out_ptr + row.to(tl.int64) * stride_o + idx, _uniform(idx, k), mask=idx < V)
-
-
-def hash_uniform_triton(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The kernel's uniforms ``[S, V]`` (for tests: must equal :func:`hash_uniform` bit for bit)."""
-    S = seed.shape[0]
-    out = torch.empty(S, vocab, dtype=torch.float32, device=seed.device)
-    block = min(1024, triton.next_power_of_2(vocab))
-    if S:
-        _hash_kernel[(S, triton.cdiv(vocab, block))](seed, position, out, vocab, out.stride(0), BLOCK=block)
-    return out
-
-
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, *,
-           out: Optional[torch.Tensor] = None, block: Optional[int] = None, sblock: Optional[int] = None,
+           out: Optional[torch.Tensor] = None, method: str = "window", candidates: int = DEFAULT_CANDIDATES,
+           filtered: bool = True, block: Optional[int] = None, sblock: Optional[int] = None,
            nc: int = 8, num_warps: Optional[int] = None, num_stages: int = 3) -> torch.Tensor:
     """Tokens ``[S]`` int64; same arguments and result as :func:`kernels.sampling_ref.sample`.
 
     logits ``[S, V]`` float32/bf16/fp16 (last dim contiguous), temperature/top_p/min_p
     ``[S]`` float32, top_k ``[S]`` int32/int64 (0 = off), seed/position ``[S]`` int64, all
-    on one device.  ``out`` may be preallocated (graph capture).  ``block`` is the chunk
-    width of the streaming passes, ``sblock``/``nc`` the chunk width and candidates per
-    pass of the threshold searches (tuning knobs; the result does not depend on them).
+    on one device.  ``out`` may be preallocated (graph capture).
+
+    ``method="window"`` (default): :mod:`kernels.sampling_window` (rows split over chunks,
+    top-k/top-p on a window of the ``candidates`` largest logits), then the
+    one-program-per-row kernel only for the rows it could not finish exactly.
+    ``filtered=False`` is a host-side promise that no row uses top-k/top-p (skips the window).
+    ``method="rows"``: the one-program-per-row kernel alone (the previous sampler).
+    ``block`` is the chunk width of its streaming passes, ``sblock``/``nc`` the chunk width
+    and candidates per pass of its threshold searches (tuning knobs; the result does not
+    depend on any knob).
     """
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [S, V], last dim contiguous"
     assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert method in ("window", "rows"), method
     S, V = logits.shape
     assert 0 < V < 2**31
     for name, t, dts in (("temperature", temperature, (torch.float32,)), ("top_p", top_p, (torch.float32,)),
@@ -232,17 +206,22 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                          ("seed", seed, (torch.int64,)), ("position", position, (torch.int64,))):
         assert t.shape == (S,) and t.dtype in dts and t.device == logits.device, (name, t.shape, t.dtype)
         assert t.is_contiguous(), name
-    assert nc >= 2 and nc & (nc - 1) == 0
+    assert nc >= 2 and nc & (nc - 1) == 0 and candidates >= 1
     if out is None:
         out = torch.empty(S, dtype=torch.int64, device=logits.device)
     assert out.shape == (S,) and out.dtype == torch.int64
     if S == 0:
         return out
+    done = out  # not read when HAS_DONE is off
+    if method == "window":
+        done = torch.empty(S, dtype=torch.int32, device=logits.device)
+        sample_window(logits, temperature, top_k, top_p, min_p, seed, position, out, done,
+                      candidates=candidates, filtered=filtered)
     block = block or min(4096, triton.next_power_of_2(V))
     sblock = sblock or min(2048 if nc <= 8 else 512, triton.next_power_of_2(V))  # H100 sweep
     _sample_kernel[(S,)](
-        logits, logits.stride(0), temperature, top_k, top_p, min_p, seed, position, out, V,
-        GREEDY_EPS=GREEDY_EPS, BLOCK=block, SBLOCK=sblock, NC=nc, num_warps=num_warps or 8,
-        num_stages=num_stages,
+        logits, logits.stride(0), temperature, top_k, top_p, min_p, seed, position, out, done, V,
+        GREEDY_EPS=GREEDY_EPS, BLOCK=block, SBLOCK=sblock, NC=nc, HAS_DONE=method == "window",
+        num_warps=num_warps or 8, num_stages=num_stages,
     )
     return out
