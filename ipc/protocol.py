@@ -23,6 +23,8 @@ PROTOCOL_VERSION = 1
 MAX_REQUEST_ID_LEN = 128
 MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
+# Heartbeats: a peer that has been silent for this many intervals is taken for dead.
+HEARTBEAT_MISSES = 4
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):
     pass
@@ -55,6 +57,9 @@ class Hello(_Msg, tag="hello"):
     client_name: str = ""
     # True: this client reads TokenDeltas, one message per step with every request's new tokens.
     batch_deltas: bool = False
+    # > 0: this client promises a message (a Ping if nothing else) at least this often, in seconds;
+    # the server aborts its requests once it has been silent for HEARTBEAT_MISSES intervals.
+    heartbeat_s: float = 0.0
 
 
 class ServerInfo(_Msg, tag="server_info"):
@@ -68,6 +73,7 @@ class ServerInfo(_Msg, tag="server_info"):
     dtype: str
     pipeline_depth: int
     batch_deltas: bool = False  # the server will send TokenDeltas (the client asked in its Hello)
+    server_id: str = ""  # random per server process: a client that sees another id knows the server restarted
 
 
 class Generate(_Msg, tag="generate"):
@@ -135,14 +141,25 @@ class Finished(_Msg, tag="finished"):
 class Error(_Msg, tag="error"):
     """A request (or a frame) was rejected; ``field`` names what was wrong."""
 
-    code: str  # "invalid_request", "bad_frame", "protocol", "executor_failed", "duplicate_id", ...
+    # "invalid_request", "bad_frame", "protocol" (e.g. no Hello first), "duplicate_id",
+    # "overloaded" (waiting queue full), "shutting_down", "slow_reader" (the client stopped reading),
+    # "executor_failed", "internal".
+    code: str
     message: str
     request_id: Optional[str] = None
     field: Optional[str] = None
 
 
-ClientToServer = Union[Hello, Generate, Abort, GetStats]
-ServerToClient = Union[ServerInfo, TokenDelta, TokenDeltas, Finished, Error, ServerStats]
+class Ping(_Msg, tag="ping"):
+    """Liveness, both ways: the server answers every Ping with a Pong (even before Hello)."""
+
+
+class Pong(_Msg, tag="pong"):
+    server_id: str
+
+
+ClientToServer = Union[Hello, Generate, Abort, GetStats, Ping]
+ServerToClient = Union[ServerInfo, TokenDelta, TokenDeltas, Finished, Error, ServerStats, Pong]
 
 
 # ---------------------------------------------------------------------------
