@@ -98,7 +98,8 @@ def bench_vocab(S, V, reps, rows):
 
     greedy_us = time_us(lambda: torch.argmax(logits, dim=-1, out=out), reps)
     add("greedy: torch.argmax (all-greedy step)", greedy_us)
-    add("greedy: sample()", time_us(lambda: sample(logits, *params(S, "greedy", g), out=out), reps))
+    greedy_params = params(S, "greedy", g)
+    add("greedy: sample()", time_us(lambda: sample(logits, *greedy_params, out=out), reps))
     for kind in ("temperature", "min_p", "top_k", "top_p", "top_k+top_p"):
         p = params(S, kind, g)
         old = time_us(lambda: sample(logits, *p, out=out, method="rows"), max(5, reps // 4))
