@@ -113,7 +113,14 @@ class Gateway:
         return kw
 
     def new_stream(self, ids: list[int], request_id: str, kw: dict[str, Any]) -> Any:
-        return self.client.stream(prompt_token_ids=ids, request_id=request_id, timeout=float("inf"), **kw)
+        # No time limit: a client that gives up disconnects, and that aborts the request.
+        return self.client.stream(prompt_token_ids=ids, request_id=request_id, timeout=float("inf"),
+                                  detokenize=self.tokenizer is not None, **kw)
+
+    def note_error(self, exc: BaseException) -> None:
+        """Remember that the executor is gone (every later request and /health answer 503)."""
+        if isinstance(exc, ExecutorFailedError):
+            self.failed = True
 
     def observe(self, result: Any) -> None:
         if result is not None:
@@ -134,8 +141,7 @@ async def _run(request: Request, handler) -> Response:
     except ClientGone:
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
     except (ForerunError, ConnectionError) as e:
-        if isinstance(e, ExecutorFailedError):
-            gw.failed = True
+        gw.note_error(e)
         err = sdk_error(e)
         return error_response(err.status, err.message, err.param, err.err_type, err.code)
 

@@ -80,16 +80,20 @@ def _include_usage(req: Any) -> bool:
 
 
 async def _chunks(gw: Any, streams: list[Any], firsts: list[Any]) -> AsyncIterator[tuple[int, str, Optional[str]]]:
-    """``(index, text, finish_reason)`` of every choice: the first chunks, then the rest as they come."""
+    """``(index, text, finish_reason)`` of every choice: the first chunks, then the rest as they come.
+
+    One event per SDK chunk, i.e. per step that brought tokens, even when they
+    complete no character yet: the stream's timing is the engine's.
+    """
     for i, chunk in enumerate(firsts):
-        if chunk is not None and chunk.text_delta:
+        if chunk is not None:
             yield i, chunk.text_delta, None
     async for i, chunk in merge(streams):
         if chunk is None:
             result = streams[i].result
             gw.observe(result)
             yield i, "", result.finish_reason
-        elif chunk.text_delta:
+        else:
             yield i, chunk.text_delta, None
 
 
@@ -105,6 +109,7 @@ async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, streams
             usage = _usage([st.result for st in streams])
             yield _sse(s.CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage))
     except (ForerunError, ConnectionError) as exc:
+        gw.note_error(exc)
         yield _error_event(exc)
     yield DONE
 
@@ -121,11 +126,12 @@ async def chat_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: 
     yield chunk(s.Delta(role="assistant", content=""))
     try:
         async for _, text, finish in _chunks(gw, streams, firsts):
-            yield chunk(s.Delta(content=text) if text else s.Delta(), finish)
+            yield chunk(s.Delta(content=text) if text or finish is None else s.Delta(), finish)
         if _include_usage(req):
             usage = _usage([streams[0].result])
             yield _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage))
     except (ForerunError, ConnectionError) as exc:
+        gw.note_error(exc)
         yield _error_event(exc)
     yield DONE
 
