@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import json
 import os
 import signal
 import socket
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
-import httpx2 as httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -70,9 +72,20 @@ def sdk(http_server):
         yield client
 
 
+def http(method: str, url: str, body=None, key: str = None, raw: bytes = None) -> tuple[int, bytes]:
+    """(status, body) of one plain HTTP request."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers, method=method), timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
 def metric_values(url: str) -> dict[tuple, float]:
     """Every sample of /metrics as {(name, sorted labels): value}."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = http("GET", f"{url}/metrics")[1].decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
@@ -217,24 +230,24 @@ def test_error_codes(http_server, oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=MODEL, prompt="Hi", extra_body={"best_effort": 1})
     assert e.value.param == "best_effort"
-    r = httpx.post(f"{http_server.url}/v1/completions", content=b"{not json",
-                   headers={"Authorization": f"Bearer {API_KEY}"})
-    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    status, body = http("POST", f"{http_server.url}/v1/completions", raw=b"{not json", key=API_KEY)
+    assert status == 400 and set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
 
 
 def test_models_tokenize_detokenize_health_version(http_server, oai, sdk):
     assert [m.id for m in oai.models.list().data] == [MODEL]
-    auth = {"Authorization": f"Bearer {API_KEY}"}
-    r = httpx.post(f"{http_server.url}/tokenize", json={"model": MODEL, "messages": MESSAGES}, headers=auth)
-    assert r.json()["tokens"] == sdk.encode(messages=MESSAGES)
-    r = httpx.post(f"{http_server.url}/tokenize", json={"prompt": "Hello world"}, headers=auth)
-    ids = r.json()["tokens"]
-    assert ids == sdk.encode("Hello world") and r.json()["count"] == len(ids)
-    r = httpx.post(f"{http_server.url}/detokenize", json={"tokens": ids}, headers=auth)
-    assert r.json()["prompt"] == "Hello world"
-    assert httpx.post(f"{http_server.url}/tokenize", json={"prompt": "x"}).status_code == 401
-    assert httpx.get(f"{http_server.url}/health").status_code == 200  # open: no key needed
-    assert httpx.get(f"{http_server.url}/version").json()["version"]
+    url = http_server.url
+    _, body = http("POST", f"{url}/tokenize", {"model": MODEL, "messages": MESSAGES}, API_KEY)
+    assert json.loads(body)["tokens"] == sdk.encode(messages=MESSAGES)
+    _, body = http("POST", f"{url}/tokenize", {"prompt": "Hello world"}, API_KEY)
+    ids = json.loads(body)["tokens"]
+    assert ids == sdk.encode("Hello world") and json.loads(body)["count"] == len(ids)
+    _, body = http("POST", f"{url}/detokenize", {"tokens": ids}, API_KEY)
+    assert json.loads(body)["prompt"] == "Hello world"
+    assert http("POST", f"{url}/detokenize", {"tokens": [10**9]}, API_KEY)[0] == 400
+    assert http("POST", f"{url}/tokenize", {"prompt": "x"})[0] == 401
+    assert http("GET", f"{url}/health")[0] == 200  # open: no key needed
+    assert json.loads(http("GET", f"{url}/version")[1])["version"]
 
 
 # ---------------------------------------------------------------------------
@@ -272,18 +285,17 @@ def test_metrics_count_the_requests(http_server, oai):
 
 async def test_client_disconnect_aborts(http_server):
     before = metric_values(http_server.url)
-    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000, "stream": True,
-            "ignore_eos": True}
-    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
-        async with client.stream("POST", f"{http_server.url}/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            events = 0
-            async for line in r.aiter_lines():
-                events += line.startswith("data: ")
-                if events == 3:
-                    break
-            busy = await server_stats(http_server.address)
-            assert busy.num_running == 1
+    client = openai.AsyncOpenAI(base_url=f"{http_server.url}/v1", api_key=API_KEY, max_retries=0)
+    stream = await client.completions.create(model=MODEL, prompt="Tell me a long story.", max_tokens=2000,
+                                             stream=True, extra_body={"ignore_eos": True})
+    n = 0
+    async for _ in stream:
+        n += 1
+        if n == 3:
+            break
+    assert (await server_stats(http_server.address)).num_running == 1
+    await stream.close()  # closes the connection mid-stream
+    await client.close()
     s = await wait_idle(http_server.address)
     assert s.num_running == 0 and s.num_free_kv_blocks == s.num_kv_blocks and s.num_free_slots == s.num_slots
     abort = (("finished_reason", "abort"), ("model_name", MODEL))
@@ -335,17 +347,19 @@ async def test_health_503_once_the_executor_is_gone(server_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         await asyncio.to_thread(gateways.wait_ready, 120)
-        async with httpx.AsyncClient(timeout=30) as client:
-            assert (await client.get(f"{url}/health")).status_code == 200
-            body = {"prompt": [5, 6], "max_tokens": 3000, "stream": True, "ignore_eos": True}
-            async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-                lines = r.aiter_lines()
-                assert (await anext(lines)).startswith("data: ")
-                os.kill(srv.executor_pid(), signal.SIGKILL)
-                rest = [line async for line in lines if line]
-            assert '"executor_failed"' in rest[-2] and rest[-1] == "data: [DONE]"
-            assert (await client.get(f"{url}/health")).status_code == 503
-            r = await client.post(f"{url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
-            assert r.status_code == 503 and r.json()["error"]["code"] == "executor_failed"
+        assert http("GET", f"{url}/health")[0] == 200
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        stream = await client.completions.create(model="scripted", prompt=[5, 6], max_tokens=3000, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        await anext(stream)
+        os.kill(srv.executor_pid(), signal.SIGKILL)
+        with pytest.raises(openai.APIError) as e:  # the error event ends the stream
+            async for _ in stream:
+                pass
+        assert "executor" in str(e.value)
+        await client.close()
+        assert http("GET", f"{url}/health")[0] == 503
+        status, body = http("POST", f"{url}/v1/completions", {"prompt": [5, 6], "max_tokens": 2})
+        assert status == 503 and json.loads(body)["error"]["code"] == "executor_failed"
     finally:
         gateways.stop()
