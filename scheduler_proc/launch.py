@@ -268,7 +268,8 @@ def curl_line(url: str, model_name: str, question: str, requires_key: bool) -> s
     import json
     import shlex
 
-    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": question}]})
+    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": question}],
+                       "max_tokens": 256, "temperature": 0})  # as stream_answer asks
     key = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if requires_key else ""
     return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}"
 
