@@ -20,6 +20,7 @@ from ipc.config import MAX_BLOCK_SIZE, Dtype, ExecutorConfig, Kernels, LoadForma
 from ipc.models import resolve_model
 from scheduler_proc.config import ServerConfig
 
+API_KEY_ENV = "FORERUN_API_KEY"
 ADDRESS_FILE = os.path.join(os.path.expanduser(os.environ.get("FORERUN_CACHE", "~/.cache/forerun")), "server_address")
 
 
@@ -70,6 +71,13 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--ask", default=None, metavar="QUESTION",
                    help="once ready, answer QUESTION through the client SDK (streamed), then keep serving")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API on this port (default: SDK only)")
+    s.add_argument("--host", default=None,
+                   help="HTTP address to bind (default: 127.0.0.1, or 0.0.0.0 when an API key is set)")
+    s.add_argument("--api-workers", type=int, default=1, help="HTTP gateway processes sharing --port")
+    s.add_argument("--api-key", default=None,
+                   help=f"bearer token the HTTP API requires (default: ${API_KEY_ENV}; none: no check)")
     return s
 
 
@@ -182,8 +190,10 @@ def serve(args) -> int:
     print(f"forerun: serving {model.name} on {ready.device} ({ready.dtype}), "
           f"{ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}, depth {cfg.pipeline_depth}", flush=True)
     print(f"forerun: ready at {server.client_address}", flush=True)
-    if args.ask:
-        threading.Thread(target=_ask, args=(server.client_address, args.ask), daemon=True).start()
+    gateways = _start_gateways(args, server)
+    if args.ask or gateways:
+        threading.Thread(target=_ask, args=(server.client_address, args.ask, gateways, ready.model_name),
+                         daemon=True).start()
 
     async def run() -> int:
         loop = asyncio.get_running_loop()
@@ -196,16 +206,59 @@ def serve(args) -> int:
     try:
         return uvloop.run(run())
     finally:
+        if gateways:
+            gateways.stop()
         server.close()
 
 
-def _ask(address: str, question: str) -> None:
+def _start_gateways(args, server):
+    """The HTTP gateway processes for --port (None without it)."""
+    if args.port is None:
+        return None
+    from ipc.gateway.process import start_gateways
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    host = args.host or ("0.0.0.0" if api_key else "127.0.0.1")  # no key: reachable from this host only
+    try:
+        return start_gateways(server.client_address, host=host, port=args.port, workers=args.api_workers,
+                              run_dir=server.run_dir, api_key=api_key)
+    except ValueError as e:
+        server.close()
+        raise SystemExit(f"forerun: {e}")
+
+
+def _ask(address: str, question, gateways, model_name: str) -> None:
+    """Answer --ask through the SDK; with --port, wait for the HTTP gateways and show the curl way."""
+    if gateways:
+        try:
+            gateways.wait_ready()
+        except (RuntimeError, TimeoutError) as e:
+            print(f"forerun: {e}; stopping", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        print(f"forerun: OpenAI-compatible API at {gateways.url}/v1 ({len(gateways.procs)} workers)", flush=True)
+    if not question:
+        return
     print(f"forerun: asking {question!r}", flush=True)
     try:
         stream_answer(address, question)
+        if gateways:
+            curl = curl_line(gateways.url, model_name, question, gateways.requires_key)
+            print(f"forerun: the same over HTTP: {curl}", flush=True)
         print("forerun: still serving; press Ctrl-C to stop", flush=True)
     except Exception as e:
         print(f"forerun: the question failed: {e}", file=sys.stderr, flush=True)
+
+
+def curl_line(url: str, model_name: str, question: str, requires_key: bool) -> str:
+    """A curl command that asks ``question`` through the HTTP API."""
+    import json
+    import shlex
+
+    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": question}],
+                       "max_tokens": 256, "temperature": 0})  # as stream_answer asks
+    key = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if requires_key else ""
+    return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}"
 
 
 def chat(args) -> int:

@@ -61,6 +61,7 @@ class Server:
         self._rids = itertools.count()
         self.proc: Optional[subprocess.Popen] = None
         self.stats = {"steps": 0, "requests": 0}
+        self.step_totals = [0.0, 0.0, 0.0, 0.0]  # step time, GPU busy, GPU gap, executor idle (s)
         self.batch_clients: set[bytes] = set()  # clients that read TokenDeltas
         self.step_records: Optional[list[tuple]] = [] if cfg.step_log else None
 
@@ -122,6 +123,11 @@ class Server:
                 self._record_step(result)
             outputs = planner.reconcile(result)
             self.stats["steps"] += 1
+            totals = self.step_totals
+            totals[0] += result.t_end - result.t_start
+            totals[1] += result.gpu_busy_s
+            totals[2] += result.gpu_gap_s
+            totals[3] += result.idle_s
             self._emit_step(outputs)
             if self.cfg.debug_checks:
                 planner.check_integrity()
@@ -180,7 +186,9 @@ class Server:
             num_kv_blocks=pl.limits.num_kv_blocks, num_free_kv_blocks=pl.blocks.num_free,
             num_slots=pl.limits.num_slots, num_free_slots=pl.slots.num_free, num_running=len(pl.running),
             num_waiting=len(pl.waiting), num_draining=len(pl.draining), num_inflight_steps=pl.num_inflight,
-            steps=self.stats["steps"], requests=self.stats["requests"], preemptions=pl.num_preemptions)
+            steps=self.stats["steps"], requests=self.stats["requests"], preemptions=pl.num_preemptions,
+            step_time_s_total=self.step_totals[0], gpu_busy_s_total=self.step_totals[1],
+            gpu_gap_s_total=self.step_totals[2], executor_idle_s_total=self.step_totals[3])
 
     def _on_hello(self, client: bytes, msg: p.Hello) -> None:
         if msg.protocol_version != p.PROTOCOL_VERSION:
