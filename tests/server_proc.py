@@ -49,6 +49,7 @@ class ServerProcess:
 async def server_stats(address: str) -> p.ServerStats:
     """Ask a server for its pool counters over a raw connection (the SDK has no need for them)."""
     async with RawConnection(address, timeout=10) as conn:
+        await conn.hello("stats")  # the server answers nothing but Hello and Ping before a Hello
         return await conn.stats()
 
 
