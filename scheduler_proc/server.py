@@ -8,11 +8,10 @@ Main loop (asyncio + uvloop)::
         reconcile()                 # apply returned steps, stream tokens, finish requests
         plan_ahead()                # keep pipeline_depth + 1 steps in flight
 
-Step results are queued by a reader task; a supervisor task ticks every 50 ms:
-it replaces a dead or hung executor (the running requests are recomputed),
-expires silent clients, retries errors owed to slow readers and ends a
-graceful shutdown.  The planner never waits for the executor: at depth 1 the
-plan for step N+1 leaves before step N's tokens are back.
+A reader task queues step results; a supervisor task (every 50 ms) replaces a
+dead or hung executor (running requests are recomputed), expires silent clients
+and ends a graceful shutdown.  At depth 1 the plan for step N+1 leaves before
+step N's tokens are back.
 """
 
 from __future__ import annotations
@@ -109,10 +108,8 @@ class Server:
         return 1 if self.failure else 0
 
     async def _next_wake(self) -> None:
-        if self.wake.is_set():
-            await asyncio.sleep(0)  # Event.wait() would not yield: let sockets and tasks run
-        else:
-            await self.wake.wait()
+        # Event.wait() on a set event would not yield: sleep(0) lets sockets and tasks run.
+        await (asyncio.sleep(0) if self.wake.is_set() else self.wake.wait())
         self.wake.clear()
 
     def stop(self) -> None:
@@ -155,6 +152,8 @@ class Server:
             self._emit_step(outputs)
             if self.cfg.debug_checks:
                 planner.check_integrity()
+            if self.frontend.has_input():  # plain sends may have taken the edge the client watcher waits on
+                self.wake.set()
         self._drop_unreachable_clients()
 
     def plan_ahead(self) -> None:
@@ -201,8 +200,7 @@ class Server:
             self._on_hello(client, msg)
         elif state is None:
             self.frontend.send(client, p.Error(code="protocol", request_id=getattr(msg, "request_id", None),
-                                               message="send Hello first (no Hello from this client, or it was "
-                                                       "silent past its heartbeat and was forgotten)"))
+                                               message="send Hello first (none yet, or silent past its heartbeat)"))
         elif isinstance(msg, p.Generate):
             self._on_generate(client, msg)
         elif isinstance(msg, p.Abort):
@@ -358,7 +356,10 @@ class Server:
 
     async def _read_results(self, generation: int, results: zmq.asyncio.Socket) -> None:
         while generation == self.executor.generation:
-            msg = p.executor_output_decoder.decode(await results.recv())
+            try:
+                msg = p.executor_output_decoder.decode(await results.recv())
+            except zmq.ZMQError:
+                return  # the socket of a replaced executor was closed
             if generation != self.executor.generation:
                 return  # a late message from a replaced executor
             if isinstance(msg, p.StepResult):

@@ -192,7 +192,7 @@ def test_vanished_clients_free_their_slots_and_blocks():
     tmp = _tmpdir()
     srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "2", "--max-num-seqs", "8",
                         "--num-kv-blocks", "2048", "--block-size", "16", "--max-model-len", "4096",
-                        tmpdir=tmp, timeout=120)
+                        "--client-send-hwm", "1000", tmpdir=tmp, timeout=120)
     env = dict(os.environ, PYTHONPATH=ROOT)
     clients = [subprocess.Popen([sys.executable, "-c", CLIENT, srv.address], env=env) for _ in range(2)]
     try:
@@ -202,11 +202,28 @@ def test_vanished_clients_free_their_slots_and_blocks():
         clients[1].kill()  # gone: its connection drops
         asyncio.run(_wait_running(srv.address, lambda s: s.num_free_kv_blocks == s.num_kv_blocks
                                   and s.num_free_slots == s.num_slots, 5))
+        asyncio.run(_slow_reader(srv.address))
     finally:
         for c in clients:
             c.kill()
             c.wait()
         srv.stop()
+
+
+async def _slow_reader(address: str) -> None:
+    """A client that stops reading has its requests aborted, and is told once it reads again."""
+    async with RawConnection(address, timeout=10) as conn:
+        await conn.hello("slow", batch_deltas=False)
+        for i in range(8):  # 4,000 messages a second: the pipe and the socket buffers fill in about 3 s
+            await conn.send(p.Generate(f"s{i}", [5, 6, 7], p.SamplingParams(max_tokens=4000, seed=i)))
+        await _wait_running(address, lambda s: s.num_running == 8, 5)
+        await _wait_running(address, lambda s: s.num_running == 0 and s.num_free_slots == s.num_slots, 7)
+        errors = set()
+        while len(errors) < 8:
+            msg = await conn.recv()
+            if isinstance(msg, p.Error):
+                assert msg.code == "slow_reader", msg
+                errors.add(msg.request_id)
 
 
 # --------------------------------------------------------------------------- operator
