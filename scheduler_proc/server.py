@@ -281,11 +281,7 @@ class Server:
             self._emit(out)
 
     def _emit_step(self, outputs: list[Output]) -> None:
-        """Stream a step's outputs: one TokenDeltas per client that reads them, else a TokenDelta per request.
-
-        Finishes go through ``_emit``.  A client whose pipe is full or gone is
-        noted by the frontend; its requests are aborted after the step.
-        """
+        """One TokenDeltas per client that reads them, else a TokenDelta per request; finishes via ``_emit``."""
         batch_clients = self.frontend.batch_clients
         batches: dict[bytes, tuple[list[str], list[list[int]]]] = {}
         send, encode = self.frontend.send_data, p.encode
@@ -325,11 +321,8 @@ class Server:
         """End one request with an Error (owed: queued for a client whose pipe is full)."""
         self.planner.abort(req)
         self.requests.pop((req.client, req.request_id), None)
-        error = p.Error(code=code, message=message, request_id=req.request_id)
-        if owed:
-            self.frontend.owe(req.client, error)
-        else:
-            self.frontend.send(req.client, error)
+        (self.frontend.owe if owed else self.frontend.send)(
+            req.client, p.Error(code=code, message=message, request_id=req.request_id))
 
     def drop_client(self, client: bytes, code: Optional[str] = None, message: str = "") -> None:
         """Abort every request of one client (KV freed); with a code, each is owed that error."""
