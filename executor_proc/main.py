@@ -61,11 +61,24 @@ class OutputThread(threading.Thread):
         if step.gpu_events is None:
             return 0.0, 0.0
         start, end = step.gpu_events
+        end.synchronize()  # a step that samples nothing has no copy event to have waited on
         gap = max(0.0, self._prev_end.elapsed_time(start) / 1e3) if self._prev_end is not None else 0.0
         self._prev_end = end
         return start.elapsed_time(end) / 1e3, gap
 
     def run(self) -> None:
+        """Send results until told to stop; any exception is reported as ExecutorFatal and ends the process."""
+        try:
+            self._send_results()
+        except BaseException as e:
+            try:
+                self.sock.send(p.encode(p.ExecutorFatal(f"output thread: {type(e).__name__}: {e}\n"
+                                                        f"{traceback.format_exc()}")))
+                time.sleep(0.2)  # let the message leave before the process ends
+            finally:
+                os._exit(1)  # the main thread may be blocked on a plan: nothing else would end it
+
+    def _send_results(self) -> None:
         while (step := self.steps.get()) is not None:
             if step.event is not None:
                 step.event.synchronize()

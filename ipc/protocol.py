@@ -119,6 +119,7 @@ class ServerStats(_Msg, tag="server_stats"):
     steps: int
     requests: int
     preemptions: int = 0
+    executor_restarts: int = 0
     # Sums over every returned step (seconds), from its StepResult: t_end - t_start, the GPU's
     # busy time and its idle gaps (CUDA only, else 0), and the executor's wait for plans.
     step_time_s_total: float = 0.0

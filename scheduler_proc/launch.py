@@ -64,6 +64,19 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="client address, ipc://PATH or tcp://HOST:PORT (default: ipc:// in a private run dir)")
     s.add_argument("--executor-threads", type=int, default=E("threads"),
                    help="torch CPU threads in the executor (default: all cores but one)")
+    s.add_argument("--executor-hang-timeout", type=float, default=S("executor_hang_timeout_s"), metavar="S",
+                   help="restart the executor when no step returns for this long (at least; the timeout is "
+                        "also 50 x the p99 step time seen)")
+    s.add_argument("--max-restarts", type=int, default=S("max_restarts"),
+                   help="more executor restarts than this within --restart-window: stop with an error to every client")
+    s.add_argument("--restart-window", type=float, default=S("restart_window_s"), metavar="S",
+                   help="seconds over which --max-restarts counts")
+    s.add_argument("--shutdown-timeout", type=float, default=S("shutdown_timeout_s"), metavar="S",
+                   help="on SIGTERM or Ctrl-C, running requests get this long to finish (a second signal: none)")
+    s.add_argument("--max-waiting", type=int, default=S("max_waiting"),
+                   help="waiting requests beyond which a new one is refused with an 'overloaded' error")
+    s.add_argument("--client-send-hwm", type=int, default=S("client_send_hwm"), metavar="N",
+                   help="messages queued to a client that stopped reading before its requests are aborted")
     s.add_argument("--debug-checks", action="store_true", help="check scheduler invariants after every step")
     s.add_argument("--step-log", default=S("step_log"), metavar="PATH",
                    help="append each step's executor timings (step_id, t_start, t_end, idle_s, num_rows) "
@@ -93,7 +106,10 @@ def server_config(args) -> ServerConfig:
     )
     return ServerConfig(model=args.model, tokenizer=args.tokenizer, pipeline_depth=args.pipeline_depth,
                         client_address=args.address, debug_checks=args.debug_checks, step_log=args.step_log,
-                        executor=executor)
+                        executor=executor, executor_hang_timeout_s=args.executor_hang_timeout,
+                        max_restarts=args.max_restarts, restart_window_s=args.restart_window,
+                        shutdown_timeout_s=args.shutdown_timeout, max_waiting=args.max_waiting,
+                        client_send_hwm=args.client_send_hwm)
 
 
 def _seed_position(text: str) -> tuple[int, int]:
@@ -172,43 +188,60 @@ def serve(args) -> int:
         raise SystemExit(f"forerun: {e}")
     import uvloop
 
+    from scheduler_proc.frontend import StartupError
     from scheduler_proc.server import Server
 
-    server = Server(cfg, model)
+    # Until the event loop handles them, SIGTERM unwinds like Ctrl-C, so the cleanup below runs.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        server = Server(cfg, model)
+    except ValueError as e:  # e.g. a run directory whose socket paths are too long
+        raise SystemExit(f"forerun: {e}")
     progress = _Progress(args.quiet)
     try:
+        server.bind()  # address errors before the model loads
         ready = server.start_executor(progress)
-    except (RuntimeError, TimeoutError) as e:
+    except (StartupError, RuntimeError, TimeoutError, KeyboardInterrupt) as e:
         progress.close()
-        print(f"forerun: {e}", file=sys.stderr)
+        print(f"forerun: {e or 'interrupted while starting'}", file=sys.stderr)
         server.close()
         return 1
     progress.close()
+    gateways = None
+    try:
+        _announce(server, model, ready, cfg)
+        gateways = _start_gateways(args, server)
+        if args.ask or gateways:
+            threading.Thread(target=_ask, args=(server.client_address, args.ask, gateways, model.name),
+                             daemon=True).start()
+
+        async def run() -> int:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, server.begin_shutdown)
+            return await server.serve()
+
+        gc.freeze()  # start-up objects are never scanned again: shorter GC pauses while serving
+        return uvloop.run(run())
+    except KeyboardInterrupt:
+        return 1
+    finally:
+        if gateways:
+            gateways.stop()
+        server.close()
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _announce(server, model, ready, cfg) -> None:
     os.makedirs(os.path.dirname(ADDRESS_FILE), exist_ok=True)
     with open(ADDRESS_FILE, "w") as f:
         f.write(server.client_address)
     print(f"forerun: serving {model.name} on {ready.device} ({ready.dtype}), "
           f"{ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}, depth {cfg.pipeline_depth}", flush=True)
     print(f"forerun: ready at {server.client_address}", flush=True)
-    gateways = _start_gateways(args, server)
-    if args.ask or gateways:
-        threading.Thread(target=_ask, args=(server.client_address, args.ask, gateways, ready.model_name),
-                         daemon=True).start()
-
-    async def run() -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, server.stop)
-        return await server.serve()
-
-    gc.freeze()  # start-up objects are never scanned again: shorter GC pauses while serving
-
-    try:
-        return uvloop.run(run())
-    finally:
-        if gateways:
-            gateways.stop()
-        server.close()
 
 
 def _start_gateways(args, server):

@@ -403,6 +403,31 @@ class Planner:
             req.status = Status.WAITING
             self.waiting.appendleft(req)
 
+    # ----------------------------------------------------------------- restart
+
+    def restart(self) -> None:
+        """The executor was replaced: a preemption of everything at once, pools reset.
+
+        Every in-flight step is void (its tokens will never be applied); every
+        running or preempted request goes to the front of the waiting queue, in
+        admission order, to be recomputed from its prompt and received tokens;
+        finished requests that were draining are forgotten.  Step ids go on.
+        """
+        requeue = list(self._running.values()) + [r for r in self.draining.values() if r.status is Status.PREEMPTED]
+        for req in requeue:
+            req.status = Status.WAITING
+            req.num_preemptions += 1
+            req.slot, req.blocks = None, []
+            req.num_pending = req.num_computed = req.num_prefill = req.num_inflight_steps = 0
+        self.waiting.extendleft(reversed(requeue))
+        self.num_preemptions += len(requeue)
+        for group in (self._running, self._prefilling, self._decoding, self.draining):
+            group.clear()
+        self.inflight.clear()
+        self._releases, self._draining_blocks = [], 0
+        self.blocks = BlockAllocator(self.limits.num_kv_blocks, self.limits.block_size)
+        self.slots = Pool(self.limits.num_slots, "slot")
+
     # --------------------------------------------------------------- invariants
 
     def check_integrity(self) -> None:
