@@ -4,9 +4,7 @@ Three launches, none reading a device value on the host:
 
 1. ``_lse_part_kernel``, grid ``(S, cdiv(V, BLOCK))``: each chunk's max and
    ``sum exp(x - chunk max)`` (rows with ``num_logprobs < 0`` exit at once);
-2. the top ``max_top_n`` by a two-stage top-k (:func:`kernels.sampling_topk.chunk_candidates`:
-   the top ``max_top_n`` of every ~4k-wide chunk, then of those candidates; exact, since the
-   row's top-n is among its chunks' top-n), the only part every row pays;
+2. ``torch.topk(logits, max_top_n)`` (one radix select per row; the only part every row pays);
 3. ``_finish_kernel``, grid ``(S,)``: ``lse = M + log(sum_c s_c exp(m_c - M))``, the sampled
    token's ``x[token] - lse``, the top-n, and the padding.
 
@@ -25,7 +23,6 @@ import triton.language as tl
 
 from . import _compat  # noqa: F401  (interpreter fixes)
 from .logprobs_ref import MAX_TOP_N, token_logprobs_ref  # noqa: F401
-from .sampling_topk import DEFAULT_CHUNK, chunk_candidates
 
 __all__ = ["token_logprobs", "MAX_TOP_N", "token_logprobs_ref"]
 
@@ -71,12 +68,11 @@ def _finish_kernel(x_ptr, stride_x, tok_ptr, n_ptr, pmax_ptr, psum_ptr, tv_ptr, 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: torch.Tensor, *,
                    max_top_n: int = MAX_TOP_N, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                   block: int = 4096, chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                   block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids int64, logprobs float32)`` ``[S, 1 + max_top_n]``, as :func:`token_logprobs_ref`.
 
     logits ``[S, V]`` (the raw model output), tokens ``[S]`` the sampled tokens,
-    num_logprobs ``[S]`` int32 (-1 off, 0..max_top_n); ``out`` preallocated buffers;
-    ``block``/``chunk`` tuning knobs (the logsumexp pass, the two-stage top-k).
+    num_logprobs ``[S]`` int32 (-1 off, 0..max_top_n); ``out`` preallocated buffers.
     """
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [S, V], last dim contiguous"
     S, V = logits.shape
@@ -98,9 +94,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: tor
     _lse_part_kernel[(S, nch)](logits, logits.stride(0), num_logprobs, pmax, psum, V, nch, BLOCK=block,
                                num_warps=8)
     if max_top_n:
-        cv, ci, _ = chunk_candidates(logits, max_top_n, chunk, with_bound=False)
-        tv, tj = torch.topk(cv, max_top_n, dim=-1)
-        ti = ci.gather(1, tj)
+        tv, ti = torch.topk(logits, max_top_n, dim=-1)
     else:
         tv, ti = pmax, tokens  # never read
     _finish_kernel[(S,)](logits, logits.stride(0), tokens, num_logprobs, pmax, psum, tv.contiguous(),

@@ -48,7 +48,7 @@ import triton.language as tl
 from . import _compat  # noqa: F401  (interpreter fixes)
 from .sampling_hash import hash_uniform_triton, tl_okey, tl_row_key, tl_uniform
 from .sampling_ref import GREEDY_EPS, hash_uniform, sample as sample_ref  # noqa: F401
-from .sampling_window import DEFAULT_CANDIDATES, DEFAULT_CHUNK, sample_window
+from .sampling_window import DEFAULT_CANDIDATES, sample_window
 
 __all__ = ["sample", "hash_uniform_triton", "sample_ref", "hash_uniform"]
 
@@ -180,7 +180,7 @@ def _sample_row(row, logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, minp_
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, *,
            out: Optional[torch.Tensor] = None, method: str = "window", candidates: int = DEFAULT_CANDIDATES,
-           filtered: bool = True, greedy_only: bool = False, chunk: int = DEFAULT_CHUNK,
+           filtered: bool = True, greedy_only: bool = False, chunk: Optional[int] = None,
            block: Optional[int] = None, sblock: Optional[int] = None,
            nc: int = 8, num_warps: Optional[int] = None, num_stages: int = 3) -> torch.Tensor:
     """Tokens ``[S]`` int64; same arguments and result as :func:`kernels.sampling_ref.sample`.
@@ -195,7 +195,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     ``filtered=False`` is a host-side promise that no row uses top-k/top-p (skips the window:
     temperature / min-p rows then cost two passes over the logits).  ``greedy_only=True``
     promises every row is greedy: one ``torch.argmax`` (first index on ties, like the reference).
-    ``chunk`` is the chunk width of the window's two-stage top-k (a tuning knob).
+    ``chunk`` (default: none) splits the window's top-k into a two-stage one (a tuning knob).
     ``method="rows"``: the one-program-per-row kernel alone (the previous sampler).
     ``block`` is the chunk width of its streaming passes, ``sblock``/``nc`` the chunk width
     and candidates per pass of its threshold searches (tuning knobs; the result does not

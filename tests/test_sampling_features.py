@@ -306,21 +306,6 @@ def test_sample_flags():
     assert torch.equal(sample(logits, *params, filtered=False), sample_ref(logits, *params))
 
 
-@pytest.mark.parametrize("V,chunk", [(2003, 256), (1000, 100)])
-def test_logprobs_chunked(V, chunk):
-    from kernels.logprobs import token_logprobs
-
-    g = torch.Generator().manual_seed(V)
-    S = 7
-    logits = (torch.randn(S, V, generator=g) * 4).to(DEV)
-    tokens = torch.randint(0, V, (S,), generator=g).to(DEV)
-    n = torch.tensor([(-1, 0, 1, 5, 20)[i % 5] for i in range(S)], dtype=torch.int32, device=DEV)
-    ids, lps = token_logprobs(logits, tokens, n, chunk=chunk)
-    rids, rlps = token_logprobs_ref(logits, tokens, n)
-    _same_top(logits, ids, rids)
-    torch.testing.assert_close(lps, rlps, rtol=0, atol=1e-4)
-
-
 def test_count_sampled_kernel_matches_reference():
     """The one-launch count update equals the torch one, repeated slots and tokens included."""
     from kernels.penalties import count_sampled as count_kernel
