@@ -340,7 +340,8 @@ async def test_two_workers_64_streams_no_mixup(server_factory, default_model_dir
 
 
 async def test_health_503_once_the_executor_is_gone(server_factory):
-    srv = server_factory("--load-format", "scripted", "--scripted-step-ms", "5")
+    # No restarts allowed: the executor's death is the server's (fail-stop), as after too many restarts.
+    srv = server_factory("--load-format", "scripted", "--scripted-step-ms", "5", "--max-restarts", "0")
     port = free_port()
     run_dir = tempfile.mkdtemp(prefix="gw", dir="/tmp")
     gateways = start_gateways(srv.address, host="127.0.0.1", port=port, workers=1, run_dir=run_dir)
