@@ -93,6 +93,10 @@ class GetStats(_Msg, tag="get_stats"):
     pass
 
 
+class ResetPrefixCache(_Msg, tag="reset_prefix_cache"):
+    """Forget every cached KV block no running request holds (benchmarks); the reply is ServerStats."""
+
+
 class ServerStats(_Msg, tag="server_stats"):
     """Pool occupancy and counters: tests use it to prove that nothing leaked."""
 
@@ -107,6 +111,9 @@ class ServerStats(_Msg, tag="server_stats"):
     steps: int
     requests: int
     preemptions: int = 0
+    # Prefix caching: prompt (+ resumed) tokens admissions looked up, and those found cached.
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
 
 class TokenDelta(_Msg, tag="token_delta"):
@@ -150,7 +157,7 @@ class Error(_Msg, tag="error"):
     field: Optional[str] = None
 
 
-ClientToServer = Union[Hello, Generate, Abort, GetStats]
+ClientToServer = Union[Hello, Generate, Abort, GetStats, ResetPrefixCache]
 ServerToClient = Union[ServerInfo, TokenDelta, TokenDeltas, Finished, Error, ServerStats]
 
 

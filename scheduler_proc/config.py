@@ -24,6 +24,7 @@ class ServerConfig:
     run_dir: Optional[str] = None
     executor_start_timeout_s: float = 600.0
     debug_checks: bool = False  # check_integrity() after every step
+    enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes between requests
     executor_threads: Optional[int] = None
     step_log: Optional[str] = None  # append each step's executor timings here (JSON lines)
     # ExecutorConfig fields to override (tests: load_format "scripted" and its options).

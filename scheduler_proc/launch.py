@@ -57,6 +57,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="client address, ipc://PATH or tcp://HOST:PORT (default: ipc:// in a private run dir)")
     s.add_argument("--executor-threads", type=int, default=None, help="torch CPU threads in the executor (default: all cores but one)")
     s.add_argument("--debug-checks", action="store_true", help="check scheduler invariants after every step")
+    s.add_argument("--no-prefix-caching", action="store_true",
+                   help="recompute every prompt instead of sharing the KV blocks of prefixes seen before")
     s.add_argument("--step-log", default=None, metavar="PATH",
                    help="append each step's executor timings (step_id, t_start, t_end, idle_s, num_rows) "
                         "to PATH as JSON lines, in batches and at shutdown")
@@ -170,6 +172,7 @@ def serve(args) -> int:
             max_model_len=args.max_model_len, kv_memory_fraction=args.kv_memory_fraction,
             pipeline_depth=args.pipeline_depth, client_address=args.address, debug_checks=args.debug_checks,
             executor_threads=args.executor_threads, step_log=args.step_log,
+            enable_prefix_caching=not args.no_prefix_caching,
             executor_overrides=_executor_overrides(args),
         )
     except ValueError as e:

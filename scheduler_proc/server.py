@@ -98,7 +98,7 @@ class Server:
             num_slots=r.num_slots, num_kv_blocks=r.num_kv_blocks, block_size=r.block_size,
             max_model_len=r.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
             eos_token_ids=frozenset(r.eos_token_ids),
-        ))
+        ), prefix_cache_id=self._prefix_cache_id() if cfg.enable_prefix_caching else None)
         self.frontend = make_socket(self.ctx, zmq.ROUTER, self.client_address, bind=True,
                                     max_msg_bytes=TRANSPORT_MAX_MESSAGE_BYTES, hwm=0)  # a ROUTER drops at its HWM: never
         # Plain (non-asyncio) views for the per-step sends: an asyncio send costs several
@@ -192,6 +192,14 @@ class Server:
             self._on_abort(client, msg)
         elif isinstance(msg, p.GetStats):
             self._send(client, self.server_stats())
+        elif isinstance(msg, p.ResetPrefixCache):
+            self.planner.reset_prefix_cache()
+            self._send(client, self.server_stats())
+
+    def _prefix_cache_id(self) -> str:
+        """What cached KV depends on besides the tokens: model, weights and dtype (part of every block key)."""
+        r = self.ready
+        return f"{r.model_name}|{self.model_path}|{self.cfg.load_format}|{r.dtype}|{r.block_size}"
 
     def server_stats(self) -> p.ServerStats:
         pl = self.planner
@@ -199,7 +207,9 @@ class Server:
             num_kv_blocks=pl.limits.num_kv_blocks, num_free_kv_blocks=pl.blocks.num_free,
             num_slots=pl.limits.num_slots, num_free_slots=pl.slots.num_free, num_running=len(pl.running),
             num_waiting=len(pl.waiting), num_draining=len(pl.draining), num_inflight_steps=pl.num_inflight,
-            steps=self.stats["steps"], requests=self.stats["requests"], preemptions=pl.num_preemptions)
+            steps=self.stats["steps"], requests=self.stats["requests"], preemptions=pl.num_preemptions,
+            prefix_cache_query_tokens=pl.prefix.query_tokens if pl.prefix else 0,
+            prefix_cache_hit_tokens=pl.prefix.hit_tokens if pl.prefix else 0)
 
     def _on_hello(self, client: bytes, msg: p.Hello) -> None:
         if msg.protocol_version != p.PROTOCOL_VERSION:

@@ -48,18 +48,26 @@ class ServerProcess:
                 self.proc.wait()
 
 
-async def server_stats(address: str) -> p.ServerStats:
-    """Ask a server for its pool counters over a raw socket (the SDK has no need for them)."""
+async def server_stats(address: str, msg=None) -> p.ServerStats:
+    """Ask a server for its pool counters over a raw socket (the SDK has no need for them).
+
+    ``msg``: send this instead of GetStats (ResetPrefixCache, whose reply is ServerStats too).
+    """
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     try:
-        await sock.send(p.encode(p.GetStats()))
+        await sock.send(p.encode(msg or p.GetStats()))
         return p.server_reply_decoder.decode(await asyncio.wait_for(sock.recv(), 10))
     finally:
         sock.close()
         ctx.term()
+
+
+async def reset_prefix_cache(address: str) -> p.ServerStats:
+    """Make a server forget its cached KV blocks (raw socket, until the SDK has the call)."""
+    return await server_stats(address, p.ResetPrefixCache())
 
 
 async def wait_idle(address: str) -> p.ServerStats:
