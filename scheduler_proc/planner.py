@@ -169,7 +169,6 @@ class Planner:
         rows, appends, ended = draft.rows, draft.appends, []
         add_row, add_slot, add_position = rows.append, draft.slots.append, draft.positions.append
         take_block = self.blocks.take
-        written = draft.written if self.prefix is not None else None
         preemptions = self.num_preemptions
         for req in decoders:
             if self.num_preemptions != preemptions and req.status is not _RUNNING:
@@ -183,8 +182,6 @@ class Planner:
                 elif not self._reserve(req, pos + 1, draft):  # none free: wait or preempt
                     draft.blocked = True
                     continue
-                if written is not None:
-                    written.append((req, pos))  # the full blocks before this row's are done once it is
             add_row(req)
             add_slot(req.slot)
             add_position(pos)

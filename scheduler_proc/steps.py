@@ -20,7 +20,7 @@ class InflightStep:
         self.requests = requests  # every request with a row in this step, row order
         self.samplers = samplers  # requests whose row is sampled, in row order
         # (request, n): once this step is back, the request's first n tokens of KV are all written
-        # (prefix caching only; filled at prefill chunks and when a decode row opens a new block).
+        # (prefix caching only; one per prefill chunk: generated tokens' blocks are published at drain).
         self.written = written
 
 
