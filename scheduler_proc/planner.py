@@ -100,7 +100,9 @@ class Planner:
         self._running: dict[int, Request] = {}
         self._prefilling: dict[int, Request] = {}
         self._decoding: dict[int, Request] = {}
-        self._draining_blocks = 0  # blocks held by draining requests: they will come back
+        # Blocks held by draining requests: they will come back (a shared one may not; then the wait
+        # ends when its holder has drained, and the next plan preempts).
+        self._draining_blocks = 0
         self._stop_refs: dict[int, int] = {}  # stop token id -> live requests that list it
         # A sampled token outside this set can only end a request by length (the fast path).
         self._stop_tokens: set[int] = set(self.limits.eos_token_ids)

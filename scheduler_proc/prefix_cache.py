@@ -12,7 +12,9 @@ collisions are out of reach (2**64 blocks for a birthday collision).
 
 Only full blocks get keys, and a block is only *published* (made findable)
 once every step that writes it has come back from the executor, never while
-in flight: :meth:`PrefixCache.publish` is called at reconcile.  A request that
+in flight: :meth:`PrefixCache.publish` is called at the reconcile of a prefill
+chunk's step, and for blocks of generated tokens (whose tokens are known only
+once received) when the request drains.  A request that
 arrives while the block is in flight computes the block itself (into its own
 block): waiting for it would tie one request's admission to another's step,
 and at depth <= 2 the copy costs at most two steps of recompute.  The first of
