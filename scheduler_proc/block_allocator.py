@@ -185,6 +185,17 @@ class BlockAllocator:
         self._block_of[key] = block
         return True
 
+    def publish_chain(self, blocks: list[int], keys: list[bytes], start: int, end: int) -> None:
+        """``publish(blocks[i], keys[i])`` for i in [start, end), in one loop (the reconcile path)."""
+        refs, key_of, block_of = self._refs, self._key_of, self._block_of
+        for i in range(start, end):
+            b, k = blocks[i], keys[i]
+            if refs[b] <= 0:
+                raise RuntimeError(f"KV block {b} published while nobody holds it")
+            if k not in block_of and b not in key_of:
+                key_of[b] = k
+                block_of[k] = b
+
     def key_of(self, block: int) -> Optional[bytes]:
         return self._key_of.get(block)
 

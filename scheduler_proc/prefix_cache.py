@@ -34,6 +34,7 @@ from scheduler_proc.block_allocator import BlockAllocator
 from scheduler_proc.request import Request
 
 KEY_BYTES = 16
+TOKEN_BYTES = array("I").itemsize  # token ids are < 2**31 (validated): 4 bytes each, native order
 
 
 class PrefixCache:
@@ -50,12 +51,19 @@ class PrefixCache:
     def keys(self, req: Request, n: int) -> list[bytes]:
         """Keys of ``req``'s first ``n`` full blocks of known tokens (memoized on the request)."""
         keys = req.block_keys
+        done = len(keys)
+        if done >= n:
+            return keys
         bs, secret = self.block_size, self._secret
-        while len(keys) < n:
-            i = len(keys)
-            parent = keys[-1] if keys else self.root
-            data = parent + array("I", req.known_tokens(i * bs, (i + 1) * bs)).tobytes()
-            keys.append(blake2b(data, key=secret, digest_size=KEY_BYTES).digest())
+        # One conversion to bytes for all the new blocks, then one keyed hash per block.
+        data = array("I", req.known_tokens(done * bs, n * bs)).tobytes()
+        step = bs * TOKEN_BYTES
+        parent = keys[-1] if keys else self.root
+        for off in range(0, len(data), step):
+            h = blake2b(parent, key=secret, digest_size=KEY_BYTES)
+            h.update(data[off : off + step])
+            parent = h.digest()
+            keys.append(parent)
         return keys
 
     def match(self, req: Request) -> list[int]:
@@ -76,10 +84,7 @@ class PrefixCache:
         n = min(written, req.num_known) // self.block_size
         if n <= req.num_published:
             return
-        keys = self.keys(req, n)
-        publish, blocks = self.blocks.publish, req.blocks
-        for i in range(req.num_published, n):
-            publish(blocks[i], keys[i])
+        self.blocks.publish_chain(req.blocks, self.keys(req, n), req.num_published, n)
         req.num_published = n
 
     def check(self, holders: list[Request]) -> None:
