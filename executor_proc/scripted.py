@@ -114,18 +114,21 @@ class ScriptedExecutor:
         return default_token(seed, position, self.vocab_size)
 
     def _write(self, slot: int, start: int, tokens: list[int]) -> None:
-        table, bs = self.tables[slot], self.block_size
+        table, bs, kv = self.tables[slot], self.block_size, self.kv
         for p, tok in enumerate(tokens, start):
             block = table[p // bs]
             holders = self.block_slots[block]
             assert len(holders) == 1, f"slot {slot} writes position {p} into block {block}, shared by slots {holders}"
-            self.kv.setdefault(block, [None] * bs)[p % bs] = tok
+            content = kv.get(block)
+            if content is None:
+                content = kv[block] = [None] * bs
+            content[p % bs] = tok
 
     def _read(self, slot: int, start: int, end: int) -> list[int]:
-        table, bs = self.tables[slot], self.block_size
+        table, bs, unwritten = self.tables[slot], self.block_size, [None] * self.block_size
         out = []
         for p in range(start, end):
-            tok = self.kv.get(table[p // bs], [None] * bs)[p % bs]
+            tok = self.kv.get(table[p // bs], unwritten)[p % bs]
             assert tok is not None, f"slot {slot} reads position {p} of block {table[p // bs]}: never written"
             out.append(tok)
         return out
