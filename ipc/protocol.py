@@ -105,6 +105,10 @@ class GetStats(_Msg, tag="get_stats"):
     pass
 
 
+class ResetPrefixCache(_Msg, tag="reset_prefix_cache"):
+    """Forget every cached KV block no running request holds (benchmarks); the reply is ServerStats."""
+
+
 class ServerStats(_Msg, tag="server_stats"):
     """Pool occupancy and counters: tests use it to prove that nothing leaked."""
 
@@ -126,6 +130,9 @@ class ServerStats(_Msg, tag="server_stats"):
     gpu_busy_s_total: float = 0.0
     gpu_gap_s_total: float = 0.0
     executor_idle_s_total: float = 0.0
+    # Prefix caching: prompt (+ resumed) tokens admissions looked up, and those found cached.
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -196,7 +203,7 @@ class Pong(_Msg, tag="pong"):
     server_id: str
 
 
-ClientToServer = Union[Hello, Generate, Abort, GetStats, Ping]
+ClientToServer = Union[Hello, Generate, Abort, GetStats, Ping, ResetPrefixCache]
 ServerToClient = Union[ServerInfo, TokenDelta, TokenDeltas, Finished, Error, ServerStats, Pong]
 
 

@@ -22,6 +22,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     run_dir: Optional[str] = None  # default: $FORERUN_RUN_DIR or a new temp folder
     executor_start_timeout_s: float = 600.0
     debug_checks: bool = False  # check_integrity() after every step
+    enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes between requests
     step_log: Optional[str] = None  # append each step's executor timings here (JSON lines)
     executor: ExecutorConfig = ExecutorConfig()
     # Reliability (docs/reliability.md).

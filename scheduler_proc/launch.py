@@ -78,6 +78,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--client-send-hwm", type=int, default=S("client_send_hwm"), metavar="N",
                    help="messages queued to a client that stopped reading before its requests are aborted")
     s.add_argument("--debug-checks", action="store_true", help="check scheduler invariants after every step")
+    s.add_argument("--no-prefix-caching", action="store_true",
+                   help="recompute every prompt instead of sharing the KV blocks of prefixes seen before")
     s.add_argument("--step-log", default=S("step_log"), metavar="PATH",
                    help="append each step's executor timings (step_id, t_start, t_end, idle_s, num_rows) "
                         "to PATH as JSON lines, in batches and at shutdown")
@@ -106,6 +108,7 @@ def server_config(args) -> ServerConfig:
     )
     return ServerConfig(model=args.model, tokenizer=args.tokenizer, pipeline_depth=args.pipeline_depth,
                         client_address=args.address, debug_checks=args.debug_checks, step_log=args.step_log,
+                        enable_prefix_caching=not args.no_prefix_caching,
                         executor=executor, executor_hang_timeout_s=args.executor_hang_timeout,
                         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                         shutdown_timeout_s=args.shutdown_timeout, max_waiting=args.max_waiting,

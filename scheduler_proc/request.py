@@ -46,6 +46,8 @@ class Request:
     num_prefill: int = 0  # tokens fed from the host since admission (prompt + received at admission)
     slot: Optional[int] = None
     blocks: list[int] = field(default_factory=list)
+    num_published: int = 0  # leading blocks of ``blocks`` that are findable in the prefix cache
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full known blocks (memo)
     num_inflight_steps: int = 0
     status: Status = Status.WAITING
     finish_reason: Optional[str] = None
@@ -82,4 +84,6 @@ class Request:
         p = len(self.prompt)
         if end <= p:
             return self.prompt[start:end]
-        return (self.prompt + self.output)[start:end]
+        if start >= p:
+            return self.output[start - p : end - p]
+        return self.prompt[start:] + self.output[: end - p]

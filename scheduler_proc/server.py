@@ -84,7 +84,7 @@ class Server:
             self.bind()
         self.ready = self.executor.start(on_progress)
         self.limits = Limits.of(self.cfg.executor, self.ready)
-        self.planner = Planner(self.limits)
+        self.planner = Planner(self.limits, prefix_cache_id=self._prefix_cache_id() if self.cfg.enable_prefix_caching else None)
         return self.ready
 
     # ------------------------------------------------------------ main loop
@@ -209,6 +209,14 @@ class Server:
             self._on_abort(client, msg)
         elif isinstance(msg, p.GetStats):
             self.frontend.send(client, self.server_stats())
+        elif isinstance(msg, p.ResetPrefixCache):
+            self.planner.reset_prefix_cache()
+            self.frontend.send(client, self.server_stats())
+
+    def _prefix_cache_id(self) -> str:
+        """What cached KV depends on besides the tokens: model, weights, dtype, block size (in every key)."""
+        e = self.cfg.executor
+        return f"{self.model.name}|{self.model.path}|{e.load_format}|{self.ready.dtype}|{e.block_size}"
 
     def server_stats(self) -> p.ServerStats:
         pl, totals = self.planner, self.step_totals
@@ -219,7 +227,9 @@ class Server:
             steps=self.stats["steps"], requests=self.stats["requests"], preemptions=pl.num_preemptions,
             executor_restarts=self.stats["restarts"],
             step_time_s_total=totals.step_s, gpu_busy_s_total=totals.gpu_busy_s,
-            gpu_gap_s_total=totals.gpu_gap_s, executor_idle_s_total=totals.idle_s)
+            gpu_gap_s_total=totals.gpu_gap_s, executor_idle_s_total=totals.idle_s,
+            prefix_cache_query_tokens=pl.prefix.query_tokens if pl.prefix else 0,
+            prefix_cache_hit_tokens=pl.prefix.hit_tokens if pl.prefix else 0)
 
     def _on_hello(self, client: bytes, msg: p.Hello) -> None:
         if msg.protocol_version != p.PROTOCOL_VERSION:

@@ -23,7 +23,7 @@ _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 
 
-def decode_client_frame(data: bytes) -> Union[p.Hello, p.Generate, p.Abort, p.GetStats, p.Error]:
+def decode_client_frame(data: bytes) -> Union[p.Hello, p.Generate, p.Abort, p.GetStats, p.ResetPrefixCache, p.Error]:
     """Decode one client frame; a malformed one becomes an ``Error`` (never an exception)."""
     try:
         return p.client_request_decoder.decode(data)

@@ -46,11 +46,22 @@ class ServerProcess:
                 self.proc.wait()
 
 
-async def server_stats(address: str) -> p.ServerStats:
-    """Ask a server for its pool counters over a raw connection (the SDK has no need for them)."""
+async def server_stats(address: str, msg=None) -> p.ServerStats:
+    """Ask a server for its pool counters over a raw connection (the SDK has no need for them).
+
+    ``msg``: send this instead of GetStats (ResetPrefixCache, whose reply is ServerStats too).
+    """
     async with RawConnection(address, timeout=10) as conn:
         await conn.hello("stats")  # the server answers nothing but Hello and Ping before a Hello
-        return await conn.stats()
+        if msg is None:
+            return await conn.stats()
+        await conn.send(msg)
+        return await conn.recv()
+
+
+async def reset_prefix_cache(address: str) -> p.ServerStats:
+    """Make a server forget its cached KV blocks (raw socket, until the SDK has the call)."""
+    return await server_stats(address, p.ResetPrefixCache())
 
 
 async def wait_idle(address: str) -> p.ServerStats:
