@@ -107,7 +107,7 @@ class Executor:
         gc.freeze()  # the hot loop must not pay for scanning start-up objects (see _setup_scripted)
 
     def _setup_scripted(self) -> None:
-        from executor_proc.scripted import ScriptedExecutor, ScriptedWorker
+        from executor_proc.testing.scripted import ScriptedExecutor, ScriptedWorker
 
         cfg, script = self.cfg, self.cfg.scripted
         num_blocks = cfg.num_kv_blocks or 4096

@@ -3,7 +3,7 @@
 Workload: ``--requests`` requests of ``--prompt-len`` random tokens, ``--new-tokens``
 new tokens each (greedy, EOS ignored), Llama-3.2-1B shape with random weights, bf16.
 
-- forerun: the executor's worker driven by :class:`executor_proc.synthetic.SyntheticPlanner`
+- forerun: the executor's worker driven by :class:`executor_proc.testing.synthetic.SyntheticPlanner`
   (``--slots`` slots, at most ``--prefill-budget`` prompt tokens admitted per step,
   decode rows + prefill rows mixed as the real planner does, two steps in flight).
   No scheduler process and no sockets: this is the executor's share only.
@@ -30,7 +30,7 @@ from _bench_util import write_json  # noqa: E402
 from bench_decode import DecodeLoop  # noqa: E402
 from ipc.config import ExecutorConfig  # noqa: E402
 from executor_proc.engine import build_engine  # noqa: E402
-from executor_proc.synthetic import SyntheticPlanner  # noqa: E402
+from executor_proc.testing.synthetic import SyntheticPlanner  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 

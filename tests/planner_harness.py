@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from executor_proc.scripted import ScriptedExecutor, expected_output
+from executor_proc.testing.scripted import ScriptedExecutor, expected_output
 from ipc.protocol import SamplingParams, StepPlan
 from scheduler_proc.limits import Limits
 from scheduler_proc.planner import Output, Planner

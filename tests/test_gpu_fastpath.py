@@ -20,7 +20,7 @@ from ipc.config import ExecutorConfig
 from executor_proc.cuda_graphs import graph_buckets
 from executor_proc.decode_step import argmax_rows
 from executor_proc.engine import GRAPH_STAGE, build_engine
-from executor_proc.synthetic import GREEDY, SyntheticPlanner
+from executor_proc.testing.synthetic import GREEDY, SyntheticPlanner
 from executor_proc.worker import EagerStep, GraphStep
 from ipc.protocol import SlotSampling
 

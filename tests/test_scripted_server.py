@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from executor_proc.scripted import ScriptedExecutor, expected_output
+from executor_proc.testing.scripted import ScriptedExecutor, expected_output
 from ipc import protocol as p
 from ipc.client import AsyncClient
 from ipc.client.raw import RawConnection
