@@ -96,7 +96,7 @@ class Executor:
         """Load the model, allocate the KV cache, capture the decode graphs, report capacity."""
         if self.cfg.load_format == "scripted":
             return self._setup_scripted()
-        from executor_proc.engine import build_engine
+        from executor_proc.build import build_engine
 
         cfg = self.cfg
         engine = build_engine(cfg, lambda stage, done, total: self.send(p.LoadProgress(stage, done, total)))

@@ -1,6 +1,6 @@
 """Paged prefill / chunked-prefill attention (varlen, causal).
 
-Rows are laid out as in :class:`executor_proc.batch.ForwardBatch`: row ``r`` owns
+Rows are laid out as in :class:`executor_proc.step.batch.ForwardBatch`: row ``r`` owns
 query tokens ``query_start[r]:query_start[r+1]`` and attends to the first
 ``context_lens[r]`` tokens of its KV (cached prefix + the new chunk, whose K/V
 were written into the cache before this call).  The ``j``-th new token of a row

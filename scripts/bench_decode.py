@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _bench_util import write_json  # noqa: E402
 from ipc.config import ExecutorConfig  # noqa: E402
-from executor_proc.engine import build_engine  # noqa: E402
+from executor_proc.build import build_engine  # noqa: E402
 from executor_proc.testing.synthetic import SyntheticPlanner  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")

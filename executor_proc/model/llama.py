@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor_proc.attention import AttentionBackend, EagerAttention
-from executor_proc.batch import ForwardBatch
-from executor_proc.kv_cache import KVCache
-from executor_proc.model_config import ModelConfig
+from executor_proc.backends.torch_backend import AttentionBackend, EagerAttention
+from executor_proc.step.batch import ForwardBatch
+from executor_proc.model.kv_cache import KVCache
+from executor_proc.model.config import ModelConfig
 
 # Buffers some HF checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -1,4 +1,4 @@
-"""Build a ready :class:`executor_proc.worker.Worker` from an :class:`ExecutorConfig` (no sockets).
+"""Build a ready :class:`executor_proc.step.worker.Worker` from an :class:`ExecutorConfig` (no sockets).
 
 Load the model, pick the kernels (Triton on CUDA, torch on the CPU), size and
 allocate the KV cache, and capture the decode graphs.  The executor process
@@ -13,11 +13,11 @@ from typing import Callable
 import torch
 
 from ipc.config import ExecutorConfig
-from executor_proc.kv_cache import KVCache, kv_cache_bytes_per_block
-from executor_proc.loader import load_model
-from executor_proc.model_config import ModelConfig
-from executor_proc.slot_tables import SlotTables
-from executor_proc.worker import Worker
+from executor_proc.model.kv_cache import KVCache, kv_cache_bytes_per_block
+from executor_proc.model.loader import load_model
+from executor_proc.model.config import ModelConfig
+from executor_proc.step.slot_tables import SlotTables
+from executor_proc.step.worker import Worker
 
 CPU_KV_BUDGET_BYTES = 2 * 1024**3
 GRAPH_STAGE = "capturing CUDA graphs"
@@ -58,7 +58,7 @@ def build_engine(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
     triton = uses_triton(cfg, device)
     graph_max_batch = (cfg.cuda_graph_max_batch or cfg.num_slots) if triton and cfg.cuda_graphs else 0
     if triton:
-        from executor_proc.triton_backend import install_triton_kernels
+        from executor_proc.backends.triton_backend import install_triton_kernels
         from kernels.sampling import sample
         tune_max_m = graph_max_batch if device.type == "cuda" else 0
         progress("tuning linear kernels", 0, 1)
@@ -81,7 +81,7 @@ def model_path(cfg: ExecutorConfig, progress: ProgressCallback) -> str:
     """The folder or file to load; the default model ("") is converted from its GGUF file on first use."""
     if cfg.model:
         return cfg.model
-    from executor_proc.default_model import ensure_default_model
+    from executor_proc.model.default_model import ensure_default_model
 
     progress("preparing the default model", 0, 1)
     folder = ensure_default_model()

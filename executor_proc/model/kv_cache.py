@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from executor_proc.model_config import ModelConfig
+from executor_proc.model.config import ModelConfig
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -1,6 +1,6 @@
 """The inputs of one forward step, as the model and the attention code see them.
 
-Built by :mod:`executor_proc.worker` from a :class:`ipc.protocol.StepPlan` and
+Built by :mod:`executor_proc.step.worker` from a :class:`ipc.protocol.StepPlan` and
 the slot tables.  Device tensors are filled from pinned host buffers with
 non-blocking copies; the host lists are the plan's own numbers, so nothing here
 ever reads a device value back.
@@ -17,7 +17,7 @@ Layout (T tokens in R rows, rows in plan order)::
     sample_slots  [S]   slot of each sampled row (for sampling parameters)
 
 A CUDA-graph decode step builds its batch on the device from static buffers
-(:mod:`executor_proc.decode_step`): it has no host context lengths, which only
+(:mod:`executor_proc.step.decode_step`): it has no host context lengths, which only
 the eager torch backend needs.
 """
 

@@ -25,8 +25,8 @@ from typing import Callable, Optional
 
 import torch
 
-from executor_proc.batch import ForwardBatch
-from executor_proc.slot_tables import SlotTables
+from executor_proc.step.batch import ForwardBatch
+from executor_proc.step.slot_tables import SlotTables
 
 
 @dataclass

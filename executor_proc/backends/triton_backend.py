@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.batch import ForwardBatch
+from executor_proc.step.batch import ForwardBatch
 from kernels.activation import silu_and_mul
 from kernels import gemv as skinny
 from kernels.decode_attention import DecodeWorkspace, decode_attention, default_num_splits
@@ -49,7 +49,7 @@ class TritonPlan:
 
 
 class TritonAttention:
-    """:class:`executor_proc.attention.AttentionBackend` on the Triton kernels."""
+    """:class:`executor_proc.backends.torch_backend.AttentionBackend` on the Triton kernels."""
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, max_batch: int, device: torch.device):

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from executor_proc.staging import HostUpload
+from executor_proc.step.staging import HostUpload
 from ipc.protocol import StepPlan
 
 

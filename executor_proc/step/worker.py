@@ -8,9 +8,9 @@ are copied to the host.  So step N+1 can be enqueued before step N's tokens
 have reached the CPU.
 
 A step's host inputs (and the plan's table diffs) go to the device in one
-pinned, non-blocking upload (:mod:`executor_proc.staging`).  A pure-decode step
-that fits a bucket runs as :func:`executor_proc.decode_step.decode_step`
-through :class:`executor_proc.cuda_graphs.DecodeGraphs` (replayed on CUDA);
+pinned, non-blocking upload (:mod:`executor_proc.step.staging`).  A pure-decode step
+that fits a bucket runs as :func:`executor_proc.step.decode_step.decode_step`
+through :class:`executor_proc.step.graphs.DecodeGraphs` (replayed on CUDA);
 every other step runs the model eagerly with the same kernels.
 """
 
@@ -22,11 +22,11 @@ from typing import Callable, Optional, Union
 import numpy as np
 import torch
 
-from executor_proc.batch import ForwardBatch
-from executor_proc.cuda_graphs import DecodeGraphs
-from executor_proc.decode_step import argmax_rows, decode_step
-from executor_proc.slot_tables import SlotTables
-from executor_proc.staging import PinnedStaging, TokenRing
+from executor_proc.step.batch import ForwardBatch
+from executor_proc.step.graphs import DecodeGraphs
+from executor_proc.step.decode_step import argmax_rows, decode_step
+from executor_proc.step.slot_tables import SlotTables
+from executor_proc.step.staging import PinnedStaging, TokenRing
 from ipc.protocol import StepPlan
 
 Sampler = Callable[..., torch.Tensor]

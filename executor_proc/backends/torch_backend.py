@@ -10,7 +10,7 @@ A backend has three calls: ``plan(batch, rotary, dtype)`` once per step (row
 shapes, masks, rotary tables, shared by all layers), then per layer
 ``rotate_and_store`` (rotary on q and k, k and v into the cache; returns the
 rotated q) and ``attend``.  Every shape comes from the batch's host lists, so
-nothing here reads a device value back.  :mod:`executor_proc.triton_backend`
+nothing here reads a device value back.  :mod:`executor_proc.backends.triton_backend`
 is the CUDA implementation.
 
 Decode rows (one query token) are attended in batched runs: the blocks of every
@@ -27,7 +27,7 @@ from typing import Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from executor_proc.batch import ForwardBatch
+from executor_proc.step.batch import ForwardBatch
 
 
 @dataclass
