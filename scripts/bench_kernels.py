@@ -24,11 +24,14 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 DRY = "--dry" in sys.argv  # tiny shapes on the CPU interpreter: checks that the script runs
 if DRY:
     os.environ["TRITON_INTERPRET"] = "1"
+
+from kernels.interpreter_patch import patch_interpreter  # noqa: E402
+
+patch_interpreter()
 
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
