@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _compat  # noqa: F401  (interpreter fixes)
 
 __all__ = ["gemv", "CONFIGS", "MAX_M"]
 

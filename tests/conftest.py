@@ -12,6 +12,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kernels.interpreter_patch import patch_interpreter  # noqa: E402
+
+patch_interpreter()
+
 from tests.server_proc import ServerProcess  # noqa: E402
 
 CHAT_PROMPTS = [

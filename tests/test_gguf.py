@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from executor_proc.model import default_model
-from executor_proc.step.batch import build_forward_batch
+from tests.forward_batch import all_logits, build_forward_batch
 from executor_proc.model.kv_cache import KVCache
 from executor_proc.model.loader import detect_format, load_model, unpermute_qk, with_llama3_scaling
 from executor_proc.model.config import ModelConfig
@@ -72,7 +72,7 @@ def greedy_logits(model, config, prompt: list[int], steps: int) -> tuple[torch.T
     table = [9, 2, 14, 5, 0, 11, 7, 3]
     tokens = list(prompt)
     batch = build_forward_batch([(0, prompt, 0, True)], [table], 8, "cpu")
-    logits = [model.forward_all_logits(batch, kv)]
+    logits = [all_logits(model, batch, kv)]
     for _ in range(steps):
         tokens.append(int(logits[-1][-1].argmax()))
         batch = build_forward_batch([(0, tokens[-1:], len(tokens) - 1, True)], [table], 8, "cpu")

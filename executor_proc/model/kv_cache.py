@@ -23,11 +23,6 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * item
 
 
-def num_blocks_for_memory(config: ModelConfig, block_size: int, dtype: torch.dtype, free_bytes: int) -> int:
-    """How many KV blocks fit in ``free_bytes``."""
-    return max(0, free_bytes // kv_cache_bytes_per_block(config, block_size, dtype))
-
-
 class KVCache:
     """Per-layer K/V block pools, zero-initialised."""
 
