@@ -4,8 +4,9 @@ Tokens of all rows of a step are packed into one flat sequence ``[T, hidden]``;
 only attention knows about rows (through :class:`ForwardBatch` and the paged
 KV cache).  Every op with more than one implementation (attention, rotary + KV
 write, norms, activation, linears) goes through the model's
-:class:`executor_proc.backends.base.Backend`.  Module names follow the HF checkpoints (``model.layers.N.self_attn.
-q_proj``), so weights load by name without a mapping table.
+:class:`executor_proc.backends.base.Backend`.  Module names follow the HF
+checkpoints (``model.layers.N.self_attn.q_proj``), so weights load by name
+without a mapping table.
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ class FusedLinear:
 
 
 class CausalLM(nn.Module):
-    """Decoder + LM head.  Build it with :func:`build_model`, fill it with :meth:`load_weights`."""
+    """Decoder + LM head.  Build it with :func:`build_model` (which fuses the projections), fill it with
+    :meth:`load_weights`; it runs on the torch backend until :meth:`use_backend` says otherwise."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
