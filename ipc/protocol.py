@@ -36,7 +36,7 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_de
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """How to pick tokens.  ``temperature == 0`` means greedy.
+    """How to pick tokens.  ``temperature`` below 1e-5 (0, say) means greedy (``kernels.sampling_ref.is_greedy``).
 
     Ranges are checked by :func:`scheduler_proc.validate.validate_generate` so
     that each violation names the field and its limit.

@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _compat  # noqa: F401  (interpreter fixes)
 from .penalties_ref import (MAX_BIAS, MAX_STOP, PenaltyTables, apply_penalties_ref, mark_prompt,  # noqa: F401
                             reset_slots)
 from .penalties_ref import count_sampled as count_sampled_ref

@@ -45,7 +45,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _compat  # noqa: F401  (interpreter fixes)
 from .sampling_hash import hash_uniform_triton, tl_okey, tl_row_key, tl_uniform
 from .sampling_ref import GREEDY_EPS, hash_uniform, sample as sample_ref  # noqa: F401
 from .sampling_window import DEFAULT_CANDIDATES, sample_window

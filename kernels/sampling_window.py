@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _compat  # noqa: F401  (interpreter fixes)
 from .sampling_hash import tl_row_key, tl_uniform
 from .sampling_ref import GREEDY_EPS
 from .sampling_topk import chunk_candidates, chunk_layout
@@ -74,7 +73,6 @@ def _row_pass_kernel(x_ptr, stride_x, temp_ptr, topk_ptr, topp_ptr, minp_ptr, se
     temp = tl.load(temp_ptr + row).to(tl.float32)
     k = tl.load(topk_ptr + row).to(tl.int64)
     p = tl.load(topp_ptr + row).to(tl.float32)
-    k_on = (k > 0) & (k < V)
     p_on = p < 1.0
     need_z = p_on & (k <= 0) | p_on & (k >= V)
     plain = ((k <= 0) | (k >= V)) & (p >= 1.0)

@@ -39,7 +39,6 @@ class Request:
     seed: int
     max_tokens: int
     stop_ids: frozenset[int]
-    arrival: float = 0.0
     output: list[int] = field(default_factory=list)
     num_pending: int = 0
     num_computed: int = 0
@@ -68,17 +67,8 @@ class Request:
         return len(self.prompt) + len(self.output) + self.num_pending
 
     @property
-    def num_generated(self) -> int:
-        """Generated tokens, received or in flight."""
-        return len(self.output) + self.num_pending
-
-    @property
     def is_prefilling(self) -> bool:
         return self.num_computed < self.num_prefill
-
-    def known_token(self, i: int) -> int:
-        p = len(self.prompt)
-        return self.prompt[i] if i < p else self.output[i - p]
 
     def known_tokens(self, start: int, end: int) -> list[int]:
         p = len(self.prompt)

@@ -281,7 +281,7 @@ class Server:
         req = Request(
             rid=next(self._rids), client=client, request_id=msg.request_id, prompt=msg.prompt_token_ids,
             sampling=s, seed=s.seed if s.seed is not None else random.getrandbits(63),
-            max_tokens=s.max_tokens, stop_ids=frozenset(s.stop_token_ids), arrival=time.monotonic(),
+            max_tokens=s.max_tokens, stop_ids=frozenset(s.stop_token_ids),
         )
         self.requests[key] = req
         self.stats["requests"] += 1

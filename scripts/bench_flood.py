@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from executor_proc.scripted import ScriptedExecutor, expected_output  # noqa: E402
+from executor_proc.testing.scripted import ScriptedRunner, expected_output  # noqa: E402
 from ipc import protocol as p  # noqa: E402
 from ipc.client.raw import RawConnection  # noqa: E402
 from scripts._bench_util import format_table, percentile, write_json  # noqa: E402
@@ -56,7 +56,7 @@ def rss_mib(pid: int) -> float:
 
 async def stream_during_flood(address: str, frames: int) -> dict:
     """Stream requests back to back while the flooder runs; the gaps between token messages."""
-    script = ScriptedExecutor(1, 1, 1, vocab_size=1000, eos_token_id=2)
+    script = ScriptedRunner(1, 1, 1, vocab_size=1000, eos_token_id=2)
     gaps: list[float] = []
     ok = True
     async with RawConnection(address, timeout=30) as conn:

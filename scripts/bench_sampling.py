@@ -22,16 +22,18 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels.interpreter_patch import patch_interpreter  # noqa: E402
+
+patch_interpreter()
 
 from kernels.logprobs import token_logprobs  # noqa: E402
 from kernels.penalties import PenaltyTables, apply_penalties, count_sampled, mark_prompt  # noqa: E402

@@ -34,16 +34,14 @@ import pstats
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ipc import protocol as p  # noqa: E402
-from scheduler_proc.limits import Limits  # noqa: E402
-from scheduler_proc.planner import Planner  # noqa: E402
-from scheduler_proc.request import Request  # noqa: E402
-from scripts._bench_util import percentile, write_json  # noqa: E402
+from ipc import protocol as p
+from scheduler_proc.limits import Limits
+from scheduler_proc.planner import Planner
+from scheduler_proc.request import Request
+from _bench_util import percentile, write_json
 
 BLOCK_SIZE = 16
 BUDGET = 2048

@@ -27,39 +27,19 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 # Run from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tqdm import tqdm  # noqa: E402
+from tqdm import tqdm
 
-from ipc.client import AsyncClient, ForerunError, GenerateResult  # noqa: E402
-from scripts._bench_util import format_table, latency_rows, summarize, write_json  # noqa: E402
-from scripts._http_stream import HTTPError, sse_post  # noqa: E402
+from ipc.client import AsyncClient, ForerunError, GenerateResult
+from _bench_util import CHAT_PROMPTS, format_table, latency_rows, summarize, write_json
+from _http_stream import HTTPError, sse_post
 
 # Seconds to wait for the server's answer to Hello (requests themselves have no limit by default).
 HANDSHAKE_TIMEOUT = 60.0
 
-CHAT_PROMPTS = [
-    "Explain how a hash table works, with an example in Python.",
-    "Write a short poem about the sea at night.",
-    "What are the main causes of the French Revolution?",
-    "Give me three ideas for a weekend trip near the mountains.",
-    "Summarize the plot of Romeo and Juliet in a paragraph.",
-    "How do vaccines train the immune system?",
-    "Translate 'Where is the train station?' into French, Spanish and German.",
-    "What is the difference between TCP and UDP?",
-    "Write a haiku about autumn leaves.",
-    "Explain recursion to a ten-year-old.",
-    "List five tips for writing clear technical documentation.",
-    "Why is the sky blue?",
-    "Describe the water cycle step by step.",
-    "Write a function that checks whether a string is a palindrome.",
-    "What should I consider when adopting a dog?",
-    "Compare electric cars and petrol cars in a short table.",
-]
 
 
 @dataclass

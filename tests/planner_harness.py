@@ -1,4 +1,4 @@
-"""Drive a Planner against a ScriptedExecutor in-process, at a given pipeline depth.
+"""Drive a Planner against a ScriptedRunner in-process, at a given pipeline depth.
 
 The loop is the server's, one tick at a time::
 
@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from executor_proc.scripted import ScriptedExecutor, expected_output
+from executor_proc.testing.scripted import ScriptedRunner, expected_output
 from ipc.protocol import SamplingParams, StepPlan
 from scheduler_proc.limits import Limits
 from scheduler_proc.planner import Output, Planner
@@ -109,7 +109,7 @@ class InflightLedger:
         assert sid == step_id, f"step {step_id} returned, ledger expected {sid}"
 
 
-def check_kv_reads(planner: Planner, ex: ScriptedExecutor, step_id: int) -> None:
+def check_kv_reads(planner: Planner, ex: ScriptedRunner, step_id: int) -> None:
     """The context a step read from shared KV blocks (prefix-cache hits) is the reading request's own."""
     step = next(s for s in planner.inflight if s.step_id == step_id)
     by_slot = {r.slot: r for r in step.requests}
@@ -127,7 +127,7 @@ def make_request(rid: int, prompt_len: int, max_tokens: int, *, seed=None, stop=
     )
 
 
-def expected(trace: Trace, ex: ScriptedExecutor, max_len: int) -> dict[str, tuple[list[int], str]]:
+def expected(trace: Trace, ex: ScriptedRunner, max_len: int) -> dict[str, tuple[list[int], str]]:
     """What each request of ``trace`` must stream if it is not aborted (the script's oracle)."""
     return {
         rid: expected_output(
@@ -148,7 +148,7 @@ def run(
     specs, *, depth: int, num_slots=4, num_blocks=64, block_size=4, max_len=512, budget=64,
     eos_at=None, tokens_at=None, arrivals=None, aborts=None, burst=False, check=True, max_steps=10_000,
     prefix_caching=True, prompts=None,
-) -> tuple[Trace, Planner, ScriptedExecutor]:
+) -> tuple[Trace, Planner, ScriptedRunner]:
     """Run requests to completion.
 
     ``specs``: list of dicts for make_request.  ``arrivals[i]``: tick at which
@@ -167,7 +167,7 @@ def run(
         reqs[i].prompt = list(prompt)
     eos_pos = {reqs[i].seed: len(reqs[i].prompt) + k for i, k in (eos_at or {}).items()}
     placed = {reqs[i].seed: {len(reqs[i].prompt) + k: t for k, t in at.items()} for i, at in (tokens_at or {}).items()}
-    ex = ScriptedExecutor(num_slots, num_blocks, block_size, eos_token_id=EOS, eos_at=eos_pos, tokens_at=placed)
+    ex = ScriptedRunner(num_slots, num_blocks, block_size, eos_token_id=EOS, eos_at=eos_pos, tokens_at=placed)
     arrivals = arrivals or {}
     aborts = aborts or {}
     ids = [r.request_id for r in reqs]

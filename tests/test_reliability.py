@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from executor_proc.scripted import ScriptedExecutor, expected_output
+from executor_proc.testing.scripted import ScriptedRunner, expected_output
 from ipc import protocol as p
 from ipc.client.raw import RawConnection
 from tests.server_proc import ROOT, ServerProcess, assert_no_leak, server_stats, wait_idle
@@ -33,7 +33,7 @@ def _tmpdir() -> str:
 
 
 def _expected(seed: int, max_tokens: int) -> tuple[list[int], str]:
-    script = ScriptedExecutor(1, 1, 1, vocab_size=1000, eos_token_id=2)
+    script = ScriptedRunner(1, 1, 1, vocab_size=1000, eos_token_id=2)
     return expected_output(script.token_at, seed=seed, prompt_len=PROMPT_LEN, max_tokens=max_tokens,
                            max_model_len=MAX_MODEL_LEN, eos_token_ids=(2,))
 

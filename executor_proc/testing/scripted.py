@@ -1,4 +1,4 @@
-"""A scripted executor: the real plan/result protocol, tokens from a script.
+"""A scripted step runner: the real plan/result protocol, tokens from a script (a test double).
 
 It keeps the same slot tables the real executor keeps (last token, block
 table per slot) and a KV cache of token ids (``kv[block][offset]``: the input
@@ -48,7 +48,7 @@ def default_token(seed: int, position: int, vocab: int) -> int:
 
 
 @dataclass
-class ScriptedExecutor:
+class ScriptedRunner:
     num_slots: int
     num_kv_blocks: int
     block_size: int
@@ -226,23 +226,23 @@ class ScriptedDevice:
 
 
 class ScriptedWorker:
-    """Adapts a ScriptedExecutor to the executor process's prepare/launch/copy_out steps.
+    """Adapts a ScriptedRunner to the executor process's prepare/launch/copy_out steps.
 
     The executor's checks and tokens are computed at launch (host work); the
     step's latency is spent on a :class:`ScriptedDevice`, whose timing rides
     to the scheduler in the StepResult.
     """
 
-    def __init__(self, executor: ScriptedExecutor, step_latency_s: float = 0.0):
-        self.executor = executor
+    def __init__(self, runner: ScriptedRunner, step_latency_s: float = 0.0):
+        self.runner = runner
         self.device = ScriptedDevice(step_latency_s)
         self._timing: Optional[StepTiming] = None
 
     def prepare(self, plan: StepPlan) -> StepPlan:
         return plan
 
-    def launch(self, plan: StepPlan, batch) -> list[int]:
-        tokens = self.executor.execute(plan).token_ids
+    def launch(self, plan: StepPlan) -> list[int]:
+        tokens = self.runner.execute(plan).token_ids
         self._timing = self.device.launch()
         return tokens
 
