@@ -124,11 +124,11 @@ class CompletionOutput:
         return StreamChunk(text, list(token_ids), logprobs=list(logprobs), index=self.index,
                            finish_reason=fin.reason if fin is not None else None)
 
-    def end_with(self, since_send: float, like: Finished) -> None:
+    def end_with(self, since_send: float, like: Finished) -> StreamChunk:
         """End this completion because a sibling ended the whole request (abort or error)."""
         fin = Finished(request_id=like.request_id, reason=like.reason, prompt_tokens=like.prompt_tokens,
                        completion_tokens=len(self.token_ids), message=like.message, index=self.index)
-        self.add(since_send, [], [], fin)
+        return self.add(since_send, [], [], fin)
 
     def result(self, request_id: str) -> GenerateResult:
         """This completion as a GenerateResult (needs its Finished)."""

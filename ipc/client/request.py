@@ -133,6 +133,7 @@ class PendingRequest:
                         for i in range(max(sampling.n, 1))]
         self.prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
         self._prompt_logprobs_sent = False
+        self._ready: list[StreamChunk] = []  # chunks of siblings ended with this one, still to hand out
         self.result: Optional[GenerateResult] = None
 
     def deliver(self, t: float, msg: Any) -> None:
@@ -142,6 +143,8 @@ class PendingRequest:
 
     async def next_chunk(self) -> Optional[StreamChunk]:
         """The next tokens and text; None once every completion finished; raises on Error or timeout."""
+        if self._ready:
+            return self._ready.pop(0)
         while not self.done:
             item = await self.queue.get()
             if isinstance(item, Stop):
@@ -170,13 +173,11 @@ class PendingRequest:
             return None
         chunk = out.add(since_send, msg.token_ids, msg.logprobs, msg)
         if msg.reason in ("abort", "error"):
-            for other in self.outputs:
-                if other.finished is None:
-                    other.end_with(since_send, msg)
+            self._ready = [other.end_with(since_send, msg) for other in self.outputs if other.finished is None]
         if all(o.finished is not None for o in self.outputs):
             self.done = True
             self.result = self._result()
-            if len(self.outputs) == 1 and not chunk.token_ids and not chunk.text_delta:
+            if len(self.outputs) == 1 and not chunk.token_ids and not chunk.text_delta and not self._ready:
                 return None  # one completion: its end is the end of the stream
         return self._with_prompt_logprobs(chunk)
 
