@@ -65,6 +65,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     # None = none; n >= 0: the sampled (or prompt) token's and the n most likely alternatives.
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    # Completions of the prompt (prefilled once); completion i samples with seed (seed + i) mod 2**63.
+    n: int = 1
 
 
 class Hello(_Msg, tag="hello"):
@@ -149,6 +151,7 @@ class TokenDelta(_Msg, tag="token_delta"):
     logprobs: list[TokenLogprobs] = []  # one per token, when the request asked
     # Once, with the first delta, when the request asked: position 0 has none (None).
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    index: int = 0  # which of the request's n completions
 
 
 class TokenDeltas(_Msg, tag="token_deltas"):
@@ -164,6 +167,7 @@ class TokenDeltas(_Msg, tag="token_deltas"):
     token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs]] = []  # empty, or one list per request (empty when not asked)
     prompt_logprobs: list[Optional[list[Optional[TokenLogprobs]]]] = []  # likewise
+    indices: list[int] = []  # empty (all 0), or each entry's completion index (n > 1)
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -181,6 +185,7 @@ class Finished(_Msg, tag="finished"):
     logprobs: list[TokenLogprobs] = []  # for token_ids, when the request asked
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None  # if not sent in a delta before
     stop_str: Optional[str] = None  # the stop string that finished the request (reason "stop")
+    index: int = 0  # which of the request's n completions finished (each sends its own Finished)
 
 
 class Error(_Msg, tag="error"):

@@ -39,9 +39,12 @@ from ipc.protocol import (
     Error,
     Finished,
     Generate,
+    GetStats,
     Hello,
+    ResetPrefixCache,
     SamplingParams,
     ServerInfo,
+    ServerStats,
     TokenDelta,
     client_request_decoder,
     encode,
@@ -119,6 +122,7 @@ class FakeServer:
         self.step_delay = step_delay
         self.generates: list[Generate] = []
         self.aborts: list[str] = []
+        self.stats_requests: list = []  # GetStats and ResetPrefixCache messages, in order
         self.hellos = 0
         self.peak_active = 0
         self._stop = threading.Event()
@@ -176,6 +180,11 @@ class FakeServer:
         elif isinstance(msg, Generate):
             self.generates.append(msg)
             active[(ident, msg.request_id)] = [msg, deque(self.script(msg)), 0]
+        elif isinstance(msg, (GetStats, ResetPrefixCache)):
+            self.stats_requests.append(msg)
+            stats = ServerStats(num_kv_blocks=8, num_free_kv_blocks=8, num_slots=4, num_free_slots=4, num_running=0,
+                                num_waiting=0, num_draining=0, num_inflight_steps=0, steps=0, requests=0)
+            sock.send_multipart([ident, encode(stats)])
         elif isinstance(msg, Abort):
             self.aborts.append(msg.request_id)
             entry = active.pop((ident, msg.request_id), None)
@@ -196,7 +205,7 @@ class FakeServer:
             msg = queue.popleft()
             entry[2] += len(getattr(msg, "token_ids", []))
             sock.send_multipart([key[0], encode(msg)])
-            if isinstance(msg, (Finished, Error)):
+            if isinstance(msg, (Finished, Error)) and not queue:  # n > 1: one Finished per completion
                 del active[key]
 
 

@@ -178,28 +178,123 @@ def test_extra_body_sampling(oai, sdk):
 # errors
 # ---------------------------------------------------------------------------
 
-UNSUPPORTED = [
-    ("n", {"n": 2}), ("stop", {"stop": ["\n"]}), ("stop", {"stop": "x"}), ("logprobs", {"logprobs": True}),
-    ("top_logprobs", {"logprobs": False, "top_logprobs": 2}), ("presence_penalty", {"presence_penalty": 0.5}),
-    ("frequency_penalty", {"frequency_penalty": -1.0}), ("logit_bias", {"logit_bias": {"13": 5}}),
-    ("repetition_penalty", {"extra_body": {"repetition_penalty": 1.2}}),
-    ("min_tokens", {"extra_body": {"min_tokens": 4}}), ("prompt_logprobs", {"extra_body": {"prompt_logprobs": 1}}),
-]
-
-
-@pytest.mark.parametrize("param,kwargs", UNSUPPORTED, ids=[f"{p}-{i}" for i, (p, _) in enumerate(UNSUPPORTED)])
-def test_unsupported_chat_params_are_400(oai, param, kwargs):
-    with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **kwargs)
-    assert e.value.param == param and "not supported" in e.value.message
-
-
-@pytest.mark.parametrize("param,kwargs", [("logprobs", {"logprobs": 0}), ("echo", {"echo": True}),
-                                          ("best_of", {"best_of": 2}), ("suffix", {"suffix": "end"})])
+@pytest.mark.parametrize("param,kwargs", [("best_of", {"best_of": 2}), ("suffix", {"suffix": "end"})])
 def test_unsupported_completion_params_are_400(oai, param, kwargs):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=MODEL, prompt="Hi", max_tokens=4, **kwargs)
+    assert e.value.param == param and "not supported" in e.value.message
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+])
+def test_bad_new_params_are_400_naming_them(oai, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **kwargs)
     assert e.value.param == param
+
+
+# ---------------------------------------------------------------------------
+# sampling and output features (issue 9): these need the scheduler and executor
+# sides of n, stop strings, logprobs and penalties; run them after merging those.
+# ---------------------------------------------------------------------------
+
+
+def test_needs_engine_n_with_seed_and_usage(oai, sdk):
+    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0, seed=77, n=3)
+    ref = sdk.generate(messages=MESSAGES, max_tokens=12, temperature=1.0, seed=77, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == [c.text for c in ref.choices]
+    assert len({c.message.content for c in r.choices}) > 1
+    assert r.usage.prompt_tokens == ref.prompt_tokens  # once, not n times
+    assert r.usage.completion_tokens == sum(c.completion_tokens for c in ref.choices)
+    # Completion i uses seed + i: the second choice is what a lone request with seed 78 gives.
+    alone = sdk.generate(messages=MESSAGES, max_tokens=12, temperature=1.0, seed=78)
+    assert r.choices[1].message.content == alone.text
+    r = oai.completions.create(model=MODEL, prompt=["Hello", "Once upon"], max_tokens=5, temperature=1.0, seed=3, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    stream = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0, seed=3, n=2,
+                                    stream=True)
+    texts, finishes = {0: "", 1: ""}, {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    whole = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0, seed=3, n=2)
+    assert [texts[0], texts[1]] == [c.text for c in whole.choices] and set(finishes) == {0, 1}
+
+
+def test_needs_engine_stop_strings(oai, sdk):
+    full = sdk.generate("The capital of France is", max_tokens=24, temperature=0)
+    words = full.text.split()
+    assert len(words) >= 3
+    stop = words[2]
+    cut = full.text[:full.text.index(stop)]
+    r = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=24, temperature=0,
+                               stop=stop)
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    r = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=24, temperature=0,
+                               stop=["zzzz", stop], extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == cut + stop
+    stream = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=24, temperature=0,
+                                    stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == cut
+    ref = sdk.generate("The capital of France is", max_tokens=24, temperature=0, stop=[stop])
+    assert ref.text == cut and ref.stop_str == stop and ref.finish_reason == "stop"
+
+
+def test_needs_engine_chat_logprobs(oai, sdk):
+    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True,
+                                    top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    ref = sdk.generate(messages=MESSAGES, max_tokens=8, temperature=0, logprobs=3)
+    assert len(content) == len(ref.token_ids) == r.usage.completion_tokens
+    for item, lp in zip(content, ref.logprobs):
+        assert item.logprob == pytest.approx(lp.logprob, abs=1e-4) and item.logprob <= 0
+        assert len(item.top_logprobs) == 3
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob >= item.top_logprobs[2].logprob
+        assert item.top_logprobs[0].token == item.token  # greedy: the chosen token is the most likely
+        assert bytes(item.bytes).decode("utf-8", "replace") == item.token
+    stream = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True,
+                                         stream=True)
+    streamed = [x for c in stream if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert [x.token for x in streamed] == [x.token for x in content]
+
+
+def test_needs_engine_completion_logprobs_and_echo(oai, sdk):
+    prompt = "The capital of France is"
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert all(len(d) >= 2 for d in lp.top_logprobs) and lp.text_offset[0] == 0
+    e = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2, echo=True)
+    assert e.choices[0].text == prompt + r.choices[0].text
+    n_prompt = len(sdk.encode(prompt))
+    elp = e.choices[0].logprobs
+    assert len(elp.tokens) == n_prompt + 6
+    assert elp.token_logprobs[0] is None and all(x is not None for x in elp.token_logprobs[1:])
+    assert elp.token_logprobs[n_prompt:] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    plain = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+    v = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                               extra_body={"prompt_logprobs": 1})
+    plps = v.choices[0].model_extra["prompt_logprobs"]
+    assert plps[0] is None and len(plps) == n_prompt and all(len(d) >= 1 for d in plps[1:])
+
+
+def test_needs_engine_penalties_and_bias_accepted(oai, sdk):
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    r = oai.chat.completions.create(**kw, presence_penalty=0.5, frequency_penalty=0.5,
+                                    extra_body={"repetition_penalty": 1.3, "min_tokens": 4})
+    ref = sdk.generate(messages=MESSAGES, max_tokens=8, temperature=0, presence_penalty=0.5, frequency_penalty=0.5,
+                       repetition_penalty=1.3, min_tokens=4)
+    assert r.choices[0].message.content == ref.text and r.usage.completion_tokens >= 4
+    plain = sdk.generate(messages=MESSAGES, max_tokens=8, temperature=0)
+    banned = plain.token_ids[0]
+    r = oai.chat.completions.create(**kw, logit_bias={str(banned): -100}, logprobs=True)
+    assert r.choices[0].logprobs.content[0].token != sdk.tokenizer.decode([banned])
 
 
 def test_neutral_values_are_accepted(oai):

@@ -16,7 +16,8 @@ Parameters are sent as given (NaN included): the server validates them and
 answers an ``Error`` that this package raises as :class:`ForerunError`.
 
 Modules: ``errors`` (exceptions), ``results`` (what a request returns),
-``request`` (one request's state, sampling arguments), ``async_client``,
+``request`` (one request's state, sampling arguments), ``outputs`` (one
+completion's tokens, logprobs and stop-string text), ``async_client``,
 ``blocking``, ``prompt`` (tokenizer and prompt encoding), ``detokenizer``,
 ``raw`` (a bare protocol connection for tests and benchmarks).
 """

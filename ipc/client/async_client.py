@@ -16,10 +16,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.client.detokenizer import IncrementalDetokenizer
 from ipc.client.errors import ProtocolError, error_from_wire
 from ipc.client.prompt import encode_prompt, load_tokenizer
-from ipc.client.request import Call, PendingRequest, Stop, sampling_params
+from ipc.client.request import Call, PendingRequest, Stop, sampling_params, split_deltas
 from ipc.client.results import GenerateResult, StreamChunk
 from ipc.protocol import (
     PROTOCOL_VERSION,
@@ -28,10 +27,10 @@ from ipc.protocol import (
     Generate,
     GetStats,
     Hello,
+    ResetPrefixCache,
     SamplingParams,
     ServerInfo,
     ServerStats,
-    TokenDelta,
     TokenDeltas,
     encode,
     server_reply_decoder,
@@ -157,10 +156,8 @@ class AsyncClient:
                         logger.warning("dropping an undecodable reply from %s: %s", self.address, exc)
                         continue
                     if isinstance(msg, TokenDeltas):
-                        for request_id, token_ids in zip(msg.request_ids, msg.token_ids):
-                            req = pending.get(request_id)
-                            if req is not None:
-                                req.deliver(t, TokenDelta(request_id, token_ids))
+                        for delta in split_deltas(msg, pending):
+                            pending[delta.request_id].deliver(t, delta)
                         continue
                     if isinstance(msg, ServerStats):
                         self._on_stats(msg)
@@ -190,12 +187,19 @@ class AsyncClient:
 
     async def get_stats(self, timeout: float = 10.0) -> ServerStats:
         """The server's pool occupancy and counters; TimeoutError if no answer within ``timeout`` s."""
+        return await self._ask_stats(GetStats(), timeout)
+
+    async def reset_prefix_cache(self, timeout: float = 10.0) -> ServerStats:
+        """Make the server forget every cached KV block no running request holds (benchmarks); its stats after."""
+        return await self._ask_stats(ResetPrefixCache(), timeout)
+
+    async def _ask_stats(self, msg: Any, timeout: float) -> ServerStats:
         await self.connect()
         self._check_open()
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(fut)
         try:
-            await self._sock.send(encode(GetStats()))
+            await self._sock.send(encode(msg))
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no stats from {self.address} within {timeout} s") from None
@@ -294,7 +298,7 @@ class AsyncClient:
         limit); when it passes the request is aborted on the server and
         TimeoutError raised.  ``detokenize=False`` skips text (and the
         tokenizer, for token-id prompts).  Raises ForerunError (a subclass per
-        code) when the server rejects the request.
+        code) when the server rejects the request.  ``stop``, ``logprobs``, ``n``: see GenerateResult.
         """
         call = self._make_call(prompt, messages, prompt_token_ids, sampling, timeout, request_id, detokenize,
                                overrides)
@@ -348,12 +352,12 @@ class AsyncClient:
         prompt_ids = call.prompt_token_ids
         if prompt_ids is None:
             prompt_ids = await self.encode(call.prompt, messages=call.messages)
-        detok = IncrementalDetokenizer(await self.get_tokenizer(), prompt_ids) if call.detokenize else None
+        tokenizer = await self.get_tokenizer() if call.detokenize else None
         self._check_open()
         # No await between this check and the insert: ids stay unique among pending requests.
         if call.request_id in self._pending:
             raise ValueError(f"request id {call.request_id!r} is already in flight on this client")
-        req = PendingRequest(call.request_id, detok)
+        req = PendingRequest(call.request_id, tokenizer, call.sampling, prompt_ids)
         self._pending[call.request_id] = req
         frame = encode(Generate(request_id=call.request_id, prompt_token_ids=prompt_ids,
                                 sampling=call.sampling))

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from ipc.client.async_client import DEFAULT_TIMEOUT, AsyncClient, AsyncStream
 from ipc.client.results import GenerateResult, StreamChunk
-from ipc.protocol import SamplingParams, ServerInfo
+from ipc.protocol import SamplingParams, ServerInfo, ServerStats
 
 
 def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
@@ -116,6 +116,14 @@ class Client:
     def abort(self, request_id: str) -> None:
         """Ask the server to stop a request (safe to call from any thread)."""
         self._run(self._async.abort(request_id))
+
+    def get_stats(self, timeout: float = 10.0) -> ServerStats:
+        """The server's pool occupancy and counters; see AsyncClient.get_stats."""
+        return self._run(self._async.get_stats(timeout))
+
+    def reset_prefix_cache(self, timeout: float = 10.0) -> ServerStats:
+        """Make the server forget its unused cached KV blocks; see AsyncClient.reset_prefix_cache."""
+        return self._run(self._async.reset_prefix_cache(timeout))
 
     def _check_open(self) -> None:
         if self._closed:

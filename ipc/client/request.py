@@ -8,6 +8,7 @@ new sampling field needs no edit in the client.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -16,8 +17,9 @@ import msgspec
 
 from ipc.client.detokenizer import IncrementalDetokenizer
 from ipc.client.errors import InvalidRequestError, error_from_wire
-from ipc.client.results import GenerateResult, StreamChunk, Timings
-from ipc.protocol import Error, Finished, SamplingParams, TokenDelta
+from ipc.client.outputs import CompletionOutput
+from ipc.client.results import GenerateResult, StreamChunk
+from ipc.protocol import Error, Finished, SamplingParams, TokenDelta, TokenDeltas, TokenLogprobs
 
 SAMPLING_FIELDS = SamplingParams.__struct_fields__
 
@@ -53,6 +55,19 @@ def sampling_params(sampling: Optional[SamplingParams] = None, /, **overrides: A
 def new_request_id() -> str:
     """A fresh request id (random, 32 hex digits)."""
     return uuid.uuid4().hex
+
+
+def split_deltas(msg: TokenDeltas, pending: dict[str, Any]) -> list[TokenDelta]:
+    """A batched TokenDeltas as one TokenDelta per entry whose request is in ``pending``."""
+    out = []
+    for i, (request_id, token_ids) in enumerate(zip(msg.request_ids, msg.token_ids)):
+        if request_id not in pending:
+            continue
+        out.append(TokenDelta(request_id, token_ids,
+                              logprobs=msg.logprobs[i] if msg.logprobs else [],
+                              prompt_logprobs=msg.prompt_logprobs[i] if msg.prompt_logprobs else None,
+                              index=msg.indices[i] if msg.indices else 0))
+    return out
 
 
 class Stop:
@@ -95,20 +110,30 @@ class Call:
 
 
 class PendingRequest:
-    """One in-flight Generate: its reply queue, received tokens, text and timings."""
+    """One in-flight Generate: its reply queue and its n completions (see ipc/client/outputs.py).
 
-    def __init__(self, request_id: str, detokenizer: Optional[IncrementalDetokenizer]) -> None:
+    With a ``tokenizer`` (None: no text) each completion detokenizes its own
+    tokens (the prompt's last ones as context).  The request is done once every
+    completion has its Finished; an ``abort`` or ``error`` finish ends all of
+    them (they are aborted together).
+    """
+
+    def __init__(self, request_id: str, tokenizer: Any = None, sampling: Optional[SamplingParams] = None,
+                 prompt_token_ids: Sequence[int] = ()) -> None:
+        sampling = sampling if sampling is not None else SamplingParams()
         self.request_id = request_id
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.detokenizer = detokenizer
         self.answered = False  # any reply at all (see AsyncClient._on_connection_error)
         self.done = False  # Finished or Error received, or nothing more can come
         self.t_send = 0.0
         self.timer: Optional[asyncio.TimerHandle] = None
-        self.token_ids: list[int] = []
-        self.token_times: list[float] = []
-        self.chunk_times: list[float] = []
-        self.text_parts: list[str] = []
+        self.outputs = [CompletionOutput(i, None if tokenizer is None else
+                                         IncrementalDetokenizer(tokenizer, prompt_token_ids),
+                                         sampling.stop, sampling.include_stop_str_in_output)
+                        for i in range(max(sampling.n, 1))]
+        self.prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+        self._prompt_logprobs_sent = False
+        self._ready: list[StreamChunk] = []  # chunks of siblings ended with this one, still to hand out
         self.result: Optional[GenerateResult] = None
 
     def deliver(self, t: float, msg: Any) -> None:
@@ -117,57 +142,53 @@ class PendingRequest:
         self.queue.put_nowait((t, msg))
 
     async def next_chunk(self) -> Optional[StreamChunk]:
-        """The next tokens and text; None once Finished; raises on Error or timeout."""
+        """The next tokens and text; None once every completion finished; raises on Error or timeout."""
+        if self._ready:
+            return self._ready.pop(0)
         while not self.done:
             item = await self.queue.get()
             if isinstance(item, Stop):
                 self.done = item.exc_type is not TimeoutError  # a timed-out request still needs an Abort
                 raise item.exc_type(item.message)
             t, msg = item
-            if isinstance(msg, TokenDelta):
-                if msg.token_ids:
-                    return self._take(t, msg.token_ids, final=False)
-            elif isinstance(msg, Finished):
-                self.done = True
-                chunk = self._take(t, msg.token_ids, final=True)
-                self.result = self._result(t, msg)
-                return chunk
-            elif isinstance(msg, Error):
+            if isinstance(msg, Error):
                 self.done = True
                 raise error_from_wire(msg)
+            chunk = self._take(t - self.t_send, msg)
+            if chunk is not None:
+                return chunk
         return None
 
-    def _take(self, t: float, token_ids: list[int], *, final: bool) -> Optional[StreamChunk]:
-        since_send = t - self.t_send
-        if token_ids:
-            self.token_ids.extend(token_ids)
-            self.token_times.extend([since_send] * len(token_ids))
-            self.chunk_times.append(since_send)
-        text = ""
-        if self.detokenizer is not None:
-            text = self.detokenizer.add(token_ids)
-            if final:
-                text += self.detokenizer.flush()
-        self.text_parts.append(text)
-        if not token_ids and not text:
+    def _take(self, since_send: float, msg: Any) -> Optional[StreamChunk]:
+        if not isinstance(msg, (TokenDelta, Finished)) or not 0 <= msg.index < len(self.outputs):
             return None
-        return StreamChunk(text, list(token_ids))
+        if msg.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = msg.prompt_logprobs
+        out = self.outputs[msg.index]
+        if isinstance(msg, TokenDelta):
+            if out.finished is not None or not msg.token_ids:
+                return None
+            return self._with_prompt_logprobs(out.add(since_send, msg.token_ids, msg.logprobs))
+        if out.finished is not None:
+            return None
+        chunk = out.add(since_send, msg.token_ids, msg.logprobs, msg)
+        if msg.reason in ("abort", "error"):
+            self._ready = [other.end_with(since_send, msg) for other in self.outputs if other.finished is None]
+        if all(o.finished is not None for o in self.outputs):
+            self.done = True
+            self.result = self._result()
+            if len(self.outputs) == 1 and not chunk.token_ids and not chunk.text_delta and not self._ready:
+                return None  # one completion: its end is the end of the stream
+        return self._with_prompt_logprobs(chunk)
 
-    def _result(self, t: float, fin: Finished) -> GenerateResult:
-        times = self.chunk_times
-        timings = Timings(
-            ttft=times[0] if times else None,
-            e2e=t - self.t_send,
-            token_times=self.token_times,
-            itl=[b - a for a, b in zip(times, times[1:])],
-        )
-        return GenerateResult(
-            request_id=self.request_id,
-            text="".join(self.text_parts),
-            token_ids=self.token_ids,
-            finish_reason=fin.reason,
-            prompt_tokens=fin.prompt_tokens,
-            completion_tokens=fin.completion_tokens,
-            timings=timings,
-            message=fin.message,
-        )
+    def _with_prompt_logprobs(self, chunk: Optional[StreamChunk]) -> Optional[StreamChunk]:
+        if chunk is not None and self.prompt_logprobs is not None and not self._prompt_logprobs_sent:
+            chunk.prompt_logprobs = self.prompt_logprobs
+            self._prompt_logprobs_sent = True
+        return chunk
+
+    def _result(self) -> GenerateResult:
+        choices = [o.result(self.request_id) for o in self.outputs]
+        for c in choices:
+            c.prompt_logprobs = self.prompt_logprobs
+        return dataclasses.replace(choices[0], choices=choices)

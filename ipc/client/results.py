@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ipc.protocol import TokenLogprobs
+
 
 @dataclass
 class Timings:
@@ -25,7 +27,18 @@ class Timings:
 
 @dataclass
 class GenerateResult:
-    """A finished request: its tokens, text, finish reason and timings."""
+    """A finished request: its tokens, text, finish reason and timings.
+
+    ``text`` ends before the stop string that finished it (``stop_str``), or
+    after it with ``include_stop_str_in_output``; ``token_ids`` include the
+    token that completed it.  ``logprobs`` has one entry per token when the
+    request asked (``logprobs=k``), ``prompt_logprobs`` one per prompt token
+    (the first None) when it asked ``prompt_logprobs=k``.
+
+    A request always has ``choices``: one GenerateResult per completion (n of
+    them with ``n=...``, each with its ``index``, text, tokens, finish reason
+    and timings); the result's own fields are those of ``choices[0]``.
+    """
 
     request_id: str
     text: str
@@ -35,11 +48,25 @@ class GenerateResult:
     completion_tokens: int
     timings: Timings
     message: str = ""  # the server's note on the finish, if any
+    index: int = 0  # which completion this is (n > 1)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    stop_str: Optional[str] = None  # the stop string that ended it (finish_reason "stop")
+    choices: list["GenerateResult"] = field(default_factory=list, repr=False)
 
 
 @dataclass
 class StreamChunk:
-    """New tokens of a streaming request and the text they completed (may be empty)."""
+    """New tokens of a streaming request and the text they completed (may be empty).
+
+    ``index`` names the completion (n > 1); ``finish_reason`` is set on a
+    completion's last chunk (with n > 1 such a chunk may carry no tokens).
+    ``prompt_logprobs`` rides on the first chunk, when the request asked.
+    """
 
     text_delta: str
     token_ids: list[int]
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked
+    index: int = 0
+    finish_reason: Optional[str] = None
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None

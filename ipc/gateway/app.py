@@ -23,9 +23,18 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ipc.client import AsyncClient, ExecutorFailedError, ForerunError, encode_prompt
+from ipc.gateway import params
 from ipc.gateway import schemas as s
+from ipc.gateway.logprobs import TokenTexts
 from ipc.gateway.metrics import render, request_metrics
-from ipc.gateway.responses import chat_stream, completion_stream, sdk_error, whole_chat, whole_completion
+from ipc.gateway.responses import (
+    Prompt,
+    chat_stream,
+    completion_stream,
+    sdk_error,
+    whole_chat,
+    whole_completion,
+)
 from ipc.gateway.streaming import ClientGone, SSEResponse, gather_or_cancel, until_disconnect
 
 HEALTH_TIMEOUT_S = 2.0  # a scheduler that cannot answer GetStats in this time is unhealthy
@@ -74,6 +83,7 @@ class Gateway:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.tokenizer = await self.client.get_tokenizer() if info.tokenizer_path else None
+        self.token_texts = TokenTexts(self.tokenizer)
         self.metrics = request_metrics(self.model_name)
 
     async def stop(self) -> None:
@@ -92,6 +102,7 @@ class Gateway:
         if name is not None:
             raise s.RequestError(400, f"{name}={getattr(req, name)!r} is not supported by forerun yet",
                                  name, code="unsupported_parameter")
+        params.check_stream_params(req)
         if self.failed:
             raise s.RequestError(503, "the executor is gone; the server is shutting down",
                                  err_type="service_unavailable_error", code="executor_failed")
@@ -104,13 +115,8 @@ class Gateway:
     def sampling_kwargs(self, req: Union[s.CompletionRequest, s.ChatCompletionRequest], max_tokens: Optional[int],
                         prompt_len: int) -> dict[str, Any]:
         """The SDK's sampling keywords for one prompt (max_tokens: given, else the rest of the context)."""
-        kw: dict[str, Any] = {"max_tokens": max_tokens if max_tokens is not None else
-                              max(self.max_model_len - prompt_len, 1)}
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "stop_token_ids"):
-            value = getattr(req, name)
-            if value is not None:
-                kw[name] = value
-        return kw
+        limit = max_tokens if max_tokens is not None else max(self.max_model_len - prompt_len, 1)
+        return params.sampling_kwargs(req, limit, self.vocab_size)
 
     def new_stream(self, ids: list[int], request_id: str, kw: dict[str, Any]) -> Any:
         # No time limit: a client that gives up disconnects, and that aborts the request.
@@ -150,16 +156,20 @@ async def completions(request: Request) -> Response:
     async def handle(gw: Gateway, request: Request) -> Any:
         req = _decode(await request.body(), s.CompletionRequest)
         gw.check_request(req)
-        ids = []
+        prompts = []
         for p in s.prompts(req):
-            ids.append(encode_prompt(gw.need_tokenizer(), p) if isinstance(p, str) else p)
+            ids = encode_prompt(gw.need_tokenizer(), p) if isinstance(p, str) else p
+            text = p if isinstance(p, str) else (gw.tokenizer.decode(p) if req.echo and gw.tokenizer else "")
+            prompts.append(Prompt(ids, text))
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default here
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = [gw.new_stream(x, f"{rid}-{i}", gw.sampling_kwargs(req, max_tokens, len(x)))
-                   for i, x in enumerate(ids)]
+        streams = [gw.new_stream(p.ids, f"{rid}-{i}", gw.sampling_kwargs(req, max_tokens, len(p.ids)))
+                   for i, p in enumerate(prompts)]
         if req.stream:
-            return await _stream(gw, request, streams, lambda firsts: completion_stream(gw, req, rid, streams, firsts))
-        return json_response(await until_disconnect(request.receive, whole_completion(gw, rid, streams)))
+            return await _stream(gw, request, streams,
+                                 lambda firsts: completion_stream(gw, req, rid, prompts, streams, firsts))
+        answer = whole_completion(gw, req, rid, prompts, streams)
+        return json_response(await until_disconnect(request.receive, answer))
     return await _run(request, handle)
 
 
@@ -173,7 +183,8 @@ async def chat_completions(request: Request) -> Response:
         streams = [gw.new_stream(ids, rid, gw.sampling_kwargs(req, max_tokens, len(ids)))]
         if req.stream:
             return await _stream(gw, request, streams, lambda firsts: chat_stream(gw, req, rid, streams, firsts))
-        return json_response(await until_disconnect(request.receive, whole_chat(gw, rid, streams[0])))
+        answer = whole_chat(gw, req, rid, Prompt(ids, ""), streams[0])
+        return json_response(await until_disconnect(request.receive, answer))
     return await _run(request, handle)
 
 

@@ -58,7 +58,8 @@ class RequestMetrics:
         """Record one finished request (a ``GenerateResult`` of the SDK)."""
         m = self.model_name
         self.prompt_tokens.labels(m).inc(result.prompt_tokens)
-        self.generation_tokens.labels(m).inc(result.completion_tokens)
+        # n > 1: every completion's tokens (the result's own fields are its first completion's).
+        self.generation_tokens.labels(m).inc(sum(c.completion_tokens for c in result.choices or [result]))
         reason = result.finish_reason
         counter = self._per_reason.get(reason)
         if counter is None:

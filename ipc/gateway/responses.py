@@ -1,18 +1,29 @@
 """OpenAI answers built from SDK streams: whole responses and SSE events.
 
-Every request is an SDK stream (one per prompt); a non-streaming answer reads
-its streams to the end.  Metrics are observed here, when each request ends.
+Every request is an SDK stream (one per prompt, each with the request's n
+completions); a non-streaming answer reads its streams to the end.  Choice
+``p * n + i`` is completion i of prompt p.  Metrics are observed here, when
+each request ends.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 import msgspec
 
-from ipc.client import ExecutorFailedError, ForerunError, InvalidRequestError
+from ipc.client import ExecutorFailedError, ForerunError, InvalidRequestError, StreamChunk
+from ipc.gateway import params
 from ipc.gateway import schemas as s
+from ipc.gateway.logprobs import (
+    CompletionLogprobs,
+    chat_logprobs,
+    completion_logprobs,
+    join_completion_logprobs,
+    prompt_logprobs,
+)
 from ipc.gateway.streaming import DONE, gather_or_cancel, merge
 
 # SDK field names -> the OpenAI parameter they came from (others: "sampling." dropped).
@@ -33,13 +44,22 @@ def sdk_error(exc: BaseException) -> s.RequestError:
     return s.RequestError(500, str(exc), err_type="server_error", code=getattr(exc, "code", None))
 
 
+@dataclass
+class Prompt:
+    """One prompt as sent: its token ids, and its text for ``echo``."""
+
+    ids: list[int]
+    text: str
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + _encode(obj) + b"\n\n"
 
 
 def _usage(results: list[Any]) -> s.Usage:
+    """OpenAI's rule: each prompt counted once, every completion's tokens summed."""
     prompt = sum(r.prompt_tokens for r in results)
-    completion = sum(r.completion_tokens for r in results)
+    completion = sum(c.completion_tokens for r in results for c in (r.choices or [r]))
     return s.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -59,51 +79,102 @@ async def _results(gw: Any, streams: list[Any]) -> list[Any]:
     return results
 
 
-async def whole_completion(gw: Any, rid: str, streams: list[Any]) -> s.CompletionResponse:
-    """The non-streaming /v1/completions answer: one choice per prompt."""
+def _echo_logprobs(gw: Any, req: s.CompletionRequest, prompt: Prompt, plps: Optional[list]) -> CompletionLogprobs:
+    lps = plps if plps is not None else [None] * len(prompt.ids)
+    return completion_logprobs(gw.token_texts, prompt.ids, lps, req.logprobs)
+
+
+def _completion_choice(gw: Any, req: s.CompletionRequest, prompt: Prompt, index: int, c: Any,
+                       plps: Optional[list]) -> s.CompletionChoice:
+    text, lps = c.text, None
+    if req.echo:
+        text = prompt.text + text
+    if req.logprobs is not None:
+        lps = completion_logprobs(gw.token_texts, c.token_ids, c.logprobs, req.logprobs,
+                                  len(prompt.text) if req.echo else 0)
+        if req.echo:
+            lps = join_completion_logprobs(_echo_logprobs(gw, req, prompt, plps), lps)
+    vllm_plps = prompt_logprobs(gw.token_texts, prompt.ids, plps) if req.prompt_logprobs is not None else None
+    return s.CompletionChoice(index=index, text=text, finish_reason=c.finish_reason, logprobs=lps,
+                              prompt_logprobs=vllm_plps)
+
+
+async def whole_completion(gw: Any, req: s.CompletionRequest, rid: str, prompts: list[Prompt],
+                           streams: list[Any]) -> s.CompletionResponse:
+    """The non-streaming /v1/completions answer: n choices per prompt."""
     results = await _results(gw, streams)
-    choices = [s.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason) for i, r in enumerate(results)]
+    n = req.n or 1
+    choices = [_completion_choice(gw, req, prompt, p * n + c.index, c, r.prompt_logprobs)
+               for p, (prompt, r) in enumerate(zip(prompts, results)) for c in r.choices]
     return s.CompletionResponse(id=rid, created=int(time.time()), model=gw.model_name, choices=choices,
                                 usage=_usage(results))
 
 
-async def whole_chat(gw: Any, rid: str, stream: Any) -> s.ChatCompletionResponse:
-    """The non-streaming /v1/chat/completions answer."""
+async def whole_chat(gw: Any, req: s.ChatCompletionRequest, rid: str, prompt: Prompt,
+                     stream: Any) -> s.ChatCompletionResponse:
+    """The non-streaming /v1/chat/completions answer: n choices."""
     (r,) = await _results(gw, [stream])
-    choice = s.ChatChoice(index=0, message=s.AssistantMessage(content=r.text), finish_reason=r.finish_reason)
-    return s.ChatCompletionResponse(id=rid, created=int(time.time()), model=gw.model_name, choices=[choice],
-                                    usage=_usage([r]))
+    top_n = params.output_logprobs(req)
+    choices = [s.ChatChoice(index=c.index, message=s.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                            logprobs=None if top_n is None else chat_logprobs(gw.token_texts, c.token_ids,
+                                                                               c.logprobs, top_n))
+               for c in r.choices]
+    vllm_plps = prompt_logprobs(gw.token_texts, prompt.ids, r.prompt_logprobs) if req.prompt_logprobs is not None \
+        else None
+    return s.ChatCompletionResponse(id=rid, created=int(time.time()), model=gw.model_name, choices=choices,
+                                    usage=_usage([r]), prompt_logprobs=vllm_plps)
 
 
 def _include_usage(req: Any) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
-async def _chunks(gw: Any, streams: list[Any], firsts: list[Any]) -> AsyncIterator[tuple[int, str, Optional[str]]]:
-    """``(index, text, finish_reason)`` of every choice: the first chunks, then the rest as they come.
+async def _chunks(gw: Any, streams: list[Any], firsts: list[Any]) -> AsyncIterator[tuple[int, StreamChunk]]:
+    """``(prompt, chunk)``: the first chunks, then the rest as they come, a finish_reason on each choice's last.
 
     One event per SDK chunk, i.e. per step that brought tokens, even when they
     complete no character yet: the stream's timing is the engine's.
     """
-    for i, chunk in enumerate(firsts):
+    finished: set[tuple[int, int]] = set()
+    for p, chunk in enumerate(firsts):
         if chunk is not None:
-            yield i, chunk.text_delta, None
-    async for i, chunk in merge(streams):
-        if chunk is None:
-            result = streams[i].result
-            gw.observe(result)
-            yield i, "", result.finish_reason
-        else:
-            yield i, chunk.text_delta, None
+            if chunk.finish_reason is not None:
+                finished.add((p, chunk.index))
+            yield p, chunk
+    async for p, chunk in merge(streams):
+        if chunk is not None:
+            if chunk.finish_reason is not None:
+                finished.add((p, chunk.index))
+            yield p, chunk
+            continue
+        result = streams[p].result
+        gw.observe(result)
+        for c in result.choices:
+            if (p, c.index) not in finished:
+                yield p, StreamChunk("", [], index=c.index, finish_reason=c.finish_reason)
 
 
-async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, streams: list[Any],
+async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, prompts: list[Prompt], streams: list[Any],
                             firsts: list[Any]) -> AsyncIterator[bytes]:
-    """SSE events of a streaming /v1/completions answer."""
-    created, model = int(time.time()), gw.model_name
+    """SSE events of a streaming /v1/completions answer (an echoed prompt leads each choice's first event)."""
+    created, model, n = int(time.time()), gw.model_name, req.n or 1
+    sent: dict[int, int] = {}  # choice -> characters sent (the next text offset)
+    plps: dict[int, list] = {}  # prompt -> its prompt logprobs, once they came
     try:
-        async for i, text, finish in _chunks(gw, streams, firsts):
-            choice = s.CompletionChoice(index=i, text=text, finish_reason=finish)
+        async for p, chunk in _chunks(gw, streams, firsts):
+            if chunk.prompt_logprobs is not None:
+                plps[p] = chunk.prompt_logprobs
+            index, text, lps = p * n + chunk.index, chunk.text_delta, None
+            first = index not in sent
+            offset = sent.get(index, len(prompts[p].text) if req.echo else 0)
+            if req.logprobs is not None:
+                lps = completion_logprobs(gw.token_texts, chunk.token_ids, chunk.logprobs, req.logprobs, offset)
+                if first and req.echo:
+                    lps = join_completion_logprobs(_echo_logprobs(gw, req, prompts[p], plps.get(p)), lps)
+            if first and req.echo:
+                text = prompts[p].text + text
+            sent[index] = offset + len(chunk.text_delta)
+            choice = s.CompletionChoice(index=index, text=text, finish_reason=chunk.finish_reason, logprobs=lps)
             yield _sse(s.CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
         if _include_usage(req):
             usage = _usage([st.result for st in streams])
@@ -116,17 +187,21 @@ async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, streams
 
 async def chat_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: list[Any],
                       firsts: list[Any]) -> AsyncIterator[bytes]:
-    """SSE events of a streaming /v1/chat/completions answer; the first carries the role."""
+    """SSE events of a streaming /v1/chat/completions answer; each choice's first carries the role."""
     created, model = int(time.time()), gw.model_name
+    top_n = params.output_logprobs(req)
 
-    def chunk(delta: s.Delta, finish: Optional[str] = None) -> bytes:
-        choice = s.ChatChunkChoice(index=0, delta=delta, finish_reason=finish)
+    def event(index: int, delta: s.Delta, finish: Optional[str] = None, lps: Any = None) -> bytes:
+        choice = s.ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps)
         return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
 
-    yield chunk(s.Delta(role="assistant", content=""))
+    for index in range(req.n or 1):
+        yield event(index, s.Delta(role="assistant", content=""))
     try:
-        async for _, text, finish in _chunks(gw, streams, firsts):
-            yield chunk(s.Delta(content=text) if text or finish is None else s.Delta(), finish)
+        async for _, c in _chunks(gw, streams, firsts):
+            lps = chat_logprobs(gw.token_texts, c.token_ids, c.logprobs, top_n) if top_n is not None else None
+            delta = s.Delta(content=c.text_delta) if c.text_delta or c.finish_reason is None else s.Delta()
+            yield event(c.index, delta, c.finish_reason, lps)
         if _include_usage(req):
             usage = _usage([streams[0].result])
             yield _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage))

@@ -6,10 +6,9 @@ a parameter is never ignored silently).  Responses are encoded with
 ``msgspec.json``; fields that OpenAI sends as ``null`` are kept (no
 ``omit_defaults``) because some clients read them.
 
-Parameters the engine does not implement yet are listed in
-:data:`UNSUPPORTED`, with the values that mean "off" (those are accepted).
-Enabling one is: delete its row, map it in ``ipc/gateway/app.py``'s
-``sampling_kwargs``.
+Parameters the engine does not implement are listed in :data:`UNSUPPORTED`,
+with the values that mean "off" (those are accepted).  Everything else maps to
+SDK sampling keywords in ``ipc/gateway/app.py``'s ``sampling_kwargs``.
 """
 
 from __future__ import annotations
@@ -17,6 +16,8 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 import msgspec
+
+from ipc.gateway.logprobs import ChatLogprobs, CompletionLogprobs
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True):
@@ -62,6 +63,7 @@ class _Sampling(_Body):
     ignore_eos: Optional[bool] = None
     stop_token_ids: Optional[list[int]] = None
     prompt_logprobs: Optional[int] = None
+    include_stop_str_in_output: Optional[bool] = None
 
 
 class CompletionRequest(_Sampling):
@@ -97,19 +99,8 @@ class DetokenizeRequest(_Body):
 # Parameters the engine cannot honour yet -> the values that mean "off" (accepted, as is null).
 # Types are compared too: completions' ``logprobs=0`` asks for logprobs, chat's ``false`` does not.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (1,),
-    "stop": ([], ""),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "echo": (False,),
     "suffix": ("",),
-    "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0,),
-    "logit_bias": ({},),
-    "repetition_penalty": (1.0,),
-    "min_tokens": (0,),
-    "prompt_logprobs": (),
 }
 
 
@@ -187,7 +178,8 @@ class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: Optional[str] = None
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
+    prompt_logprobs: Optional[list] = None  # vLLM's shape, see ipc/gateway/logprobs.py
 
 
 class CompletionResponse(msgspec.Struct):
@@ -208,7 +200,7 @@ class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     finish_reason: Optional[str] = None
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -218,6 +210,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    prompt_logprobs: Optional[list] = None  # vLLM's shape, see ipc/gateway/logprobs.py
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
@@ -229,7 +222,7 @@ class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: Delta
     finish_reason: Optional[str] = None
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
 
 
 class ChatCompletionChunk(msgspec.Struct):

@@ -1,0 +1,76 @@
+"""OpenAI request parameters -> the SDK's sampling keywords (SamplingParams fields).
+
+Ranges are left to the scheduler, whose errors name the field and its limit
+(``sampling.logprobs`` becomes the ``logprobs`` param of the 400); only what
+the JSON shape cannot say is checked here (logit_bias keys are strings in JSON).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from ipc.gateway import schemas as s
+
+# Passed through unchanged when given (vLLM's extra parameters included).
+_PLAIN = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "stop_token_ids", "n",
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs",
+          "include_stop_str_in_output")
+
+
+def stop_strings(stop: Union[str, list[str], None]) -> list[str]:
+    """``stop`` as a list (OpenAI allows one string or a list)."""
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def logit_bias(bias: Optional[dict[str, float]], vocab_size: int) -> dict[int, float]:
+    """JSON's string keys as token ids; a key that is not a token id is a 400 naming logit_bias."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise s.RequestError(400, f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise s.RequestError(400, f"logit_bias key {key!r} is out of the vocabulary [0, {vocab_size})",
+                                 "logit_bias")
+        out[token_id] = value
+    return out
+
+
+def output_logprobs(req: Union[s.CompletionRequest, s.ChatCompletionRequest]) -> Optional[int]:
+    """How many top alternatives per output token the request wants (None: no logprobs)."""
+    if isinstance(req, s.ChatCompletionRequest):
+        if req.logprobs:
+            return req.top_logprobs or 0
+        if req.top_logprobs:
+            raise s.RequestError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        return None
+    return req.logprobs
+
+
+def check_stream_params(req: Union[s.CompletionRequest, s.ChatCompletionRequest]) -> None:
+    """What vLLM refuses with ``stream=true``, refused the same way."""
+    if req.stream and req.prompt_logprobs is not None:
+        raise s.RequestError(400, "prompt_logprobs is not available when stream=true", "prompt_logprobs")
+
+
+def sampling_kwargs(req: Union[s.CompletionRequest, s.ChatCompletionRequest], max_tokens: int,
+                    vocab_size: int) -> dict[str, Any]:
+    """The SDK's sampling keywords for one prompt of ``req``."""
+    kw: dict[str, Any] = {"max_tokens": max_tokens}
+    for name in _PLAIN:
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    if req.stop is not None:
+        kw["stop"] = stop_strings(req.stop)
+    if req.logit_bias:
+        kw["logit_bias"] = logit_bias(req.logit_bias, vocab_size)
+    top_n = output_logprobs(req)
+    if top_n is not None:
+        kw["logprobs"] = top_n
+        if getattr(req, "echo", None):  # echoed prompt tokens come with their logprobs too
+            kw["prompt_logprobs"] = max(top_n, req.prompt_logprobs or 0)
+    return kw

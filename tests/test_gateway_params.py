@@ -1,0 +1,197 @@
+"""The gateway's parameter mapping and logprob/echo/n formatting, without a server.
+
+SDK streams are faked (``next_chunk``/``result``/``aclose``), so these tests
+check the OpenAI shapes the gateway builds from whatever the engine sends.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from ipc.client import GenerateResult, StreamChunk, Timings
+from ipc.gateway import params, responses
+from ipc.gateway import schemas as s
+from ipc.gateway.logprobs import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
+from ipc.protocol import TokenLogprobs
+from tests.test_client_unit import tokenizer, tokenizer_dir  # noqa: F401 (fixtures)
+
+
+def completion_req(**kw) -> s.CompletionRequest:
+    return msgspec.json.decode(json.dumps({"prompt": "x", **kw}), type=s.CompletionRequest)
+
+
+def chat_req(**kw) -> s.ChatCompletionRequest:
+    return msgspec.json.decode(json.dumps({"messages": [{"role": "user", "content": "x"}], **kw}),
+                               type=s.ChatCompletionRequest)
+
+
+def test_sampling_kwargs_map_every_parameter():
+    req = completion_req(n=3, stop="\n", presence_penalty=0.5, frequency_penalty=-1.0, logit_bias={"13": 5, "7": -100},
+                         seed=4, logprobs=2, echo=True, repetition_penalty=1.2, min_tokens=3, prompt_logprobs=1,
+                         include_stop_str_in_output=True)
+    kw = params.sampling_kwargs(req, 16, vocab_size=100)
+    assert kw == {"max_tokens": 16, "seed": 4, "n": 3, "presence_penalty": 0.5, "frequency_penalty": -1.0,
+                  "repetition_penalty": 1.2, "min_tokens": 3, "prompt_logprobs": 2, "include_stop_str_in_output": True,
+                  "stop": ["\n"], "logit_bias": {13: 5.0, 7: -100.0}, "logprobs": 2}
+    assert params.sampling_kwargs(completion_req(stop=["a", "b"]), 4, 100)["stop"] == ["a", "b"]
+    chat = params.sampling_kwargs(chat_req(logprobs=True, top_logprobs=3), 4, 100)
+    assert chat["logprobs"] == 3 and "prompt_logprobs" not in chat
+    assert params.sampling_kwargs(chat_req(logprobs=True), 4, 100)["logprobs"] == 0
+    assert "logprobs" not in params.sampling_kwargs(chat_req(logprobs=False), 4, 100)
+
+
+@pytest.mark.parametrize("bias", [{"x": 1}, {"1.5": 1}, {"100": 1}, {"-1": 2}])
+def test_bad_logit_bias_key_is_400_naming_logit_bias(bias):
+    with pytest.raises(s.RequestError) as e:
+        params.sampling_kwargs(completion_req(logit_bias=bias), 4, vocab_size=100)
+    assert e.value.status == 400 and e.value.param == "logit_bias"
+
+
+def test_top_logprobs_without_logprobs_and_streamed_prompt_logprobs_are_400():
+    with pytest.raises(s.RequestError) as e:
+        params.sampling_kwargs(chat_req(top_logprobs=2), 4, 100)
+    assert e.value.param == "top_logprobs"
+    with pytest.raises(s.RequestError) as e:
+        params.check_stream_params(completion_req(stream=True, prompt_logprobs=1))
+    assert e.value.param == "prompt_logprobs"
+    assert s.unsupported_param(completion_req(best_of=2)) == "best_of"
+    assert s.unsupported_param(completion_req(n=2, echo=True, logprobs=1, stop=["x"])) is None
+
+
+# ---------------------------------------------------------------------------
+# logprob shapes
+# ---------------------------------------------------------------------------
+
+
+def ids_of(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_chat_and_legacy_logprob_shapes(tokenizer):
+    texts = TokenTexts(tokenizer)
+    a, b, c = ids_of(tokenizer, "abc")
+    lps = [TokenLogprobs(-0.5, [a, c], [-0.5, -1.5]), TokenLogprobs(-2.0, [c, a], [-0.1, -0.2])]
+    chat = msgspec.to_builtins(chat_logprobs(texts, [a, b], lps, 1))
+    assert chat == {"content": [
+        {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}]},
+        {"token": "b", "logprob": -2.0, "bytes": [98], "top_logprobs": [{"token": "c", "logprob": -0.1, "bytes": [99]}]},
+    ]}
+    legacy = msgspec.to_builtins(completion_logprobs(texts, [a, b], lps, 2, offset=3))
+    assert legacy == {"text_offset": [3, 4], "token_logprobs": [-0.5, -2.0], "tokens": ["a", "b"],
+                      "top_logprobs": [{"a": -0.5, "c": -1.5}, {"c": -0.1, "a": -0.2, "b": -2.0}]}
+    plps = json.loads(msgspec.json.encode(prompt_logprobs(texts, [a, b], [None, lps[1]])))  # JSON keys: strings
+    assert plps[0] is None
+    assert plps[1] == {str(b): {"logprob": -2.0, "rank": None, "decoded_token": "b"},
+                       str(c): {"logprob": -0.1, "rank": 1, "decoded_token": "c"},
+                       str(a): {"logprob": -0.2, "rank": 2, "decoded_token": "a"}}
+
+
+# ---------------------------------------------------------------------------
+# whole answers and streams from fake SDK streams
+# ---------------------------------------------------------------------------
+
+
+class FakeGateway:
+    model_name = "fake"
+
+    def __init__(self, tokenizer):
+        self.token_texts = TokenTexts(tokenizer)
+        self.observed = []
+
+    def observe(self, result):
+        self.observed.append(result)
+
+    def note_error(self, exc):
+        pass
+
+
+class FakeStream:
+    """An SDK stream that hands out given chunks, then has ``result``."""
+
+    def __init__(self, chunks: list[StreamChunk], result: GenerateResult) -> None:
+        self.chunks = list(chunks)
+        self.final = result
+        self.result = None
+
+    async def next_chunk(self):
+        if self.chunks:
+            return self.chunks.pop(0)
+        self.result = self.final
+        return None
+
+    async def aclose(self):
+        pass
+
+
+def choice(index, text, ids, lps, prompt_tokens=3, reason="length", plps=None) -> GenerateResult:
+    return GenerateResult(request_id="r", text=text, token_ids=ids, finish_reason=reason, prompt_tokens=prompt_tokens,
+                          completion_tokens=len(ids), timings=Timings(ttft=0.1, e2e=0.2), index=index,
+                          logprobs=lps, prompt_logprobs=plps)
+
+
+def request_result(choices) -> GenerateResult:
+    import dataclasses
+    return dataclasses.replace(choices[0], choices=choices)
+
+
+async def test_whole_completion_echo_logprobs_n_and_usage(tokenizer):
+    gw = FakeGateway(tokenizer)
+    p_ids = ids_of(tokenizer, "Hi")
+    out = [ids_of(tokenizer, t) for t in ("ab", "c")]
+    lp = lambda t: TokenLogprobs(-t / 100, [t], [-t / 100])  # noqa: E731
+    plps = [None, lp(p_ids[1])]
+    results = [request_result([choice(i, t, ids, [lp(x) for x in ids], plps=plps)
+                               for i, (t, ids) in enumerate(zip(("ab", "c"), out))]) for _ in range(2)]
+    streams = [FakeStream([], r) for r in results]
+    prompts = [responses.Prompt(p_ids, "Hi"), responses.Prompt(p_ids, "Hi")]
+    req = completion_req(n=2, echo=True, logprobs=0, prompt_logprobs=0)
+    resp = msgspec.to_builtins(await responses.whole_completion(gw, req, "cmpl-1", prompts, streams))
+    assert [c["index"] for c in resp["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in resp["choices"]] == ["Hiab", "Hic", "Hiab", "Hic"]
+    first = resp["choices"][0]["logprobs"]
+    assert first["tokens"] == ["H", "i", "a", "b"]
+    assert first["token_logprobs"][0] is None and first["top_logprobs"][0] is None
+    assert first["token_logprobs"][1:] == [lp(t).logprob for t in [p_ids[1]] + out[0]]
+    assert first["text_offset"] == [0, 1, 2, 3]
+    assert resp["choices"][0]["prompt_logprobs"][0] is None
+    assert resp["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}
+
+
+async def test_chat_stream_n_with_logprobs_and_finishes(tokenizer):
+    gw = FakeGateway(tokenizer)
+    a, b = ids_of(tokenizer, "ab")
+    lp = TokenLogprobs(-1.0, [a], [-1.0])
+    chunks = [StreamChunk("a", [a], [lp], index=1), StreamChunk("b", [b], [lp], index=0, finish_reason="stop"),
+              StreamChunk("", [], [], index=1, finish_reason="length")]
+    result = request_result([choice(0, "b", [b], [lp], reason="stop"), choice(1, "a", [a], [lp])])
+    stream = FakeStream(chunks[1:], result)
+    req = chat_req(n=2, stream=True, logprobs=True, top_logprobs=1, stream_options={"include_usage": True})
+    events = [e async for e in responses.chat_stream(gw, req, "chatcmpl-1", [stream], [chunks[0]])]
+    bodies = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+    assert events[-1] == b"data: [DONE]\n\n"
+    roles = [c["choices"][0]["index"] for c in bodies if c["choices"] and c["choices"][0]["delta"].get("role")]
+    assert roles == [0, 1]
+    content = [(c["choices"][0]["index"], c["choices"][0]["delta"].get("content"), c["choices"][0]["finish_reason"])
+               for c in bodies[2:] if c["choices"]]
+    assert content == [(1, "a", None), (0, "b", "stop"), (1, None, "length")]
+    assert bodies[2]["choices"][0]["logprobs"]["content"][0]["token"] == "a"
+    assert bodies[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert gw.observed == [result]
+
+
+async def test_completion_stream_echo_leads_each_choice_and_offsets_advance(tokenizer):
+    gw = FakeGateway(tokenizer)
+    p_ids, (a, b) = ids_of(tokenizer, "P"), ids_of(tokenizer, "ab")
+    lp = TokenLogprobs(-1.0, [], [])
+    chunks = [StreamChunk("a", [a], [lp], prompt_logprobs=[None]), StreamChunk("b", [b], [lp], finish_reason="length")]
+    stream = FakeStream(chunks[1:], request_result([choice(0, "ab", [a, b], [lp, lp])]))
+    req = completion_req(stream=True, echo=True, logprobs=0)
+    events = [e async for e in responses.completion_stream(gw, req, "c", [responses.Prompt(p_ids, "P")], [stream],
+                                                           [chunks[0]])]
+    bodies = [json.loads(e[len(b"data: "):])["choices"][0] for e in events[:-1]]
+    assert [c["text"] for c in bodies] == ["Pa", "b"]
+    assert bodies[0]["logprobs"]["tokens"] == ["P", "a"] and bodies[0]["logprobs"]["text_offset"] == [0, 1]
+    assert bodies[1]["logprobs"]["text_offset"] == [2] and bodies[1]["finish_reason"] == "length"
