@@ -29,8 +29,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-# Run from a checkout without installing the package.
-
 from tqdm import tqdm
 
 from ipc.client import AsyncClient, ForerunError, GenerateResult
@@ -39,7 +37,6 @@ from _http_stream import HTTPError, sse_post
 
 # Seconds to wait for the server's answer to Hello (requests themselves have no limit by default).
 HANDSHAKE_TIMEOUT = 60.0
-
 
 
 @dataclass

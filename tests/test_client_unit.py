@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import shutil
 import tempfile
 import threading
@@ -580,10 +581,13 @@ def test_blocking_timeout_aborts(serve, address):
 # ---------------------------------------------------------------------------
 
 
-def test_bench_serve_runs_against_a_server(serve, address, tmp_path):
+def test_bench_serve_runs_against_a_server(serve, address, tmp_path, monkeypatch):
+    import importlib
     import json
 
-    from scripts import bench_serve
+    # A script imports its sibling helpers as top-level modules, as when it is run from scripts/.
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    bench_serve = importlib.import_module("bench_serve")
 
     def script(gen: Generate) -> list:
         return finish_script(gen, [7] * gen.sampling.max_tokens, in_finished=2)
