@@ -29,8 +29,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-# Run from a checkout without installing the package.
-
 from tqdm import tqdm
 
 from ipc.client import AsyncClient, ForerunError, GenerateResult
