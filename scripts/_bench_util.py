@@ -11,6 +11,9 @@ import math
 import os
 import subprocess
 import sys
+import threading
+import time
+import uuid
 from typing import Any, Iterable, Optional, Sequence
 
 DEFAULT_PERCENTILES = (50, 90, 99)
@@ -94,18 +97,39 @@ def write_json(path: str, data: dict[str, Any]) -> None:
         f.write("\n")
 
 
-def start_server(address: str, *flags: str, run_dir: Optional[str] = None, echo: bool = True) -> subprocess.Popen:
-    """``forerun serve --address ADDRESS --quiet FLAGS``, returned once it prints that it is ready."""
+def ipc_address(folder: str) -> str:
+    """A fresh ``ipc://`` address in ``folder`` (keep it short: ipc paths are limited to 107 bytes)."""
+    return f"ipc://{folder}/c-{uuid.uuid4().hex[:8]}.sock"
+
+
+def start_server(address: str, *flags: str, run_dir: Optional[str] = None, echo: bool = True,
+                 timeout: Optional[float] = None) -> subprocess.Popen:
+    """``forerun serve --address ADDRESS --quiet FLAGS``, returned once it prints that it is ready.
+
+    The server's output after that stays unread in ``proc.stdout`` for the caller.  ``timeout``:
+    seconds to wait for the "ready at" line before the server is killed (None: no limit).
+    """
     cmd = [sys.executable, "-m", "scheduler_proc.launch", "serve", "--address", address, "--quiet", *flags]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **({"FORERUN_RUN_DIR": run_dir} if run_dir else {}))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    watchdog = None if timeout is None else threading.Timer(timeout, proc.kill)
+    if watchdog is not None:
+        watchdog.start()
     log = []
-    for line in proc.stdout:
-        log.append(line)
-        if echo:
-            print("  server:", line.rstrip(), flush=True)
-        if "ready at" in line:
-            return proc
+    try:
+        for line in iter(proc.stdout.readline, ""):
+            log.append(line)
+            if echo:
+                print("  server:", line.rstrip(), flush=True)
+            if "ready at" in line:
+                return proc
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+    proc.wait()
+    if deadline is not None and time.monotonic() >= deadline:
+        raise TimeoutError(f"server not ready within {timeout} s:\n" + "".join(log))
     raise RuntimeError("server exited during start-up:\n" + "".join(log))
 
 
@@ -116,6 +140,7 @@ def executor_pid(server: subprocess.Popen) -> int:
 
 
 def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the server and wait for it (SIGKILL after 30 s)."""
     proc.terminate()
     try:
         proc.wait(timeout=30)

@@ -21,15 +21,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from executor_proc.testing.scripted import ScriptedRunner, expected_output  # noqa: E402
-from ipc import protocol as p  # noqa: E402
-from ipc.client.raw import RawConnection  # noqa: E402
-from scripts._bench_util import format_table, percentile, write_json  # noqa: E402
-from tests.server_proc import ServerProcess  # noqa: E402
+from executor_proc.testing.scripted import ScriptedRunner, expected_output
+from ipc import protocol as p
+from ipc.client.raw import RawConnection
+from _bench_util import format_table, ipc_address, percentile, start_server, stop_server, write_json
 
 FLOODER = r"""
 import sys, time, zmq
@@ -90,9 +86,9 @@ async def stream_during_flood(address: str, frames: int) -> dict:
             "stream_ok": ok, "max_gap_during_flood_s": max(gaps), "p99_gap_s": percentile(gaps, 99)}
 
 
-async def overload(srv: ServerProcess, max_waiting: int, extra: int) -> dict:
-    rss_before = rss_mib(srv.proc.pid)
-    async with RawConnection(srv.address, timeout=30) as conn:
+async def overload(address: str, scheduler_pid: int, max_waiting: int, extra: int) -> dict:
+    rss_before = rss_mib(scheduler_pid)
+    async with RawConnection(address, timeout=30) as conn:
         await conn.hello("overload", batch_deltas=True)
         t0 = time.monotonic()
         for i in range(max_waiting + 1 + extra):  # one runs (the only slot), max_waiting wait
@@ -104,7 +100,7 @@ async def overload(srv: ServerProcess, max_waiting: int, extra: int) -> dict:
                 refusals += 1
         elapsed = time.monotonic() - t0
         stats = await conn.stats()
-        rss_full = rss_mib(srv.proc.pid)
+        rss_full = rss_mib(scheduler_pid)
     return {"max_waiting": max_waiting, "overload_extra": extra, "overloaded_refusals": refusals,
             "num_waiting": stats.num_waiting, "refused_within_s": elapsed, "scheduler_rss_idle_mib": rss_before,
             "scheduler_rss_queue_full_mib": rss_full}
@@ -119,17 +115,21 @@ def main() -> int:
     ap.add_argument("--json", default=None, metavar="PATH", help="write the figures here")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="frb", dir="/tmp")
-    srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", str(args.step_ms), tmpdir=tmp, timeout=120)
+    address = ipc_address(tmp)
+    srv = start_server(address, "--load-format", "scripted", "--scripted-step-ms", str(args.step_ms),
+                       run_dir=tmp, echo=False, timeout=120)
     try:
-        result = asyncio.run(stream_during_flood(srv.address, args.frames))
+        result = asyncio.run(stream_during_flood(address, args.frames))
     finally:
-        srv.stop()
-    srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "60000", "--max-num-seqs", "1",
-                        "--max-waiting", str(args.max_waiting), "--shutdown-timeout", "0", tmpdir=tmp, timeout=120)
+        stop_server(srv)
+    address = ipc_address(tmp)
+    srv = start_server(address, "--load-format", "scripted", "--scripted-step-ms", "60000", "--max-num-seqs", "1",
+                       "--max-waiting", str(args.max_waiting), "--shutdown-timeout", "0",
+                       run_dir=tmp, echo=False, timeout=120)
     try:
-        result.update(asyncio.run(overload(srv, args.max_waiting, args.overload_extra)))
+        result.update(asyncio.run(overload(address, srv.pid, args.max_waiting, args.overload_extra)))
     finally:
-        srv.stop()
+        stop_server(srv)
     print(format_table([(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in result.items()],
                        title="flood and overload (times in s, memory in MiB)"))
     if args.json:

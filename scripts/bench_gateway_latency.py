@@ -19,16 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ipc.client import AsyncClient  # noqa: E402
-from scripts._bench_util import format_table, summarize, write_json  # noqa: E402
-from scripts._http_stream import sse_post  # noqa: E402
+from ipc.client import AsyncClient
+from _bench_util import format_table, summarize, write_json
+from _http_stream import sse_post
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -24,17 +24,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ipc.client import AsyncClient  # noqa: E402
-from scripts._bench_util import format_table, percentile, write_json  # noqa: E402
-from tests.server_proc import ServerProcess, reset_prefix_cache, server_stats  # noqa: E402
+from ipc import protocol as p
+from ipc.client import AsyncClient
+from ipc.client.raw import RawConnection
+from _bench_util import format_table, ipc_address, percentile, start_server, stop_server, write_json
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -83,7 +80,8 @@ async def timed_request(client: AsyncClient, ids: list[int], max_tokens: int) ->
 
 
 async def drive(address: str, args: argparse.Namespace) -> dict[str, Any]:
-    async with AsyncClient(address, timeout=args.timeout) as client:
+    async with AsyncClient(address, timeout=args.timeout) as client, RawConnection(address, timeout=10) as raw:
+        await raw.hello("bench_prefix stats")  # the server answers nothing but Hello and Ping before a Hello
         vocab = client.server_info.vocab_size
         eos = set(client.server_info.eos_token_ids)
         rng = random.Random(0)
@@ -98,15 +96,16 @@ async def drive(address: str, args: argparse.Namespace) -> dict[str, Any]:
 
         warm = tokens(args.prefix_len)
         await asyncio.gather(*[timed_request(client, warm + tokens(args.suffix_len), 4) for _ in range(2)])
-        await reset_prefix_cache(address)
-        before = await server_stats(address)
+        await raw.send(p.ResetPrefixCache())  # answered with ServerStats
+        await raw.recv()
+        before = await raw.stats()
         prefix = tokens(args.prefix_len)
         prompts = [prefix + tokens(args.suffix_len) for _ in range(args.num_requests)]
         t0 = time.perf_counter()
         results = await asyncio.wait_for(
             asyncio.gather(*[timed_request(client, ids, args.output_len) for ids in prompts]), args.timeout)
         wall = time.perf_counter() - t0
-        after = await server_stats(address)
+        after = await raw.stats()
     ttfts = [r[0] * 1e3 for r in results]
     out_tokens = sum(r[1] for r in results)
     return {
@@ -119,11 +118,12 @@ async def drive(address: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def run_server(args: argparse.Namespace, prefix_caching: bool) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="frp", dir="/tmp")  # short: ipc paths are limited to 107 bytes
-    server = ServerProcess(*server_flags(args, prefix_caching), tmpdir=tmp, timeout=1800)
+    address = ipc_address(tmp)
+    server = start_server(address, *server_flags(args, prefix_caching), run_dir=tmp, echo=False, timeout=1800)
     try:
-        return asyncio.run(drive(server.address, args))
+        return asyncio.run(drive(address, args))
     finally:
-        server.stop()
+        stop_server(server)
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:

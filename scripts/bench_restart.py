@@ -24,14 +24,11 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
+from subprocess import Popen
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ipc import protocol as p  # noqa: E402
-from ipc.client.raw import RawConnection  # noqa: E402
-from scripts._bench_util import format_table, write_json  # noqa: E402
-from tests.server_proc import ServerProcess, server_stats  # noqa: E402
+from ipc import protocol as p
+from ipc.client.raw import RawConnection
+from _bench_util import executor_pid, format_table, ipc_address, start_server, stop_server, write_json
 
 PROMPT = [1, 415, 2936, 9060, 285, 1142, 690, 253, 22658, 4370]
 
@@ -65,23 +62,25 @@ async def run_requests(address: str, n: int, max_tokens: int, on_token=None) -> 
     return tokens, gaps
 
 
-async def disturbed_run(srv: ServerProcess, n: int, max_tokens: int, kills: int, kill_after: int) -> tuple:
+async def disturbed_run(address: str, server: Popen, n: int, max_tokens: int, kills: int, kill_after: int) -> tuple:
     state = {"kills": 0, "next_at": None, "busy": False}
+    async with RawConnection(address, timeout=10) as stats_conn:
+        await stats_conn.hello("bench_restart stats")  # the server answers nothing but Hello and Ping before a Hello
 
-    async def maybe_kill() -> None:
-        if state["kills"] >= kills or state["busy"]:
-            return
-        state["busy"] = True
-        steps = (await server_stats(srv.address)).steps
-        if state["next_at"] is None:
-            state["next_at"] = steps + kill_after
-        if steps >= state["next_at"]:
-            os.kill(srv.executor_pid(), signal.SIGKILL)
-            state["kills"] += 1
-            state["next_at"] = None
-        state["busy"] = False
+        async def maybe_kill() -> None:
+            if state["kills"] >= kills or state["busy"]:
+                return
+            state["busy"] = True
+            steps = (await stats_conn.stats()).steps
+            if state["next_at"] is None:
+                state["next_at"] = steps + kill_after
+            if steps >= state["next_at"]:
+                os.kill(executor_pid(server), signal.SIGKILL)
+                state["kills"] += 1
+                state["next_at"] = None
+            state["busy"] = False
 
-    tokens, gaps = await run_requests(srv.address, n, max_tokens, maybe_kill)
+        tokens, gaps = await run_requests(address, n, max_tokens, maybe_kill)
     return tokens, gaps, state["kills"]
 
 
@@ -95,15 +94,18 @@ def main() -> int:
     ap.add_argument("serve_args", nargs="*", help="flags for forerun serve (after --)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="frr", dir="/tmp")
-    srv = ServerProcess(*args.serve_args, "--max-restarts", str(args.kills + 5), tmpdir=tmp, timeout=1800)
+    address = ipc_address(tmp)
+    srv = start_server(address, *args.serve_args, "--max-restarts", str(args.kills + 5),
+                       run_dir=tmp, echo=False, timeout=1800)
     log: list[str] = []
-    reader = threading.Thread(target=lambda: log.extend(iter(srv.proc.stdout.readline, "")), daemon=True)
+    reader = threading.Thread(target=lambda: log.extend(iter(srv.stdout.readline, "")), daemon=True)
     reader.start()
     try:
-        want, calm_gaps = asyncio.run(run_requests(srv.address, args.requests, args.max_tokens))
-        got, gaps, kills = asyncio.run(disturbed_run(srv, args.requests, args.max_tokens, args.kills, args.kill_after))
+        want, calm_gaps = asyncio.run(run_requests(address, args.requests, args.max_tokens))
+        got, gaps, kills = asyncio.run(disturbed_run(address, srv, args.requests, args.max_tokens, args.kills,
+                                                     args.kill_after))
     finally:
-        srv.stop()
+        stop_server(srv)
         reader.join(timeout=10)
     restarts = [float(m.group(1)) for line in log if (m := re.search(r"executor restarted in ([\d.]+) s", line))]
     result = {

@@ -582,12 +582,12 @@ def test_blocking_timeout_aborts(serve, address):
 
 
 def test_bench_serve_runs_against_a_server(serve, address, tmp_path, monkeypatch):
-    import importlib
     import json
+    import os
 
-    # A script imports its sibling helpers as top-level modules, as when it is run from scripts/.
+    # Import the script as Python runs it: its own folder first on sys.path, for its sibling helpers.
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-    bench_serve = importlib.import_module("bench_serve")
+    import bench_serve
 
     def script(gen: Generate) -> list:
         return finish_script(gen, [7] * gen.sampling.max_tokens, in_finished=2)

@@ -81,7 +81,7 @@ class RawConnection:
         return reply
 
     async def stats(self) -> ServerStats:
-        """The server's pool occupancy and counters (no handshake needed)."""
+        """The server's pool occupancy and counters (after :meth:`hello`: before it only Ping is answered)."""
         await self.send(GetStats())
         return await self.recv()
 
