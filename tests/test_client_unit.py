@@ -30,6 +30,7 @@ from ipc.client import (
     ForerunError,
     InvalidRequestError,
     ProtocolError,
+    ServerGoneError,
 )
 from ipc.client.detokenizer import IncrementalDetokenizer
 from ipc.client.raw import RawConnection
@@ -443,7 +444,7 @@ async def test_server_info_with_another_protocol_version(serve, address):
 
 async def test_connect_times_out_without_server(address):
     client = AsyncClient(address, timeout=0.2)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(ServerGoneError, match="no server answered at"):
         await client.connect()
     await client.close()
 
