@@ -35,7 +35,8 @@ class InvalidRequest(Exception):
 
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
-_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+# An unknown field and a missing required one are named by the message, not by its path.
+_NAMED = re.compile(r"(?:unknown|missing required) field `([^`]*)`")
 
 ClientMessage = Union[p.Hello, p.Generate, p.Abort, p.GetStats, p.Ping, p.Error]
 
@@ -52,9 +53,9 @@ def decode_client_frame(data: bytes) -> ClientMessage:
         text = str(e)
         path = _PATH.search(text)
         field = path.group(1) if path else None
-        unknown = _UNKNOWN.search(text)
-        if unknown:
-            field = f"{field}.{unknown.group(1)}" if field else unknown.group(1)
+        named = _NAMED.search(text)
+        if named:
+            field = f"{field}.{named.group(1)}" if field else named.group(1)
         return p.Error(code="invalid_request", message=text, request_id=_guess_request_id(data), field=field or None)
     except (msgspec.DecodeError, UnicodeDecodeError, ValueError, OverflowError) as e:
         return p.Error(code="bad_frame", message=f"could not decode message: {e}")
