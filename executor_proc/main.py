@@ -3,8 +3,8 @@
 Main loop (one thread)::
 
     plan  = receive()            # blocks only when nothing is left to run
-    batch = prepare(plan)        # slot-table diffs + device inputs, non-blocking
-    tokens = launch(batch)       # forward + sample + last-token update, enqueued
+    step  = prepare(plan)        # slot-table diffs + device inputs, non-blocking
+    tokens = launch(step)        # forward + sample + last-token update, enqueued
     hand_off(step, tokens)       # copy to host on the copy stream; output thread sends
 
 The output thread owns the result socket: it waits for each step's copy event
@@ -61,11 +61,24 @@ class OutputThread(threading.Thread):
         if step.gpu_events is None:
             return 0.0, 0.0
         start, end = step.gpu_events
+        end.synchronize()  # a step that samples nothing has no copy event to have waited on
         gap = max(0.0, self._prev_end.elapsed_time(start) / 1e3) if self._prev_end is not None else 0.0
         self._prev_end = end
         return start.elapsed_time(end) / 1e3, gap
 
     def run(self) -> None:
+        """Send results until told to stop; any exception is reported as ExecutorFatal and ends the process."""
+        try:
+            self._send_results()
+        except BaseException as e:
+            try:
+                self.sock.send(p.encode(p.ExecutorFatal(f"output thread: {type(e).__name__}: {e}\n"
+                                                        f"{traceback.format_exc()}")))
+                time.sleep(0.2)  # let the message leave before the process ends
+            finally:
+                os._exit(1)  # the main thread may be blocked on a plan: nothing else would end it
+
+    def _send_results(self) -> None:
         while (step := self.steps.get()) is not None:
             if step.event is not None:
                 step.event.synchronize()
@@ -81,7 +94,9 @@ class OutputThread(threading.Thread):
             self.sock.send(p.encode(result))
 
 
-class Executor:
+class ExecutorProcess:
+    """The process shell: sockets, the main loop, the output thread; the step work is the worker's."""
+
     def __init__(self, cfg: ExecutorConfig):
         self.cfg = cfg
         self.ctx = zmq.Context()
@@ -96,22 +111,23 @@ class Executor:
         """Load the model, allocate the KV cache, capture the decode graphs, report capacity."""
         if self.cfg.load_format == "scripted":
             return self._setup_scripted()
-        from executor_proc.engine import build_engine
+        from executor_proc.build import build_worker
 
         cfg = self.cfg
-        engine = build_engine(cfg, lambda stage, done, total: self.send(p.LoadProgress(stage, done, total)))
-        self.worker, mcfg = engine.worker, engine.model_config
+        built = build_worker(cfg, lambda stage, done, total: self.send(p.LoadProgress(stage, done, total)))
+        self.worker, mcfg = built.worker, built.model_config
         self.send(p.ExecutorReady(
-            num_kv_blocks=engine.num_kv_blocks, max_model_len=engine.max_model_len, vocab_size=mcfg.vocab_size,
-            eos_token_ids=list(mcfg.eos_token_ids), device=str(engine.device), dtype=cfg.resolved_dtype()))
+            num_kv_blocks=built.num_kv_blocks, max_model_len=built.max_model_len, vocab_size=mcfg.vocab_size,
+            eos_token_ids=list(mcfg.eos_token_ids), device=str(built.device), dtype=cfg.resolved_dtype()))
         gc.freeze()  # the hot loop must not pay for scanning start-up objects (see _setup_scripted)
 
     def _setup_scripted(self) -> None:
-        from executor_proc.scripted import ScriptedExecutor, ScriptedWorker
+        """``--load-format scripted``: the test double of :mod:`executor_proc.testing.scripted` (overlap benchmark)."""
+        from executor_proc.testing.scripted import ScriptedRunner, ScriptedWorker
 
         cfg, script = self.cfg, self.cfg.scripted
         num_blocks = cfg.num_kv_blocks or 4096
-        self.worker = ScriptedWorker(ScriptedExecutor(
+        self.worker = ScriptedWorker(ScriptedRunner(
             cfg.num_slots, num_blocks, cfg.block_size, vocab_size=script.vocab_size,
             eos_at=dict(script.eos_at), tokens_at={s: dict(t) for s, t in script.tokens_at.items()}),
             step_latency_s=script.step_latency_s)
@@ -151,8 +167,8 @@ class Executor:
                 break
             t_start = self.t_ready
             events = self._record_gpu_event()
-            batch = worker.prepare(plan)
-            tokens = worker.launch(plan, batch)
+            step = worker.prepare(plan)
+            tokens = worker.launch(step)
             if events is not None:
                 events = (events, self._record_gpu_event())
             host, event = worker.copy_out(tokens)
@@ -169,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = msgspec.json.decode(argv[0], type=ExecutorConfig)
     # One core is left to the scheduler and clients: OpenMP matmuls that share a core slow down tenfold.
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
-    ex = Executor(cfg)
+    ex = ExecutorProcess(cfg)
     try:
         ex.setup()
         ex.run()

@@ -36,7 +36,7 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_de
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """How to pick tokens.  ``temperature == 0`` means greedy.
+    """How to pick tokens.  ``temperature`` below 1e-5 (0, say) means greedy (``kernels.sampling_ref.is_greedy``).
 
     Ranges are checked by :func:`scheduler_proc.validate.validate_generate` so
     that each violation names the field and its limit.
@@ -50,6 +50,21 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     seed: Optional[int] = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # Stop strings, matched on the detokenized output by the scheduler; the text ends before
+    # the match unless include_stop_str_in_output.
+    stop: list[str] = []
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are out
+    # Penalties: repetition (HF/vLLM: prompt and output tokens), frequency and presence (OpenAI:
+    # output tokens only); logit_bias adds to the logits of the given token ids.
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
+    # Log-probabilities of the model's raw distribution (before temperature and penalties):
+    # None = none; n >= 0: the sampled (or prompt) token's and the n most likely alternatives.
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
 
 class Hello(_Msg, tag="hello"):
@@ -90,6 +105,10 @@ class GetStats(_Msg, tag="get_stats"):
     pass
 
 
+class ResetPrefixCache(_Msg, tag="reset_prefix_cache"):
+    """Forget every cached KV block no running request holds (benchmarks); the reply is ServerStats."""
+
+
 class ServerStats(_Msg, tag="server_stats"):
     """Pool occupancy and counters: tests use it to prove that nothing leaked."""
 
@@ -104,11 +123,32 @@ class ServerStats(_Msg, tag="server_stats"):
     steps: int
     requests: int
     preemptions: int = 0
+    executor_restarts: int = 0
+    # Sums over every returned step (seconds), from its StepResult: t_end - t_start, the GPU's
+    # busy time and its idle gaps (CUDA only, else 0), and the executor's wait for plans.
+    step_time_s_total: float = 0.0
+    gpu_busy_s_total: float = 0.0
+    gpu_gap_s_total: float = 0.0
+    executor_idle_s_total: float = 0.0
+    # Prefix caching: prompt (+ resumed) tokens admissions looked up, and those found cached.
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """One position: the chosen token's log-probability and the top alternatives, most likely first."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class TokenDelta(_Msg, tag="token_delta"):
     request_id: str
     token_ids: list[int]
+    logprobs: list[TokenLogprobs] = []  # one per token, when the request asked
+    # Once, with the first delta, when the request asked: position 0 has none (None).
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
 
 
 class TokenDeltas(_Msg, tag="token_deltas"):
@@ -122,6 +162,8 @@ class TokenDeltas(_Msg, tag="token_deltas"):
 
     request_ids: list[str]
     token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs]] = []  # empty, or one list per request (empty when not asked)
+    prompt_logprobs: list[Optional[list[Optional[TokenLogprobs]]]] = []  # likewise
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -136,6 +178,9 @@ class Finished(_Msg, tag="finished"):
     # never needs a separate delta message.
     token_ids: list[int] = []
     message: str = ""
+    logprobs: list[TokenLogprobs] = []  # for token_ids, when the request asked
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None  # if not sent in a delta before
+    stop_str: Optional[str] = None  # the stop string that finished the request (reason "stop")
 
 
 class Error(_Msg, tag="error"):
@@ -158,7 +203,7 @@ class Pong(_Msg, tag="pong"):
     server_id: str
 
 
-ClientToServer = Union[Hello, Generate, Abort, GetStats, Ping]
+ClientToServer = Union[Hello, Generate, Abort, GetStats, Ping, ResetPrefixCache]
 ServerToClient = Union[ServerInfo, TokenDelta, TokenDeltas, Finished, Error, ServerStats, Pong]
 
 
@@ -167,7 +212,7 @@ ServerToClient = Union[ServerInfo, TokenDelta, TokenDeltas, Finished, Error, Ser
 # ---------------------------------------------------------------------------
 
 
-class SlotSampling(msgspec.Struct, array_like=True):
+class SlotSampling(msgspec.Struct, array_like=True, omit_defaults=True):
     """Sampling parameters of one slot, as the executor stores them on the device."""
 
     temperature: float
@@ -175,6 +220,17 @@ class SlotSampling(msgspec.Struct, array_like=True):
     top_p: float
     min_p: float
     seed: int
+    logprobs: int = -1  # top alternatives to report for each sampled token; -1: none
+    prompt_logprobs: int = -1  # likewise for prompt positions
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_tokens: int = 0
+    # Tokens at positions >= num_prompt_tokens are outputs (a resumed request prefills them again).
+    num_prompt_tokens: int = 0
+    min_tokens_stop_ids: list[int] = []  # masked while fewer than min_tokens outputs exist
+    logit_bias_ids: list[int] = []
+    logit_bias_values: list[float] = []
 
 
 class Admit(msgspec.Struct, array_like=True):
@@ -242,6 +298,13 @@ class StepResult(_Msg, tag="step_result"):
     # GPU sat idle between the previous step's end and this step's start (0 when it was queued).
     gpu_busy_s: float = 0.0
     gpu_gap_s: float = 0.0
+    # Sampled rows that asked for logprobs: indices into token_ids, and their values.
+    logprob_rows: list[int] = []
+    logprobs: list[TokenLogprobs] = []
+    # Prefill rows that asked for prompt logprobs: (row index, first position) and one entry per
+    # prompt position from that first position (the logprob of the token at that position).
+    prompt_logprob_rows: list[tuple[int, int]] = []
+    prompt_logprobs: list[list[TokenLogprobs]] = []
 
 
 class ExecutorFatal(_Msg, tag="executor_fatal"):

@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _compat  # noqa: F401  (interpreter fixes)
 from .reference import silu_and_mul_ref  # noqa: F401
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]

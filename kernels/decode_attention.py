@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _compat  # noqa: F401  (interpreter fixes)
 from .paged_kv import load_kv_tile
 
 from .reference import decode_attention_ref  # noqa: F401  (re-exported)
@@ -180,11 +179,27 @@ def default_num_splits(batch: int, num_kv_heads: int, device: torch.device | str
     return s
 
 
-def _default_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+def _default_config(head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages): best of the H100 sweep in docs/kernels.md."""
     if head_dim <= 64:
         return 32, 2, 3
     return 64, 4, 3
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
+    assert q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape)
+    B, H, D = q.shape
+    _, block_size, Hkv, Dk = k_cache.shape
+    assert Dk == D and D <= 256, "head_dim mismatch or > 256"
+    assert H % Hkv == 0, "num_heads must be a multiple of num_kv_heads"
+    assert block_size & (block_size - 1) == 0 and 1 <= block_size <= 256, "block_size must be a power of two"
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
+    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "q and cache dtypes must match"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "last dim must be contiguous"
+    assert block_tables.dim() == 2 and block_tables.shape[0] >= B and block_tables.dtype == torch.int32
+    assert block_tables.stride(1) == 1
+    assert context_lens.shape == (B,) and context_lens.dtype == torch.int32
+    assert q.device == k_cache.device == block_tables.device == context_lens.device
 
 
 def decode_attention(
@@ -211,26 +226,16 @@ def decode_attention(
     For CUDA-graph capture pass ``out`` and ``workspace`` (allocated beforehand) and a
     fixed ``num_splits`` (default :func:`default_num_splits` of the batch size).
     """
-    assert q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape)
+    _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
     B, H, D = q.shape
-    num_blocks, block_size, Hkv, Dk = k_cache.shape
-    assert Dk == D and D <= 256, "head_dim mismatch or > 256"
-    assert H % Hkv == 0, "num_heads must be a multiple of num_kv_heads"
-    assert block_size & (block_size - 1) == 0 and 1 <= block_size <= 256, "block_size must be a power of two"
-    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
-    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "q and cache dtypes must match"
-    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "last dim must be contiguous"
-    assert block_tables.dim() == 2 and block_tables.shape[0] >= B and block_tables.dtype == torch.int32
-    assert block_tables.stride(1) == 1
-    assert context_lens.shape == (B,) and context_lens.dtype == torch.int32
-    assert q.device == k_cache.device == block_tables.device == context_lens.device
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
     if num_splits is None:
         num_splits = default_num_splits(B, Hkv, q.device, workspace.max_splits if workspace else 16)
-    dflt = _default_config(D, q.dtype)
+    dflt = _default_config(D)
     block_n = block_n or dflt[0]
     num_warps = num_warps or dflt[1]
     num_stages = num_stages or dflt[2]

@@ -13,7 +13,7 @@ rounding once, like cuBLAS.  Two forms:
 
 No split-K and no atomics, so the result is deterministic.
 
-Whether it beats cuBLAS depends on the shape: :func:`executor_proc.triton_backend`
+Whether it beats cuBLAS depends on the shape: :func:`executor_proc.backends.triton_backend`
 times both (and the configs in :data:`CONFIGS`) on the model's own weights at
 start-up and keeps the faster per (N, K, M).
 """
@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _compat  # noqa: F401  (interpreter fixes)
 
 __all__ = ["gemv", "CONFIGS", "MAX_M"]
 

@@ -1,7 +1,7 @@
 """Write new K/V into the paged cache, optionally fused with rotary embedding of q and k.
 
-``slot_mapping[t]`` is the flat cache index ``block * block_size + offset`` of token
-``t``; a negative slot skips the token's K/V write (padded rows).  With rotary the
+``kv_index[t]`` is the flat cache index ``block * block_size + offset`` of token
+``t``; a negative index skips the token's K/V write (padded rows).  With rotary the
 query is still rotated for every token (cheap, and padded rows are ignored later).
 
 Rotary is the neox / HF-Llama "rotate half" form on the full head dim:
@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _compat  # noqa: F401  (interpreter fixes)
 from .reference import kv_write_ref, rope_cos_sin_cache, rope_kv_write_ref  # noqa: F401
 
 __all__ = ["kv_write", "rope_kv_write", "rope_cos_sin_cache", "kv_write_ref", "rope_kv_write_ref"]
@@ -31,7 +30,7 @@ __all__ = ["kv_write", "rope_kv_write", "rope_cos_sin_cache", "kv_write_ref", "r
 
 @triton.jit
 def _rope_kv_write_kernel(
-    q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cs_ptr,
+    q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_qot, stride_qoh,
     stride_kcb, stride_kct, stride_kch,
@@ -46,7 +45,7 @@ def _rope_kv_write_kernel(
     d_mask = offs_d < HALF
     offs_kh = tl.arange(0, HKV_PAD)
     kv_mask = (offs_kh < HKV)[:, None] & d_mask[None, :]
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    kv_index = tl.load(index_ptr + t).to(tl.int64)
 
     k_lo = k_ptr + t * stride_kt + offs_kh[:, None] * stride_kh + offs_d[None, :]
     v_lo = v_ptr + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :]
@@ -70,9 +69,9 @@ def _rope_kv_write_kernel(
         k1 = k1f * cos - k2f * sin
         k2 = k2f * cos + k1f * sin
 
-    if slot >= 0:
-        blk = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
+    if kv_index >= 0:
+        blk = kv_index // BLOCK_SIZE
+        off = kv_index % BLOCK_SIZE
         v1 = tl.load(v_lo, mask=kv_mask, other=0.0)
         v2 = tl.load(v_lo + HALF, mask=kv_mask, other=0.0)
         kc = kc_ptr + blk * stride_kcb + off * stride_kct + offs_kh[:, None] * stride_kch + offs_d[None, :]
@@ -83,7 +82,7 @@ def _rope_kv_write_kernel(
         tl.store(vc + HALF, v2.to(vc_ptr.dtype.element_ty), mask=kv_mask)
 
 
-def _check_cache(k, v, k_cache, v_cache, slot_mapping):
+def _check_cache(k, v, k_cache, v_cache, kv_index):
     assert k.dim() == 3 and v.shape == k.shape, (k.shape, v.shape)
     T, Hkv, D = k.shape
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape
@@ -92,18 +91,18 @@ def _check_cache(k, v, k_cache, v_cache, slot_mapping):
     assert bs & (bs - 1) == 0, "block_size must be a power of two"
     assert D % 2 == 0
     assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    assert slot_mapping.shape == (T,) and slot_mapping.dtype in (torch.int32, torch.int64)
+    assert kv_index.shape == (T,) and kv_index.dtype in (torch.int32, torch.int64)
     return T, Hkv, D, bs
 
 
-def _launch(q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, rope):
-    T, Hkv, D, bs = _check_cache(k, v, k_cache, v_cache, slot_mapping)
+def _launch(q, k, v, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, rope):
+    T, Hkv, D, bs = _check_cache(k, v, k_cache, v_cache, kv_index)
     if T == 0:
         return
     H = q.shape[1]
     half = D // 2
     _rope_kv_write_kernel[(T,)](
-        q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
+        q, k, v, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -116,25 +115,25 @@ def _launch(q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_c
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """In place: ``k_cache/v_cache[slot] = k/v[t]`` for ``slot_mapping[t] >= 0``.
+             kv_index: torch.Tensor) -> None:
+    """In place: ``k_cache/v_cache[kv_index[t]] = k/v[t]`` for ``kv_index[t] >= 0``.
 
     k, v ``[T, Hkv, D]`` (last dim contiguous, any token/head strides); caches
-    ``[num_blocks, block_size, Hkv, D]``; slot_mapping ``[T]`` int32/int64 on the device.
+    ``[num_blocks, block_size, Hkv, D]``; kv_index ``[T]`` int32/int64 on the device.
     """
-    _launch(k, k, v, k, k_cache, v_cache, slot_mapping, slot_mapping, k, False)
+    _launch(k, k, v, k, k_cache, v_cache, kv_index, kv_index, k, False)
 
 
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor, *, q_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  kv_index: torch.Tensor, *, q_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rotate q and k at ``positions``, write rotated k and v into the cache; return rotated q.
 
     q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (last dim contiguous; views of a fused QKV
     output are fine), positions ``[T]`` int, cos_sin_cache ``[max_pos, D]`` float32.
     ``q_out`` may be ``q`` itself (in place); default a new tensor.
     """
-    T, Hkv, D, _ = _check_cache(k, v, k_cache, v_cache, slot_mapping)
+    T, Hkv, D, _ = _check_cache(k, v, k_cache, v_cache, kv_index)
     assert q.dim() == 3 and q.shape[0] == T and q.shape[2] == D and q.stride(2) == 1
     assert q.shape[1] % Hkv == 0
     assert positions.shape == (T,) and positions.dtype in (torch.int32, torch.int64)
@@ -143,5 +142,5 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     if q_out is None:
         q_out = torch.empty_like(q)
     assert q_out.shape == q.shape and q_out.stride(2) == 1
-    _launch(q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, True)
+    _launch(q, k, v, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, True)
     return q_out

@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _compat  # noqa: F401  (interpreter fixes)
 from .logprobs_ref import MAX_TOP_N, token_logprobs_ref  # noqa: F401
 
 __all__ = ["token_logprobs", "MAX_TOP_N", "token_logprobs_ref"]

@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _compat  # noqa: F401  (interpreter fixes)
 from .reference import fused_add_rms_norm_ref, rms_norm_ref  # noqa: F401
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_ref", "fused_add_rms_norm_ref"]

@@ -23,12 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _compat  # noqa: F401  (interpreter fixes)
-from .penalties_ref import (MAX_BIAS, MAX_STOP, PenaltyTables, apply_penalties_ref, count_sampled,  # noqa: F401
-                            mark_prompt, reset_slots)
+from .penalties_ref import (MAX_BIAS, MAX_STOP, PenaltyTables, apply_penalties_ref, mark_prompt,  # noqa: F401
+                            reset_slots)
+from .penalties_ref import count_sampled as count_sampled_ref
 
 __all__ = ["apply_penalties", "PenaltyTables", "count_sampled", "mark_prompt", "reset_slots", "MAX_BIAS",
-           "MAX_STOP", "apply_penalties_ref"]
+           "MAX_STOP", "apply_penalties_ref", "count_sampled_ref"]
 
 
 @triton.jit
@@ -81,6 +81,29 @@ def _sparse_kernel(out_ptr, stride_o, slot_ptr, bias_ids_ptr, bias_val_ptr, stop
         js = tl.arange(0, BLOCK_S)
         stop = tl.load(stop_ptr + slot * NS + js, mask=js < NS, other=-1)
         tl.store(base + stop, tl.full([BLOCK_S], float("-inf"), tl.float32), mask=stop >= 0)
+
+
+@triton.jit
+def _count_kernel(slot_ptr, tok_ptr, counts_ptr, gen_ptr, N, V, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    slot = tl.load(slot_ptr + i, mask=m, other=0).to(tl.int64)
+    tok = tl.load(tok_ptr + i, mask=m, other=0).to(tl.int64)
+    one = tl.full([BLOCK], 1, tl.int32)
+    tl.atomic_add(counts_ptr + slot * V + tok, one, mask=m)  # atomics: a slot may repeat (resumed requests)
+    tl.atomic_add(gen_ptr + slot, one, mask=m)
+
+
+def count_sampled(t: PenaltyTables, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+    """:func:`kernels.penalties_ref.count_sampled` in one launch (``output_counts[slot, token] += 1``,
+    ``generated[slot] += 1``; slots and tokens ``[N]`` any integer dtype, repeats allowed)."""
+    n = slots.shape[0]
+    assert tokens.shape == (n,) and slots.device == tokens.device == t.output_counts.device
+    assert t.output_counts.dtype == torch.int32 and t.generated.dtype == torch.int32
+    if n:
+        block = min(1024, triton.next_power_of_2(n))
+        _count_kernel[(triton.cdiv(n, block),)](slots.contiguous(), tokens.contiguous(), t.output_counts,
+                                                t.generated, n, t.vocab, BLOCK=block, num_warps=4)
 
 
 def apply_penalties(logits: torch.Tensor, tables: PenaltyTables, slots: torch.Tensor, *,

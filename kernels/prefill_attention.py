@@ -1,6 +1,6 @@
 """Paged prefill / chunked-prefill attention (varlen, causal).
 
-Rows are laid out as in :class:`executor_proc.batch.ForwardBatch`: row ``r`` owns
+Rows are laid out as in :class:`executor_proc.step.batch.ForwardBatch`: row ``r`` owns
 query tokens ``query_start[r]:query_start[r+1]`` and attends to the first
 ``context_lens[r]`` tokens of its KV (cached prefix + the new chunk, whose K/V
 were written into the cache before this call).  The ``j``-th new token of a row
@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _compat  # noqa: F401  (interpreter fixes)
 from .paged_kv import load_kv_tile
 from .reference import prefill_attention_ref  # noqa: F401  (re-exported)
 
@@ -138,7 +137,7 @@ def prefill_attention(
     if R == 0 or T == 0 or max_query_len <= 0:
         return out
     if block_m is None:
-        block_m = 16 if max_query_len <= 16 else (64 if D <= 64 else 64)
+        block_m = 16 if max_query_len <= 16 else 64
     block_n = block_n or (64 if D <= 64 else 32)
     num_warps = num_warps or 4
     num_stages = num_stages or 2

@@ -1,7 +1,9 @@
 """Pure-torch references for the Triton kernels in this package.
 
-Nothing here imports Triton, so the CPU executor can use these functions
-directly.  They favour clarity over speed (some loop over rows and read
+Nothing here imports Triton.  Each op is stated here once: the torch backend
+(:mod:`executor_proc.backends.torch_backend`) runs the norm, activation, rotary and
+KV-write statements below, and the kernel tests compare the Triton kernels with them.
+The attention references favour clarity over speed (they loop over rows and read
 ``block_tables`` / ``context_lens`` on the host); the fast paths are the
 Triton kernels.  Sampling's reference lives in :mod:`kernels.sampling_ref`
 because it is also the CPU executor's production sampler.
@@ -9,7 +11,7 @@ because it is also the CPU executor's production sampler.
 Shapes and conventions (shared with the kernels):
 
 * KV cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token at
-  flat slot ``s`` lives at ``cache[s // block_size, s % block_size]``.
+  flat index ``s`` (``kv_index``) lives at ``cache[s // block_size, s % block_size]``.
 * Grouped-query attention: query head ``h`` reads KV head ``h // (H // Hkv)``
   (HF ``repeat_kv`` order).
 * Rotary: neox / HF-Llama "rotate half"; ``cos_sin_cache[pos] = cat(cos, sin)``,
@@ -18,7 +20,6 @@ Shapes and conventions (shared with the kernels):
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -27,7 +28,10 @@ __all__ = [
     "gather_kv",
     "decode_attention_ref",
     "prefill_attention_ref",
+    "kv_store",
     "kv_write_ref",
+    "rope_cos_sin",
+    "apply_rope",
     "rope_cos_sin_cache",
     "rope_ref",
     "rope_kv_write_ref",
@@ -110,44 +114,55 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 # --------------------------------------------------------------------------- KV write / rotary
 
 
+def kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             kv_index: torch.Tensor) -> None:
+    """In place: store keys and values ``[T, Hkv, D]`` at their flat cache indices (all valid)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, kv_index, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, kv_index, v.to(v_cache.dtype))
+
+
 def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """In place: ``cache[slot] = new`` for every token whose slot is >= 0."""
-    block_size = k_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    blk, off = slots // block_size, slots % block_size
-    k_cache[blk, off] = k[keep].to(k_cache.dtype)
-    v_cache[blk, off] = v[keep].to(v_cache.dtype)
+                 kv_index: torch.Tensor) -> None:
+    """:func:`kv_store` for every token whose index is >= 0 (the kernel skips padded rows' -1)."""
+    keep = kv_index >= 0
+    kv_store(k[keep], v[keep], k_cache, v_cache, kv_index[keep].long())
 
 
-def rope_cos_sin_cache(inv_freq: torch.Tensor, max_position: int,
-                       attention_scaling: float = 1.0) -> torch.Tensor:
-    """``[max_position, D]`` float32: ``cat(cos, sin)`` of ``pos * inv_freq`` (HF order).
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``[T, D]`` float32: ``cat(cos, sin)`` of ``position * inv_freq`` (HF order)."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def rope_cos_sin_cache(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
+    """:func:`rope_cos_sin` of every position below ``max_position``, ``[max_position, D]``.
 
     ``inv_freq`` is the model's ``[D/2]`` inverse frequencies (Llama-3 rope scaling
-    already applied, as HF's ``rotary_emb.inv_freq`` holds it).
+    already applied, as :func:`executor_proc.model.llama.rope_inv_freq` returns them).
     """
-    pos = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
-    freqs = torch.outer(pos, inv_freq.float())  # [P, D/2]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling
+    return rope_cos_sin(torch.arange(max_position, device=inv_freq.device), inv_freq)
 
 
-def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """Neox rotate-half on ``x [T, heads, D]`` in float32, cast back to x's dtype."""
+def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Neox rotate-half on ``x [T, heads, D]`` by ``cos_sin [T, D]``, in float32, cast back to x's dtype."""
     half = x.shape[-1] // 2
-    cs = cos_sin_cache[positions.long()].float()  # [T, D]
-    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    cos, sin = cos_sin[:, None, :half].float(), cos_sin[:, None, half:].float()
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def rope_kv_write_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` with the rows of ``cos_sin_cache`` at ``positions`` (the kernel's inputs)."""
+    return apply_rope(x, cos_sin_cache[positions.long()])
+
+
+def rope_kv_write_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, kv_index):
     """Rotate q and k, write rotated k and v into the cache; returns rotated q."""
     q_rot = rope_ref(q, positions, cos_sin_cache)
     k_rot = rope_ref(k, positions, cos_sin_cache)
-    kv_write_ref(k_rot, v, k_cache, v_cache, slot_mapping)
+    kv_write_ref(k_rot, v, k_cache, v_cache, kv_index)
     return q_rot
 
 
@@ -174,7 +189,3 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     i = x.shape[-1] // 2
     xf = x.float()
     return (torch.nn.functional.silu(xf[..., :i]) * xf[..., i:]).to(x.dtype)
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -6,7 +6,8 @@ hash).  :func:`sample` runs the fast path of :mod:`kernels.sampling_window` (row
 over many programs; top-k/top-p on a sorted window of each row's largest logits), then
 the one-program-per-row kernel below, which does real work only for the rows the window
 could not finish exactly (top_k >= the window, a nucleus wider than it, ties at its edge).
-``method="rows"`` runs the row kernel alone (the previous sampler).
+``method="rows"`` runs the row kernel alone (the previous sampler).  The caller's host-side
+flags pick the cheapest path: ``greedy_only`` (argmax), ``filtered=False`` (no window).
 
 The row kernel streams the row's logits in ``BLOCK``-wide chunks:
 
@@ -44,7 +45,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _compat  # noqa: F401  (interpreter fixes)
 from .sampling_hash import hash_uniform_triton, tl_okey, tl_row_key, tl_uniform
 from .sampling_ref import GREEDY_EPS, hash_uniform, sample as sample_ref  # noqa: F401
 from .sampling_window import DEFAULT_CANDIDATES, sample_window
@@ -179,7 +179,8 @@ def _sample_row(row, logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, minp_
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, *,
            out: Optional[torch.Tensor] = None, method: str = "window", candidates: int = DEFAULT_CANDIDATES,
-           filtered: bool = True, block: Optional[int] = None, sblock: Optional[int] = None,
+           filtered: bool = True, greedy_only: bool = False, chunk: Optional[int] = None,
+           block: Optional[int] = None, sblock: Optional[int] = None,
            nc: int = 8, num_warps: Optional[int] = None, num_stages: int = 3) -> torch.Tensor:
     """Tokens ``[S]`` int64; same arguments and result as :func:`kernels.sampling_ref.sample`.
 
@@ -190,7 +191,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     ``method="window"`` (default): :mod:`kernels.sampling_window` (rows split over chunks,
     top-k/top-p on a window of the ``candidates`` largest logits), then the
     one-program-per-row kernel only for the rows it could not finish exactly.
-    ``filtered=False`` is a host-side promise that no row uses top-k/top-p (skips the window).
+    ``filtered=False`` is a host-side promise that no row uses top-k/top-p (skips the window:
+    temperature / min-p rows then cost two passes over the logits).  ``greedy_only=True``
+    promises every row is greedy: one ``torch.argmax`` (first index on ties, like the reference).
+    ``chunk`` (default: none) splits the window's top-k into a two-stage one (a tuning knob).
     ``method="rows"``: the one-program-per-row kernel alone (the previous sampler).
     ``block`` is the chunk width of its streaming passes, ``sblock``/``nc`` the chunk width
     and candidates per pass of its threshold searches (tuning knobs; the result does not
@@ -212,11 +216,13 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     assert out.shape == (S,) and out.dtype == torch.int64
     if S == 0:
         return out
+    if greedy_only:
+        return torch.argmax(logits, dim=-1, out=out)
     done = out  # not read when HAS_DONE is off
     if method == "window":
         done = torch.empty(S, dtype=torch.int32, device=logits.device)
         sample_window(logits, temperature, top_k, top_p, min_p, seed, position, out, done,
-                      candidates=candidates, filtered=filtered)
+                      candidates=candidates, filtered=filtered, chunk=chunk)
     block = block or min(4096, triton.next_power_of_2(V))
     sblock = sblock or min(2048 if nc <= 8 else 512, triton.next_power_of_2(V))  # H100 sweep
     _sample_kernel[(S,)](

@@ -10,7 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _compat  # noqa: F401  (interpreter fixes)
 
 __all__ = ["hash_uniform_triton", "tl_mix32", "tl_row_key", "tl_uniform", "tl_okey"]
 

@@ -47,9 +47,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sample", "hash_uniform", "row_keys", "mix32", "GREEDY_EPS"]
+__all__ = ["sample", "hash_uniform", "row_keys", "mix32", "GREEDY_EPS", "is_greedy"]
 
+# The one greedy rule: a row whose temperature is below GREEDY_EPS takes the argmax.  The
+# kernels apply it per row on the device; the executor's slot tables apply is_greedy on the
+# host to run an all-greedy step as a plain argmax.
 GREEDY_EPS = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether a request with this temperature samples greedily (the argmax)."""
+    return temperature < GREEDY_EPS
+
 _M32 = 0xFFFFFFFF
 _C1 = 0x7FEB352D
 _C2 = 0x846CA68B - (1 << 32)  # negative, |c| < 2**31: x * c stays inside int64

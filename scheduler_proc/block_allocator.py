@@ -1,14 +1,22 @@
 """Free pools for KV blocks and slots.
 
-Both pools hand out small integers and take them back.  Ownership is tracked so
-that ``check_integrity()`` can prove no block or slot is owned twice and that
-free + owned == total.  Blocks and slots of a request that has left are given
-back only after the last in-flight step that used them has returned: that rule
-lives in :mod:`scheduler_proc.planner`, these pools only count.
+Slots are a plain :class:`Pool`: small integers, one owner each.  KV blocks
+are reference-counted so that requests with a common prefix can share them
+(prefix caching, see :mod:`scheduler_proc.prefix_cache`).  A block is in one
+of three states::
+
+    free     count 0, no key              in _free (LIFO)
+    cached   count 0, a key, valid KV     in _lru (oldest first): evicted when space is needed
+    held     count >= 1, maybe a key      in the block tables of ``count`` requests
+
+Blocks and slots of a request that has left are given back only after the
+last in-flight step that used them has returned: that rule lives in
+:mod:`scheduler_proc.planner`, these pools only count.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional
 
 
@@ -39,14 +47,6 @@ class Pool:
             self._owner[i] = owner
         return ids
 
-    def take(self, owner: int) -> Optional[int]:
-        """One id for ``owner``, or None when the pool is empty (the hot path of ``allocate``)."""
-        if not self._free:
-            return None
-        i = self._free.pop()
-        self._owner[i] = owner
-        return i
-
     def free(self, owner: int, ids: list[int]) -> None:
         for i in ids:
             if self._owner.get(i) != owner:
@@ -66,15 +66,164 @@ class Pool:
         )
 
 
-class BlockAllocator(Pool):
-    """Paged KV blocks of ``block_size`` tokens each."""
+class BlockAllocator:
+    """Paged KV blocks of ``block_size`` tokens, reference-counted, with an LRU of cached blocks.
+
+    Allocation takes a free block first, then evicts the least recently
+    released cached block (forgetting its key).  ``num_free`` counts both: a
+    cached block nobody holds is room.
+    """
 
     def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks <= 0:
+            raise ValueError(f"KV block pool size must be positive, got {num_blocks}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        super().__init__(num_blocks, "KV block")
+        self.size = num_blocks
         self.block_size = block_size
+        self._free = list(range(num_blocks - 1, -1, -1))  # LIFO: recently freed blocks first
+        self._refs = [0] * num_blocks
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently released first
+        self._key_of: dict[int, bytes] = {}  # published blocks (held or cached)
+        self._block_of: dict[bytes, int] = {}
+        self.num_evictions = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens of KV."""
         return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can have: free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._lru)
+
+    def can_allocate(self, n: int = 1) -> bool:
+        return len(self._free) + len(self._lru) >= n
+
+    def take(self) -> Optional[int]:
+        """One block with count 1, or None when nothing is free or evictable (the hot path)."""
+        if self._free:
+            b = self._free.pop()
+        elif self._lru:
+            b = self._evict()
+        else:
+            return None
+        self._refs[b] = 1
+        return b
+
+    def allocate(self, n: int) -> list[int]:
+        if not self.can_allocate(n):
+            raise RuntimeError(f"KV block pool exhausted: asked for {n}, {self.num_free} free")
+        return [self.take() for _ in range(n)]
+
+    def _evict(self) -> int:
+        b, _ = self._lru.popitem(last=False)
+        del self._block_of[self._key_of.pop(b)]
+        self.num_evictions += 1
+        return b
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference to each of a request's blocks (in table order).
+
+        Released in reverse so that a prefix's tail is older in the LRU than its
+        head: eviction eats chains from the end, keeping the shared heads.
+        """
+        refs, key_of = self._refs, self._key_of
+        for b in reversed(blocks):
+            r = refs[b] - 1
+            if r < 0:
+                raise RuntimeError(f"KV block {b} released more often than it was held")
+            refs[b] = r
+            if r == 0:
+                if b in key_of:
+                    self._lru[b] = None
+                else:
+                    self._free.append(b)
+
+    # ------------------------------------------------------------ sharing
+
+    def match(self, keys: list[bytes]) -> list[int]:
+        """The published blocks of the longest prefix of ``keys``."""
+        out = []
+        block_of = self._block_of
+        for k in keys:
+            b = block_of.get(k)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def num_evictable(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` are cached with count 0 (they stop being room once shared)."""
+        refs = self._refs
+        return sum(1 for b in blocks if refs[b] == 0)
+
+    def share(self, blocks: list[int]) -> None:
+        """One more reference to each of ``blocks`` (matched, published blocks)."""
+        refs = self._refs
+        for b in blocks:
+            if refs[b] == 0:
+                del self._lru[b]
+            refs[b] += 1
+
+    def publish(self, block: int, key: bytes) -> bool:
+        """Make a held, fully written block findable by ``key``.
+
+        False (and nothing changes) when the block already has a key or another
+        block has this one: two requests computed the same block at once, the
+        first one published wins and the other copy stays private.
+        """
+        if self._refs[block] <= 0:
+            raise RuntimeError(f"KV block {block} published while nobody holds it")
+        if key in self._block_of or block in self._key_of:
+            return False
+        self._key_of[block] = key
+        self._block_of[key] = block
+        return True
+
+    def publish_chain(self, blocks: list[int], keys: list[bytes], start: int, end: int) -> None:
+        """``publish(blocks[i], keys[i])`` for i in [start, end), in one loop (the reconcile path)."""
+        refs, key_of, block_of = self._refs, self._key_of, self._block_of
+        for i in range(start, end):
+            b, k = blocks[i], keys[i]
+            if refs[b] <= 0:
+                raise RuntimeError(f"KV block {b} published while nobody holds it")
+            if k not in block_of and b not in key_of:
+                key_of[b] = k
+                block_of[k] = b
+
+    def key_of(self, block: int) -> Optional[bytes]:
+        return self._key_of.get(block)
+
+    def reset(self) -> int:
+        """Forget every cached block nobody holds (they become free); returns how many."""
+        n = len(self._lru)
+        for b in self._lru:
+            del self._block_of[self._key_of.pop(b)]
+            self._free.append(b)
+        self._lru.clear()
+        return n
+
+    # ---------------------------------------------------------- invariants
+
+    def held(self) -> dict[int, int]:
+        """Reference count of every held block."""
+        return {b: r for b, r in enumerate(self._refs) if r}
+
+    def check_integrity(self) -> None:
+        free, lru = set(self._free), set(self._lru)
+        assert len(free) == len(self._free), "KV block: a block is free twice"
+        assert not free & lru, "KV block: a block is both free and cached"
+        held = self.held()
+        assert all(r > 0 for r in held.values()), "KV block: a negative count"
+        assert not (free | lru) & held.keys(), "KV block: a block with references is free or cached"
+        assert len(free) + len(lru) + len(held) == self.size, (
+            f"KV block: free {len(free)} + cached {len(lru)} + held {len(held)} != total {self.size}")
+        assert len(self._key_of) == len(self._block_of), "KV block: key maps differ in size"
+        assert all(self._block_of.get(k) == b for b, k in self._key_of.items()), "KV block: key maps disagree"
+        assert lru <= self._key_of.keys(), "KV block: a cached block without a key"
+        assert not free & self._key_of.keys(), "KV block: a free block with a key"

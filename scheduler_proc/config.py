@@ -22,11 +22,29 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     run_dir: Optional[str] = None  # default: $FORERUN_RUN_DIR or a new temp folder
     executor_start_timeout_s: float = 600.0
     debug_checks: bool = False  # check_integrity() after every step
+    enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes between requests
     step_log: Optional[str] = None  # append each step's executor timings here (JSON lines)
     executor: ExecutorConfig = ExecutorConfig()
+    # Reliability (docs/reliability.md).
+    executor_hang_timeout_s: float = 30.0  # floor of the hang timeout (the rest: 50 x p99 step time)
+    max_restarts: int = 5  # more executor restarts than this within restart_window_s: fail-stop
+    restart_window_s: float = 60.0
+    shutdown_timeout_s: float = 30.0  # SIGTERM / Ctrl-C: running requests get this long to finish
+    # Waiting requests beyond which Generate is refused ("overloaded"): 64 full batches at the
+    # default 64 slots, minutes of queueing; about 2 KB each for short prompts.
+    max_waiting: int = 4096
+    # Messages queued to one client that stopped reading before its requests are aborted
+    # ("slow_reader"): about a second of tokens at 256 running requests and 1 ms steps.
+    client_send_hwm: int = 200_000
 
     def __post_init__(self) -> None:
         if self.pipeline_depth not in (0, 1, 2):
             raise ValueError(f"pipeline_depth must be 0, 1 or 2, got {self.pipeline_depth}")
+        for name in ("executor_hang_timeout_s", "restart_window_s", "max_waiting", "client_send_hwm"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_restarts", "shutdown_timeout_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
         if self.executor_start_timeout_s <= 0:
             raise ValueError(f"executor_start_timeout_s must be positive, got {self.executor_start_timeout_s}")

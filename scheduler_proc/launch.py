@@ -20,6 +20,7 @@ from ipc.config import MAX_BLOCK_SIZE, Dtype, ExecutorConfig, Kernels, LoadForma
 from ipc.models import resolve_model
 from scheduler_proc.config import ServerConfig
 
+API_KEY_ENV = "FORERUN_API_KEY"
 ADDRESS_FILE = os.path.join(os.path.expanduser(os.environ.get("FORERUN_CACHE", "~/.cache/forerun")), "server_address")
 
 
@@ -63,13 +64,35 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="client address, ipc://PATH or tcp://HOST:PORT (default: ipc:// in a private run dir)")
     s.add_argument("--executor-threads", type=int, default=E("threads"),
                    help="torch CPU threads in the executor (default: all cores but one)")
+    s.add_argument("--executor-hang-timeout", type=float, default=S("executor_hang_timeout_s"), metavar="S",
+                   help="restart the executor when no step returns for this long (at least; the timeout is "
+                        "also 50 x the p99 step time seen)")
+    s.add_argument("--max-restarts", type=int, default=S("max_restarts"),
+                   help="more executor restarts than this within --restart-window: stop with an error to every client")
+    s.add_argument("--restart-window", type=float, default=S("restart_window_s"), metavar="S",
+                   help="seconds over which --max-restarts counts")
+    s.add_argument("--shutdown-timeout", type=float, default=S("shutdown_timeout_s"), metavar="S",
+                   help="on SIGTERM or Ctrl-C, running requests get this long to finish (a second signal: none)")
+    s.add_argument("--max-waiting", type=int, default=S("max_waiting"),
+                   help="waiting requests beyond which a new one is refused with an 'overloaded' error")
+    s.add_argument("--client-send-hwm", type=int, default=S("client_send_hwm"), metavar="N",
+                   help="messages queued to a client that stopped reading before its requests are aborted")
     s.add_argument("--debug-checks", action="store_true", help="check scheduler invariants after every step")
+    s.add_argument("--no-prefix-caching", action="store_true",
+                   help="recompute every prompt instead of sharing the KV blocks of prefixes seen before")
     s.add_argument("--step-log", default=S("step_log"), metavar="PATH",
                    help="append each step's executor timings (step_id, t_start, t_end, idle_s, num_rows) "
                         "to PATH as JSON lines, in batches and at shutdown")
     s.add_argument("--ask", default=None, metavar="QUESTION",
                    help="once ready, answer QUESTION through the client SDK (streamed), then keep serving")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API on this port (default: SDK only)")
+    s.add_argument("--host", default=None,
+                   help="HTTP address to bind (default: 127.0.0.1, or 0.0.0.0 when an API key is set)")
+    s.add_argument("--api-workers", type=int, default=1, help="HTTP gateway processes sharing --port")
+    s.add_argument("--api-key", default=None,
+                   help=f"bearer token the HTTP API requires (default: ${API_KEY_ENV}; none: no check)")
     return s
 
 
@@ -85,7 +108,11 @@ def server_config(args) -> ServerConfig:
     )
     return ServerConfig(model=args.model, tokenizer=args.tokenizer, pipeline_depth=args.pipeline_depth,
                         client_address=args.address, debug_checks=args.debug_checks, step_log=args.step_log,
-                        executor=executor)
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        executor=executor, executor_hang_timeout_s=args.executor_hang_timeout,
+                        max_restarts=args.max_restarts, restart_window_s=args.restart_window,
+                        shutdown_timeout_s=args.shutdown_timeout, max_waiting=args.max_waiting,
+                        client_send_hwm=args.client_send_hwm)
 
 
 def _seed_position(text: str) -> tuple[int, int]:
@@ -167,48 +194,110 @@ def serve(args) -> int:
         raise SystemExit(f"forerun: {e}")
     import uvloop
 
+    from scheduler_proc.frontend import StartupError
     from scheduler_proc.server import Server
 
-    server = Server(cfg, model)
+    # Until the event loop handles them, SIGTERM unwinds like Ctrl-C, so the cleanup below runs.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        server = Server(cfg, model)
+    except ValueError as e:  # e.g. a run directory whose socket paths are too long
+        raise SystemExit(f"forerun: {e}")
     progress = _Progress(args.quiet)
     try:
+        server.bind()  # address errors before the model loads
         ready = server.start_executor(progress)
-    except (RuntimeError, TimeoutError) as e:
+    except (StartupError, RuntimeError, TimeoutError, KeyboardInterrupt) as e:
         progress.close()
-        print(f"forerun: {e}", file=sys.stderr)
+        print(f"forerun: {e or 'interrupted while starting'}", file=sys.stderr)
         server.close()
         return 1
     progress.close()
+    gateways = None
+    try:
+        _announce(server, model, ready, cfg)
+        gateways = _start_gateways(args, server)
+        if args.ask or gateways:
+            threading.Thread(target=_ask, args=(server.client_address, args.ask, gateways, model.name),
+                             daemon=True).start()
+
+        async def run() -> int:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, server.begin_shutdown)
+            return await server.serve()
+
+        gc.freeze()  # start-up objects are never scanned again: shorter GC pauses while serving
+        return uvloop.run(run())
+    except KeyboardInterrupt:
+        return 1
+    finally:
+        if gateways:
+            gateways.stop()
+        server.close()
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _announce(server, model, ready, cfg) -> None:
     os.makedirs(os.path.dirname(ADDRESS_FILE), exist_ok=True)
     with open(ADDRESS_FILE, "w") as f:
         f.write(server.client_address)
     print(f"forerun: serving {model.name} on {ready.device} ({ready.dtype}), "
           f"{ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}, depth {cfg.pipeline_depth}", flush=True)
     print(f"forerun: ready at {server.client_address}", flush=True)
-    if args.ask:
-        threading.Thread(target=_ask, args=(server.client_address, args.ask), daemon=True).start()
 
-    async def run() -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, server.stop)
-        return await server.serve()
 
-    gc.freeze()  # start-up objects are never scanned again: shorter GC pauses while serving
+def _start_gateways(args, server):
+    """The HTTP gateway processes for --port (None without it)."""
+    if args.port is None:
+        return None
+    from ipc.gateway.process import start_gateways
 
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    host = args.host or ("0.0.0.0" if api_key else "127.0.0.1")  # no key: reachable from this host only
     try:
-        return uvloop.run(run())
-    finally:
+        return start_gateways(server.client_address, host=host, port=args.port, workers=args.api_workers,
+                              run_dir=server.run_dir, api_key=api_key)
+    except ValueError as e:
         server.close()
+        raise SystemExit(f"forerun: {e}")
 
 
-def _ask(address: str, question: str) -> None:
+def _ask(address: str, question, gateways, model_name: str) -> None:
+    """Answer --ask through the SDK; with --port, wait for the HTTP gateways and show the curl way."""
+    if gateways:
+        try:
+            gateways.wait_ready()
+        except (RuntimeError, TimeoutError) as e:
+            print(f"forerun: {e}; stopping", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        print(f"forerun: OpenAI-compatible API at {gateways.url}/v1 ({len(gateways.procs)} workers)", flush=True)
+    if not question:
+        return
     print(f"forerun: asking {question!r}", flush=True)
     try:
         stream_answer(address, question)
+        if gateways:
+            curl = curl_line(gateways.url, model_name, question, gateways.requires_key)
+            print(f"forerun: the same over HTTP: {curl}", flush=True)
         print("forerun: still serving; press Ctrl-C to stop", flush=True)
     except Exception as e:
         print(f"forerun: the question failed: {e}", file=sys.stderr, flush=True)
+
+
+def curl_line(url: str, model_name: str, question: str, requires_key: bool) -> str:
+    """A curl command that asks ``question`` through the HTTP API."""
+    import json
+    import shlex
+
+    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": question}],
+                       "max_tokens": 256, "temperature": 0})  # as stream_answer asks
+    key = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if requires_key else ""
+    return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}"
 
 
 def chat(args) -> int:

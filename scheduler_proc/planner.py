@@ -37,33 +37,23 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-import msgspec
-
 from ipc.protocol import Admit, SlotSampling, StepPlan, StepResult
 from scheduler_proc.block_allocator import BlockAllocator, Pool
 from scheduler_proc.limits import Limits
+from scheduler_proc.planner_checks import check_planner
+from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.request import Request, Status
+from scheduler_proc.steps import InflightStep, Output
 
 _RUNNING = Status.RUNNING
 _FINISHED = Status.FINISHED
-
-
-class InflightStep:
-    """A step that was sent and has not come back: who is in it, who samples."""
-
-    __slots__ = ("step_id", "requests", "samplers")
-
-    def __init__(self, step_id: int, requests: list[Request], samplers: list[Request]):
-        self.step_id = step_id
-        self.requests = requests  # every request with a row in this step, row order
-        self.samplers = samplers  # requests whose row is sampled, in row order
 
 
 class _StepDraft:
     """The plan being built: its rows' requests and the StepPlan's lists, filled in one pass."""
 
     __slots__ = ("budget", "blocked", "rows", "slots", "positions", "appends", "admits", "num_decode",
-                 "chunk_lens", "chunk_sample", "chunk_tokens")
+                 "chunk_lens", "chunk_sample", "chunk_tokens", "written")
 
     def __init__(self, budget: int):
         self.budget = budget  # tokens left in the step
@@ -77,18 +67,7 @@ class _StepDraft:
         self.chunk_lens: list[int] = []  # per prefill row
         self.chunk_sample: list[bool] = []
         self.chunk_tokens: list[int] = []
-
-
-class Output(msgspec.Struct, gc=False):
-    """What a reconcile produced for one request: new tokens and maybe a finish.
-
-    A msgspec struct because one is made per sampled row: its C constructor is
-    several times cheaper than a dataclass's, and it is not tracked by the GC.
-    """
-
-    request: Request
-    new_tokens: list[int]
-    finish_reason: Optional[str] = None
+        self.written: list[tuple[Request, int]] = []
 
 
 @dataclass
@@ -96,15 +75,20 @@ class Planner:
     limits: Limits
     waiting: deque[Request] = field(default_factory=deque)
     inflight: deque[InflightStep] = field(default_factory=deque)
+    # The model/revision the cached KV belongs to (part of every block key); None: no prefix caching.
+    prefix_cache_id: Optional[str] = None
 
     def __post_init__(self):
         self.blocks = BlockAllocator(self.limits.num_kv_blocks, self.limits.block_size)
+        self.prefix = None if self.prefix_cache_id is None else PrefixCache(self.blocks, self.prefix_cache_id)
         self.slots = Pool(self.limits.num_slots, "slot")
         self.draining: dict[int, Request] = {}  # left the plans, waiting for in-flight steps
         self._running: dict[int, Request] = {}
         self._prefilling: dict[int, Request] = {}
         self._decoding: dict[int, Request] = {}
-        self._draining_blocks = 0  # blocks held by draining requests: they will come back
+        # Blocks held by draining requests: they will come back (a shared one may not; then the wait
+        # ends when its holder has drained, and the next plan preempts).
+        self._draining_blocks = 0
         self._stop_refs: dict[int, int] = {}  # stop token id -> live requests that list it
         # A sampled token outside this set can only end a request by length (the fast path).
         self._stop_tokens: set[int] = set(self.limits.eos_token_ids)
@@ -179,7 +163,7 @@ class Planner:
                 continue  # preempted by an earlier row of this plan
             pos = req.num_computed
             if pos >= len(req.blocks) * block_size:
-                block = take_block(req.rid)
+                block = take_block()
                 if block is not None:
                     appends += (req.slot, len(req.blocks), block)
                     req.blocks.append(block)
@@ -215,10 +199,13 @@ class Planner:
 
     def _plan_admissions(self, draft: _StepDraft) -> None:
         """Admit waiting requests, first come first served, while a slot and blocks for their first chunk are free."""
+        blocks = self.blocks
         while self.waiting and draft.budget > 0 and self.slots.can_allocate():
             req = self.waiting[0]
-            n = min(draft.budget, req.num_known)
-            if not self.blocks.can_allocate(self.blocks.blocks_for(n)):
+            hit = self.prefix.match(req) if self.prefix is not None else []
+            start = len(hit) * self.limits.block_size
+            n = min(draft.budget, req.num_known - start)
+            if not blocks.can_allocate(blocks.blocks_for(start + n) - len(hit) + blocks.num_evictable(hit)):
                 break
             self.waiting.popleft()
             req.slot = self.slots.allocate(req.rid)[0]
@@ -227,7 +214,11 @@ class Planner:
             self._running[req.rid] = req
             self._prefilling[req.rid] = req
             draft.admits.append(Admit(req.slot, self._slot_sampling(req)))
-            self._reserve(req, n, draft)
+            if self.prefix is not None:
+                self.prefix.admit(req, hit)  # shares the hit blocks; num_computed starts after them
+                for i, b in enumerate(hit):
+                    draft.appends += (req.slot, i, b)
+            self._reserve(req, start + n, draft)
             self._chunk(req, n, draft)
 
     def _chunk(self, req: Request, n: int, draft: _StepDraft) -> None:
@@ -244,6 +235,8 @@ class Planner:
         draft.budget -= n
         req.num_computed = end
         req.num_inflight_steps += 1
+        if self.prefix is not None:
+            draft.written.append((req, end))
         if sample:
             req.num_pending += 1
             del self._prefilling[req.rid]
@@ -258,7 +251,7 @@ class Planner:
         else:
             samplers = rows
         step_id = next(self._step_ids)
-        self.inflight.append(InflightStep(step_id, rows, samplers))
+        self.inflight.append(InflightStep(step_id, rows, samplers, draft.written))
         self.num_steps_planned += 1
         return StepPlan(
             step_id=step_id,
@@ -287,7 +280,7 @@ class Planner:
                 return False
         if need > 0:
             start = len(req.blocks)
-            new = self.blocks.allocate(req.rid, need)
+            new = self.blocks.allocate(need)
             req.blocks.extend(new)
             for i, b in enumerate(new):
                 draft.appends += (req.slot, start + i, b)
@@ -338,6 +331,10 @@ class Planner:
                     add_output(Output(req, [token], reason))
                     continue
             add_output(Output(req, [token]))
+        if step.written:  # publish blocks whose last write was in this step (never earlier)
+            publish = self.prefix.publish
+            for req, num_written in step.written:
+                publish(req, num_written)
         draining = self.draining
         for req in step.requests:
             left = req.num_inflight_steps - 1
@@ -395,60 +392,50 @@ class Planner:
             self.slots.free(req.rid, [req.slot])
             self._releases.append(req.slot)
             req.slot = None
-        self.blocks.free(req.rid, req.blocks)
+        if self.prefix is not None:
+            self.prefix.publish(req, req.num_computed)  # all its steps are back: every write is done
+        self.blocks.release(req.blocks)
         req.blocks = []
+        req.num_published = 0
         req.num_computed = 0
         if req.status is Status.PREEMPTED:
             # Recompute from scratch: prompt + received tokens are prefilled again.
             req.status = Status.WAITING
             self.waiting.appendleft(req)
 
+    # ----------------------------------------------------------------- restart
+
+    def restart(self) -> None:
+        """The executor was replaced: a preemption of everything at once, pools reset.
+
+        Every in-flight step is void (its tokens will never be applied); every
+        running or preempted request goes to the front of the waiting queue, in
+        admission order, to be recomputed from its prompt and received tokens;
+        finished requests that were draining are forgotten.  Step ids go on.
+        """
+        requeue = list(self._running.values()) + [r for r in self.draining.values() if r.status is Status.PREEMPTED]
+        for req in requeue:
+            req.status = Status.WAITING
+            req.num_preemptions += 1
+            req.slot, req.blocks, req.num_published = None, [], 0
+            req.num_pending = req.num_computed = req.num_prefill = req.num_inflight_steps = 0
+        self.waiting.extendleft(reversed(requeue))
+        self.num_preemptions += len(requeue)
+        for group in (self._running, self._prefilling, self._decoding, self.draining):
+            group.clear()
+        self.inflight.clear()
+        self._releases, self._draining_blocks = [], 0
+        self.blocks = BlockAllocator(self.limits.num_kv_blocks, self.limits.block_size)
+        if self.prefix is not None:
+            self.prefix.blocks = self.blocks  # the new executor's KV cache is empty: nothing stays cached
+        self.slots = Pool(self.limits.num_slots, "slot")
+
     # --------------------------------------------------------------- invariants
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block nobody holds (they become free); returns how many."""
+        return self.blocks.reset()
 
     def check_integrity(self) -> None:
         """Assert every accounting invariant; tests call this after every step."""
-        self.blocks.check_integrity()
-        self.slots.check_integrity()
-        inflight_count: dict[int, int] = {}
-        pending_count: dict[int, int] = {}
-        for step in self.inflight:
-            assert len({r.rid for r in step.requests}) == len(step.requests), f"step {step.step_id}: a request twice"
-            for r in step.requests:
-                inflight_count[r.rid] = inflight_count.get(r.rid, 0) + 1
-            for r in step.samplers:
-                if r.status is not _FINISHED:
-                    pending_count[r.rid] = pending_count.get(r.rid, 0) + 1
-        block_owner = self.blocks.owned_by()
-        slot_owner = self.slots.owned_by()
-        running = list(self._running.values())
-        holders = running + list(self.draining.values())
-        assert len({r.rid for r in holders}) == len(holders), "a request is both running and draining"
-        owned_blocks = 0
-        for r in holders:
-            assert r.num_inflight_steps == inflight_count.get(r.rid, 0), f"request {r.rid}: in-flight count"
-            assert all(block_owner.get(b) == r.rid for b in r.blocks), f"request {r.rid}: block ownership"
-            assert r.slot is not None and slot_owner.get(r.slot) == r.rid, f"request {r.rid}: slot ownership"
-            assert len(r.blocks) * self.limits.block_size >= r.num_computed, f"request {r.rid}: KV beyond blocks"
-            owned_blocks += len(r.blocks)
-            if r.status is not _FINISHED:
-                assert r.num_pending == pending_count.get(r.rid, 0), f"request {r.rid}: pending count"
-        assert owned_blocks == len(block_owner), "a block is owned by a request that holds none"
-        assert len(slot_owner) == len(holders), "a slot is owned by a request that holds none"
-        assert self._draining_blocks == sum(len(r.blocks) for r in self.draining.values()), "draining blocks"
-        for r in self.draining.values():
-            assert r.status is Status.PREEMPTED or r.status is _FINISHED, f"request {r.rid}: draining while {r.status}"
-        for r in running:
-            assert r.status is _RUNNING
-            assert r.num_pending >= 0 and r.num_computed <= r.num_total
-            if not r.is_prefilling:
-                assert r.num_computed == r.num_total - 1, f"request {r.rid}: decode invariant"
-            assert (r.rid in self._prefilling) == r.is_prefilling, f"request {r.rid}: prefilling set"
-            wants_decode = not r.is_prefilling and r.num_computed + 1 < r.max_total
-            assert (r.rid in self._decoding) == wants_decode, f"request {r.rid}: decoding set"
-        assert self._prefilling.keys() <= self._running.keys() and self._decoding.keys() <= self._running.keys()
-        live = running + list(self.waiting) + [r for r in self.draining.values() if r.status is not _FINISHED]
-        assert {t for r in live for t in r.stop_ids} <= self._stop_tokens, "a live request's stop token is missed"
-        assert self.limits.eos_token_ids <= self._stop_tokens
-        for r in self.waiting:
-            assert r.status is Status.WAITING and r.slot is None and not r.blocks
-            assert r.num_pending == 0 and r.num_inflight_steps == 0
+        check_planner(self)

@@ -39,13 +39,14 @@ class Request:
     seed: int
     max_tokens: int
     stop_ids: frozenset[int]
-    arrival: float = 0.0
     output: list[int] = field(default_factory=list)
     num_pending: int = 0
     num_computed: int = 0
     num_prefill: int = 0  # tokens fed from the host since admission (prompt + received at admission)
     slot: Optional[int] = None
     blocks: list[int] = field(default_factory=list)
+    num_published: int = 0  # leading blocks of ``blocks`` that are findable in the prefix cache
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full known blocks (memo)
     num_inflight_steps: int = 0
     status: Status = Status.WAITING
     finish_reason: Optional[str] = None
@@ -66,20 +67,13 @@ class Request:
         return len(self.prompt) + len(self.output) + self.num_pending
 
     @property
-    def num_generated(self) -> int:
-        """Generated tokens, received or in flight."""
-        return len(self.output) + self.num_pending
-
-    @property
     def is_prefilling(self) -> bool:
         return self.num_computed < self.num_prefill
-
-    def known_token(self, i: int) -> int:
-        p = len(self.prompt)
-        return self.prompt[i] if i < p else self.output[i - p]
 
     def known_tokens(self, start: int, end: int) -> list[int]:
         p = len(self.prompt)
         if end <= p:
             return self.prompt[start:end]
-        return (self.prompt + self.output)[start:end]
+        if start >= p:
+            return self.output[start - p : end - p]
+        return self.prompt[start:] + self.output[: end - p]

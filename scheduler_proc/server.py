@@ -3,220 +3,285 @@
 Main loop (asyncio + uvloop)::
 
     while serving:
-        await wake                  # a client message, a step result, or a death
+        await wake                  # a client message, a step result, or the supervisor's tick
+        read_clients()              # at most 64 client frames: validate, admit, abort
         reconcile()                 # apply returned steps, stream tokens, finish requests
         plan_ahead()                # keep pipeline_depth + 1 steps in flight
 
-Client messages are handled as they arrive (validate, admit, abort) by a reader
-task; step results are queued by another.  The planner never waits for the
-executor: at depth 1 the plan for step N+1 leaves before step N's tokens are
-back.
+A reader task queues step results; a supervisor task (every 50 ms) replaces a
+dead or hung executor (running requests are recomputed), expires silent clients
+and ends a graceful shutdown.  At depth 1 the plan for step N+1 leaves before
+step N's tokens are back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import os
 import random
-import subprocess
+import shutil
 import sys
 import time
+import uuid
 from collections import deque
 from typing import Optional
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from ipc import protocol as p
 from ipc.models import ModelSource
-from ipc.sockets import MAX_CLIENT_MESSAGE_BYTES, ipc_address, make_socket, new_run_dir
+from ipc.sockets import MAX_CLIENT_MESSAGE_BYTES, ipc_address, new_run_dir
 from scheduler_proc.config import ServerConfig
-from scheduler_proc.executor_process import describe_exit, spawn_executor, wait_ready
+from scheduler_proc.frontend import Frontend
 from scheduler_proc.limits import Limits
 from scheduler_proc.planner import Output, Planner
-from scheduler_proc.request import Request
+from scheduler_proc.request import Request, Status
+from scheduler_proc.step_log import StepLog, StepTotals
+from scheduler_proc.supervisor import Supervisor
 from scheduler_proc.validate import InvalidRequest, decode_client_frame, validate_generate
 
 # The transport drops (and disconnects) frames above this; frames between the
 # application limit and this one get a clear error instead.
 TRANSPORT_MAX_MESSAGE_BYTES = 4 * MAX_CLIENT_MESSAGE_BYTES
-WATCHDOG_INTERVAL_S = 0.05
-STEP_LOG_FLUSH = 10_000  # step records kept in memory before they are appended to --step-log
+TICK_S = 0.05  # the supervisor's period: executor death and hang checks
+CLIENT_CHECK_S = 0.25  # heartbeat expiry and owed-error retries
 
 
 class Server:
     def __init__(self, cfg: ServerConfig, model: ModelSource):
         self.cfg = cfg
         self.model = model
+        self.server_id = uuid.uuid4().hex
+        self.owns_run_dir = cfg.run_dir is None
         self.run_dir = cfg.run_dir or new_run_dir()
         self.client_address = cfg.client_address or ipc_address(self.run_dir, "client")
         self.ctx = zmq.asyncio.Context()
+        self.frontend: Optional[Frontend] = None
+        self.executor = Supervisor(cfg, model.path, self.ctx, self.run_dir)
         self.requests: dict[tuple[bytes, str], Request] = {}
         self.returned: deque = deque()
         self.wake = asyncio.Event()
         self.failure: Optional[str] = None
+        self.shutdown_at: Optional[float] = None  # graceful shutdown: when running requests get an error
+        self.suspects: set[int] = set()  # rids in flight at the last executor failure, no step back since
         self._rids = itertools.count()
-        self.proc: Optional[subprocess.Popen] = None
-        self.stats = {"steps": 0, "requests": 0}
-        self.batch_clients: set[bytes] = set()  # clients that read TokenDeltas
-        self.step_records: Optional[list[tuple]] = [] if cfg.step_log else None
+        self._tasks: list[asyncio.Task] = []
+        self.stats = {"steps": 0, "requests": 0, "restarts": 0}
+        self.step_totals = StepTotals()
+        self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
 
     # ------------------------------------------------------------- start-up
 
+    def bind(self) -> None:
+        """Listen for clients (before the model loads: address errors show at once); raises StartupError."""
+        self.frontend = Frontend(self.ctx, self.client_address, send_hwm=self.cfg.client_send_hwm,
+                                 max_msg_bytes=TRANSPORT_MAX_MESSAGE_BYTES)
+
     def start_executor(self, on_progress=lambda m: None) -> p.ExecutorReady:
         """Spawn the executor and block until it has loaded the model."""
-        cfg = self.cfg
-        plan_addr = ipc_address(self.run_dir, "plans")
-        result_addr = ipc_address(self.run_dir, "results")
-        self.plans = make_socket(self.ctx, zmq.PUSH, plan_addr, bind=True)
-        self.results = make_socket(self.ctx, zmq.PULL, result_addr, bind=True)
-        ecfg = msgspec.structs.replace(cfg.executor, model=self.model.path, plan_addr=plan_addr,
-                                       result_addr=result_addr, parent_pid=os.getpid())
-        self.proc = spawn_executor(ecfg)
-        sync_results = zmq.Socket.shadow(self.results.underlying)
-        self.ready = wait_ready(self.proc, sync_results, cfg.executor_start_timeout_s, on_progress)
-        self.limits = Limits.of(ecfg, self.ready)
-        self.planner = Planner(self.limits)
-        self.frontend = make_socket(self.ctx, zmq.ROUTER, self.client_address, bind=True,
-                                    max_msg_bytes=TRANSPORT_MAX_MESSAGE_BYTES, hwm=0)  # a ROUTER drops at its HWM: never
-        # Plain (non-asyncio) views for the per-step sends: an asyncio send costs several
-        # times more (a Future and Flag-enum arithmetic per message).
-        self._plans_now = zmq.Socket.shadow(self.plans.underlying)
-        self._frontend_now = zmq.Socket.shadow(self.frontend.underlying)
+        if self.frontend is None:
+            self.bind()
+        self.ready = self.executor.start(on_progress)
+        self.limits = Limits.of(self.cfg.executor, self.ready)
+        self.planner = Planner(self.limits, prefix_cache_id=self._prefix_cache_id() if self.cfg.enable_prefix_caching else None)
         return self.ready
 
     # ------------------------------------------------------------ main loop
 
     async def serve(self) -> int:
-        """Serve until the executor dies or ``stop()``; returns the process exit status."""
+        """Serve until a shutdown ends or the executor fails for good; returns the process exit status."""
         self.stopping = False
-        tasks = [asyncio.create_task(t) for t in (self._read_clients(), self._read_results(), self._watchdog())]
+        self._tasks = [asyncio.create_task(t) for t in (self._watch_clients(), self._supervise())]
+        self._start_result_reader()
         try:
             while not self.stopping:
-                await self.wake.wait()
-                self.wake.clear()
+                await self._next_wake()
+                self.read_clients()
                 self.reconcile()
                 self.plan_ahead()
-            if self.failure:
-                await asyncio.sleep(0.3)  # let the error replies leave before sockets close
         finally:
-            for t in tasks:
+            for t in self._tasks:
                 t.cancel()
-            self._shutdown_executor()
-            self._flush_step_log()
+            self.executor.shutdown()
+            if self.step_log is not None:
+                self.step_log.flush()
         return 1 if self.failure else 0
+
+    async def _next_wake(self) -> None:
+        # Event.wait() on a set event would not yield: sleep(0) lets sockets and tasks run.
+        await (asyncio.sleep(0) if self.wake.is_set() else self.wake.wait())
+        self.wake.clear()
 
     def stop(self) -> None:
         self.stopping = True
         self.wake.set()
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM / Ctrl-C: no new requests; running ones get --shutdown-timeout seconds (a second signal: none)."""
+        if self.shutdown_at is not None:
+            self.shutdown_at = 0.0
+        else:
+            self.shutdown_at = time.monotonic() + self.cfg.shutdown_timeout_s
+            print(f"forerun: shutting down: {len(self.requests)} requests get up to "
+                  f"{self.cfg.shutdown_timeout_s:g} s to finish", file=sys.stderr, flush=True)
+        self.wake.set()
+
+    def read_clients(self) -> None:
+        """Handle at most a batch of client messages, so that a flood never starves the steps."""
+        frames = self.frontend.recv_batch()
+        for msg in frames:
+            try:
+                self._on_client_frames(msg)
+            except Exception as e:  # a bug on one request must not stop the server
+                self.frontend.send(msg[0], p.Error(code="internal", message=f"{type(e).__name__}: {e}"))
+        self._drop_unreachable_clients()
+        if frames or self.frontend.has_input():
+            self.wake.set()
 
     def reconcile(self) -> None:
         """Apply every returned step in order and stream its tokens: one message per client batch."""
         planner = self.planner
         while self.returned:
             result = self.returned.popleft()
-            if self.step_records is not None:
-                self._record_step(result)
+            if self.step_log is not None:
+                self.step_log.record(result, len(planner.inflight[0].requests))
+            if self.suspects:  # a step came back: its requests did not kill the executor
+                self.suspects.difference_update(r.rid for r in planner.inflight[0].requests)
             outputs = planner.reconcile(result)
             self.stats["steps"] += 1
+            self.step_totals.add(result)
             self._emit_step(outputs)
             if self.cfg.debug_checks:
                 planner.check_integrity()
+            if self.frontend.has_input():  # plain sends may have taken the edge the client watcher waits on
+                self.wake.set()
+        self._drop_unreachable_clients()
 
     def plan_ahead(self) -> None:
         """Plan and send until pipeline_depth + 1 steps are in flight."""
         planner = self.planner
+        if not self.executor.running:
+            return  # a new executor is loading: requests wait
         while planner.num_inflight <= self.cfg.pipeline_depth:
             plan = planner.plan()
             if plan is None:
                 break
-            data = p.encode(plan)
-            try:
-                self._plans_now.send(data, zmq.NOBLOCK)
-            except zmq.Again:  # the executor's queue is full (it never is at depth <= 2): wait asynchronously
-                self.plans.send(data)
+            self.executor.send_plan(p.encode(plan), was_idle=planner.num_inflight == 1)
             if self.cfg.debug_checks:
                 planner.check_integrity()
 
     # -------------------------------------------------------------- clients
 
-    async def _read_clients(self) -> None:
+    async def _watch_clients(self) -> None:
+        """Wake the loop when a client message arrives (the loop itself reads them, in batches)."""
         while True:
-            frames = await self.frontend.recv_multipart(copy=True)
-            try:
-                self._on_client_frames(frames)
-            except Exception as e:  # a bug on one request must not stop the server
-                self._send(frames[0], p.Error(code="internal", message=f"{type(e).__name__}: {e}"))
+            await self.frontend.sock.poll(flags=zmq.POLLIN)
             self.wake.set()
+            await asyncio.sleep(0)
 
     def _on_client_frames(self, frames: list[bytes]) -> None:
         client = frames[0]
+        state = self.frontend.clients.get(client)
+        if state is not None:
+            state.last_seen = time.monotonic()
         if len(frames) != 2:
-            self._send(client, p.Error(code="bad_frame", message=f"expected 1 frame per message, got {len(frames) - 1}"))
+            self.frontend.send(client, p.Error(code="bad_frame", message=f"expected 1 frame per message, got {len(frames) - 1}"))
             return
         data = frames[1]
         if len(data) > MAX_CLIENT_MESSAGE_BYTES:
-            self._send(client, p.Error(
+            self.frontend.send(client, p.Error(
                 code="bad_frame", message=f"message of {len(data)} bytes exceeds the limit of {MAX_CLIENT_MESSAGE_BYTES} bytes"))
             return
         msg = decode_client_frame(data)
         if isinstance(msg, p.Error):
-            self._send(client, msg)
+            self.frontend.send(client, msg)
+        elif isinstance(msg, p.Ping):
+            self.frontend.send(client, p.Pong(self.server_id))
         elif isinstance(msg, p.Hello):
             self._on_hello(client, msg)
+        elif state is None:
+            self.frontend.send(client, p.Error(code="protocol", request_id=getattr(msg, "request_id", None),
+                                               message="send Hello first (none yet, or silent past its heartbeat)"))
         elif isinstance(msg, p.Generate):
             self._on_generate(client, msg)
         elif isinstance(msg, p.Abort):
             self._on_abort(client, msg)
         elif isinstance(msg, p.GetStats):
-            self._send(client, self.server_stats())
+            self.frontend.send(client, self.server_stats())
+        elif isinstance(msg, p.ResetPrefixCache):
+            self.planner.reset_prefix_cache()
+            self.frontend.send(client, self.server_stats())
+
+    def _prefix_cache_id(self) -> str:
+        """What cached KV depends on besides the tokens: model, weights, dtype, block size (in every key)."""
+        e = self.cfg.executor
+        return f"{self.model.name}|{self.model.path}|{e.load_format}|{self.ready.dtype}|{e.block_size}"
 
     def server_stats(self) -> p.ServerStats:
-        pl = self.planner
+        pl, totals = self.planner, self.step_totals
         return p.ServerStats(
             num_kv_blocks=pl.limits.num_kv_blocks, num_free_kv_blocks=pl.blocks.num_free,
             num_slots=pl.limits.num_slots, num_free_slots=pl.slots.num_free, num_running=len(pl.running),
             num_waiting=len(pl.waiting), num_draining=len(pl.draining), num_inflight_steps=pl.num_inflight,
-            steps=self.stats["steps"], requests=self.stats["requests"], preemptions=pl.num_preemptions)
+            steps=self.stats["steps"], requests=self.stats["requests"], preemptions=pl.num_preemptions,
+            executor_restarts=self.stats["restarts"],
+            step_time_s_total=totals.step_s, gpu_busy_s_total=totals.gpu_busy_s,
+            gpu_gap_s_total=totals.gpu_gap_s, executor_idle_s_total=totals.idle_s,
+            prefix_cache_query_tokens=pl.prefix.query_tokens if pl.prefix else 0,
+            prefix_cache_hit_tokens=pl.prefix.hit_tokens if pl.prefix else 0)
 
     def _on_hello(self, client: bytes, msg: p.Hello) -> None:
         if msg.protocol_version != p.PROTOCOL_VERSION:
-            self._send(client, p.Error(
+            self.frontend.send(client, p.Error(
                 code="protocol", field="protocol_version",
                 message=f"client speaks protocol {msg.protocol_version}, server speaks {p.PROTOCOL_VERSION}"))
             return
+        if not 0 <= msg.heartbeat_s <= 3600:  # also false for NaN
+            self.frontend.send(client, p.Error(code="invalid_request", field="heartbeat_s",
+                                               message=f"heartbeat_s must be in [0, 3600], got {msg.heartbeat_s}"))
+            return
+        self.frontend.hello(client, msg.heartbeat_s, msg.batch_deltas)
         r = self.ready
-        if msg.batch_deltas:
-            self.batch_clients.add(client)
-        else:
-            self.batch_clients.discard(client)
-        self._send(client, p.ServerInfo(
+        self.frontend.send(client, p.ServerInfo(
             protocol_version=p.PROTOCOL_VERSION, model_name=self.model.name, max_model_len=r.max_model_len,
             vocab_size=r.vocab_size, tokenizer_path=self.model.tokenizer_path, eos_token_ids=r.eos_token_ids,
-            device=r.device, dtype=r.dtype, pipeline_depth=self.cfg.pipeline_depth, batch_deltas=msg.batch_deltas))
+            device=r.device, dtype=r.dtype, pipeline_depth=self.cfg.pipeline_depth, batch_deltas=msg.batch_deltas,
+            server_id=self.server_id))
+
+    def _refusal(self) -> Optional[p.Error]:
+        """Why no new request is taken now, or None."""
+        if self.failure:
+            return p.Error(code="executor_failed", message=self.failure)
+        if self.shutdown_at is not None:
+            return p.Error(code="shutting_down", message="the server is shutting down: no new requests")
+        if len(self.planner.waiting) >= self.cfg.max_waiting:
+            return p.Error(code="overloaded", message=f"{len(self.planner.waiting)} requests are waiting, the limit "
+                                                      f"(--max-waiting) is {self.cfg.max_waiting}: retry later")
+        return None
 
     def _on_generate(self, client: bytes, msg: p.Generate) -> None:
-        if self.failure:
-            self._send(client, p.Error(code="executor_failed", message=self.failure, request_id=msg.request_id))
+        refusal = self._refusal()
+        if refusal is not None:
+            refusal.request_id = msg.request_id
+            self.frontend.send(client, refusal)
             return
         try:
             validate_generate(msg, self.limits)
         except InvalidRequest as e:
-            self._send(client, p.Error(code="invalid_request", message=e.message, request_id=msg.request_id, field=e.field))
+            self.frontend.send(client, p.Error(code="invalid_request", message=e.message, request_id=msg.request_id,
+                                               field=e.field))
             return
         key = (client, msg.request_id)
         if key in self.requests:
-            self._send(client, p.Error(code="duplicate_id", field="request_id", request_id=msg.request_id,
-                                       message=f"request_id {msg.request_id!r} is already in use by this client"))
+            self.frontend.send(client, p.Error(code="duplicate_id", field="request_id", request_id=msg.request_id,
+                                               message=f"request_id {msg.request_id!r} is already in use by this client"))
             return
         s = msg.sampling
         req = Request(
             rid=next(self._rids), client=client, request_id=msg.request_id, prompt=msg.prompt_token_ids,
             sampling=s, seed=s.seed if s.seed is not None else random.getrandbits(63),
-            max_tokens=s.max_tokens, stop_ids=frozenset(s.stop_token_ids), arrival=time.monotonic(),
+            max_tokens=s.max_tokens, stop_ids=frozenset(s.stop_token_ids),
         )
         self.requests[key] = req
         self.stats["requests"] += 1
@@ -231,17 +296,10 @@ class Server:
             self._emit(out)
 
     def _emit_step(self, outputs: list[Output]) -> None:
-        """Stream a step's outputs: one TokenDeltas per client that reads them, else a TokenDelta per request.
-
-        Finishes go through ``_emit``.  Deltas go out on the plain socket; the
-        last message of the step goes through the asyncio socket, whose send
-        re-checks for incoming client frames (ZeroMQ's FD is edge-triggered, and
-        a plain send may consume the edge the client reader is waiting on).
-        """
-        batch_clients = self.batch_clients
+        """One TokenDeltas per client that reads them, else a TokenDelta per request; finishes via ``_emit``."""
+        batch_clients = self.frontend.batch_clients
         batches: dict[bytes, tuple[list[str], list[list[int]]]] = {}
-        messages: list[tuple[bytes, bytes]] = []  # (client, encoded message)
-        encode = p.encode
+        send, encode = self.frontend.send_data, p.encode
         for out in outputs:
             req = out.request
             if out.finish_reason is not None:
@@ -255,88 +313,151 @@ class Server:
                 batch[0].append(req.request_id)
                 batch[1].append(out.new_tokens)
             else:
-                messages.append((req.client, encode(p.TokenDelta(req.request_id, out.new_tokens))))
+                send(req.client, encode(p.TokenDelta(req.request_id, out.new_tokens)))
         for client, (request_ids, token_ids) in batches.items():
-            messages.append((client, encode(p.TokenDeltas(request_ids, token_ids))))
-        if messages:
-            send, more = self._frontend_now.send, zmq.SNDMORE
-            for client, data in messages[:-1]:
-                send(client, more)  # two plain sends: half the cost of one send_multipart
-                send(data)
-            self.frontend.send_multipart(messages[-1])
+            send(client, encode(p.TokenDeltas(request_ids, token_ids)))
 
     def _emit(self, out: Output) -> None:
         req = out.request
         if out.finish_reason is None:
-            self._send(req.client, p.TokenDelta(req.request_id, out.new_tokens))
+            self.frontend.send(req.client, p.TokenDelta(req.request_id, out.new_tokens))
             req.num_sent = len(req.output)
             return
         self.requests.pop((req.client, req.request_id), None)
-        self._send(req.client, p.Finished(
+        sent = self.frontend.send(req.client, p.Finished(
             request_id=req.request_id, reason=out.finish_reason, prompt_tokens=len(req.prompt),
             completion_tokens=len(req.output), token_ids=req.output[req.num_sent:]))
         req.num_sent = len(req.output)
+        if not sent and req.client in self.frontend.slow:  # its stream has a hole: say so once it reads again
+            self.frontend.owe(req.client, p.Error(code="slow_reader", request_id=req.request_id,
+                                                  message="the client stopped reading; the request's tokens were lost"))
 
-    def _send(self, client: bytes, msg) -> None:
-        self.frontend.send_multipart([client, p.encode(msg)])
+    def fail_request(self, req: Request, code: str, message: str, owed: bool = False) -> None:
+        """End one request with an Error (owed: queued for a client whose pipe is full)."""
+        self.planner.abort(req)
+        self.requests.pop((req.client, req.request_id), None)
+        (self.frontend.owe if owed else self.frontend.send)(
+            req.client, p.Error(code=code, message=message, request_id=req.request_id))
 
-    # ------------------------------------------------------------- step log
+    def drop_client(self, client: bytes, code: Optional[str] = None, message: str = "") -> None:
+        """Abort every request of one client (KV freed); with a code, each is owed that error."""
+        for key in [k for k in self.requests if k[0] == client]:
+            req = self.requests.pop(key)
+            self.planner.abort(req)
+            if code is not None:
+                self.frontend.owe(client, p.Error(code=code, message=message, request_id=req.request_id))
 
-    def _record_step(self, result: p.StepResult) -> None:
-        rows = len(self.planner.inflight[0].requests)
-        self.step_records.append(
-            (result.step_id, result.t_start, result.t_end, result.idle_s, rows, len(result.token_ids),
-             result.gpu_busy_s, result.gpu_gap_s))
-        if len(self.step_records) >= STEP_LOG_FLUSH:
-            self._flush_step_log()
-
-    def _flush_step_log(self) -> None:
-        """Append the buffered step records to --step-log as JSON lines (rarely: off the hot path)."""
-        if not self.step_records:
+    def _drop_unreachable_clients(self) -> None:
+        if not (self.frontend.slow or self.frontend.gone):
             return
-        keys = ("step_id", "t_start", "t_end", "idle_s", "num_rows", "num_tokens", "gpu_busy_s", "gpu_gap_s")
-        with open(self.cfg.step_log, "a") as f:
-            f.writelines(json.dumps(dict(zip(keys, r))) + "\n" for r in self.step_records)
-        self.step_records.clear()
+        slow, gone = self.frontend.take_dropped()
+        for client in gone:
+            self.drop_client(client)
+        for client in slow:
+            self.drop_client(client, "slow_reader", f"the client stopped reading: {self.cfg.client_send_hwm} "
+                                                    "messages were queued to it; its requests were aborted")
 
-    # ------------------------------------------------------------- executor
+    # ---------------------------------------------------------- supervision
 
-    async def _read_results(self) -> None:
-        while True:
-            msg = p.executor_output_decoder.decode(await self.results.recv())
+    def _start_result_reader(self) -> None:
+        self._tasks.append(asyncio.create_task(self._read_results(self.executor.generation, self.executor.results)))
+
+    async def _read_results(self, generation: int, results: zmq.asyncio.Socket) -> None:
+        while generation == self.executor.generation:
+            try:
+                msg = p.executor_output_decoder.decode(await results.recv())
+            except zmq.ZMQError:
+                return  # the socket of a replaced executor was closed
+            if generation != self.executor.generation:
+                return  # a late message from a replaced executor
             if isinstance(msg, p.StepResult):
                 self.returned.append(msg)
+                self.executor.on_result(msg)
             elif isinstance(msg, p.ExecutorFatal):
-                self._fail(f"the executor failed: {msg.message.splitlines()[0] if msg.message else ''}")
+                first = msg.message.splitlines()[0] if msg.message else ""
+                self.on_executor_failure(f"the executor failed: {first}")
             self.wake.set()
 
-    async def _watchdog(self) -> None:
-        while self.proc.poll() is None:
-            await asyncio.sleep(WATCHDOG_INTERVAL_S)
-        self._fail(f"the executor process {describe_exit(self.proc.returncode)}")
+    async def _supervise(self) -> None:
+        """Every TICK_S: the executor's health; every CLIENT_CHECK_S: clients and shutdown."""
+        last_client_check = 0.0
+        while True:
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            cause = self.executor.failure(now, self.planner.num_inflight)
+            if cause:
+                self.on_executor_failure(cause)
+            if now - last_client_check >= CLIENT_CHECK_S:
+                last_client_check = now
+                for client in self.frontend.expired(now):
+                    self.drop_client(client)
+                self.frontend.flush_owed()
+            if self.shutdown_at is not None:
+                self._check_shutdown(now)
+            self.wake.set()  # also a safety net for an edge-triggered wake-up lost by a plain send
 
-    def _fail(self, cause: str) -> None:
-        """The executor is gone: every live request gets an error naming the cause, then we exit."""
+    def _check_shutdown(self, now: float) -> None:
+        if self.requests and now >= self.shutdown_at:
+            message = f"the server shut down before the request finished (--shutdown-timeout {self.cfg.shutdown_timeout_s:g} s)"
+            for req in list(self.requests.values()):
+                self.fail_request(req, "shutting_down", message)
+        if not self.requests:
+            self.stop()
+
+    def on_executor_failure(self, cause: str) -> None:
+        """Kill the executor, re-queue every running request for recompute, start a new one."""
+        if not self.executor.running or self.failure:
+            return
+        self.executor.kill()
+        planner = self.planner
+        inflight = {r.rid: r for step in planner.inflight for r in step.requests if r.status is not Status.FINISHED}
+        poison = [r for rid, r in inflight.items() if rid in self.suspects]
+        self.suspects = set(inflight) - {r.rid for r in poison}
+        self.returned.clear()  # in-flight and unreconciled steps are void: their tokens are recomputed
+        num_requeued = len(planner.running) + len(planner.draining)
+        planner.restart()
+        for req in poison:
+            self.fail_request(req, "executor_failed", f"{cause}; this request was in flight at two executor "
+                                                      "failures in a row and is not retried")
+        print(f"forerun: {cause}; restarting it, {num_requeued} requests will be recomputed",
+              file=sys.stderr, flush=True)
+        self._begin_restart(cause)
+
+    def _begin_restart(self, cause: str) -> None:
+        if not self.executor.allow_restart(time.monotonic()):
+            self.fail_stop(f"{cause}; more than {self.cfg.max_restarts} executor restarts within "
+                           f"{self.cfg.restart_window_s:g} s")
+            return
+        self._tasks.append(asyncio.create_task(self._restart()))
+
+    async def _restart(self) -> None:
+        t0 = time.monotonic()
+        try:
+            await self.executor.restart()
+        except RuntimeError as e:
+            print(f"forerun: {e}", file=sys.stderr, flush=True)
+            self._begin_restart(str(e))
+            return
+        self.stats["restarts"] += 1
+        self._start_result_reader()
+        print(f"forerun: executor restarted in {time.monotonic() - t0:.2f} s", file=sys.stderr, flush=True)
+        self.wake.set()
+
+    def fail_stop(self, cause: str) -> None:
+        """Continuing is unsafe: every live request gets an error naming the cause, then the server exits."""
         if self.failure:
             return
         self.failure = f"{cause}; the server is shutting down"
         print(f"forerun: {self.failure}", file=sys.stderr, flush=True)
-        for (client, request_id) in list(self.requests):
-            self._send(client, p.Error(code="executor_failed", message=self.failure, request_id=request_id))
-        self.requests.clear()
+        for req in list(self.requests.values()):
+            self.fail_request(req, "executor_failed", self.failure)
         self.stop()
 
-    def _shutdown_executor(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            try:
-                self.plans.send(p.encode(p.Shutdown()), flags=zmq.NOBLOCK)
-                self.proc.wait(timeout=5)
-            except (zmq.ZMQError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-
     def close(self) -> None:
-        for sock in ("frontend", "plans", "results"):
-            if hasattr(self, sock):
-                getattr(self, sock).close(linger=0)
+        """Stop the executor, close every socket, remove the socket files and the run directory."""
+        self.executor.close()
+        if self.frontend is not None:
+            self.frontend.close()
         self.ctx.term()
+        if self.owns_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)

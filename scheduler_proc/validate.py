@@ -38,7 +38,7 @@ _PATH = re.compile(r"at `\$\.?([^`]*)`")
 # An unknown field and a missing required one are named by the message, not by its path.
 _NAMED = re.compile(r"(?:unknown|missing required) field `([^`]*)`")
 
-ClientMessage = Union[p.Hello, p.Generate, p.Abort, p.GetStats, p.Ping, p.Error]
+ClientMessage = Union[p.Hello, p.Generate, p.Abort, p.GetStats, p.ResetPrefixCache, p.Ping, p.Error]
 
 
 def decode_client_frame(data: bytes) -> ClientMessage:

@@ -1,13 +1,38 @@
-"""Helpers shared by the benchmark scripts: percentiles, summaries, tables, JSON."""
+"""Helpers shared by the benchmark scripts: percentiles, summaries, tables, JSON, a server process.
+
+Scripts import it as a sibling module (``from _bench_util import ...``): Python puts the
+script's own folder first on ``sys.path``.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import subprocess
+import sys
 from typing import Any, Iterable, Optional, Sequence
 
 DEFAULT_PERCENTILES = (50, 90, 99)
+
+CHAT_PROMPTS = [
+    "Explain how a hash table works, with an example in Python.",
+    "Write a short poem about the sea at night.",
+    "What are the main causes of the French Revolution?",
+    "Give me three ideas for a weekend trip near the mountains.",
+    "Summarize the plot of Romeo and Juliet in a paragraph.",
+    "How do vaccines train the immune system?",
+    "Translate 'Where is the train station?' into French, Spanish and German.",
+    "What is the difference between TCP and UDP?",
+    "Write a haiku about autumn leaves.",
+    "Explain recursion to a ten-year-old.",
+    "List five tips for writing clear technical documentation.",
+    "Why is the sky blue?",
+    "Describe the water cycle step by step.",
+    "Write a function that checks whether a string is a palindrome.",
+    "What should I consider when adopting a dog?",
+    "Compare electric cars and petrol cars in a short table.",
+]
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
@@ -67,3 +92,33 @@ def write_json(path: str, data: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=False)
         f.write("\n")
+
+
+def start_server(address: str, *flags: str, run_dir: Optional[str] = None, echo: bool = True) -> subprocess.Popen:
+    """``forerun serve --address ADDRESS --quiet FLAGS``, returned once it prints that it is ready."""
+    cmd = [sys.executable, "-m", "scheduler_proc.launch", "serve", "--address", address, "--quiet", *flags]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **({"FORERUN_RUN_DIR": run_dir} if run_dir else {}))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = []
+    for line in proc.stdout:
+        log.append(line)
+        if echo:
+            print("  server:", line.rstrip(), flush=True)
+        if "ready at" in line:
+            return proc
+    raise RuntimeError("server exited during start-up:\n" + "".join(log))
+
+
+def executor_pid(server: subprocess.Popen) -> int:
+    """The pid of the server's executor process (its only child)."""
+    out = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
+    return int(out[0])
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -24,17 +24,14 @@ import gc
 import os
 import sys
 import time
-from collections import deque
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _bench_util import write_json  # noqa: E402
-from ipc.config import ExecutorConfig  # noqa: E402
-from executor_proc.engine import build_engine  # noqa: E402
-from executor_proc.synthetic import SyntheticPlanner  # noqa: E402
+from _bench_util import write_json
+from ipc.config import ExecutorConfig
+from executor_proc.build import build_worker
+from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 TARGET_MS = {"llama-3.2-1b": 1.2, "llama-3-8b": 6.2}
@@ -70,38 +67,6 @@ def kv_bytes(mcfg, context: int, batch: int) -> int:
     return 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * 2 * context * batch
 
 
-class DecodeLoop:
-    """The executor's hot loop without sockets: at most ``depth`` steps in flight."""
-
-    def __init__(self, worker, planner, depth: int = 2):
-        self.worker, self.planner, self.depth = worker, planner, depth
-        self.in_flight: deque = deque()
-        self.host_s = 0.0
-        self.tokens: list[list[int]] = []
-
-    def step(self) -> None:
-        t0 = time.perf_counter()
-        plan = self.planner.step()
-        w = self.worker
-        host, copy = w.copy_out(w.launch(plan, w.prepare(plan)))
-        self.host_s += time.perf_counter() - t0
-        self.in_flight.append((host, copy))
-        while len(self.in_flight) > self.depth:
-            self.retire()
-
-    def retire(self) -> None:
-        host, copy = self.in_flight.popleft()
-        if copy is not None:
-            copy.synchronize()
-        self.tokens.append(host if isinstance(host, list) else host.tolist())
-        if copy is not None:
-            copy.release()
-
-    def drain(self) -> None:
-        while self.in_flight:
-            self.retire()
-
-
 def time_calls(fn, n: int) -> float:
     """Seconds per call of ``fn`` enqueued ``n`` times back to back (CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -131,16 +96,16 @@ def profile_kernels(fn, path: str, reps: int = 10) -> None:
         f.write(table + "\n")
 
 
-def linear_report(ops) -> dict:
+def linear_report(backend) -> dict:
     """Per weight shape and batch: cuBLAS's time per pass over the layers, the best skinny config's, the pick."""
     report: dict = {}
-    for (n, k, m, what), ms in getattr(ops, "gemv_timings", {}).items():
+    for (n, k, m, what), ms in getattr(backend, "gemv_timings", {}).items():
         row = report.setdefault(f"{n}x{k} m={m}", {"cublas_ms": None, "best_gemv_ms": None, "best_gemv": None})
         if what == "cublas":
             row["cublas_ms"] = ms
         elif row["best_gemv_ms"] is None or ms < row["best_gemv_ms"]:
             row["best_gemv_ms"], row["best_gemv"] = ms, list(what)
-    for (n, k, m), config in getattr(ops, "gemv_choice", {}).items():
+    for (n, k, m), config in getattr(backend, "gemv_choice", {}).items():
         report[f"{n}x{k} m={m}"]["chosen"] = list(config)
     return report
 
@@ -154,9 +119,9 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
                          block_size=BLOCK_SIZE, max_model_len=max_len, cuda_graph_max_batch=batch)
     stages: dict[str, float] = {}
     t0 = time.perf_counter()
-    engine = build_engine(cfg, lambda stage, done, total: stages.setdefault(stage, time.perf_counter() - t0))
+    built = build_worker(cfg, lambda stage, done, total: stages.setdefault(stage, time.perf_counter() - t0))
     setup_s = time.perf_counter() - t0
-    worker, mcfg = engine.worker, engine.model_config
+    worker, mcfg = built.worker, built.model_config
     planner = SyntheticPlanner(batch, BLOCK_SIZE, blocks)
     g = torch.Generator().manual_seed(0)
     for _ in range(batch):
@@ -185,7 +150,7 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
     eager = time_calls(lambda: worker.graphs.step_fn(view, True), max(10, steps // 10))
     if args.profile:
         profile_kernels(lambda: worker.graphs.run(bucket, True), f"{args.profile}.{name}.txt")
-    linears = linear_report(worker.model.ops)
+    linears = linear_report(worker.model.backend)
     w_bytes = weight_bytes_per_step(worker.model)
     kv = kv_bytes(mcfg, context + warmup + steps // 2, batch)
     floor = w_bytes / bandwidth

@@ -19,19 +19,13 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import tempfile
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_gpu_pipeline import start_server, stop_server  # noqa: E402
-from executor_proc.default_model import default_gguf_path, ensure_default_model  # noqa: E402
-from ipc.client import AsyncClient  # noqa: E402
-from tests.conftest import CHAT_PROMPTS  # noqa: E402
+from _bench_util import CHAT_PROMPTS, start_server, stop_server
+from executor_proc.model.default_model import default_gguf_path, ensure_default_model
+from ipc.client import AsyncClient
 
 NEW_TOKENS = 48
 
@@ -78,7 +72,7 @@ def main() -> None:
     report = {}
     for name, extra in (("fast", []), ("eager", ["--kernels", "torch", "--no-cuda-graphs"])):
         address = f"ipc://{tempfile.mkdtemp(prefix='frp', dir='/tmp')}/c.sock"
-        proc = start_server(address, *extra)
+        proc = start_server(address, "--device", "cuda", *extra)
         try:
             ours = asyncio.run(forerun_greedy(address, prompts))
         finally:
@@ -91,8 +85,8 @@ def main() -> None:
     for name in ("fast", "eager"):
         r = report[name]
         ties = sum(d["within_bf16_rounding"] for d in r["differences"])
-        print(f"{name:<6} {r['identical_to_hf']:>7}/12 {len(r['differences']):>7} {ties:>12}")
-    print(f"fast == eager: {report['fast_equals_eager']}/12")
+        print(f"{name:<6} {r['identical_to_hf']:>7}/{len(prompts)} {len(r['differences']):>7} {ties:>12}")
+    print(f"fast == eager: {report['fast_equals_eager']}/{len(prompts)}")
     for name in ("fast", "eager"):
         for d in report[name]["differences"]:
             print(f"  {name}: request {d['request']} first differs at token {d['position']}, "

@@ -20,13 +20,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _bench_util import write_json  # noqa: E402
-from ipc.config import ExecutorConfig  # noqa: E402
-from executor_proc.engine import build_engine  # noqa: E402
-from executor_proc.synthetic import SyntheticPlanner  # noqa: E402
+from _bench_util import write_json
+from ipc.config import ExecutorConfig
+from executor_proc.build import build_worker
+from executor_proc.testing.synthetic import SyntheticPlanner
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -39,14 +37,14 @@ def generate(model_dir: str, kernels: str, dtype: str, prompts: list[list[int]],
     cfg = ExecutorConfig(model=model_dir, plan_addr="", result_addr="", load_format="dummy", device=device,
                          dtype=dtype, num_slots=n, num_kv_blocks=blocks, block_size=16, kernels=kernels,
                          max_model_len=2048)
-    worker = build_engine(cfg).worker
+    worker = build_worker(cfg).worker
     planner = SyntheticPlanner(n, 16, blocks)
     for p in prompts:
         planner.add(p)
     out: list[list[int]] = [[] for _ in prompts]
     for _ in range(new_tokens):
         plan = planner.step()
-        host, copy = worker.copy_out(worker.launch(plan, worker.prepare(plan)))
+        host, copy = worker.copy_out(worker.launch(worker.prepare(plan)))
         if copy is not None:
             copy.synchronize()
         for i, t in enumerate(host if isinstance(host, list) else host.tolist()):

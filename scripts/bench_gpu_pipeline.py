@@ -26,32 +26,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from _bench_util import start_server, stop_server
+from ipc.client import AsyncClient
 
-from ipc.client import AsyncClient  # noqa: E402
-
-
-def start_server(address: str, *flags: str) -> subprocess.Popen:
-    """``forerun serve --device cuda`` with ``flags``, once it prints that it is ready."""
-    cmd = [sys.executable, "-m", "scheduler_proc.launch", "serve", "--device", "cuda", "--address", address,
-           "--quiet", *flags]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
-    for line in proc.stdout:
-        print("  server:", line.rstrip(), flush=True)
-        if "ready at" in line:
-            return proc
-    raise RuntimeError("server exited during start-up")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 
 
 async def lockstep_decode(address: str, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
@@ -82,7 +60,7 @@ def gpu_idle(step_log: str, batch: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=os.path.join(ROOT, "scripts", "configs", "llama-3.2-1b"),
+    ap.add_argument("--model", default=os.path.join(SCRIPTS, "configs", "llama-3.2-1b"),
                     help="config folder for random weights (default: the Llama-3.2-1B shape)")
     ap.add_argument("--depths", type=int, nargs="+", default=[0, 1], help="pipeline depths to measure")
     ap.add_argument("--batch", type=int, default=64, help="requests decoding in lockstep for the idle measurement")
@@ -95,7 +73,7 @@ def main() -> None:
     for depth in args.depths:
         tmp = tempfile.mkdtemp(prefix="frg", dir="/tmp")
         log, address = os.path.join(tmp, "steps.jsonl"), f"ipc://{tmp}/c.sock"
-        proc = start_server(address, "--load-format", "dummy", "--model", args.model, "--max-num-seqs", "256",
+        proc = start_server(address, "--device", "cuda", "--load-format", "dummy", "--model", args.model, "--max-num-seqs", "256",
                             "--pipeline-depth", str(depth), "--step-log", log)
         try:
             asyncio.run(lockstep_decode(address, 8, 16, 8, vocab))  # warm-up
@@ -103,7 +81,7 @@ def main() -> None:
             tput = None
             if args.throughput:
                 out = os.path.join(tmp, "serve.json")
-                subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_serve.py"), "--address", address,
+                subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_serve.py"), "--address", address,
                                 "--num-requests", "256", "--input-len", "128", "--output-len", "128",
                                 "--warmup", "8", "--no-progress", "--json", out], check=True)
                 tput = json.load(open(out))

@@ -3,7 +3,7 @@
 Workload: ``--requests`` requests of ``--prompt-len`` random tokens, ``--new-tokens``
 new tokens each (greedy, EOS ignored), Llama-3.2-1B shape with random weights, bf16.
 
-- forerun: the executor's worker driven by :class:`executor_proc.synthetic.SyntheticPlanner`
+- forerun: the executor's worker driven by :class:`executor_proc.testing.synthetic.SyntheticPlanner`
   (``--slots`` slots, at most ``--prefill-budget`` prompt tokens admitted per step,
   decode rows + prefill rows mixed as the real planner does, two steps in flight).
   No scheduler process and no sockets: this is the executor's share only.
@@ -23,14 +23,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _bench_util import write_json  # noqa: E402
-from bench_decode import DecodeLoop  # noqa: E402
-from ipc.config import ExecutorConfig  # noqa: E402
-from executor_proc.engine import build_engine  # noqa: E402
-from executor_proc.synthetic import SyntheticPlanner  # noqa: E402
+from _bench_util import write_json
+from ipc.config import ExecutorConfig
+from executor_proc.build import build_worker
+from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -47,7 +44,7 @@ def run_forerun(args, model_dir: str, inputs: list[list[int]]) -> dict:
                          dtype="bfloat16", num_slots=args.slots, num_kv_blocks=blocks, block_size=block,
                          max_model_len=args.prompt_len + args.new_tokens + block)
     t0 = time.perf_counter()
-    worker = build_engine(cfg).worker
+    worker = build_worker(cfg).worker
     setup_s = time.perf_counter() - t0
 
     def once(reqs: list[list[int]]) -> tuple[float, int, int]:

@@ -24,11 +24,14 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 DRY = "--dry" in sys.argv  # tiny shapes on the CPU interpreter: checks that the script runs
 if DRY:
     os.environ["TRITON_INTERPRET"] = "1"
+
+from kernels.interpreter_patch import patch_interpreter  # noqa: E402
+
+patch_interpreter()
 
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
@@ -139,13 +142,13 @@ def correctness():
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float32, device=DEV) / D))
     cs = R.rope_cos_sin_cache(inv_freq, 8192)
     pos = torch.randint(0, 8192, (T,), device=DEV)
-    slots = torch.randperm(64 * 16, device=DEV)[:T]
-    slots[::7] = -1
+    kv_index = torch.randperm(64 * 16, device=DEV)[:T]
+    kv_index[::7] = -1
     kc = torch.randn(64, 16, Hkv, D, device=DEV, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     kc2, vc2 = kc.clone(), vc.clone()
-    qo = rope_kv_write(q, k, v, pos, cs, kc, vc, slots)
-    qr = R.rope_kv_write_ref(q, k, v, pos, cs, kc2, vc2, slots)
+    qo = rope_kv_write(q, k, v, pos, cs, kc, vc, kv_index)
+    qr = R.rope_kv_write_ref(q, k, v, pos, cs, kc2, vc2, kv_index)
     check("rope_kv_write q", rel_err(qo, qr), 1e-2)
     check("rope_kv_write cache", rel_err(kc, kc2) + rel_err(vc, vc2), 1e-2)
     # norm / silu
@@ -268,9 +271,9 @@ def other_kernels(copy_bw, sweep=False):
         pos = torch.randint(0, 8192, (T,), device=DEV)
         kc = torch.empty(T // 16 + 1, 16, Hkv, D, device=DEV, dtype=torch.bfloat16)
         vc = torch.empty_like(kc)
-        slots = torch.arange(T, device=DEV)
+        kv_index = torch.arange(T, device=DEV)
         qo = torch.empty_like(q)
-        fn = lambda: rope_kv_write(q, k, v, pos, cs, kc, vc, slots, q_out=qo)  # noqa: E731
+        fn = lambda: rope_kv_write(q, k, v, pos, cs, kc, vc, kv_index, q_out=qo)  # noqa: E731
         ms, gms = bench(fn), bench_graph(fn)
         by = (2 * q.numel() + 4 * k.numel()) * 2
         out.append(dict(kernel="rope_kv_write", case=f"T={T} 32/8x128", ms=ms, graph_ms=gms, GBps=by / gms / 1e6,

@@ -31,15 +31,12 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ipc import protocol as p  # noqa: E402
-from ipc.client.raw import RawConnection  # noqa: E402
-from scripts._bench_util import percentile, write_json  # noqa: E402
-from tests.server_proc import ServerProcess  # noqa: E402
+from ipc import protocol as p
+from ipc.client.raw import RawConnection
+from _bench_util import executor_pid, percentile, start_server, stop_server, write_json
 
 PROMPT = list(range(10, 18))  # 8 tokens: one prefill step for everyone, then pure decode
 BLOCK_SIZE = 16
@@ -174,19 +171,20 @@ def run_one(executor: str, step_ms: Optional[float], depth: int, running: int, m
                  "--max-model-len", str(len(PROMPT) + max_tokens + 16)]
     else:
         args += ["--max-model-len", "1024"]
-    server = ServerProcess(*args, tmpdir=tmp)
+    address = f"ipc://{tmp}/c-{time.monotonic_ns()}.sock"
+    server = start_server(address, *args, run_dir=tmp, echo=False)
     try:
-        pids = {"scheduler": server.proc.pid, "executor": server.executor_pid()}
+        pids = {"scheduler": server.pid, "executor": executor_pid(server)}
 
         def cpu() -> dict[str, Optional[float]]:
             return {"client": time.process_time(), **{k: cpu_seconds(pid) for k, pid in pids.items()}}
 
         before, t0 = cpu(), time.perf_counter()
-        received = drive_niced(client, server.address, running, max_tokens, nice)
+        received = drive_niced(client, address, running, max_tokens, nice)
         elapsed = time.perf_counter() - t0
         usage = cpu_use(before, cpu(), elapsed)
     finally:
-        server.stop()
+        stop_server(server)
     assert received == running * max_tokens, (received, running * max_tokens)
     row = {"executor": executor, "step_ms": step_ms, "depth": depth, "running": running, "client": client,
            "client_nice": nice, "max_tokens": max_tokens, "client_s": elapsed}

@@ -6,7 +6,8 @@
 On CUDA: batch 64, vocab 128256 and 49152, float32 logits, every case captured in a CUDA
 graph and replayed; time per replay from CUDA events, median of ``--reps`` after warm-up.
 Cases: plain greedy (torch argmax, the all-greedy step's sampler); sampled rows with the
-previous row kernel (``method="rows"``) and the default window path; and the per-step extra
+previous row kernel (``method="rows"``) and the default path with the host flag the executor
+would pass (``filtered`` only when some row has top-k/top-p); ``--sweep`` times the knobs; and the per-step extra
 work of rows that ask for top-5 logprobs + repetition + frequency penalties (penalties out of
 place, argmax of the penalised logits, logprobs, count update), as microseconds and as a
 percentage of a ~1.3 ms 1B decode step.  Also checks that the two sampler paths agree and
@@ -21,16 +22,18 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels.interpreter_patch import patch_interpreter  # noqa: E402
+
+patch_interpreter()
 
 from kernels.logprobs import token_logprobs  # noqa: E402
 from kernels.penalties import PenaltyTables, apply_penalties, count_sampled, mark_prompt  # noqa: E402
@@ -87,7 +90,7 @@ def penalty_tables(S, V, g):
     return t
 
 
-def bench_vocab(S, V, reps, rows):
+def bench_vocab(S, V, reps, rows, sweep=False):
     g = torch.Generator().manual_seed(V)
     logits = (torch.randn(S, V, generator=g) * 4).to(DEV)
     out = torch.empty(S, dtype=torch.int64, device=DEV)
@@ -98,16 +101,28 @@ def bench_vocab(S, V, reps, rows):
 
     greedy_us = time_us(lambda: torch.argmax(logits, dim=-1, out=out), reps)
     add("greedy: torch.argmax (all-greedy step)", greedy_us)
-    add("greedy: sample()", time_us(lambda: sample(logits, *params(S, "greedy", g), out=out), reps))
+    gp = params(S, "greedy", g)
+    add("greedy: sample(greedy_only=True)", time_us(lambda: sample(logits, *gp, out=out, greedy_only=True), reps))
+    add("greedy: sample(filtered=False)", time_us(lambda: sample(logits, *gp, out=out, filtered=False), reps))
     for kind in ("temperature", "min_p", "top_k", "top_p", "top_k+top_p"):
         p = params(S, kind, g)
+        filtered = "top" in kind
         old = time_us(lambda: sample(logits, *p, out=out, method="rows"), max(5, reps // 4))
-        new = time_us(lambda: sample(logits, *p, out=out), reps)
+        new = time_us(lambda: sample(logits, *p, out=out, filtered=filtered), reps)
         done = torch.empty(S, dtype=torch.int32, device=DEV)
-        sample_window(logits, *p, out, done)
-        mism = int((sample(logits, *p) != sample(logits, *p, method="rows")).sum())
+        sample_window(logits, *p, out, done, filtered=filtered)
+        mism = int((sample(logits, *p, filtered=filtered) != sample(logits, *p, method="rows")).sum())
         add(f"{kind}: rows kernel (old)", old)
-        add(f"{kind}: window (new)", new, left_to_row_kernel=int((done == 0).sum()), mismatches_vs_old=mism)
+        add(f"{kind}: sample(filtered={filtered}) (new)", new, left_to_row_kernel=int((done == 0).sum()),
+            mismatches_vs_old=mism)
+    if sweep:
+        p = params(S, "top_k+top_p", g)
+        add("ref: torch.topk(logits, 1024)", time_us(lambda: torch.topk(logits, 1024, dim=-1), reps))
+        add("ref: torch.topk(logits, 20)", time_us(lambda: torch.topk(logits, 20, dim=-1), reps))
+        for chunk in (None, 4096, 8192):
+            for cand in (256, 512, 1024):
+                add(f"sweep top_k+top_p chunk={chunk} cand={cand}",
+                    time_us(lambda: sample(logits, *p, out=out, chunk=chunk, candidates=cand), reps))
 
     tables = penalty_tables(S, V, g)
     slots = torch.arange(S, device=DEV)
@@ -140,13 +155,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the rows to this path")
     ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--sweep", action="store_true", help="also time the tuning knobs (chunk, candidates)")
     args = ap.parse_args()
     rows: list[dict] = []
     shapes = [(64, 128256), (64, 49152)] if ON_GPU else [(4, 3000)]
     t0 = time.time()
     print(f"device: {torch.cuda.get_device_name() if ON_GPU else 'cpu (Triton interpreter)'}")
     for S, V in shapes:
-        bench_vocab(S, V, args.reps if ON_GPU else 1, rows)
+        bench_vocab(S, V, args.reps if ON_GPU else 1, rows, args.sweep)
     print(f"done in {time.time() - t0:.1f} s")
     if args.json:
         with open(args.json, "w") as f:

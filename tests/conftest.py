@@ -12,6 +12,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kernels.interpreter_patch import patch_interpreter  # noqa: E402
+
+patch_interpreter()
+
 from tests.server_proc import ServerProcess  # noqa: E402
 
 CHAT_PROMPTS = [
@@ -32,7 +36,7 @@ CHAT_PROMPTS = [
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
-    from executor_proc.default_model import ensure_default_model
+    from executor_proc.model.default_model import ensure_default_model
 
     return ensure_default_model()
 
@@ -60,7 +64,7 @@ def hf_greedy(chat_prompt_ids) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from executor_proc.default_model import default_gguf_path
+    from executor_proc.model.default_model import default_gguf_path
 
     gguf = default_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),

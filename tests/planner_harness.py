@@ -1,4 +1,4 @@
-"""Drive a Planner against a ScriptedExecutor in-process, at a given pipeline depth.
+"""Drive a Planner against a ScriptedRunner in-process, at a given pipeline depth.
 
 The loop is the server's, one tick at a time::
 
@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from executor_proc.scripted import ScriptedExecutor, expected_output
+from executor_proc.testing.scripted import ScriptedRunner, expected_output
 from ipc.protocol import SamplingParams, StepPlan
 from scheduler_proc.limits import Limits
 from scheduler_proc.planner import Output, Planner
@@ -50,25 +50,35 @@ class InflightLedger:
     """Proves that no slot or block is handed on while an in-flight step that used it is out.
 
     It mirrors the executor's slot tables from the plans' diffs alone and
-    records, per step, the slots of its rows and every block in their tables.
-    A new plan may not release, admit or append anything an outstanding step
-    used; an outstanding step is one sent and not yet reconciled.
+    records, per step, the slots of its rows, every block in their tables and
+    the blocks its rows write.  A new plan may not release or admit a slot an
+    outstanding step used, nor append a block an outstanding step used, unless
+    it shares a block another live table holds (a prefix-cache hit) that no
+    outstanding step writes: a block is published only once the step that
+    wrote it is back.  No row may write a block that two tables hold.  An
+    outstanding step is one sent and not yet reconciled.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self.tables: dict[int, list[int]] = {}
-        self.outstanding: deque[tuple[int, frozenset[int], frozenset[int]]] = deque()
+        self.holders: dict[int, int] = {}  # block -> live tables that hold it
+        self.outstanding: deque[tuple[int, frozenset[int], frozenset[int], frozenset[int]]] = deque()
+        self.num_shared_appends = 0
 
     def sent(self, plan: StepPlan) -> None:
         used_slots: set[int] = set()
         used_blocks: set[int] = set()
-        for _, slots, blocks in self.outstanding:
+        writing: set[int] = set()
+        for _, slots, blocks, written in self.outstanding:
             used_slots |= slots
             used_blocks |= blocks
+            writing |= written
         for slot in plan.releases:
             assert slot not in used_slots, f"step {plan.step_id} releases slot {slot}, still used in flight"
             assert slot in self.tables, f"step {plan.step_id} releases free slot {slot}"
-            del self.tables[slot]
+            for b in self.tables.pop(slot):
+                self.holders[b] -= 1
         for admit in plan.admits:
             assert admit.slot not in used_slots, f"step {plan.step_id} admits into slot {admit.slot}, used in flight"
             assert admit.slot not in self.tables, f"step {plan.step_id} admits into live slot {admit.slot}"
@@ -76,14 +86,36 @@ class InflightLedger:
         a = plan.block_appends
         for i in range(0, len(a), 3):
             slot, block = a[i], a[i + 2]
-            assert block not in used_blocks, f"step {plan.step_id} hands block {block} to slot {slot}, used in flight"
+            shared = self.holders.get(block, 0) > 0
+            assert not shared or block not in writing, (
+                f"step {plan.step_id} shares block {block} with slot {slot} while a step in flight writes it")
+            assert shared or block not in used_blocks, (
+                f"step {plan.step_id} hands block {block} to slot {slot}, used in flight")
+            self.num_shared_appends += shared
+            self.holders[block] = self.holders.get(block, 0) + 1
             self.tables[slot].append(block)
+        bs = self.block_size
+        written = set()
+        for slot, n, start in zip(plan.slots, plan.num_tokens, plan.positions):
+            table = self.tables[slot]
+            for b in {table[p // bs] for p in range(start, start + n)}:
+                assert self.holders[b] == 1, f"step {plan.step_id}: slot {slot} writes block {b}, which is shared"
+                written.add(b)
         row_blocks = frozenset(b for s in plan.slots for b in self.tables[s])
-        self.outstanding.append((plan.step_id, frozenset(plan.slots), row_blocks))
+        self.outstanding.append((plan.step_id, frozenset(plan.slots), row_blocks, frozenset(written)))
 
     def returned(self, step_id: int) -> None:
-        sid, _, _ = self.outstanding.popleft()
+        sid = self.outstanding.popleft()[0]
         assert sid == step_id, f"step {step_id} returned, ledger expected {sid}"
+
+
+def check_kv_reads(planner: Planner, ex: ScriptedRunner, step_id: int) -> None:
+    """The context a step read from shared KV blocks (prefix-cache hits) is the reading request's own."""
+    step = next(s for s in planner.inflight if s.step_id == step_id)
+    by_slot = {r.slot: r for r in step.requests}
+    for slot, start, tokens in ex.reads:
+        req = by_slot[slot]
+        assert tokens == req.known_tokens(start, start + len(tokens)), f"{req.request_id}: wrong KV read from cache"
 
 
 def make_request(rid: int, prompt_len: int, max_tokens: int, *, seed=None, stop=(), ignore_eos=False) -> Request:
@@ -95,7 +127,7 @@ def make_request(rid: int, prompt_len: int, max_tokens: int, *, seed=None, stop=
     )
 
 
-def expected(trace: Trace, ex: ScriptedExecutor, max_len: int) -> dict[str, tuple[list[int], str]]:
+def expected(trace: Trace, ex: ScriptedRunner, max_len: int) -> dict[str, tuple[list[int], str]]:
     """What each request of ``trace`` must stream if it is not aborted (the script's oracle)."""
     return {
         rid: expected_output(
@@ -115,7 +147,8 @@ def check_counters(reqs) -> None:
 def run(
     specs, *, depth: int, num_slots=4, num_blocks=64, block_size=4, max_len=512, budget=64,
     eos_at=None, tokens_at=None, arrivals=None, aborts=None, burst=False, check=True, max_steps=10_000,
-) -> tuple[Trace, Planner, ScriptedExecutor]:
+    prefix_caching=True, prompts=None,
+) -> tuple[Trace, Planner, ScriptedRunner]:
     """Run requests to completion.
 
     ``specs``: list of dicts for make_request.  ``arrivals[i]``: tick at which
@@ -124,20 +157,23 @@ def run(
     ``eos_at[i] = k``: request i's k-th generated token is EOS;
     ``tokens_at[i] = {k: token}``: its k-th generated token is ``token``.
     ``burst``: reconcile every in-flight step at once, as the server does
-    when several results are queued.
+    when several results are queued.  ``prompts[i]``: request i's prompt
+    (default: made from its id, so distinct requests share no block).
     """
     limits = Limits(num_slots, num_blocks, block_size, max_len, budget, frozenset({EOS}))
-    planner = Planner(limits)
+    planner = Planner(limits, prefix_cache_id="scripted" if prefix_caching else None)
     reqs = [make_request(i, **s) for i, s in enumerate(specs)]
+    for i, prompt in (prompts or {}).items():
+        reqs[i].prompt = list(prompt)
     eos_pos = {reqs[i].seed: len(reqs[i].prompt) + k for i, k in (eos_at or {}).items()}
     placed = {reqs[i].seed: {len(reqs[i].prompt) + k: t for k, t in at.items()} for i, at in (tokens_at or {}).items()}
-    ex = ScriptedExecutor(num_slots, num_blocks, block_size, eos_token_id=EOS, eos_at=eos_pos, tokens_at=placed)
+    ex = ScriptedRunner(num_slots, num_blocks, block_size, eos_token_id=EOS, eos_at=eos_pos, tokens_at=placed)
     arrivals = arrivals or {}
     aborts = aborts or {}
     ids = [r.request_id for r in reqs]
     trace = Trace({i: [] for i in ids}, {i: [] for i in ids}, {i: [] for i in ids}, {i: 0 for i in ids},
                   dict(zip(ids, reqs)))
-    ledger = InflightLedger()
+    ledger = InflightLedger(block_size)
     sent: deque[StepPlan] = deque()  # plans sent and not yet executed (the executor's queue)
     done: deque = deque()  # results back and not yet reconciled
     tick = 0
@@ -182,6 +218,12 @@ def run(
                 trace.preempted_inflight.add(r.num_inflight_steps)
                 preemptions[i] = r.num_preemptions
 
+    def execute(plan: StepPlan):
+        result = ex.execute(plan)
+        if check:
+            check_kv_reads(planner, ex, plan.step_id)
+        return result
+
     def reconcile_one() -> None:
         result = done.popleft()
         step = planner.inflight[0]
@@ -212,9 +254,9 @@ def run(
             if not planner.has_work and not planner.draining and tick >= last_event:
                 break
         else:
-            done.append(ex.execute(sent.popleft()))
+            done.append(execute(sent.popleft()))
             while burst and sent:
-                done.append(ex.execute(sent.popleft()))
+                done.append(execute(sent.popleft()))
             while done:
                 reconcile_one()
         tick += 1

@@ -16,8 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class ServerProcess:
-    def __init__(self, *args: str, tmpdir: str, timeout: float = 300.0):
-        self.address = f"ipc://{tmpdir}/c-{uuid.uuid4().hex[:8]}.sock"
+    def __init__(self, *args: str, tmpdir: str, timeout: float = 300.0, address: str | None = None):
+        self.address = address or f"ipc://{tmpdir}/c-{uuid.uuid4().hex[:8]}.sock"
         env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", FORERUN_RUN_DIR=tmpdir)
         cmd = [sys.executable, "-m", "scheduler_proc.launch", "serve", "--address", self.address, "--quiet", *args]
         self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -46,10 +46,22 @@ class ServerProcess:
                 self.proc.wait()
 
 
-async def server_stats(address: str) -> p.ServerStats:
-    """Ask a server for its pool counters over a raw connection (the SDK has no need for them)."""
+async def server_stats(address: str, msg=None) -> p.ServerStats:
+    """Ask a server for its pool counters over a raw connection (the SDK has no need for them).
+
+    ``msg``: send this instead of GetStats (ResetPrefixCache, whose reply is ServerStats too).
+    """
     async with RawConnection(address, timeout=10) as conn:
-        return await conn.stats()
+        await conn.hello("stats")  # the server answers nothing but Hello and Ping before a Hello
+        if msg is None:
+            return await conn.stats()
+        await conn.send(msg)
+        return await conn.recv()
+
+
+async def reset_prefix_cache(address: str) -> p.ServerStats:
+    """Make a server forget its cached KV blocks (raw socket, until the SDK has the call)."""
+    return await server_stats(address, p.ResetPrefixCache())
 
 
 async def wait_idle(address: str) -> p.ServerStats:

@@ -6,16 +6,15 @@ import asyncio
 import math
 import os
 import signal
-import time
 
 import msgspec
 import pytest
 
 from ipc import protocol as p
-from ipc.client import AsyncClient, Client, ExecutorFailedError, ForerunError
+from ipc.client import AsyncClient, Client, ForerunError
 from ipc.client.raw import RawConnection
 from tests.conftest import CHAT_PROMPTS
-from tests.server_proc import assert_no_leak, wait_idle
+from tests.server_proc import assert_no_leak, server_stats, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -158,18 +157,19 @@ async def test_bad_input_each_gets_clear_error_and_server_keeps_serving(model_se
         assert c.generate(prompt_token_ids=good, max_tokens=3, temperature=0.0).completion_tokens == 3
 
 
-async def test_executor_sigkill_fails_every_client_fast(server_factory, default_model_dir, chat_prompt_ids):
-    srv = server_factory("--max-num-seqs", "8")
-    async with AsyncClient(srv.address, timeout=60) as c:
-        tasks = [asyncio.create_task(c.generate(prompt_token_ids=ids, max_tokens=400, temperature=0.0,
-                                                ignore_eos=True)) for ids in chat_prompt_ids[:6]]
-        await asyncio.sleep(1.0)
-        t0 = time.monotonic()
-        os.kill(srv.executor_pid(), signal.SIGKILL)
-        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
-        elapsed = time.monotonic() - t0
-    assert elapsed < 2.0, elapsed
-    for r in results:
-        assert isinstance(r, ExecutorFailedError), r
-        assert "SIGKILL" in str(r)
-    assert srv.proc.wait(timeout=10) != 0  # the scheduler exits after telling every client
+async def test_executor_sigkill_mid_stream_is_invisible_but_for_a_delay(server_factory, default_model_dir,
+                                                                         chat_prompt_ids, hf_greedy):
+    """The scheduler restarts the executor and recomputes: greedy outputs identical to HF's, no error."""
+    srv = server_factory("--max-num-seqs", "8", "--debug-checks")
+    async with AsyncClient(srv.address, timeout=300) as c:
+        tasks = [asyncio.create_task(c.generate(prompt_token_ids=ids, max_tokens=48, temperature=0.0))
+                 for ids in chat_prompt_ids[:6]]
+        while (await server_stats(srv.address)).steps < 8:  # prompts prefilled, some tokens streamed
+            await asyncio.sleep(0.05)
+        old = srv.executor_pid()
+        os.kill(old, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        for i, r in enumerate(results):
+            assert r.token_ids == hf_greedy[i], f"prompt {i}"
+        assert srv.executor_pid() != old and srv.proc.poll() is None
+        assert_no_leak(await wait_idle(srv.address))

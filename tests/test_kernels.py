@@ -187,14 +187,14 @@ def test_kv_write(dtype):
     T, Hkv, D, bs, nb = 9, 2, 32, 16, 4
     k = torch.randn(T, Hkv, D, generator=g).to(dtype).to(DEV)
     v = torch.randn(T, Hkv, D, generator=g).to(dtype).to(DEV)
-    slots = torch.randperm(nb * bs, generator=g)[:T]
-    slots[[2, 5]] = -1
-    slots = slots.to(DEV)
+    kv_index = torch.randperm(nb * bs, generator=g)[:T]
+    kv_index[[2, 5]] = -1
+    kv_index = kv_index.to(DEV)
     kc = torch.randn(nb, bs, Hkv, D, generator=g).to(dtype).to(DEV)
     vc = torch.randn(nb, bs, Hkv, D, generator=g).to(dtype).to(DEV)
     kc2, vc2 = kc.clone(), vc.clone()
-    kv_write(k, v, kc, vc, slots)
-    R.kv_write_ref(k, v, kc2, vc2, slots)
+    kv_write(k, v, kc, vc, kv_index)
+    R.kv_write_ref(k, v, kc2, vc2, kv_index)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
@@ -211,19 +211,19 @@ def test_rope_kv_write(dtype):
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
     cs = R.rope_cos_sin_cache(inv_freq, 4096).to(DEV)
     pos = torch.randint(0, 4096, (T,), generator=g).to(DEV)
-    slots = torch.randperm(nb * bs, generator=g)[:T]
-    slots[3] = -1
-    slots = slots.to(DEV)
+    kv_index = torch.randperm(nb * bs, generator=g)[:T]
+    kv_index[3] = -1
+    kv_index = kv_index.to(DEV)
     kc = torch.randn(nb, bs, Hkv, D, generator=g).to(dtype).to(DEV)
     vc = torch.randn(nb, bs, Hkv, D, generator=g).to(dtype).to(DEV)
     kc2, vc2 = kc.clone(), vc.clone()
     q_out = poison(torch.empty_like(q))
-    rope_kv_write(q, k, v, pos, cs, kc, vc, slots, q_out=q_out)
-    q_ref = R.rope_kv_write_ref(q, k, v, pos, cs, kc2, vc2, slots)
+    rope_kv_write(q, k, v, pos, cs, kc, vc, kv_index, q_out=q_out)
+    q_ref = R.rope_kv_write_ref(q, k, v, pos, cs, kc2, vc2, kv_index)
     assert rel_err(q_out, q_ref) < tol(dtype)
     assert rel_err(kc, kc2) < tol(dtype) and torch.equal(vc, vc2)
     # in place on the fused buffer
-    q_ip = rope_kv_write(q, k, v, pos, cs, kc, vc, slots, q_out=q)
+    q_ip = rope_kv_write(q, k, v, pos, cs, kc, vc, kv_index, q_out=q)
     assert q_ip.data_ptr() == q.data_ptr() and rel_err(q, q_ref) < tol(dtype)
 
 

@@ -22,5 +22,14 @@ def test_scheduler_side_loads_no_torch_and_no_executor():
 
 
 def test_executor_side_imports_no_scheduler():
-    mods = _modules_after_import("import executor_proc.main, executor_proc.engine")
+    mods = _modules_after_import("import executor_proc.main, executor_proc.build")
     assert not any(m == "scheduler_proc" or m.startswith("scheduler_proc.") for m in mods)
+
+
+def test_executor_product_path_imports_no_test_doubles():
+    """The process shell and the build reach executor_proc.testing only lazily (--load-format scripted),
+    and no kernel module applies the Triton-interpreter patch on import."""
+    mods = _modules_after_import(
+        "import executor_proc.main, executor_proc.build, executor_proc.backends.triton_backend")
+    assert not any(m.startswith("executor_proc.testing") for m in mods)
+    assert "kernels.interpreter_patch" not in mods

@@ -15,11 +15,11 @@ import pytest
 import torch
 import transformers
 
-from executor_proc.batch import build_forward_batch
-from executor_proc.kv_cache import KVCache, kv_cache_bytes_per_block
-from executor_proc.loader import load_model
-from executor_proc.model import build_model
-from executor_proc.model_config import ModelConfig
+from tests.forward_batch import all_logits, build_forward_batch
+from executor_proc.model.kv_cache import KVCache, kv_cache_bytes_per_block
+from executor_proc.model.loader import load_model
+from executor_proc.model.llama import build_model
+from executor_proc.model.config import ModelConfig
 
 RTOL = 1e-4
 VOCAB = 97
@@ -91,7 +91,7 @@ class PagedRun:
         """Run one step (rows in dict order); returns each row's logits for its new tokens."""
         rows = [(r, toks, len(self.tokens[r]), True) for r, toks in new_tokens.items()]
         batch = build_forward_batch(rows, [self.block_tables[r] for r in new_tokens], self.block_size, "cpu")
-        logits = self.model.forward_all_logits(batch, self.kv)
+        logits = all_logits(self.model, batch, self.kv)
         sampled = self.model(batch, self.kv)
         out, start = {}, 0
         for r, toks in new_tokens.items():

@@ -98,6 +98,19 @@ def test_penalty_formulas_by_hand():
 # --------------------------------------------------------------------------- logprobs
 
 
+def _same_top(logits, ids, rids):
+    """Same ids as the reference up to the order (and choice, at the cut) of tied logits."""
+    assert torch.equal(ids == -1, rids == -1) and torch.equal(ids[:, 0], rids[:, 0])
+    on = ids >= 0
+    got = torch.where(on, logits.float().gather(1, ids.clamp(min=0)), 0.0)
+    want = torch.where(on, logits.float().gather(1, rids.clamp(min=0)), 0.0)
+    assert torch.equal(got, want)
+    assert all(len(set(r[1:])) == len(r[1:]) for r in ids.clamp(min=-1).tolist() if r[1] >= 0 and -1 not in r)
+    untied = torch.ones_like(on)
+    untied[:, 1:] = (got[:, 1:, None] != got[:, None, 1:]).sum(-1) == got.shape[1] - 2
+    assert torch.equal(ids[untied], rids[untied])
+
+
 @pytest.mark.parametrize("S,V,dtype", [(9, 1000, torch.float32), (5, 3001, torch.bfloat16)]
                          + ([(64, 128256, torch.float32)] if ON_GPU else []))
 def test_logprobs_match_reference(S, V, dtype):
@@ -109,7 +122,7 @@ def test_logprobs_match_reference(S, V, dtype):
     n = torch.tensor([(-1, 0, 1, 5, 20)[i % 5] for i in range(S)], dtype=torch.int32, device=DEV)
     ids, lps = token_logprobs(logits, tokens, n)
     rids, rlps = token_logprobs_ref(logits, tokens, n)
-    assert torch.equal(ids, rids)
+    _same_top(logits, ids, rids)
     torch.testing.assert_close(lps, rlps, rtol=0, atol=1e-4)
     assert (ids[n < 0] == -1).all() and (ids[n >= 0, 0] == tokens[n >= 0]).all()
     want = torch.log_softmax(logits.float(), -1)
@@ -232,3 +245,78 @@ def test_features_no_sync_and_graph():
         ids, lps = token_logprobs_ref(logits, tok, num_lp)
         assert torch.equal(lp_out[0], ids) and torch.allclose(lp_out[1], lps, atol=1e-4)
         assert torch.equal(tables.generated, before.generated + (torch.arange(S + 2, device=DEV) < S))
+
+
+# --------------------------------------------------------------------------- two-stage top-k
+
+
+@pytest.mark.parametrize("V,chunk,per_chunk", [(2000, 256, 8), (2003, 256, 30), (300, 256, 400), (4000, 64, 1)])
+def test_chunk_candidates_guarantee(V, chunk, per_chunk):
+    """Candidates hold the top ``per_chunk`` and everything above ``bound``; nothing outside exceeds it."""
+    from kernels.sampling_topk import chunk_candidates
+
+    g = torch.Generator().manual_seed(V + chunk)
+    x = ((torch.randn(6, V, generator=g) * 2).round() / 4).to(DEV)  # many ties
+    vals, ids, bound = chunk_candidates(x, per_chunk, chunk)
+    assert torch.equal(x.gather(1, ids), vals)
+    assert all(len(set(r)) == len(r) for r in ids.tolist())  # no id twice
+    outside = torch.ones_like(x, dtype=torch.bool).scatter_(1, ids, False)
+    assert (x.masked_fill(~outside, float("-inf")).amax(1) <= bound).all()
+    assert ((x > bound[:, None]).sum(1) <= (vals > bound[:, None]).sum(1)).all()
+    top = torch.topk(x, min(per_chunk, V), dim=1).values
+    assert torch.equal(torch.sort(vals, 1, descending=True).values[:, :top.shape[1]], top)
+    if per_chunk >= V:
+        assert (bound == float("-inf")).all()
+
+
+@pytest.mark.parametrize("V,chunk,candidates", [(2000, 256, 64), (2003, 256, 512), (2003, 128, 1024)])
+def test_window_sampler_chunked(V, chunk, candidates):
+    """The two-stage window (several chunks, with and without a tail chunk) stays exact."""
+    from kernels.sampling import sample
+    from kernels.sampling_window import sample_window
+
+    g = torch.Generator().manual_seed(V + candidates)
+    S = 21
+    logits = (torch.randn(S, V, generator=g) * 3).to(DEV)
+    for small_k in (True, False):
+        params = _params(S, V, g, small_k)
+        ref = sample_ref(logits, *params)
+        assert torch.equal(sample(logits, *params, candidates=candidates, chunk=chunk), ref)
+    out = torch.empty(S, dtype=torch.int64, device=DEV)
+    done = torch.empty(S, dtype=torch.int32, device=DEV)
+    sample_window(logits, *params, out, done, candidates=candidates, chunk=chunk)
+    assert torch.equal(out[done.bool()], ref[done.bool()]) and done.sum() > S // 2
+    ties = ((torch.randn(S, V, generator=g) * 0.6).round() / 2).to(DEV)
+    assert torch.equal(sample(ties, *params, candidates=candidates, chunk=chunk), sample_ref(ties, *params))
+
+
+def test_sample_flags():
+    """greedy_only is argmax; filtered=False gives the same tokens for rows without top-k/top-p."""
+    from kernels.sampling import sample
+
+    g = torch.Generator().manual_seed(5)
+    S, V = 13, 1500
+    logits = (torch.randn(S, V, generator=g) * 3).to(DEV)
+    params = _params(S, V, g)
+    params[0].zero_()
+    assert torch.equal(sample(logits, *params, greedy_only=True), sample_ref(logits, *params))
+    params = _params(S, V, g)
+    params[1].zero_()
+    params[2].fill_(1.0)
+    assert torch.equal(sample(logits, *params, filtered=False), sample_ref(logits, *params))
+
+
+def test_count_sampled_kernel_matches_reference():
+    """The one-launch count update equals the torch one, repeated slots and tokens included."""
+    from kernels.penalties import count_sampled as count_kernel
+
+    g = torch.Generator().manual_seed(11)
+    a = PenaltyTables.allocate(5, 50, DEV)
+    b = PenaltyTables.allocate(5, 50, DEV)
+    for n in (1, 7, 40):
+        slots = torch.randint(0, 5, (n,), generator=g).to(DEV)
+        toks = torch.randint(0, 10, (n,), generator=g).to(DEV)
+        count_sampled(a, slots, toks)
+        count_kernel(b, slots.to(torch.int32), toks)
+    assert torch.equal(a.output_counts, b.output_counts) and torch.equal(a.generated, b.generated)
+    assert int(b.generated.sum()) == 48

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from executor_proc.scripted import ScriptedExecutor, expected_output
+from executor_proc.testing.scripted import ScriptedRunner, expected_output
 from ipc import protocol as p
 from ipc.client import AsyncClient
 from ipc.client.raw import RawConnection
@@ -27,7 +27,7 @@ EOS_AT = {3: PROMPT_LEN + 4, 7: PROMPT_LEN, 11: PROMPT_LEN + 20}  # seed -> abso
 
 
 def expected(seed: int, max_tokens: int) -> tuple[list[int], str]:
-    script = ScriptedExecutor(1, 1, 1, vocab_size=1000, eos_token_id=2, eos_at=EOS_AT)
+    script = ScriptedRunner(1, 1, 1, vocab_size=1000, eos_token_id=2, eos_at=EOS_AT)
     return expected_output(script.token_at, seed=seed, prompt_len=PROMPT_LEN, max_tokens=max_tokens,
                            max_model_len=MAX_MODEL_LEN, eos_token_ids=(2,))
 

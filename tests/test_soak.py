@@ -62,3 +62,37 @@ def test_soak_no_leak_no_lost_or_doubled_token(depth, burst):
     assert {"stop", "length", "abort"} <= set(reasons)
     assert planner.num_preemptions > 20, planner.num_preemptions
     assert any(s[0] == "running" and s[1] > 0 for s in trace.abort_states)
+
+
+def prefix_workload(seed: int):
+    """NUM_REQUESTS requests whose prompts start with one of 20 shared prefixes (cut at any length)."""
+    rng = random.Random(seed)
+    prefixes = [[4 + rng.randrange(500) for _ in range(rng.randint(4, 40))] for _ in range(20)]
+    specs, prompts, eos_at, arrivals, aborts = [], {}, {}, {}, {}
+    tick = 0
+    for i in range(NUM_REQUESTS):
+        prefix = rng.choice(prefixes)
+        prompts[i] = prefix[: rng.randint(1, len(prefix))] + [4 + rng.randrange(500) for _ in range(rng.randint(0, 8))]
+        max_tokens = rng.randint(1, 40)
+        specs.append(dict(prompt_len=0, max_tokens=max_tokens, seed=rng.getrandbits(62)))
+        if rng.random() < 0.3:
+            eos_at[i] = rng.randrange(max_tokens + 4)
+        tick += rng.randint(0, 8)
+        arrivals[i] = tick
+        if rng.random() < 0.1:
+            aborts[i] = tick + rng.randrange(0, 60) / 2
+    return specs, dict(prompts=prompts, eos_at=eos_at, arrivals=arrivals, aborts=aborts)
+
+
+@pytest.mark.parametrize("depth,burst", [(0, False), (1, False), (2, True)])
+def test_soak_shared_prefixes_no_leak(depth, burst):
+    """2,000 requests on 20 prefixes with random aborts and preemptions: exact streams, every block back."""
+    specs, events = prefix_workload(seed=99 + depth)
+    max_len = 96
+    trace, planner, ex = run(specs, depth=depth, num_slots=16, num_blocks=40, block_size=4, budget=48,
+                             max_len=max_len, burst=burst, max_steps=200_000, **events)
+    assert_drained(planner)
+    assert planner.blocks.held() == {}
+    assert_client_view(trace, expected(trace, ex, max_len), {f"r{i}" for i in events["aborts"]})
+    assert planner.prefix.hit_tokens > planner.prefix.query_tokens // 10, "the workload must hit the cache"
+    assert planner.blocks.num_evictions > 100 and planner.num_preemptions > 0

@@ -31,10 +31,12 @@ from ipc.protocol import (
     PROTOCOL_VERSION,
     Error,
     Generate,
+    GetStats,
     Hello,
     Pong,
     SamplingParams,
     ServerInfo,
+    ServerStats,
     TokenDelta,
     TokenDeltas,
     encode,
@@ -87,6 +89,7 @@ class AsyncClient:
         self._pending: dict[str, PendingRequest] = {}
         self._connect_lock: Optional[asyncio.Lock] = None
         self._tokenizer_lock: Optional[asyncio.Lock] = None
+        self._stats_waiters: list[asyncio.Future] = []  # get_stats calls, answered in order
         self._closed = False
         # The last Error that named no request (a bad frame, a connection problem).
         self.last_connection_error: Optional[Error] = None
@@ -185,6 +188,9 @@ class AsyncClient:
                             if req is not None:
                                 req.deliver(t, TokenDelta(request_id, token_ids))
                         continue
+                    if isinstance(msg, ServerStats):
+                        self._on_stats(msg)
+                        continue
                     request_id = getattr(msg, "request_id", None)
                     if request_id is None:
                         gone = live.restarted(msg.server_id) if isinstance(msg, (Pong, ServerInfo)) else None
@@ -204,6 +210,28 @@ class AsyncClient:
         except Exception:
             logger.exception("client reader for %s failed", self.address)
             self._fail_pending(ConnectionError, "the connection to the server failed")
+
+    def _on_stats(self, msg: ServerStats) -> None:
+        while self._stats_waiters:
+            fut = self._stats_waiters.pop(0)
+            if not fut.done():
+                fut.set_result(msg)
+                return
+
+    async def get_stats(self, timeout: float = 10.0) -> ServerStats:
+        """The server's pool occupancy and counters; TimeoutError if no answer within ``timeout`` s."""
+        await self.connect()
+        self._check_open()
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(fut)
+        try:
+            await self._sock.send(encode(GetStats()))
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no stats from {self.address} within {timeout} s") from None
+        finally:
+            if fut in self._stats_waiters:
+                self._stats_waiters.remove(fut)
 
     def _on_connection_error(self, msg: Any) -> None:
         if not isinstance(msg, Error):

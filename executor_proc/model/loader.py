@@ -22,8 +22,8 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from executor_proc.model import CausalLM, build_model, rope_inv_freq
-from executor_proc.model_config import Llama3RopeScaling, ModelConfig
+from executor_proc.model.llama import CausalLM, build_model, rope_inv_freq
+from executor_proc.model.config import Llama3RopeScaling, ModelConfig
 
 ProgressCallback = Callable[[str, int, int], None]
 WeightStream = Iterator[tuple[str, torch.Tensor]]

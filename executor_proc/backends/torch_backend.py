@@ -1,17 +1,16 @@
-"""Paged attention in plain torch: the "eager" backend, later replaced by Triton kernels.
+"""The torch backend: paged attention with SDPA, ops and sampler from the torch references.
 
 KV cache layout, per layer (one tensor for K, one for V)::
 
     k_cache [num_blocks, block_size, num_kv_heads, head_dim]
-    token at position p of a row lives at flat index
+    token at position p of a row lives at flat index (its kv_index)
         block_table[p // block_size] * block_size + p % block_size
 
-A backend has three calls: ``plan(batch, rotary, dtype)`` once per step (row
-shapes, masks, rotary tables, shared by all layers), then per layer
-``rotate_and_store`` (rotary on q and k, k and v into the cache; returns the
-rotated q) and ``attend``.  Every shape comes from the batch's host lists, so
-nothing here reads a device value back.  :mod:`executor_proc.triton_backend`
-is the CUDA implementation.
+Every shape comes from the batch's host lists, so nothing here reads a device
+value back (and no step of it can be captured in a CUDA graph: the Triton
+backend does that).  Norm, activation, rotary, KV write and sampling are the
+one torch statement of each op in :mod:`kernels.reference` and
+:mod:`kernels.sampling_ref`, which the kernel tests also compare against.
 
 Decode rows (one query token) are attended in batched runs: the blocks of every
 row of a run are gathered into one padded tensor with a length mask and sent to
@@ -22,12 +21,15 @@ context with a causal mask aligned to the end of the context.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from executor_proc.batch import ForwardBatch
+from executor_proc.backends.base import SamplingRows
+from executor_proc.step.batch import ForwardBatch
+from kernels import reference as ops
+from kernels.sampling_ref import sample
 
 
 @dataclass
@@ -53,45 +55,6 @@ class PrefillRow:
 class AttentionPlan:
     decode_runs: list[DecodeRun] = field(default_factory=list)
     prefill_rows: list[PrefillRow] = field(default_factory=list)
-
-
-@dataclass
-class EagerPlan:
-    """The eager backend's per-step state: row plan, rotary cos/sin ``[T, D]``, KV slots."""
-
-    attention: AttentionPlan
-    cos: torch.Tensor
-    sin: torch.Tensor
-    slot_mapping: torch.Tensor
-
-
-class AttentionBackend(Protocol):
-    def plan(self, batch: ForwardBatch, rotary: torch.nn.Module, dtype: torch.dtype) -> object: ...
-
-    def rotate_and_store(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        plan: object,
-    ) -> torch.Tensor: ...
-
-    def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object, scale: float
-    ) -> torch.Tensor: ...
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, D]`` by position (half-split layout, as HF's rotate_half)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store the step's keys and values ``[T, num_kv_heads, head_dim]`` at their flat cache slots."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def plan_attention(batch: ForwardBatch) -> AttentionPlan:
@@ -173,29 +136,52 @@ def attend(
     return out
 
 
-def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
-) -> torch.Tensor:
-    """One-call form of :func:`plan_attention` + :func:`attend` (plans again on every call)."""
-    return attend(q, k_cache, v_cache, plan_attention(batch), scale)
+@dataclass
+class TorchPlan:
+    """The torch backend's per-step state: row plan, rotary ``cat(cos, sin) [T, D]``, KV indices."""
+
+    attention: AttentionPlan
+    cos_sin: torch.Tensor
+    kv_index: torch.Tensor
 
 
-class EagerAttention:
-    """The torch-native backend behind the :class:`AttentionBackend` interface."""
+class TorchBackend:
+    """:class:`executor_proc.backends.base.Backend` in plain torch (the CPU path, and the GPU's ``kernels: torch``)."""
 
-    def plan(self, batch: ForwardBatch, rotary: torch.nn.Module, dtype: torch.dtype) -> EagerPlan:
-        cos, sin = rotary(batch.positions, dtype)
-        return EagerPlan(plan_attention(batch), cos, sin, batch.slot_mapping)
+    supports_graphs = False
 
-    def rotate_and_store(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        plan: EagerPlan,
-    ) -> torch.Tensor:
-        k = apply_rotary(k, plan.cos, plan.sin)
-        write_kv(k, v, k_cache, v_cache, plan.slot_mapping)
-        return apply_rotary(q, plan.cos, plan.sin)
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq
 
-    def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: EagerPlan, scale: float
-    ) -> torch.Tensor:
+    def plan(self, batch: ForwardBatch) -> TorchPlan:
+        return TorchPlan(plan_attention(batch), ops.rope_cos_sin(batch.positions, self.inv_freq), batch.kv_index)
+
+    def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, plan: TorchPlan) -> torch.Tensor:
+        ops.kv_store(ops.apply_rope(k, plan.cos_sin), v, k_cache, v_cache, plan.kv_index)
+        return ops.apply_rope(q, plan.cos_sin)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchPlan,
+               scale: float) -> torch.Tensor:
         return attend(q, k_cache, v_cache, plan.attention, scale)
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return ops.rms_norm_ref(x, weight, eps)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.fused_add_rms_norm_ref(x, residual, weight, eps)
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        return ops.silu_and_mul_ref(gate_up)
+
+    @staticmethod
+    def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+        return sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seed, rows.position)

@@ -1,60 +1,21 @@
-"""The inputs of one forward step, as the model and the attention code see them.
+"""Test helpers for driving the model directly: a :class:`ForwardBatch` from host lists, all-token logits.
 
-Built by :mod:`executor_proc.worker` from a :class:`ipc.protocol.StepPlan` and
-the slot tables.  Device tensors are filled from pinned host buffers with
-non-blocking copies; the host lists are the plan's own numbers, so nothing here
-ever reads a device value back.
-
-Layout (T tokens in R rows, rows in plan order)::
-
-    input_ids     [T]   token ids (decode rows: gathered from last_token[slot])
-    positions     [T]   absolute position of each token
-    slot_mapping  [T]   flat KV-cache index: block_id * block_size + offset
-    query_start   [R+1] cumulative query lengths (row r = tokens query_start[r]:query_start[r+1])
-    context_lens  [R]   tokens of KV the row attends to, new ones included
-    block_tables  [R, max_blocks] the rows' block tables (padded with 0)
-    sample_index  [S]   token index of each sampled row's last token (None: every token, as in decode)
-    sample_slots  [S]   slot of each sampled row (for sampling parameters)
-
-A CUDA-graph decode step builds its batch on the device from static buffers
-(:mod:`executor_proc.decode_step`): it has no host context lengths, which only
-the eager torch backend needs.
+Tests only (the executor builds its batches in :mod:`executor_proc.step.worker`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+import dataclasses
+from typing import NamedTuple, Sequence
 
 import torch
 
+from executor_proc.step.batch import ForwardBatch
 
-@dataclass
-class ForwardBatch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    query_start: torch.Tensor
-    context_lens: torch.Tensor
-    block_tables: torch.Tensor
-    sample_index: Optional[torch.Tensor]
-    sample_slots: torch.Tensor
-    # Host copies of the row shapes (from the plan, never read back from the device).
-    host_query_lens: list[int]
-    host_context_lens: Optional[list[int]]
-    block_size: int
 
-    @property
-    def num_rows(self) -> int:
-        return len(self.host_query_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def is_pure_decode(self) -> bool:
-        return all(n == 1 for n in self.host_query_lens)
+def all_logits(model, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+    """Float32 logits ``[T, vocab]`` for every token of the step (not only the sampled ones)."""
+    return model(dataclasses.replace(batch, sample_index=None), kv_cache)
 
 
 class RowInput(NamedTuple):
@@ -85,7 +46,7 @@ def build_forward_batch(
         raise ValueError(f"{len(rows)} rows but {len(block_tables)} block tables")
     input_ids: list[int] = []
     positions: list[int] = []
-    slot_mapping: list[int] = []
+    kv_index: list[int] = []
     query_start = [0]
     query_lens: list[int] = []
     context_lens: list[int] = []
@@ -105,7 +66,7 @@ def build_forward_batch(
         input_ids.extend(row.token_ids)
         for pos in range(row.start_position, context):
             positions.append(pos)
-            slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+            kv_index.append(table[pos // block_size] * block_size + pos % block_size)
         query_start.append(query_start[-1] + n)
         query_lens.append(n)
         context_lens.append(context)
@@ -115,7 +76,7 @@ def build_forward_batch(
         tables.append(list(table[:needed]))
     max_blocks = max(len(t) for t in tables)
     flat_tables = [b for t in tables for b in t + [0] * (max_blocks - len(t))]
-    parts = [input_ids, positions, slot_mapping, query_start, context_lens, flat_tables, sample_index, sample_slots]
+    parts = [input_ids, positions, kv_index, query_start, context_lens, flat_tables, sample_index, sample_slots]
     host = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
     if pin_memory:
         host = host.pin_memory()
@@ -125,7 +86,7 @@ def build_forward_batch(
     return ForwardBatch(
         input_ids=views[0],
         positions=views[1],
-        slot_mapping=views[2],
+        kv_index=views[2],
         query_start=views[3],
         context_lens=views[4],
         block_tables=views[5],

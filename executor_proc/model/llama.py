@@ -2,24 +2,28 @@
 
 Tokens of all rows of a step are packed into one flat sequence ``[T, hidden]``;
 only attention knows about rows (through :class:`ForwardBatch` and the paged
-KV cache).  Module names follow the HF checkpoints (``model.layers.N.self_attn.
-q_proj``), so weights load by name without a mapping table.
+KV cache).  Every op with more than one implementation (attention, rotary + KV
+write, norms, activation, linears) goes through the model's
+:class:`executor_proc.backends.base.Backend`.  Module names follow the HF
+checkpoints (``model.layers.N.self_attn.q_proj``), so weights load by name
+without a mapping table.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from executor_proc.attention import AttentionBackend, EagerAttention
-from executor_proc.batch import ForwardBatch
-from executor_proc.kv_cache import KVCache
-from executor_proc.model_config import ModelConfig
+from executor_proc.backends.base import Backend
+from executor_proc.backends.torch_backend import TorchBackend
+from executor_proc.step.batch import ForwardBatch
+from executor_proc.model.kv_cache import KVCache
+from executor_proc.model.config import ModelConfig
+from kernels.reference import rms_norm_ref
 
 # Buffers some HF checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -32,10 +36,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, scale in the model dtype (as HF does).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm_ref(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -59,49 +60,13 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> to
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, head_dim]`` for the given positions (computed in float32)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-class TorchOps:
-    """Norm and activation in plain torch, with HF's rounding (the CPU path and the reference)."""
-
-    @staticmethod
-    def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        return norm(x)
-
-    @staticmethod
-    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``; the sum is rounded to the model dtype, as HF does."""
-        total = x + residual
-        return norm(total), total
-
-    @staticmethod
-    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return F.linear(x, weight, bias)
-
-
 @dataclass
 class StepContext:
     """What every layer needs from the step, computed once."""
 
-    attn_plan: object
+    plan: Any  # the backend's plan for this step
     kv_cache: KVCache
-    backend: AttentionBackend
-    ops: object
+    backend: Backend
 
 
 class Attention(nn.Module):
@@ -120,23 +85,20 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.qkv: Optional[FusedLinear] = None
+        self.qkv: Optional[FusedLinear] = None  # set by CausalLM.fuse_projections
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         t = x.shape[0]
-        if self.qkv is not None:
-            q, k, v = self.qkv(x, step.ops)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.qkv(x, step.backend)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = step.kv_cache.k[self.layer_id], step.kv_cache.v[self.layer_id]
-        q = step.backend.rotate_and_store(q, k, v, k_cache, v_cache, step.attn_plan)
-        out = step.backend.attend(q, k_cache, v_cache, step.attn_plan, self.scale)
-        return step.ops.linear(out.view(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+        q = step.backend.rotate_and_store(q, k, v, k_cache, v_cache, step.plan)
+        out = step.backend.attend(q, k_cache, v_cache, step.plan, self.scale)
+        return step.backend.linear(out.view(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -146,14 +108,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias, dtype=dtype)
         self.up_proj = nn.Linear(h, i, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(i, h, bias=bias, dtype=dtype)
-        self.gate_up: Optional[FusedLinear] = None
+        self.gate_up: Optional[FusedLinear] = None  # set by CausalLM.fuse_projections
 
-    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        if self.gate_up is not None:
-            h = ops.silu_and_mul(self.gate_up.matmul(x, ops))
-        else:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
-        return ops.linear(h, self.down_proj.weight, self.down_proj.bias)
+    def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
+        h = backend.silu_and_mul(self.gate_up.matmul(x, backend))
+        return backend.linear(h, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -172,13 +131,13 @@ class DecoderLayer(nn.Module):
         Same sums as HF's ``h = x + attn(norm(x)); out = h + mlp(norm(h))``, with each
         add fused into the next norm.
         """
-        ops = step.ops
+        b, norm1, norm2 = step.backend, self.input_layernorm, self.post_attention_layernorm
         if residual is None:
-            residual, h = x, ops.rms_norm(x, self.input_layernorm)
+            residual, h = x, b.rms_norm(x, norm1.weight, norm1.eps)
         else:
-            h, residual = ops.add_rms_norm(x, residual, self.input_layernorm)
-        h, residual = ops.add_rms_norm(self.self_attn(h, step), residual, self.post_attention_layernorm)
-        return self.mlp(h, ops), residual
+            h, residual = b.add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        h, residual = b.add_rms_norm(self.self_attn(h, step), residual, norm2.weight, norm2.eps)
+        return self.mlp(h, b), residual
 
 
 class Decoder(nn.Module):
@@ -187,14 +146,13 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.rotary_emb = RotaryEmbedding(config)
 
 
 class FusedLinear:
     """Several ``nn.Linear`` of one input as one matmul; the originals become views of its weight.
 
     ``__call__`` returns the per-projection output views; :meth:`matmul` the fused output
-    (both through ``ops.linear``).
+    (both through ``backend.linear``).
     """
 
     def __init__(self, linears: list[nn.Linear]) -> None:
@@ -210,23 +168,24 @@ class FusedLinear:
     def _bias_parts(self) -> list[Optional[torch.Tensor]]:
         return list(self.bias.split(self.sizes)) if self.bias is not None else [None] * len(self.sizes)
 
-    def matmul(self, x: torch.Tensor, ops) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+    def matmul(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
+        return backend.linear(x, self.weight, self.bias)
 
-    def __call__(self, x: torch.Tensor, ops) -> tuple[torch.Tensor, ...]:
-        return self.matmul(x, ops).split(self.sizes, dim=-1)
+    def __call__(self, x: torch.Tensor, backend: Backend) -> tuple[torch.Tensor, ...]:
+        return self.matmul(x, backend).split(self.sizes, dim=-1)
 
 
 class CausalLM(nn.Module):
-    """Decoder + LM head.  Build it with :func:`build_model`, fill it with :meth:`load_weights`."""
+    """Decoder + LM head.  Build it with :func:`build_model` (which fuses the projections), fill it with
+    :meth:`load_weights`; it runs on the torch backend until :meth:`use_backend` says otherwise."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
         self.model = Decoder(config, dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        self.attn_backend: AttentionBackend = EagerAttention()
-        self.ops = TorchOps()
+        self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
+        self.backend: Backend = TorchBackend(self.rope_inv_freq)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -234,32 +193,32 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def use_kernels(self, backend: AttentionBackend, ops) -> None:
-        """Run with another attention backend and norm/activation ops; fuse q/k/v and gate/up weights."""
-        self.attn_backend, self.ops = backend, ops
-        with torch.no_grad():
-            for layer in self.model.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                attn.qkv = attn.qkv or FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
-                mlp.gate_up = mlp.gate_up or FusedLinear([mlp.gate_proj, mlp.up_proj])
+    def use_backend(self, backend: Backend) -> None:
+        """Run every later step on ``backend`` (see :func:`executor_proc.backends.select.select_backend`)."""
+        self.backend = backend
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """q|k|v and gate|up become one matmul each; the separate linears become views of it."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj])
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache, all_logits: bool = False) -> torch.Tensor:
-        """Run one step; float32 logits ``[S, vocab]`` for ``batch.sample_index`` (``[T, vocab]`` if all_logits)."""
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Run one step; float32 logits ``[S, vocab]`` for ``batch.sample_index`` (every token's if None)."""
+        backend = self.backend
         x = self.model.embed_tokens(batch.input_ids)
-        plan = self.attn_backend.plan(batch, self.model.rotary_emb, x.dtype)
-        step = StepContext(attn_plan=plan, kv_cache=kv_cache, backend=self.attn_backend, ops=self.ops)
+        step = StepContext(backend.plan(batch), kv_cache, backend)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, step)
-        if not all_logits and batch.sample_index is not None:
+        if batch.sample_index is not None:
             x, residual = x[batch.sample_index], residual[batch.sample_index]
-        x, _ = self.ops.add_rms_norm(x, residual, self.model.norm)
-        return self.ops.linear(x, self.lm_head.weight, None).float()
-
-    def forward_all_logits(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Float32 logits ``[T, vocab]`` for every token of the step (for tests)."""
-        return self.forward(batch, kv_cache, all_logits=True)
+        norm = self.model.norm
+        x, _ = backend.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return backend.linear(x, self.lm_head.weight, None).float()
 
     @torch.no_grad()
     def load_weights(
@@ -313,6 +272,8 @@ def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dt
         model = CausalLM(config, dtype)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty may give the tied pair two storages
-    model.model.rotary_emb.inv_freq = rope_inv_freq(config, device)
+    model.rope_inv_freq = rope_inv_freq(config, device)
+    model.use_backend(TorchBackend(model.rope_inv_freq))
+    model.fuse_projections()
     model.requires_grad_(False)
     return model.eval()

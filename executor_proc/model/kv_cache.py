@@ -14,18 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from executor_proc.model_config import ModelConfig
+from executor_proc.model.config import ModelConfig
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one KV block takes over all layers (K and V)."""
     item = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * item
-
-
-def num_blocks_for_memory(config: ModelConfig, block_size: int, dtype: torch.dtype, free_bytes: int) -> int:
-    """How many KV blocks fit in ``free_bytes``."""
-    return max(0, free_bytes // kv_cache_bytes_per_block(config, block_size, dtype))
 
 
 class KVCache:

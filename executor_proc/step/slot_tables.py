@@ -22,8 +22,10 @@ from typing import Optional
 
 import torch
 
-from executor_proc.staging import HostUpload
+from executor_proc.backends.base import SamplingRows
+from executor_proc.step.staging import HostUpload
 from ipc.protocol import StepPlan
+from kernels.sampling_ref import is_greedy
 
 
 @dataclass
@@ -59,6 +61,11 @@ class SlotTables:
         # Host mirror of which slots are greedy: an all-greedy step skips the sampler (no sync needed).
         self.greedy = [True] * rows
 
+    def sampling_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> SamplingRows:
+        """The sampling parameters of ``slots``, gathered on the device, for tokens at ``positions``."""
+        return SamplingRows(slots, self.temperature[slots], self.top_k[slots], self.top_p[slots],
+                            self.min_p[slots], self.seed[slots], positions)
+
     def stage(self, plan: StepPlan, upload: HostUpload) -> TableDiff:
         """Add the plan's table changes to the step's upload."""
         diff = TableDiff()
@@ -73,7 +80,7 @@ class SlotTables:
             diff.min_p = upload.add([x.min_p for x in s], torch.float32)
             diff.seed = upload.add([x.seed for x in s], torch.int64)
             for a in plan.admits:
-                self.greedy[a.slot] = a.sampling.temperature == 0.0
+                self.greedy[a.slot] = is_greedy(a.sampling.temperature)
         if plan.block_appends:
             diff.appends = upload.add(plan.block_appends, torch.int64)
         return diff

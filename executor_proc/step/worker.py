@@ -8,9 +8,9 @@ are copied to the host.  So step N+1 can be enqueued before step N's tokens
 have reached the CPU.
 
 A step's host inputs (and the plan's table diffs) go to the device in one
-pinned, non-blocking upload (:mod:`executor_proc.staging`).  A pure-decode step
-that fits a bucket runs as :func:`executor_proc.decode_step.decode_step`
-through :class:`executor_proc.cuda_graphs.DecodeGraphs` (replayed on CUDA);
+pinned, non-blocking upload (:mod:`executor_proc.step.staging`).  A pure-decode step
+that fits a bucket runs as :func:`executor_proc.step.decode_step.decode_step`
+through :class:`executor_proc.step.graphs.DecodeGraphs` (replayed on CUDA);
 every other step runs the model eagerly with the same kernels.
 """
 
@@ -22,14 +22,13 @@ from typing import Callable, Optional, Union
 import numpy as np
 import torch
 
-from executor_proc.batch import ForwardBatch
-from executor_proc.cuda_graphs import DecodeGraphs
-from executor_proc.decode_step import argmax_rows, decode_step
-from executor_proc.slot_tables import SlotTables
-from executor_proc.staging import PinnedStaging, TokenRing
+from executor_proc.step.batch import ForwardBatch
+from executor_proc.step.decode_step import decode_step
+from executor_proc.step.graphs import DecodeGraphs
+from executor_proc.step.sample import sample_rows
+from executor_proc.step.slot_tables import SlotTables
+from executor_proc.step.staging import PinnedStaging, TokenRing
 from ipc.protocol import StepPlan
-
-Sampler = Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -44,21 +43,21 @@ class GraphStep:
 @dataclass
 class EagerStep:
     batch: ForwardBatch
-    sample_positions: torch.Tensor  # [S] position of each sampled token (keys the random stream)
+    sample_positions: torch.Tensor  # [S] position of each sampled token: its row's context length
     greedy: bool
 
 
 class Worker:
     def __init__(self, model, kv_cache, tables: SlotTables, block_size: int, device: torch.device,
-                 sampler: Sampler, graph_max_batch: int = 0, capture_graphs: bool = False):
-        """``graph_max_batch > 0`` runs pure-decode steps of up to that many rows through
-        :class:`DecodeGraphs` (captured when ``capture_graphs``, else run eagerly)."""
+                 graph_max_batch: int = 0, capture_graphs: bool = False):
+        """``model`` runs on its backend (forward and sampler); ``graph_max_batch > 0`` runs pure-decode
+        steps of up to that many rows through :class:`DecodeGraphs` (captured when ``capture_graphs``,
+        else run eagerly)."""
         self.model = model
         self.kv_cache = kv_cache
         self.tables = tables
         self.block_size = block_size
         self.device = device
-        self.sampler = sampler
         self.staging = PinnedStaging(device)
         self.tokens_out = TokenRing(device, tables.num_slots + 1) if device.type == "cuda" else None
         self.graphs = None
@@ -68,7 +67,7 @@ class Worker:
 
     def _decode_step(self, inputs, greedy: bool) -> torch.Tensor:
         with torch.inference_mode():
-            return decode_step(self.model, self.kv_cache, self.tables, inputs, self.block_size, greedy, self.sampler)
+            return decode_step(self.model, self.kv_cache, self.tables, inputs, self.block_size, greedy)
 
     def capture_graphs(self, progress: Optional[Callable[[int, int], None]] = None) -> None:
         """Capture the decode graphs (start-up; no-op without graphs)."""
@@ -141,7 +140,7 @@ class Worker:
         batch = ForwardBatch(
             input_ids=torch.where(ids < 0, t.last_token[token_slots], ids),
             positions=pos,
-            slot_mapping=block_ids * bs + pos % bs,
+            kv_index=block_ids * bs + pos % bs,
             query_start=sent[parts["query_start"]],
             context_lens=sent[parts["context_lens"]],
             block_tables=t.block_table[sent[parts["row_slots"]]],
@@ -154,7 +153,7 @@ class Worker:
         return EagerStep(batch, sent[parts["sample_positions"]], greedy)
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, step: Union[GraphStep, EagerStep]) -> torch.Tensor:
+    def launch(self, step: Union[GraphStep, EagerStep]) -> torch.Tensor:
         """Enqueue forward + sampling + last-token update; returns the device tensor of tokens."""
         if isinstance(step, GraphStep):
             return self.graphs.run(step.bucket, step.greedy)[:step.rows]
@@ -165,14 +164,7 @@ class Worker:
         slots = batch.sample_slots
         if slots.numel() == 0:
             return slots
-        t = self.tables
-        if step.greedy:
-            tokens = argmax_rows(logits)
-        else:
-            tokens = self.sampler(logits, t.temperature[slots], t.top_k[slots], t.top_p[slots], t.min_p[slots],
-                                  t.seed[slots], step.sample_positions)
-        t.last_token[slots] = tokens
-        return tokens
+        return sample_rows(self.model.backend, logits, self.tables, slots, step.sample_positions, step.greedy)
 
     def copy_out(self, tokens: torch.Tensor):
         """Start the device->host copy of the tokens; returns (host tensor or list, copy event or None)."""

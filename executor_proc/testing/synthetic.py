@@ -7,10 +7,13 @@ blocks from a simple pool, frees both as soon as a request has its
 writes :class:`StepPlan` messages the way the real planner does (whole-prompt
 prefill rows, then one decode row per request per step).  It never needs the
 sampled tokens: decode rows read ``last_token[slot]`` on the device.
+:class:`DecodeLoop` runs its plans through a worker the way the executor process does.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -101,3 +104,35 @@ class SyntheticPlanner:
         for req in [r for r in self.running if r.max_new_tokens is not None and r.sampled >= r.max_new_tokens]:
             self.release(req.slot)
         return plan
+
+
+class DecodeLoop:
+    """The executor's hot loop without sockets: at most ``depth`` steps in flight."""
+
+    def __init__(self, worker, planner, depth: int = 2):
+        self.worker, self.planner, self.depth = worker, planner, depth
+        self.in_flight: deque = deque()
+        self.host_s = 0.0
+        self.tokens: list[list[int]] = []
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        plan = self.planner.step()
+        w = self.worker
+        host, copy = w.copy_out(w.launch(w.prepare(plan)))
+        self.host_s += time.perf_counter() - t0
+        self.in_flight.append((host, copy))
+        while len(self.in_flight) > self.depth:
+            self.retire()
+
+    def retire(self) -> None:
+        host, copy = self.in_flight.popleft()
+        if copy is not None:
+            copy.synchronize()
+        self.tokens.append(host if isinstance(host, list) else host.tolist())
+        if copy is not None:
+            copy.release()
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self.retire()

@@ -1,10 +1,15 @@
-"""A scripted executor: the real plan/result protocol, tokens from a script.
+"""A scripted step runner: the real plan/result protocol, tokens from a script (a test double).
 
 It keeps the same slot tables the real executor keeps (last token, block
-table per slot) and checks, for every step, what the real one would silently
-get wrong: a decode row whose input token is unknown, a row whose positions
-are not covered by its block table, a block that sits in two slots' tables at
-once (a block handed on while a step that used it was in flight).
+table per slot) and a KV cache of token ids (``kv[block][offset]``: the input
+token whose KV a row wrote there).  It checks, for every step, what the real
+one would silently get wrong: a decode row whose input token is unknown, a row
+whose positions are not covered by its block table, a write into a block that
+sits in two slots' tables (prefix caching shares only full blocks, written
+once by the step that computed them and only read afterwards), a read of KV
+that was never written.  A prefill row that starts past what its slot has
+seen (a prefix-cache hit) reads its context from the KV cache: the tokens it
+found there are kept in ``reads`` for the caller to check against the prompt.
 
 The token sampled for a row depends only on the slot's seed and the position,
 like the real executor's seeded sampling, so outputs must not depend on the
@@ -43,7 +48,7 @@ def default_token(seed: int, position: int, vocab: int) -> int:
 
 
 @dataclass
-class ScriptedExecutor:
+class ScriptedRunner:
     num_slots: int
     num_kv_blocks: int
     block_size: int
@@ -58,7 +63,9 @@ class ScriptedExecutor:
     seqs: dict[int, list[int]] = field(default_factory=dict)  # slot -> tokens by position
     seed: dict[int, int] = field(default_factory=dict)
     tables: dict[int, list[int]] = field(default_factory=dict)
-    block_slot: dict[int, int] = field(default_factory=dict)  # block -> the slot whose table holds it
+    block_slots: dict[int, set[int]] = field(default_factory=dict)  # block -> slots whose tables hold it
+    kv: dict[int, list[Optional[int]]] = field(default_factory=dict)  # block -> token written at each offset
+    reads: list[tuple[int, int, list[int]]] = field(default_factory=list)  # last step's (slot, start, tokens)
     steps_run: int = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -66,6 +73,7 @@ class ScriptedExecutor:
         self._apply_diffs(plan)
         tokens: list[int] = []
         cursor = 0
+        self.reads = []
         for slot, n, start, prefill, sample in zip(
             plan.slots, plan.num_tokens, plan.positions, plan.is_prefill, plan.sample
         ):
@@ -73,13 +81,17 @@ class ScriptedExecutor:
             if prefill:
                 chunk = plan.prefill_tokens[cursor : cursor + n]
                 cursor += n
-                assert start <= len(seq), f"slot {slot}: chunk at {start} leaves a gap ({len(seq)} known)"
+                if start > len(seq):  # a prefix-cache hit: the context is in shared blocks
+                    found = self._read(slot, len(seq), start)
+                    self.reads.append((slot, len(seq), found))
+                    seq.extend(found)
                 del seq[start:]
                 seq.extend(chunk)
             else:
                 assert n == 1, f"slot {slot}: decode row with {n} tokens"
                 assert start == len(seq) - 1, f"slot {slot}: decode at {start}, last known token at {len(seq) - 1}"
             assert len(self.tables[slot]) * self.block_size >= start + n, f"slot {slot}: KV beyond its blocks"
+            self._write(slot, start, seq[start : start + n])
             if sample:
                 tok = self.token_at(self.seed[slot], start + n)
                 seq.append(tok)
@@ -101,11 +113,31 @@ class ScriptedExecutor:
             return self.token_fn(seed, position)
         return default_token(seed, position, self.vocab_size)
 
+    def _write(self, slot: int, start: int, tokens: list[int]) -> None:
+        table, bs, kv = self.tables[slot], self.block_size, self.kv
+        for p, tok in enumerate(tokens, start):
+            block = table[p // bs]
+            holders = self.block_slots[block]
+            assert len(holders) == 1, f"slot {slot} writes position {p} into block {block}, shared by slots {holders}"
+            content = kv.get(block)
+            if content is None:
+                content = kv[block] = [None] * bs
+            content[p % bs] = tok
+
+    def _read(self, slot: int, start: int, end: int) -> list[int]:
+        table, bs, unwritten = self.tables[slot], self.block_size, [None] * self.block_size
+        out = []
+        for p in range(start, end):
+            tok = self.kv.get(table[p // bs], unwritten)[p % bs]
+            assert tok is not None, f"slot {slot} reads position {p} of block {table[p // bs]}: never written"
+            out.append(tok)
+        return out
+
     def _apply_diffs(self, plan: StepPlan) -> None:
         for slot in plan.releases:
             assert slot in self.tables, f"release of free slot {slot}"
             for b in self.tables.pop(slot):
-                del self.block_slot[b]
+                self.block_slots[b].discard(slot)
             del self.seqs[slot], self.seed[slot]
         for admit in plan.admits:
             assert 0 <= admit.slot < self.num_slots
@@ -118,9 +150,9 @@ class ScriptedExecutor:
             slot, index, block = a[i], a[i + 1], a[i + 2]
             assert 0 <= block < self.num_kv_blocks
             assert index == len(self.tables[slot]), f"slot {slot}: append at {index}, table has {len(self.tables[slot])}"
-            assert block not in self.block_slot, (
-                f"block {block} is in the tables of slots {self.block_slot[block]} and {slot}")
-            self.block_slot[block] = slot
+            holders = self.block_slots.setdefault(block, set())
+            assert slot not in holders, f"block {block} twice in the table of slot {slot}"
+            holders.add(slot)
             self.tables[slot].append(block)
 
 
@@ -194,23 +226,23 @@ class ScriptedDevice:
 
 
 class ScriptedWorker:
-    """Adapts a ScriptedExecutor to the executor process's prepare/launch/copy_out steps.
+    """Adapts a ScriptedRunner to the executor process's prepare/launch/copy_out steps.
 
     The executor's checks and tokens are computed at launch (host work); the
     step's latency is spent on a :class:`ScriptedDevice`, whose timing rides
     to the scheduler in the StepResult.
     """
 
-    def __init__(self, executor: ScriptedExecutor, step_latency_s: float = 0.0):
-        self.executor = executor
+    def __init__(self, runner: ScriptedRunner, step_latency_s: float = 0.0):
+        self.runner = runner
         self.device = ScriptedDevice(step_latency_s)
         self._timing: Optional[StepTiming] = None
 
     def prepare(self, plan: StepPlan) -> StepPlan:
         return plan
 
-    def launch(self, plan: StepPlan, batch) -> list[int]:
-        tokens = self.executor.execute(plan).token_ids
+    def launch(self, plan: StepPlan) -> list[int]:
+        tokens = self.runner.execute(plan).token_ids
         self._timing = self.device.launch()
         return tokens
 

@@ -1,6 +1,6 @@
 """CUDA graphs of whole pure-decode steps, one per batch-size bucket and sampling mode.
 
-A thin layer over :func:`executor_proc.decode_step.decode_step`: the runner owns
+A thin layer over :func:`executor_proc.step.decode_step.decode_step`: the runner owns
 one static input buffer ``[3, max_bucket]`` int64 (slots, positions, context
 lengths); bucket ``B`` reads its first ``B`` columns.  A step copies its rows
 into the buffer (one device copy from the step's pinned upload, padded rows
@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from executor_proc.decode_step import DecodeInputs
+from executor_proc.step.decode_step import DecodeInputs
 
 ProgressCallback = Callable[[int, int], None]
 StepFn = Callable[[DecodeInputs, bool], torch.Tensor]

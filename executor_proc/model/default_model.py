@@ -59,7 +59,7 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from executor_proc.loader import gguf_config, gguf_weights, open_gguf
+    from executor_proc.model.loader import gguf_config, gguf_weights, open_gguf
 
     reader = open_gguf(gguf_path)
     config = gguf_config(reader)

@@ -9,7 +9,9 @@ It also multiplies bfloat16 operands of ``tl.dot`` as their raw uint16 bit
 patterns (its numpy stand-in type for bf16); we widen them to float32 first.
 And its float32 -> bfloat16 cast truncates, where the GPU rounds to nearest
 even; we round through torch instead.
-Nothing happens on a real GPU.
+Nothing happens on a real GPU.  No kernel module imports this: whoever runs kernels
+under the interpreter applies it (tests/conftest.py, the CPU benchmarks, and the
+executor's backend choice for ``kernels: triton`` on the CPU).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 
 
 def patch_interpreter() -> None:
+    """Apply the fixes when TRITON_INTERPRET is set (idempotent; a no-op otherwise)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
         return
     try:
@@ -66,6 +69,3 @@ def patch_interpreter() -> None:
             return orig_cast(self, src, dst_type)
 
         builder.cast_impl = _cast_impl
-
-
-patch_interpreter()

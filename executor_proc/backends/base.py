@@ -1,0 +1,76 @@
+"""The seam between the model and its kernels: one :class:`Backend` protocol.
+
+A backend is everything a step launches besides the model's own weights:
+
+- attention: ``plan(batch)`` once per step (views and host numbers only, no device
+  reads, so a plan is the same inside and outside a CUDA graph), then per layer
+  ``rotate_and_store`` (rotary on q and k, k and v into the paged cache; returns
+  the rotated q) and ``attend``;
+- ops: ``linear``, ``rms_norm``, ``add_rms_norm`` (residual add fused into the
+  norm), ``silu_and_mul`` (on the fused gate|up projection);
+- sampler: ``sample(logits, rows)`` for the rows that are not all greedy (the
+  caller, :func:`executor_proc.step.sample.sample_rows`, takes the argmax itself
+  when every row is greedy).  :class:`SamplingRows` carries the per-row
+  parameters gathered from the slot tables; a new sampling feature (penalties,
+  logprobs) adds its per-slot tables there and its kernel behind ``sample``.
+
+Implementations: :mod:`executor_proc.backends.torch_backend` (plain torch, the
+CPU path) and :mod:`executor_proc.backends.triton_backend` (the CUDA fast path).
+:func:`executor_proc.backends.select.select_backend` is the one place that chooses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, TypeVar
+
+import torch
+
+from executor_proc.step.batch import ForwardBatch
+
+PlanT = TypeVar("PlanT")
+
+
+@dataclass
+class SamplingRows:
+    """The sampled rows' parameters, gathered from the slot tables on the device (``[S]`` each).
+
+    ``position`` is the position of the token being sampled (its row's context
+    length): with the seed it keys the random stream, so the same seed gives the
+    same token whatever the batch.
+    """
+
+    slots: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seed: torch.Tensor
+    position: torch.Tensor
+
+
+class Backend(Protocol[PlanT]):
+    """Attention + ops + sampler (see the module docstring)."""
+
+    # Whether a pure-decode step may be captured in a CUDA graph: every shape the
+    # backend needs comes from the device or from the batch size, none from host lists.
+    supports_graphs: bool
+
+    def plan(self, batch: ForwardBatch) -> PlanT: ...
+
+    def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, plan: PlanT) -> torch.Tensor: ...
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PlanT,
+               scale: float) -> torch.Tensor: ...
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def sample(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor: ...

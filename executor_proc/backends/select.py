@@ -1,0 +1,52 @@
+"""The one place that chooses the executor's backend (torch or Triton) from the config and the device."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from executor_proc.backends.base import Backend
+from executor_proc.backends.torch_backend import TorchBackend
+from ipc.config import ExecutorConfig
+
+ProgressCallback = Callable[[str, int, int], None]
+TUNING_STAGE = "tuning linear kernels"
+
+
+def uses_triton(cfg: ExecutorConfig, device: torch.device) -> bool:
+    """Triton kernels on CUDA unless the config says torch; on the CPU only when asked (interpreter)."""
+    return cfg.kernels == "triton" or (cfg.kernels == "auto" and device.type == "cuda")
+
+
+def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positions: int,
+                   progress: ProgressCallback = lambda stage, done, total: None) -> Backend:
+    """The backend for ``model`` (a :class:`executor_proc.model.llama.CausalLM` on ``device``).
+
+    Triton on CUDA (``kernels: auto``) or when asked: its decode workspace holds
+    ``num_slots + 1`` rows (the padding slot), and on CUDA with graphs its linears
+    are tuned for the graph batch sizes 1, 2, 4, 8.  Otherwise torch.
+    """
+    if not uses_triton(cfg, device):
+        return TorchBackend(model.rope_inv_freq)
+    from executor_proc.backends.gemv_tuning import tune_linears
+    from executor_proc.backends.triton_backend import TritonBackend
+    from kernels.interpreter_patch import patch_interpreter
+
+    patch_interpreter()  # the CPU runs the kernels in Triton's interpreter (a no-op on a GPU)
+    c = model.config
+    backend = TritonBackend(model.rope_inv_freq, max_positions, c.num_heads, c.num_kv_heads, c.head_dim,
+                            cfg.num_slots + 1, device)
+    tune_max_m = graph_max_batch(cfg, backend) if device.type == "cuda" else 0
+    progress(TUNING_STAGE, 0, 1)
+    if tune_max_m > 0:
+        backend.gemv_choice, backend.gemv_timings = tune_linears(model, [m for m in (1, 2, 4, 8) if m <= tune_max_m])
+    progress(TUNING_STAGE, 1, 1)
+    return backend
+
+
+def graph_max_batch(cfg: ExecutorConfig, backend: Backend) -> int:
+    """The largest pure-decode step run through the decode graphs (0: none)."""
+    if not (backend.supports_graphs and cfg.cuda_graphs):
+        return 0
+    return cfg.cuda_graph_max_batch or cfg.num_slots

@@ -1,0 +1,127 @@
+"""The Triton backend: the CUDA fast path's attention, ops and sampler on the Triton kernels.
+
+Per step, :meth:`TritonBackend.plan` only picks views and host numbers (no
+device work, no host reads), so it is the same inside and outside a CUDA graph.
+Per layer:
+
+- ``rotate_and_store``: one ``rope_kv_write`` launch rotates q (in place) and k
+  and writes k and v into the paged cache (``kv_index < 0`` skips a token:
+  padded graph rows);
+- ``attend``: a pure-decode step uses the split-KV ``decode_attention`` with a
+  fixed number of splits per batch size and one preallocated workspace; any
+  step with a prefill chunk runs every row (decode rows are rows of length 1)
+  through ``prefill_attention``.
+
+Ops: ``rms_norm``, ``add_rms_norm`` and ``silu_and_mul`` are single Triton
+launches; ``linear`` is cuBLAS, or the Triton skinny matmul
+(:mod:`kernels.gemv`) for the (shape, batch) pairs where
+:func:`executor_proc.backends.gemv_tuning.tune_linears` measured it faster on
+this GPU.  The sampler is :func:`kernels.sampling.sample`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from executor_proc.backends.base import SamplingRows
+from executor_proc.step.batch import ForwardBatch
+from kernels import gemv as skinny
+from kernels.activation import silu_and_mul
+from kernels.decode_attention import DecodeWorkspace, decode_attention, default_num_splits
+from kernels.kv_write import rope_cos_sin_cache, rope_kv_write
+from kernels.norm import fused_add_rms_norm, rms_norm
+from kernels.prefill_attention import prefill_attention
+from kernels.sampling import sample
+
+GemvConfig = tuple
+
+
+@dataclass
+class TritonPlan:
+    positions: torch.Tensor
+    kv_index: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start: torch.Tensor
+    max_query_len: int
+    pure_decode: bool
+    num_splits: int
+
+
+def m_bucket(m: int) -> int:
+    """The batch size a skinny-matmul choice is keyed by: the next power of two."""
+    return 1 << max(0, m - 1).bit_length()
+
+
+class TritonBackend:
+    """:class:`executor_proc.backends.base.Backend` on the Triton kernels."""
+
+    supports_graphs = True
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, max_batch: int, device: torch.device):
+        self.cos_sin = rope_cos_sin_cache(inv_freq.float().to(device), max_positions)
+        self.num_kv_heads = num_kv_heads
+        self.device = device
+        self.workspace = DecodeWorkspace(max_batch, num_heads, head_dim, device=device)
+        # (N, K, m_bucket) -> skinny-matmul config; absent: cuBLAS.
+        self.gemv_choice: dict[tuple[int, int, int], GemvConfig] = {}
+        self.gemv_everywhere: Optional[GemvConfig] = None  # tests: force the Triton path
+        self.gemv_timings: dict = {}  # what the tuner measured (benchmarks report it)
+
+    def plan(self, batch: ForwardBatch) -> TritonPlan:
+        qlens = batch.host_query_lens
+        pure_decode = batch.is_pure_decode
+        rows = len(qlens)
+        return TritonPlan(
+            positions=batch.positions,
+            kv_index=batch.kv_index,
+            block_tables=batch.block_tables,
+            context_lens=batch.context_lens,
+            query_start=batch.query_start,
+            max_query_len=max(qlens, default=0),
+            pure_decode=pure_decode,
+            # Fixed per batch size (never per length): one value serves a whole graph bucket.
+            num_splits=default_num_splits(rows, self.num_kv_heads, self.device) if pure_decode else 1,
+        )
+
+    def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, plan: TritonPlan) -> torch.Tensor:
+        return rope_kv_write(q, k, v, plan.positions, self.cos_sin, k_cache, v_cache, plan.kv_index, q_out=q)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonPlan,
+               scale: float) -> torch.Tensor:
+        if plan.pure_decode:
+            return decode_attention(q, k_cache, v_cache, plan.block_tables, plan.context_lens, scale,
+                                    workspace=self.workspace, num_splits=plan.num_splits)
+        return prefill_attention(q, k_cache, v_cache, plan.block_tables, plan.query_start, plan.context_lens,
+                                 plan.max_query_len, scale)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        m = x.shape[0]
+        if m <= 8 and x.stride(1) == 1:
+            config = self.gemv_everywhere or self.gemv_choice.get((weight.shape[0], weight.shape[1], m_bucket(m)))
+            if config is not None and skinny.config_fits(config, m):
+                return skinny.gemv(x, weight, bias, config=config)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_add_rms_norm(x, residual, weight, eps)
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up)
+
+    @staticmethod
+    def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+        return sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seed, rows.position)

@@ -1,0 +1,69 @@
+"""A whole pure-decode step as a function of static device buffers (what a CUDA graph captures).
+
+Inputs, one row per bucket row (``B`` rows; rows past the step's real rows are
+padding: the tables' padding slot, position 0, context length 1)::
+
+    slots         [B] int64
+    positions     [B] int64   position of the row's new token
+    context_lens  [B] int64   = positions + 1
+
+:func:`decode_step` gathers the input tokens from ``last_token[slot]``, the KV
+write indices from the block table (-1 for padded rows: no KV write), runs the
+model, samples with the per-slot parameters (or argmax when every row is
+greedy), writes the tokens back to ``last_token`` and returns them.  It only
+reads and writes device tensors whose addresses never change, allocates only
+fixed shapes, and never reads a device value on the host, so it can be
+captured once and replayed; on the CPU it runs eagerly (tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor_proc.step.batch import ForwardBatch
+from executor_proc.step.sample import sample_rows
+from executor_proc.step.slot_tables import SlotTables
+
+
+@dataclass
+class DecodeInputs:
+    """Views of the static input buffers of one bucket."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    context_lens: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.slots.shape[0])
+
+
+def decode_batch(inputs: DecodeInputs, tables: SlotTables, block_size: int) -> ForwardBatch:
+    """The step's :class:`ForwardBatch`, computed on the device from the slot tables."""
+    slots, pos = inputs.slots, inputs.positions
+    b = inputs.batch_size
+    block_tables = tables.block_table[slots]
+    block_ids = block_tables.gather(1, (pos // block_size)[:, None])[:, 0].to(torch.int64)
+    kv_index = torch.where(slots == tables.pad_slot, -1, block_ids * block_size + pos % block_size)
+    return ForwardBatch(
+        input_ids=tables.last_token[slots],
+        positions=pos,
+        kv_index=kv_index,
+        query_start=torch.arange(b + 1, dtype=torch.int32, device=slots.device),
+        context_lens=inputs.context_lens.to(torch.int32),
+        block_tables=block_tables,
+        sample_index=None,
+        sample_slots=slots,
+        host_query_lens=[1] * b,
+        host_context_lens=None,
+        block_size=block_size,
+    )
+
+
+def decode_step(model, kv_cache, tables: SlotTables, inputs: DecodeInputs, block_size: int,
+                greedy: bool) -> torch.Tensor:
+    """Forward + sample + ``last_token`` update for one bucket; returns the tokens ``[B]`` int64."""
+    logits = model(decode_batch(inputs, tables, block_size), kv_cache)
+    return sample_rows(model.backend, logits, tables, inputs.slots, inputs.context_lens, greedy)

@@ -1,0 +1,297 @@
+"""The OpenAI-compatible HTTP app: Starlette routes over one SDK ``AsyncClient``.
+
+Each gateway worker process runs this app on uvicorn.  Request bodies are
+decoded by msgspec into the structs of ``ipc/gateway/schemas.py`` (errors name
+the field) and answers are encoded by ``msgspec.json``: no pydantic layer on
+the per-token path.  The scheduler only ever sees SDK messages.
+"""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+import re
+import time
+import uuid
+from importlib import metadata
+from typing import Any, Optional, Union
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ipc.client import AsyncClient, ExecutorFailedError, ForerunError, encode_prompt
+from ipc.gateway import schemas as s
+from ipc.gateway.metrics import render, request_metrics
+from ipc.gateway.responses import chat_stream, completion_stream, sdk_error, whole_chat, whole_completion
+from ipc.gateway.streaming import ClientGone, SSEResponse, gather_or_cancel, until_disconnect
+
+HEALTH_TIMEOUT_S = 2.0  # a scheduler that cannot answer GetStats in this time is unhealthy
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+OPEN_PATHS = ("/health", "/metrics", "/version")  # answered without the API key
+
+
+def error_response(status: int, message: str, param: Optional[str] = None,
+                   err_type: str = "invalid_request_error", code: Optional[str] = None) -> Response:
+    """An OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    body = s.ErrorResponse(s.ErrorInfo(message=message, type=err_type, param=param, code=code))
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+def json_response(obj: Any, headers: Optional[dict] = None) -> Response:
+    return Response(msgspec.json.encode(obj), media_type="application/json", headers=headers)
+
+
+def _decode(body: bytes, kind: type) -> Any:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        unknown, path = _UNKNOWN.search(text), _PATH.search(text)
+        param = unknown.group(1) if unknown else (path.group(1) if path else None)
+        if unknown and path and path.group(1):
+            param = f"{path.group(1)}.{unknown.group(1)}"
+        raise s.RequestError(400, text, param) from None
+    except msgspec.DecodeError as e:
+        raise s.RequestError(400, f"the body is not valid JSON: {e}") from None
+
+
+class Gateway:
+    """One worker's state: the SDK client, what the server said about its model, metrics."""
+
+    def __init__(self, address: str, api_key: Optional[str] = None) -> None:
+        self.client = AsyncClient(address, timeout=60.0, client_name="forerun-gateway")
+        self.api_key = api_key
+        self.failed = False  # the executor is gone: every later request gets 503
+        self.created = int(time.time())
+
+    async def start(self) -> None:
+        info = await self.client.connect()
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.tokenizer = await self.client.get_tokenizer() if info.tokenizer_path else None
+        self.metrics = request_metrics(self.model_name)
+
+    async def stop(self) -> None:
+        await self.client.close()
+
+    # -- checks shared by the generation routes ------------------------------
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise s.RequestError(404, f"The model `{model}` does not exist; this server serves "
+                                      f"`{self.model_name}`.", "model", code="model_not_found")
+
+    def check_request(self, req: Union[s.CompletionRequest, s.ChatCompletionRequest]) -> None:
+        self.check_model(req.model)
+        name = s.unsupported_param(req)
+        if name is not None:
+            raise s.RequestError(400, f"{name}={getattr(req, name)!r} is not supported by forerun yet",
+                                 name, code="unsupported_parameter")
+        if self.failed:
+            raise s.RequestError(503, "the executor is gone; the server is shutting down",
+                                 err_type="service_unavailable_error", code="executor_failed")
+
+    def need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise s.RequestError(400, "the server has no tokenizer: send token ids", "prompt")
+        return self.tokenizer
+
+    def sampling_kwargs(self, req: Union[s.CompletionRequest, s.ChatCompletionRequest], max_tokens: Optional[int],
+                        prompt_len: int) -> dict[str, Any]:
+        """The SDK's sampling keywords for one prompt (max_tokens: given, else the rest of the context)."""
+        kw: dict[str, Any] = {"max_tokens": max_tokens if max_tokens is not None else
+                              max(self.max_model_len - prompt_len, 1)}
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "stop_token_ids"):
+            value = getattr(req, name)
+            if value is not None:
+                kw[name] = value
+        return kw
+
+    def new_stream(self, ids: list[int], request_id: str, kw: dict[str, Any]) -> Any:
+        # No time limit: a client that gives up disconnects, and that aborts the request.
+        return self.client.stream(prompt_token_ids=ids, request_id=request_id, timeout=float("inf"),
+                                  detokenize=self.tokenizer is not None, **kw)
+
+    def note_error(self, exc: BaseException) -> None:
+        """Remember that the executor is gone (every later request and /health answer 503)."""
+        if isinstance(exc, ExecutorFailedError):
+            self.failed = True
+
+    def observe(self, result: Any) -> None:
+        if result is not None:
+            self.metrics.observe(result)
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+async def _run(request: Request, handler) -> Response:
+    """Call a route's handler; RequestError and SDK errors become OpenAI error responses."""
+    gw = _gateway(request)
+    try:
+        return await handler(gw, request)
+    except s.RequestError as e:
+        return error_response(e.status, e.message, e.param, e.err_type, e.code)
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
+    except (ForerunError, ConnectionError) as e:
+        gw.note_error(e)
+        err = sdk_error(e)
+        return error_response(err.status, err.message, err.param, err.err_type, err.code)
+
+
+async def completions(request: Request) -> Response:
+    async def handle(gw: Gateway, request: Request) -> Any:
+        req = _decode(await request.body(), s.CompletionRequest)
+        gw.check_request(req)
+        ids = []
+        for p in s.prompts(req):
+            ids.append(encode_prompt(gw.need_tokenizer(), p) if isinstance(p, str) else p)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default here
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = [gw.new_stream(x, f"{rid}-{i}", gw.sampling_kwargs(req, max_tokens, len(x)))
+                   for i, x in enumerate(ids)]
+        if req.stream:
+            return await _stream(gw, request, streams, lambda firsts: completion_stream(gw, req, rid, streams, firsts))
+        return json_response(await until_disconnect(request.receive, whole_completion(gw, rid, streams)))
+    return await _run(request, handle)
+
+
+async def chat_completions(request: Request) -> Response:
+    async def handle(gw: Gateway, request: Request) -> Any:
+        req = _decode(await request.body(), s.ChatCompletionRequest)
+        gw.check_request(req)
+        ids = encode_prompt(gw.need_tokenizer(), messages=s.chat_messages(req.messages))
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = [gw.new_stream(ids, rid, gw.sampling_kwargs(req, max_tokens, len(ids)))]
+        if req.stream:
+            return await _stream(gw, request, streams, lambda firsts: chat_stream(gw, req, rid, streams, firsts))
+        return json_response(await until_disconnect(request.receive, whole_chat(gw, rid, streams[0])))
+    return await _run(request, handle)
+
+
+async def _stream(gw: Gateway, request: Request, streams: list[Any], make_events: Any) -> Any:
+    """An SSE response, once every stream has its first tokens (so that errors keep their status)."""
+    async def close() -> None:
+        for st in streams:
+            if st.result is None:  # cut short: the client left or an error ended it
+                gw.metrics.request_success.labels(gw.model_name, "abort").inc()
+            await st.aclose()
+
+    try:
+        firsts = await until_disconnect(request.receive, gather_or_cancel([st.next_chunk() for st in streams]))
+    except BaseException:
+        for st in streams:
+            await st.aclose()
+        raise
+    return SSEResponse(make_events(firsts), close)
+
+
+async def models(request: Request) -> Response:
+    async def handle(gw: Gateway, request: Request) -> Any:
+        card = s.ModelCard(id=gw.model_name, created=gw.created, max_model_len=gw.max_model_len)
+        return json_response(s.ModelList([card]))
+    return await _run(request, handle)
+
+
+async def tokenize(request: Request) -> Response:
+    async def handle(gw: Gateway, request: Request) -> Any:
+        req = _decode(await request.body(), s.TokenizeRequest)
+        gw.check_model(req.model)
+        tok = gw.need_tokenizer()
+        if (req.prompt is None) == (req.messages is None):
+            raise s.RequestError(400, "give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            text = tok.apply_chat_template(s.chat_messages(req.messages), tokenize=False,
+                                           add_generation_prompt=req.add_generation_prompt)
+            ids = list(tok.encode(text, add_special_tokens=False))
+        else:
+            ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return json_response({"count": len(ids), "max_model_len": gw.max_model_len, "tokens": ids})
+    return await _run(request, handle)
+
+
+async def detokenize(request: Request) -> Response:
+    async def handle(gw: Gateway, request: Request) -> Any:
+        req = _decode(await request.body(), s.DetokenizeRequest)
+        gw.check_model(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < gw.vocab_size), None)
+        if bad is not None:
+            raise s.RequestError(400, f"token id {bad} is out of range [0, {gw.vocab_size})", "tokens")
+        return json_response({"prompt": gw.need_tokenizer().decode(req.tokens)})
+    return await _run(request, handle)
+
+
+async def health(request: Request) -> Response:
+    gw = _gateway(request)
+    if not gw.failed:
+        try:
+            await gw.client.get_stats(timeout=HEALTH_TIMEOUT_S)
+            return Response(status_code=200)
+        except (TimeoutError, ConnectionError, RuntimeError):
+            pass
+    return Response(status_code=503)
+
+
+async def metrics(request: Request) -> Response:
+    gw = _gateway(request)
+    try:
+        stats = await gw.client.get_stats(timeout=HEALTH_TIMEOUT_S)
+    except (TimeoutError, ConnectionError, RuntimeError):
+        stats = None
+    return Response(render(stats, gw.model_name), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def version(request: Request) -> Response:
+    try:
+        v = metadata.version("forerun")
+    except metadata.PackageNotFoundError:
+        v = "unknown"
+    return json_response({"version": v})
+
+
+class _Auth:
+    """ASGI middleware: ``Authorization: Bearer KEY`` on every path but OPEN_PATHS, when a key is set."""
+
+    def __init__(self, app: Any, api_key: Optional[str]) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if self.expected is not None and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                response = error_response(401, "Incorrect API key provided.", code="invalid_api_key")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def create_app(address: str, api_key: Optional[str] = None) -> Any:
+    """The ASGI app of one gateway worker, talking to the scheduler at ``address``."""
+    gateway = Gateway(address, api_key)
+
+    async def lifespan(app: Starlette):
+        await gateway.start()
+        yield
+        await gateway.stop()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=asynccontextmanager(lifespan))
+    app.state.gateway = gateway
+    return _Auth(app, api_key)

@@ -1,0 +1,148 @@
+"""Prometheus metrics of the gateway, named as vLLM's with a ``forerun:`` prefix.
+
+Two sources:
+
+* per-request figures, observed by each gateway worker when a request ends
+  (counters and histograms); with several workers, prometheus_client's
+  multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, set by
+  ``ipc/gateway/process.py`` before a worker imports this module) keeps them in
+  files that any worker's ``/metrics`` adds up;
+* the scheduler's state (running, waiting, KV blocks, preemptions, step
+  times), read from ``ServerStats`` at scrape time: nothing runs between scrapes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, Optional
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from ipc.protocol import ServerStats
+
+# vLLM's buckets, so that dashboards' bucket queries carry over.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                         5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+LABELS = ("model_name",)
+
+
+class RequestMetrics:
+    """Counters and histograms of finished requests; one per process (see :func:`request_metrics`)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.prompt_tokens = Counter("forerun:prompt_tokens", "Prefill tokens processed.", LABELS)
+        self.generation_tokens = Counter("forerun:generation_tokens", "Generation tokens produced.",
+                                         LABELS)
+        self.request_success = Counter("forerun:request_success", "Requests finished, by finish reason.",
+                                       LABELS + ("finished_reason",))
+        self.ttft = Histogram("forerun:time_to_first_token_seconds", "Time to first token, in seconds.",
+                              LABELS, buckets=TTFT_BUCKETS)
+        self.tpot = Histogram("forerun:time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request, in seconds.",
+                              LABELS, buckets=TOKEN_LATENCY_BUCKETS)
+        self.itl = Histogram("forerun:inter_token_latency_seconds",
+                             "Time between consecutive token arrivals, in seconds.",
+                             LABELS, buckets=TOKEN_LATENCY_BUCKETS)
+        self.e2e = Histogram("forerun:e2e_request_latency_seconds", "End-to-end request latency, in seconds.",
+                             LABELS, buckets=E2E_BUCKETS)
+        self._per_reason: dict[str, Counter] = {}
+
+    def observe(self, result) -> None:
+        """Record one finished request (a ``GenerateResult`` of the SDK)."""
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(result.prompt_tokens)
+        self.generation_tokens.labels(m).inc(result.completion_tokens)
+        reason = result.finish_reason
+        counter = self._per_reason.get(reason)
+        if counter is None:
+            counter = self._per_reason[reason] = self.request_success.labels(m, reason)
+        counter.inc()
+        t = result.timings
+        if t.ttft is not None:
+            self.ttft.labels(m).observe(t.ttft)
+        if t.tpot is not None:
+            self.tpot.labels(m).observe(t.tpot)
+        itl = self.itl.labels(m)
+        for gap in t.itl:
+            itl.observe(gap)
+        self.e2e.labels(m).observe(t.e2e)
+
+
+_METRICS: Optional[RequestMetrics] = None
+
+
+def request_metrics(model_name: str) -> RequestMetrics:
+    """This process's RequestMetrics (prometheus_client allows each name once per process)."""
+    global _METRICS
+    if _METRICS is None:
+        _METRICS = RequestMetrics(model_name)
+    return _METRICS
+
+
+class SchedulerCollector:
+    """The scheduler's gauges and counters from one ``ServerStats`` (read just before the scrape)."""
+
+    def __init__(self, stats: Optional[ServerStats], model_name: str) -> None:
+        self.stats = stats
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if s is None:  # the scheduler did not answer: per-request metrics only
+            return
+        m = [self.model_name]
+        used = s.num_kv_blocks - s.num_free_kv_blocks
+        gauges = (
+            ("forerun:num_requests_running", "Requests running (holding a slot).", s.num_running),
+            ("forerun:num_requests_waiting", "Requests waiting to be admitted.", s.num_waiting),
+            ("forerun:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+             used / s.num_kv_blocks if s.num_kv_blocks else 0.0),
+            ("forerun:num_kv_blocks_used", "KV cache blocks in use.", used),
+            ("forerun:num_kv_blocks_free", "KV cache blocks free.", s.num_free_kv_blocks),
+            ("forerun:gpu_idle_fraction", "Fraction of the device's time spent idle since start "
+             "(GPU gaps on CUDA, else the executor's wait for plans).", idle_fraction(s)),
+        )
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
+            g.add_metric(m, value)
+            yield g
+        counters = (
+            ("forerun:num_preemptions", "Preemptions (requests sent back to waiting).", s.preemptions),
+            ("forerun:steps", "Steps run by the executor.", s.steps),
+            ("forerun:step_time_seconds", "Executor time inside steps, in seconds.", s.step_time_s_total),
+            ("forerun:gpu_busy_seconds", "GPU busy time (CUDA timing events), in seconds.", s.gpu_busy_s_total),
+            ("forerun:gpu_idle_seconds", "GPU idle gaps between steps (CUDA timing events), in seconds.",
+             s.gpu_gap_s_total),
+            ("forerun:executor_idle_seconds", "Time the executor waited for plans, in seconds.",
+             s.executor_idle_s_total),
+        )
+        for name, doc, value in counters:
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(m, value)
+            yield c
+
+
+def idle_fraction(s: ServerStats) -> float:
+    """Idle share of the device's time: GPU gaps when CUDA timed the steps, else executor waits."""
+    busy, idle = s.gpu_busy_s_total, s.gpu_gap_s_total
+    if busy <= 0.0:
+        busy, idle = s.step_time_s_total, s.executor_idle_s_total
+    total = busy + idle
+    return idle / total if total > 0 else 0.0
+
+
+def render(stats: Optional[ServerStats], model_name: str) -> bytes:
+    """The Prometheus text exposition: every worker's request metrics plus the scheduler's."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SchedulerCollector(stats, model_name))
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        MultiProcessCollector(registry)
+        return generate_latest(registry)
+    return generate_latest(REGISTRY) + generate_latest(registry)  # one process: its own metrics

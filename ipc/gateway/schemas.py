@@ -1,0 +1,265 @@
+"""OpenAI request and response bodies as msgspec structs.
+
+Requests are decoded straight from the HTTP body into these structs: a wrong
+type or an unknown field is a 400 naming the field (``forbid_unknown_fields``:
+a parameter is never ignored silently).  Responses are encoded with
+``msgspec.json``; fields that OpenAI sends as ``null`` are kept (no
+``omit_defaults``) because some clients read them.
+
+Parameters the engine does not implement yet are listed in
+:data:`UNSUPPORTED`, with the values that mean "off" (those are accepted).
+Enabling one is: delete its row, map it in ``ipc/gateway/app.py``'s
+``sampling_kwargs``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import msgspec
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=True):
+    pass
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+
+
+class _Sampling(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extras included)."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None  # an end-user identifier: accepted and ignored
+    # vLLM's extra parameters (``extra_body`` in the openai client)
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = None
+    ignore_eos: Optional[bool] = None
+    stop_token_ids: Optional[list[int]] = None
+    prompt_logprobs: Optional[int] = None
+
+
+class CompletionRequest(_Sampling):
+    # str, list[str], list[int] or list[list[int]]: msgspec takes one array type per
+    # union, so the list is checked by ``prompts()``.
+    prompt: Union[str, list[Any], None] = None
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = []
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+
+
+class TokenizeRequest(_Body):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int]
+    model: Optional[str] = None
+
+
+# Parameters the engine cannot honour yet -> the values that mean "off" (accepted, as is null).
+# Types are compared too: completions' ``logprobs=0`` asks for logprobs, chat's ``false`` does not.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "stop": ([], ""),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "suffix": ("",),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "logit_bias": ({},),
+    "repetition_penalty": (1.0,),
+    "min_tokens": (0,),
+    "prompt_logprobs": (),
+}
+
+
+def unsupported_param(req: _Sampling) -> Optional[str]:
+    """The first parameter set to a value the engine does not support yet, or None."""
+    for name, off in UNSUPPORTED.items():
+        value = getattr(req, name, None)
+        if value is not None and not any(type(value) is type(v) and value == v for v in off):
+            return name
+    return None
+
+
+class RequestError(Exception):
+    """A request the gateway rejects before it reaches the scheduler: an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 err_type: str = "invalid_request_error", code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.err_type = err_type
+        self.code = code
+
+
+def prompts(req: CompletionRequest) -> list[Union[str, list[int]]]:
+    """The prompt as a list of single prompts (text or token ids): one choice each."""
+    p = req.prompt
+    if p is None:
+        raise RequestError(400, "the prompt is missing", "prompt")
+    if isinstance(p, str):
+        return [p]
+    if p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return [p]
+    if p and all(isinstance(s, str) for s in p):
+        return list(p)
+    if p and all(isinstance(s, list) and s and all(isinstance(t, int) and not isinstance(t, bool) for t in s)
+                 for s in p):
+        return list(p)
+    raise RequestError(400, "prompt must be a string, a list of strings, a list of token ids, "
+                            "or a list of lists of token ids (none empty)", "prompt")
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template wants them (text parts joined; other parts refused)."""
+    if not messages:
+        raise RequestError(400, "messages must hold at least one message", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise RequestError(400, f"content part of type {part.type!r} is not supported; "
+                                            "only text parts are", f"messages[{i}].content")
+                texts.append(part.text)
+            content = "".join(texts)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+# ---------------------------------------------------------------------------
+# responses
+# ---------------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: Optional[str] = None
+    logprobs: None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+    object: str = "text_completion"
+
+
+class AssistantMessage(msgspec.Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: Optional[str] = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    finish_reason: Optional[str] = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+    object: str = "chat.completion.chunk"
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "forerun"
+    max_model_len: Optional[int] = None
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"

@@ -1,0 +1,197 @@
+"""The client frontend: one ROUTER socket, the clients that said Hello, sends that never block.
+
+* Binding comes first (before the model loads), so a busy port, a bad address
+  or a live server on the same ipc path is one clear line at once.  A socket
+  file that nobody listens on (left by a killed server) is replaced.
+* Reads are bounded: at most ``CLIENT_FRAMES_PER_ITERATION`` frames per loop
+  iteration, so a flood from one client delays planning and streaming by one
+  batch at most (the ROUTER already fair-queues between peers).
+* Sends never block and never grow memory without bound: the ROUTER has a
+  send high-water mark per client and ``ROUTER_MANDATORY``, so a full pipe
+  raises (the client stopped reading: *slow*) and so does a vanished peer
+  (*gone*) instead of libzmq dropping the message silently.  The server aborts
+  those clients' requests; a slow one is owed an error, sent once it reads again.
+* Clients whose Hello set ``heartbeat_s`` are expired after
+  ``HEARTBEAT_MISSES`` silent intervals.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+import time
+from collections import deque
+from typing import Optional
+
+import zmq
+
+from ipc.protocol import HEARTBEAT_MISSES, encode
+from ipc.sockets import check_address, configure
+
+CLIENT_FRAMES_PER_ITERATION = 64
+OWED_TTL_S = 60.0  # an error owed to a client that never reads again is dropped after this
+
+
+class StartupError(Exception):
+    """The server cannot start; the message is one line for the operator."""
+
+
+class ClientState:
+    __slots__ = ("heartbeat_s", "last_seen", "batch_deltas")
+
+    def __init__(self, heartbeat_s: float, last_seen: float, batch_deltas: bool):
+        self.heartbeat_s = heartbeat_s
+        self.last_seen = last_seen
+        self.batch_deltas = batch_deltas
+
+
+def claim_ipc_path(path: str) -> None:
+    """Refuse a path a live server listens on; remove a stale socket file (connection refused)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise StartupError(f"{path} exists and is not a socket; choose another --address")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)  # nobody listens: a killed server's leftover
+        return
+    finally:
+        probe.close()
+    raise StartupError(f"another server is already serving at ipc://{path}; stop it or choose another --address")
+
+
+class Frontend:
+    """The ROUTER that clients connect to, with who they are and what is owed to them."""
+
+    def __init__(self, ctx: zmq.Context, address: str, *, send_hwm: int, max_msg_bytes: int):
+        self.address = address
+        self.clients: dict[bytes, ClientState] = {}
+        self.batch_clients: set[bytes] = set()  # clients that read TokenDeltas
+        self.slow: set[bytes] = set()  # a send found their pipe full since the last take_dropped()
+        self.gone: set[bytes] = set()  # a send found no connection since the last take_dropped()
+        self.owed: dict[bytes, deque[tuple[float, bytes]]] = {}
+        self.ipc_path: Optional[str] = None
+        try:
+            check_address(address)
+            if address.startswith("ipc://"):
+                claim_ipc_path(address[len("ipc://"):])
+            sock = configure(ctx.socket(zmq.ROUTER), max_msg_bytes=max_msg_bytes, hwm=send_hwm)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or vanished peer raises, never a silent drop
+            try:
+                sock.bind(address)
+            except zmq.ZMQError as e:
+                sock.close(linger=0)
+                raise StartupError(f"cannot listen on {address}: {_bind_error(e)}") from None
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        self.sock = sock
+        if address.startswith("ipc://"):
+            self.ipc_path = address[len("ipc://"):]
+        # A plain view for the hot path: an asyncio send costs a Future per message.
+        self.now = zmq.Socket.shadow(sock.underlying)
+
+    # ----------------------------------------------------------------- input
+
+    def recv_batch(self) -> list[list[bytes]]:
+        """At most CLIENT_FRAMES_PER_ITERATION waiting messages, without blocking."""
+        out = []
+        recv = self.now.recv_multipart
+        for _ in range(CLIENT_FRAMES_PER_ITERATION):
+            try:
+                out.append(recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        return out
+
+    def has_input(self) -> bool:
+        """A client message is waiting (also re-arms ZeroMQ's edge-triggered descriptor after plain sends)."""
+        return bool(self.now.get(zmq.EVENTS) & zmq.POLLIN)
+
+    # ---------------------------------------------------------------- output
+
+    def send(self, client: bytes, msg) -> bool:
+        return self.send_data(client, encode(msg))
+
+    def send_data(self, client: bytes, data: bytes) -> bool:
+        """Send one message; False (and the client noted as slow or gone) when it cannot leave now."""
+        try:
+            self.now.send(client, zmq.SNDMORE | zmq.NOBLOCK)
+        except zmq.Again:
+            self.slow.add(client)
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != errno.EHOSTUNREACH:
+                raise
+            self.gone.add(client)
+            return False
+        self.now.send(data, zmq.NOBLOCK)  # the second frame follows the first once the first is accepted
+        return True
+
+    def take_dropped(self) -> tuple[set[bytes], set[bytes]]:
+        """(slow, gone) clients since the last call; gone clients are forgotten."""
+        slow, gone = self.slow - self.gone, self.gone
+        self.slow, self.gone = set(), set()
+        for client in gone:
+            self.forget(client)
+            self.owed.pop(client, None)
+        return slow, gone
+
+    def owe(self, client: bytes, msg) -> None:
+        """Queue a message for a client whose pipe is full; ``flush_owed`` retries it."""
+        self.owed.setdefault(client, deque()).append((time.monotonic() + OWED_TTL_S, encode(msg)))
+
+    def flush_owed(self) -> None:
+        now = time.monotonic()
+        for client in list(self.owed):
+            queue = self.owed[client]
+            while queue and (queue[0][0] < now or self.send_data(client, queue[0][1])):
+                queue.popleft()
+            if not queue:
+                del self.owed[client]
+        self.slow.clear()  # a retry that found the pipe still full is not news
+        for client in self.gone:
+            self.owed.pop(client, None)
+
+    # --------------------------------------------------------------- clients
+
+    def hello(self, client: bytes, heartbeat_s: float, batch_deltas: bool) -> None:
+        self.clients[client] = ClientState(heartbeat_s, time.monotonic(), batch_deltas)
+        if batch_deltas:
+            self.batch_clients.add(client)
+        else:
+            self.batch_clients.discard(client)
+
+    def forget(self, client: bytes) -> None:
+        self.clients.pop(client, None)
+        self.batch_clients.discard(client)
+
+    def expired(self, now: float) -> list[bytes]:
+        """Heartbeating clients silent for HEARTBEAT_MISSES intervals: forgotten and returned."""
+        dead = [c for c, st in self.clients.items()
+                if st.heartbeat_s > 0 and now - st.last_seen > HEARTBEAT_MISSES * st.heartbeat_s]
+        for client in dead:
+            self.forget(client)
+        return dead
+
+    def close(self, linger_ms: int = 1000) -> None:
+        """Close (replies already queued get ``linger_ms`` to leave) and remove the socket file."""
+        self.sock.close(linger=linger_ms)
+        if self.ipc_path is not None:
+            try:
+                os.unlink(self.ipc_path)
+            except FileNotFoundError:
+                pass
+
+
+def _bind_error(e: zmq.ZMQError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return "the address is in use (another server?)"
+    if e.errno == errno.ENOENT:
+        return "no such directory"
+    return str(e)

@@ -1,0 +1,71 @@
+"""The planner's invariants, checked after every step by tests and by ``--debug-checks``.
+
+Kept apart from :mod:`scheduler_proc.planner` so that the planner reads as the
+rules it follows; this module is the proof that it followed them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from scheduler_proc.request import Status
+
+if TYPE_CHECKING:
+    from scheduler_proc.planner import Planner
+
+_RUNNING = Status.RUNNING
+_FINISHED = Status.FINISHED
+
+
+def check_planner(pl: "Planner") -> None:
+    """Assert every accounting invariant of ``pl``; tests (and --debug-checks) call it after every step."""
+    pl.blocks.check_integrity()
+    pl.slots.check_integrity()
+    inflight_count: dict[int, int] = {}
+    pending_count: dict[int, int] = {}
+    for step in pl.inflight:
+        assert len({r.rid for r in step.requests}) == len(step.requests), f"step {step.step_id}: a request twice"
+        for r in step.requests:
+            inflight_count[r.rid] = inflight_count.get(r.rid, 0) + 1
+        for r in step.samplers:
+            if r.status is not _FINISHED:
+                pending_count[r.rid] = pending_count.get(r.rid, 0) + 1
+    block_refs = pl.blocks.held()
+    slot_owner = pl.slots.owned_by()
+    running = list(pl._running.values())
+    holders = running + list(pl.draining.values())
+    assert len({r.rid for r in holders}) == len(holders), "a request is both running and draining"
+    holds: dict[int, int] = {}
+    for r in holders:
+        assert r.num_inflight_steps == inflight_count.get(r.rid, 0), f"request {r.rid}: in-flight count"
+        assert len(set(r.blocks)) == len(r.blocks), f"request {r.rid}: a block twice in its table"
+        for b in r.blocks:
+            holds[b] = holds.get(b, 0) + 1
+        assert r.slot is not None and slot_owner.get(r.slot) == r.rid, f"request {r.rid}: slot ownership"
+        assert len(r.blocks) * pl.limits.block_size >= r.num_computed, f"request {r.rid}: KV beyond blocks"
+        if r.status is not _FINISHED:
+            assert r.num_pending == pending_count.get(r.rid, 0), f"request {r.rid}: pending count"
+    assert holds == block_refs, "block reference counts differ from the requests' block tables"
+    if pl.prefix is not None:
+        pl.prefix.check(holders)
+    else:
+        assert all(r == 1 for r in block_refs.values()), "a block is shared without prefix caching"
+    assert len(slot_owner) == len(holders), "a slot is owned by a request that holds none"
+    assert pl._draining_blocks == sum(len(r.blocks) for r in pl.draining.values()), "draining blocks"
+    for r in pl.draining.values():
+        assert r.status is Status.PREEMPTED or r.status is _FINISHED, f"request {r.rid}: draining while {r.status}"
+    for r in running:
+        assert r.status is _RUNNING
+        assert r.num_pending >= 0 and r.num_computed <= r.num_total
+        if not r.is_prefilling:
+            assert r.num_computed == r.num_total - 1, f"request {r.rid}: decode invariant"
+        assert (r.rid in pl._prefilling) == r.is_prefilling, f"request {r.rid}: prefilling set"
+        wants_decode = not r.is_prefilling and r.num_computed + 1 < r.max_total
+        assert (r.rid in pl._decoding) == wants_decode, f"request {r.rid}: decoding set"
+    assert pl._prefilling.keys() <= pl._running.keys() and pl._decoding.keys() <= pl._running.keys()
+    live = running + list(pl.waiting) + [r for r in pl.draining.values() if r.status is not _FINISHED]
+    assert {t for r in live for t in r.stop_ids} <= pl._stop_tokens, "a live request's stop token is missed"
+    assert pl.limits.eos_token_ids <= pl._stop_tokens
+    for r in pl.waiting:
+        assert r.status is Status.WAITING and r.slot is None and not r.blocks
+        assert r.num_pending == 0 and r.num_inflight_steps == 0

@@ -1,0 +1,45 @@
+"""Executor step timings: running totals for the stats, and ``--step-log`` (JSON lines)."""
+
+from __future__ import annotations
+
+import json
+
+from ipc.protocol import StepResult
+
+FLUSH_EVERY = 10_000  # step records kept in memory before they are appended
+KEYS = ("step_id", "t_start", "t_end", "idle_s", "num_rows", "num_tokens", "gpu_busy_s", "gpu_gap_s")
+
+
+class StepLog:
+    def __init__(self, path: str):
+        self.path = path
+        self.records: list[tuple] = []
+
+    def record(self, result: StepResult, num_rows: int) -> None:
+        self.records.append((result.step_id, result.t_start, result.t_end, result.idle_s, num_rows,
+                             len(result.token_ids), result.gpu_busy_s, result.gpu_gap_s))
+        if len(self.records) >= FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        """Append the buffered records (rarely: off the hot path)."""
+        if not self.records:
+            return
+        with open(self.path, "a") as f:
+            f.writelines(json.dumps(dict(zip(KEYS, r))) + "\n" for r in self.records)
+        self.records.clear()
+
+
+class StepTotals:
+    """Seconds summed over every returned step: the step's work, GPU busy, GPU gap, executor idle."""
+
+    __slots__ = ("step_s", "gpu_busy_s", "gpu_gap_s", "idle_s")
+
+    def __init__(self) -> None:
+        self.step_s = self.gpu_busy_s = self.gpu_gap_s = self.idle_s = 0.0
+
+    def add(self, result: StepResult) -> None:
+        self.step_s += result.t_end - result.t_start
+        self.gpu_busy_s += result.gpu_busy_s
+        self.gpu_gap_s += result.gpu_gap_s
+        self.idle_s += result.idle_s

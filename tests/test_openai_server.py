@@ -1,0 +1,366 @@
+"""The OpenAI-compatible HTTP gateway, driven by the official ``openai`` client.
+
+One real-model server (``forerun serve --port P --api-key K``) is shared by the
+module; scripted-executor servers cover what needs many streams or a dying
+executor.  Greedy answers must equal the SDK's, counts must match the
+requests, a client that leaves must abort its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+import signal
+import socket
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ipc.client import AsyncClient, Client
+from ipc.gateway.process import start_gateways
+from tests.server_proc import server_stats, wait_idle
+
+API_KEY = "test-key-123"
+MODEL = "SmolLM2-135M-Instruct"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_line(srv, text: str, timeout: float = 180.0) -> str:
+    """Read the server's output until a line holds ``text`` (the gateways announce themselves)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = srv.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("server exited:\n" + "".join(srv.log))
+        srv.log.append(line)
+        if text in line:
+            return line
+    raise TimeoutError("".join(srv.log))
+
+
+@pytest.fixture(scope="module")
+def http_server(server_factory, default_model_dir):
+    port = free_port()
+    srv = server_factory("--port", str(port), "--host", "127.0.0.1", "--api-key", API_KEY,
+                         "--max-num-seqs", "8", "--num-kv-blocks", "256")
+    wait_for_line(srv, "OpenAI-compatible API at")
+    srv.url = f"http://127.0.0.1:{port}"
+    return srv
+
+
+@pytest.fixture(scope="module")
+def oai(http_server):
+    return openai.OpenAI(base_url=f"{http_server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def sdk(http_server):
+    with Client(http_server.address) as client:
+        yield client
+
+
+def http(method: str, url: str, body=None, key: str = None, raw: bytes = None) -> tuple[int, bytes]:
+    """(status, body) of one plain HTTP request."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers, method=method), timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def metric_values(url: str) -> dict[tuple, float]:
+    """Every sample of /metrics as {(name, sorted labels): value}."""
+    text = http("GET", f"{url}/metrics")[1].decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+# ---------------------------------------------------------------------------
+# answers: the same as the SDK's
+# ---------------------------------------------------------------------------
+
+
+def test_chat_greedy_equals_sdk(oai, sdk):
+    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
+    ref = sdk.generate(messages=MESSAGES, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.object == "chat.completion" and r.model == MODEL
+    assert r.usage.prompt_tokens == len(sdk.encode(messages=MESSAGES)) == ref.prompt_tokens
+    assert r.usage.completion_tokens == ref.completion_tokens
+    assert r.usage.total_tokens == ref.prompt_tokens + ref.completion_tokens
+
+
+def test_completions_prompt_forms(oai, sdk):
+    ref = sdk.generate("The capital of France is", max_tokens=12, temperature=0)
+    r = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
+    assert r.choices[0].text == ref.text and r.usage.completion_tokens == ref.completion_tokens
+    ids = sdk.encode("The capital of France is")
+    r = oai.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert r.choices[0].text == ref.text and r.usage.prompt_tokens == len(ids)
+    other = sdk.generate("Once upon a time", max_tokens=12, temperature=0)
+    r = oai.completions.create(model=MODEL, prompt=["The capital of France is", "Once upon a time"],
+                               max_tokens=12, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [ref.text, other.text]
+    assert r.usage.completion_tokens == ref.completion_tokens + other.completion_tokens
+    r = oai.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=12, temperature=0)
+    assert [c.text for c in r.choices] == [ref.text, ref.text]
+
+
+def test_completions_default_max_tokens_is_16(oai):
+    r = oai.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+
+async def test_chat_stream_async_with_usage(http_server, sdk):
+    client = openai.AsyncOpenAI(base_url=f"{http_server.url}/v1", api_key=API_KEY, max_retries=0)
+    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    await client.close()
+    ref = sdk.generate(messages=MESSAGES, max_tokens=24, temperature=0)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [ref.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == ref.prompt_tokens
+    assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+
+
+def test_completions_stream_sync(oai, sdk):
+    ref = sdk.generate("Once upon a time", max_tokens=20, temperature=0)
+    stream = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0,
+                                    stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+    assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
+
+
+async def test_async_non_streaming_and_seed(http_server, sdk):
+    client = openai.AsyncOpenAI(base_url=f"{http_server.url}/v1", api_key=API_KEY, max_retries=0)
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=1.0, seed=1234)
+    a, b = await asyncio.gather(client.chat.completions.create(**kw), client.chat.completions.create(**kw))
+    await client.close()
+    ref = sdk.generate(messages=MESSAGES, max_tokens=16, temperature=1.0, seed=1234)
+    assert a.choices[0].message.content == b.choices[0].message.content == ref.text
+
+
+def test_extra_body_sampling(oai, sdk):
+    extra = {"top_k": 5, "min_p": 0.05, "stop_token_ids": [13], "ignore_eos": True}
+    r = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=10, temperature=0.7, top_p=0.9, seed=3,
+                               extra_body=extra)
+    ref = sdk.generate("Hello", max_tokens=10, temperature=0.7, top_p=0.9, seed=3, top_k=5, min_p=0.05,
+                       stop_token_ids=[13], ignore_eos=True)
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+
+
+# ---------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------
+
+UNSUPPORTED = [
+    ("n", {"n": 2}), ("stop", {"stop": ["\n"]}), ("stop", {"stop": "x"}), ("logprobs", {"logprobs": True}),
+    ("top_logprobs", {"logprobs": False, "top_logprobs": 2}), ("presence_penalty", {"presence_penalty": 0.5}),
+    ("frequency_penalty", {"frequency_penalty": -1.0}), ("logit_bias", {"logit_bias": {"13": 5}}),
+    ("repetition_penalty", {"extra_body": {"repetition_penalty": 1.2}}),
+    ("min_tokens", {"extra_body": {"min_tokens": 4}}), ("prompt_logprobs", {"extra_body": {"prompt_logprobs": 1}}),
+]
+
+
+@pytest.mark.parametrize("param,kwargs", UNSUPPORTED, ids=[f"{p}-{i}" for i, (p, _) in enumerate(UNSUPPORTED)])
+def test_unsupported_chat_params_are_400(oai, param, kwargs):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **kwargs)
+    assert e.value.param == param and "not supported" in e.value.message
+
+
+@pytest.mark.parametrize("param,kwargs", [("logprobs", {"logprobs": 0}), ("echo", {"echo": True}),
+                                          ("best_of", {"best_of": 2}), ("suffix", {"suffix": "end"})])
+def test_unsupported_completion_params_are_400(oai, param, kwargs):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt="Hi", max_tokens=4, **kwargs)
+    assert e.value.param == param
+
+
+def test_neutral_values_are_accepted(oai):
+    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, n=1, stop=None, logprobs=False,
+                                    presence_penalty=0, frequency_penalty=0.0, logit_bias={}, user="someone",
+                                    extra_body={"repetition_penalty": 1.0, "min_tokens": 0})
+    assert r.usage.completion_tokens <= 2
+    r = oai.completions.create(model=MODEL, prompt="Hi", max_tokens=2, echo=False, logprobs=None, stop=[], n=1)
+    assert len(r.choices) == 1
+
+
+def test_error_codes(http_server, oai):
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=2)
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+    bad = openai.OpenAI(base_url=f"{http_server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:  # a wrong type, named by msgspec
+        oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens="many")
+    assert e.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:  # out of range, named by the scheduler
+        oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=-1)
+    assert e.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:  # streaming too: the status comes before the stream
+        oai.completions.create(model=MODEL, prompt="Hi", max_tokens=4, top_p=0, stream=True)
+    assert e.value.param == "top_p"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt="Hi", extra_body={"best_effort": 1})
+    assert e.value.param == "best_effort"
+    status, body = http("POST", f"{http_server.url}/v1/completions", raw=b"{not json", key=API_KEY)
+    assert status == 400 and set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+
+
+def test_models_tokenize_detokenize_health_version(http_server, oai, sdk):
+    assert [m.id for m in oai.models.list().data] == [MODEL]
+    url = http_server.url
+    _, body = http("POST", f"{url}/tokenize", {"model": MODEL, "messages": MESSAGES}, API_KEY)
+    assert json.loads(body)["tokens"] == sdk.encode(messages=MESSAGES)
+    _, body = http("POST", f"{url}/tokenize", {"prompt": "Hello world"}, API_KEY)
+    ids = json.loads(body)["tokens"]
+    assert ids == sdk.encode("Hello world") and json.loads(body)["count"] == len(ids)
+    _, body = http("POST", f"{url}/detokenize", {"tokens": ids}, API_KEY)
+    assert json.loads(body)["prompt"] == "Hello world"
+    assert http("POST", f"{url}/detokenize", {"tokens": [10**9]}, API_KEY)[0] == 400
+    assert http("POST", f"{url}/tokenize", {"prompt": "x"})[0] == 401
+    assert http("GET", f"{url}/health")[0] == 200  # open: no key needed
+    assert json.loads(http("GET", f"{url}/version")[1])["version"]
+
+
+# ---------------------------------------------------------------------------
+# metrics and disconnects
+# ---------------------------------------------------------------------------
+
+
+def test_metrics_count_the_requests(http_server, oai):
+    model = (("model_name", MODEL),)
+    before = metric_values(http_server.url)
+    usages = []
+    for max_tokens in (3, 5):
+        usages.append(oai.completions.create(model=MODEL, prompt="One two", max_tokens=max_tokens, temperature=0,
+                                             extra_body={"ignore_eos": True}).usage)
+    stream = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    usages.append(list(stream)[-1].usage)
+    after = metric_values(http_server.url)
+
+    def delta(name, labels=model):
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    length = tuple(sorted(model + (("finished_reason", "length"),)))
+    assert delta("forerun:request_success_total", length) == 3
+    assert delta("forerun:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("forerun:generation_tokens_total") == 3 + 5 + 4
+    assert delta("forerun:e2e_request_latency_seconds_count") == 3
+    assert delta("forerun:time_to_first_token_seconds_count") == 3
+    assert delta("forerun:inter_token_latency_seconds_count") == 2 + 4 + 3
+    assert after[("forerun:num_requests_running", model)] == 0
+    assert after[("forerun:num_kv_blocks_free", model)] == 256 and after[("forerun:kv_cache_usage_perc", model)] == 0
+    assert delta("forerun:steps_total") >= 12 and delta("forerun:step_time_seconds_total") > 0
+    assert 0.0 <= after[("forerun:gpu_idle_fraction", model)] < 1.0
+
+
+async def test_client_disconnect_aborts(http_server):
+    before = metric_values(http_server.url)
+    client = openai.AsyncOpenAI(base_url=f"{http_server.url}/v1", api_key=API_KEY, max_retries=0)
+    stream = await client.completions.create(model=MODEL, prompt="Tell me a long story.", max_tokens=2000,
+                                             stream=True, extra_body={"ignore_eos": True})
+    n = 0
+    async for _ in stream:
+        n += 1
+        if n == 3:
+            break
+    assert (await server_stats(http_server.address)).num_running == 1
+    await stream.close()  # closes the connection mid-stream
+    await client.close()
+    s = await wait_idle(http_server.address)
+    assert s.num_running == 0 and s.num_free_kv_blocks == s.num_kv_blocks and s.num_free_slots == s.num_slots
+    abort = (("finished_reason", "abort"), ("model_name", MODEL))
+    after = metric_values(http_server.url)
+    assert after[("forerun:request_success_total", abort)] - before.get(("forerun:request_success_total", abort), 0) == 1
+
+
+# ---------------------------------------------------------------------------
+# scripted executor: many streams over two workers; health once the executor is gone
+# ---------------------------------------------------------------------------
+
+
+async def test_two_workers_64_streams_no_mixup(server_factory, default_model_dir):
+    port = free_port()
+    srv = server_factory("--load-format", "scripted", "--scripted-step-ms", "2", "--tokenizer", default_model_dir,
+                         "--max-num-seqs", "64", "--port", str(port), "--api-workers", "2")
+    wait_for_line(srv, "OpenAI-compatible API at")
+    prompt = [5, 6, 7, 8, 9]
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+
+    async def one(seed: int) -> tuple[set, str]:
+        stream = await client.completions.create(model="scripted", prompt=prompt, max_tokens=24, seed=seed,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        chunks = [c async for c in stream]
+        return {c.id for c in chunks}, "".join(c.choices[0].text for c in chunks)
+
+    got = await asyncio.gather(*(one(seed) for seed in range(64)))
+    await client.close()
+    async with AsyncClient(srv.address) as sdk:
+        want = await asyncio.gather(*(sdk.generate(prompt_token_ids=prompt, max_tokens=24, seed=seed,
+                                                   ignore_eos=True) for seed in range(64)))
+    assert all(len(ids) == 1 for ids, _ in got)
+    assert len({next(iter(ids)) for ids, _ in got}) == 64
+    assert [text for _, text in got] == [w.text for w in want]
+    assert len({w.text for w in want}) == 64
+    # Both workers served: each writes its own metric files, named by pid.
+    run_dir = os.path.dirname(srv.address[len("ipc://"):])
+    files = glob.glob(os.path.join(run_dir, "forerun-*", "prometheus", "histogram_*.db"))
+    assert len(files) == 2, files
+    assert_no_leak_after = await wait_idle(srv.address)
+    assert assert_no_leak_after.num_free_kv_blocks == assert_no_leak_after.num_kv_blocks
+
+
+async def test_health_503_once_the_executor_is_gone(server_factory):
+    # No restarts allowed: the executor's death is the server's (fail-stop), as after too many restarts.
+    srv = server_factory("--load-format", "scripted", "--scripted-step-ms", "5", "--max-restarts", "0")
+    port = free_port()
+    run_dir = tempfile.mkdtemp(prefix="gw", dir="/tmp")
+    gateways = start_gateways(srv.address, host="127.0.0.1", port=port, workers=1, run_dir=run_dir)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await asyncio.to_thread(gateways.wait_ready, 120)
+        assert http("GET", f"{url}/health")[0] == 200
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        stream = await client.completions.create(model="scripted", prompt=[5, 6], max_tokens=3000, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        await anext(stream)
+        os.kill(srv.executor_pid(), signal.SIGKILL)
+        with pytest.raises(openai.APIError) as e:  # the error event ends the stream
+            async for _ in stream:
+                pass
+        assert "executor" in str(e.value)
+        await client.close()
+        assert http("GET", f"{url}/health")[0] == 503
+        status, body = http("POST", f"{url}/v1/completions", {"prompt": [5, 6], "max_tokens": 2})
+        assert status == 503 and json.loads(body)["error"]["code"] == "executor_failed"
+    finally:
+        gateways.stop()
