@@ -150,12 +150,15 @@ def stream_answer(address: str, prompt: str, *, system=None, max_tokens=256, tem
     from ipc.client import Client
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    with Client(address, timeout=timeout) as client:
-        for chunk in client.stream(messages=messages, max_tokens=max_tokens, temperature=temperature, seed=seed):
-            out.write(chunk.text_delta)
-            out.flush()
-    out.write("\n")
-    out.flush()
+    try:
+        with Client(address, timeout=timeout) as client:
+            for chunk in client.stream(messages=messages, max_tokens=max_tokens, temperature=temperature,
+                                       seed=seed):
+                out.write(chunk.text_delta)
+                out.flush()
+    finally:
+        out.write("\n")  # also after a failure: the error line must not run on after a partial answer
+        out.flush()
 
 
 class _Progress:
@@ -305,8 +308,18 @@ def chat(args) -> int:
                 address = f.read().strip()
         except FileNotFoundError:
             raise SystemExit("forerun: no --address given and no server has been started here")
-    stream_answer(address, args.prompt, system=args.system, max_tokens=args.max_tokens,
-                  temperature=args.temperature, seed=args.seed, timeout=args.timeout)
+    from ipc.client import ForerunError
+
+    try:
+        stream_answer(address, args.prompt, system=args.system, max_tokens=args.max_tokens,
+                      temperature=args.temperature, seed=args.seed, timeout=args.timeout)
+    except (ForerunError, TimeoutError, ConnectionError, ValueError) as e:
+        # Expected failures (no server, server gone, invalid request, timeout, bad address): one line.
+        print(f"forerun: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("forerun: interrupted", file=sys.stderr, flush=True)
+        return 130
     return 0
 
 

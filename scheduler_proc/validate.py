@@ -1,15 +1,30 @@
-"""Check untrusted client input; every problem becomes an Error naming the field and the limit."""
+"""Check untrusted client input; every problem becomes an Error naming the field and the limit.
+
+Every number of every client message is bounded here, before anything reaches
+the executor: ints within what the executor stores (int64 tables, token ids
+below the vocabulary), floats finite and still in range once rounded to
+float32 (the executor's sampling tables are float32), strings within a length.
+"""
 
 from __future__ import annotations
 
 import math
 import re
+import struct
 from typing import Optional, Union
 
 import msgspec
 
 from ipc import protocol as p
 from scheduler_proc.limits import Limits
+
+# Above this a temperature only flattens the distribution further (1/T is already 1e-4):
+# refusing it keeps 1/T a normal float32 instead of sampling noise from an overflowed value.
+MAX_TEMPERATURE = 1e4
+MAX_CLIENT_NAME_LEN = 256
+# Hello.heartbeat_s: 0 (no heartbeat) or within these bounds, in seconds.
+MIN_HEARTBEAT_S = 0.05
+MAX_HEARTBEAT_S = 60.0
 
 
 class InvalidRequest(Exception):
@@ -20,23 +35,39 @@ class InvalidRequest(Exception):
 
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
-_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+# An unknown field and a missing required one are named by the message, not by its path.
+_NAMED = re.compile(r"(?:unknown|missing required) field `([^`]*)`")
+
+ClientMessage = Union[p.Hello, p.Generate, p.Abort, p.GetStats, p.ResetPrefixCache, p.Ping, p.Error]
 
 
-def decode_client_frame(data: bytes) -> Union[p.Hello, p.Generate, p.Abort, p.GetStats, p.ResetPrefixCache, p.Error]:
-    """Decode one client frame; a malformed one becomes an ``Error`` (never an exception)."""
+def decode_client_frame(data: bytes) -> ClientMessage:
+    """Decode and check one client frame; a malformed one becomes an ``Error`` (never an exception).
+
+    Hello and Abort are checked here in full (they need no model limits);
+    Generate's ranges depend on the model and are checked by :func:`validate_generate`.
+    """
     try:
-        return p.client_request_decoder.decode(data)
+        msg = p.client_request_decoder.decode(data)
     except msgspec.ValidationError as e:
         text = str(e)
         path = _PATH.search(text)
         field = path.group(1) if path else None
-        unknown = _UNKNOWN.search(text)
-        if unknown:
-            field = f"{field}.{unknown.group(1)}" if field else unknown.group(1)
+        named = _NAMED.search(text)
+        if named:
+            field = f"{field}.{named.group(1)}" if field else named.group(1)
         return p.Error(code="invalid_request", message=text, request_id=_guess_request_id(data), field=field or None)
     except (msgspec.DecodeError, UnicodeDecodeError, ValueError, OverflowError) as e:
         return p.Error(code="bad_frame", message=f"could not decode message: {e}")
+    try:
+        if isinstance(msg, p.Hello):
+            validate_hello(msg)
+        elif isinstance(msg, p.Abort):
+            _check_request_id(msg.request_id)
+    except InvalidRequest as e:
+        rid = msg.request_id if isinstance(msg, p.Abort) and len(msg.request_id) <= p.MAX_REQUEST_ID_LEN else None
+        return p.Error(code="invalid_request", message=e.message, request_id=rid or None, field=e.field)
+    return msg
 
 
 def _guess_request_id(data: bytes) -> Optional[str]:
@@ -46,19 +77,45 @@ def _guess_request_id(data: bytes) -> Optional[str]:
     except Exception:
         return None
     rid = obj.get("request_id") if isinstance(obj, dict) else None
-    return rid if isinstance(rid, str) and len(rid) <= p.MAX_REQUEST_ID_LEN else None
+    return rid if isinstance(rid, str) and 0 < len(rid) <= p.MAX_REQUEST_ID_LEN else None
 
 
-def _finite(field: str, value: float) -> float:
+def _float32(field: str, value: float) -> float:
+    """``value`` as the executor will store it (float32); not finite or out of float32's range: refused."""
     if not math.isfinite(value):
         raise InvalidRequest(field, f"{field} must be a finite number, got {value}")
-    return value
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        raise InvalidRequest(field, f"{field} = {value} is outside float32's range (about ±3.4e38)") from None
+
+
+def _check_request_id(request_id: str) -> None:
+    if not request_id or len(request_id) > p.MAX_REQUEST_ID_LEN:
+        raise InvalidRequest("request_id", f"request_id must be 1 to {p.MAX_REQUEST_ID_LEN} characters, "
+                                           f"got {len(request_id)}")
+
+
+def _check_token_ids(field: str, ids: list[int], vocab_size: int) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(field, f"token id {bad} is out of range [0, {vocab_size})")
+
+
+def validate_hello(msg: p.Hello) -> None:
+    """Raise InvalidRequest for a Hello field out of its bounds (the version itself is the server's check)."""
+    if len(msg.client_name) > MAX_CLIENT_NAME_LEN:
+        raise InvalidRequest("client_name", f"client_name must be at most {MAX_CLIENT_NAME_LEN} characters, "
+                                            f"got {len(msg.client_name)}")
+    hb = msg.heartbeat_s
+    if not math.isfinite(hb) or not (hb == 0 or MIN_HEARTBEAT_S <= hb <= MAX_HEARTBEAT_S):
+        raise InvalidRequest("heartbeat_s", f"heartbeat_s must be 0 (none) or in [{MIN_HEARTBEAT_S}, "
+                                            f"{MAX_HEARTBEAT_S}] seconds, got {hb}")
 
 
 def validate_generate(msg: p.Generate, limits: Limits) -> None:
     """Raise InvalidRequest for the first field that breaks a limit."""
-    if not msg.request_id or len(msg.request_id) > p.MAX_REQUEST_ID_LEN:
-        raise InvalidRequest("request_id", f"request_id must be 1 to {p.MAX_REQUEST_ID_LEN} characters")
+    _check_request_id(msg.request_id)
     prompt = msg.prompt_token_ids
     if not prompt:
         raise InvalidRequest("prompt_token_ids", "the prompt is empty; it must hold at least 1 token")
@@ -68,37 +125,40 @@ def validate_generate(msg: p.Generate, limits: Limits) -> None:
             f"the prompt has {len(prompt)} tokens; the model's context length is {limits.max_model_len}, "
             f"so a prompt may hold at most {limits.max_model_len - 1}",
         )
-    bad = next((t for t in prompt if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest("prompt_token_ids", f"token id {bad} is out of range [0, {limits.vocab_size})")
-    s = msg.sampling
+    _check_token_ids("prompt_token_ids", prompt, limits.vocab_size)
+    _validate_sampling(msg.sampling, len(prompt), limits)
+
+
+def _validate_sampling(s: p.SamplingParams, prompt_len: int, limits: Limits) -> None:
     if s.max_tokens < 1:
         raise InvalidRequest("sampling.max_tokens", f"max_tokens must be at least 1, got {s.max_tokens}")
-    if len(prompt) + s.max_tokens > limits.max_model_len:
+    if prompt_len + s.max_tokens > limits.max_model_len:
         raise InvalidRequest(
             "sampling.max_tokens",
             f"this model's context length is {limits.max_model_len} tokens; the request asks for "
-            f"{len(prompt) + s.max_tokens} ({len(prompt)} in the prompt, {s.max_tokens} in max_tokens)",
+            f"{prompt_len + s.max_tokens} ({prompt_len} in the prompt, {s.max_tokens} in max_tokens)",
         )
     capacity = limits.num_kv_blocks * limits.block_size
-    if len(prompt) + s.max_tokens > capacity:
+    if prompt_len + s.max_tokens > capacity:
         raise InvalidRequest(
             "sampling.max_tokens",
-            f"the prompt plus max_tokens ({len(prompt) + s.max_tokens}) exceeds the KV cache "
+            f"the prompt plus max_tokens ({prompt_len + s.max_tokens}) exceeds the KV cache "
             f"capacity of {capacity} tokens",
         )
-    if _finite("sampling.temperature", s.temperature) < 0:
-        raise InvalidRequest("sampling.temperature", f"temperature must be >= 0, got {s.temperature}")
-    if not 0 < _finite("sampling.top_p", s.top_p) <= 1:
-        raise InvalidRequest("sampling.top_p", f"top_p must be in (0, 1], got {s.top_p}")
-    if not 0 <= _finite("sampling.min_p", s.min_p) <= 1:
+    if not 0 <= _float32("sampling.temperature", s.temperature) <= MAX_TEMPERATURE:
+        raise InvalidRequest("sampling.temperature",
+                             f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {s.temperature}")
+    # Checked after rounding to float32: a top_p of 1e-50 would reach the executor as 0.
+    if not 0 < _float32("sampling.top_p", s.top_p) <= 1:
+        raise InvalidRequest("sampling.top_p", f"top_p must be in (0, 1] (as a float32), got {s.top_p}")
+    if not 0 <= _float32("sampling.min_p", s.min_p) <= 1:
         raise InvalidRequest("sampling.min_p", f"min_p must be in [0, 1], got {s.min_p}")
-    if s.top_k < -1:
-        raise InvalidRequest("sampling.top_k", f"top_k must be -1 or 0 (disabled) or at least 1, got {s.top_k}")
-    if s.seed is not None and not -(2**63) <= s.seed < 2**63:
-        raise InvalidRequest("sampling.seed", f"seed must fit in a signed 64-bit integer, got {s.seed}")
+    if not -1 <= s.top_k <= limits.vocab_size:
+        raise InvalidRequest("sampling.top_k", f"top_k must be -1 or 0 (disabled) or in [1, {limits.vocab_size}] "
+                                               f"(the vocabulary), got {s.top_k}")
+    if s.seed is not None and not 0 <= s.seed <= p.MAX_SEED:
+        raise InvalidRequest("sampling.seed", f"seed must be in [0, {p.MAX_SEED}], got {s.seed}")
     if len(s.stop_token_ids) > p.MAX_STOP_TOKEN_IDS:
-        raise InvalidRequest("sampling.stop_token_ids", f"at most {p.MAX_STOP_TOKEN_IDS} stop token ids are allowed")
-    bad = next((t for t in s.stop_token_ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest("sampling.stop_token_ids", f"token id {bad} is out of range [0, {limits.vocab_size})")
+        raise InvalidRequest("sampling.stop_token_ids",
+                             f"at most {p.MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(s.stop_token_ids)}")
+    _check_token_ids("sampling.stop_token_ids", s.stop_token_ids, limits.vocab_size)

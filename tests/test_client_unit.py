@@ -31,6 +31,7 @@ from ipc.client import (
     ForerunError,
     InvalidRequestError,
     ProtocolError,
+    ServerGoneError,
 )
 from ipc.client.detokenizer import IncrementalDetokenizer
 from ipc.client.raw import RawConnection
@@ -42,6 +43,8 @@ from ipc.protocol import (
     Generate,
     GetStats,
     Hello,
+    Ping,
+    Pong,
     ResetPrefixCache,
     SamplingParams,
     ServerInfo,
@@ -114,13 +117,17 @@ class FakeServer:
 
     def __init__(self, address: str, tokenizer_path: str, script: Callable[[Generate], list],
                  *, protocol_version: int = PROTOCOL_VERSION, reject_hello: bool = False,
-                 step_delay: float = 0.0) -> None:
+                 step_delay: float = 0.0, server_id: str = "fake-1") -> None:
         self.address = address
         self.tokenizer_path = tokenizer_path
         self.script = script
         self.protocol_version = protocol_version
         self.reject_hello = reject_hello
         self.step_delay = step_delay
+        self.server_id = server_id  # "" plays a server from before heartbeats: Pings go unanswered
+        self.muted = False  # True: read everything, answer nothing (a hung or unreachable server)
+        self.hello_msgs: list[Hello] = []
+        self.pings = 0
         self.generates: list[Generate] = []
         self.aborts: list[str] = []
         self.stats_requests: list = []  # GetStats and ResetPrefixCache messages, in order
@@ -161,22 +168,30 @@ class FakeServer:
                 if sock.poll(wait_ms):
                     while sock.poll(0):
                         ident, frame = sock.recv_multipart()
-                        self._handle(sock, ident, client_request_decoder.decode(frame), active)
+                        if not self.muted:
+                            self._handle(sock, ident, client_request_decoder.decode(frame), active)
                 self.peak_active = max(self.peak_active, len(active))
-                self._play_one_round(sock, active)
+                if not self.muted:
+                    self._play_one_round(sock, active)
         finally:
             sock.close()
             ctx.term()
 
     def _handle(self, sock, ident: bytes, msg, active: dict) -> None:
-        if isinstance(msg, Hello):
+        if isinstance(msg, Ping):
+            self.pings += 1
+            if self.server_id:
+                sock.send_multipart([ident, encode(Pong(server_id=self.server_id))])
+        elif isinstance(msg, Hello):
             self.hellos += 1
+            self.hello_msgs.append(msg)
             if self.reject_hello:
                 reply = Error(code="protocol", message=f"server speaks {PROTOCOL_VERSION}")
             else:
                 reply = ServerInfo(protocol_version=self.protocol_version, model_name="fake",
                                    max_model_len=4096, vocab_size=260, tokenizer_path=self.tokenizer_path,
-                                   eos_token_ids=[EOS], device="cpu", dtype="float32", pipeline_depth=2)
+                                   eos_token_ids=[EOS], device="cpu", dtype="float32", pipeline_depth=2,
+                                   server_id=self.server_id)
             sock.send_multipart([ident, encode(reply)])
         elif isinstance(msg, Generate):
             self.generates.append(msg)
@@ -453,7 +468,7 @@ async def test_server_info_with_another_protocol_version(serve, address):
 
 async def test_connect_times_out_without_server(address):
     client = AsyncClient(address, timeout=0.2)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(ServerGoneError, match="no server answered at"):
         await client.connect()
     await client.close()
 

@@ -13,12 +13,17 @@ runs an AsyncClient on a private event-loop thread.  Sampling is a
 :class:`SamplingParams` and/or its fields as keyword arguments.
 
 Parameters are sent as given (NaN included): the server validates them and
-answers an ``Error`` that this package raises as :class:`ForerunError`.
+answers an ``Error`` that this package raises as :class:`ForerunError`.  What
+fails locally fails the same way, before anything is sent: a value msgpack
+cannot carry, a frame over the server's size limit, malformed chat messages, a
+text too long for the context.  A server that does not answer the handshake,
+falls silent or is restarted raises :class:`ServerGoneError` (see ``liveness``).
 
 Modules: ``errors`` (exceptions), ``results`` (what a request returns),
 ``request`` (one request's state, sampling arguments), ``outputs`` (one
 completion's tokens, logprobs and stop-string text), ``async_client``,
 ``blocking``, ``prompt`` (tokenizer and prompt encoding), ``detokenizer``,
+``liveness`` (heartbeats), ``wire`` (checked encoding), ``stream``,
 ``raw`` (a bare protocol connection for tests and benchmarks).
 """
 
@@ -30,7 +35,11 @@ from ipc.client.errors import (
     ExecutorFailedError,
     ForerunError,
     InvalidRequestError,
+    OverloadedError,
     ProtocolError,
+    ServerGoneError,
+    ServerShuttingDownError,
+    SlowReaderError,
     error_from_wire,
 )
 from ipc.client.prompt import encode_prompt
@@ -49,9 +58,13 @@ __all__ = [
     "ForerunError",
     "GenerateResult",
     "InvalidRequestError",
+    "OverloadedError",
     "ProtocolError",
     "SamplingParams",
+    "ServerGoneError",
     "ServerInfo",
+    "ServerShuttingDownError",
+    "SlowReaderError",
     "Stream",
     "StreamChunk",
     "Timings",

@@ -1,7 +1,10 @@
 """The asyncio client: one DEALER socket, any number of concurrent requests on it.
 
 A reader task decodes every reply and hands it to its request's queue by
-``request_id`` (see :class:`~ipc.client.request.PendingRequest`).
+``request_id`` (see :class:`~ipc.client.request.PendingRequest`); a heartbeat
+task pings the server and fails every waiting request with ServerGoneError
+once the server falls silent or turns out to be another process (see
+:mod:`ipc.client.liveness`).  After that the next call connects again.
 """
 
 from __future__ import annotations
@@ -10,23 +13,26 @@ import asyncio
 import logging
 import math
 import time
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.client.errors import ProtocolError, error_from_wire
+from ipc.client.errors import ProtocolError, ServerGoneError, error_from_wire
+from ipc.client.liveness import Liveness, keep_alive
 from ipc.client.prompt import encode_prompt, load_tokenizer
 from ipc.client.request import Call, PendingRequest, Stop, sampling_params, split_deltas
-from ipc.client.results import GenerateResult, StreamChunk
+from ipc.client.results import GenerateResult
+from ipc.client.stream import AsyncStream
+from ipc.client.wire import encode_abort, encode_generate
 from ipc.protocol import (
     PROTOCOL_VERSION,
-    Abort,
     Error,
     Generate,
     GetStats,
     Hello,
+    Pong,
     ResetPrefixCache,
     SamplingParams,
     ServerInfo,
@@ -39,8 +45,13 @@ from ipc.sockets import check_address, make_socket
 
 logger = logging.getLogger("forerun.client")
 
-# Seconds allowed for the handshake and for each request unless a call says otherwise.
+# Seconds allowed for each request unless a call says otherwise.
 DEFAULT_TIMEOUT = 300.0
+# Seconds the handshake may take: a server answers Hello at once, so silence means nobody is there.
+DEFAULT_CONNECT_TIMEOUT = 5.0
+# The heartbeat this client promises in its Hello (seconds); a dead server is noticed after
+# HEARTBEAT_MISSES of them (4 s).
+DEFAULT_HEARTBEAT_S = 1.0
 # Milliseconds that close() lets queued Abort messages drain before dropping them.
 CLOSE_LINGER_MS = 100
 # Replies read per wake-up of the reader task before it yields to other tasks.
@@ -50,21 +61,29 @@ DRAIN_BATCH = 256
 class AsyncClient:
     """An asyncio client; any number of generate/stream calls may run concurrently.
 
-    ``timeout`` (seconds, None for no limit) bounds the handshake and is the
-    default total time of each request.  ``tokenizer`` overrides the server's
-    tokenizer: a local folder, or an already loaded tokenizer object.
+    ``timeout`` (seconds, None for no limit) is the default total time of each
+    request.  ``connect_timeout`` bounds the handshake (also by ``timeout``):
+    no answer raises ServerGoneError.  ``heartbeat_s`` is the ping interval
+    (0: no heartbeat, a dead server is then noticed only by timeouts).
+    ``tokenizer`` overrides the server's tokenizer: a local folder, or an
+    already loaded tokenizer object.
     """
 
     def __init__(self, address: str, *, timeout: Optional[float] = DEFAULT_TIMEOUT,
-                 tokenizer: Any = None, client_name: str = "forerun-python") -> None:
+                 tokenizer: Any = None, client_name: str = "forerun-python",
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
         self.address = check_address(address)
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.heartbeat_s = heartbeat_s
         self.client_name = client_name
         self._tokenizer_path = tokenizer if isinstance(tokenizer, str) else None
         self._tokenizer = None if isinstance(tokenizer, str) else tokenizer
         self._ctx: Optional[zmq.asyncio.Context] = None
         self._sock: Optional[zmq.asyncio.Socket] = None
         self._reader: Optional[asyncio.Task] = None
+        self._heartbeat: Optional[asyncio.Task] = None
         self._server_info: Optional[ServerInfo] = None
         self._pending: dict[str, PendingRequest] = {}
         self._connect_lock: Optional[asyncio.Lock] = None
@@ -98,30 +117,36 @@ class AsyncClient:
         async with self._connect_lock:
             if self._server_info is not None:
                 return self._server_info
-            ctx = zmq.asyncio.Context()
+            self._check_open()
+            if self._ctx is None:
+                self._ctx = zmq.asyncio.Context()
             # No high-water mark: a ROUTER drops replies to a full peer silently, and a
             # lost Finished would hang its request; the client chose to ask for them all.
-            sock = make_socket(ctx, zmq.DEALER, self.address, bind=False, hwm=0)
+            sock = make_socket(self._ctx, zmq.DEALER, self.address, bind=False, hwm=0)
             try:
                 info = await self._handshake(sock)
             except BaseException:
                 sock.close(linger=0)
-                ctx.term()
                 raise
-            self._ctx, self._sock, self._server_info = ctx, sock, info
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop(sock))
+            self._sock, self._server_info = sock, info
+            live = Liveness(info.server_id, self.heartbeat_s)
+            loop = asyncio.get_running_loop()
+            self._reader = loop.create_task(self._read_loop(sock, live))
+            if self.heartbeat_s > 0:
+                self._heartbeat = loop.create_task(keep_alive(sock, live, lambda why: self._server_gone(sock, why)))
         return info
 
     async def _handshake(self, sock: zmq.asyncio.Socket) -> ServerInfo:
         await sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name=self.client_name,
-                                     batch_deltas=True)))  # one message per step, not per request
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+                                     batch_deltas=True,  # one message per step, not per request
+                                     heartbeat_s=self.heartbeat_s)))
+        limit = self.connect_timeout if self.timeout is None else min(self.timeout, self.connect_timeout)
+        deadline = time.monotonic() + limit
         while True:
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
-                frames = await asyncio.wait_for(sock.recv_multipart(), remaining)
+                frames = await asyncio.wait_for(sock.recv_multipart(), max(deadline - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
-                raise TimeoutError(f"no answer to Hello from {self.address} within {self.timeout} s") from None
+                raise ServerGoneError(f"no server answered at {self.address} within {limit:g} s") from None
             try:
                 msg = server_reply_decoder.decode(frames[-1])
             except msgspec.DecodeError as exc:
@@ -136,7 +161,7 @@ class AsyncClient:
                 raise error_from_wire(msg)
             # Anything else is a stray reply to an earlier connection's request.
 
-    async def _read_loop(self, sock: zmq.asyncio.Socket) -> None:
+    async def _read_loop(self, sock: zmq.asyncio.Socket, live: Liveness) -> None:
         pending = self._pending
         # Drain through a plain shadow socket: an awaited recv per message costs ~50 us
         # of future bookkeeping, which caps a busy client far below the server's rate.
@@ -144,6 +169,7 @@ class AsyncClient:
         try:
             while True:
                 await sock.poll(flags=zmq.POLLIN)
+                live.last_heard = time.perf_counter()
                 for _ in range(DRAIN_BATCH):
                     try:
                         frames = raw.recv_multipart(zmq.NOBLOCK)
@@ -164,6 +190,10 @@ class AsyncClient:
                         continue
                     request_id = getattr(msg, "request_id", None)
                     if request_id is None:
+                        gone = live.restarted(msg.server_id) if isinstance(msg, (Pong, ServerInfo)) else None
+                        if gone is not None:
+                            self._server_gone(sock, gone)
+                            return
                         self._on_connection_error(msg)
                         continue
                     req = pending.get(request_id)
@@ -176,7 +206,7 @@ class AsyncClient:
             raise
         except Exception:
             logger.exception("client reader for %s failed", self.address)
-            self._fail_pending("the connection to the server failed")
+            self._fail_pending(ConnectionError, "the connection to the server failed")
 
     def _on_stats(self, msg: ServerStats) -> None:
         while self._stats_waiters:
@@ -217,10 +247,23 @@ class AsyncClient:
             if not req.answered:
                 req.deliver(time.perf_counter(), msg)
 
-    def _fail_pending(self, message: str) -> None:
+    def _fail_pending(self, exc_type: type[BaseException], message: str) -> None:
         for req in self._pending.values():
-            req.queue.put_nowait(Stop(ConnectionError, message))
+            req.queue.put_nowait(Stop(exc_type, message))
         self._pending.clear()
+
+    def _server_gone(self, sock: zmq.asyncio.Socket, reason: str) -> None:
+        """Fail every waiting request with ServerGoneError and drop the connection (the next call reconnects)."""
+        if self._sock is not sock:
+            return  # this connection was already dropped
+        logger.warning("server at %s is gone: %s", self.address, reason)
+        self._fail_pending(ServerGoneError, f"{reason} at {self.address}; the request is lost")
+        tasks = [t for t in (self._reader, self._heartbeat) if t is not None and t is not asyncio.current_task()]
+        self._sock, self._server_info, self._reader, self._heartbeat = None, None, None, None
+        for task in tasks:
+            task.cancel()
+        # Queued frames are dropped: they must not reach a restarted server at the same address.
+        sock.close(linger=0)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -235,11 +278,12 @@ class AsyncClient:
         if sock is not None:
             for req in self._pending.values():
                 if not req.done:
-                    await sock.send(encode(Abort(request_id=req.request_id)))
-        self._fail_pending("the client was closed")
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+                    await sock.send(encode_abort(req.request_id))
+        self._fail_pending(ConnectionError, "the client was closed")
+        tasks = [t for t in (self._reader, self._heartbeat) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if sock is not None:
             sock.close(linger=CLOSE_LINGER_MS)
         if self._ctx is not None:
@@ -270,8 +314,15 @@ class AsyncClient:
 
     async def encode(self, prompt: Optional[str] = None, *,
                      messages: Optional[list[dict[str, Any]]] = None) -> list[int]:
-        """Token ids that generate() would send for this prompt or these messages."""
-        return encode_prompt(await self.get_tokenizer(), prompt, messages=messages)
+        """Token ids that generate() would send for this prompt or these messages.
+
+        Raises InvalidRequestError (naming the field) for malformed messages, a
+        chat-template or tokenizer failure, or a text too long for the server's
+        context (checked before tokenizing; see ``prompt.MAX_CHARS_PER_TOKEN``).
+        """
+        tokenizer = await self.get_tokenizer()
+        max_model_len = self._server_info.max_model_len if self._server_info is not None else None
+        return encode_prompt(tokenizer, prompt, messages=messages, max_model_len=max_model_len)
 
     # -- requests -----------------------------------------------------------
 
@@ -335,8 +386,9 @@ class AsyncClient:
     async def abort(self, request_id: str) -> None:
         """Ask the server to stop a request; its generate/stream ends with reason "abort"."""
         self._check_open()
+        frame = encode_abort(request_id)
         if self._sock is not None:
-            await self._sock.send(encode(Abort(request_id=request_id)))
+            await self._sock.send(frame)
 
     def _make_call(self, prompt: Optional[str], messages: Optional[list[dict[str, Any]]],
                    prompt_token_ids: Optional[Sequence[int]], sampling: Optional[SamplingParams],
@@ -352,15 +404,17 @@ class AsyncClient:
         prompt_ids = call.prompt_token_ids
         if prompt_ids is None:
             prompt_ids = await self.encode(call.prompt, messages=call.messages)
+        # Encoded (and so checked) before the request is registered: a failure leaves nothing behind.
+        frame = encode_generate(Generate(request_id=call.request_id, prompt_token_ids=prompt_ids,
+                                         sampling=call.sampling))
         tokenizer = await self.get_tokenizer() if call.detokenize else None
+        await self.connect()  # again: the server may have gone (and this client reconnects) meanwhile
         self._check_open()
-        # No await between this check and the insert: ids stay unique among pending requests.
+        # No await between this check and the send: ids stay unique among pending requests.
         if call.request_id in self._pending:
             raise ValueError(f"request id {call.request_id!r} is already in flight on this client")
         req = PendingRequest(call.request_id, tokenizer, call.sampling, prompt_ids)
         self._pending[call.request_id] = req
-        frame = encode(Generate(request_id=call.request_id, prompt_token_ids=prompt_ids,
-                                sampling=call.sampling))
         if call.timeout is not None and not math.isinf(call.timeout):
             req.timer = asyncio.get_running_loop().call_later(
                 call.timeout, req.queue.put_nowait,
@@ -379,69 +433,7 @@ class AsyncClient:
             req.timer.cancel()
         if self._pending.get(req.request_id) is req:
             del self._pending[req.request_id]
-        if not req.done and not self._closed:
+        if not req.done and not self._closed and self._sock is not None:
             req.done = True
-            await self._sock.send(encode(Abort(request_id=req.request_id)))
+            await self._sock.send(encode_abort(req.request_id))
 
-
-class AsyncStream:
-    """A streaming request: ``async for chunk in stream`` yields StreamChunk items.
-
-    The Generate is sent when iteration (or ``async with``) starts.  Leaving
-    early (``break``, an exception, ``aclose()``) aborts the request on the
-    server; ``abort()`` asks the server to stop it, after which the stream ends
-    normally with ``result.finish_reason == "abort"``.
-    """
-
-    def __init__(self, client: AsyncClient, call: Call) -> None:
-        self.request_id = call.request_id
-        self._client = client
-        self._call = call
-        self._req: Optional[PendingRequest] = None
-        self._closed = False
-
-    @property
-    def result(self) -> Optional[GenerateResult]:
-        """The finished request (None until the Finished message has been read)."""
-        return self._req.result if self._req is not None else None
-
-    async def start(self) -> None:
-        """Send the request now (iteration does it on its own)."""
-        if self._closed:
-            raise RuntimeError(f"stream {self.request_id} is closed")
-        if self._req is None:
-            self._req = await self._client._start(self._call)
-
-    async def next_chunk(self) -> Optional[StreamChunk]:
-        """The next chunk, or None at the end."""
-        await self.start()
-        return await self._req.next_chunk()
-
-    def __aiter__(self) -> AsyncIterator[StreamChunk]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[StreamChunk]:
-        try:
-            while (chunk := await self.next_chunk()) is not None:
-                yield chunk
-        finally:
-            await self.aclose()
-
-    async def abort(self) -> None:
-        """Ask the server to stop this request."""
-        await self._client.abort(self.request_id)
-
-    async def aclose(self) -> None:
-        """Stop reading; aborts the request on the server if it has not ended."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._req is not None:
-            await self._client._release(self._req)
-
-    async def __aenter__(self) -> "AsyncStream":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.aclose()

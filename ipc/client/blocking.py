@@ -2,24 +2,48 @@
 
 One ``Client`` may be used from several threads at once: every call is a
 coroutine handed to that loop, so all of them share one connection.
+
+The loop thread is a daemon and an exit hook closes the client, so a process
+that ends with a client open or a stream half read exits at once: a call made
+after the loop has stopped (a generator finalized at interpreter exit) raises
+RuntimeError instead of waiting for a loop that will never run it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import weakref
 from typing import Any, Iterator, Optional, Sequence
 
-from ipc.client.async_client import DEFAULT_TIMEOUT, AsyncClient, AsyncStream
+from ipc.client.async_client import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_TIMEOUT,
+    AsyncClient,
+    AsyncStream,
+)
 from ipc.client.results import GenerateResult, StreamChunk
 from ipc.protocol import SamplingParams, ServerInfo, ServerStats
 
 
-def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
-    if not loop.is_closed():
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=1.0)
+# Seconds the exit hook gives close() to send the Aborts of requests still in flight.
+EXIT_CLOSE_TIMEOUT = 1.0
+# How often a waiting call checks that the loop thread is still alive (seconds).
+LOOP_CHECK_INTERVAL = 0.5
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread, aclient: AsyncClient) -> None:
+    """Close the async client (best effort, bounded) and stop its loop thread: at close, drop, or exit."""
+    if loop.is_closed() or not thread.is_alive():
+        return
+    try:
+        asyncio.run_coroutine_threadsafe(aclient.close(), loop).result(EXIT_CLOSE_TIMEOUT)
+    except BaseException:  # noqa: BLE001 (exiting: a failed close must not stop the exit)
+        pass
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=1.0)
 
 
 class Client:
@@ -30,21 +54,29 @@ class Client:
     """
 
     def __init__(self, address: str, *, timeout: Optional[float] = DEFAULT_TIMEOUT,
-                 tokenizer: Any = None, client_name: str = "forerun-python") -> None:
-        self._async = AsyncClient(address, timeout=timeout, tokenizer=tokenizer, client_name=client_name)
+                 tokenizer: Any = None, client_name: str = "forerun-python",
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
+        self._async = AsyncClient(address, timeout=timeout, tokenizer=tokenizer, client_name=client_name,
+                                  connect_timeout=connect_timeout, heartbeat_s=heartbeat_s)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="forerun-client", daemon=True)
         self._thread.start()
         self._closed = False
-        # A client dropped without close() still stops its loop thread.
-        self._finalizer = weakref.finalize(self, _stop_loop, self._loop, self._thread)
+        # A client dropped without close(), or still open at interpreter exit (finalize runs
+        # at exit), closes and stops its loop thread.
+        self._finalizer = weakref.finalize(self, _stop_loop, self._loop, self._thread, self._async)
 
     def _run(self, coro: Any) -> Any:
-        if self._closed:
+        if self._closed or not self._finalizer.alive:
             coro.close()
             raise RuntimeError("the client is closed")
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
+            # Not fut.result(timeout): a request's own TimeoutError would look like the wait's.
+            while not concurrent.futures.wait([fut], LOOP_CHECK_INTERVAL).done:
+                if not self._thread.is_alive() or not self._loop.is_running():
+                    raise RuntimeError("the client's event loop has stopped (interpreter exit?)")
             return fut.result()
         except BaseException:
             # KeyboardInterrupt while waiting: cancel the coroutine so it aborts its request.
@@ -138,11 +170,13 @@ class Client:
         if self._closed:
             return
         try:
-            self._run(self._async.close())
+            if self._finalizer.alive:
+                self._run(self._async.close())
         finally:
             self._closed = True
             self._finalizer()
-            self._loop.close()
+            if not self._thread.is_alive():
+                self._loop.close()
 
     def __enter__(self) -> "Client":
         self.connect()
@@ -182,7 +216,7 @@ class Stream:
 
     def close(self) -> None:
         """Stop reading; aborts the request on the server if it has not ended."""
-        if not self._client.closed:
+        if not self._client.closed and self._client._finalizer.alive:
             self._client._run(self._inner.aclose())
 
     def __enter__(self) -> "Stream":

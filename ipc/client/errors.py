@@ -40,12 +40,40 @@ class ExecutorFailedError(ForerunError):
     """The server's executor (the GPU process) died; the request cannot finish."""
 
 
+class OverloadedError(ForerunError):
+    """The server's waiting queue is full: try again later (nothing was started)."""
+
+
+class ServerShuttingDownError(ForerunError):
+    """The server is shutting down: it admits nothing new, or it stopped this request at its deadline."""
+
+
+class SlowReaderError(ForerunError):
+    """This client stopped reading and the server's buffer for it filled up: its requests were aborted."""
+
+
+class ServerGoneError(ForerunError):
+    """No server answers at the address: none was there, it died, or it was restarted (another server_id).
+
+    Raised by the client itself (code ``"server_gone"``): the handshake got no
+    answer within the connect timeout, or a connected server fell silent for
+    ``HEARTBEAT_MISSES`` heartbeats.  Requests in flight are lost; a later call
+    connects again.
+    """
+
+    def __init__(self, message: str, request_id: Optional[str] = None) -> None:
+        super().__init__("server_gone", None, message, request_id)
+
+
 _ERROR_TYPES: dict[str, type[ForerunError]] = {
     "invalid_request": InvalidRequestError,
     "protocol": ProtocolError,
     "bad_frame": BadFrameError,
     "duplicate_id": DuplicateRequestIdError,
     "executor_failed": ExecutorFailedError,
+    "overloaded": OverloadedError,
+    "shutting_down": ServerShuttingDownError,
+    "slow_reader": SlowReaderError,
 }
 
 

@@ -1,29 +1,96 @@
-"""Prompts to token ids: the tokenizer the client loads and how text and chat become tokens."""
+"""Prompts to token ids: the tokenizer the client loads and how text and chat become tokens.
+
+Every local failure (a malformed message, a chat-template or tokenizer
+exception, a text too long to be worth tokenizing) becomes an
+:class:`~ipc.client.errors.InvalidRequestError` naming the field.
+"""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Optional
+
+from ipc.client.errors import InvalidRequestError
+
+# Roles the chat templates of the supported models know; the templates themselves take any
+# string (it is pasted between the template's own markers), so the check is ours.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+# A text prompt longer than max_model_len x this many characters cannot fit in the context, so
+# it is refused before tokenizing (10 MB of text takes seconds and gigabytes to tokenize).
+# Generous on purpose: English averages about 4 characters per token and code about 3; only
+# long runs of one repeated character come near 16 in common vocabularies.
+MAX_CHARS_PER_TOKEN = 32
+
+# transformers imports its submodules lazily and not thread-safely: two threads loading their
+# first tokenizer at once can see a half-imported module (ImportError). One load at a time.
+_load_lock = threading.Lock()
 
 
 def load_tokenizer(path: str) -> Any:
-    """The HuggingFace tokenizer in a local folder (or a hub name)."""
-    # Imported here: transformers takes seconds to import and token-id clients never need it.
-    from transformers import AutoTokenizer
+    """The HuggingFace tokenizer in a local folder (or a hub name); safe to call from several threads."""
+    with _load_lock:
+        # Imported here: transformers takes seconds to import and token-id clients never need it.
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
+
+
+def check_messages(messages: Any) -> None:
+    """Refuse chat messages the template would mangle or fail on, naming the field."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidRequestError("invalid_request", "messages", "messages must be a non-empty list of dicts")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise InvalidRequestError("invalid_request", where, f"a message must be a dict, got {type(m).__name__}")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError("invalid_request", f"{where}.role",
+                                      f"role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+        if not isinstance(m.get("content"), (str, list)):
+            raise InvalidRequestError("invalid_request", f"{where}.content",
+                                      f"content must be a string or a list of parts, got {type(m.get('content')).__name__}")
+
+
+def check_text_size(field: str, text: str, max_model_len: Optional[int]) -> None:
+    """Refuse text that cannot fit in the context before spending time tokenizing it."""
+    if max_model_len is None:
+        return
+    limit = max_model_len * MAX_CHARS_PER_TOKEN
+    if len(text) > limit:
+        raise InvalidRequestError(
+            "invalid_request", field,
+            f"the prompt has {len(text)} characters; the model's context is {max_model_len} tokens, and no "
+            f"text over {limit} characters ({MAX_CHARS_PER_TOKEN} per token) fits in it")
 
 
 def encode_prompt(tokenizer: Any, prompt: Optional[str] = None, *,
-                  messages: Optional[list[dict[str, Any]]] = None) -> list[int]:
+                  messages: Optional[list[dict[str, Any]]] = None,
+                  max_model_len: Optional[int] = None) -> list[int]:
     """Token ids of a text prompt, or of chat messages through the chat template.
 
     Plain text gets the tokenizer's default special tokens (as ``tokenizer(prompt)``
     before HF ``generate``); a rendered chat template already holds them, so it is
     tokenized without adding more (as ``apply_chat_template(tokenize=True)`` does).
+    ``max_model_len`` (when given) bounds the text's length before it is tokenized.
     """
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt or messages")
     if messages is not None:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    return list(tokenizer.encode(prompt))
+        check_messages(messages)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja2 and transformers raise many types; the caller sees one
+            raise InvalidRequestError("invalid_request", "messages",
+                                      f"the chat template failed: {type(exc).__name__}: {exc}") from None
+        field, special = "messages", False
+    else:
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("invalid_request", "prompt", f"prompt must be a str, got {type(prompt).__name__}")
+        text, field, special = prompt, "prompt", True
+    check_text_size(field, text, max_model_len)
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=special))
+    except Exception as exc:  # e.g. a lone surrogate: the tokenizer raises TypeError
+        raise InvalidRequestError("invalid_request", field,
+                                  f"the text could not be tokenized: {type(exc).__name__}: {exc}") from None
