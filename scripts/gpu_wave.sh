@@ -14,7 +14,7 @@ if [ "$part" = A ]; then
   timeout 200 python3 scripts/bench_decode.py --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | grep -A3 "^model"
   exit 0
 fi
-timeout 150 python3 scripts/bench_restart.py --kills 3 --json "$OUT/restart_1b.json" -- --device cuda \
+timeout 150 python3 scripts/bench_restart.py --kills 2 --json "$OUT/restart_1b.json" -- --device cuda \
     --load-format dummy --model $CFG/llama-3.2-1b 2>&1 | tail -6
 for m in llama-3.2-1b llama-3-8b; do
   timeout 200 python3 scripts/bench_prefix.py --device cuda --load-format dummy --model $CFG/$m \
