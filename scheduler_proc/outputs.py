@@ -65,7 +65,7 @@ class StopMatcher:
             i = window.find(stop, max(0, old - len(stop) + 1))
             if i >= 0 and (best_end is None or i + len(stop) < best_end):
                 best, best_end = stop, i + len(stop)
-        self.window = window[len(window) - self.keep:] if self.keep else ""
+        self.window = window[-self.keep:] if self.keep else ""
         if self.prefix > 64:  # older tokens no longer change the new text's decoding
             del tokens[: self.prefix]
             self.read -= self.prefix

@@ -124,3 +124,24 @@ def test_n_completions_aborted_while_held_or_running(depth):
         check_case(trace, planner, ex, aborted={f"r{victim}"})
         assert not planner.followers
     assert_drained(planner)
+
+
+def test_stop_matcher_finds_long_and_overlapping_stop_strings_across_tokens():
+    """The incremental matcher against a plain search of the whole text, for every prefix of random outputs."""
+    import random
+
+    from scheduler_proc.outputs import StopMatcher
+
+    rng = random.Random(0)
+    for _ in range(300):
+        tokens = [rng.randrange(40) for _ in range(30)]
+        text = fake_detokenize(tokens)
+        stops = [text[i:i + n] for i, n in ((rng.randrange(25), rng.randint(1, 12)) for _ in range(3))] + ["zzz"]
+        matcher, found = StopMatcher(stops, fake_detokenize), None
+        for k, t in enumerate(tokens):
+            found = matcher.feed(t)
+            if found is not None:
+                break
+        ends = {s: text.find(s) + len(s) for s in stops if s in text}
+        first = min(ends.values())
+        assert k + 1 == first and ends[found] == first, (stops, k, found)
