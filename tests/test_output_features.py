@@ -145,3 +145,29 @@ def test_stop_matcher_finds_long_and_overlapping_stop_strings_across_tokens():
         ends = {s: text.find(s) + len(s) for s in stops if s in text}
         first = min(ends.values())
         assert k + 1 == first and ends[found] == first, (stops, k, found)
+
+
+@pytest.mark.parametrize("field,value,limit", [
+    ("stop", ["x"] * 17, "at most 16"), ("stop", [""], "1 to 256 bytes"), ("stop", ["\u00e9" * 129], "1 to 256"),
+    ("logprobs", 21, "[0, 20]"), ("prompt_logprobs", -1, "[0, 20]"),
+    ("repetition_penalty", 0.0, "(0, 2]"), ("repetition_penalty", 2.5, "(0, 2]"),
+    ("repetition_penalty", float("nan"), "finite"), ("frequency_penalty", -2.5, "[-2, 2]"),
+    ("presence_penalty", float("inf"), "finite"), ("logit_bias", {5: 101.0}, "[-100, 100]"),
+    ("logit_bias", {1000: 1.0}, "out of range"), ("logit_bias", {i: 1.0 for i in range(301)}, "at most 300"),
+    ("min_tokens", 9, "[0, max_tokens=8]"), ("min_tokens", -1, "[0, max_tokens"), ("n", 0, "[1, 16]"),
+    ("n", 17, "[1, 16]"), ("temperature", 1e39, "float32"),
+])
+def test_validation_names_field_and_limit(field, value, limit):
+    from ipc import protocol as p
+    from scheduler_proc.limits import Limits
+    from scheduler_proc.validate import InvalidRequest, validate_generate
+
+    limits = Limits(4, 64, 4, 512, 64, frozenset({EOS}), vocab_size=VOCAB)
+    msg = p.Generate("r", [5, 6], p.SamplingParams(max_tokens=8, **{field: value}))
+    with pytest.raises(InvalidRequest) as e:
+        validate_generate(msg, limits)
+    assert e.value.field == f"sampling.{field}" and limit in e.value.message, e.value.message
+    ok = p.SamplingParams(max_tokens=8, stop=["ab", "\u00e9" * 128], logprobs=20, prompt_logprobs=0, n=16,
+                          repetition_penalty=2.0, frequency_penalty=-2, presence_penalty=2, min_tokens=8,
+                          logit_bias={i: -100.0 for i in range(300)})
+    validate_generate(p.Generate("r", [5, 6], ok), limits)
