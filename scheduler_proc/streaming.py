@@ -16,34 +16,28 @@ from scheduler_proc.steps import Output
 
 
 class _Batch:
-    """One client's TokenDeltas under construction."""
+    """One client's TokenDeltas under construction; per-request extras are gathered only if someone has them."""
 
-    __slots__ = ("request_ids", "token_ids", "indices", "logprobs", "prompt_logprobs", "extras")
+    __slots__ = ("request_ids", "token_ids", "special")
 
     def __init__(self):
         self.request_ids: list[str] = []
         self.token_ids: list[list[int]] = []
-        self.indices: list[int] = []
-        self.logprobs: list[list[p.TokenLogprobs]] = []
-        self.prompt_logprobs: list = []
-        self.extras = False  # some entry has an index, logprobs or prompt logprobs
-
-    def add(self, out: Output) -> None:
-        req = out.request
-        self.request_ids.append(req.request_id)
-        self.token_ids.append(out.new_tokens)
-        self.indices.append(req.index)
-        self.logprobs.append(out.logprobs or [])
-        self.prompt_logprobs.append(out.prompt_logprobs)
-        self.extras = self.extras or bool(req.index or out.logprobs or out.prompt_logprobs)
+        self.special: list[tuple[int, Output]] = []  # (entry, output) of requests with an index or extras
 
     def message(self) -> p.TokenDeltas:
-        if not self.extras:
+        if not self.special:
             return p.TokenDeltas(self.request_ids, self.token_ids)
+        n = len(self.request_ids)
+        indices, logprobs, prompt_logprobs = [0] * n, [[] for _ in range(n)], [None] * n
+        for i, out in self.special:
+            indices[i] = out.request.index
+            logprobs[i] = out.logprobs or []
+            prompt_logprobs[i] = out.prompt_logprobs
         return p.TokenDeltas(
-            self.request_ids, self.token_ids, indices=self.indices if any(self.indices) else [],
-            logprobs=self.logprobs if any(self.logprobs) else [],
-            prompt_logprobs=self.prompt_logprobs if any(x is not None for x in self.prompt_logprobs) else [])
+            self.request_ids, self.token_ids, indices=indices if any(indices) else [],
+            logprobs=logprobs if any(logprobs) else [],
+            prompt_logprobs=prompt_logprobs if any(x is not None for x in prompt_logprobs) else [])
 
 
 def token_delta(out: Output) -> p.TokenDelta:
@@ -70,7 +64,10 @@ class OutputStream:
                 batch = batches.get(req.client)
                 if batch is None:
                     batch = batches[req.client] = _Batch()
-                batch.add(out)
+                if req.extras is not None or req.index:
+                    batch.special.append((len(batch.request_ids), out))
+                batch.request_ids.append(req.request_id)
+                batch.token_ids.append(out.new_tokens)
             elif req.extras is None and not req.index:
                 send(req.client, encode(p.TokenDelta(req.request_id, out.new_tokens)))
             else:

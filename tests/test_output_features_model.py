@@ -20,23 +20,32 @@ pytestmark = pytest.mark.slow
 BLOCK_SIZE = 16  # the server's default
 
 
-async def run(address: str, gens: list[p.Generate]) -> dict[tuple[str, int], tuple[list[int], p.Finished]]:
+async def run(address: str, gens: list[p.Generate], batch_deltas: bool = False):
     """Send every Generate; collect each completion's tokens and Finished, by (request_id, index)."""
     want = sum(g.sampling.n for g in gens)
     tokens: dict[tuple[str, int], list[int]] = {}
     done: dict[tuple[str, int], p.Finished] = {}
+
+    def add(key, token_ids):
+        assert key not in done, f"{key}: a message after its Finished"
+        tokens.setdefault(key, []).extend(token_ids)
+
     async with RawConnection(address, timeout=300) as conn:
-        await conn.hello(batch_deltas=False)
+        await conn.hello(batch_deltas=batch_deltas)
         for g in gens:
             await conn.send(g)
         while len(done) < want:
             msg = await conn.recv()
             assert not isinstance(msg, p.Error), msg
-            key = (msg.request_id, msg.index)
-            assert key not in done, f"{key}: a message after its Finished"
-            tokens.setdefault(key, []).extend(msg.token_ids)
+            if isinstance(msg, p.TokenDeltas):
+                indices = msg.indices or [0] * len(msg.request_ids)
+                assert not msg.logprobs and not msg.prompt_logprobs  # nobody asked: nothing extra on the wire
+                for key, token_ids in zip(zip(msg.request_ids, indices), msg.token_ids):
+                    add(key, token_ids)
+                continue
+            add((msg.request_id, msg.index), msg.token_ids)
             if isinstance(msg, p.Finished):
-                done[key] = msg
+                done[(msg.request_id, msg.index)] = msg
     return {k: (tokens[k], done[k]) for k in done}
 
 
@@ -93,7 +102,8 @@ async def test_n_completions_each_equal_to_its_own_seed(depth, model_server, cha
     sampling = dict(max_tokens=12, temperature=0.8, ignore_eos=True)
     await reset_prefix_cache(srv.address)
     before = await server_stats(srv.address)
-    many = await run(srv.address, [p.Generate("n", prompt, p.SamplingParams(n=4, seed=77, **sampling))])
+    many = await run(srv.address, [p.Generate("n", prompt, p.SamplingParams(n=4, seed=77, **sampling))],
+                     batch_deltas=True)
     after = await server_stats(srv.address)
     cached = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE  # full blocks, the last token always computed
     assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == 3 * cached  # prefilled once
