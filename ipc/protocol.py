@@ -23,6 +23,12 @@ PROTOCOL_VERSION = 1
 MAX_REQUEST_ID_LEN = 128
 MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
+# Output features (issue 9): scheduler_proc.validate.validate_output_features enforces them.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_BYTES = 256
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+MAX_N = 16
 # Heartbeats: a peer that has been silent for this many intervals is taken for dead.
 HEARTBEAT_MISSES = 4
 
@@ -65,7 +71,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     # None = none; n >= 0: the sampled (or prompt) token's and the n most likely alternatives.
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
-    # Completions of the prompt (prefilled once); completion i samples with seed (seed + i) mod 2**63.
+    # n completions of the prompt, prefilled once; completion i samples with seed (seed + i) mod 2**63
+    # (seed: this one, or a random one when None), so it equals an n=1 request with that seed.
     n: int = 1
 
 
@@ -148,6 +155,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
 class TokenDelta(_Msg, tag="token_delta"):
     request_id: str
     token_ids: list[int]
+    index: int = 0  # which completion of an n > 1 request
     logprobs: list[TokenLogprobs] = []  # one per token, when the request asked
     # Once, with the first delta, when the request asked: position 0 has none (None).
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
@@ -165,6 +173,7 @@ class TokenDeltas(_Msg, tag="token_deltas"):
 
     request_ids: list[str]
     token_ids: list[list[int]]
+    indices: list[int] = []  # empty when every entry is completion 0, else one per request
     logprobs: list[list[TokenLogprobs]] = []  # empty, or one list per request (empty when not asked)
     prompt_logprobs: list[Optional[list[Optional[TokenLogprobs]]]] = []  # likewise
     indices: list[int] = []  # empty (all 0), or each entry's completion index (n > 1)
@@ -185,7 +194,7 @@ class Finished(_Msg, tag="finished"):
     logprobs: list[TokenLogprobs] = []  # for token_ids, when the request asked
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None  # if not sent in a delta before
     stop_str: Optional[str] = None  # the stop string that finished the request (reason "stop")
-    index: int = 0  # which of the request's n completions finished (each sends its own Finished)
+    index: int = 0  # which completion of an n > 1 request (each completion has its own Finished)
 
 
 class Error(_Msg, tag="error"):

@@ -37,37 +37,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ipc.protocol import Admit, SlotSampling, StepPlan, StepResult
+from ipc.protocol import Admit, StepPlan, StepResult
 from scheduler_proc.block_allocator import BlockAllocator, Pool
 from scheduler_proc.limits import Limits
+from scheduler_proc.outputs import Detokenize, reconcile_extras, request_extras, slot_sampling
 from scheduler_proc.planner_checks import check_planner
+from scheduler_proc.planner_restart import restart_planner
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.request import Request, Status
-from scheduler_proc.steps import InflightStep, Output
+from scheduler_proc.steps import InflightStep, Output, StepDraft
 
 _RUNNING = Status.RUNNING
 _FINISHED = Status.FINISHED
-
-
-class _StepDraft:
-    """The plan being built: its rows' requests and the StepPlan's lists, filled in one pass."""
-
-    __slots__ = ("budget", "blocked", "rows", "slots", "positions", "appends", "admits", "num_decode",
-                 "chunk_lens", "chunk_sample", "chunk_tokens", "written")
-
-    def __init__(self, budget: int):
-        self.budget = budget  # tokens left in the step
-        self.blocked = False  # a running request is short of blocks: no admissions
-        self.rows: list[Request] = []  # every row's request, row order (decode rows first)
-        self.slots: list[int] = []
-        self.positions: list[int] = []
-        self.appends: list[int] = []  # (slot, index, block) triples
-        self.admits: list[Admit] = []
-        self.num_decode = 0
-        self.chunk_lens: list[int] = []  # per prefill row
-        self.chunk_sample: list[bool] = []
-        self.chunk_tokens: list[int] = []
-        self.written: list[tuple[Request, int]] = []
 
 
 @dataclass
@@ -77,6 +58,7 @@ class Planner:
     inflight: deque[InflightStep] = field(default_factory=deque)
     # The model/revision the cached KV belongs to (part of every block key); None: no prefix caching.
     prefix_cache_id: Optional[str] = None
+    detokenize: Optional[Detokenize] = None  # ids -> text, for stop strings (None: no tokenizer)
 
     def __post_init__(self):
         self.blocks = BlockAllocator(self.limits.num_kv_blocks, self.limits.block_size)
@@ -96,6 +78,8 @@ class Planner:
         self._releases: list[int] = []  # slots freed since the last plan, for the executor
         self.num_steps_planned = 0
         self.num_preemptions = 0
+        self.num_with_extras = 0  # live requests with req.extras: reconcile's slow path while > 0
+        self.followers: dict[int, list[Request]] = {}  # n > 1: leader rid -> completions held until it samples
 
     # ------------------------------------------------------------------ intake
 
@@ -104,21 +88,40 @@ class Planner:
         """Running requests in admission order (a copy)."""
         return list(self._running.values())
 
-    def add(self, req: Request) -> None:
-        """Queue a validated request (first come, first served)."""
+    def add(self, req: Request, leader: Optional[Request] = None) -> None:
+        """Queue a validated request (first come, first served); raises ValueError if it cannot be served.
+
+        With ``leader`` (another completion of the same prompt), ``req`` is held until the
+        leader has sampled its first token: the prompt's blocks are published then, so
+        ``req`` finds them in the prefix cache instead of computing its own copy.
+        """
+        req.extras = request_extras(req.sampling, len(req.prompt), self.detokenize)
+        self.num_with_extras += req.extras is not None
         req.status = Status.WAITING
         req.max_output = min(req.max_tokens, self.limits.max_model_len - len(req.prompt))
         req.max_total = len(req.prompt) + req.max_output
         for t in req.stop_ids:
             self._stop_refs[t] = self._stop_refs.get(t, 0) + 1
             self._stop_tokens.add(t)
-        self.waiting.append(req)
+        if leader is not None and leader.status is not _FINISHED and not leader.output:
+            req.held_by = leader.rid
+            self.followers.setdefault(leader.rid, []).append(req)
+        else:
+            self.waiting.append(req)
+
+    def release_followers(self, leader: Request) -> None:
+        """The leader sampled (or left): its held completions queue now, at the front."""
+        for req in reversed(self.followers.pop(leader.rid, ())):
+            req.held_by = None
+            self.waiting.appendleft(req)
 
     def abort(self, req: Request) -> Optional[Output]:
         """Finish ``req`` with reason ``abort``; its resources return once safe."""
         if req.status is _FINISHED:
             return None
-        if req.status is Status.WAITING:
+        if req.held_by is not None:
+            self.followers[req.held_by].remove(req)
+        elif req.status is Status.WAITING:
             self.waiting.remove(req)
         self._finish(req, "abort")
         return Output(req, [], "abort")
@@ -139,7 +142,7 @@ class Planner:
         Decode rows first, then prefill chunks of running requests, then
         admissions, within the step's token budget.
         """
-        draft = _StepDraft(self.limits.max_num_batched_tokens)
+        draft = StepDraft(self.limits.max_num_batched_tokens)
         self._plan_decodes(draft)
         self._plan_chunks(draft)
         if not draft.blocked:
@@ -148,7 +151,7 @@ class Planner:
             return None
         return self._emit(draft)
 
-    def _plan_decodes(self, draft: _StepDraft) -> None:
+    def _plan_decodes(self, draft: StepDraft) -> None:
         """One row per decoding request; a block is reserved only when a row crosses into a new one."""
         decoders = list(self._decoding.values())
         if len(decoders) > draft.budget:
@@ -184,7 +187,7 @@ class Planner:
         draft.num_decode = len(rows)
         draft.budget -= len(rows)
 
-    def _plan_chunks(self, draft: _StepDraft) -> None:
+    def _plan_chunks(self, draft: StepDraft) -> None:
         """Prefill chunks of running requests, in admission order."""
         for req in list(self._prefilling.values()):
             if draft.budget == 0:
@@ -197,12 +200,14 @@ class Planner:
                 continue
             self._chunk(req, n, draft)
 
-    def _plan_admissions(self, draft: _StepDraft) -> None:
+    def _plan_admissions(self, draft: StepDraft) -> None:
         """Admit waiting requests, first come first served, while a slot and blocks for their first chunk are free."""
         blocks = self.blocks
         while self.waiting and draft.budget > 0 and self.slots.can_allocate():
             req = self.waiting[0]
-            hit = self.prefix.match(req) if self.prefix is not None else []
+            # A request still owed prompt logprobs computes its whole prompt: a cached block has none.
+            owed = req.extras is not None and req.extras.prompt is not None and not req.extras.prompt.complete
+            hit = self.prefix.match(req) if self.prefix is not None and not owed else []
             start = len(hit) * self.limits.block_size
             n = min(draft.budget, req.num_known - start)
             if not blocks.can_allocate(blocks.blocks_for(start + n) - len(hit) + blocks.num_evictable(hit)):
@@ -213,7 +218,7 @@ class Planner:
             req.status = _RUNNING
             self._running[req.rid] = req
             self._prefilling[req.rid] = req
-            draft.admits.append(Admit(req.slot, self._slot_sampling(req)))
+            draft.admits.append(Admit(req.slot, slot_sampling(req, self.limits.eos_token_ids)))
             if self.prefix is not None:
                 self.prefix.admit(req, hit)  # shares the hit blocks; num_computed starts after them
                 for i, b in enumerate(hit):
@@ -221,7 +226,7 @@ class Planner:
             self._reserve(req, start + n, draft)
             self._chunk(req, n, draft)
 
-    def _chunk(self, req: Request, n: int, draft: _StepDraft) -> None:
+    def _chunk(self, req: Request, n: int, draft: StepDraft) -> None:
         """Add a prefill row of ``n`` tokens for ``req``; the chunk reaching its end samples."""
         start = req.num_computed
         end = start + n
@@ -243,7 +248,7 @@ class Planner:
             if end + 1 < req.max_total:
                 self._decoding[req.rid] = req
 
-    def _emit(self, draft: _StepDraft) -> StepPlan:
+    def _emit(self, draft: StepDraft) -> StepPlan:
         """Record the step as in flight and build its plan: decode rows, then prefill rows."""
         rows, nd, chunk_lens = draft.rows, draft.num_decode, draft.chunk_lens
         if chunk_lens:
@@ -266,7 +271,7 @@ class Planner:
             releases=self._take_releases(),
         )
 
-    def _reserve(self, req: Request, num_tokens: int, draft: _StepDraft) -> bool:
+    def _reserve(self, req: Request, num_tokens: int, draft: StepDraft) -> bool:
         """Make ``req``'s blocks cover ``num_tokens`` tokens, preempting if needed."""
         need = self.blocks.blocks_for(num_tokens) - len(req.blocks)
         while need > 0 and not self.blocks.can_allocate(need):
@@ -294,10 +299,6 @@ class Planner:
                 return victim
         return None
 
-    def _slot_sampling(self, req: Request) -> SlotSampling:
-        s = req.sampling
-        return SlotSampling(s.temperature, s.top_k if s.top_k > 0 else 0, s.top_p, s.min_p, req.seed)
-
     def _take_releases(self) -> list[int]:
         out, self._releases = self._releases, []
         return out
@@ -315,10 +316,23 @@ class Planner:
             raise RuntimeError(
                 f"step {step.step_id}: {len(tokens)} tokens for {len(step.samplers)} sampled rows"
             )
+        if self.num_with_extras or result.logprob_rows or result.prompt_logprob_rows:
+            outputs = reconcile_extras(self, step, result)
+        else:
+            outputs = self._reconcile_tokens(step.samplers, tokens)
+        if self.followers:
+            for out in outputs:
+                if out.request.rid in self.followers:
+                    self.release_followers(out.request)
+        self._step_back(step)
+        return outputs
+
+    def _reconcile_tokens(self, samplers: list[Request], tokens: list[int]) -> list[Output]:
+        """The fast path: no live request asked for stop strings, logprobs or min_tokens."""
         outputs: list[Output] = []
         add_output = outputs.append
         stop_tokens = self._stop_tokens
-        for req, token in zip(step.samplers, tokens):
+        for req, token in zip(samplers, tokens):
             if req.status is _FINISHED:
                 continue  # the ledger: a request that has left gets nothing more
             req.num_pending -= 1
@@ -331,6 +345,10 @@ class Planner:
                     add_output(Output(req, [token], reason))
                     continue
             add_output(Output(req, [token]))
+        return outputs
+
+    def _step_back(self, step) -> None:
+        """Publish what the step wrote and count it out of its requests (drained ones release)."""
         if step.written:  # publish blocks whose last write was in this step (never earlier)
             publish = self.prefix.publish
             for req, num_written in step.written:
@@ -341,10 +359,11 @@ class Planner:
             req.num_inflight_steps = left
             if not left and req.rid in draining:
                 self._drained(req)
-        return outputs
 
     def _finish_reason(self, req: Request, token: int) -> Optional[str]:
-        if token in req.stop_ids or (not req.sampling.ignore_eos and token in self.limits.eos_token_ids):
+        if req.extras is not None and len(req.output) <= req.extras.min_tokens:
+            pass  # min_tokens: EOS and stop tokens do not end it yet (the executor masks them too)
+        elif token in req.stop_ids or (not req.sampling.ignore_eos and token in self.limits.eos_token_ids):
             return "stop"
         if len(req.output) >= req.max_output:
             return "length"
@@ -354,6 +373,9 @@ class Planner:
         was = req.status
         req.status = _FINISHED
         req.finish_reason = reason
+        self.num_with_extras -= req.extras is not None
+        if req.rid in self.followers:
+            self.release_followers(req)
         for t in req.stop_ids:
             self._stop_refs[t] -= 1
             if not self._stop_refs[t]:
@@ -406,29 +428,8 @@ class Planner:
     # ----------------------------------------------------------------- restart
 
     def restart(self) -> None:
-        """The executor was replaced: a preemption of everything at once, pools reset.
-
-        Every in-flight step is void (its tokens will never be applied); every
-        running or preempted request goes to the front of the waiting queue, in
-        admission order, to be recomputed from its prompt and received tokens;
-        finished requests that were draining are forgotten.  Step ids go on.
-        """
-        requeue = list(self._running.values()) + [r for r in self.draining.values() if r.status is Status.PREEMPTED]
-        for req in requeue:
-            req.status = Status.WAITING
-            req.num_preemptions += 1
-            req.slot, req.blocks, req.num_published = None, [], 0
-            req.num_pending = req.num_computed = req.num_prefill = req.num_inflight_steps = 0
-        self.waiting.extendleft(reversed(requeue))
-        self.num_preemptions += len(requeue)
-        for group in (self._running, self._prefilling, self._decoding, self.draining):
-            group.clear()
-        self.inflight.clear()
-        self._releases, self._draining_blocks = [], 0
-        self.blocks = BlockAllocator(self.limits.num_kv_blocks, self.limits.block_size)
-        if self.prefix is not None:
-            self.prefix.blocks = self.blocks  # the new executor's KV cache is empty: nothing stays cached
-        self.slots = Pool(self.limits.num_slots, "slot")
+        """The executor was replaced: every running request is recomputed (see planner_restart)."""
+        restart_planner(self)
 
     # --------------------------------------------------------------- invariants
 

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ipc.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler_proc.outputs import RequestExtras
 
 
 class Status(enum.Enum):
@@ -56,6 +59,9 @@ class Request:
     # max_output output tokens, i.e. max_total tokens in all (max_tokens or the context).
     max_output: int = 0
     max_total: int = 0
+    index: int = 0  # which completion of an n > 1 request
+    held_by: Optional[int] = None  # rid of the completion whose first token this one waits for (n > 1)
+    extras: Optional["RequestExtras"] = None  # stop strings, logprobs, min_tokens (scheduler_proc.outputs)
 
     @property
     def num_known(self) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import random
 import shutil
 import sys
 import time
@@ -32,14 +31,16 @@ import zmq.asyncio
 from ipc import protocol as p
 from ipc.models import ModelSource
 from ipc.sockets import MAX_CLIENT_MESSAGE_BYTES, ipc_address, new_run_dir
+from scheduler_proc.client_messages import ClientMessages
 from scheduler_proc.config import ServerConfig
 from scheduler_proc.frontend import Frontend
 from scheduler_proc.limits import Limits
-from scheduler_proc.planner import Output, Planner
+from scheduler_proc.outputs import load_detokenizer
+from scheduler_proc.planner import Planner
 from scheduler_proc.request import Request, Status
 from scheduler_proc.step_log import StepLog, StepTotals
+from scheduler_proc.streaming import OutputStream
 from scheduler_proc.supervisor import Supervisor
-from scheduler_proc.validate import InvalidRequest, decode_client_frame, validate_generate
 
 # The transport drops (and disconnects) frames above this; frames between the
 # application limit and this one get a clear error instead.
@@ -48,7 +49,7 @@ TICK_S = 0.05  # the supervisor's period: executor death and hang checks
 CLIENT_CHECK_S = 0.25  # heartbeat expiry and owed-error retries
 
 
-class Server:
+class Server(ClientMessages, OutputStream):
     def __init__(self, cfg: ServerConfig, model: ModelSource):
         self.cfg = cfg
         self.model = model
@@ -59,7 +60,7 @@ class Server:
         self.ctx = zmq.asyncio.Context()
         self.frontend: Optional[Frontend] = None
         self.executor = Supervisor(cfg, model.path, self.ctx, self.run_dir)
-        self.requests: dict[tuple[bytes, str], Request] = {}
+        self.requests: dict[tuple[bytes, str, int], Request] = {}  # (client, request_id, completion index)
         self.returned: deque = deque()
         self.wake = asyncio.Event()
         self.failure: Optional[str] = None
@@ -84,8 +85,14 @@ class Server:
             self.bind()
         self.ready = self.executor.start(on_progress)
         self.limits = Limits.of(self.cfg.executor, self.ready)
-        self.planner = Planner(self.limits, prefix_cache_id=self._prefix_cache_id() if self.cfg.enable_prefix_caching else None)
+        self.planner = Planner(self.limits, prefix_cache_id=self._prefix_cache_id() if self.cfg.enable_prefix_caching else None,
+                               detokenize=load_detokenizer(self.model.tokenizer_path))
         return self.ready
+
+    def _prefix_cache_id(self) -> str:
+        """What cached KV depends on besides the tokens: model, weights, dtype, block size (in every key)."""
+        e = self.cfg.executor
+        return f"{self.model.name}|{self.model.path}|{e.load_format}|{self.ready.dtype}|{e.block_size}"
 
     # ------------------------------------------------------------ main loop
 
@@ -179,183 +186,6 @@ class Server:
             await self.frontend.sock.poll(flags=zmq.POLLIN)
             self.wake.set()
             await asyncio.sleep(0)
-
-    def _on_client_frames(self, frames: list[bytes]) -> None:
-        client = frames[0]
-        state = self.frontend.clients.get(client)
-        if state is not None:
-            state.last_seen = time.monotonic()
-        if len(frames) != 2:
-            self.frontend.send(client, p.Error(code="bad_frame", message=f"expected 1 frame per message, got {len(frames) - 1}"))
-            return
-        data = frames[1]
-        if len(data) > MAX_CLIENT_MESSAGE_BYTES:
-            self.frontend.send(client, p.Error(
-                code="bad_frame", message=f"message of {len(data)} bytes exceeds the limit of {MAX_CLIENT_MESSAGE_BYTES} bytes"))
-            return
-        msg = decode_client_frame(data)
-        if isinstance(msg, p.Error):
-            self.frontend.send(client, msg)
-        elif isinstance(msg, p.Ping):
-            self.frontend.send(client, p.Pong(self.server_id))
-        elif isinstance(msg, p.Hello):
-            self._on_hello(client, msg)
-        elif state is None:
-            self.frontend.send(client, p.Error(code="protocol", request_id=getattr(msg, "request_id", None),
-                                               message="send Hello first (none yet, or silent past its heartbeat)"))
-        elif isinstance(msg, p.Generate):
-            self._on_generate(client, msg)
-        elif isinstance(msg, p.Abort):
-            self._on_abort(client, msg)
-        elif isinstance(msg, p.GetStats):
-            self.frontend.send(client, self.server_stats())
-        elif isinstance(msg, p.ResetPrefixCache):
-            self.planner.reset_prefix_cache()
-            self.frontend.send(client, self.server_stats())
-
-    def _prefix_cache_id(self) -> str:
-        """What cached KV depends on besides the tokens: model, weights, dtype, block size (in every key)."""
-        e = self.cfg.executor
-        return f"{self.model.name}|{self.model.path}|{e.load_format}|{self.ready.dtype}|{e.block_size}"
-
-    def server_stats(self) -> p.ServerStats:
-        pl, totals = self.planner, self.step_totals
-        return p.ServerStats(
-            num_kv_blocks=pl.limits.num_kv_blocks, num_free_kv_blocks=pl.blocks.num_free,
-            num_slots=pl.limits.num_slots, num_free_slots=pl.slots.num_free, num_running=len(pl.running),
-            num_waiting=len(pl.waiting), num_draining=len(pl.draining), num_inflight_steps=pl.num_inflight,
-            steps=self.stats["steps"], requests=self.stats["requests"], preemptions=pl.num_preemptions,
-            executor_restarts=self.stats["restarts"],
-            step_time_s_total=totals.step_s, gpu_busy_s_total=totals.gpu_busy_s,
-            gpu_gap_s_total=totals.gpu_gap_s, executor_idle_s_total=totals.idle_s,
-            prefix_cache_query_tokens=pl.prefix.query_tokens if pl.prefix else 0,
-            prefix_cache_hit_tokens=pl.prefix.hit_tokens if pl.prefix else 0)
-
-    def _on_hello(self, client: bytes, msg: p.Hello) -> None:
-        if msg.protocol_version != p.PROTOCOL_VERSION:
-            self.frontend.send(client, p.Error(
-                code="protocol", field="protocol_version",
-                message=f"client speaks protocol {msg.protocol_version}, server speaks {p.PROTOCOL_VERSION}"))
-            return
-        if not 0 <= msg.heartbeat_s <= 3600:  # also false for NaN
-            self.frontend.send(client, p.Error(code="invalid_request", field="heartbeat_s",
-                                               message=f"heartbeat_s must be in [0, 3600], got {msg.heartbeat_s}"))
-            return
-        self.frontend.hello(client, msg.heartbeat_s, msg.batch_deltas)
-        r = self.ready
-        self.frontend.send(client, p.ServerInfo(
-            protocol_version=p.PROTOCOL_VERSION, model_name=self.model.name, max_model_len=r.max_model_len,
-            vocab_size=r.vocab_size, tokenizer_path=self.model.tokenizer_path, eos_token_ids=r.eos_token_ids,
-            device=r.device, dtype=r.dtype, pipeline_depth=self.cfg.pipeline_depth, batch_deltas=msg.batch_deltas,
-            server_id=self.server_id))
-
-    def _refusal(self) -> Optional[p.Error]:
-        """Why no new request is taken now, or None."""
-        if self.failure:
-            return p.Error(code="executor_failed", message=self.failure)
-        if self.shutdown_at is not None:
-            return p.Error(code="shutting_down", message="the server is shutting down: no new requests")
-        if len(self.planner.waiting) >= self.cfg.max_waiting:
-            return p.Error(code="overloaded", message=f"{len(self.planner.waiting)} requests are waiting, the limit "
-                                                      f"(--max-waiting) is {self.cfg.max_waiting}: retry later")
-        return None
-
-    def _on_generate(self, client: bytes, msg: p.Generate) -> None:
-        refusal = self._refusal()
-        if refusal is not None:
-            refusal.request_id = msg.request_id
-            self.frontend.send(client, refusal)
-            return
-        try:
-            validate_generate(msg, self.limits)
-        except InvalidRequest as e:
-            self.frontend.send(client, p.Error(code="invalid_request", message=e.message, request_id=msg.request_id,
-                                               field=e.field))
-            return
-        key = (client, msg.request_id)
-        if key in self.requests:
-            self.frontend.send(client, p.Error(code="duplicate_id", field="request_id", request_id=msg.request_id,
-                                               message=f"request_id {msg.request_id!r} is already in use by this client"))
-            return
-        s = msg.sampling
-        req = Request(
-            rid=next(self._rids), client=client, request_id=msg.request_id, prompt=msg.prompt_token_ids,
-            sampling=s, seed=s.seed if s.seed is not None else random.getrandbits(63),
-            max_tokens=s.max_tokens, stop_ids=frozenset(s.stop_token_ids),
-        )
-        self.requests[key] = req
-        self.stats["requests"] += 1
-        self.planner.add(req)
-
-    def _on_abort(self, client: bytes, msg: p.Abort) -> None:
-        req = self.requests.get((client, msg.request_id))
-        if req is None:
-            return  # already finished: aborting is idempotent
-        out = self.planner.abort(req)
-        if out:
-            self._emit(out)
-
-    def _emit_step(self, outputs: list[Output]) -> None:
-        """One TokenDeltas per client that reads them, else a TokenDelta per request; finishes via ``_emit``."""
-        batch_clients = self.frontend.batch_clients
-        batches: dict[bytes, tuple[list[str], list[list[int]]]] = {}
-        send, encode = self.frontend.send_data, p.encode
-        for out in outputs:
-            req = out.request
-            if out.finish_reason is not None:
-                self._emit(out)
-                continue
-            req.num_sent = len(req.output)
-            if req.client in batch_clients:
-                batch = batches.get(req.client)
-                if batch is None:
-                    batch = batches[req.client] = ([], [])
-                batch[0].append(req.request_id)
-                batch[1].append(out.new_tokens)
-            else:
-                send(req.client, encode(p.TokenDelta(req.request_id, out.new_tokens)))
-        for client, (request_ids, token_ids) in batches.items():
-            send(client, encode(p.TokenDeltas(request_ids, token_ids)))
-
-    def _emit(self, out: Output) -> None:
-        req = out.request
-        if out.finish_reason is None:
-            self.frontend.send(req.client, p.TokenDelta(req.request_id, out.new_tokens))
-            req.num_sent = len(req.output)
-            return
-        self.requests.pop((req.client, req.request_id), None)
-        sent = self.frontend.send(req.client, p.Finished(
-            request_id=req.request_id, reason=out.finish_reason, prompt_tokens=len(req.prompt),
-            completion_tokens=len(req.output), token_ids=req.output[req.num_sent:]))
-        req.num_sent = len(req.output)
-        if not sent and req.client in self.frontend.slow:  # its stream has a hole: say so once it reads again
-            self.frontend.owe(req.client, p.Error(code="slow_reader", request_id=req.request_id,
-                                                  message="the client stopped reading; the request's tokens were lost"))
-
-    def fail_request(self, req: Request, code: str, message: str, owed: bool = False) -> None:
-        """End one request with an Error (owed: queued for a client whose pipe is full)."""
-        self.planner.abort(req)
-        self.requests.pop((req.client, req.request_id), None)
-        (self.frontend.owe if owed else self.frontend.send)(
-            req.client, p.Error(code=code, message=message, request_id=req.request_id))
-
-    def drop_client(self, client: bytes, code: Optional[str] = None, message: str = "") -> None:
-        """Abort every request of one client (KV freed); with a code, each is owed that error."""
-        for key in [k for k in self.requests if k[0] == client]:
-            req = self.requests.pop(key)
-            self.planner.abort(req)
-            if code is not None:
-                self.frontend.owe(client, p.Error(code=code, message=message, request_id=req.request_id))
-
-    def _drop_unreachable_clients(self) -> None:
-        if not (self.frontend.slow or self.frontend.gone):
-            return
-        slow, gone = self.frontend.take_dropped()
-        for client in gone:
-            self.drop_client(client)
-        for client in slow:
-            self.drop_client(client, "slow_reader", f"the client stopped reading: {self.cfg.client_send_hwm} "
-                                                    "messages were queued to it; its requests were aborted")
 
     # ---------------------------------------------------------- supervision
 

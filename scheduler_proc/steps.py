@@ -6,6 +6,7 @@ from typing import Optional
 
 import msgspec
 
+from ipc.protocol import Admit
 from scheduler_proc.request import Request
 
 
@@ -34,3 +35,27 @@ class Output(msgspec.Struct, gc=False):
     request: Request
     new_tokens: list[int]
     finish_reason: Optional[str] = None
+    logprobs: Optional[list] = None  # one TokenLogprobs per new token, when the request asked
+    prompt_logprobs: Optional[list] = None  # the whole prompt's, once, when the request asked
+    stop_str: Optional[str] = None  # the stop string that finished it
+
+
+class StepDraft:
+    """The plan being built: its rows' requests and the StepPlan's lists, filled in one pass."""
+
+    __slots__ = ("budget", "blocked", "rows", "slots", "positions", "appends", "admits", "num_decode",
+                 "chunk_lens", "chunk_sample", "chunk_tokens", "written")
+
+    def __init__(self, budget: int):
+        self.budget = budget  # tokens left in the step
+        self.blocked = False  # a running request is short of blocks: no admissions
+        self.rows: list[Request] = []  # every row's request, row order (decode rows first)
+        self.slots: list[int] = []
+        self.positions: list[int] = []
+        self.appends: list[int] = []  # (slot, index, block) triples
+        self.admits: list[Admit] = []
+        self.num_decode = 0
+        self.chunk_lens: list[int] = []  # per prefill row
+        self.chunk_sample: list[bool] = []
+        self.chunk_tokens: list[int] = []
+        self.written: list[tuple[Request, int]] = []

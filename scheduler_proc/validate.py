@@ -162,3 +162,49 @@ def _validate_sampling(s: p.SamplingParams, prompt_len: int, limits: Limits) -> 
         raise InvalidRequest("sampling.stop_token_ids",
                              f"at most {p.MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(s.stop_token_ids)}")
     _check_token_ids("sampling.stop_token_ids", s.stop_token_ids, limits.vocab_size)
+    validate_output_features(s, limits)
+
+
+# float32's largest finite value: every float sent to the executor must fit.
+_FLOAT32_MAX = 3.4028234663852886e38
+# vLLM only asks repetition_penalty > 0; above 2 a penalty garbles any text, and a cap keeps logits finite.
+MAX_REPETITION_PENALTY = 2.0
+
+
+def validate_output_features(s: p.SamplingParams, limits: Limits) -> None:
+    """Stop strings, logprobs, penalties, logit_bias, min_tokens and n (issue 9): raise InvalidRequest."""
+    if len(s.stop) > p.MAX_STOP_STRINGS:
+        raise InvalidRequest("sampling.stop", f"at most {p.MAX_STOP_STRINGS} stop strings are allowed, got {len(s.stop)}")
+    for text in s.stop:
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if not 1 <= size <= p.MAX_STOP_STRING_BYTES:
+            raise InvalidRequest("sampling.stop", f"each stop string must be 1 to {p.MAX_STOP_STRING_BYTES} bytes "
+                                                  f"of UTF-8, got {size}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(s, name)
+        if value is not None and not 0 <= value <= p.MAX_LOGPROBS:
+            raise InvalidRequest(f"sampling.{name}", f"{name} must be None or in [0, {p.MAX_LOGPROBS}], got {value}")
+    if not 0 < _finite("sampling.repetition_penalty", s.repetition_penalty) <= MAX_REPETITION_PENALTY:
+        raise InvalidRequest("sampling.repetition_penalty",
+                             f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {s.repetition_penalty}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = _finite(f"sampling.{name}", getattr(s, name))
+        if not -2 <= value <= 2:
+            raise InvalidRequest(f"sampling.{name}", f"{name} must be in [-2, 2], got {value}")
+    if len(s.logit_bias) > p.MAX_LOGIT_BIAS:
+        raise InvalidRequest("sampling.logit_bias", f"at most {p.MAX_LOGIT_BIAS} logit_bias entries are allowed, "
+                                                    f"got {len(s.logit_bias)}")
+    for token, bias in s.logit_bias.items():
+        if not 0 <= token < limits.vocab_size:
+            raise InvalidRequest("sampling.logit_bias", f"token id {token} is out of range [0, {limits.vocab_size})")
+        if not -100 <= _finite("sampling.logit_bias", bias) <= 100:
+            raise InvalidRequest("sampling.logit_bias", f"logit_bias values must be in [-100, 100], got {bias} "
+                                                        f"for token {token}")
+    for name in ("temperature", "top_p", "min_p"):
+        if abs(getattr(s, name)) > _FLOAT32_MAX:
+            raise InvalidRequest(f"sampling.{name}", f"{name} must fit in float32 (at most {_FLOAT32_MAX:g})")
+    if not 0 <= s.min_tokens <= s.max_tokens:
+        raise InvalidRequest("sampling.min_tokens", f"min_tokens must be in [0, max_tokens={s.max_tokens}], "
+                                                    f"got {s.min_tokens}")
+    if not 1 <= s.n <= p.MAX_N:
+        raise InvalidRequest("sampling.n", f"n must be in [1, {p.MAX_N}], got {s.n}")

@@ -18,13 +18,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from executor_proc.testing.scripted import ScriptedRunner, expected_output
+from executor_proc.testing.scripted import ScriptedRunner, expected_output, fake_logprobs
 from ipc.protocol import SamplingParams, StepPlan
 from scheduler_proc.limits import Limits
 from scheduler_proc.planner import Output, Planner
 from scheduler_proc.request import Request, Status
 
 EOS = 2
+VOCAB = 1000
+
+
+def fake_detokenize(ids: list[int]) -> str:
+    """The scripted tokenizer: token t is one letter (so short stop strings span a few tokens)."""
+    return "".join("abcdefgh"[t % 8] for t in ids)
 
 
 @dataclass
@@ -36,6 +42,9 @@ class Trace:
     counts: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # (prompt, completion) per finish
     dropped: dict[str, int] = field(default_factory=dict)  # sampled rows whose token the ledger dropped
     requests: dict[str, Request] = field(default_factory=dict)
+    logprobs: dict[str, list] = field(default_factory=dict)  # every streamed TokenLogprobs, in order
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)  # each prompt-logprobs list sent
+    stop_strs: dict[str, Optional[str]] = field(default_factory=dict)
     steps: int = 0
     # Coverage: where each abort landed ("waiting",), ("running", steps in flight), ("finished",);
     # and how many steps each preempted request had in flight when it was preempted.
@@ -118,9 +127,12 @@ def check_kv_reads(planner: Planner, ex: ScriptedRunner, step_id: int) -> None:
         assert tokens == req.known_tokens(start, start + len(tokens)), f"{req.request_id}: wrong KV read from cache"
 
 
-def make_request(rid: int, prompt_len: int, max_tokens: int, *, seed=None, stop=(), ignore_eos=False) -> Request:
+def make_request(rid: int, prompt_len: int, max_tokens: int, *, seed=None, stop=(), ignore_eos=False,
+                 stop_strings=(), min_tokens=0, logprobs=None, prompt_logprobs=None) -> Request:
     """A greedy request with a deterministic prompt; its seed keys the script (default: rid)."""
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=list(stop), ignore_eos=ignore_eos)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=list(stop), ignore_eos=ignore_eos,
+                        stop=list(stop_strings), min_tokens=min_tokens, logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs)
     return Request(
         rid=rid, client=b"c", request_id=f"r{rid}", prompt=[5 + (rid * 7 + i) % 90 for i in range(prompt_len)],
         sampling=sp, seed=rid if seed is None else seed, max_tokens=max_tokens, stop_ids=frozenset(stop),
@@ -132,7 +144,8 @@ def expected(trace: Trace, ex: ScriptedRunner, max_len: int) -> dict[str, tuple[
     return {
         rid: expected_output(
             ex.token_at, seed=r.seed, prompt_len=len(r.prompt), max_tokens=r.max_tokens, max_model_len=max_len,
-            eos_token_ids=(EOS,), stop_token_ids=r.stop_ids, ignore_eos=r.sampling.ignore_eos)
+            eos_token_ids=(EOS,), stop_token_ids=r.stop_ids, ignore_eos=r.sampling.ignore_eos,
+            min_tokens=r.sampling.min_tokens, vocab=VOCAB, stop_strings=r.sampling.stop, detokenize=fake_detokenize)
         for rid, r in trace.requests.items()
     }
 
@@ -147,7 +160,7 @@ def check_counters(reqs) -> None:
 def run(
     specs, *, depth: int, num_slots=4, num_blocks=64, block_size=4, max_len=512, budget=64,
     eos_at=None, tokens_at=None, arrivals=None, aborts=None, burst=False, check=True, max_steps=10_000,
-    prefix_caching=True, prompts=None,
+    prefix_caching=True, prompts=None, leaders=None,
 ) -> tuple[Trace, Planner, ScriptedRunner]:
     """Run requests to completion.
 
@@ -159,20 +172,22 @@ def run(
     ``burst``: reconcile every in-flight step at once, as the server does
     when several results are queued.  ``prompts[i]``: request i's prompt
     (default: made from its id, so distinct requests share no block).
+    ``leaders[i] = j``: request i is a later completion of request j's prompt (n > 1).
     """
     limits = Limits(num_slots, num_blocks, block_size, max_len, budget, frozenset({EOS}))
-    planner = Planner(limits, prefix_cache_id="scripted" if prefix_caching else None)
+    planner = Planner(limits, prefix_cache_id="scripted" if prefix_caching else None, detokenize=fake_detokenize)
     reqs = [make_request(i, **s) for i, s in enumerate(specs)]
     for i, prompt in (prompts or {}).items():
         reqs[i].prompt = list(prompt)
     eos_pos = {reqs[i].seed: len(reqs[i].prompt) + k for i, k in (eos_at or {}).items()}
     placed = {reqs[i].seed: {len(reqs[i].prompt) + k: t for k, t in at.items()} for i, at in (tokens_at or {}).items()}
-    ex = ScriptedRunner(num_slots, num_blocks, block_size, eos_token_id=EOS, eos_at=eos_pos, tokens_at=placed)
+    ex = ScriptedRunner(num_slots, num_blocks, block_size, vocab_size=VOCAB, eos_token_id=EOS, eos_at=eos_pos,
+                        tokens_at=placed)
     arrivals = arrivals or {}
     aborts = aborts or {}
     ids = [r.request_id for r in reqs]
     trace = Trace({i: [] for i in ids}, {i: [] for i in ids}, {i: [] for i in ids}, {i: 0 for i in ids},
-                  dict(zip(ids, reqs)))
+                  dict(zip(ids, reqs)), {i: [] for i in ids}, {i: [] for i in ids}, {i: None for i in ids})
     ledger = InflightLedger(block_size)
     sent: deque[StepPlan] = deque()  # plans sent and not yet executed (the executor's queue)
     done: deque = deque()  # results back and not yet reconciled
@@ -185,6 +200,13 @@ def run(
             assert not trace.finishes[rid], f"{rid}: output after its finish"
             trace.tokens[rid] += out.new_tokens
             out.request.num_sent = len(out.request.output)
+            if out.logprobs is not None:
+                assert len(out.logprobs) == len(out.new_tokens), f"{rid}: logprobs not parallel to tokens"
+                trace.logprobs[rid] += out.logprobs
+            if out.prompt_logprobs is not None:
+                trace.prompt_logprobs[rid].append(out.prompt_logprobs)
+            if out.stop_str is not None:
+                trace.stop_strs[rid] = out.stop_str
             if out.finish_reason:
                 trace.finishes[rid].append(out.finish_reason)
                 trace.counts[rid].append((len(out.request.prompt), len(out.request.output)))
@@ -201,7 +223,8 @@ def run(
         for is_abort, i in due.pop(at, ()):
             r = reqs[i]
             if not is_abort:
-                planner.add(r)
+                leader = (leaders or {}).get(i)
+                planner.add(r, None if leader is None else reqs[leader])
                 continue
             live = r.status is Status.RUNNING or r.status is Status.PREEMPTED
             trace.abort_states.append(("running", r.num_inflight_steps) if live else (r.status.value,))
@@ -290,3 +313,19 @@ def assert_client_view(trace: Trace, oracle: dict[str, tuple[list[int], str]],
             assert len(got) < len(want) and got == want[: len(got)], f"{rid}: {got} is not a prefix of {want}"
         else:
             assert (got, finishes[0]) == (want, reason), f"{rid}: got {got} {finishes}, want {want} {reason}"
+
+
+def assert_logprobs(trace: Trace) -> None:
+    """Every token of a request that asked has its own logprobs, and the prompt's came exactly once, whole."""
+    for rid, req in trace.requests.items():
+        s, p = req.sampling, len(req.prompt)
+        if s.logprobs is None:
+            assert not trace.logprobs[rid], f"{rid}: logprobs it did not ask for"
+        else:
+            want = [fake_logprobs(t, p + k, s.logprobs, VOCAB) for k, t in enumerate(trace.tokens[rid])]
+            assert trace.logprobs[rid] == want, f"{rid}: logprobs lost, duplicated or misplaced"
+        if s.prompt_logprobs is None or trace.finishes[rid] == ["abort"]:
+            assert len(trace.prompt_logprobs[rid]) <= (s.prompt_logprobs is not None), rid
+            continue
+        want = [None] + [fake_logprobs(req.prompt[q], q, s.prompt_logprobs, VOCAB) for q in range(1, p)]
+        assert trace.prompt_logprobs[rid] == [want], f"{rid}: prompt logprobs {trace.prompt_logprobs[rid]}"

@@ -27,7 +27,7 @@ import random
 
 import pytest
 
-from tests.planner_harness import EOS, assert_client_view, assert_drained, expected, run
+from tests.planner_harness import EOS, assert_client_view, assert_drained, assert_logprobs, expected, run
 
 DEPTHS = [0, 1, 2]
 STOP = 3  # a token the script places and the request lists in stop_token_ids
@@ -53,6 +53,7 @@ def finish_kinds(max_tokens: int):
 def check_case(trace, planner, ex, max_len=512, aborted=()):
     assert_drained(planner)
     assert_client_view(trace, expected(trace, ex, max_len), set(aborted))
+    assert_logprobs(trace)
 
 
 @pytest.mark.parametrize("depth", DEPTHS)
@@ -171,6 +172,10 @@ def test_random_small_cases_with_everything(depth):
         for i in range(n):
             m = rng.randint(1, 6)
             spec = dict(prompt_len=rng.randint(1, 7), max_tokens=m, stop=(STOP,), ignore_eos=rng.random() < 0.2)
+            if rng.random() < 0.3:  # output features: stop strings, min_tokens, logprobs
+                spec.update(stop_strings=("".join(rng.choices("abcdefgh", k=rng.randint(1, 3))),),
+                            min_tokens=rng.randint(0, m), logprobs=rng.choice((None, 0, 2)),
+                            prompt_logprobs=rng.choice((None, 1)))
             specs.append(spec)
             if rng.random() < 0.4:
                 eos_at[i] = rng.randrange(m + 1)

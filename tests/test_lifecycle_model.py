@@ -1,7 +1,7 @@
 """Real-model lifecycle at every pipeline depth: the outputs at depth 1 and 2 equal depth 0's.
 
 One workload (default model, CPU, real processes): staggered arrivals, mixed max_tokens, greedy
-and seeded sampling, a KV pool small enough to preempt, and an abort mid-stream.
+and seeded sampling, stop strings, a KV pool small enough to preempt, and an abort mid-stream.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ async def _workload(address: str, prompts: list[list[int]]) -> dict:
                 kw.update(temperature=0.8, top_k=40, top_p=0.9, seed=100 + i)
             else:
                 kw.update(temperature=0.0)
+            if i % 5 == 4:  # stop strings: matched by the scheduler, with 0..depth steps in flight
+                kw.update(stop=[",", "."])
             r = await c.generate(prompt_token_ids=prompts[i % len(prompts)], **kw)
             return ("done", r.token_ids, r.finish_reason, r.completion_tokens)
 
@@ -59,6 +61,7 @@ def test_outputs_equal_across_depths(server_factory, default_model_dir, chat_pro
             srv.stop()
     assert preemptions > 0  # the pool really was small enough
     base = outputs[0]
+    assert base[9][2] == "stop"  # a stop string ended it (it ignores EOS)
     for depth in (1, 2):
         for i, (kind, tokens, reason, count) in outputs[depth].items():
             b_kind, b_tokens, b_reason, b_count = base[i]

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
-from ipc.protocol import StepPlan, StepResult
+from ipc.protocol import SlotSampling, StepPlan, StepResult, TokenLogprobs
 
 # time.sleep() overshoots by ~50-100 us; the last stretch of a step is spun instead.
 SPIN_S = 200e-6
@@ -45,6 +45,19 @@ def default_token(seed: int, position: int, vocab: int) -> int:
     x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
     x ^= x >> 12
     return 4 + x % (vocab - 4)
+
+
+def masked(token: int, stop_ids, vocab: int) -> int:
+    """What min_tokens makes of a sampled EOS/stop token: the next id (above 3) that is not one."""
+    while token in stop_ids:
+        token = 4 + (token - 3) % (vocab - 4)
+    return token
+
+
+def fake_logprobs(token: int, position: int, top: int, vocab: int) -> TokenLogprobs:
+    """Deterministic logprobs for ``token`` at ``position`` (tests check that each lands where it belongs)."""
+    lp = -(token % 7) / 10 - position / 1000
+    return TokenLogprobs(lp, [(token + j) % vocab for j in range(top)], [lp - j for j in range(top)])
 
 
 @dataclass
@@ -62,6 +75,7 @@ class ScriptedRunner:
     step_latency_s: float = 0.0
     seqs: dict[int, list[int]] = field(default_factory=dict)  # slot -> tokens by position
     seed: dict[int, int] = field(default_factory=dict)
+    sampling: dict[int, SlotSampling] = field(default_factory=dict)
     tables: dict[int, list[int]] = field(default_factory=dict)
     block_slots: dict[int, set[int]] = field(default_factory=dict)  # block -> slots whose tables hold it
     kv: dict[int, list[Optional[int]]] = field(default_factory=dict)  # block -> token written at each offset
@@ -74,10 +88,12 @@ class ScriptedRunner:
         tokens: list[int] = []
         cursor = 0
         self.reads = []
-        for slot, n, start, prefill, sample in zip(
+        result = StepResult(plan.step_id, tokens)
+        for row, (slot, n, start, prefill, sample) in enumerate(zip(
             plan.slots, plan.num_tokens, plan.positions, plan.is_prefill, plan.sample
-        ):
+        )):
             seq = self.seqs[slot]
+            sp = self.sampling[slot]
             if prefill:
                 chunk = plan.prefill_tokens[cursor : cursor + n]
                 cursor += n
@@ -92,15 +108,26 @@ class ScriptedRunner:
                 assert start == len(seq) - 1, f"slot {slot}: decode at {start}, last known token at {len(seq) - 1}"
             assert len(self.tables[slot]) * self.block_size >= start + n, f"slot {slot}: KV beyond its blocks"
             self._write(slot, start, seq[start : start + n])
+            if prefill and sp.prompt_logprobs >= 0 and max(start, 1) < min(start + n, sp.num_prompt_tokens):
+                first = max(start, 1)
+                result.prompt_logprob_rows.append((row, first))
+                result.prompt_logprobs.append([fake_logprobs(seq[q], q, sp.prompt_logprobs, self.vocab_size)
+                                               for q in range(first, min(start + n, sp.num_prompt_tokens))])
             if sample:
                 tok = self.token_at(self.seed[slot], start + n)
+                if start + n - sp.num_prompt_tokens < sp.min_tokens:
+                    tok = masked(tok, sp.min_tokens_stop_ids, self.vocab_size)
                 seq.append(tok)
                 tokens.append(tok)
+                if sp.logprobs >= 0:
+                    result.logprob_rows.append(len(tokens) - 1)
+                    result.logprobs.append(fake_logprobs(tok, start + n, sp.logprobs, self.vocab_size))
         assert cursor == len(plan.prefill_tokens), "prefill tokens left over"
         if self.step_latency_s:
             wait_until(t0 + self.step_latency_s)
         self.steps_run += 1
-        return StepResult(plan.step_id, tokens, t_start=t0, t_end=time.perf_counter())
+        result.t_start, result.t_end = t0, time.perf_counter()
+        return result
 
     def token_at(self, seed: int, position: int) -> int:
         """The token this script samples at absolute ``position`` for ``seed``."""
@@ -138,13 +165,14 @@ class ScriptedRunner:
             assert slot in self.tables, f"release of free slot {slot}"
             for b in self.tables.pop(slot):
                 self.block_slots[b].discard(slot)
-            del self.seqs[slot], self.seed[slot]
+            del self.seqs[slot], self.seed[slot], self.sampling[slot]
         for admit in plan.admits:
             assert 0 <= admit.slot < self.num_slots
             assert admit.slot not in self.tables, f"slot {admit.slot} admitted while still in use"
             self.tables[admit.slot] = []
             self.seqs[admit.slot] = []
             self.seed[admit.slot] = admit.sampling.seed
+            self.sampling[admit.slot] = admit.sampling
         a = plan.block_appends
         for i in range(0, len(a), 3):
             slot, index, block = a[i], a[i + 1], a[i + 2]
@@ -168,6 +196,8 @@ def wait_until(deadline: float) -> None:
 def expected_output(
     token_at: Callable[[int, int], int], *, seed: int, prompt_len: int, max_tokens: int, max_model_len: int,
     eos_token_ids: Iterable[int], stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
+    min_tokens: int = 0, vocab: int = 1000, stop_strings: Iterable[str] = (),
+    detokenize: Optional[Callable[[list[int]], str]] = None,
 ) -> tuple[list[int], str]:
     """The tokens and finish reason a correct scheduler streams for one request (no abort).
 
@@ -178,9 +208,16 @@ def expected_output(
     stops = frozenset(stop_token_ids)
     eos = frozenset(() if ignore_eos else eos_token_ids)
     out: list[int] = []
+    text = ""
     while True:
         tok = token_at(seed, prompt_len + len(out))
+        if len(out) < min_tokens:
+            tok = masked(tok, stops | eos, vocab)
         out.append(tok)
+        before, text = text, detokenize(out) if stop_strings else ""
+        # A stop string counts in the token that completes it (none before min_tokens outputs).
+        if len(out) >= min_tokens and any(text.count(s) > before.count(s) for s in stop_strings):
+            return out, "stop"
         if tok in stops or tok in eos:
             return out, "stop"
         if len(out) >= max_tokens or prompt_len + len(out) >= max_model_len:

@@ -1,0 +1,130 @@
+"""Client messages: Hello, Generate (validated, n completions), Abort, stats; a mixin of Server."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Optional
+
+from ipc import protocol as p
+from ipc.sockets import MAX_CLIENT_MESSAGE_BYTES
+from scheduler_proc.request import Request
+from scheduler_proc.validate import InvalidRequest, decode_client_frame, validate_generate
+
+
+class ClientMessages:
+    """What the server does with each client message (``self`` is the Server)."""
+
+    def _on_client_frames(self, frames: list[bytes]) -> None:
+        client = frames[0]
+        state = self.frontend.clients.get(client)
+        if state is not None:
+            state.last_seen = time.monotonic()
+        if len(frames) != 2:
+            self.frontend.send(client, p.Error(code="bad_frame", message=f"expected 1 frame per message, got {len(frames) - 1}"))
+            return
+        data = frames[1]
+        if len(data) > MAX_CLIENT_MESSAGE_BYTES:
+            self.frontend.send(client, p.Error(
+                code="bad_frame", message=f"message of {len(data)} bytes exceeds the limit of {MAX_CLIENT_MESSAGE_BYTES} bytes"))
+            return
+        msg = decode_client_frame(data)
+        if isinstance(msg, p.Error):
+            self.frontend.send(client, msg)
+        elif isinstance(msg, p.Ping):
+            self.frontend.send(client, p.Pong(self.server_id))
+        elif isinstance(msg, p.Hello):
+            self._on_hello(client, msg)
+        elif state is None:
+            self.frontend.send(client, p.Error(code="protocol", request_id=getattr(msg, "request_id", None),
+                                               message="send Hello first (none yet, or silent past its heartbeat)"))
+        elif isinstance(msg, p.Generate):
+            self._on_generate(client, msg)
+        elif isinstance(msg, p.Abort):
+            self._on_abort(client, msg)
+        elif isinstance(msg, p.GetStats):
+            self.frontend.send(client, self.server_stats())
+        elif isinstance(msg, p.ResetPrefixCache):
+            self.planner.reset_prefix_cache()
+            self.frontend.send(client, self.server_stats())
+
+    def server_stats(self) -> p.ServerStats:
+        pl, totals = self.planner, self.step_totals
+        return p.ServerStats(
+            num_kv_blocks=pl.limits.num_kv_blocks, num_free_kv_blocks=pl.blocks.num_free,
+            num_slots=pl.limits.num_slots, num_free_slots=pl.slots.num_free, num_running=len(pl.running),
+            num_waiting=len(pl.waiting), num_draining=len(pl.draining), num_inflight_steps=pl.num_inflight,
+            steps=self.stats["steps"], requests=self.stats["requests"], preemptions=pl.num_preemptions,
+            executor_restarts=self.stats["restarts"],
+            step_time_s_total=totals.step_s, gpu_busy_s_total=totals.gpu_busy_s,
+            gpu_gap_s_total=totals.gpu_gap_s, executor_idle_s_total=totals.idle_s,
+            prefix_cache_query_tokens=pl.prefix.query_tokens if pl.prefix else 0,
+            prefix_cache_hit_tokens=pl.prefix.hit_tokens if pl.prefix else 0)
+
+    def _on_hello(self, client: bytes, msg: p.Hello) -> None:
+        if msg.protocol_version != p.PROTOCOL_VERSION:
+            self.frontend.send(client, p.Error(
+                code="protocol", field="protocol_version",
+                message=f"client speaks protocol {msg.protocol_version}, server speaks {p.PROTOCOL_VERSION}"))
+            return
+        self.frontend.hello(client, msg.heartbeat_s, msg.batch_deltas)
+        r = self.ready
+        self.frontend.send(client, p.ServerInfo(
+            protocol_version=p.PROTOCOL_VERSION, model_name=self.model.name, max_model_len=r.max_model_len,
+            vocab_size=r.vocab_size, tokenizer_path=self.model.tokenizer_path, eos_token_ids=r.eos_token_ids,
+            device=r.device, dtype=r.dtype, pipeline_depth=self.cfg.pipeline_depth, batch_deltas=msg.batch_deltas,
+            server_id=self.server_id))
+
+    def _refusal(self) -> Optional[p.Error]:
+        """Why no new request is taken now, or None."""
+        if self.failure:
+            return p.Error(code="executor_failed", message=self.failure)
+        if self.shutdown_at is not None:
+            return p.Error(code="shutting_down", message="the server is shutting down: no new requests")
+        if len(self.planner.waiting) >= self.cfg.max_waiting:
+            return p.Error(code="overloaded", message=f"{len(self.planner.waiting)} requests are waiting, the limit "
+                                                      f"(--max-waiting) is {self.cfg.max_waiting}: retry later")
+        return None
+
+    def _on_generate(self, client: bytes, msg: p.Generate) -> None:
+        refusal = self._refusal()
+        if refusal is not None:
+            refusal.request_id = msg.request_id
+            self.frontend.send(client, refusal)
+            return
+        try:
+            validate_generate(msg, self.limits)
+        except InvalidRequest as e:
+            self.frontend.send(client, p.Error(code="invalid_request", message=e.message, request_id=msg.request_id,
+                                               field=e.field))
+            return
+        if any((client, msg.request_id, i) in self.requests for i in range(p.MAX_N)):
+            self.frontend.send(client, p.Error(code="duplicate_id", field="request_id", request_id=msg.request_id,
+                                               message=f"request_id {msg.request_id!r} is already in use by this client"))
+            return
+        s = msg.sampling
+        base = s.seed if s.seed is not None else random.getrandbits(63)
+        leader = None
+        for index in range(s.n):
+            req = Request(
+                rid=next(self._rids), client=client, request_id=msg.request_id, prompt=msg.prompt_token_ids,
+                sampling=s, seed=(base + index) % 2**63, max_tokens=s.max_tokens, stop_ids=frozenset(s.stop_token_ids),
+                index=index)
+            try:
+                self.planner.add(req, leader)
+            except ValueError as e:  # e.g. stop strings on a server without a tokenizer
+                self.frontend.send(client, p.Error(code="invalid_request", message=str(e), request_id=msg.request_id,
+                                                   field="sampling.stop"))
+                return
+            self.requests[(client, msg.request_id, index)] = req
+            leader = leader or req
+        self.stats["requests"] += 1
+
+    def _on_abort(self, client: bytes, msg: p.Abort) -> None:
+        """Abort every completion of the request (already finished ones: nothing to do)."""
+        for index in range(p.MAX_N):
+            req = self.requests.get((client, msg.request_id, index))
+            if req is not None:
+                out = self.planner.abort(req)
+                if out:
+                    self._emit(out)

@@ -1,0 +1,37 @@
+"""An executor restart, as the planner sees it: a preemption of everything at once."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from scheduler_proc.block_allocator import BlockAllocator, Pool
+from scheduler_proc.request import Status
+
+if TYPE_CHECKING:
+    from scheduler_proc.planner import Planner
+
+
+def restart_planner(pl: "Planner") -> None:
+    """The executor was replaced: a preemption of everything at once, pools reset.
+
+    Every in-flight step is void (its tokens will never be applied); every
+    running or preempted request goes to the front of the waiting queue, in
+    admission order, to be recomputed from its prompt and received tokens;
+    finished requests that were draining are forgotten.  Step ids go on.
+    """
+    requeue = list(pl._running.values()) + [r for r in pl.draining.values() if r.status is Status.PREEMPTED]
+    for req in requeue:
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        req.slot, req.blocks, req.num_published = None, [], 0
+        req.num_pending = req.num_computed = req.num_prefill = req.num_inflight_steps = 0
+    pl.waiting.extendleft(reversed(requeue))
+    pl.num_preemptions += len(requeue)
+    for group in (pl._running, pl._prefilling, pl._decoding, pl.draining):
+        group.clear()
+    pl.inflight.clear()
+    pl._releases, pl._draining_blocks = [], 0
+    pl.blocks = BlockAllocator(pl.limits.num_kv_blocks, pl.limits.block_size)
+    if pl.prefix is not None:
+        pl.prefix.blocks = pl.blocks  # the new executor's KV cache is empty: nothing stays cached
+    pl.slots = Pool(pl.limits.num_slots, "slot")

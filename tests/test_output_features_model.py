@@ -1,0 +1,117 @@
+"""Stop strings and n > 1 on the default model (float32, real processes), at pipeline depths 0, 1 and 2.
+
+Stop strings are taken from the model's own greedy output: a substring that starts in
+the last character of one token and ends with a later token (spanning two or three
+tokens).  The stream must end exactly at the token that completes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ipc import protocol as p
+from ipc.client.raw import RawConnection
+from scheduler_proc.outputs import load_detokenizer
+from tests.server_proc import assert_no_leak, reset_prefix_cache, server_stats, wait_idle
+
+pytestmark = pytest.mark.slow
+BLOCK_SIZE = 16  # the server's default
+
+
+async def run(address: str, gens: list[p.Generate], batch_deltas: bool = False):
+    """Send every Generate; collect each completion's tokens and Finished, by (request_id, index)."""
+    want = sum(g.sampling.n for g in gens)
+    tokens: dict[tuple[str, int], list[int]] = {}
+    done: dict[tuple[str, int], p.Finished] = {}
+
+    def add(key, token_ids):
+        assert key not in done, f"{key}: a message after its Finished"
+        tokens.setdefault(key, []).extend(token_ids)
+
+    async with RawConnection(address, timeout=300) as conn:
+        await conn.hello(batch_deltas=batch_deltas)
+        for g in gens:
+            await conn.send(g)
+        while len(done) < want:
+            msg = await conn.recv()
+            assert not isinstance(msg, p.Error), msg
+            if isinstance(msg, p.TokenDeltas):
+                indices = msg.indices or [0] * len(msg.request_ids)
+                assert not msg.logprobs and not msg.prompt_logprobs  # nobody asked: nothing extra on the wire
+                for key, token_ids in zip(zip(msg.request_ids, indices), msg.token_ids):
+                    add(key, token_ids)
+                continue
+            add((msg.request_id, msg.index), msg.token_ids)
+            if isinstance(msg, p.Finished):
+                done[(msg.request_id, msg.index)] = msg
+    return {k: (tokens[k], done[k]) for k in done}
+
+
+def greedy(prompt: list[int], max_tokens: int, **kw) -> p.Generate:
+    return p.Generate("g", prompt, p.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))
+
+
+def spanning_stop(detok, out: list[int], span: int, after: int) -> tuple[str, int]:
+    """A stop string from the last char of token k-span+1 to the end of token k (k >= after, first occurrence)."""
+    for k in range(after, len(out)):
+        first = k - span + 1
+        start = len(detok(out[:first + 1])) - 1
+        text = detok(out[:k + 1])
+        stop = text[start:]
+        pieces = [detok(out[:j + 1])[len(detok(out[:j])):] for j in range(first, k + 1)]
+        if start >= len(detok(out[:first])) and all(pieces) and stop.isprintable() and stop not in detok(out[:k]):
+            if len(stop) >= span:
+                return stop, k
+    raise AssertionError("no stop string spans the output")
+
+
+@pytest.fixture(scope="module")
+def detok(default_model_dir):
+    return load_detokenizer(default_model_dir)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+async def test_stop_strings_end_the_stream_exactly(depth, model_server, chat_prompt_ids, detok):
+    srv = model_server(depth)
+    a, b = chat_prompt_ids[0], chat_prompt_ids[2]
+    base = await run(srv.address, [greedy(a, 24, ignore_eos=True), p.Generate("h", b, greedy(b, 24).sampling)])
+    out_a, out_b = base[("g", 0)][0], base[("h", 0)][0]
+    stop2, k2 = spanning_stop(detok, out_a, 2, 3)
+    stop3, k3 = spanning_stop(detok, out_b, 3, 5)
+    prompt_word = next(w for w in detok(a).split() if w.isalpha() and w not in detok(out_a))
+    gens = [p.Generate("two", a, greedy(a, 24, stop=[stop2], ignore_eos=True).sampling),
+            p.Generate("three", b, greedy(b, 24, stop=["\u2603never", stop3]).sampling),
+            p.Generate("prompt-only", a, greedy(a, 24, stop=[prompt_word], ignore_eos=True).sampling)]
+    got = await run(srv.address, gens)  # one batch: different stop strings side by side
+    tokens, fin = got[("two", 0)]
+    assert tokens == out_a[:k2 + 1] and (fin.reason, fin.stop_str) == ("stop", stop2)
+    assert detok(tokens).endswith(stop2)
+    tokens, fin = got[("three", 0)]
+    assert tokens == out_b[:k3 + 1] and (fin.reason, fin.stop_str) == ("stop", stop3)
+    tokens, fin = got[("prompt-only", 0)]
+    assert tokens == out_a and fin.reason == "length" and fin.stop_str is None
+    assert_no_leak(await wait_idle(srv.address))
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+async def test_n_completions_each_equal_to_its_own_seed(depth, model_server, chat_prompt_ids):
+    srv = model_server(depth)
+    prompt = chat_prompt_ids[5]
+    sampling = dict(max_tokens=12, temperature=0.8, ignore_eos=True)
+    await reset_prefix_cache(srv.address)
+    before = await server_stats(srv.address)
+    many = await run(srv.address, [p.Generate("n", prompt, p.SamplingParams(n=4, seed=77, **sampling))],
+                     batch_deltas=True)
+    after = await server_stats(srv.address)
+    cached = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE  # full blocks, the last token always computed
+    assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == 3 * cached  # prefilled once
+    alone = await asyncio.gather(*[
+        run(srv.address, [p.Generate(f"s{i}", prompt, p.SamplingParams(seed=77 + i, **sampling))]) for i in range(4)])
+    completions = [many[("n", i)][0] for i in range(4)]
+    assert len({tuple(c) for c in completions}) == 4
+    for i in range(4):
+        assert completions[i] == alone[i][(f"s{i}", 0)][0], f"completion {i} differs from seed {77 + i} alone"
+        assert many[("n", i)][1].prompt_tokens == len(prompt)
+    assert_no_leak(await wait_idle(srv.address))
