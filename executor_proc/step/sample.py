@@ -48,8 +48,10 @@ def sampling_mode(tables: SlotTables, slots) -> SamplingMode:
     """The mode of a step whose sampled rows are ``slots`` (host ints), from the tables' host mirrors."""
     infos = [tables.info[s] for s in slots]
     greedy = all(i.greedy for i in infos)
-    return SamplingMode(greedy, filtered=not greedy and any(i.filtered for i in infos),
-                        penalised=any(i.penalised for i in infos),
+    filtered = not greedy and any(i.filtered for i in infos)
+    if not tables.featured:  # the common case: nobody asks for penalties or logprobs
+        return SamplingMode(greedy, filtered)
+    return SamplingMode(greedy, filtered, penalised=any(i.penalised for i in infos),
                         logprobs=any(i.num_logprobs >= 0 for i in infos))
 
 

@@ -102,6 +102,8 @@ class SlotTables:
         self.penalties = PenaltyTables.allocate(num_slots, max(vocab, 1), device, max_bias=MAX_BIAS,
                                                 max_stop=MAX_STOP)
         self.info = [SlotInfo() for _ in range(rows)]
+        # Live slots with a penalty or a logprobs request: while empty, a step needs no look at them.
+        self.featured: set[int] = set()
 
     def sampling_rows(self, slots: torch.Tensor, positions: torch.Tensor, filtered: bool = True) -> SamplingRows:
         """The sampling parameters of ``slots``, gathered on the device, for tokens at ``positions``."""
@@ -135,6 +137,7 @@ class SlotTables:
             diff.releases = upload.add(plan.releases, torch.int64)
             for slot in plan.releases:
                 self.info[slot] = SlotInfo()
+                self.featured.discard(slot)
         if plan.admits:
             s = [a.sampling for a in plan.admits]
             diff.admit_slots = upload.add([a.slot for a in plan.admits], torch.int64)
@@ -148,7 +151,11 @@ class SlotTables:
             diff.params["penalties.stop_ids"] = upload.add(
                 _padded([x.min_tokens_stop_ids for x in s], p.stop_ids.shape[1], -1, np.int32), torch.int32)
             for a in plan.admits:
-                self.info[a.slot] = slot_info(a.sampling)
+                info = self.info[a.slot] = slot_info(a.sampling)
+                if info.penalised or info.num_logprobs >= 0 or info.prompt_logprobs >= 0:
+                    self.featured.add(a.slot)
+                else:
+                    self.featured.discard(a.slot)
         if plan.block_appends:
             diff.appends = upload.add(plan.block_appends, torch.int64)
         return diff

@@ -103,9 +103,10 @@ class Worker:
             self.tables.apply(diff, sent)
             self.graphs.inputs[:, :bucket].copy_(sent[part].view(3, bucket))
             return GraphStep(bucket, len(plan.slots), mode, outputs)
-        outputs.prompt = plan_prompt_logprobs(plan, self.tables.info, self.saved_logits)
+        featured = bool(self.tables.featured)
+        outputs.prompt = plan_prompt_logprobs(plan, self.tables.info, self.saved_logits) if featured else None
         parts = self._eager_rows(plan, upload, outputs.prompt)
-        marks = self._prefill_marks(plan, upload)
+        marks = self._prefill_marks(plan, upload) if featured else None
         sent = upload.send()
         self.tables.apply(diff, sent)
         self._apply_marks(marks, sent)
