@@ -259,8 +259,9 @@ def test_feature_decode_loop_does_not_synchronize(tmp_path):
     torch.cuda.set_sync_debug_mode("error")
     try:
         for i in range(200):
-            if i == 100:
-                planner.add(list(range(50, 70)), GREEDY)  # one mixed prefill + decode step
+            if i == 100:  # one mixed prefill + decode step, with prompt logprobs
+                planner.add(list(range(50, 70)), SlotSampling(0.0, 0, 1.0, 0.0, 0, prompt_logprobs=2,
+                                                              num_prompt_tokens=20))
             step(planner.step())
     finally:
         torch.cuda.set_sync_debug_mode(0)
