@@ -60,8 +60,9 @@ def build_worker(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
     progress("kv_cache", 0, 1)
     kv = KVCache(mcfg, num_blocks, cfg.block_size, device=device, dtype=dtype)
     progress("kv_cache", 1, 1)
-    worker = Worker(model, kv, SlotTables(cfg.num_slots, max_blocks, device), cfg.block_size, device,
-                    graph_max_batch=graph_max_batch(cfg, backend), capture_graphs=device.type == "cuda")
+    tables = SlotTables(cfg.num_slots, max_blocks, device, mcfg.vocab_size)
+    worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=graph_max_batch(cfg, backend),
+                    capture_graphs=device.type == "cuda")
     worker.capture_graphs(lambda done, total: progress(GRAPH_STAGE, done, total))
     return BuiltWorker(worker, mcfg, num_blocks, max_len, device)
 

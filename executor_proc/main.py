@@ -45,6 +45,7 @@ class LaunchedStep:
     t_start: float
     idle_s: float
     gpu_events: Optional[tuple] = None  # (start, end) timing events on the compute stream
+    outputs: object = None  # step_outputs.StepOutputs: logprobs, on the host once ``event`` completes
 
 
 class OutputThread(threading.Thread):
@@ -83,6 +84,7 @@ class OutputThread(threading.Thread):
             if step.event is not None:
                 step.event.synchronize()
             tokens = step.tokens if isinstance(step.tokens, list) else step.tokens.tolist()
+            extra = step.outputs.result_fields() if step.outputs is not None else {}
             release = getattr(step.event, "release", None)  # a pinned ring slot, free again once read
             if release is not None:
                 release()
@@ -90,7 +92,7 @@ class OutputThread(threading.Thread):
             t_start, t_end, idle_s = getattr(step.event, "timing", None) or (
                 step.t_start, time.perf_counter(), step.idle_s)
             busy, gap = self._gpu_timing(step)
-            result = p.StepResult(step.step_id, tokens, t_start, t_end, idle_s, busy, gap)
+            result = p.StepResult(step.step_id, tokens, t_start, t_end, idle_s, busy, gap, **extra)
             self.sock.send(p.encode(result))
 
 
@@ -171,8 +173,9 @@ class ExecutorProcess:
             tokens = worker.launch(step)
             if events is not None:
                 events = (events, self._record_gpu_event())
-            host, event = worker.copy_out(tokens)
-            self.output.steps.put(LaunchedStep(plan.step_id, host, event, t_start, t_start - t_wait, events))
+            host, event = worker.copy_out(tokens, step)
+            self.output.steps.put(LaunchedStep(plan.step_id, host, event, t_start, t_start - t_wait, events,
+                                               getattr(step, "outputs", None)))
         self.output.steps.put(None)
         self.output.join(timeout=5)
 

@@ -31,6 +31,7 @@ import torch
 from _bench_util import write_json
 from ipc.config import ExecutorConfig
 from executor_proc.build import build_worker
+from executor_proc.step.sample import GREEDY
 from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -145,11 +146,11 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
     gpu = start.elapsed_time(end) / 1e3 / steps
     host = loop.host_s / steps
     bucket = worker.graphs.bucket_for(batch)
-    replay = time_calls(lambda: worker.graphs.run(bucket, True), steps)
+    replay = time_calls(lambda: worker.graphs.run(bucket, GREEDY), steps)
     view = worker.graphs.view(bucket)
-    eager = time_calls(lambda: worker.graphs.step_fn(view, True), max(10, steps // 10))
+    eager = time_calls(lambda: worker.graphs.step_fn(view, GREEDY), max(10, steps // 10))
     if args.profile:
-        profile_kernels(lambda: worker.graphs.run(bucket, True), f"{args.profile}.{name}.txt")
+        profile_kernels(lambda: worker.graphs.run(bucket, GREEDY), f"{args.profile}.{name}.txt")
     linears = linear_report(worker.model.backend)
     w_bytes = weight_bytes_per_step(worker.model)
     kv = kv_bytes(mcfg, context + warmup + steps // 2, batch)

@@ -11,8 +11,11 @@ A backend is everything a step launches besides the model's own weights:
 - sampler: ``sample(logits, rows)`` for the rows that are not all greedy (the
   caller, :func:`executor_proc.step.sample.sample_rows`, takes the argmax itself
   when every row is greedy).  :class:`SamplingRows` carries the per-row
-  parameters gathered from the slot tables; a new sampling feature (penalties,
-  logprobs) adds its per-slot tables there and its kernel behind ``sample``.
+  parameters gathered from the slot tables;
+- sampling features: ``apply_penalties`` (repetition, frequency, presence,
+  logit_bias, min_tokens from :class:`kernels.penalties_ref.PenaltyTables`),
+  ``count_sampled`` (the tables' token counts, right after sampling) and
+  ``token_logprobs`` (fixed ``[S, 1 + 20]`` ids / logprobs of the raw logits).
 
 Implementations: :mod:`executor_proc.backends.torch_backend` (plain torch, the
 CPU path) and :mod:`executor_proc.backends.triton_backend` (the CUDA fast path).
@@ -27,6 +30,7 @@ from typing import Optional, Protocol, TypeVar
 import torch
 
 from executor_proc.step.batch import ForwardBatch
+from kernels.penalties_ref import PenaltyTables
 
 PlanT = TypeVar("PlanT")
 
@@ -47,6 +51,7 @@ class SamplingRows:
     min_p: torch.Tensor
     seed: torch.Tensor
     position: torch.Tensor
+    filtered: bool = True  # host-side: some row has top-k or top-p (False skips the sampler's window)
 
 
 class Backend(Protocol[PlanT]):
@@ -74,3 +79,11 @@ class Backend(Protocol[PlanT]):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
     def sample(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor: ...
+
+    def apply_penalties(self, logits: torch.Tensor, tables: PenaltyTables, slots: torch.Tensor,
+                        in_place: bool) -> torch.Tensor: ...
+
+    def count_sampled(self, tables: PenaltyTables, slots: torch.Tensor, tokens: torch.Tensor) -> None: ...
+
+    def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,
+                       num_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...

@@ -9,8 +9,8 @@ KV cache layout, per layer (one tensor for K, one for V)::
 Every shape comes from the batch's host lists, so nothing here reads a device
 value back (and no step of it can be captured in a CUDA graph: the Triton
 backend does that).  Norm, activation, rotary, KV write and sampling are the
-one torch statement of each op in :mod:`kernels.reference` and
-:mod:`kernels.sampling_ref`, which the kernel tests also compare against.
+one torch statement of each op in :mod:`kernels.reference`, :mod:`kernels.sampling_ref`,
+:mod:`kernels.penalties_ref` and :mod:`kernels.logprobs_ref`, which the kernel tests also compare against.
 
 Decode rows (one query token) are attended in batched runs: the blocks of every
 row of a run are gathered into one padded tensor with a length mask and sent to
@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from executor_proc.backends.base import SamplingRows
 from executor_proc.step.batch import ForwardBatch
 from kernels import reference as ops
+from kernels.logprobs_ref import token_logprobs_ref
+from kernels.penalties_ref import PenaltyTables, apply_penalties_ref, count_sampled
 from kernels.sampling_ref import sample
 
 
@@ -185,3 +187,17 @@ class TorchBackend:
     @staticmethod
     def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         return sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seed, rows.position)
+
+    @staticmethod
+    def apply_penalties(logits: torch.Tensor, tables: PenaltyTables, slots: torch.Tensor,
+                        in_place: bool) -> torch.Tensor:
+        return apply_penalties_ref(logits, tables, slots)
+
+    @staticmethod
+    def count_sampled(tables: PenaltyTables, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        count_sampled(tables, slots, tokens)
+
+    @staticmethod
+    def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                       num_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs_ref(logits, tokens, num_logprobs)

@@ -16,7 +16,8 @@ Ops: ``rms_norm``, ``add_rms_norm`` and ``silu_and_mul`` are single Triton
 launches; ``linear`` is cuBLAS, or the Triton skinny matmul
 (:mod:`kernels.gemv`) for the (shape, batch) pairs where
 :func:`executor_proc.backends.gemv_tuning.tune_linears` measured it faster on
-this GPU.  The sampler is :func:`kernels.sampling.sample`.
+this GPU.  The sampler is :func:`kernels.sampling.sample`; penalties and logprobs are
+:mod:`kernels.penalties` and :mod:`kernels.logprobs`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from kernels import gemv as skinny
 from kernels.activation import silu_and_mul
 from kernels.decode_attention import DecodeWorkspace, decode_attention, default_num_splits
 from kernels.kv_write import rope_cos_sin_cache, rope_kv_write
+from kernels.logprobs import token_logprobs
 from kernels.norm import fused_add_rms_norm, rms_norm
+from kernels.penalties import PenaltyTables, apply_penalties, count_sampled
 from kernels.prefill_attention import prefill_attention
 from kernels.sampling import sample
 
@@ -124,4 +127,20 @@ class TritonBackend:
 
     @staticmethod
     def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-        return sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seed, rows.position)
+        return sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seed, rows.position,
+                      filtered=rows.filtered)
+
+    @staticmethod
+    def apply_penalties(logits: torch.Tensor, tables: PenaltyTables, slots: torch.Tensor,
+                        in_place: bool) -> torch.Tensor:
+        """In place when the raw logits are not needed afterwards (no logprobs): one read and write less."""
+        return apply_penalties(logits, tables, slots, out=logits if in_place else None)
+
+    @staticmethod
+    def count_sampled(tables: PenaltyTables, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        count_sampled(tables, slots, tokens)
+
+    @staticmethod
+    def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                       num_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs(logits, tokens, num_logprobs)

@@ -9,8 +9,9 @@ padding: the tables' padding slot, position 0, context length 1)::
 
 :func:`decode_step` gathers the input tokens from ``last_token[slot]``, the KV
 write indices from the block table (-1 for padded rows: no KV write), runs the
-model, samples with the per-slot parameters (or argmax when every row is
-greedy), writes the tokens back to ``last_token`` and returns them.  It only
+model, samples with the per-slot parameters (:func:`executor_proc.step.sample.sample_rows`
+in the step's :class:`SamplingMode`: penalties, argmax or sampler, logprobs, counts),
+writes the tokens back to ``last_token`` and returns them.  It only
 reads and writes device tensors whose addresses never change, allocates only
 fixed shapes, and never reads a device value on the host, so it can be
 captured once and replayed; on the CPU it runs eagerly (tests).
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_proc.step.batch import ForwardBatch
-from executor_proc.step.sample import sample_rows
+from executor_proc.step.sample import Sampled, SamplingMode, sample_rows
 from executor_proc.step.slot_tables import SlotTables
 
 
@@ -63,7 +64,7 @@ def decode_batch(inputs: DecodeInputs, tables: SlotTables, block_size: int) -> F
 
 
 def decode_step(model, kv_cache, tables: SlotTables, inputs: DecodeInputs, block_size: int,
-                greedy: bool) -> torch.Tensor:
-    """Forward + sample + ``last_token`` update for one bucket; returns the tokens ``[B]`` int64."""
+                mode: SamplingMode) -> Sampled:
+    """Forward + sample + ``last_token`` update for one bucket; tokens ``[B]`` int64 (and logprobs)."""
     logits = model(decode_batch(inputs, tables, block_size), kv_cache)
-    return sample_rows(model.backend, logits, tables, inputs.slots, inputs.context_lens, greedy)
+    return sample_rows(model.backend, logits, tables, inputs.slots, inputs.context_lens, mode)

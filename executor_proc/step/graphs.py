@@ -4,28 +4,37 @@ A thin layer over :func:`executor_proc.step.decode_step.decode_step`: the runner
 one static input buffer ``[3, max_bucket]`` int64 (slots, positions, context
 lengths); bucket ``B`` reads its first ``B`` columns.  A step copies its rows
 into the buffer (one device copy from the step's pinned upload, padded rows
-filled in on the host), replays the bucket's graph, and reads the first ``n``
-entries of the graph's static output.
+filled in on the host), replays the graph of its (bucket, mode), and reads the
+first ``n`` rows of the graph's static outputs.
 
-Buckets: 1, 2, 4, 8, then every multiple of 8 up to the largest batch.  Each
-bucket has two graphs: all rows greedy (argmax) and sampled (the Triton
-sampler; greedy rows inside it still take the argmax).  With ``capture=False``
-(the CPU, or graphs switched off) the runner calls the same function eagerly on
-the same buffers, which is how the CPU tests exercise everything but the
-capture itself.
+Buckets: 1, 2, 4, 8, then every multiple of 8 up to the largest batch.  Modes
+(:class:`executor_proc.step.sample.SamplingMode`: all greedy, any top-k/top-p,
+any penalties, any logprobs): the two plain ones, all greedy (argmax) and sampled
+(the general sampler; greedy rows inside it still take the argmax), are captured
+at start-up for every bucket, as before these features existed; any other mode is
+captured the first time a step needs it, for that bucket only (a one-time cost of
+one capture, a few milliseconds, and one device synchronisation).  A lazy capture
+warms up and captures on padding rows, then puts the step's inputs back, so the
+step's own state (``last_token``, counts, KV) is touched once, by the replay.
+
+With ``capture=False`` (the CPU, or graphs switched off) the runner calls the
+same function eagerly on the same buffers, which is how the CPU tests exercise
+everything but the capture itself.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
 from executor_proc.step.decode_step import DecodeInputs
+from executor_proc.step.sample import GREEDY, SAMPLED, Sampled, SamplingMode
 
 ProgressCallback = Callable[[int, int], None]
-StepFn = Callable[[DecodeInputs, bool], torch.Tensor]
+StepFn = Callable[[DecodeInputs, SamplingMode], Sampled]
+START_MODES = (GREEDY, SAMPLED)
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -43,7 +52,8 @@ class DecodeGraphs:
         self.capture = capture
         self.inputs = torch.empty(3, self.buckets[-1], dtype=torch.int64, device=device)
         self.fill_padding()
-        self.graphs: dict[tuple[int, bool], tuple[Optional[torch.cuda.CUDAGraph], torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, SamplingMode], tuple[torch.cuda.CUDAGraph, Sampled]] = {}
+        self.pool = None
 
     def fill_padding(self) -> None:
         """Every row a padded row (what warm-up and capture run on)."""
@@ -59,32 +69,50 @@ class DecodeGraphs:
     def view(self, bucket: int) -> DecodeInputs:
         return DecodeInputs(self.inputs[0, :bucket], self.inputs[1, :bucket], self.inputs[2, :bucket])
 
-    def capture_all(self, progress: Optional[ProgressCallback] = None) -> None:
-        """Capture every (bucket, greedy) graph, largest first (the smaller ones reuse its memory pool)."""
+    def capture_all(self, progress: Optional[ProgressCallback] = None,
+                    modes: Iterable[SamplingMode] = START_MODES) -> None:
+        """Capture every (bucket, mode) graph, largest first (the smaller ones reuse its memory pool)."""
         if not self.capture:
             return
-        pool = torch.cuda.graph_pool_handle()
-        todo = [(b, g) for b in reversed(self.buckets) for g in (True, False)]
-        for done, (bucket, greedy) in enumerate(todo):
-            inputs = self.view(bucket)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up off the capture: compiles kernels, creates handles
-                self.step_fn(inputs, greedy)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.step_fn(inputs, greedy)
-            self.graphs[(bucket, greedy)] = (graph, out)
+        todo = [(b, m) for b in reversed(self.buckets) for m in modes]
+        for done, (bucket, mode) in enumerate(todo):
+            if (bucket, mode) not in self.graphs:
+                self._capture(bucket, mode)
             if progress is not None:
                 progress(done + 1, len(todo))
         torch.cuda.synchronize(self.device)
 
-    def run(self, bucket: int, greedy: bool) -> torch.Tensor:
-        """Replay (or, without capture, run) the bucket's step on the current input buffer; tokens ``[bucket]``."""
-        entry = self.graphs.get((bucket, greedy))
+    def _capture(self, bucket: int, mode: SamplingMode) -> None:
+        """Warm up (compiles kernels, creates handles) and capture, both on the current input buffer."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        inputs = self.view(bucket)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.step_fn(inputs, mode)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the output thread may wait on copy events while a lazy capture runs
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = self.step_fn(inputs, mode)
+        self.graphs[(bucket, mode)] = (graph, out)
+
+    def _capture_now(self, bucket: int, mode: SamplingMode) -> None:
+        """A lazy capture in the middle of serving: on padding rows, then the step's inputs back."""
+        saved = self.inputs[:, :bucket].clone()
+        self.fill_padding()
+        self._capture(bucket, mode)
+        self.inputs[:, :bucket].copy_(saved)
+
+    def run(self, bucket: int, mode: SamplingMode) -> Sampled:
+        """Replay (or, without capture, run) the bucket's step on the current input buffer; ``[bucket]`` rows."""
+        entry = self.graphs.get((bucket, mode))
         if entry is None:
-            return self.step_fn(self.view(bucket), greedy)
+            if not self.capture:
+                return self.step_fn(self.view(bucket), mode)
+            self._capture_now(bucket, mode)
+            entry = self.graphs[(bucket, mode)]
         graph, out = entry
         graph.replay()
         return out

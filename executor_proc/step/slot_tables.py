@@ -3,29 +3,62 @@
     last_token   [num_slots + 1]              the slot's newest sampled token (next decode input)
     block_table  [num_slots + 1, max_blocks]  KV block ids, appended as the request grows
     temperature, top_k, top_p, min_p, seed [num_slots + 1]  sampling parameters
+    num_logprobs [num_slots + 1]              top-n logprobs per sampled token (-1: none)
+    penalties    :class:`kernels.penalties_ref.PenaltyTables`: token counts, prompt mask,
+                 repetition / frequency / presence, logit_bias, min_tokens and its stop ids
 
 The extra last row is the *padding slot*: the rows a CUDA-graph bucket has
-beyond the step's real rows point at it.  It is greedy, its block table stays
-all zeros, and the step never writes KV for it, so whatever a padded row
-computes is harmless and ignored.
+beyond the step's real rows point at it.  It is greedy, asks for nothing, its
+block table stays all zeros, and the step never writes KV for it, so whatever a
+padded row computes is harmless and ignored.
 
 Plans change these tables by diffs (admits, releases, block appends).  The
 diffs ride in the step's one pinned host->device upload (:class:`TableDiff`
 holds their place in it) and become indexed writes on the device, so applying a
-plan never waits for the GPU.
+plan never waits for the GPU.  Host mirrors of a few per-slot facts (greedy,
+filtered, penalised, logprobs wanted) let the worker pick each step's sampling
+variant without reading the device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from executor_proc.backends.base import SamplingRows
 from executor_proc.step.staging import HostUpload
-from ipc.protocol import StepPlan
+from ipc.protocol import MAX_STOP_TOKEN_IDS, SlotSampling, StepPlan
+from kernels.penalties_ref import MAX_BIAS, PenaltyTables, reset_slots
 from kernels.sampling_ref import is_greedy
+
+# min_tokens masks the request's stop token ids and its EOS ids (a model has at most a few).
+MAX_STOP = MAX_STOP_TOKEN_IDS + 8
+
+
+@dataclass
+class SlotInfo:
+    """Host mirror of one slot's sampling facts (set at admission, never read from the device)."""
+
+    greedy: bool = True
+    filtered: bool = False  # top-k or top-p on
+    penalised: bool = False  # repetition / frequency / presence / logit_bias / min_tokens
+    num_logprobs: int = -1
+    prompt_logprobs: int = -1
+    num_prompt_tokens: int = 0
+
+
+def slot_info(s: SlotSampling) -> SlotInfo:
+    """What the worker needs on the host to choose a step's variant for a slot with sampling ``s``."""
+    greedy = is_greedy(s.temperature)
+    return SlotInfo(
+        greedy=greedy,
+        filtered=not greedy and (s.top_k > 0 or s.top_p < 1.0),
+        penalised=(s.repetition_penalty != 1.0 or s.frequency_penalty != 0.0 or s.presence_penalty != 0.0
+                   or bool(s.logit_bias_ids) or (s.min_tokens > 0 and bool(s.min_tokens_stop_ids))),
+        num_logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs, num_prompt_tokens=s.num_prompt_tokens)
 
 
 @dataclass
@@ -34,16 +67,23 @@ class TableDiff:
 
     releases: Optional[int] = None
     admit_slots: Optional[int] = None
-    temperature: Optional[int] = None
-    top_k: Optional[int] = None
-    top_p: Optional[int] = None
-    min_p: Optional[int] = None
-    seed: Optional[int] = None
     appends: Optional[int] = None
+    # admitted slots' parameters: table name -> upload index (see SlotTables._ADMIT_FIELDS)
+    params: dict[str, int] = field(default_factory=dict)
+
+
+def _padded(rows: list[list], width: int, fill, dtype) -> np.ndarray:
+    """``[len(rows) * width]`` flat, each row cut to ``width`` and padded with ``fill``."""
+    out = np.full((len(rows), width), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        r = r[:width]
+        out[i, :len(r)] = r
+    return out.reshape(-1)
 
 
 class SlotTables:
-    def __init__(self, num_slots: int, max_blocks: int, device: torch.device):
+    def __init__(self, num_slots: int, max_blocks: int, device: torch.device, vocab: int = 0):
+        """``vocab``: the logits' width, for the penalty tables (0: a table-only test, no penalties)."""
         self.num_slots = num_slots
         self.max_blocks = max_blocks
         self.device = device
@@ -58,29 +98,64 @@ class SlotTables:
         self.top_p = torch.ones(rows, dtype=torch.float32, **z)
         self.min_p = torch.zeros(rows, dtype=torch.float32, **z)
         self.seed = torch.zeros(rows, dtype=torch.int64, **z)
-        # Host mirror of which slots are greedy: an all-greedy step skips the sampler (no sync needed).
-        self.greedy = [True] * rows
+        self.num_logprobs = torch.full((rows,), -1, dtype=torch.int32, **z)
+        self.penalties = PenaltyTables.allocate(num_slots, max(vocab, 1), device, max_bias=MAX_BIAS,
+                                                max_stop=MAX_STOP)
+        self.info = [SlotInfo() for _ in range(rows)]
+        # Live slots with a penalty or a logprobs request: while empty, a step needs no look at them.
+        self.featured: set[int] = set()
 
-    def sampling_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> SamplingRows:
+    def sampling_rows(self, slots: torch.Tensor, positions: torch.Tensor, filtered: bool = True) -> SamplingRows:
         """The sampling parameters of ``slots``, gathered on the device, for tokens at ``positions``."""
         return SamplingRows(slots, self.temperature[slots], self.top_k[slots], self.top_p[slots],
-                            self.min_p[slots], self.seed[slots], positions)
+                            self.min_p[slots], self.seed[slots], positions, filtered)
+
+    # (table, dtype, value of SlotSampling) for every per-slot scalar written at admission
+    _ADMIT_FIELDS = (
+        ("temperature", torch.float32, lambda s: s.temperature),
+        ("top_k", torch.int64, lambda s: s.top_k),
+        ("top_p", torch.float32, lambda s: s.top_p),
+        ("min_p", torch.float32, lambda s: s.min_p),
+        ("seed", torch.int64, lambda s: s.seed),
+        ("num_logprobs", torch.int32, lambda s: s.logprobs),
+        ("penalties.repetition", torch.float32, lambda s: s.repetition_penalty),
+        ("penalties.frequency", torch.float32, lambda s: s.frequency_penalty),
+        ("penalties.presence", torch.float32, lambda s: s.presence_penalty),
+        ("penalties.min_tokens", torch.int32, lambda s: s.min_tokens),
+    )
+
+    def _table(self, name: str) -> torch.Tensor:
+        obj = self
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        return obj
 
     def stage(self, plan: StepPlan, upload: HostUpload) -> TableDiff:
         """Add the plan's table changes to the step's upload."""
         diff = TableDiff()
         if plan.releases:
             diff.releases = upload.add(plan.releases, torch.int64)
+            for slot in plan.releases:
+                self.info[slot] = SlotInfo()
+                self.featured.discard(slot)
         if plan.admits:
             s = [a.sampling for a in plan.admits]
             diff.admit_slots = upload.add([a.slot for a in plan.admits], torch.int64)
-            diff.temperature = upload.add([x.temperature for x in s], torch.float32)
-            diff.top_k = upload.add([x.top_k for x in s], torch.int64)
-            diff.top_p = upload.add([x.top_p for x in s], torch.float32)
-            diff.min_p = upload.add([x.min_p for x in s], torch.float32)
-            diff.seed = upload.add([x.seed for x in s], torch.int64)
+            for name, dtype, value in self._ADMIT_FIELDS:
+                diff.params[name] = upload.add([value(x) for x in s], dtype)
+            p = self.penalties
+            diff.params["penalties.bias_ids"] = upload.add(
+                _padded([x.logit_bias_ids for x in s], p.bias_ids.shape[1], -1, np.int32), torch.int32)
+            diff.params["penalties.bias_values"] = upload.add(
+                _padded([x.logit_bias_values for x in s], p.bias_values.shape[1], 0.0, np.float32), torch.float32)
+            diff.params["penalties.stop_ids"] = upload.add(
+                _padded([x.min_tokens_stop_ids for x in s], p.stop_ids.shape[1], -1, np.int32), torch.int32)
             for a in plan.admits:
-                self.greedy[a.slot] = is_greedy(a.sampling.temperature)
+                info = self.info[a.slot] = slot_info(a.sampling)
+                if info.penalised or info.num_logprobs >= 0 or info.prompt_logprobs >= 0:
+                    self.featured.add(a.slot)
+                else:
+                    self.featured.discard(a.slot)
         if plan.block_appends:
             diff.appends = upload.add(plan.block_appends, torch.int64)
         return diff
@@ -92,12 +167,11 @@ class SlotTables:
             self.block_table.index_fill_(0, sent[diff.releases], 0)
         if diff.admit_slots is not None:
             slots = sent[diff.admit_slots]
-            self.temperature[slots] = sent[diff.temperature]
-            self.top_k[slots] = sent[diff.top_k]
-            self.top_p[slots] = sent[diff.top_p]
-            self.min_p[slots] = sent[diff.min_p]
-            self.seed[slots] = sent[diff.seed]
+            for name, part in diff.params.items():
+                table = self._table(name)
+                table[slots] = sent[part].view(-1, *table.shape[1:])
             self.block_table.index_fill_(0, slots, 0)
+            reset_slots(self.penalties, slots)
         if diff.appends is not None:
             a = sent[diff.appends].view(-1, 3)
             self.block_table[a[:, 0], a[:, 1]] = a[:, 2].to(torch.int32)

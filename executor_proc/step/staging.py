@@ -9,7 +9,11 @@ still reading.  On the CPU the same calls simply build tensors.
 :class:`TokenRing` brings sampled tokens back: a device->device copy into a ring
 slot on the compute stream (so the next step may overwrite its own output at
 once), then a device->host copy of that slot on the copy stream into pinned
-memory, with an event the output thread waits on.  A slot is reused only after
+memory, with an event the output thread waits on.  A step with logprobs sends its
+``[S, 21]`` ids and logprobs the same way, in the same ring slot, under the same
+event; prompt logprobs (eager prefill steps only, any number of rows) are copied
+non-blocking into freshly pinned memory on the compute stream, which the copy
+stream waits for before it records the event.  A slot is reused only after
 the output thread has read it (:meth:`TokenCopy.release`) and its copy event has
 passed on the device.
 """
@@ -21,6 +25,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
+
+from kernels.logprobs_ref import MAX_TOP_N
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 _ALIGN = 8
@@ -99,25 +105,44 @@ class TokenCopy:
 class TokenRing:
     """Sampled tokens device->host through a ring of pinned buffers (see the module docstring)."""
 
-    def __init__(self, device: torch.device, max_tokens: int, depth: int = 8):
+    def __init__(self, device: torch.device, max_tokens: int, depth: int = 8, logprob_width: int = MAX_TOP_N + 1):
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self._dev = torch.empty(depth, max_tokens, dtype=torch.int64, device=device)
         self._host = torch.empty(depth, max_tokens, dtype=torch.int64, pin_memory=True)
+        shape = (depth, max_tokens, logprob_width)
+        self._lp_dev = (torch.empty(shape, dtype=torch.int64, device=device),
+                        torch.empty(shape, dtype=torch.float32, device=device))
+        self._lp_host = (torch.empty(shape, dtype=torch.int64, pin_memory=True),
+                         torch.empty(shape, dtype=torch.float32, pin_memory=True))
         self._copied = [torch.cuda.Event() for _ in range(depth)]
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         for k in range(depth):
             self._free.put(k)
 
-    def copy_out(self, tokens: torch.Tensor) -> tuple[torch.Tensor, TokenCopy]:
-        """Enqueue the copy of ``tokens [n]`` (int64, on the device); returns (pinned host view, copy)."""
+    def copy_out(self, tokens: torch.Tensor, outputs=None) -> tuple[torch.Tensor, TokenCopy]:
+        """Enqueue the copy of ``tokens [n]`` (int64, on the device); returns (pinned host view, copy).
+
+        ``outputs`` (a :class:`executor_proc.step.step_outputs.StepOutputs`): its device
+        logprobs are copied too and replaced by their host tensors.
+        """
         n = tokens.shape[0]
         k = self._free.get()  # blocks only if every slot is still with the output thread
         main = torch.cuda.current_stream(self.device)
         main.wait_event(self._copied[k])  # on the device: the slot's previous D2H copy is done
         self._dev[k, :n].copy_(tokens)
+        lp = outputs.logprobs if outputs is not None else None
+        if lp is not None:
+            for dev, src in zip(self._lp_dev, lp):
+                dev[k, :n].copy_(src)
+        if outputs is not None and outputs.prompt_logprobs is not None:
+            outputs.prompt_logprobs = tuple(t.to("cpu", non_blocking=True) for t in outputs.prompt_logprobs)
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
             self._host[k, :n].copy_(self._dev[k, :n], non_blocking=True)
+            if lp is not None:
+                for host, dev in zip(self._lp_host, self._lp_dev):
+                    host[k, :n].copy_(dev[k, :n], non_blocking=True)
+                outputs.logprobs = tuple(host[k, :n] for host in self._lp_host)
             self._copied[k].record(self.stream)
         return self._host[k, :n], TokenCopy(self, k, self._copied[k])

@@ -16,7 +16,7 @@ every other step runs the model eagerly with the same kernels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 import numpy as np
@@ -25,10 +25,14 @@ import torch
 from executor_proc.step.batch import ForwardBatch
 from executor_proc.step.decode_step import decode_step
 from executor_proc.step.graphs import DecodeGraphs
-from executor_proc.step.sample import sample_rows
+from executor_proc.step.prompt_logprobs import (PromptLogprobPlan, SavedLogits, compute_prompt_logprobs,
+                                                plan_prompt_logprobs)
+from executor_proc.step.sample import Sampled, SamplingMode, sample_rows, sampling_mode
 from executor_proc.step.slot_tables import SlotTables
 from executor_proc.step.staging import PinnedStaging, TokenRing
+from executor_proc.step.step_outputs import StepOutputs
 from ipc.protocol import StepPlan
+from kernels.penalties_ref import mark_prompt
 
 
 @dataclass
@@ -37,14 +41,18 @@ class GraphStep:
 
     bucket: int
     rows: int
-    greedy: bool
+    mode: SamplingMode
+    outputs: StepOutputs = field(default_factory=StepOutputs)
 
 
 @dataclass
 class EagerStep:
     batch: ForwardBatch
     sample_positions: torch.Tensor  # [S] position of each sampled token: its row's context length
-    greedy: bool
+    mode: SamplingMode
+    num_sampled: int = 0
+    prompt_parts: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # prompt-logprob targets, top-n
+    outputs: StepOutputs = field(default_factory=StepOutputs)
 
 
 class Worker:
@@ -60,37 +68,83 @@ class Worker:
         self.device = device
         self.staging = PinnedStaging(device)
         self.tokens_out = TokenRing(device, tables.num_slots + 1) if device.type == "cuda" else None
+        self.saved_logits = SavedLogits()
         self.graphs = None
         if graph_max_batch > 0:
             self.graphs = DecodeGraphs(self._decode_step, min(graph_max_batch, tables.num_slots), tables.pad_slot,
                                        device, capture=capture_graphs)
 
-    def _decode_step(self, inputs, greedy: bool) -> torch.Tensor:
+    def _decode_step(self, inputs, mode: SamplingMode) -> Sampled:
         with torch.inference_mode():
-            return decode_step(self.model, self.kv_cache, self.tables, inputs, self.block_size, greedy)
+            return decode_step(self.model, self.kv_cache, self.tables, inputs, self.block_size, mode)
 
-    def capture_graphs(self, progress: Optional[Callable[[int, int], None]] = None) -> None:
-        """Capture the decode graphs (start-up; no-op without graphs)."""
+    def capture_graphs(self, progress: Optional[Callable[[int, int], None]] = None, modes=None) -> None:
+        """Capture the decode graphs (start-up; no-op without graphs); ``modes``: default the plain two."""
         if self.graphs is not None:
-            self.graphs.capture_all(progress)
+            self.graphs.capture_all(progress, *(() if modes is None else (modes,)))
 
     def prepare(self, plan: StepPlan) -> Union[GraphStep, EagerStep]:
         """Apply the plan's diffs to the slot tables and put the step's inputs on the device."""
         upload = self.staging.upload()
+        self.saved_logits.forget(plan.releases)
+        self.saved_logits.forget(a.slot for a in plan.admits)
         diff = self.tables.stage(plan, upload)
-        greedy = all(self.tables.greedy[s] for s, sampled in zip(plan.slots, plan.sample) if sampled)
+        sampled_slots = [s for s, sampled in zip(plan.slots, plan.sample) if sampled]
+        mode = sampling_mode(self.tables, sampled_slots)
+        outputs = StepOutputs()
+        if mode.logprobs:
+            info = self.tables.info
+            outputs.logprob_rows = [(j, info[s].num_logprobs) for j, s in enumerate(sampled_slots)
+                                    if info[s].num_logprobs >= 0]
         bucket = self._graph_bucket(plan)
         if bucket is not None:
             part = upload.add(self._decode_rows(plan, bucket), torch.int64)
             sent = upload.send()
             self.tables.apply(diff, sent)
             self.graphs.inputs[:, :bucket].copy_(sent[part].view(3, bucket))
-            return GraphStep(bucket, len(plan.slots), greedy)
-        parts = self._eager_rows(plan, upload)
+            return GraphStep(bucket, len(plan.slots), mode, outputs)
+        featured = bool(self.tables.featured)
+        outputs.prompt = plan_prompt_logprobs(plan, self.tables.info, self.saved_logits) if featured else None
+        parts = self._eager_rows(plan, upload, outputs.prompt)
+        marks = self._prefill_marks(plan, upload) if featured else None
         sent = upload.send()
         self.tables.apply(diff, sent)
-        return self._eager_batch(plan, sent, parts, greedy)
+        self._apply_marks(marks, sent)
+        step = self._eager_batch(plan, sent, parts, mode)
+        step.num_sampled, step.outputs = len(sampled_slots), outputs
+        if outputs.prompt is not None and outputs.prompt.targets:
+            step.prompt_parts = (sent[outputs.prompt.targets_part], sent[outputs.prompt.nums_part])
+        return step
 
+    def _prefill_marks(self, plan: StepPlan, upload) -> Optional[tuple[int, int, int, int]]:
+        """Penalised slots' prefill tokens: prompt positions for the prompt mask, later ones (a resumed
+        request's outputs) for the output counts; their places in the upload, or None."""
+        info = self.tables.info
+        prompt_slots, prompt_tokens, out_slots, out_tokens = [], [], [], []
+        cursor = 0
+        for slot, n, p, prefill in zip(plan.slots, plan.num_tokens, plan.positions, plan.is_prefill):
+            if not prefill:
+                continue
+            chunk = plan.prefill_tokens[cursor:cursor + n]
+            cursor += n
+            if info[slot].penalised:
+                cut = min(max(info[slot].num_prompt_tokens - p, 0), n)
+                prompt_slots += [slot] * cut
+                prompt_tokens += chunk[:cut]
+                out_slots += [slot] * (n - cut)
+                out_tokens += chunk[cut:]
+        if not (prompt_slots or out_slots):
+            return None
+        return (upload.add(prompt_slots, torch.int64), upload.add(prompt_tokens, torch.int64),
+                upload.add(out_slots, torch.int64), upload.add(out_tokens, torch.int64))
+
+    def _apply_marks(self, marks: Optional[tuple[int, int, int, int]], sent: list[torch.Tensor]) -> None:
+        if marks is None:
+            return
+        penalties = self.tables.penalties
+        mark_prompt(penalties, sent[marks[0]], sent[marks[1]])
+        if sent[marks[2]].numel():
+            self.model.backend.count_sampled(penalties, sent[marks[2]], sent[marks[3]])
     def _graph_bucket(self, plan: StepPlan) -> Optional[int]:
         pure_decode = bool(plan.slots) and not any(plan.is_prefill) and all(plan.sample)
         return self.graphs.bucket_for(len(plan.slots)) if self.graphs is not None and pure_decode else None
@@ -108,8 +162,11 @@ class Worker:
         return rows.reshape(-1)
 
     @staticmethod
-    def _eager_rows(plan: StepPlan, upload) -> dict[str, int]:
-        """Add the token- and row-level inputs of an eager step to the upload."""
+    def _eager_rows(plan: StepPlan, upload, prompt: Optional[PromptLogprobPlan]) -> dict[str, int]:
+        """Add the token- and row-level inputs of an eager step to the upload.
+
+        The logits computed are the sampled rows' last tokens', then (prompt logprobs) ``prompt.logits_index``.
+        """
         qlens = np.asarray(plan.num_tokens, dtype=np.int64)
         starts = np.asarray(plan.positions, dtype=np.int64)
         slots = np.asarray(plan.slots, dtype=np.int64)
@@ -121,6 +178,12 @@ class Worker:
         # -1 marks a decode row's token: its id is gathered from last_token[slot] on the device.
         ids = np.full(len(positions), -1, dtype=np.int64)
         ids[is_prefill[token_rows]] = plan.prefill_tokens
+        logits_index = query_start[sampled + 1] - 1
+        if prompt is not None:
+            logits_index = np.concatenate([logits_index, np.asarray(prompt.logits_index, dtype=np.int64)])
+            if prompt.targets:
+                prompt.targets_part = upload.add(prompt.targets, torch.int64)
+                prompt.nums_part = upload.add(prompt.nums, torch.int32)
         return dict(
             ids=upload.add(ids, torch.int64),
             positions=upload.add(positions, torch.int64),
@@ -128,12 +191,13 @@ class Worker:
             row_slots=upload.add(slots, torch.int64),
             query_start=upload.add(query_start, torch.int32),
             context_lens=upload.add(starts + qlens, torch.int32),
-            sample_index=upload.add(query_start[sampled + 1] - 1, torch.int64),
+            sample_index=upload.add(logits_index, torch.int64),
             sample_slots=upload.add(slots[sampled], torch.int64),
             sample_positions=upload.add(starts[sampled] + qlens[sampled], torch.int64),
         )
 
-    def _eager_batch(self, plan: StepPlan, sent: list[torch.Tensor], parts: dict[str, int], greedy: bool) -> EagerStep:
+    def _eager_batch(self, plan: StepPlan, sent: list[torch.Tensor], parts: dict[str, int],
+                     mode: SamplingMode) -> EagerStep:
         t, bs = self.tables, self.block_size
         ids, pos, token_slots = sent[parts["ids"]], sent[parts["positions"]], sent[parts["token_slots"]]
         block_ids = t.block_table[token_slots, pos // bs].to(torch.int64)
@@ -150,26 +214,46 @@ class Worker:
             host_context_lens=[s + n for s, n in zip(plan.positions, plan.num_tokens)],
             block_size=bs,
         )
-        return EagerStep(batch, sent[parts["sample_positions"]], greedy)
+        return EagerStep(batch, sent[parts["sample_positions"]], mode)
 
     @torch.inference_mode()
     def launch(self, step: Union[GraphStep, EagerStep]) -> torch.Tensor:
-        """Enqueue forward + sampling + last-token update; returns the device tensor of tokens."""
+        """Enqueue forward + sampling + last-token update; returns the device tensor of tokens.
+
+        Logprobs (sampled and prompt) land in ``step.outputs`` as device tensors.
+        """
         if isinstance(step, GraphStep):
-            return self.graphs.run(step.bucket, step.greedy)[:step.rows]
+            return self._keep(step, self.graphs.run(step.bucket, step.mode).head(step.rows))
         batch = step.batch
         if batch.num_rows == 0:  # a plan of table diffs only
             return batch.sample_slots
         logits = self.model(batch, self.kv_cache)  # a prompt chunk that samples nothing still writes KV
-        slots = batch.sample_slots
-        if slots.numel() == 0:
-            return slots
-        return sample_rows(self.model.backend, logits, self.tables, slots, step.sample_positions, step.greedy)
+        s = step.num_sampled
+        prompt = step.outputs.prompt
+        if prompt is not None:
+            step.outputs.prompt_logprobs = compute_prompt_logprobs(
+                self.model.backend, logits[s:], prompt, self.saved_logits, *(step.prompt_parts or (None, None)))
+        if s == 0:
+            return batch.sample_slots
+        sampled = sample_rows(self.model.backend, logits[:s], self.tables, batch.sample_slots,
+                              step.sample_positions, step.mode)
+        return self._keep(step, sampled)
 
-    def copy_out(self, tokens: torch.Tensor):
-        """Start the device->host copy of the tokens; returns (host tensor or list, copy event or None)."""
+    @staticmethod
+    def _keep(step: Union[GraphStep, EagerStep], sampled: Sampled) -> torch.Tensor:
+        if sampled.logprob_ids is not None:
+            step.outputs.logprobs = (sampled.logprob_ids, sampled.logprobs)
+        return sampled.tokens
+
+    def copy_out(self, tokens: torch.Tensor, step: Optional[Union[GraphStep, EagerStep]] = None):
+        """Start the device->host copy of the tokens (and of ``step``'s logprobs, replaced in its
+        ``outputs`` by host tensors); returns (host tensor or list, copy event or None)."""
+        outputs = step.outputs if step is not None else None
         if self.tokens_out is None:
+            if outputs is not None:
+                outputs.logprobs = outputs.logprobs and tuple(t.cpu() for t in outputs.logprobs)
+                outputs.prompt_logprobs = outputs.prompt_logprobs and tuple(t.cpu() for t in outputs.prompt_logprobs)
             return tokens, None
-        if tokens.numel() == 0:
+        if tokens.numel() == 0 and (outputs is None or outputs.prompt_logprobs is None):
             return [], None
-        return self.tokens_out.copy_out(tokens)
+        return self.tokens_out.copy_out(tokens, outputs)

@@ -283,5 +283,5 @@ class ScriptedWorker:
         self._timing = self.device.launch()
         return tokens
 
-    def copy_out(self, tokens: list[int]):
+    def copy_out(self, tokens: list[int], step=None):
         return tokens, self._timing

@@ -119,7 +119,8 @@ class DecodeLoop:
         t0 = time.perf_counter()
         plan = self.planner.step()
         w = self.worker
-        host, copy = w.copy_out(w.launch(w.prepare(plan)))
+        step = w.prepare(plan)
+        host, copy = w.copy_out(w.launch(step), step)  # with the step: its logprobs travel too
         self.host_s += time.perf_counter() - t0
         self.in_flight.append((host, copy))
         while len(self.in_flight) > self.depth:

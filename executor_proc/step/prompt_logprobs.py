@@ -1,0 +1,123 @@
+"""Prompt logprobs on the eager prefill path: which logits a chunk needs, and their logprobs.
+
+For a prefill row of a slot that asked (``prompt_logprobs >= 0``) covering positions
+``[p, p + n)`` of a prompt of ``P`` tokens, the logprob of the prompt token at position
+``t`` (``1 <= t < P``) is ``log_softmax(logits at t - 1)[token t]``, with the top-n of
+the same distribution (float32, the model's raw logits, like sampled-token logprobs).
+So the chunk needs the logits of its positions ``p .. min(p + n, P) - 2`` (the model
+then computes the LM head for those tokens too, not only for the sampled ones), and
+the token at ``p`` needs the *previous* chunk's last logits: they are kept per slot,
+on the device, from the chunk that ended at ``p`` (only for slots that asked, and
+dropped at release or re-admission).  Position 0 has no logprob.  A chunk that starts
+where no previous logits were kept (a prefix-cache hit; a chunk of a request admitted
+past its start) reports from ``p + 1``: the ``first`` position in the result says so.
+Positions ``>= P`` (outputs re-prefilled after a preemption) are never reported.
+
+:func:`plan_prompt_logprobs` is the host part (from the plan and the slot mirrors, no
+device reads); :func:`compute_prompt_logprobs` the device part, one
+``token_logprobs`` call over every reported position of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ipc.protocol import StepPlan
+
+
+@dataclass
+class PromptRow:
+    """One prefill row's share: ``count`` positions from ``first``, top-``n`` each."""
+
+    row: int
+    first: int
+    count: int
+    n: int
+
+
+@dataclass
+class PromptLogprobPlan:
+    """Host layout of one step's prompt logprobs (see the module docstring).
+
+    ``logits_index``: token indices whose logits the step computes after its sampled
+    rows' ones (``extra`` below is that block of logits).  ``pieces``: the rows of the
+    ``token_logprobs`` input in order, ``("saved", slot)`` or ``("extra", start, count)``;
+    ``targets``/``nums``: per input row, the prompt token and top-n; ``saves``:
+    ``(slot, position, extra index)`` logits kept for the slot's next chunk.
+    """
+
+    rows: list[PromptRow] = field(default_factory=list)
+    logits_index: list[int] = field(default_factory=list)
+    pieces: list[tuple] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    nums: list[int] = field(default_factory=list)
+    saves: list[tuple[int, int, int]] = field(default_factory=list)
+    targets_part: Optional[int] = None  # indices into the step's upload
+    nums_part: Optional[int] = None
+
+
+class SavedLogits:
+    """Per slot: the last logits of its previous prompt chunk and the position they predict."""
+
+    def __init__(self):
+        self.by_slot: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def forget(self, slots) -> None:
+        for s in slots:
+            self.by_slot.pop(s, None)
+
+    def position(self, slot: int) -> int:
+        entry = self.by_slot.get(slot)
+        return -1 if entry is None else entry[0]
+
+
+def plan_prompt_logprobs(plan: StepPlan, info, saved: SavedLogits) -> Optional[PromptLogprobPlan]:
+    """The step's prompt-logprob layout, or None when no prefill row asks (``info``: the slot mirrors)."""
+    out: Optional[PromptLogprobPlan] = None
+    token_start = 0  # first token index of the row
+    cursor = 0  # first prefill token of the row
+    for i, (slot, n, p, prefill) in enumerate(zip(plan.slots, plan.num_tokens, plan.positions, plan.is_prefill)):
+        si = info[slot]
+        if prefill and si.prompt_logprobs >= 0 and p < si.num_prompt_tokens:
+            out = out or PromptLogprobPlan()
+            _plan_row(out, i, slot, p, n, si, plan.prefill_tokens[cursor:cursor + n], token_start, saved)
+        token_start += n
+        cursor += n if prefill else 0
+    return out
+
+
+def _plan_row(out: PromptLogprobPlan, row: int, slot: int, p: int, n: int, si, chunk: list[int],
+              token_start: int, saved: SavedLogits) -> None:
+    end = min(p + n, si.num_prompt_tokens)  # prompt positions of the chunk: [p, end)
+    keep = p + n < si.num_prompt_tokens  # the last logits predict the next chunk's first token
+    extra = len(out.logits_index)
+    inside = end - 1 - p  # positions p + 1 .. end - 1, predicted by the chunk's own logits
+    out.logits_index += range(token_start, token_start + inside + keep)
+    first = p if p >= 1 and saved.position(slot) == p else p + 1
+    if first == p:
+        out.pieces.append(("saved", slot))
+    if inside > 0:
+        out.pieces.append(("extra", extra, inside))
+    count = end - first
+    if count > 0:
+        out.rows.append(PromptRow(row, first, count, si.prompt_logprobs))
+        out.targets += chunk[first - p:end - p]
+        out.nums += [si.prompt_logprobs] * count
+    if keep:
+        out.saves.append((slot, p + n, extra + inside))
+
+
+def compute_prompt_logprobs(backend, extra: torch.Tensor, pl: PromptLogprobPlan, saved: SavedLogits,
+                            targets: torch.Tensor, nums: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``(ids, logprobs) [M, 21]`` for every reported position; keeps the chunks' last logits."""
+    pieces = [saved.by_slot[p[1]][1][None] if p[0] == "saved" else extra[p[1]:p[1] + p[2]] for p in pl.pieces]
+    result = None
+    if pl.targets:
+        x = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        result = backend.token_logprobs(x.contiguous(), targets, nums)
+    for slot, position, index in pl.saves:
+        saved.by_slot[slot] = (position, extra[index].clone())
+    return result
