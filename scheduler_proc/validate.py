@@ -165,8 +165,6 @@ def _validate_sampling(s: p.SamplingParams, prompt_len: int, limits: Limits) -> 
     validate_output_features(s, limits)
 
 
-# float32's largest finite value: every float sent to the executor must fit.
-_FLOAT32_MAX = 3.4028234663852886e38
 # vLLM only asks repetition_penalty > 0; above 2 a penalty garbles any text, and a cap keeps logits finite.
 MAX_REPETITION_PENALTY = 2.0
 
@@ -184,11 +182,11 @@ def validate_output_features(s: p.SamplingParams, limits: Limits) -> None:
         value = getattr(s, name)
         if value is not None and not 0 <= value <= p.MAX_LOGPROBS:
             raise InvalidRequest(f"sampling.{name}", f"{name} must be None or in [0, {p.MAX_LOGPROBS}], got {value}")
-    if not 0 < _finite("sampling.repetition_penalty", s.repetition_penalty) <= MAX_REPETITION_PENALTY:
+    if not 0 < _float32("sampling.repetition_penalty", s.repetition_penalty) <= MAX_REPETITION_PENALTY:
         raise InvalidRequest("sampling.repetition_penalty",
                              f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {s.repetition_penalty}")
     for name in ("frequency_penalty", "presence_penalty"):
-        value = _finite(f"sampling.{name}", getattr(s, name))
+        value = _float32(f"sampling.{name}", getattr(s, name))
         if not -2 <= value <= 2:
             raise InvalidRequest(f"sampling.{name}", f"{name} must be in [-2, 2], got {value}")
     if len(s.logit_bias) > p.MAX_LOGIT_BIAS:
@@ -197,12 +195,9 @@ def validate_output_features(s: p.SamplingParams, limits: Limits) -> None:
     for token, bias in s.logit_bias.items():
         if not 0 <= token < limits.vocab_size:
             raise InvalidRequest("sampling.logit_bias", f"token id {token} is out of range [0, {limits.vocab_size})")
-        if not -100 <= _finite("sampling.logit_bias", bias) <= 100:
+        if not -100 <= _float32("sampling.logit_bias", bias) <= 100:
             raise InvalidRequest("sampling.logit_bias", f"logit_bias values must be in [-100, 100], got {bias} "
                                                         f"for token {token}")
-    for name in ("temperature", "top_p", "min_p"):
-        if abs(getattr(s, name)) > _FLOAT32_MAX:
-            raise InvalidRequest(f"sampling.{name}", f"{name} must fit in float32 (at most {_FLOAT32_MAX:g})")
     if not 0 <= s.min_tokens <= s.max_tokens:
         raise InvalidRequest("sampling.min_tokens", f"min_tokens must be in [0, max_tokens={s.max_tokens}], "
                                                     f"got {s.min_tokens}")

@@ -155,7 +155,7 @@ def test_stop_matcher_finds_long_and_overlapping_stop_strings_across_tokens():
     ("presence_penalty", float("inf"), "finite"), ("logit_bias", {5: 101.0}, "[-100, 100]"),
     ("logit_bias", {1000: 1.0}, "out of range"), ("logit_bias", {i: 1.0 for i in range(301)}, "at most 300"),
     ("min_tokens", 9, "[0, max_tokens=8]"), ("min_tokens", -1, "[0, max_tokens"), ("n", 0, "[1, 16]"),
-    ("n", 17, "[1, 16]"), ("temperature", 1e39, "float32"),
+    ("n", 17, "[1, 16]"), ("temperature", 1e39, "[0, 10000]"),
 ])
 def test_validation_names_field_and_limit(field, value, limit):
     from ipc import protocol as p

@@ -262,6 +262,30 @@ class ScriptedDevice:
         return StepTiming(start, self.free_at, idle)
 
 
+class ScriptedOutputs:
+    """The scripted step's logprob fields, in the shape the output thread reads (``result_fields``)."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: StepResult):
+        self.result = result
+
+    def result_fields(self) -> dict:
+        r = self.result
+        if not (r.logprob_rows or r.prompt_logprob_rows):
+            return {}
+        return {"logprob_rows": r.logprob_rows, "logprobs": r.logprobs,
+                "prompt_logprob_rows": r.prompt_logprob_rows, "prompt_logprobs": r.prompt_logprobs}
+
+
+class ScriptedStep:
+    __slots__ = ("plan", "outputs")
+
+    def __init__(self, plan: StepPlan):
+        self.plan = plan
+        self.outputs: Optional[ScriptedOutputs] = None
+
+
 class ScriptedWorker:
     """Adapts a ScriptedRunner to the executor process's prepare/launch/copy_out steps.
 
@@ -275,13 +299,14 @@ class ScriptedWorker:
         self.device = ScriptedDevice(step_latency_s)
         self._timing: Optional[StepTiming] = None
 
-    def prepare(self, plan: StepPlan) -> StepPlan:
-        return plan
+    def prepare(self, plan: StepPlan) -> "ScriptedStep":
+        return ScriptedStep(plan)
 
-    def launch(self, plan: StepPlan) -> list[int]:
-        tokens = self.runner.execute(plan).token_ids
+    def launch(self, step: "ScriptedStep") -> list[int]:
+        result = self.runner.execute(step.plan)
+        step.outputs = ScriptedOutputs(result)
         self._timing = self.device.launch()
-        return tokens
+        return result.token_ids
 
     def copy_out(self, tokens: list[int], step=None):
         return tokens, self._timing
