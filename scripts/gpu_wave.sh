@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call of the GPU checks for this wave. Part A: GPU tests and decode step times.
-# Part B: executor restart time, prefix-cache TTFT, HTTP vs SDK throughput. Results under $OUT.
-# Usage (on the GPU machine, from the repo root): bash scripts/gpu_wave.sh A|B
+# Part B: executor restart time, prefix-cache TTFT, HTTP vs SDK throughput. Part C: HTTP vs SDK
+# throughput, the GPU tests of the sampling features, the batch-64 feature step. Results under $OUT.
+# Usage (on the GPU machine, from the repo root): bash scripts/gpu_wave.sh A|B|C
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -14,24 +15,31 @@ if [ "$part" = A ]; then
   timeout 200 python3 scripts/bench_decode.py --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | grep -A3 "^model"
   exit 0
 fi
+http_vs_sdk() {  # $1: gateway workers
+  local W=$1 ADDR=ipc:///tmp/fr-gw-$1.sock
+  python3 -m scheduler_proc.launch serve --device cuda --load-format dummy --model $CFG/llama-3.2-1b \
+      --max-num-seqs 256 --port 8000 --api-workers $W --address $ADDR --quiet > "$OUT/serve_w$W.log" 2>&1 &
+  local SRV=$!
+  for _ in $(seq 1 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=1)" \
+      2>/dev/null && break; sleep 0.5; done
+  for backend in sdk openai; do
+    timeout 60 python3 scripts/bench_serve.py --backend $backend --address $ADDR --base-url http://127.0.0.1:8000 \
+        --num-requests 256 --concurrency 256 --input-len 128 --output-len 128 --warmup 8 --no-progress \
+        --json "$OUT/serve_${backend}_w$W.json" > "$OUT/bench_${backend}_w$W.log" 2>&1
+    echo "W=$W $backend: $(grep -iE 'output.*tok/s|throughput' "$OUT/bench_${backend}_w$W.log" | head -2 | tr -s ' ' | tr '\n' ';')"
+  done
+  kill $SRV; wait $SRV 2>/dev/null
+}
+if [ "$part" = C ]; then
+  http_vs_sdk 1; http_vs_sdk 4
+  timeout 110 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_fastpath.py 2>&1 | tee "$OUT/tests.log" | tail -3
+  timeout 80 python3 scripts/bench_sampling_step.py --json "$OUT/sampling_step.json" 2>&1 | tail -12
+  exit 0
+fi
 timeout 150 python3 scripts/bench_restart.py --kills 2 --json "$OUT/restart_1b.json" -- --device cuda \
     --load-format dummy --model $CFG/llama-3.2-1b 2>&1 | tail -6
 for m in llama-3.2-1b llama-3-8b; do
   timeout 200 python3 scripts/bench_prefix.py --device cuda --load-format dummy --model $CFG/$m \
       --json "$OUT/prefix_$m.json" 2>&1 | tail -6
 done
-for W in 1 4; do
-  ADDR=ipc:///tmp/fr-gw-$W.sock
-  python3 -m scheduler_proc.launch serve --device cuda --load-format dummy --model $CFG/llama-3.2-1b \
-      --max-num-seqs 256 --port 8000 --api-workers $W --address $ADDR --quiet > "$OUT/serve_w$W.log" 2>&1 &
-  SRV=$!
-  for _ in $(seq 1 240); do python3 - <<'PY' 2>/dev/null && break; sleep 0.5; done
-import urllib.request; urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=1)
-PY
-  for backend in sdk openai; do
-    timeout 120 python3 scripts/bench_serve.py --backend $backend --address $ADDR --base-url http://127.0.0.1:8000 \
-        --num-requests 256 --concurrency 256 --input-len 128 --output-len 128 --warmup 8 --no-progress \
-        --json "$OUT/serve_${backend}_w$W.json" 2>&1 | grep -iE "throughput|tok/s" | head -3
-  done
-  kill $SRV; wait $SRV 2>/dev/null
-done
+http_vs_sdk 1; http_vs_sdk 4
