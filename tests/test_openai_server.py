@@ -375,6 +375,9 @@ def test_metrics_count_the_requests(http_server, oai):
     assert after[("forerun:num_requests_running", model)] == 0
     assert after[("forerun:num_kv_blocks_free", model)] == 256 and after[("forerun:kv_cache_usage_perc", model)] == 0
     assert delta("forerun:steps_total") >= 12 and delta("forerun:step_time_seconds_total") > 0
+    # Every admission looks its prompt up in the prefix cache (no preemption here: each once).
+    assert delta("forerun:prefix_cache_queries_total") == sum(u.prompt_tokens for u in usages)
+    assert 0 <= delta("forerun:prefix_cache_hits_total") <= delta("forerun:prefix_cache_queries_total")
     assert 0.0 <= after[("forerun:gpu_idle_fraction", model)] < 1.0
 
 

@@ -123,6 +123,11 @@ class SchedulerCollector:
              s.gpu_gap_s_total),
             ("forerun:executor_idle_seconds", "Time the executor waited for plans, in seconds.",
              s.executor_idle_s_total),
+            ("forerun:executor_restarts", "Times the scheduler replaced a dead or hung executor.",
+             s.executor_restarts),
+            ("forerun:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             s.prefix_cache_query_tokens),
+            ("forerun:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hit_tokens),
         )
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=LABELS)
