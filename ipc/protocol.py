@@ -159,7 +159,6 @@ class TokenDelta(_Msg, tag="token_delta"):
     logprobs: list[TokenLogprobs] = []  # one per token, when the request asked
     # Once, with the first delta, when the request asked: position 0 has none (None).
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
-    index: int = 0  # which of the request's n completions
 
 
 class TokenDeltas(_Msg, tag="token_deltas"):
@@ -176,7 +175,6 @@ class TokenDeltas(_Msg, tag="token_deltas"):
     indices: list[int] = []  # empty when every entry is completion 0, else one per request
     logprobs: list[list[TokenLogprobs]] = []  # empty, or one list per request (empty when not asked)
     prompt_logprobs: list[Optional[list[Optional[TokenLogprobs]]]] = []  # likewise
-    indices: list[int] = []  # empty (all 0), or each entry's completion index (n > 1)
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]
