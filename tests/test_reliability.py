@@ -86,8 +86,8 @@ async def _chaos_client(address: str, rng: random.Random) -> tuple[dict, set, li
                     max_tokens=1 + i % 60, temperature=0.0, seed=i)))
                 if rng.random() < 0.1:
                     aborted.add(rid)
-                    asyncio.get_running_loop().call_later(rng.random() * 0.5, asyncio.ensure_future,
-                                                          conn.send(p.Abort(rid)))
+                    asyncio.get_running_loop().call_later(  # the coroutine is made when it is due
+                        rng.random() * 0.5, lambda rid=rid: asyncio.ensure_future(conn.send(p.Abort(rid))))
                 if i % 20 == 19:
                     await asyncio.sleep(0.15)
 
