@@ -66,6 +66,8 @@ class SavedLogits:
         self.by_slot: dict[int, tuple[int, torch.Tensor]] = {}
 
     def forget(self, slots) -> None:
+        if not self.by_slot:  # the common case (no prompt-logprob request in flight): every step calls this
+            return
         for s in slots:
             self.by_slot.pop(s, None)
 
