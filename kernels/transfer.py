@@ -12,11 +12,13 @@ one exists for the tensors' devices, the reference otherwise.
 The kernel (:func:`copy_items_triton`) is one launch over ``items x chunks``. Pinned host
 memory is read and written in place through unified virtual addressing: a pinned CPU tensor's
 address is valid on the device, and it reaches Triton as a :class:`_DevicePointer` (an object
-with ``data_ptr()`` and ``dtype``, which Triton's launcher treats like a tensor). Per item the
-kernel picks the widest access both addresses allow: with ``r = (src - dst) mod 16``, the
-largest power of two ``G <= 16`` dividing ``r`` (16 when ``r == 0``). A byte head brings both
-addresses to a multiple of ``G``, the body moves ``G``-byte units (16 bytes as ``int32 x 4``
-vectors), and a masked byte tail takes the last ``< G`` bytes.
+with ``data_ptr()`` and ``dtype``, which Triton's launcher treats like a tensor), rounded down
+to 16 bytes with the remainder added to the offsets. Per item, with ``r = (src - dst) mod 16``:
+``r`` a multiple of 4 -> the widest unit ``G`` (16, 8 or 4 bytes) dividing ``r``; a byte head
+brings both addresses to a multiple of ``G``, the body moves ``G``-byte units (16 as
+``int32 x 4`` vectors). Otherwise the destination is aligned to 16 and each of its words is
+built from the two aligned source words it straddles (shifted-word path). A masked byte tail
+takes what is left after the last whole unit, so no byte is dropped.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ DEFAULT_CONFIG = TransferConfig()
 
 
 def default_config(item_bytes: int) -> TransferConfig:
-    """The launch shape for items of this size (tuned on an H100, docs/performance.md)."""
+    """The launch shape for items of this size: one shape for all, since the H100 sweep
+    (docs/performance.md, "Host transfer") found no item size that gains from another."""
     return DEFAULT_CONFIG
 
 
