@@ -111,7 +111,10 @@ class BlockAllocator:
         if self._free:
             b = self._free.pop()
         elif self._lru:
-            b = self._evict(1)[0]
+            b = self._lru.popitem(False)[0]
+            del self._block_of[self._keys[b]]
+            self._keys[b] = None
+            self.num_evictions += 1
         else:
             return None
         self._refs[b] = 1

@@ -64,8 +64,7 @@ class PrefixCache:
         new_hash, append = self._keyed.copy, keys.append
         for off in range(0, len(data), step):
             h = new_hash()
-            h.update(parent)
-            h.update(data[off : off + step])
+            h.update(parent + data[off : off + step])
             parent = h.digest()
             append(parent)
         return keys
