@@ -71,7 +71,9 @@ class BlockAllocator:
 
     Allocation takes a free block first, then evicts the least recently
     released cached block (forgetting its key).  ``num_free`` counts both: a
-    cached block nobody holds is room.
+    cached block nobody holds is room.  A block's key is kept in a list indexed
+    by block (``None``: no key), so the per-block paths (take, release,
+    publish, evict) cost a list access, not a dict operation.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -84,7 +86,7 @@ class BlockAllocator:
         self._free = list(range(num_blocks - 1, -1, -1))  # LIFO: recently freed blocks first
         self._refs = [0] * num_blocks
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently released first
-        self._key_of: dict[int, bytes] = {}  # published blocks (held or cached)
+        self._keys: list[Optional[bytes]] = [None] * num_blocks  # published blocks' keys (held or cached)
         self._block_of: dict[bytes, int] = {}
         self.num_evictions = 0
 
@@ -109,22 +111,44 @@ class BlockAllocator:
         if self._free:
             b = self._free.pop()
         elif self._lru:
-            b = self._evict()
+            b = self._lru.popitem(False)[0]
+            del self._block_of[self._keys[b]]
+            self._keys[b] = None
+            self.num_evictions += 1
         else:
             return None
         self._refs[b] = 1
         return b
 
     def allocate(self, n: int) -> list[int]:
-        if not self.can_allocate(n):
+        """``n`` blocks with count 1: free ones first (LIFO), then the oldest cached ones."""
+        free = self._free
+        if len(free) >= n:
+            ids = free[len(free) - n:]
+            del free[len(free) - n:]
+            ids.reverse()  # the order n pops would give
+        elif len(free) + len(self._lru) >= n:
+            ids = free[::-1]
+            free.clear()
+            ids += self._evict(n - len(ids))
+        else:
             raise RuntimeError(f"KV block pool exhausted: asked for {n}, {self.num_free} free")
-        return [self.take() for _ in range(n)]
+        refs = self._refs
+        for b in ids:
+            refs[b] = 1
+        return ids
 
-    def _evict(self) -> int:
-        b, _ = self._lru.popitem(last=False)
-        del self._block_of[self._key_of.pop(b)]
-        self.num_evictions += 1
-        return b
+    def _evict(self, n: int) -> list[int]:
+        """The ``n`` least recently released cached blocks, their keys forgotten."""
+        popitem, keys, block_of = self._lru.popitem, self._keys, self._block_of
+        out = []
+        for _ in range(n):
+            b = popitem(False)[0]
+            del block_of[keys[b]]
+            keys[b] = None
+            out.append(b)
+        self.num_evictions += n
+        return out
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference to each of a request's blocks (in table order).
@@ -132,17 +156,17 @@ class BlockAllocator:
         Released in reverse so that a prefix's tail is older in the LRU than its
         head: eviction eats chains from the end, keeping the shared heads.
         """
-        refs, key_of = self._refs, self._key_of
+        refs, keys, lru, free = self._refs, self._keys, self._lru, self._free
         for b in reversed(blocks):
             r = refs[b] - 1
             if r < 0:
                 raise RuntimeError(f"KV block {b} released more often than it was held")
             refs[b] = r
             if r == 0:
-                if b in key_of:
-                    self._lru[b] = None
+                if keys[b] is None:
+                    free.append(b)
                 else:
-                    self._free.append(b)
+                    lru[b] = None
 
     # ------------------------------------------------------------ sharing
 
@@ -179,31 +203,30 @@ class BlockAllocator:
         """
         if self._refs[block] <= 0:
             raise RuntimeError(f"KV block {block} published while nobody holds it")
-        if key in self._block_of or block in self._key_of:
+        if key in self._block_of or self._keys[block] is not None:
             return False
-        self._key_of[block] = key
+        self._keys[block] = key
         self._block_of[key] = block
         return True
 
     def publish_chain(self, blocks: list[int], keys: list[bytes], start: int, end: int) -> None:
         """``publish(blocks[i], keys[i])`` for i in [start, end), in one loop (the reconcile path)."""
-        refs, key_of, block_of = self._refs, self._key_of, self._block_of
-        for i in range(start, end):
-            b, k = blocks[i], keys[i]
+        refs, key_of, setdefault = self._refs, self._keys, self._block_of.setdefault
+        for b, k in zip(blocks[start:end], keys[start:end]):
             if refs[b] <= 0:
                 raise RuntimeError(f"KV block {b} published while nobody holds it")
-            if k not in block_of and b not in key_of:
+            if key_of[b] is None and setdefault(k, b) == b:  # the key was free (or already this block's)
                 key_of[b] = k
-                block_of[k] = b
 
     def key_of(self, block: int) -> Optional[bytes]:
-        return self._key_of.get(block)
+        return self._keys[block]
 
     def reset(self) -> int:
         """Forget every cached block nobody holds (they become free); returns how many."""
         n = len(self._lru)
         for b in self._lru:
-            del self._block_of[self._key_of.pop(b)]
+            del self._block_of[self._keys[b]]
+            self._keys[b] = None
             self._free.append(b)
         self._lru.clear()
         return n
@@ -223,7 +246,8 @@ class BlockAllocator:
         assert not (free | lru) & held.keys(), "KV block: a block with references is free or cached"
         assert len(free) + len(lru) + len(held) == self.size, (
             f"KV block: free {len(free)} + cached {len(lru)} + held {len(held)} != total {self.size}")
-        assert len(self._key_of) == len(self._block_of), "KV block: key maps differ in size"
-        assert all(self._block_of.get(k) == b for b, k in self._key_of.items()), "KV block: key maps disagree"
-        assert lru <= self._key_of.keys(), "KV block: a cached block without a key"
-        assert not free & self._key_of.keys(), "KV block: a free block with a key"
+        keyed = {b: k for b, k in enumerate(self._keys) if k is not None}
+        assert len(keyed) == len(self._block_of), "KV block: key maps differ in size"
+        assert all(self._block_of.get(k) == b for b, k in keyed.items()), "KV block: key maps disagree"
+        assert lru <= keyed.keys(), "KV block: a cached block without a key"
+        assert not free & keyed.keys(), "KV block: a free block with a key"

@@ -205,12 +205,13 @@ class Planner:
         blocks = self.blocks
         while self.waiting and draft.budget > 0 and self.slots.can_allocate():
             req = self.waiting[0]
-            # A request still owed prompt logprobs computes its whole prompt: a cached block has none.
-            owed = req.extras is not None and req.extras.prompt is not None and not req.extras.prompt.complete
-            hit = self.prefix.match(req) if self.prefix is not None and not owed else []
+            hit = self._match(req) if self.prefix is not None else []
             start = len(hit) * self.limits.block_size
             n = min(draft.budget, req.num_known - start)
-            if not blocks.can_allocate(blocks.blocks_for(start + n) - len(hit) + blocks.num_evictable(hit)):
+            need = blocks.blocks_for(start + n)
+            if hit:
+                need += blocks.num_evictable(hit) - len(hit)
+            if not blocks.can_allocate(need):
                 break
             self.waiting.popleft()
             req.slot = self.slots.allocate(req.rid)[0]
@@ -225,6 +226,13 @@ class Planner:
                     draft.appends += (req.slot, i, b)
             self._reserve(req, start + n, draft)
             self._chunk(req, n, draft)
+
+    def _match(self, req: Request) -> list[int]:
+        """The cached blocks ``req`` can share (none while it is owed prompt logprobs: a cached block has none)."""
+        extras = req.extras
+        if extras is not None and extras.prompt is not None and not extras.prompt.complete:
+            return []
+        return self.prefix.match(req)
 
     def _chunk(self, req: Request, n: int, draft: StepDraft) -> None:
         """Add a prefill row of ``n`` tokens for ``req``; the chunk reaching its end samples."""

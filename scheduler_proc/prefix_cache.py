@@ -45,6 +45,8 @@ class PrefixCache:
         self.block_size = blocks.block_size
         self._secret = os.urandom(32) if secret is None else secret
         self.root = blake2b(model_id.encode(), key=self._secret, digest_size=KEY_BYTES).digest()
+        # blake2b(data, key=secret) == keyed.copy() updated with data: copying skips the key block's compression.
+        self._keyed = blake2b(key=self._secret, digest_size=KEY_BYTES)
         self.hit_tokens = 0  # prompt (+ received) tokens admissions found cached
         self.query_tokens = 0  # prompt (+ received) tokens admissions looked up
 
@@ -54,16 +56,17 @@ class PrefixCache:
         done = len(keys)
         if done >= n:
             return keys
-        bs, secret = self.block_size, self._secret
+        bs = self.block_size
         # One conversion to bytes for all the new blocks, then one keyed hash per block.
-        data = array("I", req.known_tokens(done * bs, n * bs)).tobytes()
+        data = memoryview(array("I", req.known_tokens(done * bs, n * bs)).tobytes())
         step = bs * TOKEN_BYTES
         parent = keys[-1] if keys else self.root
+        new_hash, append = self._keyed.copy, keys.append
         for off in range(0, len(data), step):
-            h = blake2b(parent, key=secret, digest_size=KEY_BYTES)
-            h.update(data[off : off + step])
+            h = new_hash()
+            h.update(parent + data[off : off + step])
             parent = h.digest()
-            keys.append(parent)
+            append(parent)
         return keys
 
     def match(self, req: Request) -> list[int]:

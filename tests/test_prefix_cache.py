@@ -120,6 +120,24 @@ def test_keys_chain_over_parents_model_and_secret():
     assert cache.keys(r1, 4)[:2] == k1 and len(r1.block_keys) == 4
 
 
+def test_keys_are_the_documented_keyed_blake2b_chain():
+    from array import array
+    from hashlib import blake2b
+
+    secret = b"s" * 32
+    cache = PrefixCache(BlockAllocator(8, 2), "model-a", secret=secret)
+    r = make_request(0, 0, 1)
+    r.prompt = [1, 2, 70000, 4, 5]
+    r.output = [6, 7]
+    parent = blake2b(b"model-a", key=secret, digest_size=16).digest()
+    want = []
+    for i in range(3):
+        block = array("I", (r.prompt + r.output)[2 * i : 2 * i + 2]).tobytes()
+        parent = blake2b(parent + block, key=secret, digest_size=16).digest()
+        want.append(parent)
+    assert cache.keys(r, 1) == want[:1] and cache.keys(r, 3) == want  # memoized, then extended
+
+
 # ------------------------------------------------------------------ planner
 
 
