@@ -47,6 +47,7 @@ import triton.language as tl
 
 from .sampling_hash import hash_uniform_triton, tl_okey, tl_row_key, tl_uniform
 from .sampling_ref import GREEDY_EPS, hash_uniform, sample as sample_ref  # noqa: F401
+from .sampling_select import DEFAULT_CAPACITY, sample_select
 from .sampling_window import DEFAULT_CANDIDATES, sample_window
 
 __all__ = ["sample", "hash_uniform_triton", "sample_ref", "hash_uniform"]
@@ -178,7 +179,8 @@ def _sample_row(row, logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, minp_
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, *,
-           out: Optional[torch.Tensor] = None, method: str = "window", candidates: int = DEFAULT_CANDIDATES,
+           out: Optional[torch.Tensor] = None, method: str = "select", candidates: int = DEFAULT_CANDIDATES,
+           capacity: int = DEFAULT_CAPACITY,
            filtered: bool = True, greedy_only: bool = False, chunk: Optional[int] = None,
            block: Optional[int] = None, sblock: Optional[int] = None,
            nc: int = 8, num_warps: Optional[int] = None, num_stages: int = 3) -> torch.Tensor:
@@ -202,7 +204,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     """
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [S, V], last dim contiguous"
     assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    assert method in ("window", "rows"), method
+    assert method in ("select", "window", "rows"), method
     S, V = logits.shape
     assert 0 < V < 2**31
     for name, t, dts in (("temperature", temperature, (torch.float32,)), ("top_p", top_p, (torch.float32,)),
@@ -219,7 +221,11 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if greedy_only:
         return torch.argmax(logits, dim=-1, out=out)
     done = out  # not read when HAS_DONE is off
-    if method == "window":
+    if method == "select":
+        done = torch.empty(S, dtype=torch.int32, device=logits.device)
+        sample_select(logits, temperature, top_k, top_p, min_p, seed, position, out, done,
+                      capacity=capacity, filtered=filtered)
+    elif method == "window":
         done = torch.empty(S, dtype=torch.int32, device=logits.device)
         sample_window(logits, temperature, top_k, top_p, min_p, seed, position, out, done,
                       candidates=candidates, filtered=filtered, chunk=chunk)
@@ -227,7 +233,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     sblock = sblock or min(2048 if nc <= 8 else 512, triton.next_power_of_2(V))  # H100 sweep
     _sample_kernel[(S,)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seed, position, out, done, V,
-        GREEDY_EPS=GREEDY_EPS, BLOCK=block, SBLOCK=sblock, NC=nc, HAS_DONE=method == "window",
+        GREEDY_EPS=GREEDY_EPS, BLOCK=block, SBLOCK=sblock, NC=nc, HAS_DONE=method != "rows",
         num_warps=num_warps or 8, num_stages=num_stages,
     )
     return out
