@@ -59,28 +59,32 @@ def _select(logits, params, capacity):
     return out, done
 
 
-@pytest.mark.parametrize("S,V", [(22, 1000), (11, 5003)] + ([(64, 128256), (8, 32000)] if ON_GPU else []))
+# the interpreter's tl.sort is slow: small windows on the CPU
+CAP = 2048 if ON_GPU else 256
+
+
+@pytest.mark.parametrize("S,V", [(11, 1000), (6, 5003)] + ([(64, 128256), (8, 32000)] if ON_GPU else []))
 def test_select_matches_reference_many_seeds(S, V):
     """Fresh logits and seeds per draw; every finished row equals the reference, and so does sample()."""
     g = torch.Generator().manual_seed(V)
     left = 0
-    for draw in range(3):
-        logits = (torch.randn(S, V, generator=g) * (1 + 2 * draw)).to(DEV)
+    for draw in range(4 if ON_GPU else 2):
+        logits = (torch.randn(S, V, generator=g) * (2 + 2 * draw)).to(DEV)
         params = _mixed(S, V, g)
         ref = sample_ref(logits, *params)
-        out, done = _select(logits, params, 2048)
+        out, done = _select(logits, params, CAP)
         assert set(done.tolist()) <= {0, 1}
         fin = done.bool()
         assert torch.equal(out[fin], ref[fin]), (out.tolist(), ref.tolist())
         left += int((~fin).sum())
-        assert torch.equal(sample(logits, *params), ref)
+        assert torch.equal(sample(logits, *params, capacity=CAP), ref)
     assert left <= S  # the window settles nearly every row (wide nuclei at T ~1.7 may not)
 
 
 def test_select_window_outcomes_and_fallback():
     """A small window: some filtered rows settle, some go to the row kernel; the result is exact either way."""
     g = torch.Generator().manual_seed(3)
-    S, V = 22, 2000
+    S, V = 22, 1500
     logits = (torch.randn(S, V, generator=g) * 3).to(DEV)
     params = _mixed(S, V, g)
     ref = sample_ref(logits, *params)
@@ -99,21 +103,23 @@ def test_select_window_outcomes_and_fallback():
 def test_select_ties_inf_and_flat(dtype):
     """Equal logits at the thresholds (and -0.0 vs +0.0), -inf logits (logit_bias), an all-equal row."""
     g = torch.Generator().manual_seed(77)
-    S, V = 22, 700
+    S, V = 12, 300
     x = (torch.randn(S, V, generator=g) * 0.6).round() / 2
     x[1, ::5] = -0.0
     x[2, :] = 0.25  # all equal: every threshold ties the whole row
     x[3, 100:] = float("-inf")  # logit_bias -inf on most of the vocabulary
     x[4, :] = float("-inf")
-    x[4, 650] = 2.0
+    x[4, 250] = 2.0
     x[6, 3:] = float("-inf")  # top_k = 1 with few finite logits
     x = x.to(dtype).to(DEV)
     params = _mixed(S, V, g, k_range=V // 2)
     params[0][params[0] > 0] = 0.5
     ref = sample_ref(x.float(), *params)
-    for cap in (16, 256, 1024):
+    for cap in (8, 512):
         out, done = _select(x, params, cap)
         assert torch.equal(out[done.bool()], ref[done.bool()])
+        if cap == 512:  # the whole row fits: every row settles in the window
+            assert done.all()
         assert torch.equal(sample(x, *params, capacity=cap), ref)
 
 
