@@ -7,14 +7,15 @@ rules), in five launches, none reading a device value on the host (capturable):
 1. ``_max_part_kernel`` (:mod:`kernels.sampling_window`), grid ``(S, NCH)``: each chunk's max and
    first argmax.  Greedy rows are done after this.
 2. ``_hist_kernel``, grid ``(S, NCH)``: rows with neither top-k nor top-p get the chunk's
-   Gumbel-max winner.  Filtering rows get a 64-bucket histogram (``tl.histogram``) of each logit's
-   distance ``d = max(s) - s`` on a log scale (4 buckets per octave, ``d`` from 2**-10 to 54,
-   then one bucket for the rest), and top-p rows without top-k the chunk's mass
-   ``sum exp(s - max)`` (float32 terms, float64 sum).
+   Gumbel-max winner.  Filtering rows get a 128-bucket histogram (``tl.histogram``) of each
+   logit's distance ``d = max(s) - s``: buckets 1/4 wide up to ``d = 24``, then 4 per octave, the
+   last one open; top-p rows without top-k also the chunk's mass ``sum exp(s - max)`` (float32
+   terms, float64 sum).
 3. ``_cut_kernel``, grid ``(S,)``: the row's histogram picks a cut ``e`` (keep ``s >= e``) meant to
    hold every survivor in few entries: for top-k the first bucket edge with ``>= top_k`` logits
-   above it; for top-p alone the first edge whose *lower bound* of the mass above it
-   (``count * exp(-upper edge)`` per bucket) reaches ``top_p * Z``.
+   above it; for top-p alone the first edge whose *upper bound* of the mass below it
+   (``count * exp(-lower edge)`` per bucket) is ``<= (1 - top_p) * Z``; with min-p (and not both
+   top-k and top-p) no lower than just under the min-p threshold.
 4. ``_compact_kernel``, grid ``(S, NCH)``: every logit with ``s >= e`` goes into the row's window
    (``capacity`` slots; an atomic counter per row hands out positions), packed as one int64 key
    (value, then lowest index: :func:`kernels.topn.tl_pack`).
@@ -50,8 +51,8 @@ from .topn import tl_key_index, tl_key_value, tl_pack
 __all__ = ["sample_select", "DEFAULT_CAPACITY"]
 
 DEFAULT_CAPACITY = 2048
-_NB = 64  # histogram buckets
-_LIN = 32  # buckets of width 1/4 for d = max(s) - s < _LIN / 4, then 4 per octave (see _edge)
+_NB = 128  # histogram buckets
+_LIN = 96  # buckets of width 1/4 for d = max(s) - s < _LIN / 4 = 24, then 4 per octave (see _edge)
 _SMALL = 256  # window slots sorted when the window is that small
 
 
@@ -87,14 +88,16 @@ def _hist_kernel(x_ptr, stride_x, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_p
                  BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, NB: tl.constexpr, LIN: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
+    # every load first, none behind a branch on another: one memory round trip, not three
+    idx = c * BLOCK + tl.arange(0, BLOCK)
+    m = idx < V
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + idx, mask=m, other=0.0).to(tl.float32)
+    xmax, amax = _row_max(pmax_ptr, parg_ptr, row, NCH, BLOCK_C)
     sampled, temp, k, p, k_on, p_on = _row_params(temp_ptr, topk_ptr, topp_ptr, row, V, GREEDY_EPS)
     if sampled:
         inv_t = tl.math.div_rn(tl.full((), 1.0, tl.float32), temp)
-        xmax, amax = _row_max(pmax_ptr, parg_ptr, row, NCH, BLOCK_C)
         smax = xmax * inv_t
-        idx = c * BLOCK + tl.arange(0, BLOCK)
-        m = idx < V
-        s = tl.load(x_ptr + row.to(tl.int64) * stride_x + idx, mask=m, other=0.0).to(tl.float32) * inv_t
+        s = x * inv_t
         if k_on | p_on:
             if FILTERED:
                 b = _bucket(smax - s, NB, LIN)
@@ -152,13 +155,14 @@ def _compact_kernel(x_ptr, stride_x, temp_ptr, topk_ptr, topp_ptr, cut_ptr, coun
                     GREEDY_EPS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
+    idx = c * BLOCK + tl.arange(0, BLOCK)
+    m = idx < V
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + idx, mask=m, other=0.0).to(tl.float32)
+    cut = tl.load(cut_ptr + row)
     sampled, temp, k, p, k_on, p_on = _row_params(temp_ptr, topk_ptr, topp_ptr, row, V, GREEDY_EPS)
     if sampled & (k_on | p_on):
-        inv_t = tl.math.div_rn(tl.full((), 1.0, tl.float32), temp)
-        idx = c * BLOCK + tl.arange(0, BLOCK)
-        m = idx < V
-        s = tl.load(x_ptr + row.to(tl.int64) * stride_x + idx, mask=m, other=0.0).to(tl.float32) * inv_t
-        hit = m & (s >= tl.load(cut_ptr + row))
+        s = x * tl.math.div_rn(tl.full((), 1.0, tl.float32), temp)
+        hit = m & (s >= cut)
         n = tl.sum(hit.to(tl.int32), axis=0)
         if n > 0:
             base = tl.atomic_add(count_ptr + row, n)
@@ -277,4 +281,4 @@ def sample_select(logits, temperature, top_k, top_p, min_p, seed, position, out:
                                   num_warps=8)
     _finish_kernel[(S,)](temperature, top_k, top_p, min_p, seed, position, pmax, parg, pbest, pidx, z, cut, count, win,
                          out, done, V, nch, GREEDY_EPS=GREEDY_EPS, FILTERED=filtered, BLOCK_C=block_c, CAP=capacity,
-                         SMALL=min(_SMALL, capacity), num_warps=4)
+                         SMALL=min(_SMALL, capacity), num_warps=8)

@@ -5,7 +5,7 @@
 
 For vocab 32000 and 128256 x rows 1, 8, 64 and the modes greedy, top-k 50, top-p 0.9,
 top-k 50 + top-p 0.9 and mixed rows (greedy, temperature, min-p, top-k, top-p, both, top-p + min-p,
-top-k 1), logits ``randn * 4`` at temperature 0.8 (the mixed mode draws its temperatures):
+top-k 1), logits ``randn * 4`` at temperature 0.8 (the mixed mode draws its temperatures in [0.5, 1]):
 
 1. exactness: ``kernels.sampling.sample`` (default path) against the torch reference
    ``kernels.sampling_ref.sample`` on fresh logits and seeds (``--checks`` draws per shape and
@@ -15,8 +15,9 @@ top-k 1), logits ``randn * 4`` at temperature 0.8 (the mixed mode draws its temp
    for ``method="select"`` (default), ``"window"`` (``torch.topk`` window, the previous default)
    and, for reference, ``torch.topk(logits, 50)`` alone.
 
-``--sweep`` also times the select path's knobs (block, capacity) at 64 x 128256, and a wide
-nucleus (``randn * 1`` logits at T = 1.5, top-p 0.9, which no window can hold).
+``--sweep`` also times the select path's knobs (block, capacity) at 64 x 128256; ``--wide`` (and
+``--sweep``) ``torch.topk(logits, 50)`` alone and a wide nucleus (``randn * 1`` logits at T = 1.5,
+top-p 0.9: tens of thousands of tokens, more than the window holds, so the row kernel runs).
 ``--profile`` prints the per-kernel times of one case (torch profiler, eager).
 Without CUDA: tiny shapes in the Triton CPU interpreter (a smoke test of the script).
 """
@@ -60,7 +61,7 @@ def params(S: int, mode: str, g: torch.Generator) -> list[torch.Tensor]:
     if "top_p" in mode:
         top_p[:] = 0.9
     if mode == "mixed":
-        temp = torch.rand(S, generator=g) * 1.2 + 0.3
+        temp = torch.rand(S, generator=g) * 0.5 + 0.5
         for i in range(S):
             kind = i % 8
             if kind == 0:
@@ -153,7 +154,7 @@ def sweep(args, rows: list[dict]) -> None:
     rows.append(dict(S=S, V=V, mode="torch.topk(logits, 50) alone",
                      select_us=time_us([lambda x=x: torch.topk(x, 50, dim=-1) for x in bufs], args.reps)))
     print(f"  torch.topk(50) alone: {rows[-1]['select_us']:.1f} us")
-    for mode in ("top_k", "top_p", "top_k+top_p"):
+    for mode in ("top_k", "top_p", "top_k+top_p") if args.sweep else ():
         p = params(S, mode, g)
         for block, cap in ((2048, 2048), (4096, 2048), (8192, 2048), (4096, 1024), (4096, 4096)):
             us = time_us([lambda x=x: sample_select(x, *p, out, done, capacity=cap, block=block) for x in bufs],
@@ -194,7 +195,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows to this path")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--checks", type=int, default=3, help="fresh logits draws per shape and mode for exactness")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time the select path's knobs (block, capacity)")
+    ap.add_argument("--wide", action="store_true", help="time torch.topk alone and a nucleus wider than the window")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     rows: list[dict] = []
@@ -204,7 +206,7 @@ def main() -> None:
     print(f"device: {device}")
     for S, V in shapes:
         bench_shape(S, V, args, rows)
-    if args.sweep:
+    if args.sweep or args.wide:
         sweep(args, rows)
     if args.profile and ON_GPU:
         profile()
