@@ -2,12 +2,14 @@
 
 Computes exactly the function documented in :mod:`kernels.sampling_ref` (greedy /
 temperature / top-k / top-p / min-p, Gumbel-max with the counter-based lowbias32
-hash).  :func:`sample` runs the fast path of :mod:`kernels.sampling_window` (rows split
-over many programs; top-k/top-p on a sorted window of each row's largest logits), then
-the one-program-per-row kernel below, which does real work only for the rows the window
-could not finish exactly (top_k >= the window, a nucleus wider than it, ties at its edge).
-``method="rows"`` runs the row kernel alone (the previous sampler).  The caller's host-side
-flags pick the cheapest path: ``greedy_only`` (argmax), ``filtered=False`` (no window).
+hash).  :func:`sample` runs the fast path of :mod:`kernels.sampling_select` (rows split
+over many programs; top-k/top-p thresholds from a histogram cut and a compacted, sorted window
+of each row's candidates; no ``torch.topk``), then the one-program-per-row kernel below, which
+does real work only for the rows the window could not finish exactly (top_k or a nucleus wider
+than the window's ``capacity``).  ``method="window"`` is the previous fast path
+(:mod:`kernels.sampling_window`, a ``torch.topk`` window: slower at every measured shape);
+``method="rows"`` runs the row kernel alone.  The caller's host-side flags pick the cheapest
+path: ``greedy_only`` (argmax), ``filtered=False`` (no histogram or window).
 
 The row kernel streams the row's logits in ``BLOCK``-wide chunks:
 
@@ -190,13 +192,13 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     ``[S]`` float32, top_k ``[S]`` int32/int64 (0 = off), seed/position ``[S]`` int64, all
     on one device.  ``out`` may be preallocated (graph capture).
 
-    ``method="window"`` (default): :mod:`kernels.sampling_window` (rows split over chunks,
-    top-k/top-p on a window of the ``candidates`` largest logits), then the
-    one-program-per-row kernel only for the rows it could not finish exactly.
-    ``filtered=False`` is a host-side promise that no row uses top-k/top-p (skips the window:
-    temperature / min-p rows then cost two passes over the logits).  ``greedy_only=True``
+    ``method="select"`` (default): :mod:`kernels.sampling_select` (histogram cut, compacted window
+    of at most ``capacity`` logits per row), then the one-program-per-row kernel only for the rows
+    it could not finish exactly.  ``method="window"``: :mod:`kernels.sampling_window` (a window of
+    the ``candidates`` largest logits by ``torch.topk``; ``chunk`` splits that top-k in two stages).
+    ``filtered=False`` is a host-side promise that no row uses top-k/top-p (skips the histogram /
+    window: temperature / min-p rows then cost two passes over the logits).  ``greedy_only=True``
     promises every row is greedy: one ``torch.argmax`` (first index on ties, like the reference).
-    ``chunk`` (default: none) splits the window's top-k into a two-stage one (a tuning knob).
     ``method="rows"``: the one-program-per-row kernel alone (the previous sampler).
     ``block`` is the chunk width of its streaming passes, ``sblock``/``nc`` the chunk width
     and candidates per pass of its threshold searches (tuning knobs; the result does not
