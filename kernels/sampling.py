@@ -182,7 +182,7 @@ def _sample_row(row, logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, minp_
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, *,
            out: Optional[torch.Tensor] = None, method: str = "select", candidates: int = DEFAULT_CANDIDATES,
-           capacity: int = DEFAULT_CAPACITY,
+           capacity: int = DEFAULT_CAPACITY, finish: str = "sort",
            filtered: bool = True, greedy_only: bool = False, chunk: Optional[int] = None,
            block: Optional[int] = None, sblock: Optional[int] = None,
            nc: int = 8, num_warps: Optional[int] = None, num_stages: int = 3) -> torch.Tensor:
@@ -193,9 +193,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     on one device.  ``out`` may be preallocated (graph capture).
 
     ``method="select"`` (default): :mod:`kernels.sampling_select` (histogram cut, compacted window
-    of at most ``capacity`` logits per row), then the one-program-per-row kernel only for the rows
-    it could not finish exactly.  ``method="window"``: :mod:`kernels.sampling_window` (a window of
-    the ``candidates`` largest logits by ``torch.topk``; ``chunk`` splits that top-k in two stages).
+    of at most ``capacity`` logits per row, ordered by ``finish``: ``"sort"`` or ``"rank"``), then
+    the one-program-per-row kernel only for the rows it could not finish exactly.
+    ``method="window"``: :mod:`kernels.sampling_window` (a window of the ``candidates`` largest
+    logits by ``torch.topk``; ``chunk`` splits that top-k in two stages).
     ``filtered=False`` is a host-side promise that no row uses top-k/top-p (skips the histogram /
     window: temperature / min-p rows then cost two passes over the logits).  ``greedy_only=True``
     promises every row is greedy: one ``torch.argmax`` (first index on ties, like the reference).
@@ -226,7 +227,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if method == "select":
         done = torch.empty(S, dtype=torch.int32, device=logits.device)
         sample_select(logits, temperature, top_k, top_p, min_p, seed, position, out, done,
-                      capacity=capacity, filtered=filtered)
+                      capacity=capacity, filtered=filtered, finish=finish)
     elif method == "window":
         done = torch.empty(S, dtype=torch.int32, device=logits.device)
         sample_window(logits, temperature, top_k, top_p, min_p, seed, position, out, done,

@@ -126,7 +126,8 @@ def _hist_kernel(x_ptr, stride_x, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_p
 
 
 @triton.jit
-def _cut_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, pmax_ptr, parg_ptr, pcnt_ptr, pz_ptr, cut_ptr, z_ptr, count_ptr, V, NCH,
+def _cut_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, pmax_ptr, parg_ptr, pcnt_ptr, pz_ptr, cut_ptr, z_ptr,
+                count_ptr, V, NCH,
                 GREEDY_EPS: tl.constexpr, BLOCK_C: tl.constexpr, NB: tl.constexpr, LIN: tl.constexpr):
     row = tl.program_id(0)
     tl.store(count_ptr + row, 0)  # the compact kernel's counter (runs after this launch)
@@ -179,18 +180,48 @@ def _compact_kernel(x_ptr, stride_x, temp_ptr, topk_ptr, topp_ptr, cut_ptr, coun
 
 
 @triton.jit
-def _decide(win_ptr, row, n_w, cut, smax, k, p, z, min_p, seed, pos, k_on, p_on, CAP: tl.constexpr, W: tl.constexpr):
-    """(token, exact) from the row's window of ``n_w <= W`` keys (all logits with s >= the cut)."""
+def _rank_pass(base, keys, n_w, tau, smax, W: tl.constexpr, RB: tl.constexpr, MASS: tl.constexpr):
+    """Per window key: how many keys are larger (``MASS``: their mass ``exp(s - smax)`` over s >= tau, float64)."""
+    if MASS:
+        acc = tl.zeros([W], tl.float64)
+    else:
+        acc = tl.zeros([W], tl.int32)
+    for jb in range(0, W, RB):
+        jj = jb + tl.arange(0, RB)
+        kb = tl.load(base + jj, mask=jj < n_w, other=-9223372036854775807 - 1)
+        gt = kb[None, :] > keys[:, None]
+        if MASS:
+            sb = tl_key_value(kb)
+            wb = tl.where((jj < n_w) & (sb >= tau), tl.exp(sb - smax), 0.0).to(tl.float64)
+            acc += tl.sum(tl.where(gt, wb[None, :], 0.0), axis=1)
+        else:
+            acc += tl.sum(gt.to(tl.int32), axis=1)
+    return acc
+
+
+@triton.jit
+def _decide(win_ptr, row, n_w, cut, smax, k, p, z, min_p, seed, pos, k_on, p_on, CAP: tl.constexpr,
+            W: tl.constexpr, RANK: tl.constexpr):
+    """(token, exact) from the row's window of ``n_w <= W`` keys (all logits with s >= the cut).
+
+    ``RANK``: each key's place in the descending order by counting the larger keys (no sort); else ``tl.sort``.
+    """
     j = tl.arange(0, W)
     valid = j < n_w
-    keys = tl.load(win_ptr + row.to(tl.int64) * CAP + j, mask=valid, other=-9223372036854775807 - 1)
-    keys = tl.sort(keys, descending=True)  # value descending, then lowest index; padding last
+    base = win_ptr + row.to(tl.int64) * CAP
+    keys = tl.load(base + j, mask=valid, other=-9223372036854775807 - 1)
+    if RANK:
+        place = _rank_pass(base, keys, n_w, 0.0, smax, W, 8192 // W, False)
+    else:
+        keys = tl.sort(keys, descending=True)  # value descending, then lowest index; padding last
+        place = j
+    valid = j < n_w  # (a key's slot may move in the sort; padding is smallest, so still the tail)
     s = tl.where(valid, tl_key_value(keys), float("-inf"))
     ids = tl_key_index(keys)
     tau = tl.full((), float("-inf"), tl.float32)
     exact = tl.full((), 1, tl.int32)
     if k_on:
-        tau = tl.max(tl.where(j == k - 1, s, float("-inf")), axis=0)
+        tau = tl.max(tl.where(valid & (place == k - 1), s, float("-inf")), axis=0)
         exact = (k <= n_w).to(tl.int32)  # then every top-k survivor is inside
     in_k = valid & (s >= tau)
     w = tl.where(in_k, tl.exp(s - smax), 0.0).to(tl.float64)
@@ -200,9 +231,12 @@ def _decide(win_ptr, row, n_w, cut, smax, k, p, z, min_p, seed, pos, k_on, p_on,
             z = mass
         else:
             exact = (mass >= p.to(tl.float64) * z).to(tl.int32)  # the nucleus ends inside the window
-        excl = tl.cumsum(w, axis=0) - w
+        if RANK:
+            excl = _rank_pass(base, keys, n_w, tau, smax, W, 8192 // W, True)
+        else:
+            excl = tl.cumsum(w, axis=0) - w
         n = tl.maximum(tl.sum((in_k & (excl < p.to(tl.float64) * z)).to(tl.int32), axis=0), 1)
-        tau = tl.maximum(tau, tl.max(tl.where(j == n - 1, s, float("-inf")), axis=0))
+        tau = tl.maximum(tau, tl.max(tl.where(valid & (place == n - 1), s, float("-inf")), axis=0))
     log_mp = tl.where(min_p > 0, tl.log(tl.where(min_p > 0, min_p, 1.0)), float("-inf"))
     # not closed, but min-p drops everything outside (s < cut): exact unless top-k and top-p both
     # apply (then Z needs all top-k survivors).  The window's tau is then <= every entry.
@@ -217,7 +251,8 @@ def _decide(win_ptr, row, n_w, cut, smax, k, p, z, min_p, seed, pos, k_on, p_on,
 @triton.jit
 def _finish_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr, pmax_ptr, parg_ptr, pbest_ptr,
                    pidx_ptr, z_ptr, cut_ptr, count_ptr, win_ptr, out_ptr, done_ptr, V, NCH, GREEDY_EPS: tl.constexpr,
-                   FILTERED: tl.constexpr, BLOCK_C: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr):
+                   FILTERED: tl.constexpr, BLOCK_C: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
+                   RANK: tl.constexpr):
     row = tl.program_id(0)
     xmax, tok = _row_max(pmax_ptr, parg_ptr, row, NCH, BLOCK_C)
     done = tl.full((), 1, tl.int32)
@@ -235,9 +270,11 @@ def _finish_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr, pm
                     seed = tl.load(seed_ptr + row)
                     pos = tl.load(pos_ptr + row)
                     if n_w <= SMALL:
-                        tok, done = _decide(win_ptr, row, n_w, cut, smax, k, p, z, min_p, seed, pos, k_on, p_on, CAP, SMALL)
+                        tok, done = _decide(win_ptr, row, n_w, cut, smax, k, p, z, min_p, seed, pos, k_on, p_on,
+                                            CAP, SMALL, RANK)
                     else:
-                        tok, done = _decide(win_ptr, row, n_w, cut, smax, k, p, z, min_p, seed, pos, k_on, p_on, CAP, CAP)
+                        tok, done = _decide(win_ptr, row, n_w, cut, smax, k, p, z, min_p, seed, pos, k_on, p_on,
+                                            CAP, CAP, RANK)
         else:
             cc = tl.arange(0, BLOCK_C)
             pb = tl.load(pbest_ptr + row * NCH + cc, mask=cc < NCH, other=float("-inf"))
@@ -249,18 +286,22 @@ def _finish_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr, pm
 
 
 def sample_select(logits, temperature, top_k, top_p, min_p, seed, position, out: torch.Tensor, done: torch.Tensor,
-                  *, capacity: int = DEFAULT_CAPACITY, filtered: bool = True, block: int = 4096) -> None:
+                  *, capacity: int = DEFAULT_CAPACITY, filtered: bool = True, block: int = 4096,
+                  finish: str = "sort") -> None:
     """Write tokens into ``out`` ``[S]`` int64 and ``done`` ``[S]`` int32 (0: the row still needs the
     one-program-per-row kernel).  Arguments as :func:`kernels.sampling.sample` (checked there).
 
     ``capacity`` (a power of two) is the window's size per row: rows whose survivors it cannot
     hold come back not done.  ``filtered=False`` promises no row has top-k / top-p (skips the
     histogram, cut, window; such rows would just come back not done).  ``block`` is the chunk
-    width (a tuning knob; the result does not depend on it).
+    width and ``finish`` how the window is ordered: ``"sort"`` (``tl.sort``) or ``"rank"`` (each key
+    counts the larger keys, a ``W x W`` comparison in blocks; no sort): tuning knobs, the result
+    does not depend on them.
     """
     S, V = logits.shape
     dev = logits.device
     assert capacity >= 1 and capacity & (capacity - 1) == 0, capacity
+    assert finish in ("sort", "rank") and capacity <= 8192, (finish, capacity)
     block = min(block, triton.next_power_of_2(V))
     nch = triton.cdiv(V, block)
     block_c = triton.next_power_of_2(nch)
@@ -289,4 +330,4 @@ def sample_select(logits, temperature, top_k, top_p, min_p, seed, position, out:
                                   num_warps=8)
     _finish_kernel[(S,)](temperature, top_k, top_p, min_p, seed, position, pmax, parg, pbest, pidx, z, cut, count, win,
                          out, done, V, nch, GREEDY_EPS=GREEDY_EPS, FILTERED=filtered, BLOCK_C=block_c, CAP=capacity,
-                         SMALL=min(_SMALL, capacity), num_warps=8)
+                         SMALL=min(_SMALL, capacity), RANK=finish == "rank", num_warps=8)

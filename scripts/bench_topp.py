@@ -18,7 +18,8 @@ top-k 1), logits ``randn * 4`` at temperature 0.8 (the mixed mode draws its temp
 ``--sweep`` also times the select path's knobs (block, capacity) at 64 x 128256; ``--wide`` (and
 ``--sweep``) ``torch.topk(logits, 50)`` alone and a wide nucleus (``randn * 1`` logits at T = 1.5,
 top-p 0.9: tens of thousands of tokens, more than the window holds, so the row kernel runs).
-``--profile`` prints the per-kernel times of one case (torch profiler, eager).
+``--profile`` prints the per-kernel times of one case (torch profiler, eager).  ``--finish rank``
+times the select path with its sort-free window order (``kernels.sampling_select``).
 Without CUDA: tiny shapes in the Triton CPU interpreter (a smoke test of the script).
 """
 
@@ -111,16 +112,16 @@ def time_us(fns, reps: int) -> float:
     return statistics.median(times)
 
 
-def check(S: int, V: int, mode: str, draws: int, g: torch.Generator, scale: float = 4.0) -> tuple[int, int]:
+def check(S: int, V: int, mode: str, draws: int, g: torch.Generator, finish: str) -> tuple[int, int]:
     """(mismatching rows, rows left to the row kernel) of the default path against the reference."""
     bad = left = 0
     for _ in range(draws):
-        logits = (torch.randn(S, V, generator=g) * scale).to(DEV)
+        logits = (torch.randn(S, V, generator=g) * 4).to(DEV)
         p = params(S, mode, g)
-        bad += int((sample(logits, *p) != sample_ref(logits, *p)).sum())
+        bad += int((sample(logits, *p, finish=finish) != sample_ref(logits, *p)).sum())
         out = torch.empty(S, dtype=torch.int64, device=DEV)
         done = torch.empty(S, dtype=torch.int32, device=DEV)
-        sample_select(logits, *p, out, done)
+        sample_select(logits, *p, out, done, finish=finish)
         left += int((done == 0).sum())
     return bad, left
 
@@ -131,15 +132,15 @@ def bench_shape(S: int, V: int, args, rows: list[dict]) -> None:
     out = torch.empty(S, dtype=torch.int64, device=DEV)
     for mode in MODES:
         p = params(S, mode, g)
-        bad, left = check(S, V, mode, args.checks, g)
+        bad, left = check(S, V, mode, args.checks, g, args.finish)
         row = dict(S=S, V=V, mode=mode, mismatches=bad, rows_checked=S * args.checks, left_to_row_kernel=left)
         if mode == "greedy":
             row["select_us"] = time_us([lambda x=x: sample(x, *p, out=out, greedy_only=True) for x in bufs], args.reps)
             row["window_us"] = row["select_us"]  # the all-greedy step runs the argmax on both paths
         else:
             for method in ("select", "window"):
-                row[f"{method}_us"] = time_us([lambda x=x: sample(x, *p, out=out, method=method) for x in bufs],
-                                              args.reps)
+                row[f"{method}_us"] = time_us([lambda x=x: sample(x, *p, out=out, method=method, finish=args.finish)
+                                               for x in bufs], args.reps)
         rows.append(row)
         print(f"  V={V:>6} S={S:>2}  {mode:<12} select {row['select_us']:8.1f} us   window {row['window_us']:8.1f} us"
               f"   mismatches {bad}/{S * args.checks}  left {left}", flush=True)
@@ -166,7 +167,8 @@ def sweep(args, rows: list[dict]) -> None:
     p[0][:] = 1.5
     bad = int((sample(flat[0], *p) != sample_ref(flat[0], *p)).sum())
     sample_select(flat[0], *p, out, done)
-    row = dict(S=S, V=V, mode="top_p wide nucleus (randn*1, T=1.5)", mismatches=bad, left_to_row_kernel=int((done == 0).sum()))
+    row = dict(S=S, V=V, mode="top_p wide nucleus (randn*1, T=1.5)", mismatches=bad,
+               left_to_row_kernel=int((done == 0).sum()))
     for method in ("select", "window"):
         row[f"{method}_us"] = time_us([lambda x=x: sample(x, *p, out=out, method=method) for x in flat],
                                       max(5, args.reps // 10))
@@ -198,6 +200,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time the select path's knobs (block, capacity)")
     ap.add_argument("--wide", action="store_true", help="time torch.topk alone and a nucleus wider than the window")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--finish", choices=("sort", "rank"), default="sort", help="how the select path orders its window")
     args = ap.parse_args()
     rows: list[dict] = []
     shapes = [(S, V) for V in (32000, 128256) for S in (1, 8, 64)] if ON_GPU else [(1, 1000), (5, 3000)]
@@ -218,7 +221,8 @@ def main() -> None:
     print(f"done in {time.time() - t0:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=device, torch=torch.__version__, reps=args.reps, rows=rows), f, indent=1)
+            json.dump(dict(device=device, torch=torch.__version__, reps=args.reps, finish=args.finish, rows=rows), f,
+                      indent=1)
 
 
 if __name__ == "__main__":

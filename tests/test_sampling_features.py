@@ -172,8 +172,8 @@ def test_window_sampler_matches_reference(S, V, candidates):
         assert torch.equal(got, ref), (got.tolist(), ref.tolist())
         assert torch.equal(sample(logits, *params, method="rows"), ref)
         # batch independence: each row alone
-        alone = torch.cat([sample(logits[i: i + 1], *[p[i: i + 1] for p in params], candidates=candidates, method="window")
-                           for i in range(0, S, 4)])
+        alone = torch.cat([sample(logits[i: i + 1], *[p[i: i + 1] for p in params], candidates=candidates,
+                                  method="window") for i in range(0, S, 4)])
         assert torch.equal(alone, ref[0::4])
     # both outcomes of the window happen: rows it finishes and rows left to the row kernel
     out = torch.empty(S, dtype=torch.int64, device=DEV)
@@ -287,7 +287,8 @@ def test_window_sampler_chunked(V, chunk, candidates):
     sample_window(logits, *params, out, done, candidates=candidates, chunk=chunk)
     assert torch.equal(out[done.bool()], ref[done.bool()]) and done.sum() > S // 2
     ties = ((torch.randn(S, V, generator=g) * 0.6).round() / 2).to(DEV)
-    assert torch.equal(sample(ties, *params, candidates=candidates, chunk=chunk, method="window"), sample_ref(ties, *params))
+    got = sample(ties, *params, candidates=candidates, chunk=chunk, method="window")
+    assert torch.equal(got, sample_ref(ties, *params))
 
 
 def test_sample_flags():

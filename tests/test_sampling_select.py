@@ -51,11 +51,11 @@ def _mixed(S, V, g, k_range=40):
     return [t.to(DEV) for t in (temp, top_k, top_p, min_p, seed, pos)]
 
 
-def _select(logits, params, capacity):
+def _select(logits, params, capacity, finish="sort"):
     S = logits.shape[0]
     out = torch.full((S,), -7, dtype=torch.int64, device=DEV)
     done = torch.full((S,), -7, dtype=torch.int32, device=DEV)
-    sample_select(logits, *params, out, done, capacity=capacity)
+    sample_select(logits, *params, out, done, capacity=capacity, finish=finish)
     return out, done
 
 
@@ -81,26 +81,28 @@ def test_select_matches_reference_many_seeds(S, V):
     assert left <= S  # the window settles nearly every row (wide nuclei at T ~1.7 may not)
 
 
-def test_select_window_outcomes_and_fallback():
+@pytest.mark.parametrize("finish", ["sort", "rank"])
+def test_select_window_outcomes_and_fallback(finish):
     """A small window: some filtered rows settle, some go to the row kernel; the result is exact either way."""
     g = torch.Generator().manual_seed(3)
     S, V = 22, 1500
     logits = (torch.randn(S, V, generator=g) * 3).to(DEV)
     params = _mixed(S, V, g)
     ref = sample_ref(logits, *params)
-    out, done = _select(logits, params, 16)
+    out, done = _select(logits, params, 16, finish)
     filt = (params[1] > 0) & (params[1] < V) | (params[2] < 1)
     assert done[~filt].all()
     assert done[filt].any() and not done[filt].all()
     assert torch.equal(out[done.bool()], ref[done.bool()])
-    assert torch.equal(sample(logits, *params, capacity=16), ref)
+    assert torch.equal(sample(logits, *params, capacity=16, finish=finish), ref)
     # batch independence: each row alone
     alone = torch.cat([sample(logits[i: i + 1], *[p[i: i + 1] for p in params]) for i in range(0, S, 3)])
     assert torch.equal(alone, ref[0::3])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_select_ties_inf_and_flat(dtype):
+@pytest.mark.parametrize("dtype,finish", [(torch.float32, "sort"), (torch.bfloat16, "sort"),
+                                          (torch.float32, "rank"), (torch.bfloat16, "rank")])
+def test_select_ties_inf_and_flat(dtype, finish):
     """Equal logits at the thresholds (and -0.0 vs +0.0), -inf logits (logit_bias), an all-equal row."""
     g = torch.Generator().manual_seed(77)
     S, V = 12, 300
@@ -116,11 +118,11 @@ def test_select_ties_inf_and_flat(dtype):
     params[0][params[0] > 0] = 0.5
     ref = sample_ref(x.float(), *params)
     for cap in (8, 512):
-        out, done = _select(x, params, cap)
+        out, done = _select(x, params, cap, finish)
         assert torch.equal(out[done.bool()], ref[done.bool()])
         if cap == 512:  # the whole row fits: every row settles in the window
             assert done.all()
-        assert torch.equal(sample(x, *params, capacity=cap), ref)
+        assert torch.equal(sample(x, *params, capacity=cap, finish=finish), ref)
 
 
 def test_select_unfiltered_rows_skip_the_window():
