@@ -2,12 +2,14 @@
 
 Computes exactly the function documented in :mod:`kernels.sampling_ref` (greedy /
 temperature / top-k / top-p / min-p, Gumbel-max with the counter-based lowbias32
-hash).  :func:`sample` runs the fast path of :mod:`kernels.sampling_window` (rows split
-over many programs; top-k/top-p on a sorted window of each row's largest logits), then
-the one-program-per-row kernel below, which does real work only for the rows the window
-could not finish exactly (top_k >= the window, a nucleus wider than it, ties at its edge).
-``method="rows"`` runs the row kernel alone (the previous sampler).  The caller's host-side
-flags pick the cheapest path: ``greedy_only`` (argmax), ``filtered=False`` (no window).
+hash).  :func:`sample` runs the fast path of :mod:`kernels.sampling_select` (rows split
+over many programs; top-k/top-p thresholds from a histogram cut and a compacted, sorted window
+of each row's candidates; no ``torch.topk``), then the one-program-per-row kernel below, which
+does real work only for the rows the window could not finish exactly (top_k or a nucleus wider
+than the window's ``capacity``).  ``method="window"`` is the previous fast path
+(:mod:`kernels.sampling_window`, a ``torch.topk`` window: slower at every measured shape);
+``method="rows"`` runs the row kernel alone.  The caller's host-side flags pick the cheapest
+path: ``greedy_only`` (argmax), ``filtered=False`` (no histogram or window).
 
 The row kernel streams the row's logits in ``BLOCK``-wide chunks:
 
@@ -47,6 +49,7 @@ import triton.language as tl
 
 from .sampling_hash import hash_uniform_triton, tl_okey, tl_row_key, tl_uniform
 from .sampling_ref import GREEDY_EPS, hash_uniform, sample as sample_ref  # noqa: F401
+from .sampling_select import DEFAULT_CAPACITY, sample_select
 from .sampling_window import DEFAULT_CANDIDATES, sample_window
 
 __all__ = ["sample", "hash_uniform_triton", "sample_ref", "hash_uniform"]
@@ -178,7 +181,8 @@ def _sample_row(row, logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, minp_
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, *,
-           out: Optional[torch.Tensor] = None, method: str = "window", candidates: int = DEFAULT_CANDIDATES,
+           out: Optional[torch.Tensor] = None, method: str = "select", candidates: int = DEFAULT_CANDIDATES,
+           capacity: int = DEFAULT_CAPACITY, finish: str = "sort",
            filtered: bool = True, greedy_only: bool = False, chunk: Optional[int] = None,
            block: Optional[int] = None, sblock: Optional[int] = None,
            nc: int = 8, num_warps: Optional[int] = None, num_stages: int = 3) -> torch.Tensor:
@@ -188,13 +192,14 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     ``[S]`` float32, top_k ``[S]`` int32/int64 (0 = off), seed/position ``[S]`` int64, all
     on one device.  ``out`` may be preallocated (graph capture).
 
-    ``method="window"`` (default): :mod:`kernels.sampling_window` (rows split over chunks,
-    top-k/top-p on a window of the ``candidates`` largest logits), then the
-    one-program-per-row kernel only for the rows it could not finish exactly.
-    ``filtered=False`` is a host-side promise that no row uses top-k/top-p (skips the window:
-    temperature / min-p rows then cost two passes over the logits).  ``greedy_only=True``
+    ``method="select"`` (default): :mod:`kernels.sampling_select` (histogram cut, compacted window
+    of at most ``capacity`` logits per row, ordered by ``finish``: ``"sort"`` or ``"rank"``), then
+    the one-program-per-row kernel only for the rows it could not finish exactly.
+    ``method="window"``: :mod:`kernels.sampling_window` (a window of the ``candidates`` largest
+    logits by ``torch.topk``; ``chunk`` splits that top-k in two stages).
+    ``filtered=False`` is a host-side promise that no row uses top-k/top-p (skips the histogram /
+    window: temperature / min-p rows then cost two passes over the logits).  ``greedy_only=True``
     promises every row is greedy: one ``torch.argmax`` (first index on ties, like the reference).
-    ``chunk`` (default: none) splits the window's top-k into a two-stage one (a tuning knob).
     ``method="rows"``: the one-program-per-row kernel alone (the previous sampler).
     ``block`` is the chunk width of its streaming passes, ``sblock``/``nc`` the chunk width
     and candidates per pass of its threshold searches (tuning knobs; the result does not
@@ -202,7 +207,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     """
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [S, V], last dim contiguous"
     assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    assert method in ("window", "rows"), method
+    assert method in ("select", "window", "rows"), method
     S, V = logits.shape
     assert 0 < V < 2**31
     for name, t, dts in (("temperature", temperature, (torch.float32,)), ("top_p", top_p, (torch.float32,)),
@@ -219,7 +224,11 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if greedy_only:
         return torch.argmax(logits, dim=-1, out=out)
     done = out  # not read when HAS_DONE is off
-    if method == "window":
+    if method == "select":
+        done = torch.empty(S, dtype=torch.int32, device=logits.device)
+        sample_select(logits, temperature, top_k, top_p, min_p, seed, position, out, done,
+                      capacity=capacity, filtered=filtered, finish=finish)
+    elif method == "window":
         done = torch.empty(S, dtype=torch.int32, device=logits.device)
         sample_window(logits, temperature, top_k, top_p, min_p, seed, position, out, done,
                       candidates=candidates, filtered=filtered, chunk=chunk)
@@ -227,7 +236,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     sblock = sblock or min(2048 if nc <= 8 else 512, triton.next_power_of_2(V))  # H100 sweep
     _sample_kernel[(S,)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seed, position, out, done, V,
-        GREEDY_EPS=GREEDY_EPS, BLOCK=block, SBLOCK=sblock, NC=nc, HAS_DONE=method == "window",
+        GREEDY_EPS=GREEDY_EPS, BLOCK=block, SBLOCK=sblock, NC=nc, HAS_DONE=method != "rows",
         num_warps=num_warps or 8, num_stages=num_stages,
     )
     return out

@@ -168,12 +168,12 @@ def test_window_sampler_matches_reference(S, V, candidates):
     for small_k in (True, False):
         params = _params(S, V, g, small_k)
         ref = sample_ref(logits, *params)
-        got = sample(logits, *params, candidates=candidates)
+        got = sample(logits, *params, candidates=candidates, method="window")
         assert torch.equal(got, ref), (got.tolist(), ref.tolist())
         assert torch.equal(sample(logits, *params, method="rows"), ref)
         # batch independence: each row alone
-        alone = torch.cat([sample(logits[i: i + 1], *[p[i: i + 1] for p in params], candidates=candidates)
-                           for i in range(0, S, 4)])
+        alone = torch.cat([sample(logits[i: i + 1], *[p[i: i + 1] for p in params], candidates=candidates,
+                                  method="window") for i in range(0, S, 4)])
         assert torch.equal(alone, ref[0::4])
     # both outcomes of the window happen: rows it finishes and rows left to the row kernel
     out = torch.empty(S, dtype=torch.int64, device=DEV)
@@ -184,7 +184,7 @@ def test_window_sampler_matches_reference(S, V, candidates):
     if candidates == 64:
         assert done[filt].any() and not done[filt].all()
     # filtered=False: no window, the row kernel does the top-k/top-p rows
-    assert torch.equal(sample(logits, *params, candidates=candidates, filtered=False), ref)
+    assert torch.equal(sample(logits, *params, candidates=candidates, filtered=False, method="window"), ref)
 
 
 def test_window_sampler_ties():
@@ -197,7 +197,7 @@ def test_window_sampler_ties():
     params = _params(S, V, g)
     params[0][params[0] > 0] = 0.5
     for cand in (4, 32, 300):
-        assert torch.equal(sample(logits, *params, candidates=cand), sample_ref(logits, *params))
+        assert torch.equal(sample(logits, *params, candidates=cand, method="window"), sample_ref(logits, *params))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA only")
@@ -281,13 +281,14 @@ def test_window_sampler_chunked(V, chunk, candidates):
     for small_k in (True, False):
         params = _params(S, V, g, small_k)
         ref = sample_ref(logits, *params)
-        assert torch.equal(sample(logits, *params, candidates=candidates, chunk=chunk), ref)
+        assert torch.equal(sample(logits, *params, candidates=candidates, chunk=chunk, method="window"), ref)
     out = torch.empty(S, dtype=torch.int64, device=DEV)
     done = torch.empty(S, dtype=torch.int32, device=DEV)
     sample_window(logits, *params, out, done, candidates=candidates, chunk=chunk)
     assert torch.equal(out[done.bool()], ref[done.bool()]) and done.sum() > S // 2
     ties = ((torch.randn(S, V, generator=g) * 0.6).round() / 2).to(DEV)
-    assert torch.equal(sample(ties, *params, candidates=candidates, chunk=chunk), sample_ref(ties, *params))
+    got = sample(ties, *params, candidates=candidates, chunk=chunk, method="window")
+    assert torch.equal(got, sample_ref(ties, *params))
 
 
 def test_sample_flags():
