@@ -39,6 +39,7 @@ from typing import Optional
 
 from ipc.protocol import Admit, StepPlan, StepResult
 from scheduler_proc.block_allocator import BlockAllocator, Pool
+from scheduler_proc.host_tier import HostTier
 from scheduler_proc.limits import Limits
 from scheduler_proc.outputs import Detokenize, reconcile_extras, request_extras, slot_sampling
 from scheduler_proc.planner_checks import check_planner
@@ -63,6 +64,7 @@ class Planner:
     def __post_init__(self):
         self.blocks = BlockAllocator(self.limits.num_kv_blocks, self.limits.block_size)
         self.prefix = None if self.prefix_cache_id is None else PrefixCache(self.blocks, self.prefix_cache_id)
+        self.host = HostTier.attach(self.prefix, self.limits.num_host_blocks)  # None: no host KV tier
         self.slots = Pool(self.limits.num_slots, "slot")
         self.draining: dict[int, Request] = {}  # left the plans, waiting for in-flight steps
         self._running: dict[int, Request] = {}
@@ -128,7 +130,7 @@ class Planner:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self._running)
+        return bool(self.waiting or self._running) or (self.host is not None and self.host.has_pending)
 
     @property
     def num_inflight(self) -> int:
@@ -147,7 +149,7 @@ class Planner:
         self._plan_chunks(draft)
         if not draft.blocked:
             self._plan_admissions(draft)
-        if not draft.rows:
+        if not draft.rows and (self.host is None or not self.host.needs_plan(bool(self.inflight))):
             return None
         return self._emit(draft)
 
@@ -207,8 +209,8 @@ class Planner:
             req = self.waiting[0]
             # A request still owed prompt logprobs computes its whole prompt: a cached block has none.
             owed = req.extras is not None and req.extras.prompt is not None and not req.extras.prompt.complete
-            hit = self.prefix.match(req) if self.prefix is not None and not owed else []
-            start = len(hit) * self.limits.block_size
+            hit, host_hit = self.prefix.match(req) if self.prefix is not None and not owed else ([], [])
+            start = (len(hit) + len(host_hit)) * self.limits.block_size
             n = min(draft.budget, req.num_known - start)
             if not blocks.can_allocate(blocks.blocks_for(start + n) - len(hit) + blocks.num_evictable(hit)):
                 break
@@ -223,6 +225,8 @@ class Planner:
                 self.prefix.admit(req, hit)  # shares the hit blocks; num_computed starts after them
                 for i, b in enumerate(hit):
                     draft.appends += (req.slot, i, b)
+                if host_hit:
+                    self.host.onload(req, host_hit, draft)  # new device blocks, copied from the host first
             self._reserve(req, start + n, draft)
             self._chunk(req, n, draft)
 
@@ -256,7 +260,8 @@ class Planner:
         else:
             samplers = rows
         step_id = next(self._step_ids)
-        self.inflight.append(InflightStep(step_id, rows, samplers, draft.written))
+        releases, self._releases = self._releases, []
+        self.inflight.append(InflightStep(step_id, rows, samplers, draft.written, draft.onloaded))
         self.num_steps_planned += 1
         return StepPlan(
             step_id=step_id,
@@ -268,14 +273,17 @@ class Planner:
             prefill_tokens=draft.chunk_tokens,
             block_appends=draft.appends,
             admits=draft.admits,
-            releases=self._take_releases(),
+            releases=releases,
+            onloads=draft.onloads,
+            backups=self.host.send(step_id) if self.host is not None else [],
         )
 
     def _reserve(self, req: Request, num_tokens: int, draft: StepDraft) -> bool:
         """Make ``req``'s blocks cover ``num_tokens`` tokens, preempting if needed."""
         need = self.blocks.blocks_for(num_tokens) - len(req.blocks)
         while need > 0 and not self.blocks.can_allocate(need):
-            if self.blocks.num_free + self._draining_blocks >= need:
+            backups = self.host.num_device_busy if self.host is not None else 0  # held until backed up
+            if self.blocks.num_free + self._draining_blocks + backups >= need:
                 return False  # blocks are on their way back: wait, do not evict more
             victim = self._pick_victim(req, draft.rows)
             if victim is None:
@@ -299,10 +307,6 @@ class Planner:
                 return victim
         return None
 
-    def _take_releases(self) -> list[int]:
-        out, self._releases = self._releases, []
-        return out
-
     # ----------------------------------------------------------- reconciliation
 
     def reconcile(self, result: StepResult) -> list[Output]:
@@ -325,6 +329,9 @@ class Planner:
                 if out.request.rid in self.followers:
                     self.release_followers(out.request)
         self._step_back(step)
+        if self.host is not None:
+            self.host.onloads_done(step.onloaded)
+            self.host.backups_done(result.backups_done_step_id)
         return outputs
 
     def _reconcile_tokens(self, samplers: list[Request], tokens: list[int]) -> list[Output]:
@@ -434,8 +441,8 @@ class Planner:
     # --------------------------------------------------------------- invariants
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block nobody holds (they become free); returns how many."""
-        return self.blocks.reset()
+        """Forget every cached block nobody holds, on both tiers (they become free); returns how many."""
+        return self.blocks.reset() + (self.host.blocks.reset() if self.host is not None else 0)
 
     def check_integrity(self) -> None:
         """Assert every accounting invariant; tests call this after every step."""
