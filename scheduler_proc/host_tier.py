@@ -49,9 +49,10 @@ if TYPE_CHECKING:
 class HostTier:
     """Host blocks, the backups queued and in flight, and the tier's counters."""
 
-    def __init__(self, device: BlockAllocator, num_host_blocks: int):
-        self.device = device
-        self.blocks = BlockAllocator(num_host_blocks, device.block_size)
+    def __init__(self, prefix: "PrefixCache", num_host_blocks: int):
+        self.prefix = prefix
+        self.device: BlockAllocator = prefix.blocks
+        self.blocks = BlockAllocator(num_host_blocks, self.device.block_size)
         self._queued: list[tuple[int, int, bytes]] = []  # (device, host, key) for the next plan
         self._sent: deque[tuple[int, list[tuple[int, int, bytes]]]] = deque()  # (step_id, backups) not done
         self._pending_keys: set[bytes] = set()  # keys of the queued and sent backups
@@ -65,7 +66,7 @@ class HostTier:
         """The tier for ``prefix``'s device blocks (it needs their keys); None without prefix caching or blocks."""
         if prefix is None or not num_host_blocks:
             return None
-        prefix.host = cls(prefix.blocks, num_host_blocks)
+        prefix.host = cls(prefix, num_host_blocks)
         return prefix.host
 
     @property
@@ -138,6 +139,7 @@ class HostTier:
         tokens = len(host_hit) * self.blocks.block_size
         req.num_computed += tokens
         self.hit_tokens += tokens
+        self.prefix.hit_tokens += tokens  # the prefix cache's hits count both tiers
         self.num_onloads += len(host_hit)
 
     def onloads_done(self, host_blocks: list[int]) -> None:

@@ -51,6 +51,7 @@ class Trace:
     abort_states: list[tuple] = field(default_factory=list)
     preempted_inflight: set[int] = field(default_factory=set)
     ledger: Optional["InflightLedger"] = None  # the run's ledger (host-tier counts for coverage)
+    swapped_in: int = 0  # admissions of a preempted request that onloaded blocks from the host
 
     def client_view(self, request_id: str) -> tuple[list[int], list[str], list[tuple[int, int]]]:
         return self.tokens[request_id], self.finishes[request_id], self.counts[request_id]
@@ -87,6 +88,9 @@ class InflightLedger:
         self.host_valid: set[int] = set()  # host blocks whose backup is done
         self.onloading: dict[int, set[int]] = {}  # outstanding step -> host blocks it onloads from
         self.num_onloads = self.num_backups = 0
+        # Coverage: steps outstanding when a plan with onloads / backups was sent.
+        self.onload_offsets: set[int] = set()
+        self.backup_offsets: set[int] = set()
 
     def sent(self, plan: StepPlan) -> None:
         used_slots: set[int] = set()
@@ -145,6 +149,10 @@ class InflightLedger:
             self.host_valid.discard(host)
             self.host_pending[host] = self.backing_up[block] = plan.step_id
         self.onloading[plan.step_id] = set(o[0::2])
+        if o:
+            self.onload_offsets.add(len(self.outstanding))
+        if b:
+            self.backup_offsets.add(len(self.outstanding))
         self.num_onloads += len(o) // 2
         self.num_backups += len(b) // 2
 
@@ -313,6 +321,10 @@ def run(
                 record_preemptions()
             if plan is None:
                 break
+            if plan.onloads:
+                by_slot, targets, a = {r.slot: r for r in planner.running}, set(plan.onloads[1::2]), plan.block_appends
+                onloaded = {a[i] for i in range(0, len(a), 3) if a[i + 2] in targets}
+                trace.swapped_in += sum(by_slot[slot].num_preemptions > 0 for slot in onloaded)
             ledger.sent(plan)
             sent.append(plan)
             if check:
