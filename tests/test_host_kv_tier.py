@@ -211,5 +211,5 @@ def test_backups_taken_for_done_a_step_early_are_caught(monkeypatch, depth):
     done = HostTier.backups_done
     monkeypatch.setattr(HostTier, "backups_done", lambda self, step_id: done(self, step_id + 1))
     monkeypatch.setattr(Planner, "check_integrity", lambda self: None)
-    with pytest.raises(AssertionError, match="backed up"):
+    with pytest.raises(AssertionError, match="backed up|backup never completed"):
         test_random_small_cases_with_a_host_tier(depth)
