@@ -33,6 +33,7 @@ class ScriptedOptions(_Config):
     step_latency_s: float = 0.0  # how long each simulated step takes
     eos_at: dict[int, int] = {}  # seed -> absolute position whose token is EOS
     tokens_at: dict[int, dict[int, int]] = {}  # seed -> {position: token} (e.g. stop tokens)
+    backup_lag_steps: int = 0  # a host KV backup completes this many steps after the step that carried it
 
 
 class ExecutorConfig(_Config):
@@ -91,6 +92,7 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {cfg.kv_memory_fraction}")
     if cfg.scripted.vocab_size < 3:
         raise ValueError(f"scripted.vocab_size must be at least 3, got {cfg.scripted.vocab_size}")
+    _at_least("scripted.backup_lag_steps", cfg.scripted.backup_lag_steps, 0)
     if cfg.scripted.step_latency_s < 0:
         raise ValueError(f"scripted.step_latency_s must be >= 0, got {cfg.scripted.step_latency_s}")
 
