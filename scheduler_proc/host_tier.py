@@ -142,9 +142,11 @@ class HostTier:
         self.prefix.hit_tokens += tokens  # the prefix cache's hits count both tiers
         self.num_onloads += len(host_hit)
 
-    def onloads_done(self, host_blocks: list[int]) -> None:
-        """The step that onloaded ``host_blocks`` is back: they may be evicted again."""
-        self.blocks.release(host_blocks)
+    def step_back(self, onloaded: list[int], backups_done_step_id: int) -> None:
+        """A step is back: the host blocks it onloaded may be evicted again (it waited for the copies on the
+        device), and the backups its result reports done complete."""
+        self.blocks.release(onloaded)
+        self.backups_done(backups_done_step_id)
 
     # ---------------------------------------------------------- invariants
 

@@ -163,6 +163,7 @@ class Planner:
         add_row, add_slot, add_position = rows.append, draft.slots.append, draft.positions.append
         take_block = self.blocks.take
         preemptions = self.num_preemptions
+        fills = draft.written if self.host is not None else None  # the host tier backs up decode blocks too
         for req in decoders:
             if self.num_preemptions != preemptions and req.status is not _RUNNING:
                 continue  # preempted by an earlier row of this plan
@@ -182,6 +183,8 @@ class Planner:
             req.num_computed = pos
             req.num_pending += 1
             req.num_inflight_steps += 1
+            if fills is not None and not pos % block_size:
+                fills.append((req, pos))  # it fills a block: published (and backed up) when the step is back
             if pos + 1 >= req.max_total:
                 ended.append(req)  # its last token is now in flight: a length finish, known ahead
         for req in ended:
@@ -330,8 +333,7 @@ class Planner:
                     self.release_followers(out.request)
         self._step_back(step)
         if self.host is not None:
-            self.host.onloads_done(step.onloaded)
-            self.host.backups_done(result.backups_done_step_id)
+            self.host.step_back(step.onloaded, result.backups_done_step_id)
         return outputs
 
     def _reconcile_tokens(self, samplers: list[Request], tokens: list[int]) -> list[Output]:
@@ -432,13 +434,11 @@ class Planner:
             req.status = Status.WAITING
             self.waiting.appendleft(req)
 
-    # ----------------------------------------------------------------- restart
+    # ------------------------------------------------------ restart, invariants
 
     def restart(self) -> None:
         """The executor was replaced: every running request is recomputed (see planner_restart)."""
         restart_planner(self)
-
-    # --------------------------------------------------------------- invariants
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block nobody holds, on both tiers (they become free); returns how many."""

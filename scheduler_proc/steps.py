@@ -21,7 +21,8 @@ class InflightStep:
         self.requests = requests  # every request with a row in this step, row order
         self.samplers = samplers  # requests whose row is sampled, in row order
         # (request, n): once this step is back, the request's first n tokens of KV are all written
-        # (prefix caching only; one per prefill chunk: generated tokens' blocks are published at drain).
+        # (prefix caching only; one per prefill chunk, and with the host tier one per decode row that fills a
+        # block; other generated blocks are published at drain).
         self.written = written
         self.onloaded = onloaded  # host blocks this step copies to the device (busy until it is back)
 

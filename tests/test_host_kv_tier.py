@@ -97,7 +97,7 @@ def test_host_hit_onloads_into_new_device_blocks_and_pins_the_host_blocks():
     assert draft.appends == [x for i, blk in enumerate(b.blocks) for x in (5, i, blk)]
     assert host.blocks.num_free == 1, "onloading host blocks are not evictable"
     host.check(draft.onloaded)
-    host.onloads_done(draft.onloaded)
+    host.step_back(draft.onloaded, -1)
     assert host.blocks.num_free == 4 and host.hit_tokens == 6
 
 
@@ -213,3 +213,24 @@ def test_backups_taken_for_done_a_step_early_are_caught(monkeypatch, depth):
     monkeypatch.setattr(Planner, "check_integrity", lambda self: None)
     with pytest.raises(AssertionError, match="backed up|backup never completed"):
         test_random_small_cases_with_a_host_tier(depth)
+
+
+def test_decode_blocks_are_backed_up_while_the_request_runs():
+    """A block filled by decode rows is published at its step's reconcile and backed up at once (swap-ready)."""
+    from executor_proc.testing.scripted import ScriptedRunner
+    from scheduler_proc.limits import Limits
+    from scheduler_proc.request import Status
+
+    planner = Planner(Limits(1, 16, 2, 512, 64, frozenset({2}), num_host_blocks=16), prefix_cache_id="m")
+    ex = ScriptedRunner(1, 16, 2, num_host_blocks=16)
+    req = make_request(0, prompt_len=3, max_tokens=9, ignore_eos=True)
+    planner.add(req)
+    backed_up_while_running = 0
+    while planner.has_work:
+        plan = planner.plan()
+        if req.status is Status.RUNNING:
+            backed_up_while_running += len(plan.backups) // 2
+        planner.reconcile(ex.execute(plan))
+        planner.check_integrity()
+    full = (3 + 9 - 1) // 2  # KV of 11 tokens: the prompt and 8 decode rows
+    assert backed_up_while_running == full and planner.host.num_backups == full
