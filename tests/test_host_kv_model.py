@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from ipc.client import AsyncClient
 from tests.server_proc import assert_no_leak, wait_idle
@@ -70,3 +71,24 @@ async def test_host_prefix_hit_matches_a_cold_run(model_server, tier_server, cha
     host_hits = s2.prefix_cache_host_hit_tokens - s1.prefix_cache_host_hit_tokens
     assert host_hits >= BLOCK * 3, f"expected the long prompt's blocks from the host, got {host_hits} tokens"
     assert_tiers_whole(s2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_cuda_swaps_and_host_hits_match_an_untouched_run(server_factory, default_model_dir, chat_prompt_ids):
+    """The same on CUDA (float32, Triton kernels, graphs, the copy and backup streams)."""
+    cuda = ("--device", "cuda", "--dtype", "float32", "--pipeline-depth", "1", "--max-num-seqs", "8")
+    plain = server_factory(*cuda, "--num-kv-blocks", "512", "--host-kv-gib", "0")
+    tier = server_factory(*cuda, "--num-kv-blocks", str(DEVICE_BLOCKS), "--num-host-kv-blocks", str(HOST_BLOCKS),
+                          "--debug-checks")
+    prompts = [ids + ids for ids in chat_prompt_ids[:8]]
+    long, others = chat_prompt_ids[8] * 4, [ids * 4 for ids in chat_prompt_ids[9:12]]
+    reference = await generate_all(plain.address, prompts + [long])
+    got = await generate_all(tier.address, prompts)
+    for ids in [long] + others:
+        await generate_all(tier.address, [ids])
+    again = await generate_all(tier.address, [long])
+    s = await wait_idle(tier.address)
+    assert got + again == reference
+    assert s.preemptions > 0 and s.prefix_cache_host_hit_tokens >= BLOCK * 3
+    assert_tiers_whole(s)
