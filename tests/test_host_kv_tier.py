@@ -11,6 +11,7 @@ pools are whole at the end (``assert_drained``).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 
@@ -234,3 +235,34 @@ def test_decode_blocks_are_backed_up_while_the_request_runs():
         planner.check_integrity()
     full = (3 + 9 - 1) // 2  # KV of 11 tokens: the prompt and 8 decode rows
     assert backed_up_while_running == full and planner.host.num_backups == full
+
+
+async def test_scripted_server_with_a_host_tier(tmp_path):
+    """The real processes and protocol (StepPlan onloads/backups, StepResult completion, ServerStats): requests on
+    three prefixes through a small device pool, one by one, then all at once; exact streams, both pools whole."""
+    from executor_proc.testing.scripted import ScriptedRunner, expected_output
+    from ipc.client import AsyncClient
+    from tests.server_proc import ServerProcess, assert_no_leak, wait_idle
+
+    srv = ServerProcess("--load-format", "scripted", "--pipeline-depth", "1", "--max-num-seqs", "4",
+                        "--num-kv-blocks", "12", "--block-size", "4", "--max-model-len", "64",
+                        "--num-host-kv-blocks", "64", "--debug-checks", tmpdir=str(tmp_path), timeout=120)
+    script = ScriptedRunner(1, 1, 1, vocab_size=1000, eos_token_id=2)
+    bases = (SHARED, list(range(70, 82)), list(range(100, 112)))  # they evict each other from 12 blocks
+    prompts = {seed: bases[seed % 3][: 8 + seed % 5] + [60 + seed] * (seed % 3) for seed in range(12)}
+    try:
+        async with AsyncClient(srv.address, timeout=60) as client:
+            async def one(seed):
+                r = await client.generate(prompt_token_ids=prompts[seed], max_tokens=6 + seed % 7, temperature=0.0,
+                                          seed=seed, ignore_eos=True, detokenize=False)
+                want, _ = expected_output(script.token_at, seed=seed, prompt_len=len(prompts[seed]),
+                                          max_tokens=6 + seed % 7, max_model_len=64, eos_token_ids=(), vocab=1000)
+                assert r.token_ids == want, seed
+            for seed in range(8):
+                await one(seed)
+            await asyncio.gather(*[one(seed) for seed in range(12)])
+        s = await wait_idle(srv.address)
+    finally:
+        srv.stop()
+    assert s.num_host_kv_blocks == 64 and s.num_free_host_kv_blocks == 64 and s.prefix_cache_host_hit_tokens > 0
+    assert_no_leak(s)
