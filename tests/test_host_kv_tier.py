@@ -22,7 +22,8 @@ from scheduler_proc.host_tier import HostTier
 from scheduler_proc.planner import Planner
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.steps import StepDraft
-from tests.planner_harness import assert_client_view, assert_drained, expected, make_request, run
+from tests.planner_harness import (assert_client_view, assert_drained, assert_logprobs, expected, make_request,
+                                   run)
 
 DEPTHS = [0, 1, 2]
 LAGS = [0, 1, 2]
@@ -171,7 +172,12 @@ def test_random_small_cases_with_a_host_tier(depth):
         for i in range(n):
             m = rng.randint(1, 6)
             prompts[i] = bases[i % 2][: rng.randint(1, 12)] + [4 + rng.randrange(90) for _ in range(rng.randint(0, 3))]
-            specs.append(dict(prompt_len=0, max_tokens=m, stop=(STOP,), ignore_eos=rng.random() < 0.2))
+            spec = dict(prompt_len=0, max_tokens=m, stop=(STOP,), ignore_eos=rng.random() < 0.2)
+            if rng.random() < 0.2:  # output features; a request owed prompt logprobs takes no hit on either tier
+                spec.update(stop_strings=("".join(rng.choices("abcdefgh", k=rng.randint(1, 3))),),
+                            min_tokens=rng.randint(0, m), logprobs=rng.choice((None, 0, 2)),
+                            prompt_logprobs=rng.choice((None, 1)))
+            specs.append(spec)
             if rng.random() < 0.4:
                 eos_at[i] = rng.randrange(m + 1)
             if rng.random() < 0.2:
@@ -183,6 +189,7 @@ def test_random_small_cases_with_a_host_tier(depth):
             arrivals={i: i * rng.randrange(6) for i in range(n)}, burst=depth > 0 and rng.random() < 0.5,
             num_host_blocks=rng.choice((1, 2, 4, 32)), backup_lag=rng.choice(LAGS))
         check_case(trace, planner, ex, aborted={f"r{i}" for i in aborts})
+        assert_logprobs(trace)
         onloads += ex.num_onloads
         onload_offsets |= trace.ledger.onload_offsets
     assert onloads > 50, onloads
