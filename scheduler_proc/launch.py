@@ -16,7 +16,8 @@ import sys
 import threading
 from typing import get_args
 
-from ipc.config import DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, Dtype, ExecutorConfig, Kernels, LoadFormat, ScriptedOptions, default_of
+from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, Dtype, ExecutorConfig, Kernels, LoadFormat,
+                        ScriptedOptions, default_of)
 from ipc.models import resolve_model
 from scheduler_proc.config import ServerConfig
 
@@ -260,7 +261,9 @@ def _announce(server, model, ready, cfg) -> None:
     with open(ADDRESS_FILE, "w") as f:
         f.write(server.client_address)
     print(f"forerun: serving {model.name} on {ready.device} ({ready.dtype}), "
-          f"{ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}, depth {cfg.pipeline_depth}", flush=True)
+          f"{ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}"
+          f"{f' (+{ready.num_host_blocks} on the host)' if ready.num_host_blocks else ''}, depth {cfg.pipeline_depth}",
+          flush=True)
     print(f"forerun: ready at {server.client_address}", flush=True)
 
 
