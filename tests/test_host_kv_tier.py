@@ -273,3 +273,37 @@ async def test_scripted_server_with_a_host_tier(tmp_path):
         srv.stop()
     assert s.num_host_kv_blocks == 64 and s.num_free_host_kv_blocks == 64 and s.prefix_cache_host_hit_tokens > 0
     assert_no_leak(s)
+
+
+@pytest.mark.parametrize("restart_at", range(1, 14))
+def test_executor_restart_empties_the_host_tier_too(restart_at):
+    """An executor restart with backups and onloads in flight: the planner's host tier starts empty, the new
+    (empty) executor gets no onload from the old pool, and every stream is still exact."""
+    from executor_proc.testing.scripted import ScriptedRunner, expected_output
+    from scheduler_proc.limits import Limits
+
+    limits = Limits(2, 10, 2, 512, 8, frozenset({2}), num_host_blocks=16)
+    planner = Planner(limits, prefix_cache_id="m")
+    reqs = [make_request(i, prompt_len=0, max_tokens=4, ignore_eos=True) for i in range(4)]
+    for i, r in enumerate(reqs):
+        r.prompt = (SHARED if i % 2 else list(range(40, 52)))[: 7 + i]
+        planner.add(r)
+    ex = ScriptedRunner(2, 10, 2, num_host_blocks=16, backup_lag=1)
+    inflight, step = [], 0
+    while planner.has_work or inflight:
+        while len(inflight) < 2 and (plan := planner.plan()) is not None:
+            inflight.append(plan)
+        if step == restart_at:
+            planner.restart()
+            planner.check_integrity()
+            assert not planner.host.has_pending and planner.host.blocks.num_free == 16
+            ex, inflight = ScriptedRunner(2, 10, 2, num_host_blocks=16, backup_lag=1), []
+        elif inflight:
+            planner.reconcile(ex.execute(inflight.pop(0)))
+            planner.check_integrity()
+        step += 1
+    for r in reqs:
+        want, _ = expected_output(ex.token_at, seed=r.seed, prompt_len=len(r.prompt), max_tokens=4,
+                                  max_model_len=512, eos_token_ids=())
+        assert r.output == want and r.status.value == "finished"
+    assert planner.blocks.num_free == 10 and not planner.host.blocks.held()
