@@ -16,6 +16,7 @@ from executor_proc.backends.select import graph_max_batch, select_backend
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.kv_cache import KVCache, kv_cache_bytes_per_block
 from executor_proc.model.loader import load_model
+from executor_proc.step.host_kv import HostKV, num_host_blocks
 from executor_proc.step.slot_tables import SlotTables
 from executor_proc.step.worker import Worker
 from ipc.config import ExecutorConfig
@@ -35,6 +36,7 @@ class BuiltWorker:
     num_kv_blocks: int
     max_model_len: int
     device: torch.device
+    num_host_blocks: int = 0  # the host KV tier's pool (0: off)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -60,11 +62,17 @@ def build_worker(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
     progress("kv_cache", 0, 1)
     kv = KVCache(mcfg, num_blocks, cfg.block_size, device=device, dtype=dtype)
     progress("kv_cache", 1, 1)
+    host_blocks = num_host_blocks(cfg, device, per_block)
+    host_kv = None
+    if host_blocks:
+        progress("host_kv_cache", 0, 1)
+        host_kv = HostKV(kv, host_blocks, device, backup_stream=cfg.host_kv_backup_stream)
+        progress("host_kv_cache", 1, 1)
     tables = SlotTables(cfg.num_slots, max_blocks, device, mcfg.vocab_size)
     worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=graph_max_batch(cfg, backend),
-                    capture_graphs=device.type == "cuda")
+                    capture_graphs=device.type == "cuda", host_kv=host_kv)
     worker.capture_graphs(lambda done, total: progress(GRAPH_STAGE, done, total))
-    return BuiltWorker(worker, mcfg, num_blocks, max_len, device)
+    return BuiltWorker(worker, mcfg, num_blocks, max_len, device, host_blocks)
 
 
 def model_path(cfg: ExecutorConfig, progress: ProgressCallback) -> str:

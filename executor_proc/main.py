@@ -54,6 +54,7 @@ class OutputThread(threading.Thread):
     def __init__(self, sock: zmq.Socket):
         super().__init__(name="forerun-output", daemon=True)
         self.sock = sock
+        self.backups_done = lambda step_id: step_id  # the worker's backups_done_through, once built
         self.steps: queue.SimpleQueue = queue.SimpleQueue()
         self._prev_end = None  # the previous step's end event, for the GPU's idle gap
 
@@ -85,6 +86,8 @@ class OutputThread(threading.Thread):
                 step.event.synchronize()
             tokens = step.tokens if isinstance(step.tokens, list) else step.tokens.tolist()
             extra = step.outputs.result_fields() if step.outputs is not None else {}
+            if "backups_done_step_id" not in extra:  # polled after the step's copy: never waits
+                extra["backups_done_step_id"] = self.backups_done(step.step_id)
             release = getattr(step.event, "release", None)  # a pinned ring slot, free again once read
             if release is not None:
                 release()
@@ -118,9 +121,11 @@ class ExecutorProcess:
         cfg = self.cfg
         built = build_worker(cfg, lambda stage, done, total: self.send(p.LoadProgress(stage, done, total)))
         self.worker, mcfg = built.worker, built.model_config
+        self.output.backups_done = self.worker.backups_done_through
         self.send(p.ExecutorReady(
             num_kv_blocks=built.num_kv_blocks, max_model_len=built.max_model_len, vocab_size=mcfg.vocab_size,
-            eos_token_ids=list(mcfg.eos_token_ids), device=str(built.device), dtype=cfg.resolved_dtype()))
+            eos_token_ids=list(mcfg.eos_token_ids), device=str(built.device), dtype=cfg.resolved_dtype(),
+            num_host_blocks=built.num_host_blocks))
         gc.freeze()  # the hot loop must not pay for scanning start-up objects (see _setup_scripted)
 
     def _setup_scripted(self) -> None:
@@ -131,11 +136,12 @@ class ExecutorProcess:
         num_blocks = cfg.num_kv_blocks or 4096
         self.worker = ScriptedWorker(ScriptedRunner(
             cfg.num_slots, num_blocks, cfg.block_size, vocab_size=script.vocab_size,
-            eos_at=dict(script.eos_at), tokens_at={s: dict(t) for s, t in script.tokens_at.items()}),
+            eos_at=dict(script.eos_at), tokens_at={s: dict(t) for s, t in script.tokens_at.items()},
+            num_host_blocks=cfg.num_host_kv_blocks or 0, backup_lag=script.backup_lag_steps),
             step_latency_s=script.step_latency_s)
         self.send(p.ExecutorReady(
             num_kv_blocks=num_blocks, max_model_len=cfg.max_model_len or 4096, vocab_size=script.vocab_size,
-            eos_token_ids=[2], device="cpu", dtype="none"))
+            eos_token_ids=[2], device="cpu", dtype="none", num_host_blocks=cfg.num_host_kv_blocks or 0))
         # torch's ~170k start-up objects make a full GC pass ~90 ms; frozen, they are never scanned again.
         gc.freeze()
 

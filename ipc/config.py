@@ -17,6 +17,9 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 # The paged attention kernels index a block with shifts and masks: a power of two up to this.
 MAX_BLOCK_SIZE = 256
+# The host KV tier's default pool on cuda, and the largest one accepted (pinned memory is not swappable).
+DEFAULT_HOST_KV_GIB = 4.0
+MAX_HOST_KV_GIB = 4096.0
 
 
 class _Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -30,6 +33,7 @@ class ScriptedOptions(_Config):
     step_latency_s: float = 0.0  # how long each simulated step takes
     eos_at: dict[int, int] = {}  # seed -> absolute position whose token is EOS
     tokens_at: dict[int, dict[int, int]] = {}  # seed -> {position: token} (e.g. stop tokens)
+    backup_lag_steps: int = 0  # a host KV backup completes this many steps after the step that carried it
 
 
 class ExecutorConfig(_Config):
@@ -49,6 +53,11 @@ class ExecutorConfig(_Config):
     max_model_len: Optional[int] = None  # None: the model's context length
     max_num_batched_tokens: int = 2048  # token budget of one step
     threads: Optional[int] = None  # torch CPU threads; None: all cores but one
+    # Host KV tier (a pinned host copy of published KV blocks): GiB of host memory for it; None:
+    # DEFAULT_HOST_KV_GIB on cuda (at most a quarter of available host memory), off on the cpu; 0: off.
+    host_kv_gib: Optional[float] = None
+    num_host_kv_blocks: Optional[int] = None  # exact host pool size (tests, restarts); overrides host_kv_gib
+    host_kv_backup_stream: bool = True  # backups on their own CUDA stream (False: on the compute stream)
     scripted: ScriptedOptions = ScriptedOptions()
     # Filled in by the scheduler when it starts the executor.
     plan_addr: str = ""  # the executor PULLs plans here (the scheduler binds)
@@ -75,10 +84,15 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
         value = getattr(cfg, name)
         if value is not None:
             _at_least(name, value, 1)
+    if cfg.num_host_kv_blocks is not None:
+        _at_least("num_host_kv_blocks", cfg.num_host_kv_blocks, 0)
+    if cfg.host_kv_gib is not None and not 0 <= cfg.host_kv_gib <= MAX_HOST_KV_GIB:
+        raise ValueError(f"host_kv_gib must be in [0, {MAX_HOST_KV_GIB}], got {cfg.host_kv_gib}")
     if not 0 < cfg.kv_memory_fraction <= 1:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {cfg.kv_memory_fraction}")
     if cfg.scripted.vocab_size < 3:
         raise ValueError(f"scripted.vocab_size must be at least 3, got {cfg.scripted.vocab_size}")
+    _at_least("scripted.backup_lag_steps", cfg.scripted.backup_lag_steps, 0)
     if cfg.scripted.step_latency_s < 0:
         raise ValueError(f"scripted.step_latency_s must be >= 0, got {cfg.scripted.step_latency_s}")
 

@@ -142,6 +142,10 @@ class ServerStats(_Msg, tag="server_stats"):
     # Prefix caching: prompt (+ resumed) tokens admissions looked up, and those found cached.
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    # Host KV tier: the part of prefix_cache_hit_tokens found on the host (and onloaded), and its pool.
+    prefix_cache_host_hit_tokens: int = 0
+    num_host_kv_blocks: int = 0
+    num_free_host_kv_blocks: int = 0
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -265,6 +269,7 @@ class ExecutorReady(_Msg, tag="executor_ready"):
     eos_token_ids: list[int]
     device: str
     dtype: str
+    num_host_blocks: int = 0  # the host KV tier's pool (0: no tier)
 
 
 class StepPlan(_Msg, tag="step_plan"):
@@ -279,6 +284,11 @@ class StepPlan(_Msg, tag="step_plan"):
     reach the end of the prompt).
 
     Block-table appends are flat triples ``(slot, index, block_id)``.
+
+    Host KV tier (flat pairs): ``onloads`` ``(host_block, device_block)`` are copied to the device
+    before this step's rows run (after the previous step, so after its appends and writes);
+    ``backups`` ``(device_block, host_block)`` are copied to the host once every earlier step has
+    run, without delaying this one.  See docs/architecture.md, "Host KV tier".
     """
 
     step_id: int
@@ -291,6 +301,8 @@ class StepPlan(_Msg, tag="step_plan"):
     block_appends: list[int] = []
     admits: list[Admit] = []
     releases: list[int] = []
+    onloads: list[int] = []
+    backups: list[int] = []
 
 
 class StepResult(_Msg, tag="step_result"):
@@ -317,6 +329,9 @@ class StepResult(_Msg, tag="step_result"):
     # prompt position from that first position (the logprob of the token at that position).
     prompt_logprob_rows: list[tuple[int, int]] = []
     prompt_logprobs: list[list[TokenLogprobs]] = []
+    # Host KV tier: every backup of the plans up to this step id has completed (read without
+    # waiting: the newest such step when the result was sent; -1: none known yet).
+    backups_done_step_id: int = -1
 
 
 class ExecutorFatal(_Msg, tag="executor_fatal"):

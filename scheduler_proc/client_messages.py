@@ -59,7 +59,10 @@ class ClientMessages:
             step_time_s_total=totals.step_s, gpu_busy_s_total=totals.gpu_busy_s,
             gpu_gap_s_total=totals.gpu_gap_s, executor_idle_s_total=totals.idle_s,
             prefix_cache_query_tokens=pl.prefix.query_tokens if pl.prefix else 0,
-            prefix_cache_hit_tokens=pl.prefix.hit_tokens if pl.prefix else 0)
+            prefix_cache_hit_tokens=pl.prefix.hit_tokens if pl.prefix else 0,
+            prefix_cache_host_hit_tokens=pl.host.hit_tokens if pl.host else 0,
+            num_host_kv_blocks=pl.limits.num_host_blocks if pl.host else 0,
+            num_free_host_kv_blocks=pl.host.blocks.num_free if pl.host else 0)
 
     def _on_hello(self, client: bytes, msg: p.Hello) -> None:
         if msg.protocol_version != p.PROTOCOL_VERSION:

@@ -16,7 +16,8 @@ import sys
 import threading
 from typing import get_args
 
-from ipc.config import MAX_BLOCK_SIZE, Dtype, ExecutorConfig, Kernels, LoadFormat, ScriptedOptions, default_of
+from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, Dtype, ExecutorConfig, Kernels, LoadFormat,
+                        ScriptedOptions, default_of)
 from ipc.models import resolve_model
 from scheduler_proc.config import ServerConfig
 
@@ -57,6 +58,16 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=E("max_model_len"), help="context length cap (default: the model's)")
     s.add_argument("--kv-memory-fraction", type=float, default=E("kv_memory_fraction"),
                    help="fraction of free GPU memory, after weights, given to the KV cache")
+    s.add_argument("--host-kv-gib", type=float, default=E("host_kv_gib"), metavar="GIB",
+                   help=f"pinned host memory for the host KV tier, a second prefix cache that keeps a copy of "
+                        f"published KV blocks so that evicted prefixes and preempted requests come back by copy, "
+                        f"not recompute (default: {DEFAULT_HOST_KV_GIB:g} GiB on cuda, at most a quarter of the "
+                        f"available host memory; off on cpu; 0: off; needs prefix caching)")
+    s.add_argument("--num-host-kv-blocks", type=int, default=E("num_host_kv_blocks"), metavar="N",
+                   help="host KV tier size in blocks (overrides --host-kv-gib; tests and benchmarks)")
+    s.add_argument("--host-kv-backup-on-compute-stream", action="store_true",
+                   help="issue host KV backups on the compute stream instead of their own CUDA stream "
+                        "(steps then wait for them; for measuring what the dedicated stream buys)")
     s.add_argument("--pipeline-depth", type=int, default=S("pipeline_depth"), choices=[0, 1, 2],
                    help="steps planned ahead of the executor: 0 waits for each step, 1 sends step N+1 "
                         "before step N's tokens are back")
@@ -104,6 +115,10 @@ def server_config(args) -> ServerConfig:
         num_kv_blocks=args.num_kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.executor_threads,
+        # The host tier keys its blocks with the prefix cache's keys: without prefix caching it is off.
+        host_kv_gib=0.0 if args.no_prefix_caching else args.host_kv_gib,
+        num_host_kv_blocks=None if args.no_prefix_caching else args.num_host_kv_blocks,
+        host_kv_backup_stream=not args.host_kv_backup_on_compute_stream,
         scripted=ScriptedOptions(step_latency_s=args.scripted_step_ms / 1000, eos_at=dict(args.scripted_eos_at)),
     )
     return ServerConfig(model=args.model, tokenizer=args.tokenizer, pipeline_depth=args.pipeline_depth,
@@ -246,7 +261,9 @@ def _announce(server, model, ready, cfg) -> None:
     with open(ADDRESS_FILE, "w") as f:
         f.write(server.client_address)
     print(f"forerun: serving {model.name} on {ready.device} ({ready.dtype}), "
-          f"{ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}, depth {cfg.pipeline_depth}", flush=True)
+          f"{ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}"
+          f"{f' (+{ready.num_host_blocks} on the host)' if ready.num_host_blocks else ''}, depth {cfg.pipeline_depth}",
+          flush=True)
     print(f"forerun: ready at {server.client_address}", flush=True)
 
 

@@ -17,6 +17,7 @@ class Limits:
     max_num_batched_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     vocab_size: int = 2**31 - 1
+    num_host_blocks: int = 0  # the host KV tier's pool (0: no tier)
 
     def __post_init__(self):
         for name in ("num_slots", "num_kv_blocks", "block_size", "max_model_len", "max_num_batched_tokens"):
@@ -28,4 +29,5 @@ class Limits:
         """What the scheduler asked for (slots, block size, token budget) and what the executor decided."""
         return cls(num_slots=cfg.num_slots, num_kv_blocks=ready.num_kv_blocks, block_size=cfg.block_size,
                    max_model_len=ready.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                   eos_token_ids=frozenset(ready.eos_token_ids), vocab_size=ready.vocab_size)
+                   eos_token_ids=frozenset(ready.eos_token_ids), vocab_size=ready.vocab_size,
+                   num_host_blocks=ready.num_host_blocks)

@@ -39,6 +39,7 @@ from typing import Optional
 
 from ipc.protocol import Admit, StepPlan, StepResult
 from scheduler_proc.block_allocator import BlockAllocator, Pool
+from scheduler_proc.host_tier import HostTier
 from scheduler_proc.limits import Limits
 from scheduler_proc.outputs import Detokenize, reconcile_extras, request_extras, slot_sampling
 from scheduler_proc.planner_checks import check_planner
@@ -63,6 +64,7 @@ class Planner:
     def __post_init__(self):
         self.blocks = BlockAllocator(self.limits.num_kv_blocks, self.limits.block_size)
         self.prefix = None if self.prefix_cache_id is None else PrefixCache(self.blocks, self.prefix_cache_id)
+        self.host = HostTier.attach(self.prefix, self.limits.num_host_blocks)  # None: no host KV tier
         self.slots = Pool(self.limits.num_slots, "slot")
         self.draining: dict[int, Request] = {}  # left the plans, waiting for in-flight steps
         self._running: dict[int, Request] = {}
@@ -128,7 +130,7 @@ class Planner:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self._running)
+        return bool(self.waiting or self._running) or (self.host is not None and self.host.has_pending)
 
     @property
     def num_inflight(self) -> int:
@@ -147,7 +149,7 @@ class Planner:
         self._plan_chunks(draft)
         if not draft.blocked:
             self._plan_admissions(draft)
-        if not draft.rows:
+        if not draft.rows and (self.host is None or not self.host.needs_plan(bool(self.inflight))):
             return None
         return self._emit(draft)
 
@@ -161,6 +163,7 @@ class Planner:
         add_row, add_slot, add_position = rows.append, draft.slots.append, draft.positions.append
         take_block = self.blocks.take
         preemptions = self.num_preemptions
+        fills = draft.written if self.host is not None else None  # the host tier backs up decode blocks too
         for req in decoders:
             if self.num_preemptions != preemptions and req.status is not _RUNNING:
                 continue  # preempted by an earlier row of this plan
@@ -180,6 +183,8 @@ class Planner:
             req.num_computed = pos
             req.num_pending += 1
             req.num_inflight_steps += 1
+            if fills is not None and not pos % block_size:
+                fills.append((req, pos))  # it fills a block: published (and backed up) when the step is back
             if pos + 1 >= req.max_total:
                 ended.append(req)  # its last token is now in flight: a length finish, known ahead
         for req in ended:
@@ -205,8 +210,8 @@ class Planner:
         blocks = self.blocks
         while self.waiting and draft.budget > 0 and self.slots.can_allocate():
             req = self.waiting[0]
-            hit = self._match(req) if self.prefix is not None else []
-            start = len(hit) * self.limits.block_size
+            hit, host_hit = self._match(req) if self.prefix is not None else ([], [])
+            start = (len(hit) + len(host_hit)) * self.limits.block_size
             n = min(draft.budget, req.num_known - start)
             need = blocks.blocks_for(start + n)
             if hit:
@@ -224,14 +229,17 @@ class Planner:
                 self.prefix.admit(req, hit)  # shares the hit blocks; num_computed starts after them
                 for i, b in enumerate(hit):
                     draft.appends += (req.slot, i, b)
+                if host_hit:
+                    self.host.onload(req, host_hit, draft)  # new device blocks, copied from the host first
             self._reserve(req, start + n, draft)
             self._chunk(req, n, draft)
 
-    def _match(self, req: Request) -> list[int]:
-        """The cached blocks ``req`` can share (none while it is owed prompt logprobs: a cached block has none)."""
+    def _match(self, req: Request) -> tuple[list[int], list[int]]:
+        """The device and host blocks ``req`` can share (none while it is owed prompt logprobs: a
+        cached block has none)."""
         extras = req.extras
         if extras is not None and extras.prompt is not None and not extras.prompt.complete:
-            return []
+            return [], []
         return self.prefix.match(req)
 
     def _chunk(self, req: Request, n: int, draft: StepDraft) -> None:
@@ -264,7 +272,8 @@ class Planner:
         else:
             samplers = rows
         step_id = next(self._step_ids)
-        self.inflight.append(InflightStep(step_id, rows, samplers, draft.written))
+        releases, self._releases = self._releases, []
+        self.inflight.append(InflightStep(step_id, rows, samplers, draft.written, draft.onloaded))
         self.num_steps_planned += 1
         return StepPlan(
             step_id=step_id,
@@ -276,14 +285,17 @@ class Planner:
             prefill_tokens=draft.chunk_tokens,
             block_appends=draft.appends,
             admits=draft.admits,
-            releases=self._take_releases(),
+            releases=releases,
+            onloads=draft.onloads,
+            backups=self.host.send(step_id) if self.host is not None else [],
         )
 
     def _reserve(self, req: Request, num_tokens: int, draft: StepDraft) -> bool:
         """Make ``req``'s blocks cover ``num_tokens`` tokens, preempting if needed."""
         need = self.blocks.blocks_for(num_tokens) - len(req.blocks)
         while need > 0 and not self.blocks.can_allocate(need):
-            if self.blocks.num_free + self._draining_blocks >= need:
+            backups = self.host.num_device_busy if self.host is not None else 0  # held until backed up
+            if self.blocks.num_free + self._draining_blocks + backups >= need:
                 return False  # blocks are on their way back: wait, do not evict more
             victim = self._pick_victim(req, draft.rows)
             if victim is None:
@@ -307,10 +319,6 @@ class Planner:
                 return victim
         return None
 
-    def _take_releases(self) -> list[int]:
-        out, self._releases = self._releases, []
-        return out
-
     # ----------------------------------------------------------- reconciliation
 
     def reconcile(self, result: StepResult) -> list[Output]:
@@ -333,6 +341,8 @@ class Planner:
                 if out.request.rid in self.followers:
                     self.release_followers(out.request)
         self._step_back(step)
+        if self.host is not None:
+            self.host.step_back(step.onloaded, result.backups_done_step_id)
         return outputs
 
     def _reconcile_tokens(self, samplers: list[Request], tokens: list[int]) -> list[Output]:
@@ -433,17 +443,15 @@ class Planner:
             req.status = Status.WAITING
             self.waiting.appendleft(req)
 
-    # ----------------------------------------------------------------- restart
+    # ------------------------------------------------------ restart, invariants
 
     def restart(self) -> None:
         """The executor was replaced: every running request is recomputed (see planner_restart)."""
         restart_planner(self)
 
-    # --------------------------------------------------------------- invariants
-
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block nobody holds (they become free); returns how many."""
-        return self.blocks.reset()
+        """Forget every cached block nobody holds, on both tiers (they become free); returns how many."""
+        return self.blocks.reset() + (self.host.blocks.reset() if self.host is not None else 0)
 
     def check_integrity(self) -> None:
         """Assert every accounting invariant; tests call this after every step."""

@@ -45,7 +45,11 @@ def check_planner(pl: "Planner") -> None:
         assert len(r.blocks) * pl.limits.block_size >= r.num_computed, f"request {r.rid}: KV beyond blocks"
         if r.status is not _FINISHED:
             assert r.num_pending == pending_count.get(r.rid, 0), f"request {r.rid}: pending count"
-    assert holds == block_refs, "block reference counts differ from the requests' block tables"
+    if pl.host is not None:  # a device block being backed up holds one more reference
+        for b in pl.host.busy_device_blocks():
+            holds[b] = holds.get(b, 0) + 1
+        pl.host.check([h for step in pl.inflight for h in step.onloaded])
+    assert holds == block_refs, "block reference counts differ from the requests' block tables and backups"
     if pl.prefix is not None:
         pl.prefix.check(holders)
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from scheduler_proc.block_allocator import BlockAllocator, Pool
+from scheduler_proc.host_tier import HostTier
 from scheduler_proc.request import Status
 
 if TYPE_CHECKING:
@@ -34,4 +35,5 @@ def restart_planner(pl: "Planner") -> None:
     pl.blocks = BlockAllocator(pl.limits.num_kv_blocks, pl.limits.block_size)
     if pl.prefix is not None:
         pl.prefix.blocks = pl.blocks  # the new executor's KV cache is empty: nothing stays cached
+    pl.host = HostTier.attach(pl.prefix, pl.limits.num_host_blocks)  # and so is its host pool
     pl.slots = Pool(pl.limits.num_slots, "slot")

@@ -31,6 +31,7 @@ from hashlib import blake2b
 from typing import Optional
 
 from scheduler_proc.block_allocator import BlockAllocator
+from scheduler_proc.host_tier import HostTier
 from scheduler_proc.request import Request
 
 KEY_BYTES = 16
@@ -49,6 +50,7 @@ class PrefixCache:
         self._keyed = blake2b(key=self._secret, digest_size=KEY_BYTES)
         self.hit_tokens = 0  # prompt (+ received) tokens admissions found cached
         self.query_tokens = 0  # prompt (+ received) tokens admissions looked up
+        self.host: Optional[HostTier] = None  # the host KV tier: backs up what is published, serves misses
 
     def keys(self, req: Request, n: int) -> list[bytes]:
         """Keys of ``req``'s first ``n`` full blocks of known tokens (memoized on the request)."""
@@ -69,9 +71,14 @@ class PrefixCache:
             append(parent)
         return keys
 
-    def match(self, req: Request) -> list[int]:
-        """Cached blocks of ``req``'s longest cached prefix, leaving at least one known token to compute."""
-        return self.blocks.match(self.keys(req, (req.num_known - 1) // self.block_size))
+    def match(self, req: Request) -> tuple[list[int], list[int]]:
+        """Cached blocks of ``req``'s longest cached prefix, leaving at least one known token to compute:
+        the device's, then the host tier's continuing the chain (empty without a tier)."""
+        n = (req.num_known - 1) // self.block_size
+        hit = self.blocks.match(self.keys(req, n)[:n])
+        if self.host is None or len(hit) == n:
+            return hit, []
+        return hit, self.host.match(req, len(hit), n)
 
     def admit(self, req: Request, hit: list[int]) -> None:
         """Share the matched blocks with ``req``; its computation starts after them."""
@@ -87,7 +94,10 @@ class PrefixCache:
         n = min(written, req.num_known) // self.block_size
         if n <= req.num_published:
             return
-        self.blocks.publish_chain(req.blocks, self.keys(req, n), req.num_published, n)
+        keys = self.keys(req, n)
+        self.blocks.publish_chain(req.blocks, keys, req.num_published, n)
+        if self.host is not None:
+            self.host.backup(req.blocks, keys, req.num_published, n)
         req.num_published = n
 
     def check(self, holders: list[Request]) -> None:

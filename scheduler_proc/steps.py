@@ -13,16 +13,18 @@ from scheduler_proc.request import Request
 class InflightStep:
     """A step that was sent and has not come back: who is in it, who samples, what it completes."""
 
-    __slots__ = ("step_id", "requests", "samplers", "written")
+    __slots__ = ("step_id", "requests", "samplers", "written", "onloaded")
 
     def __init__(self, step_id: int, requests: list[Request], samplers: list[Request],
-                 written: list[tuple[Request, int]]):
+                 written: list[tuple[Request, int]], onloaded: list[int] = ()):
         self.step_id = step_id
         self.requests = requests  # every request with a row in this step, row order
         self.samplers = samplers  # requests whose row is sampled, in row order
         # (request, n): once this step is back, the request's first n tokens of KV are all written
-        # (prefix caching only; one per prefill chunk: generated tokens' blocks are published at drain).
+        # (prefix caching only; one per prefill chunk, and with the host tier one per decode row that fills a
+        # block; other generated blocks are published at drain).
         self.written = written
+        self.onloaded = onloaded  # host blocks this step copies to the device (busy until it is back)
 
 
 class Output(msgspec.Struct, gc=False):
@@ -44,7 +46,7 @@ class StepDraft:
     """The plan being built: its rows' requests and the StepPlan's lists, filled in one pass."""
 
     __slots__ = ("budget", "blocked", "rows", "slots", "positions", "appends", "admits", "num_decode",
-                 "chunk_lens", "chunk_sample", "chunk_tokens", "written")
+                 "chunk_lens", "chunk_sample", "chunk_tokens", "written", "onloads", "onloaded")
 
     def __init__(self, budget: int):
         self.budget = budget  # tokens left in the step
@@ -59,3 +61,5 @@ class StepDraft:
         self.chunk_sample: list[bool] = []
         self.chunk_tokens: list[int] = []
         self.written: list[tuple[Request, int]] = []
+        self.onloads: list[int] = []  # (host block, device block) pairs, flat
+        self.onloaded: list[int] = []  # the host blocks of ``onloads``

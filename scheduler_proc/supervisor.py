@@ -65,7 +65,8 @@ class Supervisor:
         ecfg = msgspec.structs.replace(self.base, plan_addr=plan_addr, result_addr=result_addr)
         if self.ready is not None:  # same capacity as the first generation
             ecfg = msgspec.structs.replace(ecfg, num_kv_blocks=self.ready.num_kv_blocks,
-                                           max_model_len=self.ready.max_model_len)
+                                           max_model_len=self.ready.max_model_len,
+                                           num_host_kv_blocks=self.ready.num_host_blocks)
         self.proc = spawn_executor(ecfg)
 
     def start(self, on_progress: Callable[[p.LoadProgress], None]) -> p.ExecutorReady:
@@ -85,7 +86,8 @@ class Supervisor:
             if await self.results.poll(100, zmq.POLLIN):
                 msg = p.executor_output_decoder.decode(await self.results.recv())
                 if isinstance(msg, p.ExecutorReady):
-                    if (msg.num_kv_blocks, msg.max_model_len) != (self.ready.num_kv_blocks, self.ready.max_model_len):
+                    if (msg.num_kv_blocks, msg.max_model_len, msg.num_host_blocks) != (
+                            self.ready.num_kv_blocks, self.ready.max_model_len, self.ready.num_host_blocks):
                         raise RuntimeError(f"the new executor has {msg.num_kv_blocks} KV blocks and context "
                                            f"{msg.max_model_len}, the first had {self.ready.num_kv_blocks} and "
                                            f"{self.ready.max_model_len}")

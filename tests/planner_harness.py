@@ -50,6 +50,8 @@ class Trace:
     # and how many steps each preempted request had in flight when it was preempted.
     abort_states: list[tuple] = field(default_factory=list)
     preempted_inflight: set[int] = field(default_factory=set)
+    ledger: Optional["InflightLedger"] = None  # the run's ledger (host-tier counts for coverage)
+    swapped_in: int = 0  # admissions of a preempted request that onloaded blocks from the host
 
     def client_view(self, request_id: str) -> tuple[list[int], list[str], list[tuple[int, int]]]:
         return self.tokens[request_id], self.finishes[request_id], self.counts[request_id]
@@ -66,6 +68,13 @@ class InflightLedger:
     outstanding step writes: a block is published only once the step that
     wrote it is back.  No row may write a block that two tables hold.  An
     outstanding step is one sent and not yet reconciled.
+
+    Host KV tier: a backed-up device block is busy from the plan that carries
+    the backup until a result reports it done (``backups_done_step_id``): no
+    row may write it and no plan may hand it to a new table.  An onload must
+    read a host block whose backup is done and not being overwritten, into a
+    block this plan gives one new table; a backup may not target a host block
+    an outstanding step onloads from.
     """
 
     def __init__(self, block_size: int) -> None:
@@ -74,6 +83,14 @@ class InflightLedger:
         self.holders: dict[int, int] = {}  # block -> live tables that hold it
         self.outstanding: deque[tuple[int, frozenset[int], frozenset[int], frozenset[int]]] = deque()
         self.num_shared_appends = 0
+        self.backing_up: dict[int, int] = {}  # device block -> step that carries its backup
+        self.host_pending: dict[int, int] = {}  # host block -> step that carries the backup into it
+        self.host_valid: set[int] = set()  # host blocks whose backup is done
+        self.onloading: dict[int, set[int]] = {}  # outstanding step -> host blocks it onloads from
+        self.num_onloads = self.num_backups = 0
+        # Coverage: steps outstanding when a plan with onloads / backups was sent.
+        self.onload_offsets: set[int] = set()
+        self.backup_offsets: set[int] = set()
 
     def sent(self, plan: StepPlan) -> None:
         used_slots: set[int] = set()
@@ -95,7 +112,8 @@ class InflightLedger:
         a = plan.block_appends
         for i in range(0, len(a), 3):
             slot, block = a[i], a[i + 2]
-            shared = self.holders.get(block, 0) > 0
+            # A block being backed up is published (complete): appending it is a prefix hit too.
+            shared = self.holders.get(block, 0) > 0 or block in self.backing_up
             assert not shared or block not in writing, (
                 f"step {plan.step_id} shares block {block} with slot {slot} while a step in flight writes it")
             assert shared or block not in used_blocks, (
@@ -103,19 +121,52 @@ class InflightLedger:
             self.num_shared_appends += shared
             self.holders[block] = self.holders.get(block, 0) + 1
             self.tables[slot].append(block)
+        self._host_diffs(plan, writing)
         bs = self.block_size
         written = set()
         for slot, n, start in zip(plan.slots, plan.num_tokens, plan.positions):
             table = self.tables[slot]
             for b in {table[p // bs] for p in range(start, start + n)}:
                 assert self.holders[b] == 1, f"step {plan.step_id}: slot {slot} writes block {b}, which is shared"
+                assert b not in self.backing_up, f"step {plan.step_id}: slot {slot} writes block {b}, backed up"
                 written.add(b)
         row_blocks = frozenset(b for s in plan.slots for b in self.tables[s])
         self.outstanding.append((plan.step_id, frozenset(plan.slots), row_blocks, frozenset(written)))
 
-    def returned(self, step_id: int) -> None:
+    def _host_diffs(self, plan: StepPlan, writing: set[int]) -> None:
+        o, b = plan.onloads, plan.backups
+        reading = set().union(*self.onloading.values())
+        for host, block in zip(o[0::2], o[1::2]):
+            assert host in self.host_valid and host not in self.host_pending, (
+                f"step {plan.step_id} onloads host block {host}, not backed up")
+            assert self.holders.get(block) == 1 and block not in self.backing_up, (
+                f"step {plan.step_id} onloads into device block {block}, not a new table's")
+        for block, host in zip(b[0::2], b[1::2]):
+            assert block not in writing and block not in self.backing_up, (
+                f"step {plan.step_id} backs up device block {block}, written or backed up in flight")
+            assert host not in self.host_pending and host not in reading, (
+                f"step {plan.step_id} backs up into host block {host}, busy")
+            self.host_valid.discard(host)
+            self.host_pending[host] = self.backing_up[block] = plan.step_id
+        self.onloading[plan.step_id] = set(o[0::2])
+        if o:
+            self.onload_offsets.add(len(self.outstanding))
+        if b:
+            self.backup_offsets.add(len(self.outstanding))
+        self.num_onloads += len(o) // 2
+        self.num_backups += len(b) // 2
+
+    def returned(self, step_id: int, backups_done: int = -1) -> None:
         sid = self.outstanding.popleft()[0]
         assert sid == step_id, f"step {step_id} returned, ledger expected {sid}"
+        del self.onloading[step_id]
+        for block, s in list(self.backing_up.items()):
+            if s <= backups_done:
+                del self.backing_up[block]
+        for host, s in list(self.host_pending.items()):
+            if s <= backups_done:
+                del self.host_pending[host]
+                self.host_valid.add(host)
 
 
 def check_kv_reads(planner: Planner, ex: ScriptedRunner, step_id: int) -> None:
@@ -160,7 +211,7 @@ def check_counters(reqs) -> None:
 def run(
     specs, *, depth: int, num_slots=4, num_blocks=64, block_size=4, max_len=512, budget=64,
     eos_at=None, tokens_at=None, arrivals=None, aborts=None, burst=False, check=True, max_steps=10_000,
-    prefix_caching=True, prompts=None, leaders=None,
+    prefix_caching=True, prompts=None, leaders=None, num_host_blocks=0, backup_lag=0,
 ) -> tuple[Trace, Planner, ScriptedRunner]:
     """Run requests to completion.
 
@@ -173,8 +224,10 @@ def run(
     when several results are queued.  ``prompts[i]``: request i's prompt
     (default: made from its id, so distinct requests share no block).
     ``leaders[i] = j``: request i is a later completion of request j's prompt (n > 1).
+    ``num_host_blocks``: the host KV tier's pool (0: none); ``backup_lag``: steps a backup takes.
     """
-    limits = Limits(num_slots, num_blocks, block_size, max_len, budget, frozenset({EOS}))
+    limits = Limits(num_slots, num_blocks, block_size, max_len, budget, frozenset({EOS}),
+                    num_host_blocks=num_host_blocks)
     planner = Planner(limits, prefix_cache_id="scripted" if prefix_caching else None, detokenize=fake_detokenize)
     reqs = [make_request(i, **s) for i, s in enumerate(specs)]
     for i, prompt in (prompts or {}).items():
@@ -182,7 +235,7 @@ def run(
     eos_pos = {reqs[i].seed: len(reqs[i].prompt) + k for i, k in (eos_at or {}).items()}
     placed = {reqs[i].seed: {len(reqs[i].prompt) + k: t for k, t in at.items()} for i, at in (tokens_at or {}).items()}
     ex = ScriptedRunner(num_slots, num_blocks, block_size, vocab_size=VOCAB, eos_token_id=EOS, eos_at=eos_pos,
-                        tokens_at=placed)
+                        tokens_at=placed, num_host_blocks=num_host_blocks, backup_lag=backup_lag)
     arrivals = arrivals or {}
     aborts = aborts or {}
     ids = [r.request_id for r in reqs]
@@ -253,7 +306,7 @@ def run(
         for r in step.samplers:
             trace.dropped[r.request_id] += r.status is Status.FINISHED
         emit(planner.reconcile(result))
-        ledger.returned(result.step_id)
+        ledger.returned(result.step_id, result.backups_done_step_id)
         if check:
             planner.check_integrity()
             check_counters(step.requests)
@@ -268,6 +321,10 @@ def run(
                 record_preemptions()
             if plan is None:
                 break
+            if plan.onloads:
+                by_slot, targets, a = {r.slot: r for r in planner.running}, set(plan.onloads[1::2]), plan.block_appends
+                onloaded = {a[i] for i in range(0, len(a), 3) if a[i + 2] in targets}
+                trace.swapped_in += sum(by_slot[slot].num_preemptions > 0 for slot in onloaded)
             ledger.sent(plan)
             sent.append(plan)
             if check:
@@ -284,6 +341,7 @@ def run(
                 reconcile_one()
         tick += 1
         assert tick < max_steps, "no progress"
+    trace.ledger = ledger
     return trace, planner, ex
 
 
@@ -292,6 +350,8 @@ def assert_drained(planner: Planner) -> None:
     planner.check_integrity()
     assert planner.blocks.num_free == planner.limits.num_kv_blocks
     assert planner.slots.num_free == planner.limits.num_slots
+    if planner.host is not None:
+        assert not planner.host.has_pending and not planner.host.blocks.held(), "host blocks still busy"
     assert not planner.running and not planner.waiting and not planner.draining and not planner.inflight
 
 

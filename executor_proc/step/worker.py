@@ -25,6 +25,7 @@ import torch
 from executor_proc.step.batch import ForwardBatch
 from executor_proc.step.decode_step import decode_step
 from executor_proc.step.graphs import DecodeGraphs
+from executor_proc.step.host_kv import HostKV
 from executor_proc.step.prompt_logprobs import (PromptLogprobPlan, SavedLogits, compute_prompt_logprobs,
                                                 plan_prompt_logprobs)
 from executor_proc.step.sample import Sampled, SamplingMode, sample_rows, sampling_mode
@@ -57,10 +58,10 @@ class EagerStep:
 
 class Worker:
     def __init__(self, model, kv_cache, tables: SlotTables, block_size: int, device: torch.device,
-                 graph_max_batch: int = 0, capture_graphs: bool = False):
+                 graph_max_batch: int = 0, capture_graphs: bool = False, host_kv: Optional[HostKV] = None):
         """``model`` runs on its backend (forward and sampler); ``graph_max_batch > 0`` runs pure-decode
         steps of up to that many rows through :class:`DecodeGraphs` (captured when ``capture_graphs``,
-        else run eagerly)."""
+        else run eagerly); ``host_kv``: the host KV tier's pool, which plans' onloads and backups use."""
         self.model = model
         self.kv_cache = kv_cache
         self.tables = tables
@@ -69,6 +70,7 @@ class Worker:
         self.staging = PinnedStaging(device)
         self.tokens_out = TokenRing(device, tables.num_slots + 1) if device.type == "cuda" else None
         self.saved_logits = SavedLogits()
+        self.host_kv = host_kv
         self.graphs = None
         if graph_max_batch > 0:
             self.graphs = DecodeGraphs(self._decode_step, min(graph_max_batch, tables.num_slots), tables.pad_slot,
@@ -96,10 +98,12 @@ class Worker:
             info = self.tables.info
             outputs.logprob_rows = [(j, info[s].num_logprobs) for j, s in enumerate(sampled_slots)
                                     if info[s].num_logprobs >= 0]
+        host = self.host_kv.stage(plan, upload) if self.host_kv is not None else None
         bucket = self._graph_bucket(plan)
         if bucket is not None:
             part = upload.add(self._decode_rows(plan, bucket), torch.int64)
             sent = upload.send()
+            self._host_copies(plan, host, sent)
             self.tables.apply(diff, sent)
             self.graphs.inputs[:, :bucket].copy_(sent[part].view(3, bucket))
             return GraphStep(bucket, len(plan.slots), mode, outputs)
@@ -108,6 +112,7 @@ class Worker:
         parts = self._eager_rows(plan, upload, outputs.prompt)
         marks = self._prefill_marks(plan, upload) if featured else None
         sent = upload.send()
+        self._host_copies(plan, host, sent)
         self.tables.apply(diff, sent)
         self._apply_marks(marks, sent)
         step = self._eager_batch(plan, sent, parts, mode)
@@ -115,6 +120,15 @@ class Worker:
         if outputs.prompt is not None and outputs.prompt.targets:
             step.prompt_parts = (sent[outputs.prompt.targets_part], sent[outputs.prompt.nums_part])
         return step
+
+    def _host_copies(self, plan: StepPlan, parts, sent: list[torch.Tensor]) -> None:
+        """The plan's host-tier copies: onloads before this step's rows, backups beside it."""
+        if parts is not None:
+            self.host_kv.copy(plan.step_id, parts, sent)
+
+    def backups_done_through(self, step_id: int) -> int:
+        """For the output thread: the newest step up to ``step_id`` whose backups have all completed."""
+        return self.host_kv.backups_done_through(step_id) if self.host_kv is not None else step_id
 
     def _prefill_marks(self, plan: StepPlan, upload) -> Optional[tuple[int, int, int, int]]:
         """Penalised slots' prefill tokens: prompt positions for the prompt mask, later ones (a resumed

@@ -11,6 +11,15 @@ that was never written.  A prefill row that starts past what its slot has
 seen (a prefix-cache hit) reads its context from the KV cache: the tokens it
 found there are kept in ``reads`` for the caller to check against the prompt.
 
+With ``num_host_blocks`` it models the host KV tier too (``host_kv[block]``: the
+tokens a completed backup copied there).  Onloads apply before the step's rows
+(the step waits for them); a backup completes ``backup_lag`` steps after the
+one that carried it, and each result reports ``backups_done_step_id``.  It
+asserts what the real tier must never do: back up a device block not fully
+written, onload a host block whose backup has not completed (or is being
+overwritten), write or hand out a device block whose backup is pending, and
+back up into a host block that the same plan onloads from.
+
 The token sampled for a row depends only on the slot's seed and the position,
 like the real executor's seeded sampling, so outputs must not depend on the
 pipeline depth (or on preemption and recompute).  ``eos_at[seed] = p`` makes
@@ -81,6 +90,13 @@ class ScriptedRunner:
     kv: dict[int, list[Optional[int]]] = field(default_factory=dict)  # block -> token written at each offset
     reads: list[tuple[int, int, list[int]]] = field(default_factory=list)  # last step's (slot, start, tokens)
     steps_run: int = 0
+    num_host_blocks: int = 0
+    backup_lag: int = 0  # a backup completes this many steps after the step that carried it
+    host_kv: dict[int, list[int]] = field(default_factory=dict)  # host block -> tokens (completed backups)
+    # Backups in flight: device block -> (host block, step id, the tokens being copied).
+    backing_up: dict[int, tuple[int, int, list[int]]] = field(default_factory=dict)
+    num_backups: int = 0
+    num_onloads: int = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
@@ -89,6 +105,8 @@ class ScriptedRunner:
         cursor = 0
         self.reads = []
         result = StepResult(plan.step_id, tokens)
+        if plan.onloads or plan.backups:
+            self._host_diffs(plan)
         for row, (slot, n, start, prefill, sample) in enumerate(zip(
             plan.slots, plan.num_tokens, plan.positions, plan.is_prefill, plan.sample
         )):
@@ -123,6 +141,7 @@ class ScriptedRunner:
                     result.logprob_rows.append(len(tokens) - 1)
                     result.logprobs.append(fake_logprobs(tok, start + n, sp.logprobs, self.vocab_size))
         assert cursor == len(plan.prefill_tokens), "prefill tokens left over"
+        result.backups_done_step_id = self._complete_backups(plan.step_id - self.backup_lag)
         if self.step_latency_s:
             wait_until(t0 + self.step_latency_s)
         self.steps_run += 1
@@ -140,10 +159,47 @@ class ScriptedRunner:
             return self.token_fn(seed, position)
         return default_token(seed, position, self.vocab_size)
 
+    def _host_diffs(self, plan: StepPlan) -> None:
+        """Onloads (the step waits for them), then backups (they start after the previous step)."""
+        o, b = plan.onloads, plan.backups
+        onload_src, onload_dst = set(o[0::2]), set(o[1::2])
+        pending_hosts = {h for h, _, _ in self.backing_up.values()}
+        for i in range(0, len(o), 2):
+            host, block = o[i], o[i + 1]
+            assert 0 <= host < self.num_host_blocks and 0 <= block < self.num_kv_blocks
+            assert host in self.host_kv and host not in pending_hosts, f"onload from host block {host}: not backed up"
+            assert block not in self.backing_up, f"onload into device block {block} while it is backed up"
+            assert len(self.block_slots.get(block, ())) == 1, f"onload into device block {block}: not one new table's"
+            self.kv[block] = list(self.host_kv[host])
+            self.num_onloads += 1
+        for i in range(0, len(b), 2):
+            block, host = b[i], b[i + 1]
+            assert 0 <= host < self.num_host_blocks and 0 <= block < self.num_kv_blocks
+            content = self.kv.get(block)
+            assert content is not None and None not in content, f"backup of device block {block}: not fully written"
+            assert block not in self.backing_up, f"device block {block} backed up twice at once"
+            assert block not in onload_dst, f"backup of device block {block} while this step onloads it"
+            assert host not in pending_hosts, f"host block {host} is the target of two backups at once"
+            assert host not in onload_src, f"backup into host block {host} while this step onloads from it"
+            self.host_kv.pop(host, None)  # being overwritten: not a valid copy until the backup completes
+            self.backing_up[block] = (host, plan.step_id, list(content))
+            pending_hosts.add(host)
+
+    def _complete_backups(self, done: int) -> int:
+        """Complete the backups of steps up to ``done``; returns it (the result's backups_done_step_id)."""
+        for block, (host, step_id, content) in list(self.backing_up.items()):
+            if step_id <= done:
+                assert self.kv[block] == content, f"device block {block} rewritten while backed up"
+                self.host_kv[host] = content
+                del self.backing_up[block]
+                self.num_backups += 1
+        return done
+
     def _write(self, slot: int, start: int, tokens: list[int]) -> None:
         table, bs, kv = self.tables[slot], self.block_size, self.kv
         for p, tok in enumerate(tokens, start):
             block = table[p // bs]
+            assert block not in self.backing_up, f"slot {slot} writes device block {block} while it is backed up"
             holders = self.block_slots[block]
             assert len(holders) == 1, f"slot {slot} writes position {p} into block {block}, shared by slots {holders}"
             content = kv.get(block)
@@ -273,8 +329,8 @@ class ScriptedOutputs:
     def result_fields(self) -> dict:
         r = self.result
         if not (r.logprob_rows or r.prompt_logprob_rows):
-            return {}
-        return {"logprob_rows": r.logprob_rows, "logprobs": r.logprobs,
+            return {"backups_done_step_id": r.backups_done_step_id}
+        return {"logprob_rows": r.logprob_rows, "logprobs": r.logprobs, "backups_done_step_id": r.backups_done_step_id,
                 "prompt_logprob_rows": r.prompt_logprob_rows, "prompt_logprobs": r.prompt_logprobs}
 
 

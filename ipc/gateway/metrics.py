@@ -107,6 +107,8 @@ class SchedulerCollector:
              used / s.num_kv_blocks if s.num_kv_blocks else 0.0),
             ("forerun:num_kv_blocks_used", "KV cache blocks in use.", used),
             ("forerun:num_kv_blocks_free", "KV cache blocks free.", s.num_free_kv_blocks),
+            ("forerun:num_host_kv_blocks_free", "Host KV tier blocks free or cached (0 without the tier).",
+             s.num_free_host_kv_blocks),
             ("forerun:gpu_idle_fraction", "Fraction of the device's time spent idle since start "
              "(GPU gaps on CUDA, else the executor's wait for plans).", idle_fraction(s)),
         )
@@ -127,7 +129,10 @@ class SchedulerCollector:
              s.executor_restarts),
             ("forerun:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
              s.prefix_cache_query_tokens),
-            ("forerun:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hit_tokens),
+            ("forerun:prefix_cache_hits", "Prompt tokens found in the prefix cache (both tiers).",
+             s.prefix_cache_hit_tokens),
+            ("forerun:prefix_cache_host_hits", "Prompt tokens found in the host KV tier (and copied back).",
+             s.prefix_cache_host_hit_tokens),
         )
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=LABELS)

@@ -1,0 +1,94 @@
+"""The host KV tier end to end on the default model (fp32, CPU, two CPU pools): same greedy tokens.
+
+A server with a tiny device pool (preemption is certain) and a larger host
+pool runs the chat prompts concurrently: preempted requests resume from the
+host copy of their blocks (swap) and must stream exactly what the shared
+reference server (ample device pool, no host tier) streams.  Then a long
+prompt is pushed out of the device cache by others and sent again: it hits
+the host tier, is onloaded, and gives the same tokens.  Both pools are whole
+at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from ipc.client import AsyncClient
+from tests.server_proc import assert_no_leak, wait_idle
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+DEVICE_BLOCKS = 14
+HOST_BLOCKS = 256
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tier_server(server_factory, default_model_dir):
+    return server_factory("--pipeline-depth", "1", "--max-num-seqs", "8", "--num-kv-blocks", str(DEVICE_BLOCKS),
+                          "--num-host-kv-blocks", str(HOST_BLOCKS), "--debug-checks")
+
+
+def assert_tiers_whole(s) -> None:
+    assert_no_leak(s)
+    assert s.num_host_kv_blocks == HOST_BLOCKS and s.num_free_host_kv_blocks == HOST_BLOCKS, s
+
+
+async def generate_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
+    kw = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    async with AsyncClient(address, timeout=600) as c:
+        results = await asyncio.gather(*[c.generate(prompt_token_ids=ids, **kw) for ids in prompts])
+    return [r.token_ids for r in results]
+
+
+async def test_swapped_requests_match_untouched_ones(model_server, tier_server, chat_prompt_ids):
+    prompts = [ids + ids for ids in chat_prompt_ids[:8]]  # 50 to 70 tokens: 4 to 5 blocks with the outputs
+    reference = await generate_all(model_server(1).address, prompts)
+    before = await wait_idle(tier_server.address)
+    got = await generate_all(tier_server.address, prompts)
+    after = await wait_idle(tier_server.address)
+    assert got == reference
+    assert after.preemptions > before.preemptions, "the device pool must force preemption"
+    assert after.prefix_cache_host_hit_tokens > before.prefix_cache_host_hit_tokens, "no resume from the host"
+    assert_tiers_whole(after)
+
+
+async def test_host_prefix_hit_matches_a_cold_run(model_server, tier_server, chat_prompt_ids):
+    long = chat_prompt_ids[8] * 4  # about 100 tokens: 6 full blocks
+    others = [ids * 4 for ids in chat_prompt_ids[9:12]]
+    reference = await generate_all(model_server(1).address, [long])
+    first = await generate_all(tier_server.address, [long])
+    for ids in others:  # one by one: each pushes the long prompt's blocks out of the 14-block device pool
+        await generate_all(tier_server.address, [ids])
+    s1 = await wait_idle(tier_server.address)
+    again = await generate_all(tier_server.address, [long])
+    s2 = await wait_idle(tier_server.address)
+    assert first == reference and again == reference
+    host_hits = s2.prefix_cache_host_hit_tokens - s1.prefix_cache_host_hit_tokens
+    assert host_hits >= BLOCK * 3, f"expected the long prompt's blocks from the host, got {host_hits} tokens"
+    assert_tiers_whole(s2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_cuda_swaps_and_host_hits_match_an_untouched_run(server_factory, default_model_dir, chat_prompt_ids):
+    """The same on CUDA (float32, Triton kernels, graphs, the copy and backup streams)."""
+    cuda = ("--device", "cuda", "--dtype", "float32", "--pipeline-depth", "1", "--max-num-seqs", "8")
+    plain = server_factory(*cuda, "--num-kv-blocks", "512", "--host-kv-gib", "0")
+    tier = server_factory(*cuda, "--num-kv-blocks", str(DEVICE_BLOCKS), "--num-host-kv-blocks", str(HOST_BLOCKS),
+                          "--debug-checks")
+    prompts = [ids + ids for ids in chat_prompt_ids[:8]]
+    long, others = chat_prompt_ids[8] * 4, [ids * 4 for ids in chat_prompt_ids[9:12]]
+    reference = await generate_all(plain.address, prompts + [long])
+    got = await generate_all(tier.address, prompts)
+    for ids in [long] + others:
+        await generate_all(tier.address, [ids])
+    again = await generate_all(tier.address, [long])
+    s = await wait_idle(tier.address)
+    assert got + again == reference
+    assert s.preemptions > 0 and s.prefix_cache_host_hit_tokens >= BLOCK * 3
+    assert_tiers_whole(s)
