@@ -209,7 +209,7 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Run one step; float32 logits ``[S, vocab]`` for ``batch.sample_index`` (every token's if None)."""
         backend = self.backend
-        x = self.model.embed_tokens(batch.input_ids)
+        x = self.embed(batch.input_ids)
         step = StepContext(backend.plan(batch), kv_cache, backend)
         residual = None
         for layer in self.model.layers:
@@ -218,7 +218,15 @@ class CausalLM(nn.Module):
             x, residual = x[batch.sample_index], residual[batch.sample_index]
         norm = self.model.norm
         x, _ = backend.add_rms_norm(x, residual, norm.weight, norm.eps)
-        return backend.linear(x, self.lm_head.weight, None).float()
+        return self.logits(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` embeddings of the step's tokens (a sharded model overrides it)."""
+        return self.model.embed_tokens(input_ids)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 ``[S, vocab]`` logits of the final hidden states (a sharded model overrides it)."""
+        return self.backend.linear(x, self.lm_head.weight, None).float()
 
     @torch.no_grad()
     def load_weights(
@@ -266,10 +274,12 @@ def _some(names: list[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
-    """An uninitialised model allocated directly on ``device`` in ``dtype`` (no CPU init pass)."""
+def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                make: Callable[[ModelConfig, torch.dtype], CausalLM] = CausalLM) -> CausalLM:
+    """An uninitialised model allocated directly on ``device`` in ``dtype`` (no CPU init pass);
+    ``make(config, dtype)`` builds it (a tensor-parallel rank's sharded model, or the whole one)."""
     with torch.device("meta"):
-        model = CausalLM(config, dtype)
+        model = make(config, dtype)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty may give the tied pair two storages
     model.rope_inv_freq = rope_inv_freq(config, device)
