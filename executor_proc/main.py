@@ -134,12 +134,11 @@ class ExecutorProcess:
         self.output.backups_done = self.worker.backups_done_through
         if self.tp is not None:
             self.tp.barrier()  # every rank is built and listening for plans before the scheduler sends one
-        if not lead:
-            return
-        self.send(p.ExecutorReady(
-            num_kv_blocks=built.num_kv_blocks, max_model_len=built.max_model_len, vocab_size=mcfg.vocab_size,
-            eos_token_ids=list(mcfg.eos_token_ids), device=str(built.device), dtype=cfg.resolved_dtype(),
-            num_host_blocks=built.num_host_blocks))
+        if lead:
+            self.send(p.ExecutorReady(
+                num_kv_blocks=built.num_kv_blocks, max_model_len=built.max_model_len, vocab_size=mcfg.vocab_size,
+                eos_token_ids=list(mcfg.eos_token_ids), device=str(built.device), dtype=cfg.resolved_dtype(),
+                num_host_blocks=built.num_host_blocks))
         gc.freeze()  # the hot loop must not pay for scanning start-up objects (see _setup_scripted)
 
     def _setup_scripted(self) -> None:
