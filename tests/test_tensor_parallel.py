@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -103,6 +104,38 @@ def test_config_limits_and_devices():
         ExecutorConfig(tensor_parallel_size=2, load_format="scripted")
     assert [rank_device("cuda", r) for r in (0, 1)] == ["cuda:0", "cuda:1"]
     assert rank_device("cuda:2", 1) == "cuda:3" and rank_device("cpu", 3) == "cpu"
+
+
+def test_a_gap_in_the_step_ids_fails_the_executor_loudly(tmp_path):
+    """Every rank checks that plans arrive with consecutive step ids (here one process, the scripted executor)."""
+    import zmq
+
+    from ipc import protocol as p
+    from ipc.sockets import make_socket
+    from scheduler_proc.executor_process import spawn_executor, wait_ready
+
+    d = _tmpdir()
+    ctx = zmq.Context()
+    plans = make_socket(ctx, zmq.PUSH, f"ipc://{d}/p.sock", bind=True)
+    results = make_socket(ctx, zmq.PULL, f"ipc://{d}/r.sock", bind=True)
+    proc = spawn_executor(ExecutorConfig(load_format="scripted", num_slots=4, num_kv_blocks=16, plan_addr=f"ipc://{d}/p.sock",
+                                         result_addr=f"ipc://{d}/r.sock", parent_pid=os.getpid()))
+    try:
+        wait_ready([proc], results, 120)
+        for step_id in (7, 8, 10):
+            plans.send(p.encode(p.StepPlan(step_id, [], [], [], [], [])))
+        msgs = []
+        while not (msgs and isinstance(msgs[-1], p.ExecutorFatal)):
+            assert results.poll(30_000), msgs
+            msgs.append(p.executor_output_decoder.decode(results.recv()))
+        assert [m.step_id for m in msgs[:-1]] == [7, 8]
+        assert "plan 10 arrived after plan 8; a plan is missing" in msgs[-1].message
+        assert proc.wait(timeout=30) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+        ctx.destroy(linger=0)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- the model, rank by rank
