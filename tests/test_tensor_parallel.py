@@ -33,7 +33,7 @@ from executor_proc.parallel.group import rank_device
 from executor_proc.parallel.sharding import Shards, check_divisible
 from ipc.client import AsyncClient, ExecutorFailedError
 from ipc.config import ExecutorConfig
-from tests.server_proc import ROOT, ServerProcess, assert_no_leak, wait_idle
+from tests.server_proc import ROOT, ServerProcess, assert_no_leak, server_stats, wait_idle
 from tests.tp_forward import logits, run_ranks, write_gguf
 
 TOL = 1e-4
@@ -57,7 +57,8 @@ def test_every_weight_reassembles_from_the_ranks_slices(size):
     d, g = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
     gen = torch.Generator().manual_seed(0)
     full = {
-        "q": torch.randn(cfg.num_heads * d, 64, generator=gen), "k": torch.randn(cfg.num_kv_heads * d, 64, generator=gen),
+        "q": torch.randn(cfg.num_heads * d, 64, generator=gen),
+        "k": torch.randn(cfg.num_kv_heads * d, 64, generator=gen),
         "gate": torch.randn(96, 64, generator=gen), "o": torch.randn(64, cfg.num_heads * d, generator=gen),
         "down": torch.randn(64, 96, generator=gen), "bias": torch.randn(64, generator=gen),
         "embed": torch.randn(VOCAB, 64, generator=gen), "norm": torch.randn(64, generator=gen),
@@ -118,8 +119,9 @@ def test_a_gap_in_the_step_ids_fails_the_executor_loudly(tmp_path):
     ctx = zmq.Context()
     plans = make_socket(ctx, zmq.PUSH, f"ipc://{d}/p.sock", bind=True)
     results = make_socket(ctx, zmq.PULL, f"ipc://{d}/r.sock", bind=True)
-    proc = spawn_executor(ExecutorConfig(load_format="scripted", num_slots=4, num_kv_blocks=16, plan_addr=f"ipc://{d}/p.sock",
-                                         result_addr=f"ipc://{d}/r.sock", parent_pid=os.getpid()))
+    proc = spawn_executor(ExecutorConfig(load_format="scripted", num_slots=4, num_kv_blocks=16,
+                                         plan_addr=f"ipc://{d}/p.sock", result_addr=f"ipc://{d}/r.sock",
+                                         parent_pid=os.getpid()))
     try:
         wait_ready([proc], results, 120)
         for step_id in (7, 8, 10):
@@ -171,7 +173,8 @@ def _assert_close(ours: np.ndarray, ref: np.ndarray) -> None:
 @pytest.mark.parametrize("size,load_format", [(2, "hf"), (4, "dummy")])
 def test_rank_logits_match_one_process(tiny_model, tmp_path, size, load_format):
     """Safetensors read by slice at 2 ranks; dummy weights drawn whole then sliced at 4 (2 KV heads: replicated)."""
-    _assert_close(run_ranks(size, load_format, tiny_model, str(tmp_path / "logits.npy")), logits(tiny_model, load_format))
+    ours = run_ranks(size, load_format, tiny_model, str(tmp_path / "logits.npy"))
+    _assert_close(ours, logits(tiny_model, load_format))
 
 
 def test_gguf_sharded_after_dequantising(tiny_model, tmp_path):
@@ -215,11 +218,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
+# The server tests run on the CPU (gloo) and, given two GPUs, on CUDA (NCCL, Triton kernels, CUDA graphs
+# capturing the all-reduces); float32 both ways, so TP=2 must give TP=1's tokens.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA devices")])]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def tiny_servers(tiny_model):
+def tiny_servers(tiny_model, device):
     """The tiny model served by one process and by two ranks, same flags (host KV tier on)."""
-    flags = ("--model", tiny_model, "--max-num-seqs", "8", "--num-kv-blocks", "96", "--block-size", "4",
-             "--num-host-kv-blocks", "64", "--debug-checks")
+    flags = ("--model", tiny_model, "--device", device, "--dtype", "float32", "--max-num-seqs", "8",
+             "--num-kv-blocks", "96", "--block-size", "4", "--num-host-kv-blocks", "64", "--debug-checks")
     servers = {}
     try:
         for size in (1, 2):
@@ -268,7 +282,7 @@ def test_a_killed_rank_restarts_the_whole_group_and_streams_go_on_exactly(tiny_s
 
     async def killed_midway():
         work = asyncio.create_task(_workload(srv.address, PROMPTS[:4], max_tokens=120))
-        await asyncio.sleep(1.0)
+        await _steps_later(srv.address, 10)
         os.kill(old[1], signal.SIGKILL)
         return await asyncio.wait_for(work, 240)
 
@@ -281,6 +295,13 @@ def test_a_killed_rank_restarts_the_whole_group_and_streams_go_on_exactly(tiny_s
     assert_no_leak(asyncio.run(wait_idle(srv.address)))
 
 
+async def _steps_later(address: str, n: int) -> None:
+    """Return once the server has reconciled ``n`` more steps (requests are running mid-stream then)."""
+    first = (await server_stats(address)).steps
+    while (await server_stats(address)).steps < first + n:
+        await asyncio.sleep(0.01)
+
+
 def _read_available(srv: ServerProcess) -> str:
     """What the server printed since start-up, without blocking (its stdout is a pipe)."""
     os.set_blocking(srv.proc.stdout.fileno(), False)
@@ -290,10 +311,11 @@ def _read_available(srv: ServerProcess) -> str:
         os.set_blocking(srv.proc.stdout.fileno(), True)
 
 
-def test_a_killed_rank_without_restarts_fails_every_client_within_2s(tiny_model):
+def test_a_killed_rank_without_restarts_fails_every_client_within_2s(tiny_model, device):
     tmp = _tmpdir()
-    srv = ServerProcess("--model", tiny_model, "--tensor-parallel-size", "2", "--max-num-seqs", "8",
-                        "--num-kv-blocks", "320", "--block-size", "4", "--max-restarts", "0", tmpdir=tmp, timeout=120)
+    srv = ServerProcess("--model", tiny_model, "--device", device, "--tensor-parallel-size", "2",
+                        "--max-num-seqs", "8", "--num-kv-blocks", "320", "--block-size", "4", "--max-restarts", "0",
+                        tmpdir=tmp, timeout=120)
     ranks = _rank_pids(srv)
 
     async def one_client(prompt) -> float:
@@ -305,7 +327,7 @@ def test_a_killed_rank_without_restarts_fails_every_client_within_2s(tiny_model)
 
     async def scenario() -> list[float]:
         clients = [asyncio.create_task(one_client(p)) for p in PROMPTS[:3]]
-        await asyncio.sleep(1.0)
+        await _steps_later(srv.address, 5)
         os.kill(ranks[1], signal.SIGKILL)
         killed = time.monotonic()
         return [t - killed for t in await asyncio.wait_for(asyncio.gather(*clients), 60)]
