@@ -89,7 +89,7 @@ def build_worker(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
     worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=graph_max_batch(cfg, backend),
                     capture_graphs=device.type == "cuda", host_kv=host_kv)
     worker.capture_graphs(lambda done, total: progress(GRAPH_STAGE, done, total))
-    return BuiltWorker(worker, mcfg, num_blocks, max_len, device, host_blocks, tp)
+    return BuiltWorker(worker, mcfg, num_blocks, max_len, device, host_blocks, tp=tp)
 
 
 def model_path(cfg: ExecutorConfig, progress: ProgressCallback) -> str:

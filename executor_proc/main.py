@@ -134,11 +134,13 @@ class ExecutorProcess:
         self.output.backups_done = self.worker.backups_done_through
         if self.tp is not None:
             self.tp.barrier()  # every rank is built and listening for plans before the scheduler sends one
-        if lead:
-            self.send(p.ExecutorReady(
-                num_kv_blocks=built.num_kv_blocks, max_model_len=built.max_model_len, vocab_size=mcfg.vocab_size,
-                eos_token_ids=list(mcfg.eos_token_ids), device=str(built.device), dtype=cfg.resolved_dtype(),
-                num_host_blocks=built.num_host_blocks))
+            if not lead:  # rank 0 alone reports
+                gc.freeze()
+                return
+        self.send(p.ExecutorReady(
+            num_kv_blocks=built.num_kv_blocks, max_model_len=built.max_model_len, vocab_size=mcfg.vocab_size,
+            eos_token_ids=list(mcfg.eos_token_ids), device=str(built.device), dtype=cfg.resolved_dtype(),
+            num_host_blocks=built.num_host_blocks))
         gc.freeze()  # the hot loop must not pay for scanning start-up objects (see _setup_scripted)
 
     def _setup_scripted(self) -> None:
@@ -181,8 +183,7 @@ class ExecutorProcess:
     def in_order(self, plan: p.StepPlan) -> None:
         """Fail loudly on a gap in the step ids: a rank that missed a plan would no longer match the others."""
         if self.last_step_id is not None and plan.step_id != self.last_step_id + 1:
-            raise RuntimeError(f"rank {self.cfg.tp_rank}: plan {plan.step_id} arrived after plan "
-                               f"{self.last_step_id}; a plan is missing")
+            raise RuntimeError(f"plan {plan.step_id} arrived after plan {self.last_step_id}; a plan is missing")
         self.last_step_id = plan.step_id
 
     def run(self) -> None:

@@ -69,8 +69,8 @@ class ParallelCausalLM(CausalLM):
         x = self.model.embed_tokens(torch.where(mine, local, 0))
         return self.group.all_reduce(x * mine[:, None].to(x.dtype))  # one rank adds each row, the others zeros
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        local = self.backend.linear(x, self.lm_head.weight, None)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = self.backend.linear(hidden, self.lm_head.weight, None)
         full = self.group.all_gather_columns(local)[:, :self.full_config.vocab_size]  # padding rows cut off
         return full.float().contiguous()
 
