@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -99,6 +100,7 @@ def measure(size: int, args, vocab: int) -> dict:
     finally:
         stop_server(proc)
     rows = [json.loads(line) for line in open(log)]
+    shutil.rmtree(tmp, ignore_errors=True)
     row.update(decode_steps([r for r in rows if first <= r["step_id"] < mid]))
     row.update({f"idle_{k}": v for k, v in gpu_idle_of([r for r in rows if mid <= r["step_id"] < last],
                                                          args.idle_batch).items()})
