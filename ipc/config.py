@@ -20,6 +20,8 @@ MAX_BLOCK_SIZE = 256
 # The host KV tier's default pool on cuda, and the largest one accepted (pinned memory is not swappable).
 DEFAULT_HOST_KV_GIB = 4.0
 MAX_HOST_KV_GIB = 4096.0
+# Executor processes of one tensor-parallel group (one GPU each); 64 is far past any host's GPUs.
+MAX_TENSOR_PARALLEL = 64
 
 
 class _Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -58,11 +60,16 @@ class ExecutorConfig(_Config):
     host_kv_gib: Optional[float] = None
     num_host_kv_blocks: Optional[int] = None  # exact host pool size (tests, restarts); overrides host_kv_gib
     host_kv_backup_stream: bool = True  # backups on their own CUDA stream (False: on the compute stream)
+    # Executor processes sharing the model (Megatron tensor parallelism): rank r on cuda:(i + r) for
+    # --device cuda:i, or N ranks on the CPU (gloo); they run the same plans, rank 0 reports.
+    tensor_parallel_size: int = 1
     scripted: ScriptedOptions = ScriptedOptions()
     # Filled in by the scheduler when it starts the executor.
     plan_addr: str = ""  # the executor PULLs plans here (the scheduler binds)
     result_addr: str = ""  # the executor PUSHes results here (the scheduler binds)
     parent_pid: int = 0  # the executor exits when this process goes away
+    tp_rank: int = 0  # this process's rank in the tensor-parallel group
+    tp_init_method: str = ""  # the group's torch.distributed rendezvous (file:// in the run directory)
 
     def __post_init__(self) -> None:
         check_executor_config(self)
@@ -79,6 +86,13 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
     if bs < 1 or bs > MAX_BLOCK_SIZE or bs & (bs - 1):
         raise ValueError(f"block_size must be a power of two between 1 and {MAX_BLOCK_SIZE}, got {bs}")
     _at_least("num_slots", cfg.num_slots, 1)
+    tp = cfg.tensor_parallel_size
+    if not 1 <= tp <= MAX_TENSOR_PARALLEL:
+        raise ValueError(f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL}], got {tp}")
+    if not 0 <= cfg.tp_rank < tp:
+        raise ValueError(f"tp_rank must be in [0, {tp - 1}], got {cfg.tp_rank}")
+    if tp > 1 and cfg.load_format == "scripted":
+        raise ValueError("tensor_parallel_size must be 1 with load_format 'scripted' (it has no model to shard)")
     _at_least("max_num_batched_tokens", cfg.max_num_batched_tokens, 1)
     for name in ("num_kv_blocks", "max_model_len", "threads", "cuda_graph_max_batch"):
         value = getattr(cfg, name)
