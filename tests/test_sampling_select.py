@@ -51,11 +51,11 @@ def _mixed(S, V, g, k_range=40):
     return [t.to(DEV) for t in (temp, top_k, top_p, min_p, seed, pos)]
 
 
-def _select(logits, params, capacity, finish="sort"):
+def _select(logits, params, capacity, **knobs):
     S = logits.shape[0]
     out = torch.full((S,), -7, dtype=torch.int64, device=DEV)
     done = torch.full((S,), -7, dtype=torch.int32, device=DEV)
-    sample_select(logits, *params, out, done, capacity=capacity, finish=finish)
+    sample_select(logits, *params, out, done, capacity=capacity, **knobs)
     return out, done
 
 
@@ -81,28 +81,27 @@ def test_select_matches_reference_many_seeds(S, V):
     assert left <= S  # the window settles nearly every row (wide nuclei at T ~1.7 may not)
 
 
-@pytest.mark.parametrize("finish", ["sort", "rank"])
-def test_select_window_outcomes_and_fallback(finish):
+@pytest.mark.parametrize("scan", [True, False])
+def test_select_window_outcomes_and_fallback(scan):
     """A small window: some filtered rows settle, some go to the row kernel; the result is exact either way."""
     g = torch.Generator().manual_seed(3)
     S, V = 22, 1500
     logits = (torch.randn(S, V, generator=g) * 3).to(DEV)
     params = _mixed(S, V, g)
     ref = sample_ref(logits, *params)
-    out, done = _select(logits, params, 16, finish)
+    out, done = _select(logits, params, 16, scan=scan)
     filt = (params[1] > 0) & (params[1] < V) | (params[2] < 1)
     assert done[~filt].all()
     assert done[filt].any() and not done[filt].all()
     assert torch.equal(out[done.bool()], ref[done.bool()])
-    assert torch.equal(sample(logits, *params, capacity=16, finish=finish), ref)
+    assert torch.equal(sample(logits, *params, capacity=16), ref)
     # batch independence: each row alone
     alone = torch.cat([sample(logits[i: i + 1], *[p[i: i + 1] for p in params]) for i in range(0, S, 3)])
     assert torch.equal(alone, ref[0::3])
 
 
-@pytest.mark.parametrize("dtype,finish", [(torch.float32, "sort"), (torch.bfloat16, "sort"),
-                                          (torch.float32, "rank"), (torch.bfloat16, "rank")])
-def test_select_ties_inf_and_flat(dtype, finish):
+@pytest.mark.parametrize("dtype,scan", [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)])
+def test_select_ties_inf_and_flat(dtype, scan):
     """Equal logits at the thresholds (and -0.0 vs +0.0), -inf logits (logit_bias), an all-equal row."""
     g = torch.Generator().manual_seed(77)
     S, V = 12, 300
@@ -118,11 +117,11 @@ def test_select_ties_inf_and_flat(dtype, finish):
     params[0][params[0] > 0] = 0.5
     ref = sample_ref(x.float(), *params)
     for cap in (8, 512):
-        out, done = _select(x, params, cap, finish)
+        out, done = _select(x, params, cap, scan=scan, block=128)
         assert torch.equal(out[done.bool()], ref[done.bool()])
         if cap == 512:  # the whole row fits: every row settles in the window
             assert done.all()
-        assert torch.equal(sample(x, *params, capacity=cap, finish=finish), ref)
+        assert torch.equal(sample(x, *params, capacity=cap), ref)
 
 
 def test_select_unfiltered_rows_skip_the_window():
