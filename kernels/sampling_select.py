@@ -61,25 +61,30 @@ _LIN = 96  # buckets of width 1/4 for d < _LIN / 4 = 24, then 4 per octave (see 
 
 
 @triton.jit
-def _edge(j, LIN: tl.constexpr):
-    """Where bucket ``j`` starts, as a distance below the max: ``j / 4`` up to ``LIN / 4``, then 4 per octave."""
-    jf = j.to(tl.float32)
-    return tl.where(j <= LIN, jf * 0.25, LIN * 0.25 * tl.exp2((jf - LIN) * 0.25))
+def _edge(j, LIN: tl.constexpr, LOG0: tl.constexpr):
+    """Where bucket ``j`` starts, as a distance below the max (see :func:`_bucket`)."""
+    lg = ((j - LIN + LOG0) << 21).to(tl.float32, bitcast=True) - LIN / 12.0
+    return tl.where(j <= LIN, j.to(tl.float32) * 0.25, lg)
 
 
 @triton.jit
-def _bucket(d, NB: tl.constexpr, LIN: tl.constexpr):
-    """The bucket of a distance ``d >= 0``: ``j`` with ``_edge(j) <= d < _edge(j + 1)`` (the last one open)."""
-    lin = tl.floor(d * 4.0)
-    lg = LIN + tl.floor(4.0 * tl.log2(tl.minimum(tl.maximum(d, LIN * 0.25) * (4.0 / LIN), 2.0**60)))
-    b = tl.minimum(tl.where(d < LIN * 0.25, lin, lg), NB - 1.0).to(tl.int32)
+def _bucket(d, NB: tl.constexpr, LIN: tl.constexpr, LOG0: tl.constexpr):
+    """The bucket ``j`` of a distance ``d >= 0`` (``_edge(j) <= d < _edge(j + 1)``, the last one open).
+
+    1/4 wide below ``LIN / 4``, then 4 per octave of ``d + LIN / 12`` (whose octaves start at
+    ``LIN / 3``, a power of two): the exponent and top two mantissa bits of that float, so no
+    ``log2``.  ``LOG0`` is those bits of ``LIN / 3``.
+    """
+    lin = (tl.minimum(d, LIN * 0.25) * 4.0).to(tl.int32)  # truncation is floor here (d >= 0, or -0.0)
+    lg = LIN + (((tl.minimum(d, 1e30) + LIN / 12.0).to(tl.int32, bitcast=True) >> 21) - LOG0)
+    b = tl.where(d < LIN * 0.25, lin, tl.minimum(lg, NB - 1))
     return tl.where(d == d, b, NB - 1)  # NaN (an infinite max): the last bucket
 
 
 @triton.jit
 def _chunk_kernel(x_ptr, stride_x, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr, pmax_ptr, parg_ptr,
-                  pcum_ptr, pwsuf_ptr, pzlo_ptr, pbest_ptr, pidx_ptr, V, NCH, GREEDY_EPS: tl.constexpr,
-                  FILTERED: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, LIN: tl.constexpr):
+                  pcum_ptr, pwsuf_ptr, pzc_ptr, pbest_ptr, pidx_ptr, V, NCH, GREEDY_EPS: tl.constexpr,
+                  FILTERED: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, LIN: tl.constexpr, LOG0: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
     idx = c * BLOCK + tl.arange(0, BLOCK)
@@ -96,15 +101,18 @@ def _chunk_kernel(x_ptr, stride_x, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_
         if k_on | p_on:
             if FILTERED:
                 jj = tl.arange(0, NB)
-                hist = tl.histogram(_bucket(mx * inv_t - s, NB, LIN), NB, mask=m)
+                mc = mx * inv_t
+                # no mask: the lanes past V hold -inf, so their bucket is the last one; take them out after
+                hist = tl.histogram(_bucket(mc - s, NB, LIN, LOG0), NB)
+                hist -= tl.where(jj == NB - 1, BLOCK - tl.minimum(V - c * BLOCK, BLOCK), 0)
                 at = (row * NCH + c) * NB + jj
                 tl.store(pcum_ptr + at, tl.cumsum(hist, axis=0))  # logits in buckets <= j
                 if p_on & ~k_on:
-                    # bucket j's logits weigh between exp(-edge(j + 1)) and exp(-edge(j)) (times exp(m_c - smax))
-                    hi_w = hist.to(tl.float32) * tl.exp(-_edge(jj, LIN))
+                    # bucket j's logits weigh at most exp(-edge(j)) (times exp(m_c - smax)): from bucket j on
+                    hi_w = hist.to(tl.float32) * tl.exp(-_edge(jj, LIN, LOG0))
                     tl.store(pwsuf_ptr + at, tl.sum(hi_w, axis=0) - tl.cumsum(hi_w, axis=0) + hi_w)
-                    lo_w = tl.where(jj < NB - 1, hist.to(tl.float32) * tl.exp(-_edge(jj + 1, LIN)), 0.0)
-                    tl.store(pzlo_ptr + row * NCH + c, tl.sum(lo_w, axis=0))
+                    # the chunk's mass, float32: the cut's estimate of Z (the exact Z comes with the window)
+                    tl.store(pzc_ptr + row * NCH + c, tl.sum(tl.where(m, tl.exp(s - mc), 0.0), axis=0))
         elif min_p <= 0:  # temperature alone: the Gumbel-max winner needs no row max
             key = tl_row_key(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
             score = tl.where(m, s - tl.log(-tl.log(tl_uniform(idx, key))), float("-inf"))
@@ -114,9 +122,9 @@ def _chunk_kernel(x_ptr, stride_x, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_
 
 
 @triton.jit
-def _cut_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, pmax_ptr, parg_ptr, pcum_ptr, pwsuf_ptr, pzlo_ptr,
+def _cut_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, pmax_ptr, parg_ptr, pcum_ptr, pwsuf_ptr, pzc_ptr,
                 rmax_ptr, rarg_ptr, cut_ptr, count_ptr, V, NCH, GREEDY_EPS: tl.constexpr, FILTERED: tl.constexpr,
-                BLOCK_C: tl.constexpr, NB: tl.constexpr, LIN: tl.constexpr):
+                BLOCK_C: tl.constexpr, NB: tl.constexpr, LIN: tl.constexpr, LOG0: tl.constexpr):
     row = tl.program_id(0)
     tl.store(count_ptr + row, 0)  # the compact kernel's counter (runs after this launch)
     cc = tl.arange(0, BLOCK_C)
@@ -134,22 +142,22 @@ def _cut_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, pmax_ptr, parg_ptr, pcum
         sh = smax - pm * inv_t  # chunk c's distances are d - sh
         jj = tl.arange(0, NB)
         # a chunk bucket counts below the row edge E only when all of it is (a margin for rounding)
-        a = _edge(jj, LIN)[:, None] - sh[None, :] - 1e-4 * (1.0 + tl.abs(smax))
+        a = _edge(jj, LIN, LOG0)[:, None] - sh[None, :] - 1e-4 * (1.0 + tl.abs(smax))
         off = (row * NCH + cc[None, :]) * NB
         if k_on:  # a lower bound of the logits above each row edge
-            jb = tl.where(a > 0, _bucket(tl.where(a > 0, a, 0.0), NB, LIN) - 1, -1)
+            jb = tl.where(a > 0, _bucket(tl.where(a > 0, a, 0.0), NB, LIN, LOG0) - 1, -1)
             above = tl.sum(tl.load(pcum_ptr + off + jb, mask=cm[None, :] & (jb >= 0), other=0), axis=1)
             ok = above >= k
-        else:  # an upper bound of the mass below each row edge, against a lower bound of Z
+        else:  # an upper bound of the mass below each row edge, against Z
             shift = tl.exp(-sh + 1e-3)
-            jb = tl.where(a > 0, _bucket(tl.where(a > 0, a, 0.0), NB, LIN), 0)
+            jb = tl.where(a > 0, _bucket(tl.where(a > 0, a, 0.0), NB, LIN, LOG0), 0)
             wsuf = tl.load(pwsuf_ptr + off + jb, mask=cm[None, :], other=0.0)
             below = tl.sum(tl.where(cm[None, :], wsuf * shift[None, :], 0.0), axis=1)
-            zlo = tl.sum(tl.where(cm, tl.load(pzlo_ptr + row * NCH + cc, mask=cm, other=0.0) * tl.exp(-sh - 1e-3),
-                                  0.0), axis=0)
-            ok = below <= (1.0 - p) * zlo
+            zc = tl.load(pzc_ptr + row * NCH + cc, mask=cm, other=0.0)
+            z_est = tl.sum(tl.where(cm, zc * tl.exp(-sh), 0.0), axis=0) * 0.9999  # float32 rounding, far inside
+            ok = below <= (1.0 - p) * z_est
         j = tl.min(tl.where(ok, jj, NB), axis=0)
-        cut = tl.where(j >= NB, float("-inf"), smax - _edge(j, LIN))
+        cut = tl.where(j >= NB, float("-inf"), smax - _edge(j, LIN, LOG0))
         if ~(k_on & p_on):  # min-p alone may settle the row: cut a little below its threshold
             min_p = tl.load(minp_ptr + row).to(tl.float32)
             if min_p > 0:
@@ -203,20 +211,25 @@ def _compact_kernel(x_ptr, stride_x, temp_ptr, topk_ptr, topp_ptr, minp_ptr, see
 
 def sample_select(logits, temperature, top_k, top_p, min_p, seed, position, out: torch.Tensor, done: torch.Tensor,
                   *, capacity: int = DEFAULT_CAPACITY, filtered: bool = True, block: int = 4096,
-                  warps: tuple[int, int] = (8, 8), scan: bool = True) -> None:
+                  warps: tuple[int, int] = (8, 8), scan: bool = False, buckets: int = 64,
+                  rank: tuple[int, int] = (128, 128)) -> None:
     """Write tokens into ``out`` ``[S]`` int64 and ``done`` ``[S]`` int32 (0: the row still needs the
     one-program-per-row kernel).  Arguments as :func:`kernels.sampling.sample` (checked there).
 
-    ``capacity`` (a power of two) is the window's size per row: rows whose survivors it
-    cannot hold come back not done.  ``filtered=False`` promises no row has top-k / top-p (skips the
-    histogram, cut and window; such rows would just come back not done).  Tuning knobs (the result
-    does not depend on them): ``block`` the chunk width, ``warps`` the warps of the two passes over
-    the logits, ``scan`` window positions by one atomic per chunk and a prefix sum (else one
-    atomic per hit).
+    ``capacity`` (a power of two) is the window's size per row: rows whose survivors it cannot hold
+    come back not done.  ``filtered=False`` promises no row has top-k / top-p (skips the histogram,
+    cut and window; such rows would just come back not done).  Tuning knobs (the result does not
+    depend on them): ``block`` the chunk width, ``warps`` the warps of the two reads of the logits,
+    ``scan`` window positions by one atomic per chunk and a prefix sum (else one atomic per hit),
+    ``buckets`` 64 or 128 histogram buckets, ``rank`` the keys per program and per step of the rank
+    kernel.
     """
     S, V = logits.shape
     dev = logits.device
     assert capacity >= 1 and capacity & (capacity - 1) == 0, capacity
+    assert buckets in (64, 128), buckets
+    nb, lin = buckets, buckets * 3 // 4  # LIN / 3 is a power of two (see _bucket)
+    log0 = (127 + (lin // 3).bit_length() - 1) << 2
     block = min(block, triton.next_power_of_2(V))
     nch = triton.cdiv(V, block)
     block_c = triton.next_power_of_2(nch)
@@ -225,17 +238,18 @@ def sample_select(logits, temperature, top_k, top_p, min_p, seed, position, out:
     pbest, pidx = torch.empty(S, nch, **f32), torch.empty(S, nch, **i32)
     rmax, rarg, cut, count = torch.empty(S, **f32), torch.empty(S, **i32), torch.empty(S, **f32), torch.empty(S, **i32)
     if filtered:
-        pcum, pwsuf = torch.empty(S, nch, _NB, **i32), torch.empty(S, nch, _NB, **f32)
-        pzlo, pz = torch.empty(S, nch, **f32), torch.empty(S, nch, dtype=torch.float64, device=dev)
+        pcum, pwsuf = torch.empty(S, nch, nb, **i32), torch.empty(S, nch, nb, **f32)
+        pzc, pz = torch.empty(S, nch, **f32), torch.empty(S, nch, dtype=torch.float64, device=dev)
         win = torch.empty(S, capacity, dtype=torch.int64, device=dev)
     else:
-        pcum = pwsuf = pzlo = pz = win = pmax  # never read
+        pcum = pwsuf = pzc = pz = win = pmax  # never read
     params = (temperature, top_k, top_p, min_p, seed, position)
-    common = dict(GREEDY_EPS=GREEDY_EPS, FILTERED=filtered, BLOCK=block)
-    _chunk_kernel[(S, nch)](logits, logits.stride(0), *params, pmax, parg, pcum, pwsuf, pzlo, pbest, pidx, V, nch,
-                            NB=_NB, LIN=_LIN, num_warps=warps[0], **common)
-    _cut_kernel[(S,)](temperature, top_k, top_p, min_p, pmax, parg, pcum, pwsuf, pzlo, rmax, rarg, cut, count, V, nch,
-                      GREEDY_EPS=GREEDY_EPS, FILTERED=filtered, BLOCK_C=block_c, NB=_NB, LIN=_LIN, num_warps=4)
+    common = dict(GREEDY_EPS=GREEDY_EPS, FILTERED=filtered)
+    hist = dict(NB=nb, LIN=lin, LOG0=log0)
+    _chunk_kernel[(S, nch)](logits, logits.stride(0), *params, pmax, parg, pcum, pwsuf, pzc, pbest, pidx, V, nch,
+                            BLOCK=block, num_warps=warps[0], **common, **hist)
+    _cut_kernel[(S,)](*params[:4], pmax, parg, pcum, pwsuf, pzc, rmax, rarg, cut, count, V, nch, BLOCK_C=block_c,
+                      num_warps=4, **common, **hist)
     _compact_kernel[(S, nch)](logits, logits.stride(0), *params, rmax, cut, count, win, pz, pbest, pidx, V, nch,
-                              CAP=capacity, SCAN=scan, num_warps=warps[1], **common)
-    finish_window(params, rarg, rmax, cut, count, win, pz, pbest, pidx, out, done, V, nch, capacity, filtered)
+                              BLOCK=block, CAP=capacity, SCAN=scan, num_warps=warps[1], **common)
+    finish_window(params, rarg, rmax, cut, count, win, pz, pbest, pidx, out, done, V, nch, capacity, filtered, rank)

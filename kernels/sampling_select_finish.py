@@ -7,8 +7,8 @@ reference's rule on it.
    lowest index), and the key is stored there.  No sort: a window of ``n`` keys costs ``n * n``
    comparisons spread over ``ceil(n / RB)`` programs (``tl.sort`` of one row's window in one
    program was the select path's largest cost, 45 us at 64 x 128k).
-5. ``_decide_kernel``, grid ``(S,)``: per row the ordered window (256 slots when it is that
-   small, else ``capacity``) and the reference's rule on it: the ``top_k``-th largest, the prefix
+5. ``_decide_kernel``, grid ``(S,)``: per row the ordered window (256 or 1,024 slots when it is
+   that small, else ``capacity``) and the reference's rule on it: the ``top_k``-th largest, the prefix
    masses (``tl.cumsum``, float64, in the reference's sorted order), min-p, Gumbel-max over the
    survivors with the same hashed uniforms; or, for rows without top-k / top-p, the chunks'
    Gumbel-max winners; greedy rows take the row's first argmax.  A row is marked not done when
@@ -27,9 +27,7 @@ from .topn import tl_key_index, tl_key_value
 
 __all__ = ["finish_window", "row_params"]
 
-_SMALL = 256  # window slots the decision reads when the window is that small
-_RB = 256  # keys ranked per program
-_CB = 32  # keys compared per step
+_SMALL, _MID = 256, 1024  # window slots the decision reads when the window is that small
 
 
 @triton.jit
@@ -99,7 +97,8 @@ def _decide(sorted_ptr, row, n_w, cut, smax, k, p, z, min_p, seed, pos, k_on, p_
 @triton.jit
 def _decide_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr, rarg_ptr, rmax_ptr, cut_ptr, count_ptr,
                    sorted_ptr, pz_ptr, pbest_ptr, pidx_ptr, out_ptr, done_ptr, V, NCH, GREEDY_EPS: tl.constexpr,
-                   FILTERED: tl.constexpr, BLOCK_C: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr):
+                   FILTERED: tl.constexpr, BLOCK_C: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
+                   MID: tl.constexpr):
     row = tl.program_id(0)
     tok = tl.load(rarg_ptr + row)  # greedy: the row's first argmax
     done = tl.full((), 1, tl.int32)
@@ -122,6 +121,9 @@ def _decide_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr, ra
                     if n_w <= SMALL:
                         tok, done = _decide(sorted_ptr, row, n_w, cut, smax, k, p, z, min_p, seed, pos, k_on, p_on,
                                             CAP, SMALL)
+                    elif n_w <= MID:
+                        tok, done = _decide(sorted_ptr, row, n_w, cut, smax, k, p, z, min_p, seed, pos, k_on, p_on,
+                                            CAP, MID)
                     else:
                         tok, done = _decide(sorted_ptr, row, n_w, cut, smax, k, p, z, min_p, seed, pos, k_on, p_on,
                                             CAP, CAP)
@@ -135,14 +137,18 @@ def _decide_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr, ra
 
 
 def finish_window(params, rarg, rmax, cut, count, win, pz, pbest, pidx, out, done, V: int, nch: int, capacity: int,
-                  filtered: bool) -> None:
-    """Launches 4 and 5 of :func:`kernels.sampling_select.sample_select` (its buffers; module docstring)."""
+                  filtered: bool, rank: tuple[int, int]) -> None:
+    """Launches 4 and 5 of :func:`kernels.sampling_select.sample_select` (its buffers; module docstring).
+
+    ``rank``: keys per program and keys compared per step of the rank kernel (powers of two).
+    """
     S = out.shape[0]
     ordered = win
     if filtered:
         ordered = torch.empty_like(win)
-        rb = min(_RB, capacity)
-        _rank_kernel[(S, capacity // rb)](count, win, ordered, CAP=capacity, RB=rb, CB=min(_CB, rb), num_warps=8)
+        rb = min(rank[0], capacity)
+        _rank_kernel[(S, capacity // rb)](count, win, ordered, CAP=capacity, RB=rb, CB=min(rank[1], capacity),
+                                          num_warps=8)
     _decide_kernel[(S,)](*params, rarg, rmax, cut, count, ordered, pz, pbest, pidx, out, done, V, nch,
                          GREEDY_EPS=GREEDY_EPS, FILTERED=filtered, BLOCK_C=triton.next_power_of_2(nch), CAP=capacity,
-                         SMALL=min(_SMALL, capacity), num_warps=8)
+                         SMALL=min(_SMALL, capacity), MID=min(_MID, capacity), num_warps=8)
