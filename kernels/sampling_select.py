@@ -1,28 +1,30 @@
 """The sampler's path for steps where rows filter: top-k / top-p thresholds by a histogram cut and
-a compacted window, with no ``torch.topk`` and no sort of the row.
+a compacted window, with no ``torch.topk`` and no sort.
 
 Same function as :mod:`kernels.sampling_ref` (same keyed uniforms, thresholds and first-index tie
-rules), in five launches over two reads of the logits, none reading a device value on the host
+rules), in five launches and two reads of the logits, none reading a device value on the host
 (capturable):
 
-1. ``_chunk_kernel``, grid ``(S, NCH)``: one read of each ``BLOCK``-wide chunk gives its max and
-   first argmax (greedy rows are done after this), for rows with neither top-k nor top-p nor min-p
-   the chunk's Gumbel-max winner (no row max needed), and for filtering rows a 128-bucket histogram
+1. ``_chunk_kernel``, grid ``(S, NCH)``, the first read: each ``BLOCK``-wide chunk's max and first
+   argmax (greedy rows are done after this); for rows with neither top-k, top-p nor min-p the
+   chunk's Gumbel-max winner (it needs no row max); for filtering rows a 64-bucket histogram
    (``tl.histogram``) of the distance ``d = m_c - s`` from the *chunk's* max ``m_c`` (buckets 1/4
-   wide up to ``d = 24``, then 4 per octave, the last one open), stored as its running sum and,
-   for top-p rows without top-k, bucket-mass bounds.
-2. ``_cut_kernel``, grid ``(S,)``: the row max, and from the chunks' histograms, shifted by
-   ``smax - m_c``, a cut ``e`` (keep ``s >= e``) meant to hold every survivor in few entries: for
-   top-k the first edge below which *at least* ``top_k`` logits lie for sure; for top-p alone the
-   first edge whose upper bound of the mass below it is ``<= (1 - top_p) *`` a lower bound of
-   ``Z``; with min-p (and not both top-k and top-p) no lower than just under the min-p threshold.
-3. ``_compact_kernel``, grid ``(S, NCH)``: the second read: every logit with ``s >= e`` goes into
-   the row's window (``capacity`` slots, positions from an atomic counter per row), packed as one
-   int64 key (value, then lowest index: :func:`kernels.topn.tl_pack`); top-p rows without top-k
-   add the chunk's ``sum exp(s - smax)`` (float32 terms, float64 sum: the reference's ``Z``); rows
-   with min-p but no top-k / top-p take the chunk's Gumbel-max winner here (they need ``smax``).
+   wide up to ``d = 12``, then 4 per octave of ``d + 4``, read off the float's bits, the last one
+   open: :func:`_bucket`), stored as running counts, and for top-p rows without top-k each
+   bucket's mass bound and the chunk's float32 mass ``sum exp(s - m_c)``.
+2. ``_cut_kernel``, grid ``(S,)``: the row max, and a cut ``e`` (keep ``s >= e``) from the chunks'
+   histograms shifted by ``smax - m_c`` (a chunk bucket counts on one side of a row edge only when
+   all of it is there): for top-k the first row edge with *at least* ``top_k`` logits above it
+   for sure; for top-p alone the first edge whose upper bound of the mass below it is
+   ``<= (1 - top_p) Z`` (``Z`` estimated from the chunk masses); with min-p (and not both top-k
+   and top-p) no lower than just under the min-p threshold.
+3. ``_compact_kernel``, grid ``(S, NCH)``, the second read: every logit with ``s >= e`` goes into
+   the row's window (``capacity`` slots, one atomic per hit for its slot), packed as one int64 key
+   (value, then lowest index: :func:`kernels.topn.tl_pack`); top-p rows without top-k add the
+   chunk's ``sum exp(s - smax)`` (float32 terms, float64 sum: the reference's ``Z``); rows with
+   min-p but no top-k / top-p take the chunk's Gumbel-max winner here (they need ``smax``).
 4. and 5. :mod:`kernels.sampling_select_finish`: the window put in order by ranks (each key counts
-   the larger keys, several programs per row; no sort), then per row the reference's rule on it.
+   the larger keys; several programs per row, no sort), then per row the reference's rule on it.
 
 The cut is only a guess; exactness is checked, not assumed.  The window is a prefix of the row's
 sorted order (all of ``s >= e``, ties included), so the result is exact when the window did not
@@ -36,6 +38,10 @@ Ties, as in the reference: the thresholds are values, so logits tied at the ``to
 at the nucleus edge are kept or dropped together (``-0.0`` and ``+0.0`` are one value); the window
 holds all of a tie because it is ``s >= e``; among equal Gumbel scores the lowest vocab index
 wins; an all ``-inf`` row (every survivor's score ``-inf``) gives token 0.
+
+Cost on an H100 at 64 x 128256 (``scripts/bench_topp.py``, docs/performance.md): top-k 50
+67 us, top-p 0.9 84 us, both 68 us, mixed rows 75 us (the previous select path: 104 / 146 / 103 /
+122 us; a ``torch.topk`` window: ~200 us).
 
 Float caveat (as for the other paths): ``Z`` for top-p without top-k is summed in a different
 order than the reference's, and Triton's ``exp`` / ``log`` are not torch's, so a token can differ
@@ -168,7 +174,7 @@ def _cut_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, pmax_ptr, parg_ptr, pcum
 @triton.jit
 def _compact_kernel(x_ptr, stride_x, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr, rmax_ptr, cut_ptr,
                     count_ptr, win_ptr, pz_ptr, pbest_ptr, pidx_ptr, V, NCH, GREEDY_EPS: tl.constexpr,
-                    FILTERED: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SCAN: tl.constexpr):
+                    FILTERED: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
     idx = c * BLOCK + tl.arange(0, BLOCK)
@@ -189,15 +195,10 @@ def _compact_kernel(x_ptr, stride_x, temp_ptr, topk_ptr, topp_ptr, minp_ptr, see
         smax = xmax * inv_t
         if k_on | p_on:
             hit = m & (s >= cut)
-            wrow = win_ptr + row.to(tl.int64) * CAP
-            if SCAN:  # one atomic per chunk, positions by a prefix sum
-                n = tl.sum(hit.to(tl.int32), axis=0)
-                if n > 0:
-                    at = tl.atomic_add(count_ptr + row, n, sem="relaxed") + tl.cumsum(hit.to(tl.int32), axis=0) - 1
-                    tl.store(wrow + at, tl_pack(s, idx), mask=hit & (at < CAP))
-            else:  # one atomic per hit: no prefix sum, no block-wide reduction
-                at = tl.atomic_add(count_ptr + row + tl.zeros_like(idx), 1, mask=hit, sem="relaxed")
-                tl.store(wrow + at, tl_pack(s, idx), mask=hit & (at < CAP))
+            # one atomic per hit for its window slot: no prefix sum (one atomic per chunk and a
+            # tl.cumsum measured twice as slow: 35 against 16 us at 64 x 128k)
+            at = tl.atomic_add(count_ptr + row + tl.zeros_like(idx), 1, mask=hit, sem="relaxed")
+            tl.store(win_ptr + row.to(tl.int64) * CAP + at, tl_pack(s, idx), mask=hit & (at < CAP))
             if p_on & ~k_on:
                 tl.store(pz_ptr + row * NCH + c, tl.sum(tl.where(m, tl.exp(s - smax), 0.0).to(tl.float64), axis=0))
         else:  # min-p without top-k / top-p: Gumbel-max over s - smax >= log(min_p)
@@ -211,7 +212,7 @@ def _compact_kernel(x_ptr, stride_x, temp_ptr, topk_ptr, topp_ptr, minp_ptr, see
 
 def sample_select(logits, temperature, top_k, top_p, min_p, seed, position, out: torch.Tensor, done: torch.Tensor,
                   *, capacity: int = DEFAULT_CAPACITY, filtered: bool = True, block: int = 4096,
-                  warps: tuple[int, int] = (8, 8), scan: bool = False, buckets: int = 64,
+                  warps: tuple[int, int] = (8, 8), buckets: int = 64,
                   rank: tuple[int, int] = (128, 128)) -> None:
     """Write tokens into ``out`` ``[S]`` int64 and ``done`` ``[S]`` int32 (0: the row still needs the
     one-program-per-row kernel).  Arguments as :func:`kernels.sampling.sample` (checked there).
@@ -220,7 +221,6 @@ def sample_select(logits, temperature, top_k, top_p, min_p, seed, position, out:
     come back not done.  ``filtered=False`` promises no row has top-k / top-p (skips the histogram,
     cut and window; such rows would just come back not done).  Tuning knobs (the result does not
     depend on them): ``block`` the chunk width, ``warps`` the warps of the two reads of the logits,
-    ``scan`` window positions by one atomic per chunk and a prefix sum (else one atomic per hit),
     ``buckets`` 64 or 128 histogram buckets, ``rank`` the keys per program and per step of the rank
     kernel.
     """
@@ -251,5 +251,5 @@ def sample_select(logits, temperature, top_k, top_p, min_p, seed, position, out:
     _cut_kernel[(S,)](*params[:4], pmax, parg, pcum, pwsuf, pzc, rmax, rarg, cut, count, V, nch, BLOCK_C=block_c,
                       num_warps=4, **common, **hist)
     _compact_kernel[(S, nch)](logits, logits.stride(0), *params, rmax, cut, count, win, pz, pbest, pidx, V, nch,
-                              BLOCK=block, CAP=capacity, SCAN=scan, num_warps=warps[1], **common)
+                              BLOCK=block, CAP=capacity, num_warps=warps[1], **common)
     finish_window(params, rarg, rmax, cut, count, win, pz, pbest, pidx, out, done, V, nch, capacity, filtered, rank)

@@ -15,17 +15,20 @@ top-k 1), logits ``randn * 4`` at temperature 0.8 (the mixed mode draws its temp
    for ``--methods``: ``select`` (the default path) and ``window`` (``torch.topk`` window, the
    default before the select path), and, for reference, ``torch.topk(logits, 50)`` alone.
 
-``--sweep`` also times the select path's knobs (block, warps, capacity, window positions) at
+``--sweep`` also times the select path's knobs (block, warps, buckets, capacity, rank blocking) at
 64 x 128256; ``--wide`` (and ``--sweep``) ``torch.topk(logits, 50)`` alone and a wide nucleus
 (``randn * 1`` logits at T = 1.5, top-p 0.9: tens of thousands of tokens, more than the window
 holds, so the row kernel runs).  ``--profile`` prints the per-kernel times of two cases (torch
-profiler, eager).  Without CUDA: tiny shapes in the Triton CPU interpreter (a smoke test of the
-script).
+profiler, eager).  ``--baseline PATH`` (an earlier ``kernels/sampling_select.py``, e.g.
+``git show 401f5f5:kernels/sampling_select.py > /tmp/kernels_baseline.py``) times its
+``sample_select`` against this one's, alternately in the same process, per filtered case.
+Without CUDA: tiny shapes in the Triton CPU interpreter (a smoke test of the script).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -144,10 +147,32 @@ def bench_shape(S: int, V: int, args, rows: list[dict]) -> None:
             for method in args.methods.split(","):
                 row[f"{method}_us"] = time_us([lambda x=x: sample(x, *p, out=out, method=method) for x in bufs],
                                               args.reps)
+        if args.baseline and mode != "greedy":
+            row["select_only_us"], row["baseline_us"] = interleaved(args, bufs, p)
         rows.append(row)
         print(f"  V={V:>6} S={S:>2}  {mode:<12} select {row['select_us']:8.1f} us   window "
               f"{row.get('window_us', float('nan')):8.1f} us   mismatches {bad}/{S * args.checks}  left {left}",
               flush=True)
+
+
+def load_baseline(path: str):
+    """An earlier copy of kernels/sampling_select.py (e.g. from ``git show``), imported as kernels._baseline."""
+    spec = importlib.util.spec_from_file_location("kernels._baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def interleaved(args, bufs, p) -> tuple[float, float]:
+    """(this sample_select, the baseline's) median us, timed alternately (3 rounds each): same clocks, same L2."""
+    S = bufs[0].shape[0]
+    out = torch.empty(S, dtype=torch.int64, device=DEV)
+    done = torch.empty(S, dtype=torch.int32, device=DEV)
+    ours, base = [], []
+    for _ in range(3):
+        ours.append(time_us([lambda x=x: sample_select(x, *p, out, done) for x in bufs], args.reps))
+        base.append(time_us([lambda x=x: args.baseline.sample_select(x, *p, out, done) for x in bufs], args.reps))
+    return statistics.median(ours), statistics.median(base)
 
 
 def sweep(args, rows: list[dict]) -> None:
@@ -159,8 +184,8 @@ def sweep(args, rows: list[dict]) -> None:
     rows.append(dict(S=S, V=V, mode="torch.topk(logits, 50) alone",
                      select_us=time_us([lambda x=x: torch.topk(x, 50, dim=-1) for x in bufs], args.reps)))
     print(f"  torch.topk(50) alone: {rows[-1]['select_us']:.1f} us")
-    knobs = (dict(), dict(block=2048, warps=(4, 8)), dict(warps=(8, 16)), dict(scan=True), dict(buckets=128),
-             dict(capacity=1024), dict(rank=(256, 32)))
+    knobs = (dict(), dict(block=2048, warps=(4, 8)), dict(warps=(8, 16)), dict(buckets=128), dict(capacity=1024),
+             dict(rank=(256, 32)), dict(rank=(64, 256)))
     for mode in ("top_k", "top_p", "top_k+top_p") if args.sweep else ():
         p = params(S, mode, g)
         for knob in knobs:
@@ -207,7 +232,10 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time the select path's knobs")
     ap.add_argument("--wide", action="store_true", help="time torch.topk alone and a nucleus wider than the window")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--baseline", help="a copy of an earlier kernels/sampling_select.py: its sample_select timed "
+                    "against this one's, alternately, per filtered shape and mode")
     args = ap.parse_args()
+    args.baseline = load_baseline(args.baseline) if args.baseline else None
     rows: list[dict] = []
     shapes = [(S, V) for V in (32000, 128256) for S in (1, 8, 64)] if ON_GPU else [(1, 1000), (5, 3000)]
     t0 = time.time()
@@ -219,11 +247,13 @@ def main() -> None:
         sweep(args, rows)
     if args.profile and ON_GPU:
         profile(rows)
-    print(f"\n{'V':>6} {'S':>3} {'mode':<12} {'select us':>10} {'window us':>10} {'mism':>6} {'left':>5}")
+    print(f"\n{'V':>6} {'S':>3} {'mode':<12} {'select us':>10} {'window us':>10} {'mism':>6} {'left':>5}"
+          f" {'ours/base':>14}")
     for r in rows:
         if "mismatches" in r and not r["mode"].startswith("top_p wide"):
+            vs = f"{r['select_only_us']:.1f}/{r['baseline_us']:.1f}" if "baseline_us" in r else ""
             print(f"{r['V']:>6} {r['S']:>3} {r['mode']:<12} {r['select_us']:>10.1f} {r.get('window_us', 0):>10.1f} "
-                  f"{r['mismatches']:>6} {r['left_to_row_kernel']:>5}")
+                  f"{r['mismatches']:>6} {r['left_to_row_kernel']:>5} {vs:>14}")
     print(f"done in {time.time() - t0:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
