@@ -1,20 +1,22 @@
 """A lean streaming HTTP/1.1 client for the benchmarks: POST JSON, read SSE events as they arrive.
 
 The benchmarks measure the gateway, not a client library: one plain asyncio
-connection per request, chunked transfer decoding and SSE splitting by hand,
-msgspec to decode each event, and the arrival time of every event.
+connection per request, chunked transfer decoding and SSE splitting by hand
+(one await per read, however many chunks it brought), msgspec to decode each
+event, and the arrival time of every event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 from urllib.parse import urlsplit
 
 import msgspec
 
 _decode = msgspec.json.decode
+READ_SIZE = 65536  # bytes per read: everything the server has written since the last read
 
 
 class HTTPError(Exception):
@@ -23,9 +25,13 @@ class HTTPError(Exception):
         self.status = status
 
 
-async def sse_post(base_url: str, path: str, body: dict, api_key: Optional[str] = None
-                   ) -> AsyncIterator[tuple[float, Any]]:
-    """``(arrival perf_counter, decoded event)`` for each ``data:`` event of a streaming POST."""
+async def sse_post(base_url: str, path: str, body: dict, api_key: Optional[str] = None,
+                   decode: Callable[[bytes], Any] = _decode) -> AsyncIterator[tuple[float, Any]]:
+    """``(arrival perf_counter, decoded event)`` for each ``data:`` event of a streaming POST.
+
+    ``decode`` turns an event's JSON into what is yielded (a typed msgspec decoder
+    that keeps only the fields a benchmark reads is about twice as fast as dicts).
+    """
     url = urlsplit(base_url)
     reader, writer = await asyncio.open_connection(url.hostname, url.port or 80)
     try:
@@ -47,19 +53,30 @@ async def sse_post(base_url: str, path: str, body: dict, api_key: Optional[str] 
                 event, buf = buf[:end], buf[end + 2:]
                 if event.startswith(b"data: "):
                     data = event[6:]
-                    yield t, None if data == b"[DONE]" else _decode(data)
+                    yield t, None if data == b"[DONE]" else decode(data)
     finally:
         writer.close()
 
 
 async def _body(reader: asyncio.StreamReader, chunked: bool) -> AsyncIterator[bytes]:
+    """The body as it arrives: one item per read, every whole chunk in it (chunked encoding undone)."""
     if not chunked:
-        while data := await reader.read(65536):
+        while data := await reader.read(READ_SIZE):
             yield data
         return
-    while True:
-        size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
-        if size == 0:
-            return
-        data = await reader.readexactly(size + 2)
-        yield data[:-2]
+    buf = b""
+    while data := await reader.read(READ_SIZE):
+        buf += data
+        parts = []
+        while (eol := buf.find(b"\r\n")) >= 0:
+            size = int(buf[:eol].split(b";")[0], 16)
+            if size == 0:
+                yield b"".join(parts)
+                return
+            end = eol + 2 + size
+            if len(buf) < end + 2:
+                break  # the rest of this chunk is still on its way
+            parts.append(buf[eol + 2:end])
+            buf = buf[end + 2:]
+        if parts:
+            yield b"".join(parts)
