@@ -46,7 +46,8 @@ class AsyncStream:
 
     async def next_chunks(self) -> list[StreamChunk]:
         """Every chunk that has arrived, waiting for the first; [] at the end (see PendingRequest.next_chunks)."""
-        await self.start()
+        if self._req is None or self._closed:
+            await self.start()
         return await self._req.next_chunks()
 
     def __aiter__(self) -> AsyncIterator[StreamChunk]:

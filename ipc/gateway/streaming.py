@@ -73,7 +73,11 @@ async def first_chunks(streams: list[Any]) -> list[Any]:
 async def merge(streams: list[Any]) -> AsyncIterator[list[tuple[int, Any]]]:
     """Batches of ``(index, chunk)`` from several SDK streams, as much as is ready; ``(index, None)`` at each end."""
     if len(streams) == 1:  # the common case, without a queue hop
-        while chunks := await streams[0].next_chunks():
+        stream = streams[0]
+        while chunks := await stream.next_chunks():
+            if stream.result is not None:  # the end came with these chunks: no wake-up just to learn it
+                yield [(0, chunk) for chunk in chunks] + [(0, None)]
+                return
             yield [(0, chunk) for chunk in chunks]
         yield [(0, None)]
         return
@@ -146,9 +150,12 @@ class SSEResponse:
         self.started = True
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         events = self.make_events(firsts)
+        more = True
         try:
             async for data in events:
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+                more = not data.endswith(DONE)  # [DONE] is every answer's last event: the body ends with it
+                await send({"type": "http.response.body", "body": data, "more_body": more})
         finally:
             await events.aclose()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if more:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
