@@ -195,29 +195,34 @@ async def send_one_http(req: BenchRequest, args: argparse.Namespace) -> Outcome:
             "temperature": args.temperature, "ignore_eos": args.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
     times: list[float] = []
-    finish, usage = None, None
+    seen: dict[str, Any] = {}  # "finish", "t_end", "usage", "error"
     t0 = time.perf_counter()
+
+    def on_event(t: float, event: Optional[_Event]) -> None:
+        if event is None:
+            return
+        if event.error is not None:
+            seen.setdefault("error", event.error.message)
+        if event.usage is not None:
+            seen["usage"] = event.usage
+        for choice in event.choices:
+            if choice.finish_reason is not None:
+                seen["finish"], seen["t_end"] = choice.finish_reason, t - t0
+            else:
+                times.append(t - t0)
+
     try:
-        async for t, event in sse_post(args.base_url, "/v1/completions", body, args.api_key, _decode_event):
-            if event is None:
-                break
-            if event.error is not None:
-                return Outcome(None, f"error event: {event.error.message}")
-            if event.usage is not None:
-                usage = event.usage
-            for choice in event.choices:
-                if choice.finish_reason is not None:
-                    finish, t_end = choice.finish_reason, t - t0
-                else:
-                    times.append(t - t0)
-    except (HTTPError, OSError, asyncio.IncompleteReadError, msgspec.DecodeError) as exc:
+        await sse_post(args.base_url, "/v1/completions", body, on_event, args.api_key, _decode_event)
+    except (HTTPError, OSError, msgspec.DecodeError) as exc:
         return Outcome(None, f"{type(exc).__name__}: {exc}")
-    if finish is None or usage is None:
+    if "error" in seen:
+        return Outcome(None, f"error event: {seen['error']}")
+    if "finish" not in seen or "usage" not in seen:
         return Outcome(None, "the stream ended without a finish and usage")
-    n = usage.completion_tokens
-    timings = HttpTimings(ttft=times[0] if times else None, e2e=t_end,
+    n = seen["usage"].completion_tokens
+    timings = HttpTimings(ttft=times[0] if times else None, e2e=seen["t_end"],
                           itl=[b - a for a, b in zip(times, times[1:])], completion_tokens=n)
-    return Outcome(HttpResult(finish, usage.prompt_tokens, n, timings), None)
+    return Outcome(HttpResult(seen["finish"], seen["usage"].prompt_tokens, n, timings), None)
 
 
 async def run_requests(client: Any, requests: list[BenchRequest], args: argparse.Namespace,

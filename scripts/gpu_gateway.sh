@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # HTTP vs SDK streaming throughput through W gateway workers (issue 10's targets), one fresh server
 # per W (Llama-3.2-1B shape, random bf16 weights, --max-num-seqs 256). On each server, in order:
-# RUNS (default: SDK twice, HTTP twice, SDK again) of bench_serve.py with 256 requests x 128 in /
-# 128 out, all at once, greedy, 8 warm-up requests. The first SDK run fills the prefix cache and
-# compiles what its shapes need, so it is not compared; HTTP / SDK divides by the median of the
-# later SDK runs on the same server. Also: the client's CPU over its measured run (client cpu:
-# fraction of the run's wall time) and the gateway workers' CPU seconds per bench process (/proc,
-# warm-up included).
+# RUNS (default: SDK and HTTP alternating, SDK first and last) of bench_serve.py with 256 requests
+# x 128 in / 128 out, all at once, greedy, 8 warm-up requests. The first SKIP runs (default 2) are
+# warm-up: on a fresh machine they compile kernels for the shapes they meet (seconds of stalls) and
+# fill the prefix cache. HTTP / SDK divides an HTTP run by the median of the later SDK runs on the
+# same server. Also: the client's CPU over its measured run (client cpu: fraction of the run's wall
+# time; near 1 the client may be the limit) and the gateway workers' CPU seconds per bench process
+# (/proc, its warm-up requests included).
 # Usage (on the GPU machine, from the repo root): bash scripts/gpu_gateway.sh [W ...]   (default: 1 2);
 # DEADLINE_S=N skips the W that would start after N seconds.
 # Writes $OUT/serve_<backend>_w<W>_<k>.json, serve and bench logs; prints a table last.
@@ -16,7 +17,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 SERVE_ARGS=${SERVE_ARGS:---device cuda --load-format dummy --model scripts/configs/llama-3.2-1b}  # CPU check:
 # SERVE_ARGS="--load-format scripted --scripted-step-ms 3" OUT=/tmp/gw bash scripts/gpu_gateway.sh 1
-RUNS=${RUNS:-sdk sdk openai openai sdk}
+RUNS=${RUNS:-sdk openai sdk openai sdk openai sdk}
+SKIP=${SKIP:-2}
 ticks() { local t=0 p; for p in "$@"; do set -- $(cut -d' ' -f14,15 "/proc/$p/stat"); t=$((t + $1 + $2)); done; echo $t; }
 
 for W in ${@:-1 2}; do
@@ -43,9 +45,9 @@ for W in ${@:-1 2}; do
   kill $SRV; wait $SRV 2>/dev/null
 done
 
-python3 - "$OUT" "$(getconf CLK_TCK)" <<'EOF'
+python3 - "$OUT" "$(getconf CLK_TCK)" "$SKIP" <<'EOF'
 import glob, json, os, re, statistics, sys
-out, hz = sys.argv[1], int(sys.argv[2])
+out, hz, skip = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rows = {}
 for path in glob.glob(os.path.join(out, "serve_*_w*_*.json")):
     backend, w, k = re.match(r"serve_(\w+?)_w(\d+)_(\d+)\.json", os.path.basename(path)).groups()
@@ -58,10 +60,10 @@ print(f"{'W':>2} {'run':>3} {'backend':7} {'tok/s':>8} {'time':>7} {'TTFT p50':>
       f"{'gw cpu':>7} {'HTTP/SDK':>8}")
 for w in sorted({w for w, _ in rows}):
     runs = sorted((k, b, d) for (ww, k), (b, d) in rows.items() if ww == w)
-    sdk = [d["output_throughput"] for k, b, d in runs if b == "sdk" and k > 1]
+    sdk = [d["output_throughput"] for k, b, d in runs if b == "sdk" and k > skip]
     ref = statistics.median(sdk) if sdk else float("nan")
     for k, b, d in runs:
-        ratio = f"{d['output_throughput'] / ref:8.2f}" if b == "openai" else ""
+        ratio = f"{d['output_throughput'] / ref:8.2f}" if b == "openai" and k > skip else ""
         print(f"{w:>2} {k:>3} {b:7} {d['output_throughput']:8.0f} {d['duration_s']:6.3f}s {d['ttft_ms']['p50']:7.1f}ms "
               f"{d['tpot_ms']['p50']:7.2f}ms {d.get('client_cpu_fraction', float('nan')):10.2f} "
               f"{d['gateway_cpu_s']:6.2f}s {ratio}")
