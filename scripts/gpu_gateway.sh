@@ -18,17 +18,18 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 SERVE_ARGS=${SERVE_ARGS:---device cuda --load-format dummy --model scripts/configs/llama-3.2-1b}  # CPU check:
 # SERVE_ARGS="--load-format scripted --scripted-step-ms 3" OUT=/tmp/gw bash scripts/gpu_gateway.sh 1
 RUNS=${RUNS:-sdk openai sdk openai sdk openai sdk}
+PORT=${PORT:-8000}
 SKIP=${SKIP:-2}
 ticks() { local t=0 p; for p in "$@"; do set -- $(cut -d' ' -f14,15 "/proc/$p/stat"); t=$((t + $1 + $2)); done; echo $t; }
 
 for W in ${@:-1 2}; do
   if [ -n "${DEADLINE_S:-}" ] && [ "$SECONDS" -gt "$DEADLINE_S" ]; then echo "W=$W skipped: past DEADLINE_S"; continue; fi
-  ADDR=ipc:///tmp/fr-gw-$W.sock
+  ADDR=ipc:///tmp/fr-gw-$PORT-$W.sock
   python3 -m scheduler_proc.launch serve $SERVE_ARGS --max-num-seqs 256 \
-      --port 8000 --api-workers "$W" --address "$ADDR" --quiet > "$OUT/serve_w$W.log" 2>&1 &
+      --port "$PORT" --api-workers "$W" --address "$ADDR" --quiet > "$OUT/serve_w$W.log" 2>&1 &
   SRV=$!
   for _ in $(seq 1 300); do
-    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=1)" 2>/dev/null && break
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=1)" 2>/dev/null && break
     kill -0 $SRV 2>/dev/null || { echo "W=$W: the server exited:"; tail -5 "$OUT/serve_w$W.log"; continue 2; }
     sleep 0.5
   done
@@ -37,7 +38,7 @@ for W in ${@:-1 2}; do
   for backend in $RUNS; do
     k=$((k + 1)); name="w${W}_$k"
     g0=$(ticks $GWS)
-    timeout 90 python3 scripts/bench_serve.py --backend "$backend" --address "$ADDR" --base-url http://127.0.0.1:8000 \
+    timeout 90 python3 scripts/bench_serve.py --backend "$backend" --address "$ADDR" --base-url "http://127.0.0.1:$PORT" \
         --num-requests 256 --concurrency 256 --input-len 128 --output-len 128 --warmup 8 --no-progress \
         --json "$OUT/serve_${backend}_$name.json" > "$OUT/bench_${backend}_$name.log" 2>&1
     echo "$(( $(ticks $GWS) - g0 ))" > "$OUT/gateway_ticks_$name.txt"
