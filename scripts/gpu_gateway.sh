@@ -2,12 +2,12 @@
 # HTTP vs SDK streaming throughput through W gateway workers (issue 10's targets), one fresh server
 # per W (Llama-3.2-1B shape, random bf16 weights, --max-num-seqs 256). On each server, in order:
 # RUNS (default: SDK and HTTP alternating, SDK first and last) of bench_serve.py with 256 requests
-# x 128 in / 128 out, all at once, greedy, 8 warm-up requests. The first SKIP runs (default 2) are
-# warm-up: on a fresh machine they compile kernels for the shapes they meet (seconds of stalls) and
-# fill the prefix cache. HTTP / SDK divides an HTTP run by the median of the later SDK runs on the
-# same server. Also: the client's CPU over its measured run (client cpu: fraction of the run's wall
-# time; near 1 the client may be the limit) and the gateway workers' CPU seconds per bench process
-# (/proc, its warm-up requests included).
+# x 128 in / 128 out, all at once, greedy, 8 warm-up requests. The first SKIP runs (default 4) are
+# warm-up: they fill the prefix cache, and on the first server of a fresh machine they compile
+# kernels for the shapes they meet (stalls of 0.3 to 1.4 s, seen up to the fifth run). HTTP / SDK
+# divides an HTTP run by the median of the later SDK runs on the same server. Also: the client's
+# CPU over its measured run (client cpu: fraction of the run's wall time; near 1 the client may be
+# the limit) and the gateway workers' CPU seconds per bench process (/proc, warm-up included).
 # Usage (on the GPU machine, from the repo root): bash scripts/gpu_gateway.sh [W ...]   (default: 1 2);
 # DEADLINE_S=N skips the W that would start after N seconds.
 # Writes $OUT/serve_<backend>_w<W>_<k>.json, serve and bench logs; prints a table last.
@@ -17,9 +17,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 SERVE_ARGS=${SERVE_ARGS:---device cuda --load-format dummy --model scripts/configs/llama-3.2-1b}  # CPU check:
 # SERVE_ARGS="--load-format scripted --scripted-step-ms 3" OUT=/tmp/gw bash scripts/gpu_gateway.sh 1
-RUNS=${RUNS:-sdk openai sdk openai sdk openai sdk}
+RUNS=${RUNS:-sdk openai sdk openai sdk openai sdk openai sdk}
 PORT=${PORT:-8000}
-SKIP=${SKIP:-2}
+SKIP=${SKIP:-4}
 ticks() { local t=0 p; for p in "$@"; do set -- $(cut -d' ' -f14,15 "/proc/$p/stat"); t=$((t + $1 + $2)); done; echo $t; }
 
 for W in ${@:-1 2}; do

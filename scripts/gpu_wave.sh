@@ -15,8 +15,8 @@ if [ "$part" = A ]; then
   timeout 200 python3 scripts/bench_decode.py --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | grep -A3 "^model"
   exit 0
 fi
-http_vs_sdk() {  # $1: gateway workers (scripts/gpu_gateway.sh: SDK twice, HTTP twice, SDK again)
-  bash scripts/gpu_gateway.sh "$1" 2>&1 | tail -6
+http_vs_sdk() {  # $1: gateway workers (scripts/gpu_gateway.sh: SDK and HTTP alternating on one server)
+  bash scripts/gpu_gateway.sh "$1" 2>&1 | tail -10
 }
 if [ "$part" = C ]; then
   http_vs_sdk 1; http_vs_sdk 4
