@@ -47,6 +47,9 @@ class ExecutorConfig(_Config):
     dtype: Dtype = "auto"  # auto: float32 on cpu, bfloat16 on cuda
     kernels: Kernels = "auto"  # auto: Triton on cuda, torch on cpu
     cuda_graphs: bool = True  # capture pure-decode steps (with Triton kernels on cuda)
+    # One kernel, tile and split per op whatever the batch: a row's logits do not depend on its step's
+    # other rows (Triton kernels only; costs speed: docs/performance.md).
+    batch_invariant: bool = False
     cuda_graph_max_batch: Optional[int] = None  # largest graph bucket; None: num_slots
     num_slots: int = 64  # most requests running at once
     block_size: int = 16  # tokens per KV block
@@ -104,6 +107,10 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
         raise ValueError(f"host_kv_gib must be in [0, {MAX_HOST_KV_GIB}], got {cfg.host_kv_gib}")
     if not 0 < cfg.kv_memory_fraction <= 1:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {cfg.kv_memory_fraction}")
+    if cfg.batch_invariant and cfg.load_format != "scripted" and not (
+            cfg.kernels == "triton" or (cfg.kernels == "auto" and cfg.device.startswith("cuda"))):
+        raise ValueError("batch_invariant needs the Triton kernels: kernels='triton' (the default on cuda), "
+                         f"got kernels={cfg.kernels!r} on device {cfg.device!r}")
     if cfg.scripted.vocab_size < 3:
         raise ValueError(f"scripted.vocab_size must be at least 3, got {cfg.scripted.vocab_size}")
     _at_least("scripted.backup_lag_steps", cfg.scripted.backup_lag_steps, 0)

@@ -52,6 +52,10 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="attention/norm/sampling kernels (auto: Triton on cuda, torch on cpu)")
     s.add_argument("--no-cuda-graphs", action="store_true",
                    help="run pure-decode steps eagerly instead of replaying captured CUDA graphs")
+    s.add_argument("--batch-invariant", action="store_true",
+                   help="compute every row the same way whatever else is in its step (one matmul tile and split "
+                        "of K, one attention split count), so greedy outputs do not depend on the batch; slower, "
+                        "Triton kernels only")
     s.add_argument("--dtype", default=E("dtype"), choices=list(get_args(Dtype)),
                    help="weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda)")
     s.add_argument("--num-kv-blocks", type=int, default=E("num_kv_blocks"),
@@ -117,7 +121,7 @@ def server_config(args) -> ServerConfig:
     """The one ServerConfig the flags describe; a bad value raises ValueError naming the flag's field."""
     executor = ExecutorConfig(
         load_format=args.load_format, device=args.device, dtype=args.dtype, kernels=args.kernels,
-        cuda_graphs=not args.no_cuda_graphs, num_slots=args.max_num_seqs, block_size=args.block_size,
+        cuda_graphs=not args.no_cuda_graphs, batch_invariant=args.batch_invariant, num_slots=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.executor_threads, tensor_parallel_size=args.tensor_parallel_size,
