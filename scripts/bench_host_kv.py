@@ -22,9 +22,12 @@ workload to each:
   ``--swap-pool-fraction`` (0.6) of what they need together, so decode growth
   preempts some.  Tier off: a preempted request recomputes its context; on:
   its blocks are on the host (backed up as they filled) and it resumes by copy.
-  Reported: preemptions, the longest gap in each preempted request's stream
-  (p50 and max: its resume latency, queueing included), output throughput,
-  and the tokens found per tier.
+  Reported: preemptions; resumes and their mean latency as the server measures
+  it (``ServerStats.resume_s_total``: from the plan that readmits a preempted
+  request to the reconcile of its next token: recompute or copy, plus the
+  pipeline; the target's figure); the longest gap in each preempted request's
+  stream (p50 and max: queueing for blocks included, as a client sees it);
+  output throughput; the tokens found per tier.
 * ``chat``: ``--conversations`` (200) x ``--turns`` (4): each turn resends the
   conversation so far (a ``--first-len`` (256) token opening, then
   ``--user-len`` (32) new tokens and ``--reply-len`` (32) outputs per turn), turns
@@ -162,7 +165,9 @@ def tier_hits(before: p.ServerStats, after: p.ServerStats) -> dict[str, Any]:
     host = after.prefix_cache_host_hit_tokens - before.prefix_cache_host_hit_tokens
     return {"query_tokens": query, "device_hit_tokens": hits - host, "host_hit_tokens": host,
             "device_hit_rate": (hits - host) / query if query else 0.0, "host_hit_rate": host / query if query else 0.0,
-            "preemptions": after.preemptions - before.preemptions}
+            "preemptions": after.preemptions - before.preemptions, "resumes": after.resumes - before.resumes,
+            "resume_ms_mean": (after.resume_s_total - before.resume_s_total) / (after.resumes - before.resumes) * 1e3
+            if after.resumes > before.resumes else None}
 
 
 # --------------------------------------------------------------------- tpot
@@ -228,8 +233,11 @@ def run_swap(args: argparse.Namespace) -> dict[str, Any]:
         return out
 
     out = {name: with_server(flags + host_flags(args, on), args, work) for name, on in (("off", False), ("on", True))}
+    if out["off"]["resume_ms_mean"] and out["on"]["resume_ms_mean"]:
+        out["resume_speedup"] = out["off"]["resume_ms_mean"] / out["on"]["resume_ms_mean"]
     if out["off"]["resume_gap_ms_p50"] and out["on"]["resume_gap_ms_p50"]:
-        out["resume_speedup_p50"] = out["off"]["resume_gap_ms_p50"] / out["on"]["resume_gap_ms_p50"]
+        out["resume_gap_speedup_p50"] = out["off"]["resume_gap_ms_p50"] / out["on"]["resume_gap_ms_p50"]
+    out["throughput_ratio"] = out["on"]["output_tok_per_s"] / out["off"]["output_tok_per_s"]
     return out
 
 
