@@ -15,10 +15,15 @@ variants alternate, and each figure is the median over ``--reps`` repetitions:
   (requests of mixed lengths, the usual case);
 * ``token``: every step the previous step's new token rows, ``batch x 2 x layers`` items
   of one row each (HiSparse's granularity), one ``copy_items`` beside the step;
-* each of the three also ``*_compute``: the copy issued on the compute stream.
+* suffixes: none = on the backup stream with ``HostKV``'s backup launch shape
+  (``BACKUP_PROGRAMS`` programs looping over the items); ``_all`` = on the backup stream, one
+  program per item and chunk (every SM); ``_p<N>``: N programs; ``_compute``: on the compute
+  stream (every SM, in the step's order: HiSparse's comparison).
 
 Reported per variant: wall ms per step (what TPOT is), GPU ms per step (CUDA events on the
-compute stream over the loop), overhead vs ``none``; bytes and items per backup launch.
+compute stream over the loop), overhead vs ``none``; bytes and items per backup launch.  Then
+each kind of launch alone on the idle GPU (CUDA events, median of 10): its time and GB/s with
+``BACKUP_PROGRAMS`` programs and with every program.
 
     python3 scripts/bench_backup_granularity.py --json OUT.json          # H100, 8B shape
     python3 scripts/bench_backup_granularity.py --model DIR --device cpu --batch 4 --context 8 --steps 8 --reps 1
@@ -37,13 +42,15 @@ import torch
 
 from _bench_util import write_json
 from executor_proc.build import build_worker
+from executor_proc.step.host_kv import BACKUP_PROGRAMS
+from executor_proc.step.staging import PinnedStaging
 from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner
 from ipc.config import ExecutorConfig
-from kernels.transfer import copy_items
+from kernels.transfer import TransferConfig, copy_items
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
-VARIANTS = ("none", "block_burst", "block_spread", "token", "block_burst_compute", "block_spread_compute",
-            "token_compute")
+VARIANTS = ("none", "block_burst", "block_burst_all", "block_burst_p4", "block_burst_p64", "block_burst_compute",
+            "block_spread", "block_spread_all", "block_spread_compute", "token", "token_all", "token_compute")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,23 +76,63 @@ class TokenBackup:
         self.row_bytes = host_kv.item_bytes // block_size
         self.num_rows = host_kv.nbytes // self.row_bytes
         self.cursor = 0  # next host row (the host pool seen as rows; content is not checked)
+        self.staging = PinnedStaging(host_kv.kv.storage.device)  # the executor's upload path, as HostKV's offsets
 
-    def copy(self, rows: list[tuple[int, int]], stream) -> int:
-        """Back up the rows (device block, row in block) on ``stream`` (None: the compute stream); items copied."""
+    def offsets(self, rows: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Byte offsets of every (layer, K/V) item of the rows (device block, row in block): device, host."""
         hk = self.hk
         first = np.array([b * hk.item_bytes + r * self.row_bytes for b, r in rows], dtype=np.int64)
-        d = (first[:, None] + hk._device_item[None, :]).reshape(-1)  # every (layer, K/V) of each row
+        d = (first[:, None] + hk._device_item[None, :]).reshape(-1)
         h = (self.cursor + np.arange(d.size, dtype=np.int64)) % self.num_rows * self.row_bytes
         self.cursor = (self.cursor + d.size) % self.num_rows
-        offsets = torch.from_numpy(np.stack([d, h]))
+        return d, h
+
+    def copy(self, rows: list[tuple[int, int]], stream, config) -> int:
+        """Back up the rows on ``stream`` (None: the compute stream); items copied."""
+        hk = self.hk
+        d, h = self.offsets(rows)
+        upload = self.staging.upload()
+        parts = upload.add(d, torch.int64), upload.add(h, torch.int64)
+        sent = upload.send()
         if hk.cuda:
-            offsets = offsets.pin_memory().to(hk.kv.storage.device, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream())
-            hk._on_stream(stream, ready, hk.kv.storage, hk.pool, offsets[0], offsets[1])
+            hk._on_stream(stream, ready, hk.kv.storage, hk.pool, sent[parts[0]], sent[parts[1]], config)
         else:
-            copy_items(hk.kv.storage, hk.pool, offsets[0], offsets[1], self.row_bytes)
+            copy_items(hk.kv.storage, hk.pool, sent[parts[0]], sent[parts[1]], self.row_bytes)
         return d.size
+
+
+def launch_config(variant: str) -> TransferConfig:
+    """The backup launch shape a variant's suffix names (see the module docstring)."""
+    tail = variant.rsplit("_", 1)[-1]
+    if tail in ("all", "compute"):
+        return TransferConfig()
+    if tail.startswith("p") and tail[1:].isdigit():
+        return TransferConfig(max_programs=int(tail[1:]))
+    return TransferConfig(max_programs=BACKUP_PROGRAMS)
+
+
+def time_launch(hk, tokens: TokenBackup, kind: str, batch: int, config: TransferConfig, reps: int = 10) -> dict:
+    """One backup launch of ``kind`` alone on the idle GPU: median ms (CUDA events) and GB/s."""
+    if kind == "token":
+        d, h = tokens.offsets([(b, b % tokens.block_size) for b in range(batch)])
+        item = tokens.row_bytes
+    else:
+        blocks = batch if kind == "block_burst" else max(1, batch // tokens.block_size)
+        d, h = hk._offsets(list(range(blocks)), list(range(blocks)))
+        item = hk.item_bytes
+    dev = torch.from_numpy(np.stack([d, h])).to(hk.kv.storage.device)
+    times = []
+    for _ in range(reps + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        copy_items(hk.kv.storage, hk.pool, dev[0], dev[1], item, config=config)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = statistics.median(times[2:])
+    return dict(items=int(d.size), item_bytes=item, ms=ms, gb_s=d.size * item / ms / 1e6)
 
 
 class Run:
@@ -121,8 +168,10 @@ class Run:
     def time(self, variant: str, tokens: TokenBackup, backup_stream, releases: list[int]) -> dict:
         """Prefill (releasing the previous run's slots), warm up, time the decode steps; the slots used."""
         worker, cuda = self.worker, self.args.device.startswith("cuda")
-        worker.host_kv.backup_stream = None if variant.endswith("_compute") else backup_stream
-        stream = worker.host_kv.backup_stream
+        hk = worker.host_kv
+        hk.backup_stream = None if variant.endswith("_compute") else backup_stream
+        hk.backup_config = launch_config(variant)
+        stream = hk.backup_stream
         loop = DecodeLoop(worker, self.planner)
         plans = [self.planner.step() for _ in range(3)]  # prefill, then two decode steps (warm-up)
         plans[0].releases = releases
@@ -142,7 +191,7 @@ class Run:
             plan.backups = pairs
             step = worker.prepare(plan)  # the plan's block backups are enqueued here, beside the step
             if rows:
-                items += tokens.copy(rows, stream)
+                items += tokens.copy(rows, stream, hk.backup_config)
             items += len(pairs) // 2 * 2 * worker.kv_cache.storage.shape[0]
             launches += bool(rows or pairs)
             loop.in_flight.append(worker.copy_out(worker.launch(step), step))
@@ -156,7 +205,7 @@ class Run:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / self.args.steps
         gpu = start.elapsed_time(end) / 1e3 / self.args.steps if cuda else 0.0
-        worker.host_kv.backup_stream = backup_stream
+        hk.backup_stream, hk.backup_config = backup_stream, launch_config("")
         return dict(wall_ms=wall * 1e3, gpu_ms=gpu * 1e3, items=items, launches=launches,
                     slots=[r.slot for r in self.planner.running], next_step_id=self.planner.step_id)
 
@@ -197,6 +246,14 @@ def main(argv=None) -> dict:
                                   mib_per_step=mib, items_per_launch=items / max(1, launches), runs=rows[v])
         print(f"{v:<22}{wall:>9.3f}{gpu:>9.3f}{(wall / base - 1) * 100:>9.2f}%{mib:>10.2f}"
               f"{items / max(1, launches):>14.0f}")
+    if args.device.startswith("cuda"):
+        print(f"{'launch alone':<22}{'programs':>9}{'items':>7}{'ms':>8}{'GB/s':>8}")
+        out["launch_alone"] = {}
+        for kind in ("block_burst", "block_spread", "token"):
+            for name, config in ((str(BACKUP_PROGRAMS), launch_config("")), ("all", TransferConfig())):
+                r = time_launch(worker.host_kv, tokens, kind, args.batch, config)
+                out["launch_alone"][f"{kind}_{name}"] = r
+                print(f"{kind:<22}{name:>9}{r['items']:>7}{r['ms']:>8.3f}{r['gb_s']:>8.1f}")
     if args.json:
         write_json(args.json, out)
     return out

@@ -77,10 +77,11 @@ def test_backup_then_onload_round_trip_is_bit_exact(device, dtype, block_size, h
 def test_pipelined_steps_with_backups_and_onloads_do_not_synchronize(tmp_path, backup_stream):
     """200 decode steps at depth 2, each plan backing up 4 blocks and onloading 2, under sync debug mode."""
     model_dir = write_config(tmp_path, hidden=256, layers=2, heads=8, kv_heads=2, vocab=1000, intermediate=512)
-    worker = built(model_dir, "cuda", "bfloat16", num_slots=16, max_batch=16, num_blocks=1024,
+    worker = built(model_dir, "cuda", "bfloat16", num_slots=16, max_batch=16, num_blocks=2048,
                    num_host_kv_blocks=64, host_kv_backup_stream=backup_stream).worker
     assert worker.host_kv is not None and worker.host_kv.num_blocks == 64
-    planner = SyntheticPlanner(num_slots=16, block_size=4, num_blocks=512)  # blocks 512.. are onload targets
+    # 12 requests x 240 positions take 720 blocks of the planner's 1,024; blocks 1024.. are onload targets.
+    planner = SyntheticPlanner(num_slots=16, block_size=4, num_blocks=1024)
     for r in range(12):
         planner.add(list(range(r, r + 8)), GREEDY)
     in_flight: deque = deque()
@@ -98,7 +99,7 @@ def test_pipelined_steps_with_backups_and_onloads_do_not_synchronize(tmp_path, b
             assert worker.backups_done_through(step_id) <= step_id
 
     # Blocks 0..23 hold the 12 prompts (written by the first step, never rewritten): backup sources.
-    # Host blocks 32..63 are filled first, so that onloads read backed-up blocks; blocks 512.. are in no table.
+    # Host blocks 32..63 are filled first, so that onloads read backed-up blocks; blocks 1024.. are in no table.
     for k in range(32):
         step([k % 12, 32 + k])
     torch.cuda.synchronize()
@@ -106,7 +107,7 @@ def test_pipelined_steps_with_backups_and_onloads_do_not_synchronize(tmp_path, b
     try:
         for i in range(200):
             step([x for k in range(4) for x in ((i + k) % 12, (4 * i + k) % 32)],
-                 [x for k in range(2) for x in (32 + (2 * i + k) % 32, 512 + (2 * i + k) % 512)])
+                 [x for k in range(2) for x in (32 + (2 * i + k) % 32, 1024 + (2 * i + k) % 1024)])
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
