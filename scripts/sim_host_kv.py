@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import heapq
+import json
 import random
 import statistics
 import sys
@@ -57,7 +58,8 @@ def step(pl, ex, inflight, a) -> list:
         return None
     plan = inflight.popleft()
     prefill = sum(n for n, p in zip(plan.num_tokens, plan.is_prefill) if p)
-    Clock.t += (a.decode_ms + a.token_ms * prefill + a.onload_ms * len(plan.onloads) // 2) / 1e3
+    eager = a.eager_ms if any(plan.is_prefill) else 0.0
+    Clock.t += (a.decode_ms + eager + a.token_ms * prefill + a.onload_ms * len(plan.onloads) // 2) / 1e3
     return pl.reconcile(ex.execute(plan))
 
 
@@ -175,20 +177,30 @@ def main(argv=None) -> None:
     ap.add_argument("--decode-ms", type=float, default=None, help="default: swap 8.0, chat 7.3 (H100 step logs)")
     ap.add_argument("--token-ms", type=float, default=0.02, help="per prefill token")
     ap.add_argument("--onload-ms", type=float, default=0.044, help="per onloaded block (2 MiB at 48 GB/s)")
+    ap.add_argument("--eager-ms", type=float, default=0.0,
+                    help="extra per step with a prefill row (run eagerly, not as a graph, on the GPU; 0: as a graph)")
+    ap.add_argument("--json", default=None, help="append {args, figures per variant} to this JSON list")
     a = ap.parse_args(argv)
+    out = {}
     if a.mode == "swap":
         a.pool_fraction = a.pool_fraction or 0.45
         a.decode_ms = a.decode_ms or 8.0
         per = -(-(a.context_len + a.output_len) // a.block_size)
         for name, kw in (("recompute", dict(host_blocks=0, prefix=False)), ("off", dict(host_blocks=0)),
                          ("on", dict(host_blocks=int(a.requests * per * 1.25)))):
-            print(name, {k: round(v, 2) for k, v in swap(a, **kw).items()})
+            out[name] = swap(a, **kw)
+            print(name, {k: round(v, 2) for k, v in out[name].items()})
     else:
         a.pool_fraction = a.pool_fraction or 0.25
         a.decode_ms = a.decode_ms or 7.3
         per = -(-(a.first_len + a.turns * (a.user_len + a.reply_len)) // a.block_size)
         for name, blocks in (("device_only", 0), ("host_tier", int(a.conversations * per * 1.25))):
-            print(name, {k: round(v, 2) for k, v in chat(a, blocks).items()})
+            out[name] = chat(a, blocks)
+            print(name, {k: round(v, 2) for k, v in out[name].items()})
+    if a.json:
+        records = json.load(open(a.json)) if os.path.exists(a.json) else []
+        with open(a.json, "w") as f:
+            json.dump(records + [{"args": vars(a), **out}], f, indent=1)
 
 
 if __name__ == "__main__":
