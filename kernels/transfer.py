@@ -180,8 +180,9 @@ def _copy_item(src_ptr, dst_ptr, src_off_ptr, dst_off_ptr, src_shift, dst_shift,
         _copy_span(src_ptr, dst_ptr, s, d, n, chunk, 1, CHUNK, BLOCK)
 
 
-# Offsets arrive at any 8-byte place of the executor's upload: a compiled variant per alignment
-# would compile (seconds) at the first plan that meets a new one, while serving.
+# Offsets may lie at any 8-byte place (the executor's upload now puts every part at 16 bytes,
+# executor_proc/step/staging.py; other callers need not): a compiled variant per alignment would
+# compile (hundreds of ms) at the first call that meets a new one, while serving.
 _NO_ALIGN = (dict(do_not_specialize_on_alignment=["src_off_ptr", "dst_off_ptr"])
              if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters else {})
 

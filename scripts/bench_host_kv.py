@@ -33,11 +33,16 @@ workload to each:
   output throughput; the tokens found per tier.
 * ``chat``: ``--conversations`` (200) x ``--turns`` (4): each turn resends the
   conversation so far (a ``--first-len`` (256) token opening, then
-  ``--user-len`` (32) new tokens and ``--reply-len`` (32) outputs per turn), turns
-  of all conversations in order, ``--concurrency`` (32) at a time.  Device pool:
+  ``--user-len`` (32) new tokens and ``--reply-len`` (32) outputs per turn).
+  ``--arrival think`` (default): every conversation on its own, each turn an
+  exponential think time (mean ``--think-s``) after the previous reply, the
+  server running ``--concurrency`` (32) at a time and queueing the rest (TTFT
+  from the send, queueing included); ``--arrival lockstep``: turn t of every
+  conversation before any turn t + 1, ``--concurrency`` at a time (the first
+  GPU runs: 32 admitted together, finishing together).  Device pool:
   ``--chat-pool-fraction`` (1/4) of the working set (every conversation's final
   length); host pool: 1.25 x the working set.  Device-only prefix caching vs the
-  host tier: hit rate per tier and TTFT p50.
+  host tier: hit rate per tier, TTFT p50/p90, turns per second.
 """
 
 from __future__ import annotations
@@ -84,7 +89,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--first-len", type=int, default=256, help="chat: tokens of each conversation's opening")
     ap.add_argument("--user-len", type=int, default=32, help="chat: new user tokens per turn")
     ap.add_argument("--reply-len", type=int, default=32, help="chat: output tokens per turn")
-    ap.add_argument("--concurrency", type=int, default=32, help="chat: requests in flight at once")
+    ap.add_argument("--concurrency", type=int, default=32,
+                    help="chat: requests the server runs at once (--max-num-seqs; lockstep: the client's limit too)")
+    ap.add_argument("--arrival", choices=("think", "lockstep"), default="think",
+                    help="chat: each conversation on its own, a think time after each reply (default), or turn by "
+                         "turn in lockstep")
+    ap.add_argument("--think-s", type=float, default=2.5, help="chat, think: mean think time (exponential), seconds")
+    ap.add_argument("--seed", type=int, default=3, help="chat, think: the think times' seed")
     ap.add_argument("--chat-pool-fraction", type=float, default=0.25, help="chat: device pool / working set")
     ap.add_argument("--tiny", action="store_true", help="a few small requests per mode (the CPU smoke test)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per server run")
@@ -94,7 +105,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.tiny:
         for name, value in dict(batch=4, prompt_len=8, output_len=24, swap_requests=4, context_len=40,
                                 swap_output_len=24, conversations=6, turns=3, first_len=24, user_len=4,
-                                reply_len=4, concurrency=3, block_size=4).items():
+                                reply_len=4, concurrency=3, block_size=4, think_s=0.05).items():
             setattr(args, name, value)
     return args
 
@@ -166,6 +177,16 @@ async def stream(client: AsyncClient, ids: list[int], max_tokens: int) -> tuple[
     return times, counts
 
 
+async def warm_up(client: AsyncClient, tokens: "Tokens", block_size: int) -> None:
+    """Before the clock: a prefill alone, then a short prefill beside its decode row (the eager steps' kernels,
+    both tile shapes, compile here rather than in the measured run)."""
+    second = None
+    async for _ in client.stream(prompt_token_ids=tokens(block_size * 2), max_tokens=8, temperature=0.0,
+                                 ignore_eos=True, detokenize=False):
+        second = second or asyncio.ensure_future(stream(client, tokens(block_size // 2 + 1), 4))
+    await second
+
+
 def tier_hits(before: p.ServerStats, after: p.ServerStats) -> dict[str, Any]:
     query = after.prefix_cache_query_tokens - before.prefix_cache_query_tokens
     hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
@@ -225,7 +246,7 @@ def run_swap(args: argparse.Namespace) -> dict[str, Any]:
 
     async def work(client, raw):
         tokens = Tokens(client, 1)
-        await stream(client, tokens(args.block_size * 2), 4)  # warm-up
+        await warm_up(client, tokens, args.block_size)
         before = await stats(raw)
         t0 = time.perf_counter()
         runs = await asyncio.gather(*[stream(client, tokens(args.context_len), args.swap_output_len)
@@ -267,36 +288,56 @@ def run_chat(args: argparse.Namespace) -> dict[str, Any]:
     async def work(client, raw):
         tokens = Tokens(client, 2)
         convs = [tokens(args.first_len) for _ in range(args.conversations)]
-        await stream(client, tokens(args.block_size * 2), 2)  # warm-up
+        await warm_up(client, tokens, args.block_size)
         before = await stats(raw)
         ttfts: list[float] = []
-        gate = asyncio.Semaphore(args.concurrency)
 
         async def turn(i: int) -> None:
-            async with gate:
-                ids = convs[i] + tokens(args.user_len)
-                t0 = time.perf_counter()
-                reply: list[int] = []
-                async for chunk in client.stream(prompt_token_ids=ids, max_tokens=args.reply_len, temperature=0.0,
-                                                 ignore_eos=True, detokenize=False):
-                    if not reply:
-                        ttfts.append(time.perf_counter() - t0)
-                    reply += chunk.token_ids
-                convs[i] = ids + reply
+            ids = convs[i] + tokens(args.user_len)
+            t0 = time.perf_counter()
+            reply: list[int] = []
+            async for chunk in client.stream(prompt_token_ids=ids, max_tokens=args.reply_len, temperature=0.0,
+                                             ignore_eos=True, detokenize=False):
+                if not reply:
+                    ttfts.append(time.perf_counter() - t0)
+                reply += chunk.token_ids
+            convs[i] = ids + reply
 
         t0 = time.perf_counter()
-        for _ in range(args.turns):
-            await asyncio.gather(*[turn(i) for i in range(args.conversations)])
+        await (chat_lockstep if args.arrival == "lockstep" else chat_think)(args, turn)
         wall = time.perf_counter() - t0
         after = await stats(raw)
         out = {"ttft_ms_p50": percentile(ttfts, 50) * 1e3, "ttft_ms_p90": percentile(ttfts, 90) * 1e3,
-               "wall_s": wall, "device_blocks": device_pool, "working_set_blocks": working_set}
+               "wall_s": wall, "turns_per_s": len(ttfts) / wall, "device_blocks": device_pool,
+               "working_set_blocks": working_set}
         out.update(tier_hits(before, after))
         return out
 
     out = {name: with_server(flags + extra, args, work, f"chat_{name}") for name, extra in variants.items()}
     out["ttft_p50_speedup"] = out["device_only"]["ttft_ms_p50"] / out["host_tier"]["ttft_ms_p50"]
     return out
+
+
+async def chat_lockstep(args: argparse.Namespace, turn) -> None:
+    """Turn t of every conversation before any turn t + 1, ``--concurrency`` at a time (the first GPU runs)."""
+    gate = asyncio.Semaphore(args.concurrency)
+
+    async def gated(i: int) -> None:
+        async with gate:
+            await turn(i)
+    for _ in range(args.turns):
+        await asyncio.gather(*[gated(i) for i in range(args.conversations)])
+
+
+async def chat_think(args: argparse.Namespace, turn) -> None:
+    """Every conversation on its own: each turn ``Exp(--think-s)`` after the previous reply (the first after the
+    start); the server admits ``--concurrency`` at a time and queues the rest (the wait counts in TTFT)."""
+    async def conversation(i: int) -> None:
+        rng = random.Random(args.seed * 100_003 + i)
+        for _ in range(args.turns):
+            await asyncio.sleep(rng.expovariate(1 / args.think_s))
+            await turn(i)
+    await asyncio.gather(*[conversation(i) for i in range(args.conversations)])
 
 
 # --------------------------------------------------------------------- main

@@ -7,13 +7,15 @@ what the scheduling alone gives (preemptions, resumes, hits, TTFT in modelled ti
 figure far from it points at the executor, not the planner.
 
     python scripts/sim_host_kv.py swap [--requests 32 --output-len 384 --pool-fraction 0.45]
-    python scripts/sim_host_kv.py chat [--conversations 200 --first-len 256]
+    python scripts/sim_host_kv.py chat [--conversations 200 --first-len 256 --arrival think|lockstep --think-s 2.5]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import heapq
+import json
 import random
 import statistics
 import sys
@@ -56,7 +58,8 @@ def step(pl, ex, inflight, a) -> list:
         return None
     plan = inflight.popleft()
     prefill = sum(n for n, p in zip(plan.num_tokens, plan.is_prefill) if p)
-    Clock.t += (a.decode_ms + a.token_ms * prefill + a.onload_ms * len(plan.onloads) // 2) / 1e3
+    eager = a.eager_ms if any(plan.is_prefill) else 0.0
+    Clock.t += (a.decode_ms + eager + a.token_ms * prefill + a.onload_ms * len(plan.onloads) // 2) / 1e3
     return pl.reconcile(ex.execute(plan))
 
 
@@ -79,31 +82,34 @@ def swap(a, host_blocks: int, prefix: bool = True) -> dict:
 
 
 def chat(a, host_blocks: int) -> dict:
+    """The chat workload: ``a.arrival`` "think" (each conversation's next turn ``Exp(a.think_s)`` after its
+    previous reply, the first one ``Exp(a.think_s)`` after the start; the server's ``a.concurrency`` slots,
+    the rest queue) or "lockstep" (every conversation's turn t before any turn t + 1, ``a.concurrency`` at a
+    time, as the first GPU runs). TTFT runs from a turn's arrival."""
     final = a.first_len + a.turns * (a.user_len + a.reply_len)
     per = -(-final // a.block_size)
     pl, ex = planner(a.concurrency, int(a.conversations * per * a.pool_fraction), a.block_size, final + 16,
                      a.budget, host_blocks)
-    rng = random.Random(2)
+    rng, think = random.Random(2), random.Random(a.seed)
     convs = [[rng.randrange(10, 40000) for _ in range(a.first_len)] for _ in range(a.conversations)]
     Clock.t = 0.0
-    todo = collections.deque((t, i) for t in range(a.turns) for i in range(a.conversations))
-    done = [0] * a.conversations
+    arrivals = ChatArrivals(a, think)
     active: dict = {}  # rid -> [conversation, t0, request, first token seen]
     ttft: list[float] = []
     inflight: collections.deque = collections.deque()
     rid = 0
     while True:
-        while len(active) < a.concurrency and todo and all(d >= todo[0][0] for d in done):  # a turn is a barrier
-            _, i = todo.popleft()
+        for i, t0 in arrivals.due(Clock.t, len(active)):
             r = make_request(rid, prompt_len=1, max_tokens=a.reply_len, ignore_eos=True)
             r.prompt = convs[i] + [rng.randrange(10, 40000) for _ in range(a.user_len)]
-            active[rid] = [i, Clock.t, r, False]
+            active[rid] = [i, t0, r, False]
             pl.add(r)
             rid += 1
         outputs = step(pl, ex, inflight, a)
         if outputs is None:
-            if not todo and not active:
+            if arrivals.empty() and not active:
                 break
+            Clock.t = max(Clock.t, arrivals.next_time())  # idle until the next turn arrives
             continue
         for o in outputs:
             rec = active.get(o.request.rid)
@@ -112,10 +118,48 @@ def chat(a, host_blocks: int) -> dict:
                 ttft.append(Clock.t - rec[1])
             if o.finish_reason:
                 convs[rec[0]] = rec[2].prompt + rec[2].output
-                done[rec[0]] += 1
+                arrivals.finished(rec[0], Clock.t)
                 del active[o.request.rid]
     return dict(wall_s=Clock.t, ttft_ms_p50=statistics.median(ttft) * 1e3,
+                ttft_ms_p90=statistics.quantiles(ttft, n=10)[-1] * 1e3,
                 host_hit_tokens=pl.host.hit_tokens if pl.host else 0, preemptions=pl.num_preemptions)
+
+
+class ChatArrivals:
+    """When each conversation's turns arrive (see :func:`chat`)."""
+
+    def __init__(self, a, rng: random.Random):
+        self.a, self.rng = a, rng
+        self.turns_done = [0] * a.conversations
+        if a.arrival == "lockstep":
+            self.todo = collections.deque((t, i) for t in range(a.turns) for i in range(a.conversations))
+        else:
+            self.heap = [(rng.expovariate(1 / a.think_s), i) for i in range(a.conversations)]
+            heapq.heapify(self.heap)
+
+    def due(self, now: float, in_flight: int) -> list[tuple[int, float]]:
+        """The turns to send now: (conversation, arrival time)."""
+        out = []
+        if self.a.arrival == "lockstep":  # a turn is a barrier; at most a.concurrency in flight
+            while (in_flight + len(out) < self.a.concurrency and self.todo
+                   and all(d >= self.todo[0][0] for d in self.turns_done)):
+                out.append((self.todo.popleft()[1], now))
+            return out
+        while self.heap and self.heap[0][0] <= now:
+            t, i = heapq.heappop(self.heap)
+            out.append((i, t))
+        return out
+
+    def finished(self, i: int, now: float) -> None:
+        self.turns_done[i] += 1
+        if self.a.arrival != "lockstep" and self.turns_done[i] < self.a.turns:
+            heapq.heappush(self.heap, (now + self.rng.expovariate(1 / self.a.think_s), i))
+
+    def empty(self) -> bool:
+        return not (self.todo if self.a.arrival == "lockstep" else self.heap)
+
+    def next_time(self) -> float:
+        return self.heap[0][0] if self.a.arrival != "lockstep" and self.heap else 0.0
 
 
 def main(argv=None) -> None:
@@ -126,23 +170,37 @@ def main(argv=None) -> None:
                               concurrency=32).items():
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     ap.add_argument("--pool-fraction", type=float, default=None, help="default: swap 0.45, chat 0.25")
+    ap.add_argument("--arrival", choices=("think", "lockstep"), default="think",
+                    help="chat: each conversation's turns on its own (a think time after each reply), or in lockstep")
+    ap.add_argument("--think-s", type=float, default=2.5, help="chat, think: mean think time (exponential), seconds")
+    ap.add_argument("--seed", type=int, default=3, help="chat, think: the think times' seed")
     ap.add_argument("--decode-ms", type=float, default=None, help="default: swap 8.0, chat 7.3 (H100 step logs)")
     ap.add_argument("--token-ms", type=float, default=0.02, help="per prefill token")
     ap.add_argument("--onload-ms", type=float, default=0.044, help="per onloaded block (2 MiB at 48 GB/s)")
+    ap.add_argument("--eager-ms", type=float, default=0.0,
+                    help="extra per step with a prefill row (run eagerly, not as a graph, on the GPU; 0: as a graph)")
+    ap.add_argument("--json", default=None, help="append {args, figures per variant} to this JSON list")
     a = ap.parse_args(argv)
+    out = {}
     if a.mode == "swap":
         a.pool_fraction = a.pool_fraction or 0.45
         a.decode_ms = a.decode_ms or 8.0
         per = -(-(a.context_len + a.output_len) // a.block_size)
         for name, kw in (("recompute", dict(host_blocks=0, prefix=False)), ("off", dict(host_blocks=0)),
                          ("on", dict(host_blocks=int(a.requests * per * 1.25)))):
-            print(name, {k: round(v, 2) for k, v in swap(a, **kw).items()})
+            out[name] = swap(a, **kw)
+            print(name, {k: round(v, 2) for k, v in out[name].items()})
     else:
         a.pool_fraction = a.pool_fraction or 0.25
         a.decode_ms = a.decode_ms or 7.3
         per = -(-(a.first_len + a.turns * (a.user_len + a.reply_len)) // a.block_size)
         for name, blocks in (("device_only", 0), ("host_tier", int(a.conversations * per * 1.25))):
-            print(name, {k: round(v, 2) for k, v in chat(a, blocks).items()})
+            out[name] = chat(a, blocks)
+            print(name, {k: round(v, 2) for k, v in out[name].items()})
+    if a.json:
+        records = json.load(open(a.json)) if os.path.exists(a.json) else []
+        with open(a.json, "w") as f:
+            json.dump(records + [{"args": vars(a), **out}], f, indent=1)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,9 @@ def test_simulation_resumes_by_copy_and_hits_the_host():
     assert swap.returncode == 0, swap.stderr
     lines = {line.split()[0]: line for line in swap.stdout.splitlines()}
     assert "'resumes': 1" in lines["recompute"] and "'host_hit_tokens': 0," not in lines["on"]
-    chat = subprocess.run([sys.executable, "scripts/sim_host_kv.py", "chat", "--conversations", "20", "--concurrency",
-                           "4", "--first-len", "64"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert chat.returncode == 0, chat.stderr
-    assert "'host_hit_tokens': 0," not in chat.stdout.splitlines()[1]
+    for arrival in ("think", "lockstep"):
+        chat = subprocess.run([sys.executable, "scripts/sim_host_kv.py", "chat", "--conversations", "20", "--concurrency",
+                               "4", "--first-len", "64", "--arrival", arrival], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert chat.returncode == 0, chat.stderr
+        assert "'host_hit_tokens': 0," not in chat.stdout.splitlines()[1], (arrival, chat.stdout)

@@ -12,7 +12,7 @@ so a plan's backups (or onloads) of B blocks are one ``kernels.transfer.copy_ite
 Ordering on CUDA, with no host wait and no host read of a device value::
 
     compute  ... step N-1 .................. | upload N | (record E) | wait(onload N) | step N ...
-    copy     upload offsets | onload N | (record onload N)
+    copy     upload block ids | item offsets | onload N | (record onload N)
     backup                                                wait(E) | backup N | (record done N)
 
 Onloads start as soon as the plan is staged, on the copy stream with an upload of their
@@ -94,7 +94,9 @@ class HostKV:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.backup_stream = torch.cuda.Stream(device) if self.cuda and backup_stream else None
         self.backup_config = TransferConfig(max_programs=BACKUP_PROGRAMS)  # only on the backup stream
-        self._staging = PinnedStaging(device)  # the onloads' offsets, uploaded on the copy stream
+        self._staging = PinnedStaging(device)  # the onloads' block ids, uploaded on the copy stream
+        self._device_item_t = torch.from_numpy(self._device_item).to(device)  # for the onloads' expansion
+        self._host_item_t = torch.from_numpy(self._host_item).to(device)
         self._onloaded: Optional[torch.cuda.Event] = None  # the staged plan's onloads, for its step to wait on
         self._backups: deque[tuple[int, torch.cuda.Event]] = deque()  # (step_id, done event), oldest first
         if self.cuda:
@@ -102,7 +104,9 @@ class HostKV:
 
     def _warm_up(self) -> None:
         """Compile (or load) the copy kernel's variants now, not at the first plan that copies: block 0 to
-        host block 0 and back (zeros both), with one program and many, offsets 16- and 8-byte aligned."""
+        host block 0 and back (zeros both), with one program and many, offsets 16- and 8-byte aligned (the
+        upload aligns its parts to 16 bytes and the kernel does not specialise on the offsets' alignment: a
+        precaution)."""
         storage, n = self.kv.storage, 2 * self.kv.storage.shape[0]
         dev, host = (torch.from_numpy(np.concatenate([[0], x])).to(storage.device) for x in self._offsets([0], [0]))
         for start in (0, 1):  # offsets from a 16-byte boundary and from 8 bytes past one (the upload's places)
@@ -133,23 +137,32 @@ class HostKV:
         return upload.add(bk_dev, torch.int64), upload.add(bk_host, torch.int64)
 
     def _onload(self, onloads: list[int]) -> None:
-        """Copy the ``(host, device)`` block pairs now, on the copy stream with offsets of its own, so the copy
+        """Copy the ``(host, device)`` block pairs now, on the copy stream with an upload of its own, so the copy
         runs beside the steps in flight: no step in flight or backup uses the target blocks (they were free
         when the plan was made, and a block is freed only once every step and backup that used it is
         done) and the source blocks are complete copies (keyed only once their backup was done). The step
-        that reads them waits for the copy (:meth:`copy`)."""
-        on_dev, on_host = self._offsets(onloads[1::2], onloads[0::2])
+        that reads them waits for the copy (:meth:`copy`). Only the block ids travel (16 bytes a block, not
+        16 per item): the item offsets are expanded on the copy stream, and the upload's pinned buffers
+        need not grow for a large onload (a pinned allocation is slow and may wait for the device)."""
         storage = self.kv.storage
         if not self.cuda:
-            copy_items(self.pool, storage, torch.from_numpy(on_host), torch.from_numpy(on_dev), self.item_bytes)
+            copy_items(self.pool, storage, *self._onload_offsets(torch.tensor(onloads, dtype=torch.int64)),
+                       self.item_bytes)
             return
-        with torch.cuda.stream(self.copy_stream):  # the offsets' upload and the copy, in order on one stream
+        with torch.cuda.stream(self.copy_stream):  # the upload, the expansion and the copy, in order on one stream
             upload = self._staging.upload()
-            parts = upload.add(on_host, torch.int64), upload.add(on_dev, torch.int64)
-            sent = upload.send()
-            copy_items(self.pool, storage, sent[parts[0]], sent[parts[1]], self.item_bytes)
+            part = upload.add(onloads, torch.int64)
+            copy_items(self.pool, storage, *self._onload_offsets(upload.send()[part]), self.item_bytes)
             self._onloaded = torch.cuda.Event()
             self._onloaded.record()
+
+    def _onload_offsets(self, onloads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Byte offsets of every item of the ``(host, device)`` pairs, expanded where ``onloads`` lies (on the
+        current stream): (in the host pool, in the device storage)."""
+        pairs = onloads.view(-1, 2)
+        src = (pairs[:, :1] * self._host_block_bytes + self._host_item_t).reshape(-1)
+        dst = (pairs[:, 1:] * self._device_block_bytes + self._device_item_t).reshape(-1)
+        return src, dst
 
     def copy(self, step_id: int, parts: Optional[tuple], sent: list[torch.Tensor]) -> None:
         """Make the step wait (on the device) for its onloads; enqueue its backups (nothing waits for them)."""

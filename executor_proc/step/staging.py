@@ -29,7 +29,21 @@ import torch
 from kernels.logprobs_ref import MAX_TOP_N
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
-_ALIGN = 8
+# Every part starts at a 16-byte boundary of the device buffer.  Triton compiles a kernel variant per
+# (pointer argument, 16-byte aligned or not): parts at mere 8-byte places would give each eager step's index
+# arrays (query_start, context_lens, positions, ...) an alignment that depends on the sizes of the parts before
+# them, and a step that met a new combination compiled a variant while serving, its main thread blocked for
+# hundreds of ms (the swap resumes of docs/performance.md, "Host KV tier").
+_ALIGN = 16
+
+
+def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """(byte offset of each part, total bytes): parts in order, each at a multiple of ``_ALIGN``."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // _ALIGN) * _ALIGN
+    return offsets, total
 
 
 class HostUpload:
@@ -68,10 +82,7 @@ class PinnedStaging:
         if not self.pinned:
             return [torch.as_tensor(np.asarray(v, dtype=_NUMPY[dt])) for v, dt in parts]
         sizes = [len(v) * torch.empty((), dtype=dt).element_size() for v, dt in parts]
-        offsets, total = [], 0
-        for n in sizes:
-            offsets.append(total)
-            total += -(-n // _ALIGN) * _ALIGN
+        offsets, total = layout(sizes)
         k = self._next
         self._next = (k + 1) % self._depth
         self._events[k].synchronize()  # returns at once unless this buffer's copy (depth steps ago) is pending
