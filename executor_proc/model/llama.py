@@ -208,6 +208,11 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Run one step; float32 logits ``[S, vocab]`` for ``batch.sample_index`` (every token's if None)."""
+        return self.logits(self.final_hidden(batch, kv_cache))
+
+    @torch.inference_mode()
+    def final_hidden(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """The decoder with its final norm, for the tokens of ``batch.sample_index`` (every token if None)."""
         backend = self.backend
         x = self.model.embed_tokens(batch.input_ids)
         step = StepContext(backend.plan(batch), kv_cache, backend)
@@ -217,8 +222,11 @@ class CausalLM(nn.Module):
         if batch.sample_index is not None:
             x, residual = x[batch.sample_index], residual[batch.sample_index]
         norm = self.model.norm
-        x, _ = backend.add_rms_norm(x, residual, norm.weight, norm.eps)
-        return backend.linear(x, self.lm_head.weight, None).float()
+        return backend.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: float32 logits ``[S, vocab]`` of :meth:`final_hidden`'s rows."""
+        return self.backend.linear(hidden, self.lm_head.weight, None).float()
 
     @torch.no_grad()
     def load_weights(
