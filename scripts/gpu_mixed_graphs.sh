@@ -2,20 +2,25 @@
 # On a GPU machine (issue 13, graphs for every step), one call: the mixed-step graph tests, then
 # Poisson serving of 512-token prompts (1B shape, random weights) with mixed graphs on and off,
 # the 8B shape's start-up with every graph, and the batch-1 decode step. Results go to $OUT.
-#   SKIP_TESTS=1  skip the pytest part;  SKIP_8B=1  skip the 8B start-up
+#   TESTS="..."   pytest node ids (default: the mixed-step and fast-path GPU tests; "none" skips them)
+#   CASES="..."   servers as NAME:FLAG,FLAG,... (default "on: off:--mixed-graphs,off")
+#   LOADS="..."   b1 r10 r40 (default all);  SKIP_8B=1 / SKIP_DECODE=1  skip the 8B start-up / bench_decode
+# Everything lands in $OUT/results.tgz (one file: the device tool brings back only a few).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/out}; OUT="$FINAL/results"; mkdir -p "$OUT"
+TESTS=${TESTS:-"tests/test_mixed_graphs.py tests/test_gpu_fastpath.py tests/test_kernels.py::test_prefill_attention_work_tiles"}
+CASES=${CASES:-"on: off:--mixed-graphs,off"}
+LOADS=${LOADS:-"b1 r40 r10"}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
-if [ -z "${SKIP_TESTS:-}" ]; then
+if [ "$TESTS" != none ]; then
   stamp "GPU tests"
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_mixed_graphs.py tests/test_gpu_fastpath.py \
-      "tests/test_kernels.py::test_prefill_attention_work_tiles" > "$OUT/tests.log" 2>&1
-  echo "tests rc=$?"; grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short $TESTS > "$OUT/tests.log" 2>&1
+  echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -5
 fi
 
 SERVER=""
@@ -40,12 +45,13 @@ bench() {  # NAME TAG FLAGS...
     || { echo "$name $tag failed"; tail -5 "$OUT/bench_${name}_$tag.log"; }
 }
 
-for name in on off; do
-  flags=(); [ $name = off ] && flags=(--mixed-graphs off)
+declare -A LOAD_FLAGS=([b1]="--concurrency 1 --num-requests 8 --warmup 1"
+                        [r40]="--request-rate 40 --num-requests 400 --warmup 4"
+                        [r10]="--request-rate 10 --num-requests 120 --warmup 2")
+for case in $CASES; do
+  name=${case%%:*}; IFS=, read -ra flags <<< "${case#*:}"
   if serve $name llama-3.2-1b "${flags[@]}"; then
-    bench $name b1 --concurrency 1 --num-requests 8 --warmup 1
-    bench $name r40 --request-rate 40 --num-requests 400 --warmup 4
-    bench $name r10 --request-rate 10 --num-requests 120 --warmup 2
+    for load in $LOADS; do bench $name $load ${LOAD_FLAGS[$load]}; done
     stop
   fi
   stamp "$name done"
@@ -55,15 +61,17 @@ if [ -z "${SKIP_8B:-}" ]; then
   serve 8b llama-3-8b && stop
 fi
 
-stamp "bench_decode 1B"
-timeout 120 python3 scripts/bench_decode.py --models llama-3.2-1b --json "$OUT/decode_b1.json" > "$OUT/decode.log" 2>&1
-tail -3 "$OUT/decode.log" | head -2
+if [ -z "${SKIP_DECODE:-}" ]; then
+  stamp "bench_decode 1B"
+  timeout 120 python3 scripts/bench_decode.py --models llama-3.2-1b --json "$OUT/decode_b1.json" > "$OUT/decode.log" 2>&1
+  tail -3 "$OUT/decode.log" | head -2
+fi
 
-python3 - "$OUT" <<'EOF'
+python3 - "$OUT" "$CASES" <<'EOF'
 import json, os, sys
-out = sys.argv[1]
+out, names = sys.argv[1], [c.split(":")[0] for c in sys.argv[2].split()]
 print(f"{'server':<6}{'load':<5}{'ok':>5}{'TPOT p50':>10}{'p99':>7}{'ITL p50':>9}{'p90':>7}{'p99':>7}{'TTFT p50':>10}{'p99':>8}")
-for name in ("on", "off"):
+for name in names:
     for tag in ("b1", "r10", "r40"):
         path = os.path.join(out, f"serve_{name}_{tag}.json")
         if not os.path.exists(path):
@@ -72,7 +80,7 @@ for name in ("on", "off"):
         t, i, f = m["tpot_ms"], m["itl_ms"], m["ttft_ms"]
         print(f"{name:<6}{tag:<5}{m['completed']:>5}{t['p50']:>10.3f}{t['p99']:>7.2f}{i['p50']:>9.3f}{i['p90']:>7.2f}"
               f"{i['p99']:>7.2f}{f['p50']:>10.1f}{f['p99']:>8.1f}")
-for name in ("on", "off"):
+for name in names:
     path = os.path.join(out, f"steps_{name}.jsonl")
     if not os.path.exists(path):
         continue
@@ -82,4 +90,5 @@ for name in ("on", "off"):
     print(f"steps {name}: {len(busy)}, GPU ms p50 {q(.5):.3f} p90 {q(.9):.3f} p99 {q(.99):.3f} max {busy[-1]:.2f}; "
           f"{len(long)} over 2 ms (median {long[len(long) // 2] if long else 0:.2f})")
 EOF
+tar czf "$FINAL/results.tgz" -C "$OUT" . && rm -rf "$OUT"
 stamp "all done"
