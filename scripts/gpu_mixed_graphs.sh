@@ -5,6 +5,7 @@
 #   TESTS="..."   pytest node ids (default: the mixed-step and fast-path GPU tests; "none" skips them)
 #   CASES="..."   servers as NAME:FLAG,FLAG,... (default "on: off:--mixed-graphs,off")
 #   LOADS="..."   b1 r10 r40 (default all);  SKIP_8B=1 / SKIP_DECODE=1  skip the 8B start-up / bench_decode
+#   MIXED_STEP=MODEL  also time one mixed step graph vs eager (scripts/bench_mixed_step.py), with its kernels
 # Everything lands in $OUT/results.tgz (one file: the device tool brings back only a few).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +22,13 @@ if [ "$TESTS" != none ]; then
   stamp "GPU tests"
   timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short $TESTS > "$OUT/tests.log" 2>&1
   echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -5
+fi
+
+if [ -n "${MIXED_STEP:-}" ]; then  # e.g. MIXED_STEP=llama-3.2-1b: one mixed step, graph vs eager, and its kernels
+  stamp "bench_mixed_step $MIXED_STEP"
+  timeout 200 python3 scripts/bench_mixed_step.py --model "$MIXED_STEP" --json "$OUT/mixed_step_$MIXED_STEP.json" \
+      --profile "$OUT/mixed_step_$MIXED_STEP.kernels" > "$OUT/mixed_step_$MIXED_STEP.log" 2>&1
+  tail -6 "$OUT/mixed_step_$MIXED_STEP.log"
 fi
 
 SERVER=""
