@@ -29,6 +29,7 @@ import time
 import torch
 
 from _bench_util import write_json
+from bench_decode import profile_kernels
 from executor_proc.build import build_worker
 from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner
 from executor_proc.step.worker import EagerStep, MixedStep
@@ -89,7 +90,7 @@ def run_case(worker, mcfg, decode: int, prefill: int, args) -> dict:
     run = lambda: worker.mixed.run(step.shape, step.num_sampled, step.mode)  # noqa: E731
     graph = timed(run, args.reps, cuda)
     if args.profile and f"{decode}x{prefill}" == args.profile_case:
-        profile(run, f"{args.profile}.txt")
+        profile_kernels(run, f"{args.profile}.txt")
     mixed, worker.mixed = worker.mixed, None  # the same plan through the eager path
     eager_step = worker.prepare(plan)
     worker.mixed = mixed
@@ -99,22 +100,6 @@ def run_case(worker, mcfg, decode: int, prefill: int, args) -> dict:
     return dict(decode=decode, prefill=prefill, context=args.context, bucket_tokens=step.shape.tokens,
                 bucket_rows=step.shape.rows, sampled=step.num_sampled, graph_ms=graph * 1e3, eager_ms=eager * 1e3,
                 tflops=flops / graph / 1e12)
-
-
-def profile(fn, path: str, reps: int = 5) -> None:
-    """Per-kernel device time of ``reps`` calls (graph replays are traced kernel by kernel)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
-    try:
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                fn()
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
-    except Exception as e:  # a diagnostic: never lose the benchmark for it
-        table = f"profiler failed: {type(e).__name__}: {e}"
-    with open(path, "w") as f:
-        f.write(table + "\n")
 
 
 def main(argv=None) -> int:
