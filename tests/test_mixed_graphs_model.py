@@ -5,7 +5,8 @@ backend, every decode step too) is padded to a token and row bucket and run thro
 mixed-step runner, called eagerly (padded tokens write no KV, padded rows sample for the
 pad slot).  A small token budget chunks the prompts, so steps carry decode rows and chunks
 of several requests.  At depths 0, 1 and 2 the outputs must equal a server's with the
-runner off.
+runner off; with the host KV tier (a tiny device pool: swaps and host hits) they must equal
+an untouched run's.
 """
 
 from __future__ import annotations
@@ -38,3 +39,18 @@ async def test_padding_to_buckets_never_changes_outputs(depth, server_factory, c
     got = await _outputs(srv.address, prompts)
     assert got == want
     assert_no_leak(await wait_idle(srv.address))
+
+
+async def test_host_kv_swaps_through_the_runner(server_factory, model_server, chat_prompt_ids):
+    """The host KV tier's onloads and backups beside padded steps: preempted requests resume by copy, same tokens."""
+    from tests.test_host_kv_model import DEVICE_BLOCKS, HOST_BLOCKS, assert_tiers_whole, generate_all
+
+    prompts = [ids + ids for ids in chat_prompt_ids[:8]]
+    tier = server_factory("--mixed-graphs", "on", "--max-num-seqs", "8", "--num-kv-blocks", str(DEVICE_BLOCKS),
+                          "--num-host-kv-blocks", str(HOST_BLOCKS), "--debug-checks")
+    reference = await generate_all(model_server(1).address, prompts)
+    got = await generate_all(tier.address, prompts)
+    after = await wait_idle(tier.address)
+    assert got == reference
+    assert after.preemptions > 0 and after.prefix_cache_host_hit_tokens > 0, after
+    assert_tiers_whole(after)
