@@ -132,7 +132,3 @@ class MixedGraphs:
         self.inputs[r:2 * r].fill_(0)
         self._capture_head(rows, mode)
         self.inputs[:2 * r].copy_(saved)
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self.bodies) + len(self.heads)

@@ -88,6 +88,7 @@ class MixedShape:
         return self.tile_programs + self.rows
 
     def lengths(self) -> dict[str, int]:
+        """The body's arrays and their lengths, in buffer order."""
         t, r = self.tokens, self.rows
         return dict(ids=t, positions=t, token_slots=t, row_slots=r, query_start=r + 1, context_lens=r,
                     decode_lens=r, sample_index=r, tiles=1 + 2 * self.max_tiles)
