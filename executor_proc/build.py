@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -42,6 +42,7 @@ class BuiltWorker:
     num_graphs: int = 0  # CUDA graphs captured at start-up
     graph_capture_s: float = 0.0  # how long capturing them took
     graph_memory_bytes: int = 0  # device memory they took (free memory before - after)
+    tp: Optional[object] = None  # executor_proc.parallel.group.TPGroup when tensor_parallel_size > 1
 
 
 def resolve_device(name: str) -> torch.device:
@@ -54,32 +55,50 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_worker(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage, done, total: None) -> BuiltWorker:
-    """Everything the executor needs before its first plan; ``progress(stage, done, total)`` reports it."""
-    device = resolve_device(cfg.device)
+    """Everything the executor needs before its first plan; ``progress(stage, done, total)`` reports it.
+
+    With ``tensor_parallel_size > 1`` this is one rank's worker: it joins the group first, loads its
+    shard, and sizes its KV cache (its KV heads only) and host pool to the smallest any rank can hold.
+    """
+    tp_size = cfg.tensor_parallel_size
+    tp = None
+    if tp_size > 1:
+        from executor_proc.parallel.group import init_group, rank_device
+
+        device = resolve_device(rank_device(cfg.device, cfg.tp_rank))
+        tp = init_group(cfg.tp_init_method, cfg.tp_rank, tp_size, device)
+    else:
+        device = resolve_device(cfg.device)
     dtype = getattr(torch, cfg.resolved_dtype())
-    model, mcfg = load_model(model_path(cfg, progress), cfg.load_format, device, dtype, progress_cb=progress)
+    model, mcfg = load_model(model_path(cfg, progress), cfg.load_format, device, dtype, progress_cb=progress, tp=tp)
     max_len = min(cfg.max_model_len or mcfg.max_model_len, mcfg.max_model_len)
     max_blocks = -(-max_len // cfg.block_size)
     backend = select_backend(cfg, device, model, max_len, progress)
     model.use_backend(backend)
-    per_block = kv_cache_bytes_per_block(mcfg, cfg.block_size, dtype)
+    per_block = kv_cache_bytes_per_block(model.config, cfg.block_size, dtype)  # the rank's KV heads
     num_blocks = cfg.num_kv_blocks or _auto_num_blocks(cfg, device, per_block, cfg.num_slots * max_blocks)
+    # A host pool costs per_block on every rank: its budget is the whole group's.
+    host_blocks = num_host_blocks(cfg, device, per_block * tp_size)
+    if tp is not None:
+        num_blocks, host_blocks = tp.agree_min(num_blocks), tp.agree_min(host_blocks)
     progress("kv_cache", 0, 1)
-    kv = KVCache(mcfg, num_blocks, cfg.block_size, device=device, dtype=dtype)
+    kv = KVCache(model.config, num_blocks, cfg.block_size, device=device, dtype=dtype)
     progress("kv_cache", 1, 1)
-    host_blocks = num_host_blocks(cfg, device, per_block)
     host_kv = None
     if host_blocks:
         progress("host_kv_cache", 0, 1)
-        host_kv = HostKV(kv, host_blocks, device, backup_stream=cfg.host_kv_backup_stream)
+        # Only rank 0 reports which backups are done: the other ranks' are ordered before their later steps.
+        host_kv = HostKV(kv, host_blocks, device, backup_stream=cfg.host_kv_backup_stream and cfg.tp_rank == 0)
         progress("host_kv_cache", 1, 1)
     tables = SlotTables(cfg.num_slots, max_blocks, device, mcfg.vocab_size)
     max_batch = graph_max_batch(cfg, backend)
     worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=max_batch,
                     capture_graphs=device.type == "cuda" and max_batch > 0, host_kv=host_kv,
                     mixed_max_tokens=mixed_max_tokens(cfg, backend))
-    capture = _capture_graphs(worker, device, lambda done, total: progress(GRAPH_STAGE, done, total))
-    return BuiltWorker(worker, mcfg, num_blocks, max_len, device, host_blocks, *capture)
+    num_graphs, capture_s, graph_bytes = _capture_graphs(
+        worker, device, lambda done, total: progress(GRAPH_STAGE, done, total))
+    return BuiltWorker(worker, mcfg, num_blocks, max_len, device, host_blocks, num_graphs=num_graphs,
+                       graph_capture_s=capture_s, graph_memory_bytes=graph_bytes, tp=tp)
 
 
 def _capture_graphs(worker: Worker, device: torch.device, progress) -> tuple[int, float, int]:

@@ -10,6 +10,11 @@ Main loop (one thread)::
 The output thread owns the result socket: it waits for each step's copy event
 and sends a StepResult, so the main thread is already enqueuing step N+1 while
 step N's tokens travel back.
+
+With tensor parallelism this process is one rank of a group that the scheduler
+started together: every rank receives every plan on its own socket and runs it
+(the collectives inside the model keep them in step); rank 0 alone reports
+(load progress, ExecutorReady, StepResults), any rank reports its own failure.
 """
 
 from __future__ import annotations
@@ -108,6 +113,8 @@ class ExecutorProcess:
         self.plans = make_socket(self.ctx, zmq.PULL, cfg.plan_addr, bind=False)
         self.results = make_socket(self.ctx, zmq.PUSH, cfg.result_addr, bind=False)
         self.output = OutputThread(self.results)
+        self.tp = None  # the tensor-parallel group, once built
+        self.last_step_id: Optional[int] = None
 
     def send(self, msg) -> None:
         self.results.send(p.encode(msg))
@@ -119,9 +126,17 @@ class ExecutorProcess:
         from executor_proc.build import build_worker
 
         cfg = self.cfg
-        built = build_worker(cfg, lambda stage, done, total: self.send(p.LoadProgress(stage, done, total)))
-        self.worker, mcfg = built.worker, built.model_config
+        lead = cfg.tp_rank == 0
+        report = (lambda stage, done, total: self.send(p.LoadProgress(stage, done, total))) if lead else (
+            lambda stage, done, total: None)
+        built = build_worker(cfg, report)
+        self.worker, mcfg, self.tp = built.worker, built.model_config, built.tp
         self.output.backups_done = self.worker.backups_done_through
+        if self.tp is not None:
+            self.tp.barrier()  # every rank is built and listening for plans before the scheduler sends one
+            if not lead:  # rank 0 alone reports
+                gc.freeze()
+                return
         self.send(p.ExecutorReady(
             num_kv_blocks=built.num_kv_blocks, max_model_len=built.max_model_len, vocab_size=mcfg.vocab_size,
             eos_token_ids=list(mcfg.eos_token_ids), device=str(built.device), dtype=cfg.resolved_dtype(),
@@ -166,7 +181,15 @@ class ExecutorProcess:
         event.record()
         return event
 
+    def in_order(self, plan: p.StepPlan) -> None:
+        """Fail loudly on a gap in the step ids: a rank that missed a plan would no longer match the others."""
+        if self.last_step_id is not None and plan.step_id != self.last_step_id + 1:
+            raise RuntimeError(f"plan {plan.step_id} arrived after plan {self.last_step_id}; a plan is missing")
+        self.last_step_id = plan.step_id
+
     def run(self) -> None:
+        if self.cfg.tp_rank:
+            return self.run_follower()
         self.output.start()
         worker = self.worker
         while True:
@@ -174,6 +197,7 @@ class ExecutorProcess:
             plan = self.receive()
             if isinstance(plan, p.Shutdown):
                 break
+            self.in_order(plan)
             t_start = self.t_ready
             events = self._record_gpu_event()
             step = worker.prepare(plan)
@@ -186,6 +210,14 @@ class ExecutorProcess:
         self.output.steps.put(None)
         self.output.join(timeout=5)
 
+    def run_follower(self) -> None:
+        """A rank other than 0: run every plan as rank 0 does (its collectives need ours); report nothing."""
+        worker = self.worker
+        while not isinstance(plan := self.receive(), p.Shutdown):
+            self.in_order(plan)
+            worker.launch(worker.prepare(plan))
+            worker.backups_done_through(plan.step_id)  # forgets completed backup events (nobody else polls)
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -194,13 +226,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = msgspec.json.decode(argv[0], type=ExecutorConfig)
     # One core is left to the scheduler and clients: OpenMP matmuls that share a core slow down tenfold.
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
+    # Tensor-parallel ranks on the CPU share the rest.
+    torch.set_num_threads(cfg.threads or max(1, ((os.cpu_count() or 2) - 1) // cfg.tensor_parallel_size))
     ex = ExecutorProcess(cfg)
     try:
         ex.setup()
         ex.run()
+        if ex.tp is not None:
+            ex.tp.close()
     except BaseException as e:  # report every failure to the scheduler before dying
-        msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        rank = f"rank {cfg.tp_rank}: " if cfg.tensor_parallel_size > 1 else ""
+        msg = f"{rank}{type(e).__name__}: {e}\n{traceback.format_exc()}"
         if ex.output.is_alive():  # the result socket has one owner at a time
             ex.output.steps.put(None)
             ex.output.join(timeout=2)

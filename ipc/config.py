@@ -23,6 +23,8 @@ MAX_BLOCK_SIZE = 256
 # The host KV tier's default pool on cuda, and the largest one accepted (pinned memory is not swappable).
 DEFAULT_HOST_KV_GIB = 4.0
 MAX_HOST_KV_GIB = 4096.0
+# Executor processes of one tensor-parallel group (one GPU each); 64 is far past any host's GPUs.
+MAX_TENSOR_PARALLEL = 64
 
 
 class _Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -48,6 +50,9 @@ class ExecutorConfig(_Config):
     dtype: Dtype = "auto"  # auto: float32 on cpu, bfloat16 on cuda
     kernels: Kernels = "auto"  # auto: Triton on cuda, torch on cpu
     cuda_graphs: bool = True  # capture pure-decode steps (with Triton kernels on cuda)
+    # One kernel, tile and split per op whatever the batch: a row's logits do not depend on its step's
+    # other rows (Triton kernels only; costs speed: docs/performance.md).
+    batch_invariant: bool = False
     cuda_graph_max_batch: Optional[int] = None  # largest graph bucket; None: num_slots
     mixed_graphs: MixedGraphs = "auto"  # graphs of steps with prefill chunks (see MixedGraphs above)
     cuda_graph_max_tokens: Optional[int] = None  # largest mixed-step token bucket; None: max_num_batched_tokens
@@ -63,11 +68,16 @@ class ExecutorConfig(_Config):
     host_kv_gib: Optional[float] = None
     num_host_kv_blocks: Optional[int] = None  # exact host pool size (tests, restarts); overrides host_kv_gib
     host_kv_backup_stream: bool = True  # backups on their own CUDA stream (False: on the compute stream)
+    # Executor processes sharing the model (Megatron tensor parallelism): rank r on cuda:(i + r) for
+    # --device cuda:i, or N ranks on the CPU (gloo); they run the same plans, rank 0 reports.
+    tensor_parallel_size: int = 1
     scripted: ScriptedOptions = ScriptedOptions()
     # Filled in by the scheduler when it starts the executor.
     plan_addr: str = ""  # the executor PULLs plans here (the scheduler binds)
     result_addr: str = ""  # the executor PUSHes results here (the scheduler binds)
     parent_pid: int = 0  # the executor exits when this process goes away
+    tp_rank: int = 0  # this process's rank in the tensor-parallel group
+    tp_init_method: str = ""  # the group's torch.distributed rendezvous (file:// in the run directory)
 
     def __post_init__(self) -> None:
         check_executor_config(self)
@@ -84,6 +94,13 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
     if bs < 1 or bs > MAX_BLOCK_SIZE or bs & (bs - 1):
         raise ValueError(f"block_size must be a power of two between 1 and {MAX_BLOCK_SIZE}, got {bs}")
     _at_least("num_slots", cfg.num_slots, 1)
+    tp = cfg.tensor_parallel_size
+    if not 1 <= tp <= MAX_TENSOR_PARALLEL:
+        raise ValueError(f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL}], got {tp}")
+    if not 0 <= cfg.tp_rank < tp:
+        raise ValueError(f"tp_rank must be in [0, {tp - 1}], got {cfg.tp_rank}")
+    if tp > 1 and cfg.load_format == "scripted":
+        raise ValueError("tensor_parallel_size must be 1 with load_format 'scripted' (it has no model to shard)")
     _at_least("max_num_batched_tokens", cfg.max_num_batched_tokens, 1)
     for name in ("num_kv_blocks", "max_model_len", "threads", "cuda_graph_max_batch", "cuda_graph_max_tokens"):
         value = getattr(cfg, name)
@@ -95,6 +112,10 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
         raise ValueError(f"host_kv_gib must be in [0, {MAX_HOST_KV_GIB}], got {cfg.host_kv_gib}")
     if not 0 < cfg.kv_memory_fraction <= 1:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {cfg.kv_memory_fraction}")
+    if cfg.batch_invariant and cfg.load_format != "scripted" and not (
+            cfg.kernels == "triton" or (cfg.kernels == "auto" and cfg.device.startswith("cuda"))):
+        raise ValueError("batch_invariant needs the Triton kernels: kernels='triton' (the default on cuda), "
+                         f"got kernels={cfg.kernels!r} on device {cfg.device!r}")
     if cfg.scripted.vocab_size < 3:
         raise ValueError(f"scripted.vocab_size must be at least 3, got {cfg.scripted.vocab_size}")
     _at_least("scripted.backup_lag_steps", cfg.scripted.backup_lag_steps, 0)

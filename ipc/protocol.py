@@ -132,6 +132,9 @@ class ServerStats(_Msg, tag="server_stats"):
     steps: int
     requests: int
     preemptions: int = 0
+    # Preempted requests that came back, and the sum of their times from readmission to their next token.
+    resumes: int = 0
+    resume_s_total: float = 0.0
     executor_restarts: int = 0
     # Sums over every returned step (seconds), from its StepResult: t_end - t_start, the GPU's
     # busy time and its idle gaps (CUDA only, else 0), and the executor's wait for plans.

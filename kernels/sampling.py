@@ -3,7 +3,7 @@
 Computes exactly the function documented in :mod:`kernels.sampling_ref` (greedy /
 temperature / top-k / top-p / min-p, Gumbel-max with the counter-based lowbias32
 hash).  :func:`sample` runs the fast path of :mod:`kernels.sampling_select` (rows split
-over many programs; top-k/top-p thresholds from a histogram cut and a compacted, sorted window
+over many programs; top-k/top-p thresholds from a histogram cut and a compacted window, ordered by ranks,
 of each row's candidates; no ``torch.topk``), then the one-program-per-row kernel below, which
 does real work only for the rows the window could not finish exactly (top_k or a nucleus wider
 than the window's ``capacity``).  ``method="window"`` is the previous fast path
@@ -182,7 +182,7 @@ def _sample_row(row, logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, minp_
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, *,
            out: Optional[torch.Tensor] = None, method: str = "select", candidates: int = DEFAULT_CANDIDATES,
-           capacity: int = DEFAULT_CAPACITY, finish: str = "sort",
+           capacity: int = DEFAULT_CAPACITY,
            filtered: bool = True, greedy_only: bool = False, chunk: Optional[int] = None,
            block: Optional[int] = None, sblock: Optional[int] = None,
            nc: int = 8, num_warps: Optional[int] = None, num_stages: int = 3) -> torch.Tensor:
@@ -193,7 +193,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     on one device.  ``out`` may be preallocated (graph capture).
 
     ``method="select"`` (default): :mod:`kernels.sampling_select` (histogram cut, compacted window
-    of at most ``capacity`` logits per row, ordered by ``finish``: ``"sort"`` or ``"rank"``), then
+    of at most ``capacity`` logits per row, ordered by ranks), then
     the one-program-per-row kernel only for the rows it could not finish exactly.
     ``method="window"``: :mod:`kernels.sampling_window` (a window of the ``candidates`` largest
     logits by ``torch.topk``; ``chunk`` splits that top-k in two stages).
@@ -227,7 +227,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if method == "select":
         done = torch.empty(S, dtype=torch.int32, device=logits.device)
         sample_select(logits, temperature, top_k, top_p, min_p, seed, position, out, done,
-                      capacity=capacity, filtered=filtered, finish=finish)
+                      capacity=capacity, filtered=filtered)
     elif method == "window":
         done = torch.empty(S, dtype=torch.int32, device=logits.device)
         sample_window(logits, temperature, top_k, top_p, min_p, seed, position, out, done,

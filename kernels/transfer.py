@@ -24,7 +24,9 @@ takes what is left after the last whole unit, so no byte is dropped.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -61,12 +63,16 @@ def copy_items_ref(
 class TransferConfig:
     """Launch shape: ``block`` bytes per loop step, ``chunk`` bytes of an item per program;
     ``shifted``: items whose addresses disagree modulo 4 take the shifted-word path (else
-    2- or 1-byte accesses)."""
+    2- or 1-byte accesses); ``max_programs``: at most this many programs per chunk, each
+    looping over items (None: one program per item and chunk). A copy that runs beside
+    other kernels (the host tier's backups) takes a few SMs at PCIe speed instead of
+    flooding every SM with programs that wait on PCIe while the other kernels queue."""
 
     block: int = 8192
     chunk: int = 16384
     num_warps: int = 4
     shifted: bool = True
+    max_programs: Optional[int] = None
 
 
 DEFAULT_CONFIG = TransferConfig()
@@ -152,12 +158,10 @@ def _copy_span_shifted(src_ptr, dst_ptr, s, d, n, chunk, CHUNK: tl.constexpr, BL
         tl.store(dst_w + idx, (w0 >> (8 * r)) | (w1 << (32 - 8 * r)), mask=m)
 
 
-@triton.jit(do_not_specialize=["src_shift", "dst_shift", "item_bytes"])
-def _copy_items_kernel(src_ptr, dst_ptr, src_off_ptr, dst_off_ptr, src_shift, dst_shift, item_bytes,
-                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, SHIFTED: tl.constexpr):
-    """Grid ``(items, chunks)``: program (i, c) copies chunk ``c`` of item ``i``."""
-    item = tl.program_id(0)
-    chunk = tl.program_id(1)
+@triton.jit
+def _copy_item(src_ptr, dst_ptr, src_off_ptr, dst_off_ptr, src_shift, dst_shift, item_bytes, item, chunk,
+               CHUNK: tl.constexpr, BLOCK: tl.constexpr, SHIFTED: tl.constexpr):
+    """Chunk ``chunk`` of item ``item``, by the widest path its two addresses allow."""
     s = tl.load(src_off_ptr + item).to(tl.int64) + src_shift
     d = tl.load(dst_off_ptr + item).to(tl.int64) + dst_shift
     n = item_bytes.to(tl.int64)
@@ -174,6 +178,27 @@ def _copy_items_kernel(src_ptr, dst_ptr, src_off_ptr, dst_off_ptr, src_shift, ds
         _copy_span(src_ptr, dst_ptr, s, d, n, chunk, 2, CHUNK, BLOCK)
     else:
         _copy_span(src_ptr, dst_ptr, s, d, n, chunk, 1, CHUNK, BLOCK)
+
+
+# Offsets arrive at any 8-byte place of the executor's upload: a compiled variant per alignment
+# would compile (seconds) at the first plan that meets a new one, while serving.
+_NO_ALIGN = (dict(do_not_specialize_on_alignment=["src_off_ptr", "dst_off_ptr"])
+             if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters else {})
+
+
+@triton.jit(do_not_specialize=["src_shift", "dst_shift", "item_bytes", "num_items"], **_NO_ALIGN)
+def _copy_items_kernel(src_ptr, dst_ptr, src_off_ptr, dst_off_ptr, src_shift, dst_shift, item_bytes, num_items,
+                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, SHIFTED: tl.constexpr, PERSISTENT: tl.constexpr):
+    """Grid ``(programs, chunks)``: program (p, c) copies chunk ``c`` of item ``p`` (of items ``p``,
+    ``p + programs``, ... when ``PERSISTENT``)."""
+    chunk = tl.program_id(1)
+    if PERSISTENT:
+        for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+            _copy_item(src_ptr, dst_ptr, src_off_ptr, dst_off_ptr, src_shift, dst_shift, item_bytes, item, chunk,
+                       CHUNK, BLOCK, SHIFTED)
+    else:
+        _copy_item(src_ptr, dst_ptr, src_off_ptr, dst_off_ptr, src_shift, dst_shift, item_bytes, tl.program_id(0),
+                   chunk, CHUNK, BLOCK, SHIFTED)
 
 
 class _DevicePointer:
@@ -255,14 +280,17 @@ def copy_items_triton(
         raise ValueError(f"item_bytes {item_bytes} over {65535 * config.chunk} for chunk {config.chunk}")
     src_arg, src_shift = _kernel_operand(s, interpreted)
     dst_arg, dst_shift = _kernel_operand(d, interpreted)
-    grid = (src_offsets.numel(), chunks)
+    items = src_offsets.numel()
+    programs = items if config.max_programs is None else max(1, min(items, config.max_programs))
+    grid = (programs, chunks)
     with torch.cuda.device(device) if not interpreted else contextlib.nullcontext():
         _copy_items_kernel[grid](
             src_arg, dst_arg,
             _offsets_operand(src_offsets, device, interpreted),
             _offsets_operand(dst_offsets, device, interpreted),
-            src_shift, dst_shift, item_bytes,
-            CHUNK=config.chunk, BLOCK=config.block, SHIFTED=config.shifted, num_warps=config.num_warps,
+            src_shift, dst_shift, item_bytes, items,
+            CHUNK=config.chunk, BLOCK=config.block, SHIFTED=config.shifted, PERSISTENT=programs < items,
+            num_warps=config.num_warps,
         )
 
 

@@ -186,6 +186,11 @@ class BlockAllocator:
         refs = self._refs
         return sum(1 for b in blocks if refs[b] == 0)
 
+    def num_held_once(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` have count 1 (they return to the pool when that one holder releases them)."""
+        refs = self._refs
+        return sum(1 for b in blocks if refs[b] == 1)
+
     def share(self, blocks: list[int]) -> None:
         """One more reference to each of ``blocks`` (matched, published blocks)."""
         refs = self._refs

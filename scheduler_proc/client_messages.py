@@ -55,6 +55,7 @@ class ClientMessages:
             num_slots=pl.limits.num_slots, num_free_slots=pl.slots.num_free, num_running=len(pl.running),
             num_waiting=len(pl.waiting), num_draining=len(pl.draining), num_inflight_steps=pl.num_inflight,
             steps=self.stats["steps"], requests=self.stats["requests"], preemptions=pl.num_preemptions,
+            resumes=pl.resumes.count, resume_s_total=pl.resumes.seconds,
             executor_restarts=self.stats["restarts"],
             step_time_s_total=totals.step_s, gpu_busy_s_total=totals.gpu_busy_s,
             gpu_gap_s_total=totals.gpu_gap_s, executor_idle_s_total=totals.idle_s,

@@ -1,4 +1,4 @@
-"""Start the executor process, wait for it to load, and notice when it dies."""
+"""Start the executor process (or the ranks of a tensor-parallel group), wait for it to load, notice when it dies."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import msgspec
 import zmq
@@ -18,6 +18,9 @@ from ipc import protocol as p
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PR_SET_PDEATHSIG = 1
+# NVLink multicast (NVLS) off in NCCL, PyTorch's symmetric memory and NVSHMEM: on the shared multi-GPU
+# hosts a program using it can take the host's GPUs out of service (the device notes, KINDS.md).
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _die_with_parent() -> None:
@@ -29,7 +32,8 @@ def _die_with_parent() -> None:
 
 
 def spawn_executor(cfg: ExecutorConfig) -> subprocess.Popen:
-    env = dict(os.environ)
+    """``python -m executor_proc.main CONFIG_JSON`` (one rank), killed by the kernel when this process dies."""
+    env = dict(os.environ, **NO_MULTICAST_ENV)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PROJECT_ROOT, env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "executor_proc.main", msgspec.json.encode(cfg).decode()]
     return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
@@ -48,10 +52,11 @@ def describe_exit(returncode: Optional[int]) -> str:
 
 
 def wait_ready(
-    proc: subprocess.Popen, results: zmq.Socket, timeout_s: float,
+    procs: Sequence[subprocess.Popen], results: zmq.Socket, timeout_s: float,
     on_progress: Callable[[p.LoadProgress], None] = lambda m: None,
 ) -> p.ExecutorReady:
-    """Read load progress until the executor is ready; raise with the cause if it is not."""
+    """Read load progress until the executor (rank 0, once every rank is built) is ready; raise with the
+    cause if it is not (an ExecutorFatal from any rank, or any rank's exit)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if results.poll(100):
@@ -62,6 +67,7 @@ def wait_ready(
                 on_progress(msg)
             elif isinstance(msg, p.ExecutorFatal):
                 raise RuntimeError(f"the executor failed while loading:\n{msg.message}")
-        elif proc.poll() is not None:
-            raise RuntimeError(f"the executor process {describe_exit(proc.returncode)} while loading")
+        elif (proc := next((q for q in procs if q.poll() is not None), None)) is not None:
+            rank = f" (rank {list(procs).index(proc)})" if len(procs) > 1 else ""
+            raise RuntimeError(f"the executor process{rank} {describe_exit(proc.returncode)} while loading")
     raise TimeoutError(f"the executor was not ready after {timeout_s:.0f} s")

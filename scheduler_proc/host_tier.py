@@ -79,6 +79,13 @@ class HostTier:
         """Device blocks held by a backup (they come back when it is done)."""
         return len(self._queued) + sum(len(items) for _, items in self._sent)
 
+    @property
+    def num_device_returning(self) -> int:
+        """Device blocks that only a backup holds: free (or cached) again once it is done. A block whose
+        request still runs is busy too, but comes back to no one; counting it would make a request short
+        of blocks wait for backups (a stall as long as any are in flight) instead of preempting."""
+        return self.device.num_held_once(self.busy_device_blocks())
+
     def needs_plan(self, inflight: bool) -> bool:
         """A plan is due even without rows: backups to send, or none in flight to report them done."""
         return bool(self._queued) or (bool(self._sent) and not inflight)

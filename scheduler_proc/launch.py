@@ -20,6 +20,7 @@ from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, Dtype, ExecutorConf
                         ScriptedOptions, default_of)
 from ipc.models import resolve_model
 from scheduler_proc.config import ServerConfig
+from scheduler_proc.executor_process import NO_MULTICAST_ENV
 
 API_KEY_ENV = "FORERUN_API_KEY"
 ADDRESS_FILE = os.path.join(os.path.expanduser(os.environ.get("FORERUN_CACHE", "~/.cache/forerun")), "server_address")
@@ -42,6 +43,11 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                         "seed is EOS (repeatable)")
     s.add_argument("--tokenizer", default=S("tokenizer"), help="folder with tokenizer files (default: the model folder)")
     s.add_argument("--device", default=E("device"), help="cpu, cuda or cuda:N")
+    s.add_argument("--tensor-parallel-size", "-tp", type=int, default=E("tensor_parallel_size"), metavar="N",
+                   help="split the model over N executor processes (Megatron tensor parallelism: attention "
+                        "heads and MLP columns sharded, an all-reduce per layer half): on cuda:i one GPU each, "
+                        "cuda:i..cuda:i+N-1, over NCCL; on the cpu N processes over gloo. N must divide the "
+                        "attention heads and MLP size, and divide or be a multiple of the KV heads")
     s.add_argument("--kernels", default=E("kernels"), choices=list(get_args(Kernels)),
                    help="attention/norm/sampling kernels (auto: Triton on cuda, torch on cpu)")
     s.add_argument("--no-cuda-graphs", action="store_true",
@@ -49,6 +55,10 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--mixed-graphs", default=E("mixed_graphs"), choices=list(get_args(MixedGraphs)),
                    help="steps with prefill chunks through CUDA graphs of token buckets: auto (wherever decode "
                         "steps are graphed), on (also uncaptured, e.g. on the cpu: tests), off (eager)")
+    s.add_argument("--batch-invariant", action="store_true",
+                   help="compute every row the same way whatever else is in its step (one matmul tile and split "
+                        "of K, one attention split count), so greedy outputs do not depend on the batch; slower, "
+                        "Triton kernels only")
     s.add_argument("--dtype", default=E("dtype"), choices=list(get_args(Dtype)),
                    help="weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda)")
     s.add_argument("--num-kv-blocks", type=int, default=E("num_kv_blocks"),
@@ -114,11 +124,11 @@ def server_config(args) -> ServerConfig:
     """The one ServerConfig the flags describe; a bad value raises ValueError naming the flag's field."""
     executor = ExecutorConfig(
         load_format=args.load_format, device=args.device, dtype=args.dtype, kernels=args.kernels,
-        cuda_graphs=not args.no_cuda_graphs, mixed_graphs=args.mixed_graphs, num_slots=args.max_num_seqs,
-        block_size=args.block_size,
+        cuda_graphs=not args.no_cuda_graphs, mixed_graphs=args.mixed_graphs, batch_invariant=args.batch_invariant,
+        num_slots=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        threads=args.executor_threads,
+        threads=args.executor_threads, tensor_parallel_size=args.tensor_parallel_size,
         # The host tier keys its blocks with the prefix cache's keys: without prefix caching it is off.
         host_kv_gib=0.0 if args.no_prefix_caching else args.host_kv_gib,
         num_host_kv_blocks=None if args.no_prefix_caching else args.num_host_kv_blocks,
@@ -216,6 +226,7 @@ def serve(args) -> int:
     from scheduler_proc.frontend import StartupError
     from scheduler_proc.server import Server
 
+    os.environ.update(NO_MULTICAST_ENV)  # inherited by every process the server starts
     # Until the event loop handles them, SIGTERM unwinds like Ctrl-C, so the cleanup below runs.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -264,7 +275,9 @@ def _announce(server, model, ready, cfg) -> None:
     os.makedirs(os.path.dirname(ADDRESS_FILE), exist_ok=True)
     with open(ADDRESS_FILE, "w") as f:
         f.write(server.client_address)
-    print(f"forerun: serving {model.name} on {ready.device} ({ready.dtype}), "
+    tp = cfg.executor.tensor_parallel_size
+    device = f"{ready.device} x {tp} ranks (tensor parallel)" if tp > 1 else ready.device
+    print(f"forerun: serving {model.name} on {device} ({ready.dtype}), "
           f"{ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}"
           f"{f' (+{ready.num_host_blocks} on the host)' if ready.num_host_blocks else ''}, depth {cfg.pipeline_depth}",
           flush=True)

@@ -33,6 +33,7 @@ A running request in neither of the last two is waiting for its last tokens.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -46,7 +47,7 @@ from scheduler_proc.planner_checks import check_planner
 from scheduler_proc.planner_restart import restart_planner
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.request import Request, Status
-from scheduler_proc.steps import InflightStep, Output, StepDraft
+from scheduler_proc.steps import InflightStep, Output, ResumeClock, StepDraft
 
 _RUNNING = Status.RUNNING
 _FINISHED = Status.FINISHED
@@ -80,6 +81,7 @@ class Planner:
         self._releases: list[int] = []  # slots freed since the last plan, for the executor
         self.num_steps_planned = 0
         self.num_preemptions = 0
+        self.resumes = ResumeClock()  # preempted requests' time from readmission to their next token
         self.num_with_extras = 0  # live requests with req.extras: reconcile's slow path while > 0
         self.followers: dict[int, list[Request]] = {}  # n > 1: leader rid -> completions held until it samples
 
@@ -222,6 +224,7 @@ class Planner:
             req.slot = self.slots.allocate(req.rid)[0]
             req.num_prefill = req.num_known
             req.status = _RUNNING
+            req.t_readmit = time.perf_counter() if req.num_preemptions else 0.0
             self._running[req.rid] = req
             self._prefilling[req.rid] = req
             draft.admits.append(Admit(req.slot, slot_sampling(req, self.limits.eos_token_ids)))
@@ -259,6 +262,8 @@ class Planner:
         if self.prefix is not None:
             draft.written.append((req, end))
         if sample:
+            if req.t_readmit:
+                draft.resumed.append(req)
             req.num_pending += 1
             del self._prefilling[req.rid]
             if end + 1 < req.max_total:
@@ -273,7 +278,7 @@ class Planner:
             samplers = rows
         step_id = next(self._step_ids)
         releases, self._releases = self._releases, []
-        self.inflight.append(InflightStep(step_id, rows, samplers, draft.written, draft.onloaded))
+        self.inflight.append(InflightStep(step_id, rows, samplers, draft.written, draft.onloaded, draft.resumed))
         self.num_steps_planned += 1
         return StepPlan(
             step_id=step_id,
@@ -294,7 +299,7 @@ class Planner:
         """Make ``req``'s blocks cover ``num_tokens`` tokens, preempting if needed."""
         need = self.blocks.blocks_for(num_tokens) - len(req.blocks)
         while need > 0 and not self.blocks.can_allocate(need):
-            backups = self.host.num_device_busy if self.host is not None else 0  # held until backed up
+            backups = self.host.num_device_returning if self.host is not None else 0  # free once backed up
             if self.blocks.num_free + self._draining_blocks + backups >= need:
                 return False  # blocks are on their way back: wait, do not evict more
             victim = self._pick_victim(req, draft.rows)
@@ -341,6 +346,8 @@ class Planner:
                 if out.request.rid in self.followers:
                     self.release_followers(out.request)
         self._step_back(step)
+        if step.resumed:
+            self.resumes.record(step.resumed)
         if self.host is not None:
             self.host.step_back(step.onloaded, result.backups_done_step_id)
         return outputs

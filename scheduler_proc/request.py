@@ -55,6 +55,7 @@ class Request:
     finish_reason: Optional[str] = None
     num_sent: int = 0  # output tokens already sent to the client
     num_preemptions: int = 0
+    t_readmit: float = 0.0  # perf_counter() at its readmission after a preemption, until its next token
     # Length limits, set by Planner.add: the request finishes by length once it has
     # max_output output tokens, i.e. max_total tokens in all (max_tokens or the context).
     max_output: int = 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import time
+
 import msgspec
 
 from ipc.protocol import Admit
@@ -13,10 +15,10 @@ from scheduler_proc.request import Request
 class InflightStep:
     """A step that was sent and has not come back: who is in it, who samples, what it completes."""
 
-    __slots__ = ("step_id", "requests", "samplers", "written", "onloaded")
+    __slots__ = ("step_id", "requests", "samplers", "written", "onloaded", "resumed")
 
     def __init__(self, step_id: int, requests: list[Request], samplers: list[Request],
-                 written: list[tuple[Request, int]], onloaded: list[int] = ()):
+                 written: list[tuple[Request, int]], onloaded: list[int] = (), resumed: list[Request] = ()):
         self.step_id = step_id
         self.requests = requests  # every request with a row in this step, row order
         self.samplers = samplers  # requests whose row is sampled, in row order
@@ -25,6 +27,23 @@ class InflightStep:
         # block; other generated blocks are published at drain).
         self.written = written
         self.onloaded = onloaded  # host blocks this step copies to the device (busy until it is back)
+        self.resumed = resumed  # preempted requests whose first token since readmission this step samples
+
+
+class ResumeClock:
+    """How long preempted requests take to come back: from the plan that readmits one to the reconcile
+    of its next token (a recompute of its context, or a copy from the host tier, plus the pipeline)."""
+
+    def __init__(self):
+        self.count = 0
+        self.seconds = 0.0
+
+    def record(self, requests: list[Request]) -> None:
+        now = time.perf_counter()
+        for req in requests:
+            self.count += 1
+            self.seconds += now - req.t_readmit
+            req.t_readmit = 0.0
 
 
 class Output(msgspec.Struct, gc=False):
@@ -46,7 +65,7 @@ class StepDraft:
     """The plan being built: its rows' requests and the StepPlan's lists, filled in one pass."""
 
     __slots__ = ("budget", "blocked", "rows", "slots", "positions", "appends", "admits", "num_decode",
-                 "chunk_lens", "chunk_sample", "chunk_tokens", "written", "onloads", "onloaded")
+                 "chunk_lens", "chunk_sample", "chunk_tokens", "written", "onloads", "onloaded", "resumed")
 
     def __init__(self, budget: int):
         self.budget = budget  # tokens left in the step
@@ -63,3 +82,4 @@ class StepDraft:
         self.written: list[tuple[Request, int]] = []
         self.onloads: list[int] = []  # (host block, device block) pairs, flat
         self.onloaded: list[int] = []  # the host blocks of ``onloads``
+        self.resumed: list[Request] = []  # readmitted preempted requests whose chunk samples

@@ -9,6 +9,12 @@ length), so every request the scheduler accepted still fits.
 A hang is no step result for ``hang_timeout()`` seconds while a step is in
 flight: ``max(--executor-hang-timeout, 50 x p99 step time)`` over the last
 1,000 steps, so a slow model is not taken for a hung one.
+
+With ``--tensor-parallel-size N`` a generation is N processes (ranks) started
+together, each with its own plan socket (``plans<N>.sock``, ``plans<N>r<rank>.sock``)
+and one shared result socket (only rank 0 sends results; any rank may send
+ExecutorFatal).  The group is one executor: any rank's death is the
+executor's death, and every rank is killed and restarted together.
 """
 
 from __future__ import annotations
@@ -42,8 +48,9 @@ class Supervisor:
         self.run_dir = run_dir
         self.base = msgspec.structs.replace(cfg.executor, model=model_path, parent_pid=os.getpid())
         self.generation = 0
-        self.proc: Optional[subprocess.Popen] = None
-        self.plans: Optional[zmq.asyncio.Socket] = None
+        self.procs: list[subprocess.Popen] = []  # rank 0 first
+        self.plans: Optional[zmq.asyncio.Socket] = None  # rank 0's
+        self.followers: list[tuple[zmq.Socket, zmq.asyncio.Socket]] = []  # ranks 1..N-1: (sync, async) sockets
         self.results: Optional[zmq.asyncio.Socket] = None
         self.ready: Optional[p.ExecutorReady] = None  # the first generation's capacity
         self.running = False  # the current generation is ready and not known to have failed
@@ -53,27 +60,40 @@ class Supervisor:
 
     # ------------------------------------------------------------- start-up
 
+    @property
+    def proc(self) -> Optional[subprocess.Popen]:
+        """Rank 0's process (the only one without tensor parallelism)."""
+        return self.procs[0] if self.procs else None
+
     def _spawn(self) -> None:
-        """A new generation: fresh sockets, a new process (its loading is awaited by the caller)."""
+        """A new generation: fresh sockets, new processes (their loading is awaited by the caller)."""
         self._close_sockets()
         self.generation += 1
-        plan_addr = ipc_address(self.run_dir, f"plans{self.generation}")
         result_addr = ipc_address(self.run_dir, f"results{self.generation}")
-        self.plans = make_socket(self.ctx, zmq.PUSH, plan_addr, bind=True)
         self.results = make_socket(self.ctx, zmq.PULL, result_addr, bind=True)
-        self._plans_now = zmq.Socket.shadow(self.plans.underlying)
-        ecfg = msgspec.structs.replace(self.base, plan_addr=plan_addr, result_addr=result_addr)
+        ecfg = msgspec.structs.replace(self.base, result_addr=result_addr)
         if self.ready is not None:  # same capacity as the first generation
             ecfg = msgspec.structs.replace(ecfg, num_kv_blocks=self.ready.num_kv_blocks,
                                            max_model_len=self.ready.max_model_len,
                                            num_host_kv_blocks=self.ready.num_host_blocks)
-        self.proc = spawn_executor(ecfg)
+        size = ecfg.tensor_parallel_size
+        if size > 1:  # a fresh rendezvous file per generation: a dead group's file is never joined
+            ecfg = msgspec.structs.replace(ecfg, tp_init_method=f"file://{self.run_dir}/tp{self.generation}.store")
+        self.procs = []
+        for rank in range(size):
+            plan_addr = ipc_address(self.run_dir, f"plans{self.generation}" + (f"r{rank}" if rank else ""))
+            plans = make_socket(self.ctx, zmq.PUSH, plan_addr, bind=True)
+            if rank == 0:
+                self.plans, self._plans_now = plans, zmq.Socket.shadow(plans.underlying)
+            else:
+                self.followers.append((zmq.Socket.shadow(plans.underlying), plans))
+            self.procs.append(spawn_executor(msgspec.structs.replace(ecfg, plan_addr=plan_addr, tp_rank=rank)))
 
     def start(self, on_progress: Callable[[p.LoadProgress], None]) -> p.ExecutorReady:
         """The first generation, blocking until it has loaded the model."""
         self._spawn()
         sync_results = zmq.Socket.shadow(self.results.underlying)
-        self.ready = wait_ready(self.proc, sync_results, self.cfg.executor_start_timeout_s, on_progress)
+        self.ready = wait_ready(self.procs, sync_results, self.cfg.executor_start_timeout_s, on_progress)
         self._serving()
         return self.ready
 
@@ -95,8 +115,8 @@ class Supervisor:
                     return
                 if isinstance(msg, p.ExecutorFatal):
                     raise RuntimeError(f"the new executor failed while loading: {_first_line(msg.message)}")
-            elif self.proc.poll() is not None:
-                raise RuntimeError(f"the new executor process {describe_exit(self.proc.returncode)} while loading")
+            elif (dead := self._dead()) is not None:
+                raise RuntimeError(f"the new executor {dead} while loading")
         raise RuntimeError(f"the new executor was not ready after {self.cfg.executor_start_timeout_s:.0f} s")
 
     def _serving(self) -> None:
@@ -120,6 +140,11 @@ class Supervisor:
             self._plans_now.send(data, zmq.NOBLOCK)
         except zmq.Again:  # the executor's queue is full (it never is at depth <= 2): send asynchronously
             self.plans.send(data)
+        for now, later in self.followers:  # every rank gets every plan (none without tensor parallelism)
+            try:
+                now.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                later.send(data)
 
     def on_result(self, result: p.StepResult) -> None:
         self.step_times.append(result.t_end - result.t_start)
@@ -136,8 +161,8 @@ class Supervisor:
         """Why the running executor must be replaced (dead or hung), or None."""
         if not self.running:
             return None
-        if self.proc.poll() is not None:
-            return f"the executor process {describe_exit(self.proc.returncode)}"
+        if (dead := self._dead()) is not None:
+            return f"the executor {dead}"
         if num_inflight:
             silent = now - self.progress_at
             timeout = self.hang_timeout()
@@ -145,29 +170,46 @@ class Supervisor:
                 return f"the executor returned no step for {silent:.1f} s (hang timeout {timeout:.1f} s)"
         return None
 
+    def _dead(self) -> Optional[str]:
+        """How the generation's dead processes ended ("process was killed by ...", "rank 1 (pid) ..."), or None."""
+        dead = [(rank, proc) for rank, proc in enumerate(self.procs) if proc.poll() is not None]
+        if not dead:
+            return None
+        if len(self.procs) == 1:
+            return f"process {describe_exit(dead[0][1].returncode)}"
+        return "; ".join(f"rank {rank} (pid {proc.pid}) {describe_exit(proc.returncode)}" for rank, proc in dead)
+
     # -------------------------------------------------------------- shutdown
 
     def kill(self) -> None:
+        """Kill every rank of the generation and reap them (no process is left behind)."""
         self.running = False
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
 
     def shutdown(self) -> None:
-        """Ask the executor to exit; kill it if it does not within 5 s."""
+        """Ask every rank to exit; kill them all if they have not within 5 s."""
         self.running = False
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                self._plans_now.send(p.encode(p.Shutdown()), flags=zmq.NOBLOCK)
-                self.proc.wait(timeout=5)
-            except (zmq.ZMQError, subprocess.TimeoutExpired):
-                self.kill()
+        if not any(proc.poll() is None for proc in self.procs):
+            return
+        try:
+            for sock in [self._plans_now] + [now for now, _ in self.followers]:
+                sock.send(p.encode(p.Shutdown()), flags=zmq.NOBLOCK)
+            deadline = time.monotonic() + 5
+            for proc in self.procs:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except (zmq.ZMQError, subprocess.TimeoutExpired):
+            self.kill()
 
     def _close_sockets(self) -> None:
-        for sock in (self.plans, self.results):
+        for sock in [self.plans, self.results] + [later for _, later in self.followers]:
             if sock is not None:
                 sock.close(linger=0)
         self.plans = self.results = None
+        self.followers = []
 
     def close(self) -> None:
         self.kill()

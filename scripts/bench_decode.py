@@ -14,7 +14,10 @@ in flight, the oldest waited for on its copy event).  Reported per step:
   (``+kv`` adds the KV cache read at this context).
 
     python3 scripts/bench_decode.py [--models llama-3.2-1b,llama-3-8b] [--batch 1] [--context 512]
-                                    [--steps 200] [--json OUT.json] [--profile PREFIX]
+                                    [--steps 200] [--json OUT.json] [--profile PREFIX] [--batch-invariant]
+
+``--batch-invariant`` builds the worker with batch-invariant kernels (one matmul tile and split of K for
+every batch size, the batch-1 attention split count), to measure what that mode costs.
 """
 
 from __future__ import annotations
@@ -117,7 +120,8 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
     blocks = batch * -(-max_len // BLOCK_SIZE)
     cfg = ExecutorConfig(model=os.path.join(CONFIGS, name), plan_addr="", result_addr="", load_format="dummy",
                          device="cuda", dtype="bfloat16", num_slots=batch, num_kv_blocks=blocks,
-                         block_size=BLOCK_SIZE, max_model_len=max_len, cuda_graph_max_batch=batch)
+                         block_size=BLOCK_SIZE, max_model_len=max_len, cuda_graph_max_batch=batch,
+                         batch_invariant=args.batch_invariant)
     stages: dict[str, float] = {}
     t0 = time.perf_counter()
     built = build_worker(cfg, lambda stage, done, total: stages.setdefault(stage, time.perf_counter() - t0))
@@ -155,7 +159,8 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
     w_bytes = weight_bytes_per_step(worker.model)
     kv = kv_bytes(mcfg, context + warmup + steps // 2, batch)
     floor = w_bytes / bandwidth
-    row = dict(model=name, batch=batch, context=context, steps=steps, setup_s=setup_s, stage_start_s=stages,
+    row = dict(model=name, batch=batch, batch_invariant=args.batch_invariant, context=context, steps=steps,
+               setup_s=setup_s, stage_start_s=stages,
                step_ms=wall * 1e3, gpu_ms=gpu * 1e3, host_ms=host * 1e3, replay_ms=replay * 1e3,
                eager_ms=eager * 1e3, weight_bytes=w_bytes, kv_bytes=kv, floor_ms=floor * 1e3,
                floor_kv_ms=(w_bytes + kv) / bandwidth * 1e3, target_ms=TARGET_MS.get(name),
@@ -173,6 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="write per-kernel times of graph replays to PREFIX.<model>.txt")
+    ap.add_argument("--batch-invariant", action="store_true", help="batch-invariant kernels (the cost of that mode)")
     args = ap.parse_args(argv)
     import triton
 

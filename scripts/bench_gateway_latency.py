@@ -56,9 +56,12 @@ async def http_times(seed: int, args: argparse.Namespace) -> list[float]:
     body = {"prompt": [5, 6, 7, 8], "max_tokens": args.output_len, "seed": seed, "ignore_eos": True,
             "temperature": 0.0, "stream": True}
     times = []
-    async for t, event in sse_post(args.base_url, "/v1/completions", body, args.api_key):
+
+    def on_event(t: float, event: dict) -> None:
         if event is not None and event["choices"] and event["choices"][0]["finish_reason"] is None:
             times.append(t)
+
+    await sse_post(args.base_url, "/v1/completions", body, on_event, args.api_key)
     return times
 
 

@@ -43,7 +43,11 @@ async def lockstep_decode(address: str, batch: int, prompt_len: int, new_tokens:
 
 
 def gpu_idle(step_log: str, batch: int) -> dict:
-    rows = [json.loads(line) for line in open(step_log)]
+    return gpu_idle_of([json.loads(line) for line in open(step_log)], batch)
+
+
+def gpu_idle_of(rows: list[dict], batch: int) -> dict:
+    """The GPU's idle fraction over step-log rows of ``batch`` decoding rows (None without CUDA events)."""
     steady = [r for r in rows if r["num_rows"] == batch and r["num_tokens"] == batch]
     trim = len(steady) // 10
     steady = steady[trim:len(steady) - trim] if trim else steady
@@ -51,7 +55,7 @@ def gpu_idle(step_log: str, batch: int) -> dict:
     gaps = [r["gpu_gap_s"] for r in steady]
     return {
         "steps": len(steady),
-        "gpu_idle_fraction": sum(gaps) / (sum(gaps) + busy) if steady else None,
+        "gpu_idle_fraction": sum(gaps) / (sum(gaps) + busy) if sum(gaps) + busy > 0 else None,
         "gpu_gap_us_p50": statistics.median(gaps) * 1e6 if gaps else None,
         "gpu_gap_us_p99": sorted(gaps)[int(0.99 * (len(gaps) - 1))] * 1e6 if gaps else None,
         "gpu_step_us_p50": statistics.median(r["gpu_busy_s"] for r in steady) * 1e6 if steady else None,

@@ -17,14 +17,20 @@ workload to each:
   decode row fills is backed up (about ``batch / block_size`` blocks a step).
   Reported: inter-token latency p50 (the decode step as a client sees it), mean
   TPOT per request, and the GPU's busy time per step from ``ServerStats``.
-* ``swap``: ``--swap-requests`` (16) requests of ``--context-len`` (2,048)
-  tokens plus ``--swap-output-len`` (256) outputs on a device pool of
-  ``--swap-pool-fraction`` (0.6) of what they need together, so decode growth
-  preempts some.  Tier off: a preempted request recomputes its context; on:
-  its blocks are on the host (backed up as they filled) and it resumes by copy.
-  Reported: preemptions, the longest gap in each preempted request's stream
-  (p50 and max: its resume latency, queueing included), output throughput,
-  and the tokens found per tier.
+* ``swap``: ``--swap-requests`` (32) requests of ``--context-len`` (2,048)
+  tokens plus ``--swap-output-len`` (384) outputs on a device pool of
+  ``--swap-pool-fraction`` (0.45) of what they need together, so decode growth
+  preempts some.  Three servers: ``recompute`` (no prefix caching: a preempted
+  request recomputes its whole context), ``off`` (device-only prefix caching:
+  it finds what of its KV was not evicted while it waited, and recomputes the
+  rest), ``on`` (the host tier, a host pool that holds every request: its
+  blocks were backed up as they filled and it resumes by copy).
+  Reported: preemptions; resumes and their mean latency as the server measures
+  it (``ServerStats.resume_s_total``: from the plan that readmits a preempted
+  request to the reconcile of its next token: recompute or copy, plus the
+  pipeline; the target's figure); the longest gap in each preempted request's
+  stream (p50 and max: queueing for blocks included, as a client sees it);
+  output throughput; the tokens found per tier.
 * ``chat``: ``--conversations`` (200) x ``--turns`` (4): each turn resends the
   conversation so far (a ``--first-len`` (256) token opening, then
   ``--user-len`` (32) new tokens and ``--reply-len`` (32) outputs per turn), turns
@@ -68,10 +74,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=64, help="tpot: requests decoding together")
     ap.add_argument("--prompt-len", type=int, default=128, help="tpot: prompt tokens per request")
     ap.add_argument("--output-len", type=int, default=256, help="tpot: output tokens per request")
-    ap.add_argument("--swap-requests", type=int, default=16, help="swap: requests")
+    ap.add_argument("--swap-requests", type=int, default=32, help="swap: requests")
     ap.add_argument("--context-len", type=int, default=2048, help="swap: prompt tokens per request")
-    ap.add_argument("--swap-output-len", type=int, default=256, help="swap: output tokens per request")
-    ap.add_argument("--swap-pool-fraction", type=float, default=0.6,
+    ap.add_argument("--swap-output-len", type=int, default=384, help="swap: output tokens per request")
+    ap.add_argument("--swap-pool-fraction", type=float, default=0.45,
                     help="swap: device pool as a fraction of the blocks all requests need together")
     ap.add_argument("--conversations", type=int, default=200, help="chat: conversations")
     ap.add_argument("--turns", type=int, default=4, help="chat: turns per conversation")
@@ -82,6 +88,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--chat-pool-fraction", type=float, default=0.25, help="chat: device pool / working set")
     ap.add_argument("--tiny", action="store_true", help="a few small requests per mode (the CPU smoke test)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per server run")
+    ap.add_argument("--step-log-dir", default=None, help="each server writes its --step-log here (MODE_VARIANT.jsonl)")
     ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -113,8 +120,11 @@ async def stats(raw: RawConnection) -> p.ServerStats:
     return await raw.stats()
 
 
-def with_server(flags: list[str], args: argparse.Namespace, work) -> dict[str, Any]:
+def with_server(flags: list[str], args: argparse.Namespace, work, name: str = "") -> dict[str, Any]:
     """Start a server with ``flags``, run ``await work(client, raw)``, stop it; returns work's figures."""
+    if args.step_log_dir and name:
+        os.makedirs(args.step_log_dir, exist_ok=True)
+        flags = flags + ["--step-log", os.path.join(args.step_log_dir, f"{name}.jsonl")]
     tmp = tempfile.mkdtemp(prefix="frh", dir="/tmp")  # short: ipc paths are limited to 107 bytes
     address = ipc_address(tmp)
     server = start_server(address, *flags, run_dir=tmp, echo=False, timeout=args.timeout)
@@ -162,7 +172,9 @@ def tier_hits(before: p.ServerStats, after: p.ServerStats) -> dict[str, Any]:
     host = after.prefix_cache_host_hit_tokens - before.prefix_cache_host_hit_tokens
     return {"query_tokens": query, "device_hit_tokens": hits - host, "host_hit_tokens": host,
             "device_hit_rate": (hits - host) / query if query else 0.0, "host_hit_rate": host / query if query else 0.0,
-            "preemptions": after.preemptions - before.preemptions}
+            "preemptions": after.preemptions - before.preemptions, "resumes": after.resumes - before.resumes,
+            "resume_ms_mean": (after.resume_s_total - before.resume_s_total) / (after.resumes - before.resumes) * 1e3
+            if after.resumes > before.resumes else None}
 
 
 # --------------------------------------------------------------------- tpot
@@ -177,7 +189,8 @@ def run_tpot(args: argparse.Namespace) -> dict[str, Any]:
 
     async def work(client, raw):
         tokens = Tokens(client, 0)
-        await asyncio.gather(*[stream(client, tokens(args.prompt_len), 4) for _ in range(2)])  # warm-up
+        # Warm-up at the measured shape (admission chunks, batch-64 decode): kernels compile before the clock.
+        await asyncio.gather(*[stream(client, tokens(args.prompt_len), 2 * args.block_size) for _ in range(args.batch)])
         before = await stats(raw)
         runs = await asyncio.gather(*[stream(client, tokens(args.prompt_len), args.output_len)
                                       for _ in range(args.batch)])
@@ -191,7 +204,7 @@ def run_tpot(args: argparse.Namespace) -> dict[str, Any]:
                 "step_ms_mean": (after.step_time_s_total - before.step_time_s_total) / steps * 1e3,
                 "host_blocks": after.num_host_kv_blocks}
 
-    out = {name: with_server(flags + extra, args, work) for name, extra in variants.items()}
+    out = {name: with_server(flags + extra, args, work, f"tpot_{name}") for name, extra in variants.items()}
     base = out["off"]["itl_ms_p50"]
     for name in ("backup_stream", "compute_stream"):
         out[name]["itl_overhead_pct"] = (out[name]["itl_ms_p50"] / base - 1) * 100
@@ -202,9 +215,11 @@ def run_tpot(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_swap(args: argparse.Namespace) -> dict[str, Any]:
-    """Long contexts on a device pool too small for all of them: recompute (tier off) vs swap (on)."""
+    """Long contexts on a device pool too small for all of them: recompute (no prefix caching), device-only
+    prefix caching (a preempted request finds what of its KV was not evicted yet), swap (the host tier)."""
     per_request = -(-(args.context_len + args.swap_output_len) // args.block_size)
     pool = max(per_request + 1, int(args.swap_requests * per_request * args.swap_pool_fraction))
+    host_blocks = str(int(args.swap_requests * per_request * 1.25))  # every request's blocks fit on the host
     flags = base_flags(args, args.context_len + args.swap_output_len + 16, args.swap_requests)
     flags += ["--num-kv-blocks", str(pool), "--max-num-batched-tokens", str(max(2048, args.block_size))]
 
@@ -227,9 +242,13 @@ def run_swap(args: argparse.Namespace) -> dict[str, Any]:
         out.update(tier_hits(before, after))
         return out
 
-    out = {name: with_server(flags + host_flags(args, on), args, work) for name, on in (("off", False), ("on", True))}
-    if out["off"]["resume_gap_ms_p50"] and out["on"]["resume_gap_ms_p50"]:
-        out["resume_speedup_p50"] = out["off"]["resume_gap_ms_p50"] / out["on"]["resume_gap_ms_p50"]
+    variants = {"recompute": ["--no-prefix-caching"], "off": host_flags(args, False),
+                "on": ["--num-host-kv-blocks", host_blocks]}
+    out = {name: with_server(flags + extra, args, work, f"swap_{name}") for name, extra in variants.items()}
+    for base in ("recompute", "off"):
+        if out[base]["resume_ms_mean"] and out["on"]["resume_ms_mean"]:
+            out[f"resume_speedup_vs_{base}"] = out[base]["resume_ms_mean"] / out["on"]["resume_ms_mean"]
+        out[f"throughput_ratio_vs_{base}"] = out["on"]["output_tok_per_s"] / out[base]["output_tok_per_s"]
     return out
 
 
@@ -275,7 +294,7 @@ def run_chat(args: argparse.Namespace) -> dict[str, Any]:
         out.update(tier_hits(before, after))
         return out
 
-    out = {name: with_server(flags + extra, args, work) for name, extra in variants.items()}
+    out = {name: with_server(flags + extra, args, work, f"chat_{name}") for name, extra in variants.items()}
     out["ttft_p50_speedup"] = out["device_only"]["ttft_ms_p50"] / out["host_tier"]["ttft_ms_p50"]
     return out
 

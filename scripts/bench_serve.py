@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import msgspec
 from tqdm import tqdm
 
 from ipc.client import AsyncClient, ForerunError, GenerateResult
@@ -164,40 +165,69 @@ async def send_one(client: Any, req: BenchRequest, args: argparse.Namespace) -> 
     return Outcome(result, None)
 
 
+class _Choice(msgspec.Struct):
+    finish_reason: Optional[str] = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class _ErrorInfo(msgspec.Struct):
+    message: str = ""
+
+
+class _Event(msgspec.Struct):
+    """The fields of an SSE event the benchmark reads (the rest is skipped by the decoder)."""
+
+    choices: list[_Choice] = []
+    usage: Optional[_Usage] = None
+    error: Optional[_ErrorInfo] = None
+
+
+_decode_event = msgspec.json.Decoder(_Event).decode
+
+
 async def send_one_http(req: BenchRequest, args: argparse.Namespace) -> Outcome:
     """One streaming /v1/completions request, timed per SSE event."""
     body = {"model": args.model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens,
             "temperature": args.temperature, "ignore_eos": args.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
     times: list[float] = []
-    finish, usage = None, None
+    seen: dict[str, Any] = {}  # "finish", "t_end", "usage", "error"
     t0 = time.perf_counter()
+
+    def on_event(t: float, event: Optional[_Event]) -> None:
+        if event is None:
+            return
+        if event.error is not None:
+            seen.setdefault("error", event.error.message)
+        if event.usage is not None:
+            seen["usage"] = event.usage
+        for choice in event.choices:
+            if choice.finish_reason is not None:
+                seen["finish"], seen["t_end"] = choice.finish_reason, t - t0
+            else:
+                times.append(t - t0)
+
     try:
-        async for t, event in sse_post(args.base_url, "/v1/completions", body, args.api_key):
-            if event is None:
-                break
-            if "error" in event:
-                return Outcome(None, f"error event: {event['error']['message']}")
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event["choices"]:
-                if choice["finish_reason"] is not None:
-                    finish, t_end = choice["finish_reason"], t - t0
-                else:
-                    times.append(t - t0)
-    except (HTTPError, OSError, asyncio.IncompleteReadError) as exc:
+        await sse_post(args.base_url, "/v1/completions", body, on_event, args.api_key, _decode_event)
+    except (HTTPError, OSError, msgspec.DecodeError) as exc:
         return Outcome(None, f"{type(exc).__name__}: {exc}")
-    if finish is None or usage is None:
+    if "error" in seen:
+        return Outcome(None, f"error event: {seen['error']}")
+    if "finish" not in seen or "usage" not in seen:
         return Outcome(None, "the stream ended without a finish and usage")
-    n = usage["completion_tokens"]
-    timings = HttpTimings(ttft=times[0] if times else None, e2e=t_end,
+    n = seen["usage"].completion_tokens
+    timings = HttpTimings(ttft=times[0] if times else None, e2e=seen["t_end"],
                           itl=[b - a for a, b in zip(times, times[1:])], completion_tokens=n)
-    return Outcome(HttpResult(finish, usage["prompt_tokens"], n, timings), None)
+    return Outcome(HttpResult(seen["finish"], seen["usage"].prompt_tokens, n, timings), None)
 
 
 async def run_requests(client: Any, requests: list[BenchRequest], args: argparse.Namespace,
-                       rng: random.Random, progress: Optional[tqdm] = None) -> tuple[list[Outcome], float]:
-    """Send requests at the configured rate and cap; return outcomes and wall time."""
+                       rng: random.Random, progress: Optional[tqdm] = None) -> tuple[list[Outcome], float, float]:
+    """Send requests at the configured rate and cap; return outcomes, wall time and this process's CPU time."""
     limit = asyncio.Semaphore(args.concurrency) if args.concurrency else None
 
     async def limited(req: BenchRequest) -> Outcome:
@@ -210,7 +240,7 @@ async def run_requests(client: Any, requests: list[BenchRequest], args: argparse
             progress.update(1)
         return outcome
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     tasks = []
     for i, req in enumerate(requests):
         # Poisson arrivals: exponential gaps between consecutive requests.
@@ -218,7 +248,7 @@ async def run_requests(client: Any, requests: list[BenchRequest], args: argparse
             await asyncio.sleep(rng.expovariate(args.request_rate))
         tasks.append(asyncio.create_task(limited(req)))
     outcomes = await asyncio.gather(*tasks)
-    return outcomes, time.perf_counter() - start
+    return outcomes, time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def metrics(outcomes: list[Outcome], duration: float) -> dict[str, Any]:
@@ -253,6 +283,7 @@ def report(m: dict[str, Any]) -> str:
         ("Request throughput (req/s)", m["request_throughput"]),
         ("Output token throughput (tok/s)", m["output_throughput"]),
         ("Total token throughput (tok/s)", m["total_token_throughput"]),
+        ("Client CPU / duration", m.get("client_cpu_fraction", float("nan"))),
     ]
     for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms")):
         rows += latency_rows(name, m[key])
@@ -302,12 +333,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             workload = await chat_requests(client, total, args.output_len)
         warmup, measured = workload[:args.warmup], workload[args.warmup:]
         if warmup:
-            outcomes, _ = await run_requests(client, warmup, args, rng)
+            outcomes, _, _ = await run_requests(client, warmup, args, rng)
             failures = [o.error for o in outcomes if not o.ok]
             if failures:
                 print(f"warning: {len(failures)} warm-up requests failed: {failures[0]}", file=sys.stderr)
         with tqdm(total=len(measured), disable=args.no_progress, desc="requests") as progress:
-            outcomes, duration = await run_requests(client, measured, args, rng, progress)
+            outcomes, duration, client_cpu = await run_requests(client, measured, args, rng, progress)
     finally:
         if client is not None:
             await client.close()
@@ -315,6 +346,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     if errors:
         print(f"warning: {len(errors)} requests failed, first: {errors[0]}", file=sys.stderr)
     m = metrics(outcomes, duration)
+    # Near 1.0 means this client, not the server, may be what limits the run.
+    m["client_cpu_fraction"] = client_cpu / duration
     print(report(m))
     figures = {
         "config": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()},

@@ -1,19 +1,45 @@
 #!/usr/bin/env bash
-# The host KV tier's GPU checks, one part per device call; results under $OUT.
-#   T: GPU tests (bit-exact copies, 200 pipelined steps under sync debug mode, greedy parity with swaps and host hits)
-#   A: TPOT at batch 64, 8B shape: tier off / backups on their stream / backups on the compute stream
+# The host KV tier's GPU checks; results under $OUT (at most 8 files come back from a device call: one log,
+# one JSON per benchmark, the step logs in one tarball). Several parts run in sequence in one call, each
+# under its own timeout and all inside BUDGET_S seconds (a part with under 45 s left is skipped).
+#   T: GPU tests (bit-exact copies and a bf16 swap, 200 pipelined steps under sync debug mode,
+#      greedy parity of swapped / host-hit requests, fp32) and the transfer kernel's tests
+#   G: backup granularity in one worker, 8B shape, batch 64: per block (burst, spread) vs per token row,
+#      backup stream (few programs, every program) vs compute stream; each launch alone
+#   A: TPOT at batch 64, 8B shape, through the server: tier off / backups on their stream / on the compute stream
 #   S: swap vs recompute, 2,048-token contexts, small device pool
 #   C: multi-turn chat, 200 conversations x 4 turns, device pool a quarter of the working set
-# Usage (on the GPU machine, from the repo root): bash scripts/gpu_host_kv.sh T|A|S|C
+# Usage (on the GPU machine, from the repo root): BUDGET_S=570 bash scripts/gpu_host_kv.sh T G S C A
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
-case "${1:-T}" in
-  T) timeout 500 python3 -m pytest -q -x -p no:cacheprovider tests/test_host_kv_gpu.py tests/test_host_kv_model.py \
-         -k "cuda or round_trip or synchronize" 2>&1 | tee "$OUT/host_kv_tests.log" | tail -5 ;;
-  A) timeout 500 python3 scripts/bench_host_kv.py --mode tpot --json "$OUT/host_kv_tpot.json" 2>&1 | tail -16 ;;
-  S) timeout 500 python3 scripts/bench_host_kv.py --mode swap --json "$OUT/host_kv_swap.json" 2>&1 | tail -20 ;;
-  C) timeout 500 python3 scripts/bench_host_kv.py --mode chat --json "$OUT/host_kv_chat.json" 2>&1 | tail -20 ;;
-  *) echo "usage: $0 T|A|S|C" >&2; exit 2 ;;
-esac
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/scripts:${PYTHONPATH:-}"
+LOG="$OUT/host_kv.log"
+T0=$SECONDS; BUDGET_S=${BUDGET_S:-570}
+STEPS=/tmp/host_kv_steps; rm -rf "$STEPS"
+bench() {  # $1: limit, $2: mode, $3: JSON name
+  timeout "$1" python3 scripts/bench_host_kv.py --mode "$2" --json "$OUT/$3" --step-log-dir "$STEPS" >> "$LOG" 2>&1
+}
+run_part() {  # $1: part, $2: its own limit in seconds
+  local left=$(( BUDGET_S - (SECONDS - T0) )) limit=$2 t=$SECONDS
+  (( left < limit )) && limit=$left
+  if (( limit < 45 )); then echo "== $1 skipped: ${left}s left" | tee -a "$LOG"; return; fi
+  echo "== $1 (limit ${limit}s)" >> "$LOG"
+  case $1 in
+    T) timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_host_kv_gpu.py tests/test_transfer.py \
+           >> "$LOG" 2>&1
+       timeout $(( limit - (SECONDS - t) )) python3 -m pytest -q -p no:cacheprovider tests/test_host_kv_model.py \
+           -k cuda >> "$LOG" 2>&1
+       grep -E "^(FAILED|ERROR)|passed|failed" "$LOG" | tail -6 ;;
+    G) timeout "$limit" python3 scripts/bench_backup_granularity.py --json "$OUT/host_kv_granularity.json" \
+           >> "$LOG" 2>&1; tail -21 "$LOG" ;;
+    A) bench "$limit" tpot host_kv_tpot.json; tail -12 "$LOG" ;;
+    S) bench "$limit" swap host_kv_swap.json; tail -27 "$LOG" ;;
+    C) bench "$limit" chat host_kv_chat.json; tail -18 "$LOG" ;;
+    *) echo "unknown part $1 (T G A S C)" >&2 ;;
+  esac
+  echo "== $1 took $(( SECONDS - t ))s" | tee -a "$LOG"
+}
+declare -A LIMIT=([T]=200 [G]=120 [A]=120 [S]=150 [C]=120)
+for part in "$@"; do run_part "$part" "${LIMIT[$part]:-200}"; done
+[ -d "$STEPS" ] && tar czf "$OUT/host_kv_steps.tar.gz" -C "$STEPS" .

@@ -15,20 +15,8 @@ if [ "$part" = A ]; then
   timeout 200 python3 scripts/bench_decode.py --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | grep -A3 "^model"
   exit 0
 fi
-http_vs_sdk() {  # $1: gateway workers
-  local W=$1 ADDR=ipc:///tmp/fr-gw-$1.sock
-  python3 -m scheduler_proc.launch serve --device cuda --load-format dummy --model $CFG/llama-3.2-1b \
-      --max-num-seqs 256 --port 8000 --api-workers $W --address $ADDR --quiet > "$OUT/serve_w$W.log" 2>&1 &
-  local SRV=$!
-  for _ in $(seq 1 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=1)" \
-      2>/dev/null && break; sleep 0.5; done
-  for backend in sdk openai; do
-    timeout 60 python3 scripts/bench_serve.py --backend $backend --address $ADDR --base-url http://127.0.0.1:8000 \
-        --num-requests 256 --concurrency 256 --input-len 128 --output-len 128 --warmup 8 --no-progress \
-        --json "$OUT/serve_${backend}_w$W.json" > "$OUT/bench_${backend}_w$W.log" 2>&1
-    echo "W=$W $backend: $(grep -iE 'output.*tok/s|throughput' "$OUT/bench_${backend}_w$W.log" | head -2 | tr -s ' ' | tr '\n' ';')"
-  done
-  kill $SRV; wait $SRV 2>/dev/null
+http_vs_sdk() {  # $1: gateway workers (scripts/gpu_gateway.sh: SDK and HTTP alternating on one server)
+  bash scripts/gpu_gateway.sh "$1" 2>&1 | tail -10
 }
 if [ "$part" = C ]; then
   http_vs_sdk 1; http_vs_sdk 4

@@ -249,6 +249,33 @@ def serve(address, tokenizer_dir):
 
 
 # ---------------------------------------------------------------------------
+# a request's replies, without a server
+# ---------------------------------------------------------------------------
+
+
+async def test_next_chunks_takes_every_ready_reply_and_raises_an_error_behind_them_next():
+    from ipc.client.request import PendingRequest
+
+    req = PendingRequest("r")
+    req.deliver(0.1, TokenDelta("r", [5]))
+    req.deliver(0.2, TokenDelta("r", [6, 7]))
+    req.deliver(0.3, Error(request_id="r", code="internal", message="boom"))
+    assert [c.token_ids for c in await req.next_chunks()] == [[5], [6, 7]]
+    with pytest.raises(ipc.client.ForerunError):
+        await req.next_chunks()
+
+    req = PendingRequest("s")
+    waiting = asyncio.ensure_future(req.next_chunks())
+    await asyncio.sleep(0)
+    req.deliver(0.1, TokenDelta("s", [5]))
+    req.deliver(0.2, Finished(request_id="s", reason="length", prompt_tokens=2, completion_tokens=2,
+                              token_ids=[6]))
+    chunks = await waiting
+    assert [(c.token_ids, c.finish_reason) for c in chunks] == [([5], None), ([6], "length")]
+    assert await req.next_chunks() == [] and req.result.token_ids == [5, 6]
+
+
+# ---------------------------------------------------------------------------
 # detokenizer
 # ---------------------------------------------------------------------------
 

@@ -122,8 +122,17 @@ class FakeStream:
         self.result = self.final
         return None
 
+    async def next_chunks(self):
+        chunk = await self.next_chunk()
+        return [] if chunk is None else [chunk]
+
     async def aclose(self):
         pass
+
+
+def sse_events(blobs: list[bytes]) -> list[bytes]:
+    """Each SSE event of the gateway's writes (one write may carry several)."""
+    return [e + b"\n\n" for blob in blobs for e in blob.split(b"\n\n") if e]
 
 
 def choice(index, text, ids, lps, prompt_tokens=3, reason="length", plps=None) -> GenerateResult:
@@ -169,7 +178,7 @@ async def test_chat_stream_n_with_logprobs_and_finishes(tokenizer):
     result = request_result([choice(0, "b", [b], [lp], reason="stop"), choice(1, "a", [a], [lp])])
     stream = FakeStream(chunks[1:], result)
     req = chat_req(n=2, stream=True, logprobs=True, top_logprobs=1, stream_options={"include_usage": True})
-    events = [e async for e in responses.chat_stream(gw, req, "chatcmpl-1", [stream], [chunks[0]])]
+    events = sse_events([e async for e in responses.chat_stream(gw, req, "chatcmpl-1", [stream], [chunks[0]])])
     bodies = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
     assert events[-1] == b"data: [DONE]\n\n"
     roles = [c["choices"][0]["index"] for c in bodies if c["choices"] and c["choices"][0]["delta"].get("role")]
@@ -189,9 +198,27 @@ async def test_completion_stream_echo_leads_each_choice_and_offsets_advance(toke
     chunks = [StreamChunk("a", [a], [lp], prompt_logprobs=[None]), StreamChunk("b", [b], [lp], finish_reason="length")]
     stream = FakeStream(chunks[1:], request_result([choice(0, "ab", [a, b], [lp, lp])]))
     req = completion_req(stream=True, echo=True, logprobs=0)
-    events = [e async for e in responses.completion_stream(gw, req, "c", [responses.Prompt(p_ids, "P")], [stream],
-                                                           [chunks[0]])]
+    events = sse_events([e async for e in responses.completion_stream(gw, req, "c", [responses.Prompt(p_ids, "P")],
+                                                                      [stream], [chunks[0]])])
     bodies = [json.loads(e[len(b"data: "):])["choices"][0] for e in events[:-1]]
     assert [c["text"] for c in bodies] == ["Pa", "b"]
     assert bodies[0]["logprobs"]["tokens"] == ["P", "a"] and bodies[0]["logprobs"]["text_offset"] == [0, 1]
     assert bodies[1]["logprobs"]["text_offset"] == [2] and bodies[1]["finish_reason"] == "length"
+
+
+def test_observe_many_matches_one_observe_per_value():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from ipc.gateway.metrics import TOKEN_LATENCY_BUCKETS, observe_many
+
+    registry = CollectorRegistry()
+    one = Histogram("one", "by observe", ["m"], buckets=TOKEN_LATENCY_BUCKETS, registry=registry)
+    many = Histogram("many", "by observe_many", ["m"], buckets=TOKEN_LATENCY_BUCKETS, registry=registry)
+    values = [0.0, 0.01, 0.0100001, 0.3, 0.31, 5.0, 79.0, 80.0, 1e6, 0.002]
+    for v in values:
+        one.labels("x").observe(v)
+    observe_many(many.labels("x"), values)
+    observe_many(many.labels("x"), [])
+    samples = {m.name: {(s.name.split("_", 1)[1], tuple(sorted(s.labels.items()))): s.value for s in m.samples
+                        if not s.name.endswith("_created")} for m in registry.collect()}
+    assert samples["one"] == samples["many"]

@@ -2,8 +2,9 @@
 
 A server with a tiny device pool (preemption is certain) and a larger host
 pool runs the chat prompts concurrently: preempted requests resume from the
-host copy of their blocks (swap) and must stream exactly what the shared
-reference server (ample device pool, no host tier) streams.  Then a long
+copies of their blocks left on the device or on the host (swap) and must
+stream exactly what the shared reference server (ample device pool, no host
+tier) streams.  Then a long
 prompt is pushed out of the device cache by others and sent again: it hits
 the host tier, is onloaded, and gives the same tokens.  Both pools are whole
 at the end.
@@ -12,12 +13,14 @@ at the end.
 from __future__ import annotations
 
 import asyncio
+import os
+import random
 
 import pytest
 import torch
 
 from ipc.client import AsyncClient
-from tests.server_proc import assert_no_leak, wait_idle
+from tests.server_proc import ROOT, assert_no_leak, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +42,7 @@ def assert_tiers_whole(s) -> None:
 
 
 async def generate_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
-    kw = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    kw = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
     async with AsyncClient(address, timeout=600) as c:
         results = await asyncio.gather(*[c.generate(prompt_token_ids=ids, **kw) for ids in prompts])
     return [r.token_ids for r in results]
@@ -53,7 +56,9 @@ async def test_swapped_requests_match_untouched_ones(model_server, tier_server, 
     after = await wait_idle(tier_server.address)
     assert got == reference
     assert after.preemptions > before.preemptions, "the device pool must force preemption"
-    assert after.prefix_cache_host_hit_tokens > before.prefix_cache_host_hit_tokens, "no resume from the host"
+    # Whether a resume finds its blocks still on the device or only on the host depends on when results
+    # arrive (both are correct; the scripted tests cover every order); the next test forces a host hit.
+    assert after.resumes > before.resumes, "no preempted request came back"
     assert_tiers_whole(after)
 
 
@@ -73,22 +78,30 @@ async def test_host_prefix_hit_matches_a_cold_run(model_server, tier_server, cha
     assert_tiers_whole(s2)
 
 
+DUMMY_135M = ("--load-format", "dummy", "--model", os.path.join(ROOT, "scripts", "configs", "smollm2-135m"))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-async def test_cuda_swaps_and_host_hits_match_an_untouched_run(server_factory, default_model_dir, chat_prompt_ids):
-    """The same on CUDA (float32, Triton kernels, graphs, the copy and backup streams)."""
-    cuda = ("--device", "cuda", "--dtype", "float32", "--pipeline-depth", "1", "--max-num-seqs", "8")
+async def test_cuda_swaps_and_host_hits_match_an_untouched_run(server_factory):
+    """The same on CUDA (float32, Triton kernels, graphs, the copy and backup streams), random weights of the
+    default model's shape (the model file does not travel to GPU machines) and random prompts. float32: the
+    resumed request's partial last block is recomputed by a prefill, which in bf16 need not give the decode's
+    bits (the copied blocks are bit-exact in any dtype: tests/test_host_kv_gpu.py)."""
+    cuda = DUMMY_135M + ("--device", "cuda", "--dtype", "float32", "--pipeline-depth", "1", "--max-num-seqs", "8")
     plain = server_factory(*cuda, "--num-kv-blocks", "512", "--host-kv-gib", "0")
     tier = server_factory(*cuda, "--num-kv-blocks", str(DEVICE_BLOCKS), "--num-host-kv-blocks", str(HOST_BLOCKS),
                           "--debug-checks")
-    prompts = [ids + ids for ids in chat_prompt_ids[:8]]
-    long, others = chat_prompt_ids[8] * 4, [ids * 4 for ids in chat_prompt_ids[9:12]]
+    rng = random.Random(3)
+    ids = [[rng.randrange(10, 49000) for _ in range(rng.randrange(25, 36))] for _ in range(12)]
+    prompts = [x + x for x in ids[:8]]  # 50 to 70 tokens: 4 to 5 blocks with the outputs
+    long, others = ids[8] * 4, [x * 4 for x in ids[9:12]]
     reference = await generate_all(plain.address, prompts + [long])
     got = await generate_all(tier.address, prompts)
-    for ids in [long] + others:
-        await generate_all(tier.address, [ids])
+    for x in [long] + others:
+        await generate_all(tier.address, [x])
     again = await generate_all(tier.address, [long])
     s = await wait_idle(tier.address)
     assert got + again == reference
-    assert s.preemptions > 0 and s.prefix_cache_host_hit_tokens >= BLOCK * 3
+    assert s.preemptions > 0 and s.resumes > 0 and s.prefix_cache_host_hit_tokens >= BLOCK * 3
     assert_tiers_whole(s)

@@ -67,6 +67,21 @@ def test_backup_holds_the_device_block_until_done_then_the_host_has_the_key():
     host.check([])
 
 
+def test_only_blocks_no_request_holds_count_as_returning_from_a_backup():
+    """A running request's block under backup comes back to no one: a request short of blocks must not
+    wait for it (it would stall while any backup is in flight) but preempt."""
+    device, prefix, host = tier()
+    req = make_request(0, prompt_len=5, max_tokens=1)
+    req.blocks = device.allocate(3)
+    prefix.publish(req, 5)
+    host.send(step_id=0)
+    assert host.num_device_busy == 2 and host.num_device_returning == 0
+    device.release(req.blocks)  # the request left: its two backed-up blocks return once the copies are done
+    assert host.num_device_returning == 2
+    host.backups_done(0)
+    assert host.num_device_returning == 0 and device.num_free == 8
+
+
 def test_no_second_backup_of_a_key_and_skip_when_every_host_block_is_busy():
     device, prefix, host = tier(num_host=1)
     a, b = make_request(0, prompt_len=5, max_tokens=1), make_request(0, prompt_len=5, max_tokens=1)
@@ -106,6 +121,21 @@ def test_host_hit_onloads_into_new_device_blocks_and_pins_the_host_blocks():
 # ----------------------------------------------------------- planner scenarios
 
 SHARED = list(range(10, 22))  # 12 tokens: 6 blocks of 2
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_a_request_short_of_blocks_preempts_while_running_blocks_are_backed_up(lag):
+    """Two requests outgrow a 10-block pool; backups of their (still held) blocks are in flight most of
+    the time. Counting those as blocks on their way back made the short request wait for them, a lag's
+    worth of steps per wait (22 steps at lag 2); it must preempt at once and wait only for the victim's
+    own blocks: at most ``lag + 2`` steps over the run without the tier."""
+    specs = [dict(prompt_len=6, max_tokens=10), dict(prompt_len=6, max_tokens=10)]
+    kw = dict(depth=1, num_slots=2, num_blocks=10, block_size=2, budget=16)
+    _, plain, _ = run(specs, **kw)
+    trace, planner, ex = run(specs, **kw, num_host_blocks=64, backup_lag=lag)
+    check_case(trace, planner, ex)
+    assert plain.num_preemptions == planner.num_preemptions == 1
+    assert planner.num_steps_planned <= plain.num_steps_planned + lag + 2
 
 
 @pytest.mark.parametrize("depth", DEPTHS)

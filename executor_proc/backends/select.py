@@ -36,8 +36,9 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     patch_interpreter()  # the CPU runs the kernels in Triton's interpreter (a no-op on a GPU)
     c = model.config
     backend = TritonBackend(model.rope_inv_freq, max_positions, c.num_heads, c.num_kv_heads, c.head_dim,
-                            cfg.num_slots + 1, device)
-    tune_max_m = graph_max_batch(cfg, backend) if device.type == "cuda" else 0
+                            cfg.num_slots + 1, device, batch_invariant=cfg.batch_invariant)
+    # Batch-invariant linears are one kernel for every batch size: nothing to choose per size.
+    tune_max_m = graph_max_batch(cfg, backend) if device.type == "cuda" and not cfg.batch_invariant else 0
     progress(TUNING_STAGE, 0, 1)
     if tune_max_m > 0:
         backend.gemv_choice, backend.gemv_timings = tune_linears(model, [m for m in (1, 2, 4, 8) if m <= tune_max_m])

@@ -19,7 +19,10 @@ Ops: ``rms_norm``, ``add_rms_norm`` and ``silu_and_mul`` are single Triton
 launches; ``linear`` is cuBLAS, or the Triton skinny matmul
 (:mod:`kernels.gemv`) for the (shape, batch) pairs where
 :func:`executor_proc.backends.gemv_tuning.tune_linears` measured it faster on
-this GPU.  The sampler is :func:`kernels.sampling.sample`; penalties and logprobs are
+this GPU.  With ``batch_invariant`` every linear is :func:`kernels.matmul.invariant_matmul`
+(one tile shape and one split of K per weight, whatever the number of rows) and decode
+attention always uses the batch-1 split count, so a row's result does not depend on
+the rows beside it.  The sampler is :func:`kernels.sampling.sample`; penalties and logprobs are
 :mod:`kernels.penalties` and :mod:`kernels.logprobs`.
 """
 
@@ -38,6 +41,7 @@ from kernels.activation import silu_and_mul
 from kernels.decode_attention import DecodeWorkspace, decode_attention, default_num_splits
 from kernels.kv_write import rope_cos_sin_cache, rope_kv_write
 from kernels.logprobs import token_logprobs
+from kernels.matmul import choose_split_k, invariant_matmul
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.penalties import PenaltyTables, apply_penalties, count_sampled
 from kernels.prefill_attention import prefill_attention
@@ -73,7 +77,7 @@ class TritonBackend:
     supports_graphs = True
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, max_batch: int, device: torch.device):
+                 head_dim: int, max_batch: int, device: torch.device, batch_invariant: bool = False):
         self.cos_sin = rope_cos_sin_cache(inv_freq.float().to(device), max_positions)
         self.num_kv_heads = num_kv_heads
         self.device = device
@@ -82,13 +86,17 @@ class TritonBackend:
         self.gemv_choice: dict[tuple[int, int, int], GemvConfig] = {}
         self.gemv_everywhere: Optional[GemvConfig] = None  # tests: force the Triton path
         self.gemv_timings: dict = {}  # what the tuner measured (benchmarks report it)
+        self.batch_invariant = batch_invariant
+        # Batch-invariant mode: the batch-1 split count for every batch; each weight's split of K, by shape.
+        self.invariant_splits = default_num_splits(1, num_kv_heads, device, self.workspace.max_splits)
+        self.split_k: dict[tuple[int, int], int] = {}
 
     def plan(self, batch: ForwardBatch) -> TritonPlan:
         if batch.prefill_tiles is not None:
             rows = batch.decode_context_lens.shape[0]
             return TritonPlan(batch.positions, batch.kv_index, batch.block_tables, batch.context_lens,
                               batch.query_start, batch.tile_m, pure_decode=False,
-                              num_splits=default_num_splits(rows, self.num_kv_heads, self.device),
+                              num_splits=self._num_splits(rows),
                               decode_context_lens=batch.decode_context_lens, prefill_tiles=batch.prefill_tiles,
                               tile_m=batch.tile_m, tile_programs=batch.tile_programs)
         qlens = batch.host_query_lens
@@ -102,9 +110,15 @@ class TritonBackend:
             query_start=batch.query_start,
             max_query_len=max(qlens, default=0),
             pure_decode=pure_decode,
-            # Fixed per batch size (never per length): one value serves a whole graph bucket.
-            num_splits=default_num_splits(rows, self.num_kv_heads, self.device) if pure_decode else 1,
+            num_splits=self._num_splits(rows) if pure_decode else 1,
         )
+
+    def _num_splits(self, rows: int) -> int:
+        """Fixed per batch size (never per length): one value serves a whole graph bucket; one value
+        for every batch size when batch-invariant."""
+        if self.batch_invariant:
+            return self.invariant_splits
+        return default_num_splits(rows, self.num_kv_heads, self.device)
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, plan: TritonPlan) -> torch.Tensor:
@@ -127,6 +141,10 @@ class TritonBackend:
                                  plan.max_query_len, scale)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.batch_invariant:
+            shape = (weight.shape[0], weight.shape[1])
+            split = self.split_k.get(shape) or self.split_k.setdefault(shape, choose_split_k(*shape, self.device))
+            return invariant_matmul(x, weight, bias, split_k=split)
         m = x.shape[0]
         if m <= 8 and x.stride(1) == 1:
             config = self.gemv_everywhere or self.gemv_choice.get((weight.shape[0], weight.shape[1], m_bucket(m)))

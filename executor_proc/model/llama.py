@@ -214,7 +214,7 @@ class CausalLM(nn.Module):
     def final_hidden(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """The decoder with its final norm, for the tokens of ``batch.sample_index`` (every token if None)."""
         backend = self.backend
-        x = self.model.embed_tokens(batch.input_ids)
+        x = self.embed(batch.input_ids)
         step = StepContext(backend.plan(batch), kv_cache, backend)
         residual = None
         for layer in self.model.layers:
@@ -227,6 +227,10 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: float32 logits ``[S, vocab]`` of :meth:`final_hidden`'s rows."""
         return self.backend.linear(hidden, self.lm_head.weight, None).float()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` embeddings of the step's tokens (a tensor-parallel rank's model overrides it)."""
+        return self.model.embed_tokens(input_ids)
 
     @torch.no_grad()
     def load_weights(
@@ -274,10 +278,12 @@ def _some(names: list[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
-    """An uninitialised model allocated directly on ``device`` in ``dtype`` (no CPU init pass)."""
+def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                make: Callable[[ModelConfig, torch.dtype], CausalLM] = CausalLM) -> CausalLM:
+    """An uninitialised model allocated directly on ``device`` in ``dtype`` (no CPU init pass);
+    ``make(config, dtype)`` builds it (a tensor-parallel rank's sharded model, or the whole one)."""
     with torch.device("meta"):
-        model = CausalLM(config, dtype)
+        model = make(config, dtype)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty may give the tied pair two storages
     model.rope_inv_freq = rope_inv_freq(config, device)

@@ -17,13 +17,17 @@ import glob
 import json
 import os
 from dataclasses import replace
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import numpy as np
 import torch
 
 from executor_proc.model.llama import CausalLM, build_model, rope_inv_freq
 from executor_proc.model.config import Llama3RopeScaling, ModelConfig
+
+if TYPE_CHECKING:
+    from executor_proc.parallel.group import TPGroup
+    from executor_proc.parallel.sharding import Shards
 
 ProgressCallback = Callable[[str, int, int], None]
 WeightStream = Iterator[tuple[str, torch.Tensor]]
@@ -69,28 +73,36 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | str = torch.float32,
     progress_cb: Optional[ProgressCallback] = None,
+    tp: Optional["TPGroup"] = None,
 ) -> tuple[CausalLM, ModelConfig]:
-    """Load a model for serving; ``progress_cb(stage, done, total)`` is called as tensors load."""
+    """Load a model for serving; ``progress_cb(stage, done, total)`` is called as tensors load.
+
+    With ``tp`` (a tensor-parallel group), the model is this rank's shard
+    (:class:`executor_proc.parallel.model.ParallelCausalLM`) and only its slices are read: safetensors
+    by slice, GGUF dequantised whole and then sliced, dummy weights drawn whole (the same values as one
+    process draws) and then sliced.  The config returned is the whole model's.
+    """
     dtype = resolve_dtype(dtype)
     if load_format == "auto":
         load_format = detect_format(path)
-    if load_format == "hf":
-        config = ModelConfig.from_pretrained(path)
-        total, weights = hf_weights(path)
-        stage = "loading weights"
-    elif load_format == "gguf":
-        reader = open_gguf(path)
-        config = gguf_config(reader)
-        total, weights = gguf_weights(reader, config)
-        stage = "dequantizing weights"
-    elif load_format == "dummy":
-        config = ModelConfig.from_pretrained(path)
-        model = build_model(config, device, dtype)
-        init_dummy_weights(model, DUMMY_SEED, progress_cb)
-        return model, config
-    else:
+    if load_format not in ("hf", "gguf", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r} (auto, hf, gguf, dummy)")
-    model = build_model(config, device, dtype)
+    reader = open_gguf(path) if load_format == "gguf" else None
+    config = gguf_config(reader) if reader is not None else ModelConfig.from_pretrained(path)
+    shards, make = _rank_model(config, tp)
+    if load_format == "dummy":
+        model = build_model(config, device, dtype, make)
+        init_dummy_weights(model, DUMMY_SEED, progress_cb, shards)
+        return model, config
+    if reader is not None:
+        total, weights = gguf_weights(reader, config)
+        if shards is not None:  # a quantised block does not slice: dequantise whole, keep the rank's part
+            weights = ((name, shards.take(name, w)) for name, w in weights)
+        stage = "dequantizing weights"
+    else:
+        total, weights = hf_weights(path, shards)
+        stage = "loading weights"
+    model = build_model(config, device, dtype, make)
     report = None if progress_cb is None else (lambda done: progress_cb(stage, done, total))
     model.load_weights(weights, report)
     return model, config
@@ -108,8 +120,20 @@ def _safetensors_files(folder: str) -> list[str]:
     return sorted(glob.glob(os.path.join(folder, "*.safetensors")))
 
 
-def hf_weights(folder: str) -> tuple[int, WeightStream]:
-    """(number of tensors, stream of (name, CPU tensor)) over a folder's safetensors shards."""
+def _rank_model(config: ModelConfig, tp: Optional["TPGroup"]) -> tuple[Optional["Shards"], Callable]:
+    """(this rank's shards, the model class to build) for ``tp``; (None, CausalLM) without one."""
+    if tp is None:
+        return None, CausalLM
+    from executor_proc.parallel.model import ParallelCausalLM
+    from executor_proc.parallel.sharding import Shards
+
+    shards = Shards(config, tp.rank, tp.size)
+    return shards, lambda _config, dtype: ParallelCausalLM(shards, tp, dtype)
+
+
+def hf_weights(folder: str, shards: Optional["Shards"] = None) -> tuple[int, WeightStream]:
+    """(number of tensors, stream of (name, CPU tensor)) over a folder's safetensors shards; with
+    ``shards``, each tensor is the rank's slice, read as a slice (the rest is never read)."""
     from safetensors import safe_open
 
     files = _safetensors_files(folder)
@@ -126,7 +150,7 @@ def hf_weights(folder: str) -> tuple[int, WeightStream]:
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, (f.get_tensor(name) if shards is None else shards.take(name, f.get_slice(name)))
 
     return total, stream()
 
@@ -290,18 +314,31 @@ def gguf_weights(gguf, config: ModelConfig) -> tuple[int, WeightStream]:
 
 
 @torch.no_grad()
-def init_dummy_weights(model: CausalLM, seed: int = DUMMY_SEED, progress_cb: Optional[ProgressCallback] = None) -> None:
-    """Deterministic random weights, generated on the model's device: N(0, 0.02) matrices, unit norms, zero biases."""
+def init_dummy_weights(model: CausalLM, seed: int = DUMMY_SEED, progress_cb: Optional[ProgressCallback] = None,
+                       shards: Optional["Shards"] = None) -> None:
+    """Deterministic random weights, generated on the model's device: N(0, 0.02) matrices, unit norms, zero biases.
+
+    With ``shards`` each matrix is drawn at its whole-model shape, in the same order, and sliced, so a
+    tensor-parallel rank holds exactly its part of the weights one process would draw.
+    """
     params = list(model.named_parameters())
     device = params[0][1].device
     generator = torch.Generator(device=device).manual_seed(seed)
+    full_shape = None
+    if shards is not None:
+        from executor_proc.parallel.model import full_shapes
+
+        full_shape = full_shapes(shards.full)
     for done, (name, param) in enumerate(params, 1):
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
-        else:
+        elif full_shape is None:
             param.normal_(0.0, DUMMY_INIT_STD, generator=generator)
+        else:
+            whole = torch.empty(full_shape[name], dtype=param.dtype, device=device)
+            param.copy_(shards.take(name, whole.normal_(0.0, DUMMY_INIT_STD, generator=generator)))
         if progress_cb is not None:
             progress_cb("initialising weights", done, len(params))
 

@@ -249,7 +249,7 @@ class AsyncClient:
 
     def _fail_pending(self, exc_type: type[BaseException], message: str) -> None:
         for req in self._pending.values():
-            req.queue.put_nowait(Stop(exc_type, message))
+            req.stop(Stop(exc_type, message))
         self._pending.clear()
 
     def _server_gone(self, sock: zmq.asyncio.Socket, reason: str) -> None:
@@ -418,7 +418,7 @@ class AsyncClient:
         self._pending[call.request_id] = req
         if call.timeout is not None and not math.isinf(call.timeout):
             req.timer = asyncio.get_running_loop().call_later(
-                call.timeout, req.queue.put_nowait,
+                call.timeout, req.stop,
                 Stop(TimeoutError, f"request {call.request_id} timed out after {call.timeout} s"))
         req.t_send = time.perf_counter()
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -122,7 +123,10 @@ class PendingRequest:
                  prompt_token_ids: Sequence[int] = ()) -> None:
         sampling = sampling if sampling is not None else SamplingParams()
         self.request_id = request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
+        # Replies not yet taken, and the future a reader of them waits on: a plain deque is
+        # lighter than asyncio.Queue, and lets next_chunks() see what is ready without waiting.
+        self._items: deque = deque()
+        self._waiter: Optional[asyncio.Future] = None
         self.answered = False  # any reply at all (see AsyncClient._on_connection_error)
         self.done = False  # Finished or Error received, or nothing more can come
         self.t_send = 0.0
@@ -139,14 +143,30 @@ class PendingRequest:
     def deliver(self, t: float, msg: Any) -> None:
         """Called by the reader task with a reply and its arrival time."""
         self.answered = True
-        self.queue.put_nowait((t, msg))
+        self._put((t, msg))
+
+    def stop(self, stop: Stop) -> None:
+        """No reply will come (deadline, closed client, lost server): the reader raises ``stop``'s error."""
+        self._put(stop)
+
+    def _put(self, item: Any) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def next_chunk(self) -> Optional[StreamChunk]:
         """The next tokens and text; None once every completion finished; raises on Error or timeout."""
         if self._ready:
             return self._ready.pop(0)
         while not self.done:
-            item = await self.queue.get()
+            while not self._items:
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            item = self._items.popleft()
             if isinstance(item, Stop):
                 self.done = item.exc_type is not TimeoutError  # a timed-out request still needs an Abort
                 raise item.exc_type(item.message)
@@ -158,6 +178,28 @@ class PendingRequest:
             if chunk is not None:
                 return chunk
         return None
+
+    async def next_chunks(self) -> list[StreamChunk]:
+        """Every chunk ready now, waiting for the first; [] once every completion finished.
+
+        A reader that falls behind the steps gets several chunks per wake-up (and can
+        write them at once); an Error or a stop behind them is raised by the next call.
+        """
+        chunk = await self.next_chunk()
+        if chunk is None:
+            return []
+        chunks = [chunk]
+        while True:
+            if self._ready:
+                chunks.append(self._ready.pop(0))
+                continue
+            items = self._items
+            if self.done or not items or isinstance(items[0], Stop) or isinstance(items[0][1], Error):
+                return chunks
+            t, msg = items.popleft()
+            chunk = self._take(t - self.t_send, msg)
+            if chunk is not None:
+                chunks.append(chunk)
 
     def _take(self, since_send: float, msg: Any) -> Optional[StreamChunk]:
         if not isinstance(msg, (TokenDelta, Finished)) or not 0 <= msg.index < len(self.outputs):

@@ -44,6 +44,12 @@ class AsyncStream:
         await self.start()
         return await self._req.next_chunk()
 
+    async def next_chunks(self) -> list[StreamChunk]:
+        """Every chunk that has arrived, waiting for the first; [] at the end (see PendingRequest.next_chunks)."""
+        if self._req is None or self._closed:
+            await self.start()
+        return await self._req.next_chunks()
+
     def __aiter__(self) -> AsyncIterator[StreamChunk]:
         return self._iterate()
 

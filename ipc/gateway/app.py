@@ -35,7 +35,7 @@ from ipc.gateway.responses import (
     whole_chat,
     whole_completion,
 )
-from ipc.gateway.streaming import ClientGone, SSEResponse, gather_or_cancel, until_disconnect
+from ipc.gateway.streaming import ClientGone, SSEResponse, until_disconnect
 
 HEALTH_TIMEOUT_S = 2.0  # a scheduler that cannot answer GetStats in this time is unhealthy
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
@@ -137,19 +137,26 @@ def _gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
+def _error_for(gw: Gateway, exc: BaseException) -> Optional[Response]:
+    """The OpenAI error response for a RequestError or an SDK error (None: not one of those)."""
+    if isinstance(exc, s.RequestError):
+        return error_response(exc.status, exc.message, exc.param, exc.err_type, exc.code)
+    if isinstance(exc, ClientGone):
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
+    if isinstance(exc, (ForerunError, ConnectionError)):
+        gw.note_error(exc)
+        err = sdk_error(exc)
+        return error_response(err.status, err.message, err.param, err.err_type, err.code)
+    return None
+
+
 async def _run(request: Request, handler) -> Response:
     """Call a route's handler; RequestError and SDK errors become OpenAI error responses."""
     gw = _gateway(request)
     try:
         return await handler(gw, request)
-    except s.RequestError as e:
-        return error_response(e.status, e.message, e.param, e.err_type, e.code)
-    except ClientGone:
-        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
-    except (ForerunError, ConnectionError) as e:
-        gw.note_error(e)
-        err = sdk_error(e)
-        return error_response(err.status, err.message, err.param, err.err_type, err.code)
+    except (s.RequestError, ClientGone, ForerunError, ConnectionError) as e:
+        return _error_for(gw, e)
 
 
 async def completions(request: Request) -> Response:
@@ -166,8 +173,7 @@ async def completions(request: Request) -> Response:
         streams = [gw.new_stream(p.ids, f"{rid}-{i}", gw.sampling_kwargs(req, max_tokens, len(p.ids)))
                    for i, p in enumerate(prompts)]
         if req.stream:
-            return await _stream(gw, request, streams,
-                                 lambda firsts: completion_stream(gw, req, rid, prompts, streams, firsts))
+            return _stream(gw, streams, lambda firsts: completion_stream(gw, req, rid, prompts, streams, firsts))
         answer = whole_completion(gw, req, rid, prompts, streams)
         return json_response(await until_disconnect(request.receive, answer))
     return await _run(request, handle)
@@ -182,27 +188,21 @@ async def chat_completions(request: Request) -> Response:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = [gw.new_stream(ids, rid, gw.sampling_kwargs(req, max_tokens, len(ids)))]
         if req.stream:
-            return await _stream(gw, request, streams, lambda firsts: chat_stream(gw, req, rid, streams, firsts))
+            return _stream(gw, streams, lambda firsts: chat_stream(gw, req, rid, streams, firsts))
         answer = whole_chat(gw, req, rid, Prompt(ids, ""), streams[0])
         return json_response(await until_disconnect(request.receive, answer))
     return await _run(request, handle)
 
 
-async def _stream(gw: Gateway, request: Request, streams: list[Any], make_events: Any) -> Any:
-    """An SSE response, once every stream has its first tokens (so that errors keep their status)."""
-    async def close() -> None:
+def _stream(gw: Gateway, streams: list[Any], make_events: Any) -> SSEResponse:
+    """An SSE response; it waits for every stream's first tokens before the 200, so that errors keep their status."""
+    async def close(started: bool) -> None:
         for st in streams:
-            if st.result is None:  # cut short: the client left or an error ended it
+            if started and st.result is None:  # cut short: the client left or an error ended it
                 gw.metrics.request_success.labels(gw.model_name, "abort").inc()
             await st.aclose()
 
-    try:
-        firsts = await until_disconnect(request.receive, gather_or_cancel([st.next_chunk() for st in streams]))
-    except BaseException:
-        for st in streams:
-            await st.aclose()
-        raise
-    return SSEResponse(make_events(firsts), close)
+    return SSEResponse(streams, make_events, lambda exc: _error_for(gw, exc), close)
 
 
 async def models(request: Request) -> Response:
@@ -284,6 +284,28 @@ class _Auth:
         await self.app(scope, receive, send)
 
 
+class _HotRoutes:
+    """ASGI: the generation routes go straight to their handlers, every other request through Starlette.
+
+    Starlette's router and its two exception middlewares cost a dozen awaits per request
+    and two wrappers around every streamed send.  These handlers answer their own errors
+    (``_run``); anything else they raise reaches uvicorn, which logs it and answers 500,
+    as Starlette's ServerErrorMiddleware would.
+    """
+
+    def __init__(self, app: Starlette, routes: dict[str, Any]) -> None:
+        self.app = app
+        self.routes = routes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        handler = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if handler is None:
+            return await self.app(scope, receive, send)
+        scope["app"] = self.app  # what Starlette sets: Request.app, and so _gateway(), read it
+        response = await handler(Request(scope, receive))
+        await response(scope, receive, send)
+
+
 def create_app(address: str, api_key: Optional[str] = None) -> Any:
     """The ASGI app of one gateway worker, talking to the scheduler at ``address``."""
     gateway = Gateway(address, api_key)
@@ -293,9 +315,8 @@ def create_app(address: str, api_key: Optional[str] = None) -> Any:
         yield
         await gateway.stop()
 
-    routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
+    hot = {"/v1/chat/completions": chat_completions, "/v1/completions": completions}
+    routes = [Route(path, handler, methods=["POST"]) for path, handler in hot.items()] + [
         Route("/v1/models", models, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
@@ -305,4 +326,4 @@ def create_app(address: str, api_key: Optional[str] = None) -> Any:
     ]
     app = Starlette(routes=routes, lifespan=asynccontextmanager(lifespan))
     app.state.gateway = gateway
-    return _Auth(app, api_key)
+    return _Auth(_HotRoutes(app, hot), api_key)

@@ -13,8 +13,9 @@ Two sources:
 
 from __future__ import annotations
 
+import bisect
 import os
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -70,10 +71,36 @@ class RequestMetrics:
             self.ttft.labels(m).observe(t.ttft)
         if t.tpot is not None:
             self.tpot.labels(m).observe(t.tpot)
-        itl = self.itl.labels(m)
-        for gap in t.itl:
-            itl.observe(gap)
+        observe_many(self.itl.labels(m), t.itl)
         self.e2e.labels(m).observe(t.e2e)
+
+
+def observe_many(hist: Histogram, values: Iterable[float]) -> None:
+    """``hist.observe(v)`` for each value, with one write per bucket touched instead of two per value.
+
+    A request's inter-token gaps come by the hundred, and in multiprocess mode every
+    write is a store into a memory-mapped file: per token, that was the gateway's
+    largest cost after the socket write.  Uses the child histogram's bucket values,
+    which prometheus_client has kept since 0.4; any other object gets plain observes.
+    """
+    bounds = getattr(hist, "_upper_bounds", None)
+    buckets = getattr(hist, "_buckets", None)
+    total = getattr(hist, "_sum", None)
+    if bounds is None or buckets is None or total is None:
+        for v in values:
+            hist.observe(v)
+        return
+    counts = [0] * len(bounds)
+    amount = 0.0
+    for v in values:
+        counts[bisect.bisect_left(bounds, v)] += 1  # the first bound >= v, as observe() picks
+        amount += v
+    if not any(counts):
+        return
+    total.inc(amount)
+    for bucket, n in zip(buckets, counts):
+        if n:
+            bucket.inc(n)
 
 
 _METRICS: Optional[RequestMetrics] = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import os
 import shutil
 import signal
@@ -31,6 +32,7 @@ import msgspec
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 API_KEY_ENV = "FORERUN_API_KEY"
+PROFILE_ENV = "FORERUN_GATEWAY_PROFILE"  # a folder: each worker runs under cProfile and writes its stats there
 PR_SET_PDEATHSIG = 1
 READY_TIMEOUT_S = 300.0
 
@@ -133,12 +135,15 @@ async def _serve(cfg: WorkerConfig, sock: socket.socket) -> int:
     from ipc.gateway.app import create_app
 
     app = create_app(cfg.address, os.environ.get(API_KEY_ENV) or None)
-    server = uvicorn.Server(uvicorn.Config(app, loop="none", http="httptools", lifespan="on",
+    # No proxy-headers middleware: nothing here reads the client's address, and it is one more
+    # layer on every request.
+    server = uvicorn.Server(uvicorn.Config(app, loop="none", http="httptools", lifespan="on", proxy_headers=False,
                                            log_level="warning", access_log=False, timeout_keep_alive=30))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.02)
     if server.started:
+        gc.freeze()  # start-up objects (uvicorn, starlette, the tokenizer) are never scanned again
         open(cfg.ready_file, "w").close()
     while not task.done():
         if os.getppid() != cfg.parent_pid:
@@ -157,7 +162,18 @@ def main(argv: list[str]) -> int:
         return 1
     import uvloop
 
-    return uvloop.run(_serve(cfg, sock))
+    profile_dir = os.environ.get(PROFILE_ENV)
+    if not profile_dir:
+        return uvloop.run(_serve(cfg, sock))
+    import cProfile
+
+    # Where a worker's time goes (benchmarks): one pstats file per worker, written when it stops.
+    # uvicorn raises the SIGTERM it caught again once it has stopped: a no-op handler lets the stats be written.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    with cProfile.Profile() as prof:
+        rc = uvloop.run(_serve(cfg, sock))
+    prof.dump_stats(os.path.join(profile_dir, f"gateway-{os.getpid()}.prof"))
+    return rc
 
 
 if __name__ == "__main__":

@@ -129,29 +129,42 @@ def _include_usage(req: Any) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
-async def _chunks(gw: Any, streams: list[Any], firsts: list[Any]) -> AsyncIterator[tuple[int, StreamChunk]]:
-    """``(prompt, chunk)``: the first chunks, then the rest as they come, a finish_reason on each choice's last.
+async def _chunks(gw: Any, streams: list[Any], firsts: list[Any]
+                  ) -> AsyncIterator[tuple[list[tuple[int, StreamChunk]], bool]]:
+    """``(batch, last)``: batches of ``(prompt, chunk)``, the first chunks, then what is ready at each wake-up.
 
+    A finish_reason comes on each choice's last chunk; ``last`` is set on the batch
+    after which nothing comes (so that the end of the answer can share its write).
     One event per SDK chunk, i.e. per step that brought tokens, even when they
-    complete no character yet: the stream's timing is the engine's.
+    complete no character yet: the stream's timing is the engine's; a batch holds
+    several only when the worker fell behind.
     """
     finished: set[tuple[int, int]] = set()
+    left = len(streams)
+    batch = []
     for p, chunk in enumerate(firsts):
         if chunk is not None:
             if chunk.finish_reason is not None:
                 finished.add((p, chunk.index))
-            yield p, chunk
-    async for p, chunk in merge(streams):
-        if chunk is not None:
-            if chunk.finish_reason is not None:
-                finished.add((p, chunk.index))
-            yield p, chunk
-            continue
-        result = streams[p].result
-        gw.observe(result)
-        for c in result.choices:
-            if (p, c.index) not in finished:
-                yield p, StreamChunk("", [], index=c.index, finish_reason=c.finish_reason)
+            batch.append((p, chunk))
+    if batch:
+        yield batch, False
+    async for items in merge(streams):
+        batch = []
+        for p, chunk in items:
+            if chunk is not None:
+                if chunk.finish_reason is not None:
+                    finished.add((p, chunk.index))
+                batch.append((p, chunk))
+                continue
+            left -= 1
+            result = streams[p].result
+            gw.observe(result)
+            for c in result.choices:
+                if (p, c.index) not in finished:
+                    batch.append((p, StreamChunk("", [], index=c.index, finish_reason=c.finish_reason)))
+        if batch or not left:
+            yield batch, not left
 
 
 async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, prompts: list[Prompt], streams: list[Any],
@@ -160,29 +173,36 @@ async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, prompts
     created, model, n = int(time.time()), gw.model_name, req.n or 1
     sent: dict[int, int] = {}  # choice -> characters sent (the next text offset)
     plps: dict[int, list] = {}  # prompt -> its prompt logprobs, once they came
-    try:
-        async for p, chunk in _chunks(gw, streams, firsts):
-            if chunk.prompt_logprobs is not None:
-                plps[p] = chunk.prompt_logprobs
-            index, text, lps = p * n + chunk.index, chunk.text_delta, None
-            first = index not in sent
-            offset = sent.get(index, len(prompts[p].text) if req.echo else 0)
-            if req.logprobs is not None:
-                lps = completion_logprobs(gw.token_texts, chunk.token_ids, chunk.logprobs, req.logprobs, offset)
-                if first and req.echo:
-                    lps = join_completion_logprobs(_echo_logprobs(gw, req, prompts[p], plps.get(p)), lps)
+
+    def event(p: int, chunk: StreamChunk) -> bytes:
+        if chunk.prompt_logprobs is not None:
+            plps[p] = chunk.prompt_logprobs
+        index, text, lps = p * n + chunk.index, chunk.text_delta, None
+        first = index not in sent
+        offset = sent.get(index, len(prompts[p].text) if req.echo else 0)
+        if req.logprobs is not None:
+            lps = completion_logprobs(gw.token_texts, chunk.token_ids, chunk.logprobs, req.logprobs, offset)
             if first and req.echo:
-                text = prompts[p].text + text
-            sent[index] = offset + len(chunk.text_delta)
-            choice = s.CompletionChoice(index=index, text=text, finish_reason=chunk.finish_reason, logprobs=lps)
-            yield _sse(s.CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
-        if _include_usage(req):
-            usage = _usage([st.result for st in streams])
-            yield _sse(s.CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage))
+                lps = join_completion_logprobs(_echo_logprobs(gw, req, prompts[p], plps.get(p)), lps)
+        if first and req.echo:
+            text = prompts[p].text + text
+        sent[index] = offset + len(chunk.text_delta)
+        choice = s.CompletionChoice(index=index, text=text, finish_reason=chunk.finish_reason, logprobs=lps)
+        return _sse(s.CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
+
+    def end() -> bytes:
+        if not _include_usage(req):
+            return DONE
+        usage = _usage([st.result for st in streams])
+        return _sse(s.CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage)) + DONE
+
+    try:
+        async for batch, last in _chunks(gw, streams, firsts):
+            data = b"".join([event(p, chunk) for p, chunk in batch])
+            yield data + end() if last else data
     except (ForerunError, ConnectionError) as exc:
         gw.note_error(exc)
-        yield _error_event(exc)
-    yield DONE
+        yield _error_event(exc) + DONE
 
 
 async def chat_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: list[Any],
@@ -195,20 +215,27 @@ async def chat_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: 
         choice = s.ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps)
         return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
 
-    for index in range(req.n or 1):
-        yield event(index, s.Delta(role="assistant", content=""))
+    def chunk_event(c: StreamChunk) -> bytes:
+        lps = chat_logprobs(gw.token_texts, c.token_ids, c.logprobs, top_n) if top_n is not None else None
+        delta = s.Delta(content=c.text_delta) if c.text_delta or c.finish_reason is None else s.Delta()
+        return event(c.index, delta, c.finish_reason, lps)
+
+    def end() -> bytes:
+        if not _include_usage(req):
+            return DONE
+        usage = _usage([streams[0].result])
+        return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage)) + DONE
+
+    # The role events go out with the first tokens (they are there before the 200 is sent).
+    head = b"".join([event(index, s.Delta(role="assistant", content="")) for index in range(req.n or 1)])
     try:
-        async for _, c in _chunks(gw, streams, firsts):
-            lps = chat_logprobs(gw.token_texts, c.token_ids, c.logprobs, top_n) if top_n is not None else None
-            delta = s.Delta(content=c.text_delta) if c.text_delta or c.finish_reason is None else s.Delta()
-            yield event(c.index, delta, c.finish_reason, lps)
-        if _include_usage(req):
-            usage = _usage([streams[0].result])
-            yield _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage))
+        async for batch, last in _chunks(gw, streams, firsts):
+            data = head + b"".join([chunk_event(c) for _, c in batch])
+            head = b""
+            yield data + end() if last else data
     except (ForerunError, ConnectionError) as exc:
         gw.note_error(exc)
-        yield _error_event(exc)
-    yield DONE
+        yield head + _error_event(exc) + DONE
 
 
 def _error_event(exc: BaseException) -> bytes:

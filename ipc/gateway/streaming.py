@@ -7,6 +7,11 @@ message, and the task is cancelled when it arrives.  Cancelling an SDK
 request), so the KV blocks come back within a step.  Plain asyncio
 cancellation is used (delivered once), so the ``Abort`` send in that
 ``finally`` is never cancelled itself.
+
+A streaming answer is one task and one disconnect watcher for its whole life
+(first tokens, then events), and it writes whatever chunks are ready at each
+wake-up in one send: a worker that falls behind the steps writes fewer, larger
+chunks instead of falling further behind.
 """
 
 from __future__ import annotations
@@ -34,16 +39,16 @@ async def until_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitab
     """Await ``work`` unless the client disconnects first (then it is cancelled: ClientGone)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_wait_disconnect(receive))
+    # The watcher cancels the work itself: no asyncio.wait bookkeeping per request.
+    watch.add_done_callback(lambda w: w.cancelled() or task.cancel())
     try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        return await task
+    except asyncio.CancelledError:
+        if watch.done() and not watch.cancelled():
+            raise ClientGone() from None
+        raise
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
         watch.cancel()
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
 
 
 async def gather_or_cancel(aws: list[Awaitable[T]]) -> list[T]:
@@ -58,32 +63,48 @@ async def gather_or_cancel(aws: list[Awaitable[T]]) -> list[T]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def merge(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
-    """``(index, chunk)`` from several SDK streams as chunks arrive; ``(index, None)`` at each end."""
+async def first_chunks(streams: list[Any]) -> list[Any]:
+    """The first chunk of every stream (None for one that ended without any)."""
+    if len(streams) == 1:  # the common case, without a task per stream
+        return [await streams[0].next_chunk()]
+    return await gather_or_cancel([st.next_chunk() for st in streams])
+
+
+async def merge(streams: list[Any]) -> AsyncIterator[list[tuple[int, Any]]]:
+    """Batches of ``(index, chunk)`` from several SDK streams, as much as is ready; ``(index, None)`` at each end."""
     if len(streams) == 1:  # the common case, without a queue hop
-        while (chunk := await streams[0].next_chunk()) is not None:
-            yield 0, chunk
-        yield 0, None
+        stream = streams[0]
+        while chunks := await stream.next_chunks():
+            if stream.result is not None:  # the end came with these chunks: no wake-up just to learn it
+                yield [(0, chunk) for chunk in chunks] + [(0, None)]
+                return
+            yield [(0, chunk) for chunk in chunks]
+        yield [(0, None)]
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: Any) -> None:
         try:
-            while (chunk := await stream.next_chunk()) is not None:
-                queue.put_nowait((i, chunk))
-            queue.put_nowait((i, None))
+            while chunks := await stream.next_chunks():
+                queue.put_nowait([(i, chunk) for chunk in chunks])
+            queue.put_nowait([(i, None)])
         except Exception as exc:  # handed to the consumer, raised there
-            queue.put_nowait((i, exc))
+            queue.put_nowait(exc)
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
         left = len(streams)
         while left:
-            i, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            left -= item is None
-            yield i, item
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            batch = []
+            for item in items:
+                if isinstance(item, Exception):
+                    raise item
+                left -= sum(chunk is None for _, chunk in item)
+                batch += item
+            yield batch
     finally:
         for t in tasks:
             t.cancel()
@@ -91,30 +112,50 @@ async def merge(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
 
 
 class SSEResponse:
-    """An ASGI response that sends ``events`` (bytes) as they come and stops them on disconnect.
+    """An ASGI response for SDK streams: their first chunks, then the 200 and SSE events.
 
-    ``on_close`` runs after the events end or are cancelled (it aborts what is left).
+    ``make_events(firsts)`` gives the events (bytes, possibly several per item).
+    Until the first chunks are there an exception is still answered with its own
+    status: ``on_error(exc)`` returns that response (None: re-raise).
+    ``on_close(started)`` runs at the end in every case (it aborts what is left).
     """
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]],
+    def __init__(self, streams: list[Any], make_events: Callable[[list[Any]], AsyncIterator[bytes]],
+                 on_error: Callable[[BaseException], Any], on_close: Callable[[bool], Awaitable[None]],
                  headers: Optional[list[tuple[bytes, bytes]]] = None) -> None:
-        self.events = events
+        self.streams = streams
+        self.make_events = make_events
+        self.on_error = on_error
         self.on_close = on_close
         self.headers = SSE_HEADERS + (headers or [])
+        self.started = False  # the 200 went out
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         try:
-            await until_disconnect(receive, self._pump(send))
+            await until_disconnect(receive, self._respond(scope, receive, send))
         except (ClientGone, OSError):
-            pass
+            pass  # nobody reads the answer: the streams are aborted below
         finally:
-            await self.on_close()
+            await self.on_close(self.started)
 
-    async def _pump(self, send: Callable) -> None:
+    async def _respond(self, scope: dict, receive: Callable, send: Callable) -> None:
         try:
-            async for data in self.events:
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+            firsts = await first_chunks(self.streams)
+        except Exception as exc:
+            response = self.on_error(exc)
+            if response is None:
+                raise
+            await response(scope, receive, send)
+            return
+        self.started = True
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        events = self.make_events(firsts)
+        more = True
+        try:
+            async for data in events:
+                more = not data.endswith(DONE)  # [DONE] is every answer's last event: the body ends with it
+                await send({"type": "http.response.body", "body": data, "more_body": more})
         finally:
-            await self.events.aclose()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await events.aclose()
+        if more:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})

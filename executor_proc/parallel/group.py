@@ -1,0 +1,87 @@
+"""The tensor-parallel process group: torch.distributed, NCCL on CUDA, gloo on the CPU.
+
+Every collective here is issued by every rank in the same order, because every rank runs the same
+plans through the same code: that is what keeps the group in step without any other coordination.
+Nothing here reads a device value on the host, so the collectives can sit inside a captured CUDA
+graph on NCCL (torch's ProcessGroupNCCL supports capture since NCCL 2.9.6; the communicator is
+created and used once eagerly in :func:`init_group`, before any capture).  Not yet run on GPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# A rank that is gone makes gloo fail at once; a stopped one is the supervisor's hang timeout's to find.
+INIT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass
+class TPGroup:
+    """This process's place in the group, and the three collectives the sharded model needs."""
+
+    rank: int
+    size: int
+    backend: str
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place (every rank gets the same bits); returns ``x``."""
+        dist.all_reduce(x)
+        return x
+
+    def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """``[S, n]`` on each rank -> ``[S, size * n]``, rank r's columns at ``r * n``."""
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        _all_gather_rows(out, x.contiguous())
+        return out.view(self.size, x.shape[0], -1).transpose(0, 1).reshape(x.shape[0], -1)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (capacities sized from each rank's free memory)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        """Gloo's group is torn down; NCCL's is left to process exit (a destroy after graph capture can
+        hang: pytorch/pytorch#115388)."""
+        if self.backend == "gloo" and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+
+# torch 2.13 renamed all_gather_into_tensor; the GPU machines run 2.11.
+_all_gather_rows = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank ``r``'s device: ``cuda:(i + r)`` for ``cuda:i`` (``cuda`` is ``cuda:0``); the CPU for every rank."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return device
+    return f"cuda:{(d.index or 0) + rank}"
+
+
+def init_group(init_method: str, rank: int, size: int, device: torch.device) -> TPGroup:
+    """Join the group (a ``file://`` rendezvous in the server's run directory) and warm its collectives up."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and torch.cuda.device_count() <= device.index:
+        raise ValueError(f"tensor parallel rank {rank} needs {device}, but only {torch.cuda.device_count()} "
+                         "CUDA devices are visible")
+    kwargs = {"device_id": device} if backend == "nccl" else {}  # NCCL: the communicator is created now
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=INIT_TIMEOUT, **kwargs)
+    group = TPGroup(rank, size, backend)
+    x = torch.ones(2, 3, device=device)
+    group.all_reduce(x)
+    group.all_gather_columns(x)  # both collectives once, eagerly: nothing is first created inside a capture
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return group

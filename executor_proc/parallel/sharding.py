@@ -1,0 +1,103 @@
+"""Which part of every weight a tensor-parallel rank holds (Megatron's scheme); pure, no torch.distributed.
+
+Rank ``r`` of ``N``, for HF parameter names::
+
+    q_proj, gate_proj, up_proj   column-parallel: output rows of heads / MLP columns r*n/N .. (r+1)*n/N
+    k_proj, v_proj               the rank's KV heads: a split when N divides them, else (N a multiple of
+                                 them) the one KV head its query heads read, replicated on N/KV ranks
+    o_proj, down_proj            row-parallel: the matching input columns; the partial outputs are
+                                 all-reduced, so a bias is added once: rank 0 holds it, the others zeros
+    embed_tokens, lm_head        vocabulary-parallel: rows r*Vp .. (r+1)*Vp, Vp = ceil(V/N), rows past V zero
+    norms                        replicated
+
+Fused q|k|v and gate|up are built from the sliced parts, so each rank's fused matmul is its own
+column slice.  A model whose head or MLP counts ``N`` does not divide is refused at start-up
+(:func:`check_divisible`), naming the counts and the sizes that would work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from executor_proc.model.config import ModelConfig
+from ipc.config import MAX_TENSOR_PARALLEL
+
+_COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
+_ROW = {"o_proj": "q", "down_proj": "mlp"}
+_VOCAB = ("embed_tokens", "lm_head")
+
+
+def divides(config: ModelConfig, size: int) -> bool:
+    """Whether ``size`` ranks can split the model's heads and MLP columns evenly."""
+    heads, kv, inter = config.num_heads, config.num_kv_heads, config.intermediate_size
+    return heads % size == 0 and inter % size == 0 and (kv % size == 0 or size % kv == 0)
+
+
+def check_divisible(config: ModelConfig, size: int) -> None:
+    """Raise ValueError naming the counts ``size`` does not divide and the sizes that would work."""
+    if divides(config, size):
+        return
+    counts = [f"{config.num_heads} attention heads", f"{config.num_kv_heads} KV heads (it must divide them "
+              f"or be a multiple of them)", f"an MLP of {config.intermediate_size}"]
+    good = [n for n in range(1, MAX_TENSOR_PARALLEL + 1) if divides(config, n)]
+    raise ValueError(f"tensor_parallel_size {size} does not divide the model ({', '.join(counts)}); "
+                     f"sizes that do: {', '.join(map(str, good))}")
+
+
+def _shape(t) -> tuple[int, ...]:
+    """A tensor's shape, or a safetensors slice's."""
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
+
+
+class Shards:
+    """Rank ``rank`` of ``size``: its model shape (:attr:`config`) and its slice of each full weight (:meth:`take`)."""
+
+    def __init__(self, full: ModelConfig, rank: int, size: int):
+        if not 0 <= rank < size:
+            raise ValueError(f"tensor parallel rank {rank} is outside 0..{size - 1}")
+        check_divisible(full, size)
+        self.full, self.rank, self.size = full, rank, size
+        d = full.head_dim
+        heads = full.num_heads // size
+        self.vocab_per_rank = -(-full.vocab_size // size)
+        if full.num_kv_heads >= size:
+            kv = full.num_kv_heads // size
+            kv_first = rank * kv
+        else:  # fewer KV heads than ranks: each rank keeps the one its query heads read
+            kv, kv_first = 1, rank // (size // full.num_kv_heads)
+        inter = full.intermediate_size // size
+        self.rows = {"q": (rank * heads * d, (rank + 1) * heads * d),
+                     "kv": (kv_first * d, (kv_first + kv) * d),
+                     "mlp": (rank * inter, (rank + 1) * inter)}
+        self.vocab_start = rank * self.vocab_per_rank
+        self.config = replace(full, num_heads=heads, num_kv_heads=kv, intermediate_size=inter,
+                              vocab_size=self.vocab_per_rank)
+
+    def take(self, name: str, t) -> torch.Tensor:
+        """This rank's part of the full weight ``name`` (HF naming); ``t`` is a tensor or a safetensors slice."""
+        parts = name.split(".")
+        module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+        if module in _COLUMN:
+            a, b = self.rows[_COLUMN[module]]
+            return t[a:b]
+        if module in _ROW:
+            if kind == "bias":  # added once, after the all-reduce
+                full = t[:]
+                return full if self.rank == 0 else torch.zeros_like(full)
+            a, b = self.rows[_ROW[module]]
+            return t[:, a:b]
+        if module in _VOCAB:
+            return self._vocab_rows(t)
+        return t[:]
+
+    def _vocab_rows(self, t) -> torch.Tensor:
+        vocab = _shape(t)[0]
+        start = min(self.vocab_start, vocab)
+        stop = min(self.vocab_start + self.vocab_per_rank, vocab)
+        rows = t[start:stop] if stop > start else t[0:1][:0]
+        missing = self.vocab_per_rank - rows.shape[0]
+        if missing:  # the padding rows of the last rank: their logits are cut off after the gather
+            rows = torch.cat([rows, rows.new_zeros((missing, *rows.shape[1:]))])
+        return rows

@@ -1,0 +1,142 @@
+"""A batch-invariant matmul: row i of ``x @ W^T`` is computed the same way whatever ``M`` is.
+
+``y [M, N] = x [M, K] @ W[N, K]^T (+ b)``.  cuBLAS and the skinny GEMV pick
+their kernel, tile and split of K by the number of rows, so a token's logits
+change (in the last bits) with the batch it shares a step with.  Here one
+program owns ``BLOCK_M x BLOCK_N`` outputs with tile sizes that never change,
+and K is split into ``split_k`` ranges chosen from (N, K) and the device only,
+never from M:
+
+- ``split_k == 1``: the program walks all of K in ``BLOCK_K`` steps and writes
+  ``y`` (bias added in float32, rounded once);
+- ``split_k > 1``: each split writes its float32 partial sum to a workspace
+  ``[split_k, M, N]`` and ``_sum_splits_kernel`` adds the splits in split order,
+  then the bias, and rounds once.
+
+Each output element therefore sees the same products, summed in the same order
+(the same ``tl.dot`` tiles of K, the same split boundaries), for any M: the
+other rows of a tile only share its loads.  Splitting K keeps small-M decode
+steps from running on a handful of SMs (N / BLOCK_N programs) at the cost of
+a workspace write and read of ``split_k * M * N`` floats.  No atomics, so it is
+deterministic as well.  Used for every linear under ``--batch-invariant``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["invariant_matmul", "choose_split_k", "BLOCK_M", "BLOCK_N", "BLOCK_K"]
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
+NUM_WARPS, NUM_STAGES = 4, 3
+MAX_SPLIT_K = 16
+MIN_TILES_PER_SPLIT = 4  # a split shorter than this spends more on its partial sum than it saves
+
+
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, tiles_per_split,
+                   stride_xm, stride_wn, stride_ym, stride_ws_split,
+                   HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_lo = split * tiles_per_split * BLOCK_K
+    k_hi = tl.minimum(k_lo + tiles_per_split * BLOCK_K, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(ws_ptr + split * stride_ws_split + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :],
+                 acc, mask=out_mask)
+
+
+@triton.jit
+def _sum_splits_kernel(ws_ptr, b_ptr, y_ptr, M, N, stride_ym, stride_ws_split,
+                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    at = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    acc = tl.load(ws_ptr + at, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):  # in split order, always
+        acc += tl.load(ws_ptr + s * stride_ws_split + at, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def choose_split_k(n: int, k: int, device: torch.device) -> int:
+    """Splits of K for an ``[N, K]`` weight: enough programs for two per SM at one row tile.
+
+    A function of (N, K, device) only, so every batch size sums in the same order.
+    """
+    tiles_n, tiles_k = triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K)
+    want = 2 * _num_sms(device)
+    split = 1
+    while split < MAX_SPLIT_K and tiles_n * split < want and tiles_k // (2 * split) >= MIN_TILES_PER_SPLIT:
+        split *= 2
+    return split
+
+
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                     split_k: Optional[int] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x ``[M, K]``, weight ``[N, K]``, with results independent of M.
+
+    ``split_k``: default :func:`choose_split_k` of the weight's shape (pass the same value for every
+    call on one weight; the backend does).
+    """
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
+    assert x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    assert weight.stride(1) == 1
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    N = weight.shape[0]
+    if bias is not None:
+        assert bias.shape == (N,) and bias.stride(0) == 1
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    split = split_k or choose_split_k(N, K, x.device)
+    tiles_per_split = triton.cdiv(triton.cdiv(K, BLOCK_K), split)
+    ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
+    b = bias if bias is not None else weight
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), split)
+    _matmul_kernel[grid](
+        x, weight, b, out, ws, M, N, K, tiles_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        ws.stride(0) if split > 1 else 0,
+        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    if split > 1:
+        _sum_splits_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))](
+            ws, b, out, M, N, out.stride(0), ws.stride(0),
+            HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+        )
+    return out

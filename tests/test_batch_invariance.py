@@ -1,0 +1,90 @@
+"""``--batch-invariant``: a row's logits do not depend on the other rows of its step.
+
+The matmul is checked against float64 and row by row (any subset of rows gives
+the same bits as the whole); the model test runs one probe request alone and
+then beside 1 to 63 other requests of random lengths and compares its prefill
+token and its decode logits bit for bit.  On the CPU the Triton kernels run in
+the interpreter on a tiny model (batches up to 5); on a GPU in bfloat16 on a
+model with real tile counts (batches up to 64).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_proc.testing.synthetic import SyntheticPlanner
+from ipc.config import ExecutorConfig
+from kernels.matmul import choose_split_k, invariant_matmul
+from tests.test_gpu_fastpath import built, write_config
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if CUDA else [torch.float32])
+def test_invariant_matmul_matches_reference_and_every_row_subset(dtype):
+    g = torch.Generator().manual_seed(0)
+    for m, n, k, bias, split in ((70, 100, 300, True, None), (5, 130, 1024, False, 2), (65, 64, 960, True, 3)):
+        x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+        w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+        b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+        full = invariant_matmul(x, w, b, split_k=split)
+        ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        err = ((full.double() - ref).norm() / ref.norm()).item()
+        assert err < (1e-6 if dtype == torch.float32 else 1e-2), (m, n, k, split, err)
+        picks = [[0], [m - 1], list(range(3, 5)), torch.randperm(m, generator=g)[: m // 2].tolist()]
+        for rows in picks:
+            assert torch.equal(invariant_matmul(x[rows], w, b, split_k=split), full[rows]), (m, n, k, split, rows)
+
+
+def test_split_k_depends_on_the_weight_only():
+    device = torch.device(DEVICE)
+    assert choose_split_k(2048, 8192, device) >= choose_split_k(16384, 2048, device) >= 1
+    assert choose_split_k(64, 64, device) == 1  # one K tile: nothing to split
+
+
+def test_batch_invariant_needs_triton_kernels():
+    with pytest.raises(ValueError, match="batch_invariant needs the Triton kernels"):
+        ExecutorConfig(device="cpu", batch_invariant=True)
+    ExecutorConfig(device="cpu", kernels="triton", batch_invariant=True)
+
+
+def probe_outputs(worker, probe: list[int], others: list[list[int]], num_slots: int, decode_steps: int):
+    """The probe's prefill token and its decode logits (row 0) with ``others`` in the same steps."""
+    planner = SyntheticPlanner(num_slots=num_slots, block_size=16, num_blocks=4096)
+    for prompt in [probe] + others:
+        planner.add(prompt)
+    tokens = worker.launch(worker.prepare(planner.step()))
+    first = int(tokens[0])
+    logits = []
+    with torch.inference_mode():
+        for _ in range(decode_steps):
+            step = worker.prepare(planner.step())
+            logits.append(worker.model(step.batch, worker.kv_cache)[0].clone())
+            worker.launch(step)
+    return first, logits
+
+
+def test_logits_alone_equal_logits_in_batches(tmp_path):
+    if CUDA:
+        model_dir = write_config(tmp_path, hidden=1024, layers=2, heads=16, kv_heads=4, vocab=32000,
+                                 intermediate=2816)
+        sizes, lengths, dtype = (1, 2, 3, 8, 17, 64), (20, 300), "bfloat16"
+    else:
+        model_dir = write_config(tmp_path)
+        sizes, lengths, dtype = (1, 2, 5), (3, 40), "float32"
+    num_slots = max(sizes)
+    worker = built(model_dir, DEVICE, dtype=dtype, kernels="triton", cuda_graphs=False, num_slots=num_slots,
+                   max_batch=num_slots, block_size=16, num_blocks=4096, batch_invariant=True).worker
+    g = torch.Generator().manual_seed(3)
+    vocab = worker.model.config.vocab_size
+    prompt = lambda: torch.randint(0, vocab, (int(torch.randint(*lengths, (1,), generator=g)),),  # noqa: E731
+                                   generator=g).tolist()
+    probe = prompt()
+    alone = probe_outputs(worker, probe, [], num_slots, decode_steps=3)
+    for size in sizes[1:]:
+        first, logits = probe_outputs(worker, probe, [prompt() for _ in range(size - 1)], num_slots, 3)
+        assert first == alone[0], size
+        for step, (a, b) in enumerate(zip(alone[1], logits)):
+            assert torch.equal(a, b), (size, step, (a - b).abs().max().item())
