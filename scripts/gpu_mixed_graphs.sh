@@ -3,7 +3,7 @@
 # Poisson serving of 512-token prompts (1B shape, random weights) with mixed graphs on and off,
 # the 8B shape's start-up with every graph, and the batch-1 decode step. Results go to $OUT.
 #   TESTS="..."   pytest node ids (default: the mixed-step and fast-path GPU tests; "none" skips them)
-#   CASES="..."   servers as NAME:FLAG,FLAG,... (default "on: off:--mixed-graphs,off")
+#   CASES="..."   servers as NAME:FLAG,FLAG,... (default "on: off:--mixed-graphs,off"; "none": no server)
 #   LOADS="..."   b1 r10 r40 (default all);  SKIP_8B=1 / SKIP_DECODE=1  skip the 8B start-up / bench_decode
 #   MIXED_STEP=MODEL  also time one mixed step graph vs eager (scripts/bench_mixed_step.py), with its kernels
 # Everything lands in $OUT/results.tgz (one file: the device tool brings back only a few).
@@ -13,6 +13,7 @@ FINAL=${OUT:-/tmp/out}; OUT="$FINAL/results"; mkdir -p "$OUT"
 TESTS=${TESTS:-"tests/test_mixed_graphs.py tests/test_gpu_fastpath.py tests/test_kernels.py::test_prefill_attention_work_tiles"}
 CASES=${CASES:-"on: off:--mixed-graphs,off"}
 LOADS=${LOADS:-"b1 r40 r10"}
+[ "$CASES" = none ] && CASES=""
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }

@@ -41,16 +41,23 @@ async def test_padding_to_buckets_never_changes_outputs(depth, server_factory, c
     assert_no_leak(await wait_idle(srv.address))
 
 
-async def test_host_kv_swaps_through_the_runner(server_factory, model_server, chat_prompt_ids):
-    """The host KV tier's onloads and backups beside padded steps: preempted requests resume by copy, same tokens."""
+async def test_host_kv_swaps_and_hits_through_the_runner(server_factory, model_server, chat_prompt_ids):
+    """The host KV tier's onloads and backups beside padded steps: swapped and host-hit requests, same tokens."""
     from tests.test_host_kv_model import DEVICE_BLOCKS, HOST_BLOCKS, assert_tiers_whole, generate_all
 
-    prompts = [ids + ids for ids in chat_prompt_ids[:8]]
     tier = server_factory("--mixed-graphs", "on", "--max-num-seqs", "8", "--num-kv-blocks", str(DEVICE_BLOCKS),
                           "--num-host-kv-blocks", str(HOST_BLOCKS), "--debug-checks")
-    reference = await generate_all(model_server(1).address, prompts)
-    got = await generate_all(tier.address, prompts)
+    reference = model_server(1).address
+    prompts = [ids + ids for ids in chat_prompt_ids[:8]]  # the tiny device pool forces preemption
+    assert await generate_all(tier.address, prompts) == await generate_all(reference, prompts)
+    swapped = await wait_idle(tier.address)
+    assert swapped.preemptions > 0 and swapped.resumes > 0, swapped
+    long = chat_prompt_ids[8] * 4  # pushed out of the device pool by the others, then sent again: a host hit
+    first = await generate_all(tier.address, [long])
+    for ids in chat_prompt_ids[9:12]:
+        await generate_all(tier.address, [ids * 4])
+    again = await generate_all(tier.address, [long])
     after = await wait_idle(tier.address)
-    assert got == reference
-    assert after.preemptions > 0 and after.prefix_cache_host_hit_tokens > 0, after
+    assert first == again == await generate_all(reference, [long])
+    assert after.prefix_cache_host_hit_tokens > swapped.prefix_cache_host_hit_tokens, after
     assert_tiers_whole(after)
