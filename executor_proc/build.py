@@ -1,18 +1,20 @@
 """Build a ready :class:`executor_proc.step.worker.Worker` from an :class:`ExecutorConfig` (no sockets).
 
 Load the model, choose its backend (:func:`executor_proc.backends.select.select_backend`),
-size and allocate the KV cache, and capture the decode graphs.  The executor process
+size and allocate the KV cache, and capture the CUDA graphs (decode steps, and steps with
+prefill chunks), timing the capture and the device memory it took.  The executor process
 and the GPU benchmarks share it.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from executor_proc.backends.select import graph_max_batch, select_backend
+from executor_proc.backends.select import graph_max_batch, mixed_max_tokens, select_backend
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.kv_cache import KVCache, kv_cache_bytes_per_block
 from executor_proc.model.loader import load_model
@@ -37,6 +39,9 @@ class BuiltWorker:
     max_model_len: int
     device: torch.device
     num_host_blocks: int = 0  # the host KV tier's pool (0: off)
+    num_graphs: int = 0  # CUDA graphs captured at start-up
+    graph_capture_s: float = 0.0  # how long capturing them took
+    graph_memory_bytes: int = 0  # device memory they took (free memory before - after)
     tp: Optional[object] = None  # executor_proc.parallel.group.TPGroup when tensor_parallel_size > 1
 
 
@@ -86,10 +91,25 @@ def build_worker(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
         host_kv = HostKV(kv, host_blocks, device, backup_stream=cfg.host_kv_backup_stream and cfg.tp_rank == 0)
         progress("host_kv_cache", 1, 1)
     tables = SlotTables(cfg.num_slots, max_blocks, device, mcfg.vocab_size)
-    worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=graph_max_batch(cfg, backend),
-                    capture_graphs=device.type == "cuda", host_kv=host_kv)
-    worker.capture_graphs(lambda done, total: progress(GRAPH_STAGE, done, total))
-    return BuiltWorker(worker, mcfg, num_blocks, max_len, device, host_blocks, tp=tp)
+    max_batch = graph_max_batch(cfg, backend)
+    worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=max_batch,
+                    capture_graphs=device.type == "cuda" and max_batch > 0, host_kv=host_kv,
+                    mixed_max_tokens=mixed_max_tokens(cfg, backend))
+    num_graphs, capture_s, graph_bytes = _capture_graphs(
+        worker, device, lambda done, total: progress(GRAPH_STAGE, done, total))
+    return BuiltWorker(worker, mcfg, num_blocks, max_len, device, host_blocks, num_graphs=num_graphs,
+                       graph_capture_s=capture_s, graph_memory_bytes=graph_bytes, tp=tp)
+
+
+def _capture_graphs(worker: Worker, device: torch.device, progress) -> tuple[int, float, int]:
+    """Capture every graph; (how many, seconds, device bytes taken)."""
+    cuda = device.type == "cuda"
+    free = torch.cuda.mem_get_info(device)[0] if cuda else 0
+    t0 = time.perf_counter()
+    worker.capture_graphs(progress)
+    seconds = time.perf_counter() - t0
+    taken = free - torch.cuda.mem_get_info(device)[0] if cuda else 0
+    return worker.num_graphs, seconds, max(0, taken)
 
 
 def model_path(cfg: ExecutorConfig, progress: ProgressCallback) -> str:

@@ -14,6 +14,9 @@ import msgspec
 LoadFormat = Literal["auto", "hf", "gguf", "dummy", "scripted"]
 Kernels = Literal["auto", "triton", "torch"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+# Steps with prefill chunks through the bucketed mixed-step runner: auto = where decode graphs are
+# captured (CUDA, Triton kernels, graphs on); on = also where it runs uncaptured (tests); off = eager.
+MixedGraphs = Literal["auto", "on", "off"]
 
 # The paged attention kernels index a block with shifts and masks: a power of two up to this.
 MAX_BLOCK_SIZE = 256
@@ -51,6 +54,8 @@ class ExecutorConfig(_Config):
     # other rows (Triton kernels only; costs speed: docs/performance.md).
     batch_invariant: bool = False
     cuda_graph_max_batch: Optional[int] = None  # largest graph bucket; None: num_slots
+    mixed_graphs: MixedGraphs = "auto"  # graphs of steps with prefill chunks (see MixedGraphs above)
+    cuda_graph_max_tokens: Optional[int] = None  # largest mixed-step token bucket; None: max_num_batched_tokens
     num_slots: int = 64  # most requests running at once
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: Optional[int] = None  # None: sized from free memory
@@ -97,7 +102,7 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
     if tp > 1 and cfg.load_format == "scripted":
         raise ValueError("tensor_parallel_size must be 1 with load_format 'scripted' (it has no model to shard)")
     _at_least("max_num_batched_tokens", cfg.max_num_batched_tokens, 1)
-    for name in ("num_kv_blocks", "max_model_len", "threads", "cuda_graph_max_batch"):
+    for name in ("num_kv_blocks", "max_model_len", "threads", "cuda_graph_max_batch", "cuda_graph_max_tokens"):
         value = getattr(cfg, name)
         if value is not None:
             _at_least(name, value, 1)

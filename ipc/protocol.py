@@ -273,6 +273,9 @@ class ExecutorReady(_Msg, tag="executor_ready"):
     device: str
     dtype: str
     num_host_blocks: int = 0  # the host KV tier's pool (0: no tier)
+    num_graphs: int = 0  # CUDA graphs captured at start-up
+    graph_capture_s: float = 0.0  # seconds they took to capture
+    graph_memory_bytes: int = 0  # device memory they took
 
 
 class StepPlan(_Msg, tag="step_plan"):

@@ -13,6 +13,13 @@ length (the plan knows it); a program whose query block lies past its row's end
 exits at once.  Each program streams the row's keys in ``BLOCK_N`` tiles with an
 online softmax (scores in float32, exp2 domain), skips tiles entirely past its
 last query's position, and masks only where needed.
+
+*Work-tile form* (``tiles=``, what a CUDA graph of a mixed step captures): the host
+lists the step's ``(row, query block)`` pairs in a device table ``[1 + 2 * max]``
+int32 (the count first), and a fixed grid ``(num_programs, H)`` walks it, program
+``i`` taking entries ``i, i + num_programs, ...``.  The grid depends only on the
+graph's bucket, never on the rows, and a row not in the table (a decode row of a
+mixed step, a padded row) costs nothing.
 """
 
 from __future__ import annotations
@@ -26,14 +33,14 @@ import triton.language as tl
 from .paged_kv import load_kv_tile
 from .reference import prefill_attention_ref  # noqa: F401  (re-exported)
 
-__all__ = ["prefill_attention", "prefill_attention_ref"]
+__all__ = ["prefill_attention", "prefill_attention_ref", "default_block_m"]
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qs_ptr, cl_ptr,
+def _attend_block(
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cl_ptr, r, qb, h, q_start, q_len,
     qk_scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -44,14 +51,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    qb = tl.program_id(0)
-    h = tl.program_id(1)
-    r = tl.program_id(2)
-
-    q_start = tl.load(qs_ptr + r)
-    q_len = tl.load(qs_ptr + r + 1) - q_start
-    if qb * BLOCK_M >= q_len:
-        return
+    """Query block ``qb`` of row ``r`` (tokens ``q_start .. q_start + q_len``), head ``h``."""
     ctx = tl.load(cl_ptr + r)
     prefix = ctx - q_len
     kvh = h // GROUP
@@ -96,6 +96,62 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qs_ptr, cl_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    stride_btb,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.program_id(2)
+    q_start = tl.load(qs_ptr + r)
+    q_len = tl.load(qs_ptr + r + 1) - q_start
+    if qb * BLOCK_M < q_len:
+        _attend_block(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cl_ptr, r, qb, h, q_start, q_len, qk_scale,
+                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                      stride_ot, stride_oh, stride_btb,
+                      GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PREC)
+
+
+@triton.jit
+def _prefill_tiles_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qs_ptr, cl_ptr, tiles_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    stride_btb,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    h = tl.program_id(1)
+    n = tl.load(tiles_ptr)
+    for i in range(tl.program_id(0), n, tl.num_programs(0)):
+        r = tl.load(tiles_ptr + 1 + 2 * i)
+        qb = tl.load(tiles_ptr + 2 + 2 * i)
+        q_start = tl.load(qs_ptr + r)
+        q_len = tl.load(qs_ptr + r + 1) - q_start
+        _attend_block(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cl_ptr, r, qb, h, q_start, q_len, qk_scale,
+                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                      stride_ot, stride_oh, stride_btb,
+                      GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PREC)
+
+
+def default_block_m(max_query_len: int) -> int:
+    """Query tokens per program: 16 for short queries (decode-like rows), else 64."""
+    return 16 if max_query_len <= 16 else 64
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -111,6 +167,8 @@ def prefill_attention(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    tiles: Optional[torch.Tensor] = None,
+    num_programs: Optional[int] = None,
 ) -> torch.Tensor:
     """Varlen causal attention over the paged cache.
 
@@ -118,6 +176,11 @@ def prefill_attention(
     k_cache/v_cache ``[num_blocks, block_size, Hkv, D]``, block_tables ``[R, max_blocks]``
     int32, query_start ``[R+1]`` int32, context_lens ``[R]`` int32 (all on the device),
     ``max_query_len`` a host int >= every row's query length.  Returns ``[T, H, D]``.
+
+    With ``tiles`` (int32 ``[1 + 2 * max]``: the count, then ``(row, query block)`` pairs
+    of ``block_m`` tokens, which must be given) only the listed blocks are computed, by a
+    grid of ``num_programs`` programs per head whatever the rows (module docstring):
+    ``out`` rows of tokens outside them are left as they were.
     """
     assert q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
     T, H, D = q.shape
@@ -134,16 +197,22 @@ def prefill_attention(
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
-    if R == 0 or T == 0 or max_query_len <= 0:
+    if tiles is not None:
+        assert block_m is not None and num_programs is not None and num_programs > 0
+        assert tiles.dtype == torch.int32 and tiles.dim() == 1 and tiles.device == q.device
+    elif R == 0 or T == 0 or max_query_len <= 0:
         return out
     if block_m is None:
-        block_m = 16 if max_query_len <= 16 else 64
+        block_m = default_block_m(max_query_len)
     block_n = block_n or (64 if D <= 64 else 32)
     num_warps = num_warps or 4
     num_stages = num_stages or 2
-    grid = (triton.cdiv(max_query_len, block_m), H, R)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start, context_lens,
+    if tiles is None:
+        kernel, grid, extra = _prefill_kernel, (triton.cdiv(max_query_len, block_m), H, R), ()
+    else:
+        kernel, grid, extra = _prefill_tiles_kernel, (num_programs, H), (tiles,)
+    kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start, context_lens, *extra,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import get_args
 
-from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, Dtype, ExecutorConfig, Kernels, LoadFormat,
+from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, Dtype, ExecutorConfig, Kernels, LoadFormat, MixedGraphs,
                         ScriptedOptions, default_of)
 from ipc.models import resolve_model
 from scheduler_proc.config import ServerConfig
@@ -51,7 +51,10 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--kernels", default=E("kernels"), choices=list(get_args(Kernels)),
                    help="attention/norm/sampling kernels (auto: Triton on cuda, torch on cpu)")
     s.add_argument("--no-cuda-graphs", action="store_true",
-                   help="run pure-decode steps eagerly instead of replaying captured CUDA graphs")
+                   help="run every step eagerly instead of replaying captured CUDA graphs")
+    s.add_argument("--mixed-graphs", default=E("mixed_graphs"), choices=list(get_args(MixedGraphs)),
+                   help="steps with prefill chunks through CUDA graphs of token buckets: auto (wherever decode "
+                        "steps are graphed), on (also uncaptured, e.g. on the cpu: tests), off (eager)")
     s.add_argument("--batch-invariant", action="store_true",
                    help="compute every row the same way whatever else is in its step (one matmul tile and split "
                         "of K, one attention split count), so greedy outputs do not depend on the batch; slower, "
@@ -121,7 +124,8 @@ def server_config(args) -> ServerConfig:
     """The one ServerConfig the flags describe; a bad value raises ValueError naming the flag's field."""
     executor = ExecutorConfig(
         load_format=args.load_format, device=args.device, dtype=args.dtype, kernels=args.kernels,
-        cuda_graphs=not args.no_cuda_graphs, batch_invariant=args.batch_invariant, num_slots=args.max_num_seqs, block_size=args.block_size,
+        cuda_graphs=not args.no_cuda_graphs, mixed_graphs=args.mixed_graphs, batch_invariant=args.batch_invariant,
+        num_slots=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.executor_threads, tensor_parallel_size=args.tensor_parallel_size,
@@ -277,6 +281,9 @@ def _announce(server, model, ready, cfg) -> None:
           f"{ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}"
           f"{f' (+{ready.num_host_blocks} on the host)' if ready.num_host_blocks else ''}, depth {cfg.pipeline_depth}",
           flush=True)
+    if ready.num_graphs:
+        print(f"forerun: {ready.num_graphs} CUDA graphs captured in {ready.graph_capture_s:.1f} s, "
+              f"{ready.graph_memory_bytes / 2**20:.0f} MiB", flush=True)
     print(f"forerun: ready at {server.client_address}", flush=True)
 
 

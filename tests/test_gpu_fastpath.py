@@ -47,6 +47,17 @@ def built(model_dir, device, dtype="float32", num_slots=6, max_batch=4, block_si
     return build_worker(cfg, progress or (lambda stage, done, total: None))
 
 
+def uncaptured(worker):
+    """The worker with its graph runners calling their step functions eagerly (the same buckets and kernels)."""
+    for runner in (worker.graphs, worker.mixed):
+        if runner is not None:
+            runner.capture = False
+    worker.graphs.graphs.clear()
+    worker.mixed.bodies.clear()
+    worker.mixed.heads.clear()
+    return worker
+
+
 def run_plans(worker, plans) -> list[tuple[str, list[int]]]:
     """Run plans one after another; (kind of step, tokens) per step."""
     out = []
@@ -134,14 +145,15 @@ def test_fast_path_matches_torch_path(tmp_path, force_gemv):
 
 @needs_cuda
 def test_graphs_equal_eager_bf16(tmp_path):
-    """Captured graphs give bit-identical greedy and sampled tokens to eager steps of the same batch size."""
+    """Captured graphs give bit-identical greedy and sampled tokens to eager runs of the same buckets."""
     model_dir = write_config(tmp_path, hidden=256, layers=3, heads=8, kv_heads=2, vocab=1000, intermediate=512)
     stages = []
     shape = dict(dtype="bfloat16", num_slots=8, max_batch=8, block_size=16, num_blocks=512)
     graphed = built(model_dir, "cuda", progress=lambda *a: stages.append(a), **shape).worker
-    eager = built(model_dir, "cuda", cuda_graphs=False, **shape).worker
+    eager = uncaptured(built(model_dir, "cuda", **shape).worker)
     eager.model.backend.gemv_choice = graphed.model.backend.gemv_choice  # the same kernels, with and without graphs
-    assert (GRAPH_STAGE, 2 * len(graph_buckets(8)), 2 * len(graph_buckets(8))) in stages
+    n = graphed.num_graphs  # decode graphs: 2 modes per bucket; the mixed runner's bodies and heads
+    assert n > 2 * len(graph_buckets(8)) and (GRAPH_STAGE, n, n) in stages
     for batch in (1, 2, 4, 8):
         planner = SyntheticPlanner(num_slots=8, block_size=16, num_blocks=512)
         g = torch.Generator().manual_seed(batch)
@@ -197,15 +209,17 @@ def features(r: int) -> SlotSampling:
                         logit_bias_ids=[11, 12], logit_bias_values=[3.0, -5.0])
 
 
-def run_feature_plans(worker, plans) -> list[tuple[list[int], dict]]:
-    """Tokens and logprob fields per step (copy_out with the step, as the executor process does)."""
+def run_feature_plans(worker, plans, kinds: bool = False) -> list[tuple]:
+    """Tokens and logprob fields per step (copy_out with the step, as the executor process does);
+    with ``kinds``, the kind of step first."""
     out = []
     for plan in plans:
         step = worker.prepare(plan)
         host, copy = worker.copy_out(worker.launch(step), step)
         if copy is not None:
             copy.synchronize()
-        out.append((list(host) if isinstance(host, list) else host.tolist(), step.outputs.result_fields()))
+        row = (list(host) if isinstance(host, list) else host.tolist(), step.outputs.result_fields())
+        out.append((type(step).__name__, *row) if kinds else row)
         if copy is not None:
             copy.release()
     return out
@@ -217,10 +231,10 @@ def test_feature_graphs_equal_eager_f32(tmp_path):
     model_dir = write_config(tmp_path, hidden=256, layers=2, heads=8, kv_heads=2, vocab=1000, intermediate=512)
     shape = dict(num_slots=8, max_batch=8, block_size=16, num_blocks=512)
     graphed = built(model_dir, "cuda", **shape).worker
-    eager = built(model_dir, "cuda", cuda_graphs=False, **shape).worker
+    eager = uncaptured(built(model_dir, "cuda", **shape).worker)
     eager.model.backend.gemv_choice = graphed.model.backend.gemv_choice
     planner = SyntheticPlanner(num_slots=8, block_size=16, num_blocks=512)
-    for r in range(8):  # a full bucket: eager steps then split attention the same way as the graph
+    for r in range(8):
         planner.add(list(range(r, r + 8 + r)), features(r))
     plans = [planner.step() for _ in range(30)]
     a, b = run_feature_plans(graphed, plans), run_feature_plans(eager, plans)

@@ -159,6 +159,36 @@ def test_prefill_attention(dtype, block_size):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="large shapes on CUDA only")
+@pytest.mark.parametrize("dtype,num_programs", [(torch.float32, 1), (torch.float32, 3), (torch.bfloat16, 8)])
+def test_prefill_attention_work_tiles(dtype, num_programs):
+    """The work-tile form computes exactly the listed (row, query block) pairs, whatever the grid."""
+    from kernels.prefill_attention import prefill_attention
+
+    g = torch.Generator().manual_seed(num_programs)
+    H, Hkv, D, bm = 4, 2, 32, 16
+    rows = [(9, 1), (0, 20), (4, 1), (37, 5), (0, 40), (2, 0)]  # (cached prefix, new tokens)
+    listed = [1, 3, 4]  # rows 0 and 2 stand for a mixed step's decode rows, row 5 for padding
+    lens = [p + n for p, n in rows]
+    kc, vc, bt = make_paged(lens, 16, Hkv, D, dtype, gen=g)
+    qlens = [n for _, n in rows]
+    starts = [0] + torch.tensor(qlens).cumsum(0).tolist()
+    qs = torch.tensor(starts, dtype=torch.int32, device=DEV)
+    q = torch.randn(starts[-1], H, D, generator=g).to(dtype).to(DEV)
+    cl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    pairs = [(r, b) for r in listed for b in range(-(-qlens[r] // bm))]
+    tiles = torch.tensor([len(pairs)] + [x for pair in pairs for x in pair] + [-1] * 6, dtype=torch.int32, device=DEV)
+    out = poison(torch.empty_like(q))
+    prefill_attention(q, kc, vc, bt, qs, cl, 0, D ** -0.5, out=out, block_m=bm, block_n=16, tiles=tiles,
+                      num_programs=num_programs)
+    ref = R.prefill_attention_ref(q, kc, vc, bt, qs, cl, D ** -0.5)
+    for r in range(len(rows)):
+        part = slice(starts[r], starts[r + 1])
+        if r in listed:
+            assert rel_err(out[part], ref[part]) < tol(dtype), r
+        else:
+            assert torch.isnan(out[part].float()).all(), r  # never written
+
+
 def test_prefill_attention_large():
     from kernels.prefill_attention import prefill_attention
 

@@ -51,3 +51,10 @@ def graph_max_batch(cfg: ExecutorConfig, backend: Backend) -> int:
     if not (backend.supports_graphs and cfg.cuda_graphs):
         return 0
     return cfg.cuda_graph_max_batch or cfg.num_slots
+
+
+def mixed_max_tokens(cfg: ExecutorConfig, backend: Backend) -> int:
+    """The largest step with prefill chunks run through the mixed-step runner (0: none; see ``mixed_graphs``)."""
+    if cfg.mixed_graphs == "off" or (cfg.mixed_graphs == "auto" and not graph_max_batch(cfg, backend)):
+        return 0
+    return min(cfg.cuda_graph_max_tokens or cfg.max_num_batched_tokens, cfg.max_num_batched_tokens)

@@ -156,16 +156,21 @@ class TorchBackend:
         self.inv_freq = inv_freq
 
     def plan(self, batch: ForwardBatch) -> TorchPlan:
-        return TorchPlan(plan_attention(batch), ops.rope_cos_sin(batch.positions, self.inv_freq), batch.kv_index)
+        # A bucket-padded step (the mixed-step runner called eagerly) lists its real tokens first.
+        n = sum(batch.host_query_lens)
+        return TorchPlan(plan_attention(batch), ops.rope_cos_sin(batch.positions, self.inv_freq), batch.kv_index[:n])
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, plan: TorchPlan) -> torch.Tensor:
-        ops.kv_store(ops.apply_rope(k, plan.cos_sin), v, k_cache, v_cache, plan.kv_index)
+        n = plan.kv_index.shape[0]  # padded tokens write no KV
+        ops.kv_store(ops.apply_rope(k[:n], plan.cos_sin[:n]), v[:n], k_cache, v_cache, plan.kv_index)
         return ops.apply_rope(q, plan.cos_sin)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchPlan,
                scale: float) -> torch.Tensor:
-        return attend(q, k_cache, v_cache, plan.attention, scale)
+        out = attend(q, k_cache, v_cache, plan.attention, scale)
+        out[plan.kv_index.shape[0]:] = 0  # padded tokens: no rows attend for them
+        return out
 
     @staticmethod
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

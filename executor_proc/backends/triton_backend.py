@@ -8,9 +8,12 @@ Per layer:
   and writes k and v into the paged cache (``kv_index < 0`` skips a token:
   padded graph rows);
 - ``attend``: a pure-decode step uses the split-KV ``decode_attention`` with a
-  fixed number of splits per batch size and one preallocated workspace; any
-  step with a prefill chunk runs every row (decode rows are rows of length 1)
-  through ``prefill_attention``.
+  fixed number of splits per batch size and one preallocated workspace; a
+  graph-shaped mixed step (``batch.prefill_tiles``) runs its decode rows through
+  the same ``decode_attention`` (rows past them have length 0 and write zeros) and
+  then its prefill rows through ``prefill_attention``'s work-tile form, which
+  overwrites the prefill tokens; any other step with a prefill chunk (eager) runs
+  every row (decode rows are rows of length 1) through ``prefill_attention``.
 
 Ops: ``rms_norm``, ``add_rms_norm`` and ``silu_and_mul`` are single Triton
 launches; ``linear`` is cuBLAS, or the Triton skinny matmul
@@ -57,6 +60,10 @@ class TritonPlan:
     max_query_len: int
     pure_decode: bool
     num_splits: int
+    decode_context_lens: Optional[torch.Tensor] = None  # a graph-shaped mixed step (ForwardBatch)
+    prefill_tiles: Optional[torch.Tensor] = None
+    tile_m: int = 0
+    tile_programs: int = 0
 
 
 def m_bucket(m: int) -> int:
@@ -85,6 +92,13 @@ class TritonBackend:
         self.split_k: dict[tuple[int, int], int] = {}
 
     def plan(self, batch: ForwardBatch) -> TritonPlan:
+        if batch.prefill_tiles is not None:
+            rows = batch.decode_context_lens.shape[0]
+            return TritonPlan(batch.positions, batch.kv_index, batch.block_tables, batch.context_lens,
+                              batch.query_start, batch.tile_m, pure_decode=False,
+                              num_splits=self._num_splits(rows),
+                              decode_context_lens=batch.decode_context_lens, prefill_tiles=batch.prefill_tiles,
+                              tile_m=batch.tile_m, tile_programs=batch.tile_programs)
         qlens = batch.host_query_lens
         pure_decode = batch.is_pure_decode
         rows = len(qlens)
@@ -115,6 +129,14 @@ class TritonBackend:
         if plan.pure_decode:
             return decode_attention(q, k_cache, v_cache, plan.block_tables, plan.context_lens, scale,
                                     workspace=self.workspace, num_splits=plan.num_splits)
+        if plan.prefill_tiles is not None:
+            out = torch.empty_like(q)
+            rows = plan.decode_context_lens.shape[0]  # decode rows are the first rows and tokens
+            decode_attention(q[:rows], k_cache, v_cache, plan.block_tables, plan.decode_context_lens, scale,
+                             out=out[:rows], workspace=self.workspace, num_splits=plan.num_splits)
+            return prefill_attention(q, k_cache, v_cache, plan.block_tables, plan.query_start, plan.context_lens,
+                                     plan.max_query_len, scale, out=out, block_m=plan.tile_m,
+                                     tiles=plan.prefill_tiles, num_programs=plan.tile_programs)
         return prefill_attention(q, k_cache, v_cache, plan.block_tables, plan.query_start, plan.context_lens,
                                  plan.max_query_len, scale)
 

@@ -19,6 +19,17 @@ Layout (T tokens in R rows, rows in plan order)::
 A CUDA-graph decode step builds its batch on the device from static buffers
 (:mod:`executor_proc.step.decode_step`): it has no host context lengths, which only
 the eager torch backend needs.
+
+A graph-shaped mixed step (:mod:`executor_proc.step.mixed_step`) is padded to a
+bucket of ``T`` tokens and ``R`` rows, decode rows first (row ``r < D`` is token
+``r``), and carries what its attention reads from the device instead of host lengths::
+
+    decode_context_lens [R]  a decode row's context length, 0 for every other row
+    prefill_tiles       [1 + 2 * max] int32: the count, then (row, query block) pairs
+                        of ``tile_m`` tokens: the prefill rows' work for the prefill kernel
+
+Its host lists describe the real rows only (the torch backend attends them; padded
+tokens come last and write no KV).
 """
 
 from __future__ import annotations
@@ -43,6 +54,11 @@ class ForwardBatch:
     host_query_lens: list[int]
     host_context_lens: Optional[list[int]]
     block_size: int
+    # A graph-shaped mixed step (module docstring); None otherwise.
+    decode_context_lens: Optional[torch.Tensor] = None
+    prefill_tiles: Optional[torch.Tensor] = None
+    tile_m: int = 0  # query tokens per prefill tile
+    tile_programs: int = 0  # programs per head that walk the tiles
 
     @property
     def num_rows(self) -> int:

@@ -20,12 +20,17 @@ step's own state (``last_token``, counts, KV) is touched once, by the replay.
 With ``capture=False`` (the CPU, or graphs switched off) the runner calls the
 same function eagerly on the same buffers, which is how the CPU tests exercise
 everything but the capture itself.
+
+Every graph of the executor (these and :mod:`executor_proc.step.mixed_graphs`') is
+captured by one :class:`GraphCapture` into one memory pool: steps run one at a time
+and each step's outputs are copied out before the next replay, so the graphs can
+share their intermediate memory.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, TypeVar
 
 import torch
 
@@ -35,6 +40,32 @@ from executor_proc.step.sample import GREEDY, SAMPLED, Sampled, SamplingMode
 ProgressCallback = Callable[[int, int], None]
 StepFn = Callable[[DecodeInputs, SamplingMode], Sampled]
 START_MODES = (GREEDY, SAMPLED)
+Out = TypeVar("Out")
+
+
+class GraphCapture:
+    """Warm-up and capture of one function at a time, every graph into one shared memory pool."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = None
+        self.count = 0  # graphs captured so far
+
+    def __call__(self, fn: Callable[[], Out]) -> tuple[torch.cuda.CUDAGraph, Out]:
+        """Run ``fn`` once (compiles kernels, creates handles), then capture it; (graph, its outputs)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the output thread may wait on copy events while a lazy capture runs
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = fn()
+        self.count += 1
+        return graph, out
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -44,16 +75,17 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, step_fn: StepFn, max_batch: int, pad_slot: int, device: torch.device, capture: bool):
+    def __init__(self, step_fn: StepFn, max_batch: int, pad_slot: int, device: torch.device, capture: bool,
+                 capturer: Optional[GraphCapture] = None):
         self.step_fn = step_fn
         self.buckets = graph_buckets(max_batch)
         self.pad_slot = pad_slot
         self.device = device
         self.capture = capture
+        self.capturer = capturer or GraphCapture(device)
         self.inputs = torch.empty(3, self.buckets[-1], dtype=torch.int64, device=device)
         self.fill_padding()
         self.graphs: dict[tuple[int, SamplingMode], tuple[torch.cuda.CUDAGraph, Sampled]] = {}
-        self.pool = None
 
     def fill_padding(self) -> None:
         """Every row a padded row (what warm-up and capture run on)."""
@@ -69,34 +101,22 @@ class DecodeGraphs:
     def view(self, bucket: int) -> DecodeInputs:
         return DecodeInputs(self.inputs[0, :bucket], self.inputs[1, :bucket], self.inputs[2, :bucket])
 
+    def capture_jobs(self, modes: Iterable[SamplingMode] = START_MODES) -> list[Callable[[], None]]:
+        """One capture per (bucket, mode) not captured yet, largest first (none without capture)."""
+        if not self.capture:
+            return []
+        todo = [(b, m) for b in reversed(self.buckets) for m in modes if (b, m) not in self.graphs]
+        return [lambda b=b, m=m: self._capture(b, m) for b, m in todo]
+
     def capture_all(self, progress: Optional[ProgressCallback] = None,
                     modes: Iterable[SamplingMode] = START_MODES) -> None:
         """Capture every (bucket, mode) graph, largest first (the smaller ones reuse its memory pool)."""
-        if not self.capture:
-            return
-        todo = [(b, m) for b in reversed(self.buckets) for m in modes]
-        for done, (bucket, mode) in enumerate(todo):
-            if (bucket, mode) not in self.graphs:
-                self._capture(bucket, mode)
-            if progress is not None:
-                progress(done + 1, len(todo))
-        torch.cuda.synchronize(self.device)
+        run_captures(self.capture_jobs(modes), self.device, progress)
 
     def _capture(self, bucket: int, mode: SamplingMode) -> None:
-        """Warm up (compiles kernels, creates handles) and capture, both on the current input buffer."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        """Warm up and capture, both on the current input buffer."""
         inputs = self.view(bucket)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self.step_fn(inputs, mode)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the output thread may wait on copy events while a lazy capture runs
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self.step_fn(inputs, mode)
-        self.graphs[(bucket, mode)] = (graph, out)
+        self.graphs[(bucket, mode)] = self.capturer(lambda: self.step_fn(inputs, mode))
 
     def _capture_now(self, bucket: int, mode: SamplingMode) -> None:
         """A lazy capture in the middle of serving: on padding rows, then the step's inputs back."""
@@ -116,3 +136,14 @@ class DecodeGraphs:
         graph, out = entry
         graph.replay()
         return out
+
+
+def run_captures(jobs: list[Callable[[], None]], device: torch.device,
+                 progress: Optional[ProgressCallback] = None) -> None:
+    """Run capture jobs in order, reporting ``progress(done, total)``; then wait for the device."""
+    for done, job in enumerate(jobs):
+        job()
+        if progress is not None:
+            progress(done + 1, len(jobs))
+    if jobs:
+        torch.cuda.synchronize(device)

@@ -10,8 +10,11 @@ have reached the CPU.
 A step's host inputs (and the plan's table diffs) go to the device in one
 pinned, non-blocking upload (:mod:`executor_proc.step.staging`).  A pure-decode step
 that fits a bucket runs as :func:`executor_proc.step.decode_step.decode_step`
-through :class:`executor_proc.step.graphs.DecodeGraphs` (replayed on CUDA);
-every other step runs the model eagerly with the same kernels.
+through :class:`executor_proc.step.graphs.DecodeGraphs`; a step with prefill
+chunks runs padded to a bucket through :class:`executor_proc.step.mixed_graphs.MixedGraphs`
+(:mod:`executor_proc.step.mixed_step`); both are replayed graphs on CUDA.  The
+rest run the model eagerly with the same kernels: steps that need prompt
+logprobs, plans with no rows, and everything when graphs are off.
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ import torch
 
 from executor_proc.step.batch import ForwardBatch
 from executor_proc.step.decode_step import decode_step
-from executor_proc.step.graphs import DecodeGraphs
+from executor_proc.step.graphs import DecodeGraphs, GraphCapture, run_captures
 from executor_proc.step.host_kv import HostKV
+from executor_proc.step.mixed_graphs import MixedGraphs
+from executor_proc.step.mixed_step import MixedShape, mixed_body, mixed_head
+from executor_proc.step.plan_rows import PlanRows, plan_rows
 from executor_proc.step.prompt_logprobs import (PromptLogprobPlan, SavedLogits, compute_prompt_logprobs,
                                                 plan_prompt_logprobs)
 from executor_proc.step.sample import Sampled, SamplingMode, sample_rows, sampling_mode
@@ -47,6 +53,17 @@ class GraphStep:
 
 
 @dataclass
+class MixedStep:
+    """A step with prefill chunks whose packed inputs are in the mixed runner's buffer, padded to ``shape``."""
+
+    shape: MixedShape
+    num_sampled: int
+    mode: SamplingMode
+    rows: PlanRows  # the real rows (an eager call of the runner on the torch backend attends them)
+    outputs: StepOutputs = field(default_factory=StepOutputs)
+
+
+@dataclass
 class EagerStep:
     batch: ForwardBatch
     sample_positions: torch.Tensor  # [S] position of each sampled token: its row's context length
@@ -56,12 +73,18 @@ class EagerStep:
     outputs: StepOutputs = field(default_factory=StepOutputs)
 
 
+Step = Union[GraphStep, MixedStep, EagerStep]
+
+
 class Worker:
     def __init__(self, model, kv_cache, tables: SlotTables, block_size: int, device: torch.device,
-                 graph_max_batch: int = 0, capture_graphs: bool = False, host_kv: Optional[HostKV] = None):
+                 graph_max_batch: int = 0, capture_graphs: bool = False, host_kv: Optional[HostKV] = None,
+                 mixed_max_tokens: int = 0):
         """``model`` runs on its backend (forward and sampler); ``graph_max_batch > 0`` runs pure-decode
-        steps of up to that many rows through :class:`DecodeGraphs` (captured when ``capture_graphs``,
-        else run eagerly); ``host_kv``: the host KV tier's pool, which plans' onloads and backups use."""
+        steps of up to that many rows through :class:`DecodeGraphs`, ``mixed_max_tokens > 0`` steps with
+        prefill chunks of up to that many tokens through :class:`MixedGraphs` (both captured when
+        ``capture_graphs``, else run eagerly); ``host_kv``: the host KV tier's pool, which plans' onloads
+        and backups use."""
         self.model = model
         self.kv_cache = kv_cache
         self.tables = tables
@@ -71,21 +94,42 @@ class Worker:
         self.tokens_out = TokenRing(device, tables.num_slots + 1) if device.type == "cuda" else None
         self.saved_logits = SavedLogits()
         self.host_kv = host_kv
+        self.capturer = GraphCapture(device)  # one memory pool for every graph
         self.graphs = None
         if graph_max_batch > 0:
             self.graphs = DecodeGraphs(self._decode_step, min(graph_max_batch, tables.num_slots), tables.pad_slot,
-                                       device, capture=capture_graphs)
+                                       device, capture=capture_graphs, capturer=self.capturer)
+        self.mixed = None
+        if mixed_max_tokens > 0:
+            self.mixed = MixedGraphs(self._mixed_body, self._mixed_head, mixed_max_tokens, tables.num_slots,
+                                     tables.pad_slot, model.config.hidden_size, model.lm_head.weight.dtype, device,
+                                     capture=capture_graphs, capturer=self.capturer)
 
     def _decode_step(self, inputs, mode: SamplingMode) -> Sampled:
         with torch.inference_mode():
             return decode_step(self.model, self.kv_cache, self.tables, inputs, self.block_size, mode)
 
-    def capture_graphs(self, progress: Optional[Callable[[int, int], None]] = None, modes=None) -> None:
-        """Capture the decode graphs (start-up; no-op without graphs); ``modes``: default the plain two."""
-        if self.graphs is not None:
-            self.graphs.capture_all(progress, *(() if modes is None else (modes,)))
+    def _mixed_body(self, inputs, hidden, host) -> None:
+        with torch.inference_mode():
+            mixed_body(self.model, self.kv_cache, self.tables, inputs, self.block_size, hidden, host)
 
-    def prepare(self, plan: StepPlan) -> Union[GraphStep, EagerStep]:
+    def _mixed_head(self, hidden, slots, positions, mode: SamplingMode) -> Sampled:
+        with torch.inference_mode():
+            return mixed_head(self.model, self.tables, hidden, slots, positions, mode)
+
+    def capture_graphs(self, progress: Optional[Callable[[int, int], None]] = None, modes=None) -> None:
+        """Capture every graph, the mixed runner's (the largest) first (start-up; no-op without graphs);
+        ``modes``: the sampling modes captured ahead, default the plain two."""
+        extra = () if modes is None else (modes,)
+        jobs = [job for runner in (self.mixed, self.graphs) if runner is not None for job in runner.capture_jobs(*extra)]
+        run_captures(jobs, self.device, progress)
+
+    @property
+    def num_graphs(self) -> int:
+        """CUDA graphs captured so far."""
+        return self.capturer.count
+
+    def prepare(self, plan: StepPlan) -> Step:
         """Apply the plan's diffs to the slot tables and put the step's inputs on the device."""
         upload = self.staging.upload()
         self.saved_logits.forget(plan.releases)
@@ -109,12 +153,20 @@ class Worker:
             return GraphStep(bucket, len(plan.slots), mode, outputs)
         featured = bool(self.tables.featured)
         outputs.prompt = plan_prompt_logprobs(plan, self.tables.info, self.saved_logits) if featured else None
-        parts = self._eager_rows(plan, upload, outputs.prompt)
+        rows = plan_rows(plan)
+        shape = self._mixed_shape(rows, outputs.prompt)
+        if shape is not None:
+            part = upload.add(self.mixed.pack(rows, shape), torch.int64)
+        else:
+            parts = self._eager_rows(rows, upload, outputs.prompt)
         marks = self._prefill_marks(plan, upload) if featured else None
         sent = upload.send()
         self._host_copies(plan, host, sent)
         self.tables.apply(diff, sent)
         self._apply_marks(marks, sent)
+        if shape is not None:
+            self.mixed.load(sent[part])
+            return MixedStep(shape, len(sampled_slots), mode, rows, outputs)
         step = self._eager_batch(plan, sent, parts, mode)
         step.num_sampled, step.outputs = len(sampled_slots), outputs
         if outputs.prompt is not None and outputs.prompt.targets:
@@ -163,6 +215,13 @@ class Worker:
         pure_decode = bool(plan.slots) and not any(plan.is_prefill) and all(plan.sample)
         return self.graphs.bucket_for(len(plan.slots)) if self.graphs is not None and pure_decode else None
 
+    def _mixed_shape(self, rows: PlanRows, prompt: Optional[PromptLogprobPlan]) -> Optional[MixedShape]:
+        """The mixed runner's bucket for the step, or None: eager (prompt logprobs need every chunk's
+        logits, a table-only plan has no rows)."""
+        if self.mixed is None or prompt is not None or rows.num_rows == 0 or not rows.decode_rows_first():
+            return None
+        return self.mixed.shape_for(rows)
+
     def _decode_rows(self, plan: StepPlan, bucket: int) -> np.ndarray:
         """``[3, bucket]`` slots, positions, context lengths; padded rows: padding slot, 0, 1."""
         rows = np.empty((3, bucket), dtype=np.int64)
@@ -176,38 +235,28 @@ class Worker:
         return rows.reshape(-1)
 
     @staticmethod
-    def _eager_rows(plan: StepPlan, upload, prompt: Optional[PromptLogprobPlan]) -> dict[str, int]:
+    def _eager_rows(rows: PlanRows, upload, prompt: Optional[PromptLogprobPlan]) -> dict[str, int]:
         """Add the token- and row-level inputs of an eager step to the upload.
 
         The logits computed are the sampled rows' last tokens', then (prompt logprobs) ``prompt.logits_index``.
         """
-        qlens = np.asarray(plan.num_tokens, dtype=np.int64)
-        starts = np.asarray(plan.positions, dtype=np.int64)
-        slots = np.asarray(plan.slots, dtype=np.int64)
-        is_prefill = np.asarray(plan.is_prefill, dtype=bool)
-        sampled = np.flatnonzero(np.asarray(plan.sample, dtype=bool))
-        query_start = np.concatenate([[0], np.cumsum(qlens)])
-        token_rows = np.repeat(np.arange(len(qlens)), qlens)
-        positions = starts[token_rows] + np.arange(int(query_start[-1])) - query_start[token_rows]
-        # -1 marks a decode row's token: its id is gathered from last_token[slot] on the device.
-        ids = np.full(len(positions), -1, dtype=np.int64)
-        ids[is_prefill[token_rows]] = plan.prefill_tokens
-        logits_index = query_start[sampled + 1] - 1
+        slots = rows.slots
+        logits_index = rows.logits_index
         if prompt is not None:
             logits_index = np.concatenate([logits_index, np.asarray(prompt.logits_index, dtype=np.int64)])
             if prompt.targets:
                 prompt.targets_part = upload.add(prompt.targets, torch.int64)
                 prompt.nums_part = upload.add(prompt.nums, torch.int32)
         return dict(
-            ids=upload.add(ids, torch.int64),
-            positions=upload.add(positions, torch.int64),
-            token_slots=upload.add(slots[token_rows], torch.int64),
+            ids=upload.add(rows.ids, torch.int64),  # -1: a decode row's token, gathered from last_token
+            positions=upload.add(rows.positions, torch.int64),
+            token_slots=upload.add(slots[rows.token_rows], torch.int64),
             row_slots=upload.add(slots, torch.int64),
-            query_start=upload.add(query_start, torch.int32),
-            context_lens=upload.add(starts + qlens, torch.int32),
+            query_start=upload.add(rows.query_start, torch.int32),
+            context_lens=upload.add(rows.context_lens, torch.int32),
             sample_index=upload.add(logits_index, torch.int64),
-            sample_slots=upload.add(slots[sampled], torch.int64),
-            sample_positions=upload.add(starts[sampled] + qlens[sampled], torch.int64),
+            sample_slots=upload.add(slots[rows.sampled], torch.int64),
+            sample_positions=upload.add(rows.sample_positions, torch.int64),
         )
 
     def _eager_batch(self, plan: StepPlan, sent: list[torch.Tensor], parts: dict[str, int],
@@ -231,13 +280,15 @@ class Worker:
         return EagerStep(batch, sent[parts["sample_positions"]], mode)
 
     @torch.inference_mode()
-    def launch(self, step: Union[GraphStep, EagerStep]) -> torch.Tensor:
+    def launch(self, step: Step) -> torch.Tensor:
         """Enqueue forward + sampling + last-token update; returns the device tensor of tokens.
 
         Logprobs (sampled and prompt) land in ``step.outputs`` as device tensors.
         """
         if isinstance(step, GraphStep):
             return self._keep(step, self.graphs.run(step.bucket, step.mode).head(step.rows))
+        if isinstance(step, MixedStep):
+            return self._keep(step, self.mixed.run(step.shape, step.num_sampled, step.mode, step.rows))
         batch = step.batch
         if batch.num_rows == 0:  # a plan of table diffs only
             return batch.sample_slots
@@ -254,12 +305,12 @@ class Worker:
         return self._keep(step, sampled)
 
     @staticmethod
-    def _keep(step: Union[GraphStep, EagerStep], sampled: Sampled) -> torch.Tensor:
+    def _keep(step: Step, sampled: Sampled) -> torch.Tensor:
         if sampled.logprob_ids is not None:
             step.outputs.logprobs = (sampled.logprob_ids, sampled.logprobs)
         return sampled.tokens
 
-    def copy_out(self, tokens: torch.Tensor, step: Optional[Union[GraphStep, EagerStep]] = None):
+    def copy_out(self, tokens: torch.Tensor, step: Optional[Step] = None):
         """Start the device->host copy of the tokens (and of ``step``'s logprobs, replaced in its
         ``outputs`` by host tensors); returns (host tensor or list, copy event or None)."""
         outputs = step.outputs if step is not None else None

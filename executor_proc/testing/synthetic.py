@@ -4,9 +4,10 @@ No scheduler, no sockets: :class:`SyntheticPlanner` admits requests into slots
 (first come, first served, within a prompt-token budget per step), gives them
 blocks from a simple pool, frees both as soon as a request has its
 ``max_new_tokens`` (the executor runs steps in order, so this is safe here), and
-writes :class:`StepPlan` messages the way the real planner does (whole-prompt
-prefill rows, then one decode row per request per step).  It never needs the
-sampled tokens: decode rows read ``last_token[slot]`` on the device.
+writes :class:`StepPlan` messages the way the real planner does (one decode row
+per request per step, then prefill rows: whole prompts, or chunks of at most
+``chunk_size`` tokens, the last of which samples).  It never needs the sampled
+tokens: decode rows read ``last_token[slot]`` on the device.
 :class:`DecodeLoop` runs its plans through a worker the way the executor process does.
 """
 
@@ -34,10 +35,13 @@ class _Request:
 
 
 class SyntheticPlanner:
-    def __init__(self, num_slots: int, block_size: int, num_blocks: int, max_prefill_tokens: Optional[int] = None):
-        """``max_prefill_tokens`` caps the prompt tokens admitted per step (None: admit every waiting request)."""
+    def __init__(self, num_slots: int, block_size: int, num_blocks: int, max_prefill_tokens: Optional[int] = None,
+                 chunk_size: Optional[int] = None):
+        """``max_prefill_tokens`` caps the prompt tokens admitted per step (None: admit every waiting request);
+        ``chunk_size`` the tokens of one prefill row (None: whole prompts)."""
         self.block_size = block_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunk_size = chunk_size
         self.free_slots = list(range(num_slots))
         self.free_blocks = list(range(num_blocks))
         self.running: list[_Request] = []
@@ -78,25 +82,28 @@ class SyntheticPlanner:
         self.releases.append(slot)
 
     def step(self) -> StepPlan:
-        """Decode rows of the running requests, then whole-prompt prefill rows of newly admitted ones."""
+        """Decode rows of the running requests, then prefill rows (chunks) of those still prefilling."""
         self._admit()
-        rows = [(r.slot, 1, r.computed, False) for r in self.running]
-        rows += [(r.slot, len(r.prompt), 0, True) for r in self.waiting]
-        slots, num_tokens, positions, is_prefill = (list(col) for col in zip(*rows)) if rows else ([], [], [], [])
-        prefill_tokens = [t for r in self.waiting for t in r.prompt]
-        appends: list[int] = []
         admits = [Admit(r.slot, r.sampling) for r in self.waiting]
         self.running += self.waiting
         self.waiting = []
-        for req in self.running:
-            n = len(req.prompt) if req.computed == 0 else 1
+        decoding = [r for r in self.running if r.computed >= len(r.prompt)]
+        prefilling = [r for r in self.running if r.computed < len(r.prompt)]
+        rows, prefill_tokens, appends = [], [], []
+        for req in decoding + prefilling:
+            left = len(req.prompt) - req.computed
+            n = 1 if left <= 0 else min(left, self.chunk_size or left)
+            if left > 0:
+                prefill_tokens += req.prompt[req.computed:req.computed + n]
+            rows.append((req.slot, n, req.computed, left > 0, left <= n))
             req.computed += n
-            req.sampled += 1
+            req.sampled += left <= n
             while len(req.blocks) * self.block_size < req.computed:
                 block = self.free_blocks.pop(0)
                 appends += [req.slot, len(req.blocks), block]
                 req.blocks.append(block)
-        plan = StepPlan(self.step_id, slots, num_tokens, positions, is_prefill, [True] * len(slots),
+        slots, num_tokens, positions, is_prefill, sample = (list(c) for c in zip(*rows)) if rows else [[]] * 5
+        plan = StepPlan(self.step_id, slots, num_tokens, positions, is_prefill, sample,
                         prefill_tokens=prefill_tokens, block_appends=appends, admits=admits,
                         releases=self.releases)
         self.releases = []
