@@ -46,6 +46,8 @@ def sampling_params(sampling: Optional[SamplingParams] = None, /, **overrides: A
     try:
         # All fields in one conversion (the common case); fields not overridden keep base's values.
         converted = msgspec.convert(overrides, SamplingParams)
+        if sampling is None:
+            return converted  # the other fields are SamplingParams()'s defaults already
         return msgspec.structs.replace(base, **{name: getattr(converted, name) for name in overrides})
     except msgspec.ValidationError as exc:
         error = exc
