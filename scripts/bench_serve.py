@@ -11,8 +11,16 @@ SSE event as the SDK path times each token message; ``--address`` is still
 used once, to read the model's vocabulary for the random prompts (without it,
 ``--vocab-size`` ids are used).
 
+``--http-keep-alive`` sends the HTTP requests on kept-alive connections, opened
+during the warm-up (as many as can be in flight), as a pooling client or a proxy
+does; without it each request opens its own connection.
+
 Requests arrive all at once (``--request-rate inf``, the default) or as a
-Poisson process, optionally capped at ``--concurrency`` in flight.  Prompts are
+Poisson process, optionally capped at ``--concurrency`` in flight.
+``--client-procs N`` spreads them over N client processes (round-robin, each
+with its share of the warm-up, the cap and the rate) that start measuring at
+the same instant: one process following hundreds of streams can be the limit
+it measures.  Percentiles and throughput are taken over the union.  Prompts are
 random token ids (``--dataset random``) or a small built-in set of chat prompts
 (``--dataset chat``, which needs the server's tokenizer on this machine).  Text
 is never detokenized: only token arrival times are measured.
@@ -32,16 +40,16 @@ from typing import Any, Optional
 import msgspec
 from tqdm import tqdm
 
-from ipc.client import AsyncClient, ForerunError, GenerateResult
+from ipc.client import AsyncClient, ForerunError
+from _bench_procs import Gate, run_processes
 from _bench_util import CHAT_PROMPTS, format_table, latency_rows, summarize, write_json
-from _http_stream import HTTPError, sse_post
+from _http_stream import Connections, HTTPError, sse_post
 
 # Seconds to wait for the server's answer to Hello (requests themselves have no limit by default).
 HANDSHAKE_TIMEOUT = 60.0
 
 
-@dataclass
-class BenchRequest:
+class BenchRequest(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     max_tokens: int
 
@@ -80,6 +88,42 @@ class Outcome:
         return self.result is not None and self.result.finish_reason in ("stop", "length")
 
 
+class Sample(msgspec.Struct, array_like=True):
+    """One request's figures (seconds since it was sent), as metrics() reads them and client processes send them."""
+
+    ok: bool
+    error: Optional[str]
+    prompt_tokens: int
+    completion_tokens: int
+    ttft: Optional[float]
+    tpot: Optional[float]
+    e2e: float
+    itl: list[float]
+
+
+def sample(o: Outcome) -> Sample:
+    """The figures of one outcome."""
+    if not o.ok:
+        return Sample(False, o.error, 0, 0, None, None, 0.0, [])
+    r, t = o.result, o.result.timings
+    return Sample(True, None, r.prompt_tokens, r.completion_tokens, t.ttft, t.tpot, t.e2e, t.itl)
+
+
+class Share(msgspec.Struct):
+    """What one client process runs: the options (its share of the cap and rate) and its requests."""
+
+    options: dict[str, Any]
+    seed: int
+    warmup: list[BenchRequest]
+    measured: list[BenchRequest]
+
+
+class ShareResult(msgspec.Struct):
+    samples: list[Sample]
+    end: float  # perf_counter when its last request ended
+    cpu_s: float  # its CPU time over the measured run
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,6 +140,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="requests to measure (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=None,
                    help="most requests in flight at once (default: no cap)")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="client processes the requests are spread over (default: %(default)s)")
+    p.add_argument("--http-keep-alive", action="store_true",
+                   help="--backend openai: send the requests on kept-alive connections opened during the "
+                        "warm-up (default: a new connection per request)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="mean arrivals per second of a Poisson process; inf sends all at once "
                         "(default: %(default)s)")
@@ -133,6 +182,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--num-requests, --input-len and --output-len must be at least 1")
     if args.concurrency is not None and args.concurrency < 1:
         p.error("--concurrency must be at least 1")
+    if not 1 <= args.client_procs <= min(args.num_requests, args.concurrency or args.num_requests):
+        p.error("--client-procs must be at least 1 and at most --num-requests and --concurrency")
     if not args.request_rate > 0:
         p.error("--request-rate must be positive")
     return args
@@ -152,9 +203,9 @@ async def chat_requests(client: AsyncClient, n: int, output_len: int) -> list[Be
 
 
 async def send_one(client: Any, req: BenchRequest, args: argparse.Namespace) -> Outcome:
-    """One request; failures are recorded, not raised."""
+    """One request through ``client`` (the SDK's AsyncClient, or HTTP Connections / None); failures are recorded."""
     if args.backend == "openai":
-        return await send_one_http(req, args)
+        return await send_one_http(req, args, client)
     try:
         result = await client.generate(
             prompt_token_ids=req.prompt_token_ids, max_tokens=req.max_tokens,
@@ -189,8 +240,8 @@ class _Event(msgspec.Struct):
 _decode_event = msgspec.json.Decoder(_Event).decode
 
 
-async def send_one_http(req: BenchRequest, args: argparse.Namespace) -> Outcome:
-    """One streaming /v1/completions request, timed per SSE event."""
+async def send_one_http(req: BenchRequest, args: argparse.Namespace, conns: Optional[Connections]) -> Outcome:
+    """One streaming /v1/completions request, timed per SSE event (on a kept-alive connection of ``conns``)."""
     body = {"model": args.model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens,
             "temperature": args.temperature, "ignore_eos": args.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -212,7 +263,10 @@ async def send_one_http(req: BenchRequest, args: argparse.Namespace) -> Outcome:
                 times.append(t - t0)
 
     try:
-        await sse_post(args.base_url, "/v1/completions", body, on_event, args.api_key, _decode_event)
+        if conns is not None:
+            await conns.post("/v1/completions", body, on_event, _decode_event)
+        else:
+            await sse_post(args.base_url, "/v1/completions", body, on_event, args.api_key, _decode_event)
     except (HTTPError, OSError, msgspec.DecodeError) as exc:
         return Outcome(None, f"{type(exc).__name__}: {exc}")
     if "error" in seen:
@@ -225,9 +279,9 @@ async def send_one_http(req: BenchRequest, args: argparse.Namespace) -> Outcome:
     return Outcome(HttpResult(seen["finish"], seen["usage"].prompt_tokens, n, timings), None)
 
 
-async def run_requests(client: Any, requests: list[BenchRequest], args: argparse.Namespace,
-                       rng: random.Random, progress: Optional[tqdm] = None) -> tuple[list[Outcome], float, float]:
-    """Send requests at the configured rate and cap; return outcomes, wall time and this process's CPU time."""
+async def run_requests(client: Any, requests: list[BenchRequest], args: argparse.Namespace, rng: random.Random,
+                       progress: Optional[tqdm] = None) -> tuple[list[Outcome], float, float, float]:
+    """Send requests at the configured rate and cap; return outcomes, start and end (perf_counter), CPU seconds."""
     limit = asyncio.Semaphore(args.concurrency) if args.concurrency else None
 
     async def limited(req: BenchRequest) -> Outcome:
@@ -248,27 +302,96 @@ async def run_requests(client: Any, requests: list[BenchRequest], args: argparse
             await asyncio.sleep(rng.expovariate(args.request_rate))
         tasks.append(asyncio.create_task(limited(req)))
     outcomes = await asyncio.gather(*tasks)
-    return outcomes, time.perf_counter() - start, time.process_time() - cpu_start
+    return outcomes, start, time.perf_counter(), time.process_time() - cpu_start
 
 
-def metrics(outcomes: list[Outcome], duration: float) -> dict[str, Any]:
+async def measure(client: Any, warmup: list[BenchRequest], measured: list[BenchRequest], args: argparse.Namespace,
+                  rng: random.Random, gate: Optional[Gate] = None) -> tuple[list[Sample], float, float, float]:
+    """Warm up, then run the measured requests (from the gate's start time, if any).
+
+    Returns the samples, the start and end (perf_counter) and this process's CPU seconds.
+    ``client`` is the SDK's AsyncClient; over HTTP the requests go on new connections,
+    or with ``--http-keep-alive`` on kept-alive ones opened before the start.
+    """
+    conns = Connections(args.base_url, args.api_key) if args.backend == "openai" and args.http_keep_alive else None
+    sender = conns if args.backend == "openai" else client
+    try:
+        if warmup:
+            outcomes, _, _, _ = await run_requests(sender, warmup, args, rng)
+            failures = [o.error for o in outcomes if not o.ok]
+            if failures:
+                print(f"warning: {len(failures)} warm-up requests failed: {failures[0]}", file=sys.stderr)
+        if conns is not None:
+            await conns.open(min(args.concurrency or len(measured), len(measured)))
+        start = None
+        if gate is not None:
+            start = await gate.ready()
+            await asyncio.sleep(max(start - time.perf_counter(), 0.0))
+        with tqdm(total=len(measured), disable=args.no_progress, desc="requests") as progress:
+            outcomes, t0, end, cpu = await run_requests(sender, measured, args, rng, progress)
+    finally:
+        if conns is not None:
+            conns.close()
+    return [sample(o) for o in outcomes], t0 if start is None else start, end, cpu
+
+
+def _share(n: int, i: int, total: Optional[int]) -> Optional[int]:
+    return None if total is None else total // n + (i < total % n)
+
+
+def run_spread(args: argparse.Namespace, warmup: list[BenchRequest],
+               measured: list[BenchRequest]) -> tuple[list[Sample], float, float]:
+    """Run the workload in ``--client-procs`` processes; returns the samples, the duration, the busiest one's CPU."""
+    n = args.client_procs
+    payloads = []
+    for i in range(n):
+        options = dict(vars(args), client_procs=1, concurrency=_share(n, i, args.concurrency),
+                       request_rate=args.request_rate / n, no_progress=True, json=None)
+        share = Share(options, args.seed + 1 + i, warmup[i::n], measured[i::n])
+        payloads.append(msgspec.msgpack.encode(share))
+    start, results = run_processes(client_process, payloads)
+    shares = [msgspec.msgpack.decode(r, type=ShareResult) for r in results]
+    return [x for r in shares for x in r.samples], max(r.end for r in shares) - start, max(r.cpu_s for r in shares)
+
+
+def client_process(payload: bytes, gate: Gate) -> bytes:
+    """One process of ``--client-procs``: connect, warm up, run its share from the common start."""
+    share = msgspec.msgpack.decode(payload, type=Share)
+    return run_loop(_client_process(argparse.Namespace(**share.options), share, gate))
+
+
+async def _client_process(args: argparse.Namespace, share: Share, gate: Gate) -> bytes:
+    client = None
+    if args.backend == "sdk":
+        client = AsyncClient(args.address, timeout=HANDSHAKE_TIMEOUT, client_name="bench_serve")
+        await client.connect()
+    try:
+        samples, _, end, cpu = await measure(client, share.warmup, share.measured, args,
+                                             random.Random(share.seed), gate)
+    finally:
+        if client is not None:
+            await client.close()
+    return msgspec.msgpack.encode(ShareResult(samples, end, cpu))
+
+
+def metrics(samples: list[Sample], duration: float) -> dict[str, Any]:
     """Throughput and latency figures of one run (latencies in ms)."""
-    done = [o.result for o in outcomes if o.ok]
+    done = [r for r in samples if r.ok]
     prompt_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.completion_tokens for r in done)
     return {
         "completed": len(done),
-        "failed": len(outcomes) - len(done),
+        "failed": len(samples) - len(done),
         "duration_s": duration,
         "total_input_tokens": prompt_tokens,
         "total_output_tokens": output_tokens,
         "request_throughput": len(done) / duration,
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (prompt_tokens + output_tokens) / duration,
-        "ttft_ms": summarize([r.timings.ttft for r in done if r.timings.ttft is not None], scale=1e3),
-        "tpot_ms": summarize([r.timings.tpot for r in done if r.timings.tpot is not None], scale=1e3),
-        "itl_ms": summarize([gap for r in done for gap in r.timings.itl], scale=1e3),
-        "e2e_ms": summarize([r.timings.e2e for r in done], scale=1e3),
+        "ttft_ms": summarize([r.ttft for r in done if r.ttft is not None], scale=1e3),
+        "tpot_ms": summarize([r.tpot for r in done if r.tpot is not None], scale=1e3),
+        "itl_ms": summarize([gap for r in done for gap in r.itl], scale=1e3),
+        "e2e_ms": summarize([r.e2e for r in done], scale=1e3),
     }
 
 
@@ -283,7 +406,8 @@ def report(m: dict[str, Any]) -> str:
         ("Request throughput (req/s)", m["request_throughput"]),
         ("Output token throughput (tok/s)", m["output_throughput"]),
         ("Total token throughput (tok/s)", m["total_token_throughput"]),
-        ("Client CPU / duration", m.get("client_cpu_fraction", float("nan"))),
+        ("Client processes", m.get("client_procs", 1)),
+        ("Client CPU / duration (busiest process)", m.get("client_cpu_fraction", float("nan"))),
     ]
     for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms")):
         rows += latency_rows(name, m[key])
@@ -332,22 +456,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         else:
             workload = await chat_requests(client, total, args.output_len)
         warmup, measured = workload[:args.warmup], workload[args.warmup:]
-        if warmup:
-            outcomes, _, _ = await run_requests(client, warmup, args, rng)
-            failures = [o.error for o in outcomes if not o.ok]
-            if failures:
-                print(f"warning: {len(failures)} warm-up requests failed: {failures[0]}", file=sys.stderr)
-        with tqdm(total=len(measured), disable=args.no_progress, desc="requests") as progress:
-            outcomes, duration, client_cpu = await run_requests(client, measured, args, rng, progress)
+        if args.client_procs > 1:
+            samples, duration, client_cpu = await asyncio.to_thread(run_spread, args, warmup, measured)
+        else:
+            samples, start, end, client_cpu = await measure(client, warmup, measured, args, rng)
+            duration = end - start
     finally:
         if client is not None:
             await client.close()
-    errors = [o.error for o in outcomes if o.error]
+    errors = [r.error for r in samples if r.error]
     if errors:
         print(f"warning: {len(errors)} requests failed, first: {errors[0]}", file=sys.stderr)
-    m = metrics(outcomes, duration)
-    # Near 1.0 means this client, not the server, may be what limits the run.
+    m = metrics(samples, duration)
+    # Near 1.0 means this client (its busiest process), not the server, may be what limits the run.
     m["client_cpu_fraction"] = client_cpu / duration
+    m["client_procs"] = args.client_procs
     print(report(m))
     figures = {
         "config": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()},
@@ -359,14 +482,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return figures
 
 
-def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-    """Entry point: parse the flags and run the benchmark (on uvloop when installed)."""
-    args = parse_args(argv)
+def run_loop(coro: Any) -> Any:
+    """Run a coroutine on uvloop when installed, else on asyncio's loop."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(main_async(args))
-    return uvloop.run(main_async(args))
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    """Entry point: parse the flags and run the benchmark."""
+    return run_loop(main_async(parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -623,13 +623,17 @@ def test_blocking_timeout_aborts(serve, address):
 # ---------------------------------------------------------------------------
 
 
-def test_bench_serve_runs_against_a_server(serve, address, tmp_path, monkeypatch):
-    import json
-    import os
-
-    # Import the script as Python runs it: its own folder first on sys.path, for its sibling helpers.
+@pytest.fixture
+def bench_serve(monkeypatch):
+    """scripts/bench_serve.py imported as Python runs it: its own folder first on sys.path, for its siblings."""
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     import bench_serve
+
+    return bench_serve
+
+
+def test_bench_serve_runs_against_a_server(serve, address, tmp_path, bench_serve):
+    import json
 
     def script(gen: Generate) -> list:
         return finish_script(gen, [7] * gen.sampling.max_tokens, in_finished=2)
@@ -646,3 +650,20 @@ def test_bench_serve_runs_against_a_server(serve, address, tmp_path, monkeypatch
     assert all(EOS not in g.prompt_token_ids for g in server.generates)
     saved = json.loads(out.read_text())
     assert saved["ttft_ms"]["p50"] > 0 and saved["itl_ms"]["p99"] is not None
+
+
+def test_bench_serve_spreads_requests_over_client_processes(serve, address, bench_serve):
+    def script(gen: Generate) -> list:
+        return finish_script(gen, [7] * gen.sampling.max_tokens, in_finished=2)
+
+    server = serve(script)
+    figures = bench_serve.main(["--address", address, "--num-requests", "7", "--warmup", "2", "--input-len", "5",
+                                "--output-len", "4", "--concurrency", "4", "--client-procs", "2", "--no-progress"])
+    assert figures["completed"] == 7 and figures["failed"] == 0 and figures["client_procs"] == 2
+    assert figures["total_output_tokens"] == 28 and figures["total_input_tokens"] == 35
+    assert figures["ttft_ms"]["p50"] > 0 and figures["itl_ms"]["p99"] is not None and figures["duration_s"] > 0
+    # This process and each client process said Hello; every request (warm-up included) came once.
+    assert server.hellos == 3
+    assert len({g.request_id for g in server.generates}) == len(server.generates) == 9
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--address", address, "--num-requests", "2", "--client-procs", "3"])

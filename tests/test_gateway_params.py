@@ -43,6 +43,17 @@ def test_sampling_kwargs_map_every_parameter():
     assert "logprobs" not in params.sampling_kwargs(chat_req(logprobs=False), 4, 100)
 
 
+def test_prompt_forms_and_malformed_prompts():
+    assert s.prompts(completion_req(prompt="hi")) == ["hi"]
+    assert s.prompts(completion_req(prompt=[5, 6])) == [[5, 6]]
+    assert s.prompts(completion_req(prompt=["a", "b"])) == ["a", "b"]
+    assert s.prompts(completion_req(prompt=[[5], [6, 7]])) == [[5], [6, 7]]
+    for bad in ([], [1, True], [True], [1, "a"], [1.0], [[1], []], [[1], [True]], [[1], "a"], [["a"]]):
+        with pytest.raises(s.RequestError) as e:
+            s.prompts(completion_req(prompt=bad))
+        assert e.value.status == 400 and e.value.param == "prompt", bad
+
+
 @pytest.mark.parametrize("bias", [{"x": 1}, {"1.5": 1}, {"100": 1}, {"-1": 2}])
 def test_bad_logit_bias_key_is_400_naming_logit_bias(bias):
     with pytest.raises(s.RequestError) as e:

@@ -402,6 +402,51 @@ async def test_client_disconnect_aborts(http_server):
 
 
 # ---------------------------------------------------------------------------
+# the benchmark client: kept-alive connections, several client processes
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def scripts_path(monkeypatch):
+    """scripts/ first on sys.path, as when Python runs a script there."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+
+async def test_keep_alive_connections_carry_one_stream_after_another(http_server, scripts_path):
+    from _http_stream import Connections, HTTPError
+
+    conns = Connections(http_server.url, API_KEY)
+    await conns.open(2)
+    opened = list(conns.idle)
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    try:
+        for _ in range(3):
+            events = []
+            await conns.post("/v1/completions", body, lambda t, e: events.append(e))
+            assert events[-1] is None and events[-2]["usage"]["completion_tokens"] == 3  # [DONE] after the usage
+            assert sum(len(e["choices"]) for e in events[:-1]) == 3
+        assert sorted(map(id, conns.idle)) == sorted(map(id, opened))  # no new connection was opened
+        with pytest.raises(HTTPError) as e:  # an error answer is not chunked: its connection is not reused
+            await conns.post("/v1/completions", dict(body, max_tokens=-1), lambda t, e: None)
+        assert e.value.status == 400 and len(conns.idle) == 1
+    finally:
+        conns.close()
+
+
+def test_bench_serve_over_http_in_two_processes_with_keep_alive(http_server, scripts_path):
+    import bench_serve
+
+    figures = bench_serve.main(["--backend", "openai", "--base-url", http_server.url, "--address",
+                                http_server.address, "--api-key", API_KEY, "--num-requests", "6", "--warmup", "2",
+                                "--input-len", "5", "--output-len", "4", "--concurrency", "4", "--client-procs", "2",
+                                "--http-keep-alive", "--no-progress"])
+    assert figures["completed"] == 6 and figures["failed"] == 0 and figures["client_procs"] == 2
+    assert figures["total_output_tokens"] == 24 and figures["total_input_tokens"] == 30
+    assert figures["ttft_ms"]["p50"] > 0 and figures["tpot_ms"]["p50"] > 0
+
+
+# ---------------------------------------------------------------------------
 # scripted executor: many streams over two workers; health once the executor is gone
 # ---------------------------------------------------------------------------
 

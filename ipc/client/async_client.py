@@ -401,7 +401,8 @@ class AsyncClient:
 
     async def _start(self, call: Call) -> PendingRequest:
         """Tokenize, register and send one Generate."""
-        await self.connect()
+        if self._server_info is None:
+            await self.connect()
         prompt_ids = call.prompt_token_ids
         if prompt_ids is None:
             prompt_ids = await self.encode(call.prompt, messages=call.messages)
@@ -409,7 +410,8 @@ class AsyncClient:
         frame = encode_generate(Generate(request_id=call.request_id, prompt_token_ids=prompt_ids,
                                          sampling=call.sampling))
         tokenizer = await self.get_tokenizer() if call.detokenize else None
-        await self.connect()  # again: the server may have gone (and this client reconnects) meanwhile
+        if self._server_info is None:
+            await self.connect()  # again: the server may have gone (and this client reconnects) meanwhile
         self._check_open()
         # No await between this check and the send: ids stay unique among pending requests.
         if call.request_id in self._pending:

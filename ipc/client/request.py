@@ -43,14 +43,21 @@ def sampling_params(sampling: Optional[SamplingParams] = None, /, **overrides: A
                             f"(sampling fields: {', '.join(SAMPLING_FIELDS)})")
     if not overrides:
         return base
-    converted = {}
+    try:
+        # All fields in one conversion (the common case); fields not overridden keep base's values.
+        converted = msgspec.convert(overrides, SamplingParams)
+        if sampling is None:
+            return converted  # the other fields are SamplingParams()'s defaults already
+        return msgspec.structs.replace(base, **{name: getattr(converted, name) for name in overrides})
+    except msgspec.ValidationError as exc:
+        error = exc
     for name, value in overrides.items():
         try:
-            # One field at a time, so that a type error names its field.
-            converted[name] = getattr(msgspec.convert({name: value}, SamplingParams), name)
+            # One field at a time, so that the type error names its field.
+            msgspec.convert({name: value}, SamplingParams)
         except msgspec.ValidationError as exc:
             raise InvalidRequestError("invalid_request", f"sampling.{name}", str(exc)) from None
-    return msgspec.structs.replace(base, **converted)
+    raise InvalidRequestError("invalid_request", "sampling", str(error))
 
 
 def new_request_id() -> str:

@@ -13,7 +13,9 @@ Two sources:
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import collections
 import os
 from typing import Iterable, Iterator, Optional
 
@@ -54,33 +56,50 @@ class RequestMetrics:
         self.e2e = Histogram("forerun:e2e_request_latency_seconds", "End-to-end request latency, in seconds.",
                              LABELS, buckets=E2E_BUCKETS)
         self._per_reason: dict[str, Counter] = {}
+        self._pending: list = []  # finished requests not yet written (see observe)
 
     def observe(self, result) -> None:
-        """Record one finished request (a ``GenerateResult`` of the SDK)."""
+        """Record one finished request (a ``GenerateResult`` of the SDK), with the others that end this loop turn.
+
+        A step that ends a few hundred requests wakes them all in one turn of the event loop:
+        their figures are written together once the turn's callbacks have run (``flush``),
+        one store per counter and per histogram bucket touched instead of about eleven
+        stores per request (each a locked write into a memory-mapped file).
+        """
+        self._pending.append(result)
+        if len(self._pending) == 1:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # no running loop: write at once
+                self.flush()
+
+    def flush(self) -> None:
+        """Write the figures of the requests observed since the last flush."""
+        done, self._pending = self._pending, []
+        if not done:
+            return
         m = self.model_name
-        self.prompt_tokens.labels(m).inc(result.prompt_tokens)
+        self.prompt_tokens.labels(m).inc(sum(r.prompt_tokens for r in done))
         # n > 1: every completion's tokens (the result's own fields are its first completion's).
-        self.generation_tokens.labels(m).inc(sum(c.completion_tokens for c in result.choices or [result]))
-        reason = result.finish_reason
-        counter = self._per_reason.get(reason)
-        if counter is None:
-            counter = self._per_reason[reason] = self.request_success.labels(m, reason)
-        counter.inc()
-        t = result.timings
-        if t.ttft is not None:
-            self.ttft.labels(m).observe(t.ttft)
-        if t.tpot is not None:
-            self.tpot.labels(m).observe(t.tpot)
-        observe_many(self.itl.labels(m), t.itl)
-        self.e2e.labels(m).observe(t.e2e)
+        self.generation_tokens.labels(m).inc(sum(c.completion_tokens for r in done for c in r.choices or [r]))
+        for reason, count in collections.Counter(r.finish_reason for r in done).items():
+            counter = self._per_reason.get(reason)
+            if counter is None:
+                counter = self._per_reason[reason] = self.request_success.labels(m, reason)
+            counter.inc(count)
+        timings = [r.timings for r in done]
+        observe_many(self.ttft.labels(m), [t.ttft for t in timings if t.ttft is not None])
+        observe_many(self.tpot.labels(m), [tpot for t in timings if (tpot := t.tpot) is not None])
+        observe_many(self.itl.labels(m), [gap for t in timings for gap in t.itl])
+        observe_many(self.e2e.labels(m), [t.e2e for t in timings])
 
 
 def observe_many(hist: Histogram, values: Iterable[float]) -> None:
     """``hist.observe(v)`` for each value, with one write per bucket touched instead of two per value.
 
-    A request's inter-token gaps come by the hundred, and in multiprocess mode every
-    write is a store into a memory-mapped file: per token, that was the gateway's
-    largest cost after the socket write.  Uses the child histogram's bucket values,
+    A request's inter-token gaps come by the hundred, as do the requests of one flush, and
+    in multiprocess mode every write is a store into a memory-mapped file: per token, that
+    was the gateway's largest cost after the socket write.  Uses the child histogram's bucket values,
     which prometheus_client has kept since 0.4; any other object gets plain observes.
     """
     bounds = getattr(hist, "_upper_bounds", None)
@@ -178,6 +197,8 @@ def idle_fraction(s: ServerStats) -> float:
 
 def render(stats: Optional[ServerStats], model_name: str) -> bytes:
     """The Prometheus text exposition: every worker's request metrics plus the scheduler's."""
+    if _METRICS is not None:
+        _METRICS.flush()  # this worker's requests that ended this loop turn
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SchedulerCollector(stats, model_name))
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

@@ -1,14 +1,14 @@
 """Running SDK requests for HTTP clients: whole answers, SSE streams, and client disconnects.
 
 A client that goes away must not leave its request running in the scheduler:
-each request runs in a task raced against the ASGI ``http.disconnect``
-message, and the task is cancelled when it arrives.  Cancelling an SDK
+each request is raced against the ASGI ``http.disconnect`` message, and its
+task is cancelled when that arrives.  Cancelling an SDK
 ``generate`` or ``stream`` sends ``Abort`` (their ``finally`` releases the
 request), so the KV blocks come back within a step.  Plain asyncio
 cancellation is used (delivered once), so the ``Abort`` send in that
 ``finally`` is never cancelled itself.
 
-A streaming answer is one task and one disconnect watcher for its whole life
+A streaming answer is one task (uvicorn's) and one disconnect watcher for its whole life
 (first tokens, then events), and it writes whatever chunks are ready at each
 wake-up in one send: a worker that falls behind the steps writes fewer, larger
 chunks instead of falling further behind.
@@ -36,18 +36,33 @@ async def _wait_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
 
 
 async def until_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client disconnects first (then it is cancelled: ClientGone)."""
-    task = asyncio.ensure_future(work)
+    """Await ``work`` in this task unless the client disconnects first (then it is cancelled: ClientGone).
+
+    The watcher cancels this task itself: no task for the work and no asyncio.wait
+    bookkeeping per request.  The cancel can only land inside ``work``: once it has
+    returned, ``running`` is cleared before this task can yield to the watcher.
+    """
+    me = asyncio.current_task()
+    running, gone = True, False
+
+    def on_disconnect(watch: asyncio.Future) -> None:
+        nonlocal gone
+        if running and not watch.cancelled():
+            gone = True
+            me.cancel()
+
     watch = asyncio.ensure_future(_wait_disconnect(receive))
-    # The watcher cancels the work itself: no asyncio.wait bookkeeping per request.
-    watch.add_done_callback(lambda w: w.cancelled() or task.cancel())
+    watch.add_done_callback(on_disconnect)
     try:
-        return await task
+        return await work
     except asyncio.CancelledError:
-        if watch.done() and not watch.cancelled():
+        if gone:
+            if hasattr(me, "uncancel"):  # Python 3.11+: this cancel is handled, the task goes on
+                me.uncancel()
             raise ClientGone() from None
         raise
     finally:
+        running = False
         watch.cancel()
 
 
