@@ -61,7 +61,9 @@ class ExecutorConfig(_Config):
     num_kv_blocks: Optional[int] = None  # None: sized from free memory
     kv_memory_fraction: float = 0.85  # of free device memory after weights (cuda)
     max_model_len: Optional[int] = None  # None: the model's context length
-    max_num_batched_tokens: int = 2048  # token budget of one step
+    # Token budget of one step. 1024, not 2048: a step holding two or three arriving prompts stalls every
+    # running request for its duration (ITL p99 at 40 req/s, 1B shape, H100: 5.4-6.05 ms at 2048, 4.57 at 1024).
+    max_num_batched_tokens: int = 1024
     threads: Optional[int] = None  # torch CPU threads; None: all cores but one
     # Host KV tier (a pinned host copy of published KV blocks): GiB of host memory for it; None:
     # DEFAULT_HOST_KV_GIB on cuda (at most a quarter of available host memory), off on the cpu; 0: off.

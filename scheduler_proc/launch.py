@@ -66,7 +66,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--block-size", type=int, default=E("block_size"),
                    help=f"tokens per KV cache block: a power of two up to {MAX_BLOCK_SIZE}")
     s.add_argument("--max-num-batched-tokens", type=int, default=E("max_num_batched_tokens"),
-                   help="token budget of one step (decodes plus prefill chunks)")
+                   help="token budget of one step (decodes plus prefill chunks); larger: fewer prefill steps, longer "
+                        "stalls of running streams when prompts arrive together")
     s.add_argument("--max-num-seqs", type=int, default=E("num_slots"), help="most requests running at once (slots)")
     s.add_argument("--max-model-len", type=int, default=E("max_model_len"), help="context length cap (default: the model's)")
     s.add_argument("--kv-memory-fraction", type=float, default=E("kv_memory_fraction"),
