@@ -48,9 +48,13 @@ class Request:
     num_prefill: int = 0  # tokens fed from the host since admission (prompt + received at admission)
     slot: Optional[int] = None
     blocks: list[int] = field(default_factory=list)
-    num_published: int = 0  # leading blocks of ``blocks`` that are findable in the prefix cache
-    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full known blocks (memo)
-    num_inflight_steps: int = 0
+    # Prefix cache: leading blocks of ``blocks`` it has seen (shared, published, or private copies of published
+    # ones), and the place in its tree that stands for their tokens (scheduler_proc.prefix_tree).
+    num_published: int = 0
+    cache_node: tuple = (None, -1)
+    block_bytes: bytearray = field(default_factory=bytearray)  # token ids of known tokens, as bytes (memo)
+    block_keys: list[bytes] = field(default_factory=list)  # host-tier keys of full known blocks (memo)
+    last_step: int = -1  # the newest step with a row of it: none is in flight once that one is back
     status: Status = Status.WAITING
     finish_reason: Optional[str] = None
     num_sent: int = 0  # output tokens already sent to the client
