@@ -179,7 +179,6 @@ class Planner(Reconciler):
                 crossing.append(req)
             pos += 1
             req.num_computed = pos
-            req.num_pending += 1
             req.last_step = step_id
             if fills is not None and not pos % block_size:
                 fills.append((req, pos))  # it fills a block: published (and backed up) when the step is back
@@ -282,7 +281,6 @@ class Planner(Reconciler):
         if sample:
             if req.t_readmit:
                 draft.resumed.append(req)
-            req.num_pending += 1
             del self._prefilling[req.rid]
             if end + 1 < req.max_total:
                 self._decoding[req.rid] = req

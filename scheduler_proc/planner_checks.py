@@ -46,8 +46,6 @@ def check_planner(pl: "Planner") -> None:
         assert r.slot is not None and slot_owner.get(r.slot) == r.rid, f"request {r.rid}: slot ownership"
         # Exactly the blocks its KV needs: a decode row crosses into a new block when its position is a multiple.
         assert len(r.blocks) == -(-r.num_computed // pl.limits.block_size), f"request {r.rid}: blocks for its KV"
-        if r.status is not _FINISHED:
-            assert r.num_pending == pending_count.get(r.rid, 0), f"request {r.rid}: pending count"
     if pl.host is not None:  # a device block being backed up holds one more reference
         for b in pl.host.busy_device_blocks():
             holds[b] = holds.get(b, 0) + 1
@@ -63,9 +61,10 @@ def check_planner(pl: "Planner") -> None:
         assert r.status is Status.PREEMPTED or r.status is _FINISHED, f"request {r.rid}: draining while {r.status}"
     for r in running:
         assert r.status is _RUNNING
-        assert r.num_pending >= 0 and r.num_computed <= r.num_total
+        total = r.num_known + pending_count.get(r.rid, 0)  # prompt, received and sampled tokens in flight
+        assert r.num_computed <= total
         if not r.is_prefilling:
-            assert r.num_computed == r.num_total - 1, f"request {r.rid}: decode invariant"
+            assert r.num_computed == total - 1, f"request {r.rid}: decode invariant"
         assert (r.rid in pl._prefilling) == r.is_prefilling, f"request {r.rid}: prefilling set"
         wants_decode = not r.is_prefilling and r.num_computed + 1 < r.max_total
         assert (r.rid in pl._decoding) == wants_decode, f"request {r.rid}: decoding set"
@@ -75,4 +74,4 @@ def check_planner(pl: "Planner") -> None:
     assert pl.limits.eos_token_ids <= pl._stop_tokens
     for r in pl.waiting:
         assert r.status is Status.WAITING and r.slot is None and not r.blocks
-        assert r.num_pending == 0 and r.last_step <= pl._returned
+        assert r.rid not in pending_count and r.last_step <= pl._returned

@@ -62,7 +62,6 @@ class Reconciler:
         for req, token in zip(samplers, tokens):
             if req.status is _FINISHED:
                 continue  # the ledger: a request that has left gets nothing more
-            req.num_pending -= 1
             output = req.output
             output.append(token)
             if token in stop_tokens or len(output) >= req.max_output:

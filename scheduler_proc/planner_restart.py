@@ -32,7 +32,7 @@ def restart_planner(pl: "Planner") -> None:
         req.status = Status.WAITING
         req.num_preemptions += 1
         req.slot, req.blocks, req.num_published = None, [], 0
-        req.num_pending = req.num_computed = req.num_prefill = 0
+        req.num_computed = req.num_prefill = 0
     pl.waiting.extendleft(reversed(requeue))
     pl.num_preemptions += len(requeue)
     for group in (pl._running, pl._prefilling, pl._decoding, pl.draining):

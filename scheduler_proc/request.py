@@ -3,7 +3,7 @@
 Lengths (``P`` = prompt tokens)::
 
     received   = len(output)          tokens that came back and were applied
-    pending    = sampled tokens still in flight (will come back)
+    pending    = sampled tokens still in flight (will come back): the steps in flight say how many
     total      = P + received + pending
     num_computed = tokens whose KV is written or being written
 
@@ -43,7 +43,6 @@ class Request:
     max_tokens: int
     stop_ids: frozenset[int]
     output: list[int] = field(default_factory=list)
-    num_pending: int = 0
     num_computed: int = 0
     num_prefill: int = 0  # tokens fed from the host since admission (prompt + received at admission)
     slot: Optional[int] = None
@@ -72,10 +71,6 @@ class Request:
     def num_known(self) -> int:
         """Tokens known on the host: the prompt and every received token."""
         return len(self.prompt) + len(self.output)
-
-    @property
-    def num_total(self) -> int:
-        return len(self.prompt) + len(self.output) + self.num_pending
 
     @property
     def is_prefilling(self) -> bool:
