@@ -181,7 +181,8 @@ class BlockAllocator:
         self._refs = [0] * num_blocks
         self._lru = Lru(num_blocks)  # cached blocks, least recently released first
         self._num_cached = 0  # published blocks nobody holds (the LRU's live entries)
-        self._keys: list[Optional[bytes]] = [None] * num_blocks  # published blocks' keys (held or cached)
+        # What makes a published block (held or cached) findable: its key here, its run in a PrefixTree.
+        self._keys: list[Optional[object]] = [None] * num_blocks
         self._block_of: dict[bytes, int] = {}
         self.num_evictions = 0
 
