@@ -9,6 +9,9 @@ of three states::
     cached   count 0, a key, valid KV     in _lru (oldest first): evicted when space is needed
     held     count >= 1, maybe a key      in the block tables of ``count`` requests
 
+A key is what makes a block findable: a bytes key here (the host tier's
+blocks), the block's run in the device's :class:`~scheduler_proc.prefix_tree.PrefixTree`.
+
 Blocks and slots of a request that has left are given back only after the
 last in-flight step that used them has returned: that rule lives in
 :mod:`scheduler_proc.planner`, these pools only count.
@@ -16,7 +19,7 @@ last in-flight step that used them has returned: that rule lives in
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from typing import Optional
 
 
@@ -66,6 +69,93 @@ class Pool:
         )
 
 
+class Lru:
+    """Cached blocks, least recently released first: a queue of releases (each a list of blocks, in the
+    order they were released), evicted from the front.
+
+    Sharing a cached block leaves its entry behind, stale (``stale[b]`` counts a
+    block's): entries are first in, first out, so a block's stale entries all
+    come before its live one, and popping skips as many of its entries as it has
+    stale ones.  While there are none (no cached block was shared since the
+    last compaction) a pop takes whole releases or slices of one, with no work
+    per block.  Stale entries are compacted away once they outnumber the blocks.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self._releases: deque[list[int]] = deque()
+        self.stale = [0] * size
+        self.num_stale = 0
+
+    def push(self, blocks: list[int]) -> None:
+        """Blocks released just now, in release order (a non-empty list the queue keeps)."""
+        self._releases.append(blocks)
+
+    def taken(self, block: int) -> None:
+        """A cached block was shared: its entry stays behind, stale."""
+        self.stale[block] += 1
+        self.num_stale += 1
+        if self.num_stale > self.size:
+            self.compact()
+
+    def pop(self, n: int) -> list[int]:
+        """The ``n`` oldest live entries (there must be that many)."""
+        releases, out = self._releases, []
+        if not self.num_stale:
+            while n:
+                first = releases[0]
+                if len(first) <= n:
+                    out += first
+                    n -= len(first)
+                    releases.popleft()
+                else:
+                    out += first[:n]
+                    del first[:n]
+                    n = 0
+            return out
+        stale, append = self.stale, out.append
+        while n:
+            first, i = releases[0], 0
+            for b in first:
+                i += 1
+                if stale[b]:
+                    stale[b] -= 1
+                    self.num_stale -= 1
+                else:
+                    append(b)
+                    n -= 1
+                    if not n:
+                        break
+            if i == len(first):
+                releases.popleft()
+            else:
+                del first[:i]
+        return out
+
+    def compact(self) -> None:
+        """Drop the stale entries: one release holding every live entry, in order."""
+        stale, live = self.stale, []
+        for release in self._releases:
+            for b in release:
+                if stale[b]:
+                    stale[b] -= 1
+                else:
+                    live.append(b)
+        self.num_stale = 0
+        self._releases = deque([live] if live else [])
+
+    def clear(self) -> list[int]:
+        """Empty the queue; returns the live entries, oldest first."""
+        self.compact()
+        live = self._releases[0] if self._releases else []
+        self._releases.clear()
+        return live
+
+    def entries(self) -> list[int]:
+        """Every entry, stale or live, oldest first (for checks)."""
+        return [b for release in self._releases for b in release]
+
+
 class BlockAllocator:
     """Paged KV blocks of ``block_size`` tokens, reference-counted, with an LRU of cached blocks.
 
@@ -74,6 +164,10 @@ class BlockAllocator:
     cached block nobody holds is room.  A block's key is kept in a list indexed
     by block (``None``: no key), so the per-block paths (take, release,
     publish, evict) cost a list access, not a dict operation.
+
+    The LRU is an :class:`Lru` queue: a release appends one list, an eviction
+    pops from the front, a share leaves a stale entry (an ordered dict's move
+    per block cost three times a queue's).
     """
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -85,8 +179,10 @@ class BlockAllocator:
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, -1, -1))  # LIFO: recently freed blocks first
         self._refs = [0] * num_blocks
-        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently released first
-        self._keys: list[Optional[bytes]] = [None] * num_blocks  # published blocks' keys (held or cached)
+        self._lru = Lru(num_blocks)  # cached blocks, least recently released first
+        self._num_cached = 0  # published blocks nobody holds (the LRU's live entries)
+        # What makes a published block (held or cached) findable: its key here, its run in a PrefixTree.
+        self._keys: list[Optional[object]] = [None] * num_blocks
         self._block_of: dict[bytes, int] = {}
         self.num_evictions = 0
 
@@ -97,24 +193,21 @@ class BlockAllocator:
     @property
     def num_free(self) -> int:
         """Blocks an allocation can have: free ones and cached ones nobody holds."""
-        return len(self._free) + len(self._lru)
+        return len(self._free) + self._num_cached
 
     @property
     def num_cached(self) -> int:
-        return len(self._lru)
+        return self._num_cached
 
     def can_allocate(self, n: int = 1) -> bool:
-        return len(self._free) + len(self._lru) >= n
+        return len(self._free) + self._num_cached >= n
 
     def take(self) -> Optional[int]:
         """One block with count 1, or None when nothing is free or evictable (the hot path)."""
         if self._free:
             b = self._free.pop()
-        elif self._lru:
-            b = self._lru.popitem(False)[0]
-            del self._block_of[self._keys[b]]
-            self._keys[b] = None
-            self.num_evictions += 1
+        elif self._num_cached:
+            b = self._evict(1)[0]
         else:
             return None
         self._refs[b] = 1
@@ -127,7 +220,7 @@ class BlockAllocator:
             ids = free[len(free) - n:]
             del free[len(free) - n:]
             ids.reverse()  # the order n pops would give
-        elif len(free) + len(self._lru) >= n:
+        elif len(free) + self._num_cached >= n:
             ids = free[::-1]
             free.clear()
             ids += self._evict(n - len(ids))
@@ -140,15 +233,18 @@ class BlockAllocator:
 
     def _evict(self, n: int) -> list[int]:
         """The ``n`` least recently released cached blocks, their keys forgotten."""
-        popitem, keys, block_of = self._lru.popitem, self._keys, self._block_of
-        out = []
-        for _ in range(n):
-            b = popitem(False)[0]
-            del block_of[keys[b]]
-            keys[b] = None
-            out.append(b)
+        out = self._lru.pop(n)
+        self._num_cached -= n
+        self._forget(out)
         self.num_evictions += n
         return out
+
+    def _forget(self, blocks: list[int]) -> None:
+        """Unpublish cached ``blocks`` (evicted or reset): they stop being findable."""
+        keys, block_of = self._keys, self._block_of
+        for b in blocks:
+            del block_of[keys[b]]
+            keys[b] = None
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference to each of a request's blocks (in table order).
@@ -156,7 +252,7 @@ class BlockAllocator:
         Released in reverse so that a prefix's tail is older in the LRU than its
         head: eviction eats chains from the end, keeping the shared heads.
         """
-        refs, keys, lru, free = self._refs, self._keys, self._lru, self._free
+        refs, keys, free, cached = self._refs, self._keys, self._free, []
         for b in reversed(blocks):
             r = refs[b] - 1
             if r < 0:
@@ -166,7 +262,10 @@ class BlockAllocator:
                 if keys[b] is None:
                     free.append(b)
                 else:
-                    lru[b] = None
+                    cached.append(b)
+        if cached:
+            self._lru.push(cached)
+            self._num_cached += len(cached)
 
     # ------------------------------------------------------------ sharing
 
@@ -195,9 +294,11 @@ class BlockAllocator:
         """One more reference to each of ``blocks`` (matched, published blocks)."""
         refs = self._refs
         for b in blocks:
-            if refs[b] == 0:
-                del self._lru[b]
-            refs[b] += 1
+            r = refs[b]
+            if not r:  # out of the LRU: its entry is left behind
+                self._lru.taken(b)
+                self._num_cached -= 1
+            refs[b] = r + 1
 
     def publish(self, block: int, key: bytes) -> bool:
         """Make a held, fully written block findable by ``key``.
@@ -214,27 +315,20 @@ class BlockAllocator:
         self._block_of[key] = block
         return True
 
-    def publish_chain(self, blocks: list[int], keys: list[bytes], start: int, end: int) -> None:
-        """``publish(blocks[i], keys[i])`` for i in [start, end), in one loop (the reconcile path)."""
-        refs, key_of, setdefault = self._refs, self._keys, self._block_of.setdefault
-        for b, k in zip(blocks[start:end], keys[start:end]):
-            if refs[b] <= 0:
-                raise RuntimeError(f"KV block {b} published while nobody holds it")
-            if key_of[b] is None and setdefault(k, b) == b:  # the key was free (or already this block's)
-                key_of[b] = k
-
     def key_of(self, block: int) -> Optional[bytes]:
         return self._keys[block]
 
+    def published(self, block: int) -> bool:
+        """Whether ``block`` is findable (held or cached), not a private or free one."""
+        return self._keys[block] is not None
+
     def reset(self) -> int:
         """Forget every cached block nobody holds (they become free); returns how many."""
-        n = len(self._lru)
-        for b in self._lru:
-            del self._block_of[self._keys[b]]
-            self._keys[b] = None
-            self._free.append(b)
-        self._lru.clear()
-        return n
+        blocks = self._lru.clear()
+        self._forget(blocks)
+        self._free += blocks
+        self._num_cached = 0
+        return len(blocks)
 
     # ---------------------------------------------------------- invariants
 
@@ -243,7 +337,17 @@ class BlockAllocator:
         return {b: r for b, r in enumerate(self._refs) if r}
 
     def check_integrity(self) -> None:
-        free, lru = set(self._free), set(self._lru)
+        """Free + cached + held == total, the LRU is exactly the published blocks nobody holds, and the index."""
+        free = set(self._free)
+        entries: dict[int, int] = {}
+        for b in self._lru.entries():
+            entries[b] = entries.get(b, 0) + 1
+        stale = self._lru.stale
+        lru = {b for b, n in entries.items() if n > stale[b]}
+        assert all(entries.get(b, 0) - stale[b] in (0, 1) for b in range(self.size)), "KV block: LRU entries"
+        assert sum(stale) == self._lru.num_stale, "KV block: stale LRU entries"
+        assert len(lru) == self._num_cached, "KV block: cached count"
+        assert not any(self._refs[b] for b in lru), "KV block: a block in the LRU is held"
         assert len(free) == len(self._free), "KV block: a block is free twice"
         assert not free & lru, "KV block: a block is both free and cached"
         held = self.held()
@@ -251,8 +355,13 @@ class BlockAllocator:
         assert not (free | lru) & held.keys(), "KV block: a block with references is free or cached"
         assert len(free) + len(lru) + len(held) == self.size, (
             f"KV block: free {len(free)} + cached {len(lru)} + held {len(held)} != total {self.size}")
+        published = {b for b, k in enumerate(self._keys) if k is not None}
+        assert lru <= published, "KV block: a cached block without a key"
+        assert not free & published, "KV block: a free block with a key"
+        self._check_index()
+
+    def _check_index(self) -> None:
+        """Keys and blocks map one to one."""
         keyed = {b: k for b, k in enumerate(self._keys) if k is not None}
         assert len(keyed) == len(self._block_of), "KV block: key maps differ in size"
         assert all(self._block_of.get(k) == b for b, k in keyed.items()), "KV block: key maps disagree"
-        assert lru <= keyed.keys(), "KV block: a cached block without a key"
-        assert not free & keyed.keys(), "KV block: a free block with a key"

@@ -1,9 +1,10 @@
 """The host KV tier as the scheduler sees it: a pool of host blocks with the device's keys.
 
 The executor keeps a pinned host copy of KV blocks; this module decides which
-host block holds what.  Host blocks live in a :class:`BlockAllocator`, like
-device blocks, with the same keys (a host block keyed ``k`` is a complete copy
-of the device block that was published with ``k``)::
+host block holds what.  Host blocks live in a :class:`BlockAllocator` (the
+device's counts and LRU) with keys: a host block keyed ``k`` is a complete copy
+of a device block the prefix cache published for the tokens whose chained key
+is ``k`` (:meth:`PrefixCache.keys`; the device's own index needs none)::
 
     free     count 0, no key
     cached   count 0, a key           findable, evicted least recently used first
@@ -97,8 +98,8 @@ class HostTier:
         device, host = self.device, self.blocks
         for i in range(start, end):
             b, k = blocks[i], keys[i]
-            if device.key_of(b) != k or k in self._pending_keys or host.match([k]):
-                continue  # a private copy (another won the key), or the host has or gets it already
+            if not device.published(b) or k in self._pending_keys or host.match([k]):
+                continue  # a private copy (another copy was published first), or the host has or gets it already
             h = host.take()
             if h is None:
                 self.num_skipped += end - i
@@ -137,10 +138,9 @@ class HostTier:
         """Give ``req`` a new device block per host hit, copied in this plan; its computation starts after them."""
         self.blocks.share(host_hit)
         new = self.device.allocate(len(host_hit))
-        base = len(req.blocks)
-        req.blocks.extend(new)
-        for i, (h, b) in enumerate(zip(host_hit, new)):
-            draft.appends += (req.slot, base + i, b)
+        draft.add_blocks(req.slot, len(req.blocks), new)
+        req.blocks += new
+        for h, b in zip(host_hit, new):
             draft.onloads += (h, b)
         draft.onloaded += host_hit
         tokens = len(host_hit) * self.blocks.block_size

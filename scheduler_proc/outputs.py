@@ -144,7 +144,6 @@ def reconcile_extras(planner: "Planner", step: InflightStep, result: StepResult)
     for row, (req, token) in enumerate(zip(step.samplers, result.token_ids)):
         if req.status is finished:
             continue  # the ledger: a request that has left gets nothing more
-        req.num_pending -= 1
         req.output.append(token)
         out = Output(req, [token])
         extras = req.extras

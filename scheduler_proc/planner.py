@@ -1,4 +1,4 @@
-"""Plan steps ahead of the executor and reconcile their results late.
+"""Plan steps ahead of the executor and reconcile their results late (that half: planner_reconcile).
 
 This module is pure: no sockets, no clocks, no asyncio.  The server feeds it
 requests, aborts and step results, and sends the plans it makes.  Tests drive
@@ -32,19 +32,19 @@ A running request in neither of the last two is waiting for its last tokens.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ipc.protocol import Admit, StepPlan, StepResult
-from scheduler_proc.block_allocator import BlockAllocator, Pool
+from ipc.protocol import Admit, StepPlan
+from scheduler_proc.block_allocator import Pool
 from scheduler_proc.host_tier import HostTier
 from scheduler_proc.limits import Limits
-from scheduler_proc.outputs import Detokenize, reconcile_extras, request_extras, slot_sampling
+from scheduler_proc.outputs import Detokenize, request_extras, slot_sampling
 from scheduler_proc.planner_checks import check_planner
-from scheduler_proc.planner_restart import restart_planner
+from scheduler_proc.planner_reconcile import Reconciler
+from scheduler_proc.planner_restart import new_device_blocks, restart_planner
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.request import Request, Status
 from scheduler_proc.steps import InflightStep, Output, ResumeClock, StepDraft
@@ -54,16 +54,18 @@ _FINISHED = Status.FINISHED
 
 
 @dataclass
-class Planner:
+class Planner(Reconciler):
+    """Intake and planning; applying returned steps and releasing requests are :class:`Reconciler`'s."""
+
     limits: Limits
     waiting: deque[Request] = field(default_factory=deque)
     inflight: deque[InflightStep] = field(default_factory=deque)
-    # The model/revision the cached KV belongs to (part of every block key); None: no prefix caching.
+    # The model/revision the cached KV belongs to (part of the host tier's block keys); None: no prefix caching.
     prefix_cache_id: Optional[str] = None
     detokenize: Optional[Detokenize] = None  # ids -> text, for stop strings (None: no tokenizer)
 
     def __post_init__(self):
-        self.blocks = BlockAllocator(self.limits.num_kv_blocks, self.limits.block_size)
+        self.blocks = new_device_blocks(self.limits, self.prefix_cache_id is not None)
         self.prefix = None if self.prefix_cache_id is None else PrefixCache(self.blocks, self.prefix_cache_id)
         self.host = HostTier.attach(self.prefix, self.limits.num_host_blocks)  # None: no host KV tier
         self.slots = Pool(self.limits.num_slots, "slot")
@@ -77,7 +79,8 @@ class Planner:
         self._stop_refs: dict[int, int] = {}  # stop token id -> live requests that list it
         # A sampled token outside this set can only end a request by length (the fast path).
         self._stop_tokens: set[int] = set(self.limits.eos_token_ids)
-        self._step_ids = itertools.count()
+        self._next_step = 0  # the id of the plan being drafted
+        self._returned = -1  # every step up to this id has come back (or was voided by a restart)
         self._releases: list[int] = []  # slots freed since the last plan, for the executor
         self.num_steps_planned = 0
         self.num_preemptions = 0
@@ -146,7 +149,7 @@ class Planner:
         Decode rows first, then prefill chunks of running requests, then
         admissions, within the step's token budget.
         """
-        draft = StepDraft(self.limits.max_num_batched_tokens)
+        draft = StepDraft(self.limits.max_num_batched_tokens, self._next_step)
         self._plan_decodes(draft)
         self._plan_chunks(draft)
         if not draft.blocked:
@@ -160,39 +163,53 @@ class Planner:
         decoders = list(self._decoding.values())
         if len(decoders) > draft.budget:
             decoders = decoders[: draft.budget]
-        block_size = self.limits.block_size
-        rows, appends, ended = draft.rows, draft.appends, []
-        add_row, add_slot, add_position = rows.append, draft.slots.append, draft.positions.append
-        take_block = self.blocks.take
-        preemptions = self.num_preemptions
+        block_size, step_id = self.limits.block_size, draft.step_id
+        rows, ended, crossing = draft.rows, [], []
+        bulk = self.blocks.num_free >= len(decoders)  # room for a block per row: crossing rows get theirs at once
+        if bulk:
+            rows += decoders
+        else:
+            self._decode_blocks(decoders, draft)  # one at a time, waiting or preempting: the rows that can go
+        draft.slots += [r.slot for r in rows]
+        draft.positions += [r.num_computed for r in rows]
         fills = draft.written if self.host is not None else None  # the host tier backs up decode blocks too
-        for req in decoders:
-            if self.num_preemptions != preemptions and req.status is not _RUNNING:
-                continue  # preempted by an earlier row of this plan
+        for req in rows:
             pos = req.num_computed
-            if pos >= len(req.blocks) * block_size:
-                block = take_block()
-                if block is not None:
-                    appends += (req.slot, len(req.blocks), block)
-                    req.blocks.append(block)
-                elif not self._reserve(req, pos + 1, draft):  # none free: wait or preempt
-                    draft.blocked = True
-                    continue
-            add_row(req)
-            add_slot(req.slot)
-            add_position(pos)
+            if not pos % block_size:  # its blocks end here (a new one at each multiple of the block size)
+                crossing.append(req)
             pos += 1
             req.num_computed = pos
-            req.num_pending += 1
-            req.num_inflight_steps += 1
+            req.last_step = step_id
             if fills is not None and not pos % block_size:
                 fills.append((req, pos))  # it fills a block: published (and backed up) when the step is back
             if pos + 1 >= req.max_total:
                 ended.append(req)  # its last token is now in flight: a length finish, known ahead
+        if bulk and crossing:
+            for req, block in zip(crossing, self.blocks.allocate(len(crossing))):
+                draft.appends += (req.slot, len(req.blocks), block)
+                req.blocks.append(block)
         for req in ended:
             del self._decoding[req.rid]
         draft.num_decode = len(rows)
         draft.budget -= len(rows)
+
+    def _decode_blocks(self, decoders: list[Request], draft: StepDraft) -> None:
+        """Add to ``draft.rows`` the decoders that can have a row when blocks are short: each one crossing into
+        a new block takes one, or waits (blocking admissions), or preempts the most recently admitted request."""
+        preemptions = self.num_preemptions
+        for req in decoders:
+            if self.num_preemptions != preemptions and req.status is not _RUNNING:
+                continue  # preempted by an earlier row of this plan
+            pos = req.num_computed
+            if not pos % self.limits.block_size:
+                block = self.blocks.take()
+                if block is not None:
+                    draft.appends += (req.slot, len(req.blocks), block)
+                    req.blocks.append(block)
+                elif not self._reserve(req, pos + 1, draft):  # none free: wait or preempt
+                    draft.blocked = True
+                    continue
+            draft.rows.append(req)
 
     def _plan_chunks(self, draft: StepDraft) -> None:
         """Prefill chunks of running requests, in admission order."""
@@ -230,8 +247,8 @@ class Planner:
             draft.admits.append(Admit(req.slot, slot_sampling(req, self.limits.eos_token_ids)))
             if self.prefix is not None:
                 self.prefix.admit(req, hit)  # shares the hit blocks; num_computed starts after them
-                for i, b in enumerate(hit):
-                    draft.appends += (req.slot, i, b)
+                if hit:
+                    draft.add_blocks(req.slot, 0, hit)
                 if host_hit:
                     self.host.onload(req, host_hit, draft)  # new device blocks, copied from the host first
             self._reserve(req, start + n, draft)
@@ -258,13 +275,12 @@ class Planner:
         draft.chunk_tokens += req.known_tokens(start, end)
         draft.budget -= n
         req.num_computed = end
-        req.num_inflight_steps += 1
+        req.last_step = draft.step_id
         if self.prefix is not None:
             draft.written.append((req, end))
         if sample:
             if req.t_readmit:
                 draft.resumed.append(req)
-            req.num_pending += 1
             del self._prefilling[req.rid]
             if end + 1 < req.max_total:
                 self._decoding[req.rid] = req
@@ -276,7 +292,8 @@ class Planner:
             samplers = rows[:nd] + [r for r, s in zip(rows[nd:], draft.chunk_sample) if s]
         else:
             samplers = rows
-        step_id = next(self._step_ids)
+        step_id = draft.step_id
+        self._next_step = step_id + 1
         releases, self._releases = self._releases, []
         self.inflight.append(InflightStep(step_id, rows, samplers, draft.written, draft.onloaded, draft.resumed))
         self.num_steps_planned += 1
@@ -309,11 +326,9 @@ class Planner:
             if victim is req:
                 return False
         if need > 0:
-            start = len(req.blocks)
             new = self.blocks.allocate(need)
-            req.blocks.extend(new)
-            for i, b in enumerate(new):
-                draft.appends += (req.slot, start + i, b)
+            draft.add_blocks(req.slot, len(req.blocks), new)
+            req.blocks += new
         return True
 
     def _pick_victim(self, req: Request, rows: list[Request]) -> Optional[Request]:
@@ -323,132 +338,6 @@ class Planner:
             if victim is req or victim.rid not in planned:
                 return victim
         return None
-
-    # ----------------------------------------------------------- reconciliation
-
-    def reconcile(self, result: StepResult) -> list[Output]:
-        """Apply one returned step: tokens to live requests, finishes, releases."""
-        if not self.inflight or self.inflight[0].step_id != result.step_id:
-            expected = self.inflight[0].step_id if self.inflight else None
-            raise RuntimeError(f"step {result.step_id} returned, expected {expected}")
-        step = self.inflight.popleft()
-        tokens = result.token_ids
-        if len(tokens) != len(step.samplers):
-            raise RuntimeError(
-                f"step {step.step_id}: {len(tokens)} tokens for {len(step.samplers)} sampled rows"
-            )
-        if self.num_with_extras or result.logprob_rows or result.prompt_logprob_rows:
-            outputs = reconcile_extras(self, step, result)
-        else:
-            outputs = self._reconcile_tokens(step.samplers, tokens)
-        if self.followers:
-            for out in outputs:
-                if out.request.rid in self.followers:
-                    self.release_followers(out.request)
-        self._step_back(step)
-        if step.resumed:
-            self.resumes.record(step.resumed)
-        if self.host is not None:
-            self.host.step_back(step.onloaded, result.backups_done_step_id)
-        return outputs
-
-    def _reconcile_tokens(self, samplers: list[Request], tokens: list[int]) -> list[Output]:
-        """The fast path: no live request asked for stop strings, logprobs or min_tokens."""
-        outputs: list[Output] = []
-        add_output = outputs.append
-        stop_tokens = self._stop_tokens
-        for req, token in zip(samplers, tokens):
-            if req.status is _FINISHED:
-                continue  # the ledger: a request that has left gets nothing more
-            req.num_pending -= 1
-            output = req.output
-            output.append(token)
-            if token in stop_tokens or len(output) >= req.max_output:
-                reason = self._finish_reason(req, token)
-                if reason is not None:
-                    self._finish(req, reason)
-                    add_output(Output(req, [token], reason))
-                    continue
-            add_output(Output(req, [token]))
-        return outputs
-
-    def _step_back(self, step) -> None:
-        """Publish what the step wrote and count it out of its requests (drained ones release)."""
-        if step.written:  # publish blocks whose last write was in this step (never earlier)
-            publish = self.prefix.publish
-            for req, num_written in step.written:
-                publish(req, num_written)
-        draining = self.draining
-        for req in step.requests:
-            left = req.num_inflight_steps - 1
-            req.num_inflight_steps = left
-            if not left and req.rid in draining:
-                self._drained(req)
-
-    def _finish_reason(self, req: Request, token: int) -> Optional[str]:
-        if req.extras is not None and len(req.output) <= req.extras.min_tokens:
-            pass  # min_tokens: EOS and stop tokens do not end it yet (the executor masks them too)
-        elif token in req.stop_ids or (not req.sampling.ignore_eos and token in self.limits.eos_token_ids):
-            return "stop"
-        if len(req.output) >= req.max_output:
-            return "length"
-        return None
-
-    def _finish(self, req: Request, reason: str) -> None:
-        was = req.status
-        req.status = _FINISHED
-        req.finish_reason = reason
-        self.num_with_extras -= req.extras is not None
-        if req.rid in self.followers:
-            self.release_followers(req)
-        for t in req.stop_ids:
-            self._stop_refs[t] -= 1
-            if not self._stop_refs[t]:
-                del self._stop_refs[t]
-                if t not in self.limits.eos_token_ids:
-                    self._stop_tokens.discard(t)
-        if was is _RUNNING:
-            self._stop_running(req)
-        if was is _RUNNING or was is Status.PREEMPTED:
-            self._leave(req)
-
-    def _preempt(self, req: Request) -> None:
-        self._stop_running(req)
-        req.status = Status.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self._leave(req)
-
-    def _stop_running(self, req: Request) -> None:
-        del self._running[req.rid]
-        self._prefilling.pop(req.rid, None)
-        self._decoding.pop(req.rid, None)
-
-    def _leave(self, req: Request) -> None:
-        """Out of future plans; resources return now or when the last in-flight step does."""
-        if req.rid not in self.draining:
-            self.draining[req.rid] = req
-            self._draining_blocks += len(req.blocks)
-        if req.num_inflight_steps == 0:
-            self._drained(req)
-
-    def _drained(self, req: Request) -> None:
-        del self.draining[req.rid]
-        self._draining_blocks -= len(req.blocks)
-        if req.slot is not None:
-            self.slots.free(req.rid, [req.slot])
-            self._releases.append(req.slot)
-            req.slot = None
-        if self.prefix is not None:
-            self.prefix.publish(req, req.num_computed)  # all its steps are back: every write is done
-        self.blocks.release(req.blocks)
-        req.blocks = []
-        req.num_published = 0
-        req.num_computed = 0
-        if req.status is Status.PREEMPTED:
-            # Recompute from scratch: prompt + received tokens are prefilled again.
-            req.status = Status.WAITING
-            self.waiting.appendleft(req)
 
     # ------------------------------------------------------ restart, invariants
 

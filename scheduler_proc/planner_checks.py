@@ -25,8 +25,10 @@ def check_planner(pl: "Planner") -> None:
     pending_count: dict[int, int] = {}
     for step in pl.inflight:
         assert len({r.rid for r in step.requests}) == len(step.requests), f"step {step.step_id}: a request twice"
+        assert pl._returned < step.step_id < pl._next_step, f"step {step.step_id}: in flight out of order"
         for r in step.requests:
             inflight_count[r.rid] = inflight_count.get(r.rid, 0) + 1
+            assert r.last_step >= step.step_id, f"request {r.rid}: its last step is older than one in flight"
         for r in step.samplers:
             if r.status is not _FINISHED:
                 pending_count[r.rid] = pending_count.get(r.rid, 0) + 1
@@ -37,14 +39,13 @@ def check_planner(pl: "Planner") -> None:
     assert len({r.rid for r in holders}) == len(holders), "a request is both running and draining"
     holds: dict[int, int] = {}
     for r in holders:
-        assert r.num_inflight_steps == inflight_count.get(r.rid, 0), f"request {r.rid}: in-flight count"
+        assert (r.last_step > pl._returned) == (r.rid in inflight_count), f"request {r.rid}: steps in flight"
         assert len(set(r.blocks)) == len(r.blocks), f"request {r.rid}: a block twice in its table"
         for b in r.blocks:
             holds[b] = holds.get(b, 0) + 1
         assert r.slot is not None and slot_owner.get(r.slot) == r.rid, f"request {r.rid}: slot ownership"
-        assert len(r.blocks) * pl.limits.block_size >= r.num_computed, f"request {r.rid}: KV beyond blocks"
-        if r.status is not _FINISHED:
-            assert r.num_pending == pending_count.get(r.rid, 0), f"request {r.rid}: pending count"
+        # Exactly the blocks its KV needs: a decode row crosses into a new block when its position is a multiple.
+        assert len(r.blocks) == -(-r.num_computed // pl.limits.block_size), f"request {r.rid}: blocks for its KV"
     if pl.host is not None:  # a device block being backed up holds one more reference
         for b in pl.host.busy_device_blocks():
             holds[b] = holds.get(b, 0) + 1
@@ -60,9 +61,10 @@ def check_planner(pl: "Planner") -> None:
         assert r.status is Status.PREEMPTED or r.status is _FINISHED, f"request {r.rid}: draining while {r.status}"
     for r in running:
         assert r.status is _RUNNING
-        assert r.num_pending >= 0 and r.num_computed <= r.num_total
+        total = r.num_known + pending_count.get(r.rid, 0)  # prompt, received and sampled tokens in flight
+        assert r.num_computed <= total
         if not r.is_prefilling:
-            assert r.num_computed == r.num_total - 1, f"request {r.rid}: decode invariant"
+            assert r.num_computed == total - 1, f"request {r.rid}: decode invariant"
         assert (r.rid in pl._prefilling) == r.is_prefilling, f"request {r.rid}: prefilling set"
         wants_decode = not r.is_prefilling and r.num_computed + 1 < r.max_total
         assert (r.rid in pl._decoding) == wants_decode, f"request {r.rid}: decoding set"
@@ -72,4 +74,4 @@ def check_planner(pl: "Planner") -> None:
     assert pl.limits.eos_token_ids <= pl._stop_tokens
     for r in pl.waiting:
         assert r.status is Status.WAITING and r.slot is None and not r.blocks
-        assert r.num_pending == 0 and r.num_inflight_steps == 0
+        assert r.rid not in pending_count and r.last_step <= pl._returned

@@ -6,10 +6,17 @@ from typing import TYPE_CHECKING
 
 from scheduler_proc.block_allocator import BlockAllocator, Pool
 from scheduler_proc.host_tier import HostTier
+from scheduler_proc.limits import Limits
+from scheduler_proc.prefix_tree import PrefixTree
 from scheduler_proc.request import Status
 
 if TYPE_CHECKING:
     from scheduler_proc.planner import Planner
+
+
+def new_device_blocks(limits: Limits, prefix_caching: bool) -> BlockAllocator:
+    """The device's empty KV block pool: with prefix caching, one that indexes published blocks."""
+    return (PrefixTree if prefix_caching else BlockAllocator)(limits.num_kv_blocks, limits.block_size)
 
 
 def restart_planner(pl: "Planner") -> None:
@@ -25,14 +32,15 @@ def restart_planner(pl: "Planner") -> None:
         req.status = Status.WAITING
         req.num_preemptions += 1
         req.slot, req.blocks, req.num_published = None, [], 0
-        req.num_pending = req.num_computed = req.num_prefill = req.num_inflight_steps = 0
+        req.num_computed = req.num_prefill = 0
     pl.waiting.extendleft(reversed(requeue))
     pl.num_preemptions += len(requeue)
     for group in (pl._running, pl._prefilling, pl._decoding, pl.draining):
         group.clear()
     pl.inflight.clear()
+    pl._returned = pl._next_step - 1  # the steps in flight are void: none of them will come back
     pl._releases, pl._draining_blocks = [], 0
-    pl.blocks = BlockAllocator(pl.limits.num_kv_blocks, pl.limits.block_size)
+    pl.blocks = new_device_blocks(pl.limits, pl.prefix is not None)
     if pl.prefix is not None:
         pl.prefix.blocks = pl.blocks  # the new executor's KV cache is empty: nothing stays cached
     pl.host = HostTier.attach(pl.prefix, pl.limits.num_host_blocks)  # and so is its host pool

@@ -3,7 +3,7 @@
 Lengths (``P`` = prompt tokens)::
 
     received   = len(output)          tokens that came back and were applied
-    pending    = sampled tokens still in flight (will come back)
+    pending    = sampled tokens still in flight (will come back): the steps in flight say how many
     total      = P + received + pending
     num_computed = tokens whose KV is written or being written
 
@@ -43,14 +43,17 @@ class Request:
     max_tokens: int
     stop_ids: frozenset[int]
     output: list[int] = field(default_factory=list)
-    num_pending: int = 0
     num_computed: int = 0
     num_prefill: int = 0  # tokens fed from the host since admission (prompt + received at admission)
     slot: Optional[int] = None
     blocks: list[int] = field(default_factory=list)
-    num_published: int = 0  # leading blocks of ``blocks`` that are findable in the prefix cache
-    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full known blocks (memo)
-    num_inflight_steps: int = 0
+    # Prefix cache: leading blocks of ``blocks`` it has seen (shared, published, or private copies of published
+    # ones), and the place in its tree that stands for their tokens (scheduler_proc.prefix_tree).
+    num_published: int = 0
+    cache_node: tuple = (None, -1)
+    block_bytes: bytearray = field(default_factory=bytearray)  # token ids of known tokens, as bytes (memo)
+    block_keys: list[bytes] = field(default_factory=list)  # host-tier keys of full known blocks (memo)
+    last_step: int = -1  # the newest step with a row of it: none is in flight once that one is back
     status: Status = Status.WAITING
     finish_reason: Optional[str] = None
     num_sent: int = 0  # output tokens already sent to the client
@@ -68,10 +71,6 @@ class Request:
     def num_known(self) -> int:
         """Tokens known on the host: the prompt and every received token."""
         return len(self.prompt) + len(self.output)
-
-    @property
-    def num_total(self) -> int:
-        return len(self.prompt) + len(self.output) + self.num_pending
 
     @property
     def is_prefilling(self) -> bool:

@@ -64,11 +64,12 @@ class Output(msgspec.Struct, gc=False):
 class StepDraft:
     """The plan being built: its rows' requests and the StepPlan's lists, filled in one pass."""
 
-    __slots__ = ("budget", "blocked", "rows", "slots", "positions", "appends", "admits", "num_decode",
+    __slots__ = ("budget", "step_id", "blocked", "rows", "slots", "positions", "appends", "admits", "num_decode",
                  "chunk_lens", "chunk_sample", "chunk_tokens", "written", "onloads", "onloaded", "resumed")
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, step_id: int = 0):
         self.budget = budget  # tokens left in the step
+        self.step_id = step_id
         self.blocked = False  # a running request is short of blocks: no admissions
         self.rows: list[Request] = []  # every row's request, row order (decode rows first)
         self.slots: list[int] = []
@@ -83,3 +84,11 @@ class StepDraft:
         self.onloads: list[int] = []  # (host block, device block) pairs, flat
         self.onloaded: list[int] = []  # the host blocks of ``onloads``
         self.resumed: list[Request] = []  # readmitted preempted requests whose chunk samples
+
+    def add_blocks(self, slot: int, start: int, blocks: list[int]) -> None:
+        """Append ``blocks`` to ``slot``'s block table from index ``start``: ``(slot, index, block)`` triples."""
+        n = len(blocks)
+        triples = [slot] * (3 * n)  # filled by slice (no loop in Python)
+        triples[1::3] = range(start, start + n)
+        triples[2::3] = blocks
+        self.appends += triples

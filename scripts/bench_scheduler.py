@@ -20,9 +20,10 @@ Modes:
   64..512 tokens) take their places, so steps mix decode rows, prefill chunks,
   admissions, finishes and releases.
 
-``--prefix-caching on`` (the server's default) keys every admitted prompt's
-full blocks and publishes them as their steps come back; prompts are random,
-so every lookup misses: the cost of the bookkeeping, not the gain of a hit.
+``--prefix-caching on`` (the server's default) looks up every admitted prompt,
+publishes its full blocks as their steps come back and its generated ones when
+it finishes, and evicts cached blocks to make room; prompts are random, so every
+lookup misses: the cost of the bookkeeping, not the gain of a hit.
 """
 
 from __future__ import annotations

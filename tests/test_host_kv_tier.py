@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from scheduler_proc.block_allocator import BlockAllocator
+from scheduler_proc.prefix_tree import PrefixTree
 from scheduler_proc.host_tier import HostTier
 from scheduler_proc.planner import Planner
 from scheduler_proc.prefix_cache import PrefixCache
@@ -44,7 +44,7 @@ def check_case(trace, planner, ex, aborted=()):
 
 
 def tier(num_device=8, num_host=4, block_size=2):
-    device = BlockAllocator(num_device, block_size)
+    device = PrefixTree(num_device, block_size)
     prefix = PrefixCache(device, "m", secret=b"s" * 32)
     return device, prefix, HostTier.attach(prefix, num_host)
 
