@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         ex.setup()
         ex.run()
         if ex.tp is not None:
-            ex.tp.close()
+            ex.tp.exit_process(0)
     except BaseException as e:  # report every failure to the scheduler before dying
         rank = f"rank {cfg.tp_rank}: " if cfg.tensor_parallel_size > 1 else ""
         msg = f"{rank}{type(e).__name__}: {e}\n{traceback.format_exc()}"

@@ -95,10 +95,10 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     tp = init_group(f"file://{os.path.abspath(out)}.store", rank, size, torch.device("cpu"))
     result = logits(model_path, load_format, tp)
-    tp.barrier()
-    tp.close()
     if rank == 0:
         np.save(out, result)
+    tp.barrier()
+    tp.exit_process(0)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ created and used once eagerly in :func:`init_group`, before any capture).  Not y
 from __future__ import annotations
 
 import datetime
+import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -52,6 +55,19 @@ class TPGroup:
         hang: pytorch/pytorch#115388)."""
         if self.backend == "gloo" and dist.is_initialized():
             dist.destroy_process_group()
+
+    def exit_process(self, code: int) -> NoReturn:
+        """End this rank's process now, skipping the interpreter's teardown.
+
+        Gloo's worker threads drop finished work (and the tensors it holds) a moment after the collective
+        returns, and ``destroy_process_group`` does not always join them: a thread that needs the GIL
+        while the interpreter finalises calls ``std::terminate`` (seen under gdb on torch 2.13:
+        ``~AsyncBarrierWork`` -> ``~AsyncAllgatherWork`` -> ``decref_pyobject`` in ``pt_gloo_runloop``;
+        pytorch/pytorch#179291).  Our sockets linger 0, so skipping teardown loses nothing."""
+        self.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
