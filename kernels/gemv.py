@@ -13,6 +13,13 @@ rounding once, like cuBLAS.  Two forms:
 
 No split-K and no atomics, so the result is deterministic.
 
+:func:`gemv_prologue` is the "row" form with the op before the matmul folded into its
+loads, for one token: RMSNorm (with the residual add; every program sums the row's
+squares itself, an L2-resident read of K values, rather than wait for another launch)
+or SiLU-mul of a gate|up row.  At batch 1 the norm and activation launches cost about
+as much as a small projection; whether the fused form wins is measured per weight at
+start-up (:func:`executor_proc.backends.gemv_tuning.tune_prologues`).
+
 Whether it beats cuBLAS depends on the shape: :func:`executor_proc.backends.triton_backend`
 times both (and the configs in :data:`CONFIGS`) on the model's own weights at
 start-up and keeps the faster per (N, K, M).
@@ -27,7 +34,7 @@ import triton
 import triton.language as tl
 
 
-__all__ = ["gemv", "CONFIGS", "MAX_M"]
+__all__ = ["gemv", "gemv_prologue", "CONFIGS", "MAX_M"]
 
 MAX_M = 16
 # (form, BLOCK_N, BLOCK_K, num_warps, num_stages); "row" configs serve M = 1 only.
@@ -60,19 +67,51 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 
 
 @triton.jit
-def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, PROLOGUE: tl.constexpr, ADD: tl.constexpr):
+    """x's chunk ``offs_k`` as the matmul reads it, float32 (see :func:`gemv_prologue`)."""
+    dt = x_ptr.dtype.element_ty
+    if PROLOGUE == 2:  # silu(gate) * up, x = [gate | up]
+        g = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        x = (g / (1.0 + tl.exp(-g)) * u).to(dt).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+        if ADD:
+            x = (x.to(tl.float32) + tl.load(r_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dt)
+        x = x.to(tl.float32)
+        if PROLOGUE == 1:  # HF's RMSNorm: normalised value rounded, times the weight, rounded again
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = ((x * rstd).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, rout_ptr, N, K, stride_wn, eps,
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PROLOGUE: tl.constexpr = 0, ADD: tl.constexpr = False):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    rstd = 1.0
+    if PROLOGUE == 1:
+        k_out = tl.where(pid == 0, K, 0)  # program 0 writes the residual sum (rout never aliases x or r)  # every program sums the (K-element, L2-resident) row itself: no extra launch
+        ss = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            x = _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, 1.0, 0, ADD)
+            ss += x * x
+            if ADD:
+                tl.store(rout_ptr + offs_k, x.to(rout_ptr.dtype.element_ty), mask=offs_k < k_out)
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        x = _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, PROLOGUE, ADD)
+        acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -103,7 +142,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     assert config_fits(config, M), (config, M)
     if form == "row":
         _gemv_row_kernel[(triton.cdiv(N, block_n),)](
-            x, weight, bias if bias is not None else weight, out, N, K, weight.stride(0),
+            x, weight, bias if bias is not None else weight, out, x, x, x, N, K, weight.stride(0), 0.0,
             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
         )
         return out
@@ -113,3 +152,38 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def gemv_prologue(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *, config: tuple,
+                  norm: Optional[tuple[torch.Tensor, float]] = None, residual: Optional[torch.Tensor] = None,
+                  silu: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One token's matmul with the op before it folded into its loads (a "row" config, M = 1).
+
+    - ``norm=(w, eps)``: ``y = linear(rms_norm(x + residual, w, eps))`` and the sum ``x + residual``
+      is returned too (a new tensor; ``x`` itself without ``residual``), rounded as
+      :func:`kernels.norm.fused_add_rms_norm` rounds;
+    - ``silu=True``: x is ``[1, 2K]`` (gate | up) and ``y = linear(silu(gate) * up)``.
+
+    Returns ``(y, residual sum or None)``.  Saves the norm's or the activation's launch and its
+    round trip through memory, which at batch 1 cost about as much as a small projection.
+    """
+    assert (norm is not None) != silu, "exactly one of norm= and silu="
+    assert x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, x.stride())
+    assert config[0] == "row", config
+    N, K = weight.shape
+    assert x.shape[1] == (2 * K if silu else K) and x.dtype == weight.dtype, (x.shape, weight.shape)
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    nw, eps = norm if norm is not None else (x, 0.0)
+    add = residual is not None
+    rout = torch.empty_like(x) if add else x
+    if add:
+        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
+    if norm is not None:
+        assert nw.shape == (K,) and nw.stride(0) == 1
+    _, block_n, block_k, num_warps, num_stages = config
+    _gemv_row_kernel[(triton.cdiv(N, block_n),)](
+        x, weight, bias if bias is not None else weight, out, residual if add else x, nw, rout, N, K,
+        weight.stride(0), eps, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        PROLOGUE=2 if silu else 1, ADD=add, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out, (rout if norm is not None else None)

@@ -111,6 +111,14 @@ def linear_report(backend) -> dict:
             row["best_gemv_ms"], row["best_gemv"] = ms, list(what)
     for (n, k, m), config in getattr(backend, "gemv_choice", {}).items():
         report[f"{n}x{k} m={m}"]["chosen"] = list(config)
+    for (kind, n, k, what), ms in getattr(backend, "prologue_timings", {}).items():
+        row = report.setdefault(f"{kind}+{n}x{k} m=1", {"two_launches_ms": None, "best_fused_ms": None})
+        if what == "two launches":
+            row["two_launches_ms"] = ms
+        elif row["best_fused_ms"] is None or ms < row["best_fused_ms"]:
+            row["best_fused_ms"], row["best_fused"] = ms, list(what)
+    for (kind, n, k), config in getattr(backend, "prologue_choice", {}).items():
+        report[f"{kind}+{n}x{k} m=1"]["chosen"] = list(config)
     return report
 
 
@@ -159,7 +167,8 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
     w_bytes = weight_bytes_per_step(worker.model)
     kv = kv_bytes(mcfg, context + warmup + steps // 2, batch)
     floor = w_bytes / bandwidth
-    row = dict(model=name, batch=batch, batch_invariant=args.batch_invariant, context=context, steps=steps,
+    row = dict(model=name, batch=batch, batch_invariant=args.batch_invariant, prologues=not args.no_prologues,
+               context=context, steps=steps,
                setup_s=setup_s, stage_start_s=stages,
                step_ms=wall * 1e3, gpu_ms=gpu * 1e3, host_ms=host * 1e3, replay_ms=replay * 1e3,
                eager_ms=eager * 1e3, weight_bytes=w_bytes, kv_bytes=kv, floor_ms=floor * 1e3,
@@ -179,8 +188,15 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="write per-kernel times of graph replays to PREFIX.<model>.txt")
     ap.add_argument("--batch-invariant", action="store_true", help="batch-invariant kernels (the cost of that mode)")
+    ap.add_argument("--no-prologues", action="store_true",
+                    help="never fold the norm / SiLU-mul into the batch-1 matmuls (the baseline for that fusion)")
     args = ap.parse_args(argv)
     import triton
+
+    if args.no_prologues:
+        import executor_proc.backends.gemv_tuning as tuning
+
+        tuning.tune_prologues = lambda backend, model, **kw: ({}, {})  # select_backend imports it at call time
 
     device = torch.device("cuda", 0)
     bandwidth = copy_bandwidth(device)

@@ -72,8 +72,9 @@ def run_plans(worker, plans) -> list[tuple[str, list[int]]]:
     return out
 
 
-def scenario(vocab: int, steps: int = 12, seed: int = 1):
-    """Plans with greedy, top-k/top-p and min-p rows, an admission mid-decode and a release."""
+def scenario(vocab: int, steps: int = 12, seed: int = 1, alone_from: int = 0):
+    """Plans with greedy, top-k/top-p and min-p rows, an admission mid-decode and a release
+    (and from step ``alone_from`` on, if given, the top-k/top-p row decoding alone: batch 1)."""
     planner = SyntheticPlanner(num_slots=6, block_size=4, num_blocks=256)
     g = torch.Generator().manual_seed(seed)
     prompt = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
@@ -85,6 +86,8 @@ def scenario(vocab: int, steps: int = 12, seed: int = 1):
             planner.add(prompt(3), MIN_P)
         if i == 6:
             planner.release(0)
+        if i == alone_from and alone_from:
+            planner.release(2)
         plans.append(planner.step())
     return plans
 
@@ -121,19 +124,51 @@ def test_gemv_matches_linear(dtype):
             assert err < (1e-6 if dtype == torch.float32 else 1e-2), (m, n, k, config, err)
 
 
-@pytest.mark.parametrize("force_gemv", [False, True])
-def test_fast_path_matches_torch_path(tmp_path, force_gemv):
-    """Torch path vs Triton eager vs Triton + decode-graph runner: the same tokens, step by step."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_prologue_matches_two_ops(dtype):
+    """The fused one-token matmul (norm with and without the residual add, SiLU-mul) against the
+    reference ops then a float64 linear; the residual sum it returns is the norm kernel's, bit for bit."""
+    from kernels import reference as R
+    from kernels.gemv import CONFIGS, gemv_prologue
+
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(1)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for n, k, bias in ((48, 200, False), (20, 1100, True), (64, 64, True)):
+        w, b = rnd(n, k) / k**0.5, (rnd(n) if bias else None)
+        x, res, nw, gu = rnd(1, k), rnd(1, k), 1.0 + 0.1 * rnd(k), rnd(1, 2 * k)
+        h, res_sum = R.fused_add_rms_norm_ref(x, res, nw, 1e-5)
+        cases = [(dict(norm=(nw, 1e-5), residual=res), h, res_sum), (dict(norm=(nw, 1e-5)), R.rms_norm_ref(x, nw, 1e-5), x),
+                 (dict(silu=True), R.silu_and_mul_ref(gu), None)]
+        for config in [c for c in CONFIGS if c[0] == "row"][::2]:
+            for kw, h_ref, res_ref in cases:
+                y, res_out = gemv_prologue(gu if kw.get("silu") else x, w, b, config=config, **kw)
+                ref = torch.nn.functional.linear(h_ref.double(), w.double(), None if b is None else b.double())
+                err = ((y.double() - ref).norm() / ref.norm()).item()
+                assert err < tol, (n, k, config, kw.keys(), err)
+                assert (res_out is None) == (res_ref is None) and (res_ref is None or torch.equal(res_out, res_ref))
+
+
+@pytest.mark.parametrize("force_gemv", [False, True, "prologue"])
+def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
+    """Torch path vs Triton eager vs Triton + decode-graph runner: the same tokens, step by step
+    (forcing the skinny matmul everywhere, or its fused norm / SiLU prologues at batch 1)."""
     from kernels.gemv import CONFIGS
+
+    from kernels import gemv as skinny
 
     model_dir = write_config(tmp_path)
     device = "cuda" if CUDA else "cpu"
-    plans = scenario(vocab=97)
+    plans = scenario(vocab=97, steps=14 if force_gemv == "prologue" else 12, alone_from=9)
+    fused = []
+    monkeypatch.setattr(skinny, "gemv_prologue", lambda *a, _f=skinny.gemv_prologue, **k: fused.append(1) or _f(*a, **k))
     ref = run_plans(built(model_dir, device, kernels="torch").worker, plans)
     fast = [built(model_dir, device, kernels="triton", cuda_graphs=False).worker,
             built(model_dir, device, kernels="triton").worker]
     for worker in fast:
-        worker.model.backend.gemv_everywhere = CONFIGS[0] if force_gemv else None
+        worker.model.backend.gemv_everywhere = CONFIGS[0] if force_gemv is True else None
+        worker.model.backend.prologue_everywhere = ("row", 16, 256, 4, 4) if force_gemv == "prologue" else None
     eager, graphs = run_plans(fast[0], plans), run_plans(fast[1], plans)
     assert [t for _, t in eager] == [t for _, t in ref]
     assert [t for _, t in graphs] == [t for _, t in ref]
@@ -141,6 +176,7 @@ def test_fast_path_matches_torch_path(tmp_path, force_gemv):
     # Pure-decode steps go through the graph runner (3 rows run padded to bucket 4); prefill steps do not.
     kinds = [kind for kind, _ in graphs]
     assert kinds.count(GraphStep.__name__) == len(plans) - 2, kinds
+    assert bool(fused) == (force_gemv == "prologue")  # batch-1 steps took the fused norm / SiLU matmuls
 
 
 @needs_cuda
@@ -151,7 +187,7 @@ def test_graphs_equal_eager_bf16(tmp_path):
     shape = dict(dtype="bfloat16", num_slots=8, max_batch=8, block_size=16, num_blocks=512)
     graphed = built(model_dir, "cuda", progress=lambda *a: stages.append(a), **shape).worker
     eager = uncaptured(built(model_dir, "cuda", **shape).worker)
-    eager.model.backend.gemv_choice = graphed.model.backend.gemv_choice  # the same kernels, with and without graphs
+    eager.model.backend.use_choices_of(graphed.model.backend)  # the same kernels, with and without graphs
     n = graphed.num_graphs  # decode graphs: 2 modes per bucket; the mixed runner's bodies and heads
     assert n > 2 * len(graph_buckets(8)) and (GRAPH_STAGE, n, n) in stages
     for batch in (1, 2, 4, 8):
@@ -232,7 +268,7 @@ def test_feature_graphs_equal_eager_f32(tmp_path):
     shape = dict(num_slots=8, max_batch=8, block_size=16, num_blocks=512)
     graphed = built(model_dir, "cuda", **shape).worker
     eager = uncaptured(built(model_dir, "cuda", **shape).worker)
-    eager.model.backend.gemv_choice = graphed.model.backend.gemv_choice
+    eager.model.backend.use_choices_of(graphed.model.backend)
     planner = SyntheticPlanner(num_slots=8, block_size=16, num_blocks=512)
     for r in range(8):
         planner.add(list(range(r, r + 8 + r)), features(r))

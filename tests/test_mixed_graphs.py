@@ -136,7 +136,7 @@ def test_mixed_graphs_equal_uncaptured_runner(tmp_path):
     shape = dict(dtype="bfloat16", num_slots=6, max_batch=6, block_size=4, num_blocks=256)
     graphed = built(model_dir, "cuda", kernels="triton", **shape).worker
     eager = uncaptured(built(model_dir, "cuda", kernels="triton", **shape).worker)
-    eager.model.backend.gemv_choice = graphed.model.backend.gemv_choice
+    eager.model.backend.use_choices_of(graphed.model.backend)
     a, b = run_feature_plans(graphed, plans), run_feature_plans(eager, plans)
     assert [t for t, _ in a] == [t for t, _ in b]
     for (_, fa), (_, fb) in zip(a, b):

@@ -7,7 +7,11 @@ A backend is everything a step launches besides the model's own weights:
   ``rotate_and_store`` (rotary on q and k, k and v into the paged cache; returns
   the rotated q) and ``attend``;
 - ops: ``linear``, ``rms_norm``, ``add_rms_norm`` (residual add fused into the
-  norm), ``silu_and_mul`` (on the fused gate|up projection);
+  norm), ``silu_and_mul`` (on the fused gate|up projection), and the two pairs the
+  model asks for together so that a backend may fold the first op into the matmul's
+  loads: ``norm_linear`` (a layer's :class:`NormInput` -> its first projection) and
+  ``silu_linear`` (gate|up -> the down projection); :func:`unfused_norm_linear` and
+  :func:`unfused_silu_linear` are those pairs op by op;
 - sampler: ``sample(logits, rows)`` for the rows that are not all greedy (the
   caller, :func:`executor_proc.step.sample.sample_rows`, takes the argmax itself
   when every row is greedy).  :class:`SamplingRows` carries the per-row
@@ -54,6 +58,33 @@ class SamplingRows:
     filtered: bool = True  # host-side: some row has top-k or top-p (False skips the sampler's window)
 
 
+@dataclass
+class NormInput:
+    """A layer's input before its RMSNorm: ``rms_norm(x + residual) * weight`` (the first layer has no
+    residual yet: ``x`` is the embedding)."""
+
+    x: torch.Tensor
+    residual: Optional[torch.Tensor]
+    weight: torch.Tensor
+    eps: float
+
+
+def unfused_norm_linear(backend: "Backend", pre: NormInput, weight: torch.Tensor,
+                        bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(norm(pre)), the residual stream after the add)``, one op at a time."""
+    if pre.residual is None:
+        residual, h = pre.x, backend.rms_norm(pre.x, pre.weight, pre.eps)
+    else:
+        h, residual = backend.add_rms_norm(pre.x, pre.residual, pre.weight, pre.eps)
+    return backend.linear(h, weight, bias), residual
+
+
+def unfused_silu_linear(backend: "Backend", gate_up: torch.Tensor, weight: torch.Tensor,
+                        bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``linear(silu(gate) * up)``, one op at a time."""
+    return backend.linear(backend.silu_and_mul(gate_up), weight, bias)
+
+
 class Backend(Protocol[PlanT]):
     """Attention + ops + sampler (see the module docstring)."""
 
@@ -77,6 +108,11 @@ class Backend(Protocol[PlanT]):
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def norm_linear(self, pre: NormInput, weight: torch.Tensor,
+                    bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor: ...
 
     def sample(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor: ...
 

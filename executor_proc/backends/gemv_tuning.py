@@ -2,7 +2,9 @@
 
 :func:`tune_linears` times both on the model's own weights, on this GPU, and
 returns the choice :class:`executor_proc.backends.triton_backend.TritonBackend`
-keys its ``linear`` by.
+keys its ``linear`` by; :func:`tune_prologues` then times, at batch 1, the norm or
+SiLU-mul and the (already tuned) matmul as two launches against the fused
+:func:`kernels.gemv.gemv_prologue`, and returns where the fused one wins.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from executor_proc.backends.base import NormInput
 from kernels import gemv as skinny
 
 
@@ -50,6 +53,44 @@ def tune_linears(model, ms: list[int], reps: int = 5, margin: float = 0.97) -> t
                     best_t, best = t, config
             if best is not None:
                 choice[(n, k, m)] = best
+    return choice, timings
+
+
+def tune_prologues(backend, model, reps: int = 5, margin: float = 0.97) -> tuple[dict, dict]:
+    """For q|k|v and gate|up (after a norm with its residual add) and down (after SiLU-mul), at one
+    token: time ``backend``'s two-launch path against every "row" config of the fused matmul, keep the
+    fused one where it is faster by more than ``1 - margin``.  Returns (choice, ms per pass) keyed by
+    ``(kind, N, K)``.  ``backend.gemv_choice`` must already be tuned (the two-launch path uses it)."""
+    layers = model.model.layers
+    groups = {("norm", *w.shape): [] for w in (layers[0].self_attn.qkv.weight, layers[0].mlp.gate_up.weight)}
+    for layer in layers:
+        for kind, w in (("norm", layer.self_attn.qkv.weight), ("norm", layer.mlp.gate_up.weight),
+                        ("silu", layer.mlp.down_proj.weight)):
+            groups.setdefault((kind, *w.shape), []).append(w)
+    choice, timings = {}, {}
+    saved = backend.prologue_everywhere
+    try:
+        for (kind, n, k), weights in groups.items():
+            w0 = weights[0]
+            x = torch.randn(1, 2 * k if kind == "silu" else k, dtype=w0.dtype, device=w0.device)
+            pre = NormInput(x, torch.randn_like(x), torch.ones(k, dtype=w0.dtype, device=w0.device), 1e-5)
+            run = (lambda w: backend.silu_linear(x, w, None)) if kind == "silu" else (lambda w: backend.norm_linear(pre, w, None))
+            backend.prologue_everywhere = None
+            best_t, best = _time_pass(run, weights, reps) * margin, None
+            timings[(kind, n, k, "two launches")] = best_t / margin
+            for config in [c for c in skinny.CONFIGS if c[0] == "row"]:
+                backend.prologue_everywhere = config
+                try:
+                    t = _time_pass(run, weights, reps)
+                except Exception:  # a config this GPU or Triton cannot build is simply not a candidate
+                    continue
+                timings[(kind, n, k, config)] = t
+                if t < best_t:
+                    best_t, best = t, config
+            if best is not None:
+                choice[(kind, n, k)] = best
+    finally:
+        backend.prologue_everywhere = saved
     return choice, timings
 
 

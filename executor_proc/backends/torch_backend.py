@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import SamplingRows
+from executor_proc.backends.base import NormInput, SamplingRows, unfused_norm_linear, unfused_silu_linear
 from executor_proc.step.batch import ForwardBatch
 from kernels import reference as ops
 from kernels.logprobs_ref import token_logprobs_ref
@@ -188,6 +188,13 @@ class TorchBackend:
     @staticmethod
     def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return ops.silu_and_mul_ref(gate_up)
+
+    def norm_linear(self, pre: NormInput, weight: torch.Tensor,
+                    bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return unfused_norm_linear(self, pre, weight, bias)
+
+    def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return unfused_silu_linear(self, gate_up, weight, bias)
 
     @staticmethod
     def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:

@@ -19,7 +19,10 @@ Ops: ``rms_norm``, ``add_rms_norm`` and ``silu_and_mul`` are single Triton
 launches; ``linear`` is cuBLAS, or the Triton skinny matmul
 (:mod:`kernels.gemv`) for the (shape, batch) pairs where
 :func:`executor_proc.backends.gemv_tuning.tune_linears` measured it faster on
-this GPU.  With ``batch_invariant`` every linear is :func:`kernels.matmul.invariant_matmul`
+this GPU.  ``norm_linear`` and ``silu_linear`` at one token fold the norm (with its residual add)
+or the SiLU-mul into the skinny matmul's loads (:func:`kernels.gemv.gemv_prologue`, one launch
+instead of two) for the weights where :func:`executor_proc.backends.gemv_tuning.tune_prologues`
+measured that faster; otherwise they are the two ops.  With ``batch_invariant`` every linear is :func:`kernels.matmul.invariant_matmul`
 (one tile shape and one split of K per weight, whatever the number of rows) and decode
 attention always uses the batch-1 split count, so a row's result does not depend on
 the rows beside it.  The sampler is :func:`kernels.sampling.sample`; penalties and logprobs are
@@ -34,7 +37,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import SamplingRows
+from executor_proc.backends.base import NormInput, SamplingRows, unfused_norm_linear, unfused_silu_linear
 from executor_proc.step.batch import ForwardBatch
 from kernels import gemv as skinny
 from kernels.activation import silu_and_mul
@@ -85,11 +88,19 @@ class TritonBackend:
         # (N, K, m_bucket) -> skinny-matmul config; absent: cuBLAS.
         self.gemv_choice: dict[tuple[int, int, int], GemvConfig] = {}
         self.gemv_everywhere: Optional[GemvConfig] = None  # tests: force the Triton path
+        # ("norm" | "silu", N, K) -> the "row" config of the fused one-token matmul; absent: two ops.
+        self.prologue_choice: dict[tuple[str, int, int], GemvConfig] = {}
+        self.prologue_everywhere: Optional[GemvConfig] = None  # tests and tuning: force the fused path
+        self.prologue_timings: dict = {}
         self.gemv_timings: dict = {}  # what the tuner measured (benchmarks report it)
         self.batch_invariant = batch_invariant
         # Batch-invariant mode: the batch-1 split count for every batch; each weight's split of K, by shape.
         self.invariant_splits = default_num_splits(1, num_kv_heads, device, self.workspace.max_splits)
         self.split_k: dict[tuple[int, int], int] = {}
+
+    def use_choices_of(self, other: "TritonBackend") -> None:
+        """Take ``other``'s tuned kernel choices (tests compare two workers on the same kernels)."""
+        self.gemv_choice, self.prologue_choice = other.gemv_choice, other.prologue_choice
 
     def plan(self, batch: ForwardBatch) -> TritonPlan:
         if batch.prefill_tiles is not None:
@@ -151,6 +162,26 @@ class TritonBackend:
             if config is not None and skinny.config_fits(config, m):
                 return skinny.gemv(x, weight, bias, config=config)
         return F.linear(x, weight, bias)
+
+    def norm_linear(self, pre: NormInput, weight: torch.Tensor,
+                    bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        config = self._prologue_config("norm", pre.x, weight)
+        if config is None:
+            return unfused_norm_linear(self, pre, weight, bias)
+        return skinny.gemv_prologue(pre.x, weight, bias, config=config, norm=(pre.weight, pre.eps),
+                                    residual=pre.residual)
+
+    def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        config = self._prologue_config("silu", gate_up, weight)
+        if config is None:
+            return unfused_silu_linear(self, gate_up, weight, bias)
+        return skinny.gemv_prologue(gate_up, weight, bias, config=config, silu=True)[0]
+
+    def _prologue_config(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> Optional[GemvConfig]:
+        """The fused one-token matmul's config for this weight, or None (batch > 1, batch-invariant, not chosen)."""
+        if self.batch_invariant or x.shape[0] != 1 or x.stride(1) != 1:
+            return None
+        return self.prologue_everywhere or self.prologue_choice.get((kind, weight.shape[0], weight.shape[1]))
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

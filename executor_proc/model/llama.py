@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from executor_proc.backends.base import Backend
+from executor_proc.backends.base import Backend, NormInput
 from executor_proc.backends.torch_backend import TorchBackend
 from executor_proc.step.batch import ForwardBatch
 from executor_proc.model.kv_cache import KVCache
@@ -87,9 +87,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.qkv: Optional[FusedLinear] = None  # set by CausalLM.fuse_projections
 
-    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv(x, step.backend)
+    def forward(self, pre: NormInput, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention output, the residual stream) for the layer's un-normalised input."""
+        t = pre.x.shape[0]
+        qkv, residual = step.backend.norm_linear(pre, self.qkv.weight, self.qkv.bias)
+        q, k, v = qkv.split(self.qkv.sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -98,7 +100,8 @@ class Attention(nn.Module):
         k_cache, v_cache = step.kv_cache.k[self.layer_id], step.kv_cache.v[self.layer_id]
         q = step.backend.rotate_and_store(q, k, v, k_cache, v_cache, step.plan)
         out = step.backend.attend(q, k_cache, v_cache, step.plan, self.scale)
-        return step.backend.linear(out.view(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+        o = step.backend.linear(out.view(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+        return o, residual
 
 
 class MLP(nn.Module):
@@ -110,9 +113,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias, dtype=dtype)
         self.gate_up: Optional[FusedLinear] = None  # set by CausalLM.fuse_projections
 
-    def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
-        h = backend.silu_and_mul(self.gate_up.matmul(x, backend))
-        return backend.linear(h, self.down_proj.weight, self.down_proj.bias)
+    def forward(self, pre: NormInput, backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, the residual stream) for the un-normalised input."""
+        gate_up, residual = backend.norm_linear(pre, self.gate_up.weight, self.gate_up.bias)
+        return backend.silu_linear(gate_up, self.down_proj.weight, self.down_proj.bias), residual
 
 
 class DecoderLayer(nn.Module):
@@ -129,15 +133,11 @@ class DecoderLayer(nn.Module):
         """Residual-stream form: returns (this layer's MLP output, the residual before it is added).
 
         Same sums as HF's ``h = x + attn(norm(x)); out = h + mlp(norm(h))``, with each
-        add fused into the next norm.
+        add fused into the next norm (and, where the backend can, the norm into the next matmul).
         """
-        b, norm1, norm2 = step.backend, self.input_layernorm, self.post_attention_layernorm
-        if residual is None:
-            residual, h = x, b.rms_norm(x, norm1.weight, norm1.eps)
-        else:
-            h, residual = b.add_rms_norm(x, residual, norm1.weight, norm1.eps)
-        h, residual = b.add_rms_norm(self.self_attn(h, step), residual, norm2.weight, norm2.eps)
-        return self.mlp(h, b), residual
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        attn, residual = self.self_attn(NormInput(x, residual, norm1.weight, norm1.eps), step)
+        return self.mlp(NormInput(attn, residual, norm2.weight, norm2.eps), step.backend)
 
 
 class Decoder(nn.Module):
@@ -149,11 +149,8 @@ class Decoder(nn.Module):
 
 
 class FusedLinear:
-    """Several ``nn.Linear`` of one input as one matmul; the originals become views of its weight.
-
-    ``__call__`` returns the per-projection output views; :meth:`matmul` the fused output
-    (both through ``backend.linear``).
-    """
+    """Several ``nn.Linear`` of one input as one matmul; the originals become views of its weight
+    (``sizes`` splits the fused output back into the projections)."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         self.sizes = [lin.out_features for lin in linears]
@@ -167,12 +164,6 @@ class FusedLinear:
 
     def _bias_parts(self) -> list[Optional[torch.Tensor]]:
         return list(self.bias.split(self.sizes)) if self.bias is not None else [None] * len(self.sizes)
-
-    def matmul(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
-        return backend.linear(x, self.weight, self.bias)
-
-    def __call__(self, x: torch.Tensor, backend: Backend) -> tuple[torch.Tensor, ...]:
-        return self.matmul(x, backend).split(self.sizes, dim=-1)
 
 
 class CausalLM(nn.Module):

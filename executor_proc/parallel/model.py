@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from executor_proc.backends.base import NormInput
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.llama import MLP, Attention, CausalLM, StepContext
 from executor_proc.parallel.group import TPGroup
@@ -36,8 +37,9 @@ class ParallelAttention(Attention):
         super().__init__(config, layer_id, dtype)
         self.group = group
 
-    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        return self.group.all_reduce(super().forward(x, step))
+    def forward(self, pre: NormInput, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        out, residual = super().forward(pre, step)
+        return self.group.all_reduce(out), residual
 
 
 class ParallelMLP(MLP):
@@ -47,8 +49,9 @@ class ParallelMLP(MLP):
         super().__init__(config, dtype)
         self.group = group
 
-    def forward(self, x: torch.Tensor, backend) -> torch.Tensor:
-        return self.group.all_reduce(super().forward(x, backend))
+    def forward(self, pre: NormInput, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        out, residual = super().forward(pre, backend)
+        return self.group.all_reduce(out), residual
 
 
 class ParallelCausalLM(CausalLM):
