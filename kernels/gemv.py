@@ -86,6 +86,23 @@ def _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, PROLOGUE: tl.co
 
 
 @triton.jit
+def _norm_rstd(x_ptr, r_ptr, rout_ptr, K, eps, writer, ADD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """RMSNorm's ``rsqrt(mean(x^2) + eps)`` of ``x (+ r)``; every program sums the (K-value, L2-resident)
+    row itself rather than wait for another launch.  With ``ADD`` the ``writer`` program also stores the
+    sum ``x + r`` to ``rout`` (a new tensor: the other programs still read x and r)."""
+    k_out = tl.where(writer, K, 0)
+    ss = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = _prologue_row(x_ptr, r_ptr, x_ptr, offs_k, k_mask, K, 1.0, 0, ADD)
+        ss += x * x
+        if ADD:
+            tl.store(rout_ptr + offs_k, x.to(rout_ptr.dtype.element_ty), mask=offs_k < k_out)
+    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+
+
+@triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, rout_ptr, N, K, stride_wn, eps,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PROLOGUE: tl.constexpr = 0, ADD: tl.constexpr = False):
@@ -94,16 +111,7 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, rout_ptr, N, K, 
     n_mask = offs_n < N
     rstd = 1.0
     if PROLOGUE == 1:
-        k_out = tl.where(pid == 0, K, 0)  # program 0 writes the residual sum (rout never aliases x or r)  # every program sums the (K-element, L2-resident) row itself: no extra launch
-        ss = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            x = _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, 1.0, 0, ADD)
-            ss += x * x
-            if ADD:
-                tl.store(rout_ptr + offs_k, x.to(rout_ptr.dtype.element_ty), mask=offs_k < k_out)
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+        rstd = _norm_rstd(x_ptr, r_ptr, rout_ptr, K, eps, pid == 0, ADD, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):

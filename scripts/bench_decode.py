@@ -112,9 +112,9 @@ def linear_report(backend) -> dict:
     for (n, k, m), config in getattr(backend, "gemv_choice", {}).items():
         report[f"{n}x{k} m={m}"]["chosen"] = list(config)
     for (kind, n, k, what), ms in getattr(backend, "prologue_timings", {}).items():
-        row = report.setdefault(f"{kind}+{n}x{k} m=1", {"two_launches_ms": None, "best_fused_ms": None})
-        if what == "two launches":
-            row["two_launches_ms"] = ms
+        row = report.setdefault(f"{kind}+{n}x{k} m=1", {"unfused_ms": None, "best_fused_ms": None})
+        if what == "unfused":
+            row["unfused_ms"] = ms
         elif row["best_fused_ms"] is None or ms < row["best_fused_ms"]:
             row["best_fused_ms"], row["best_fused"] = ms, list(what)
     for (kind, n, k), config in getattr(backend, "prologue_choice", {}).items():

@@ -150,6 +150,64 @@ def test_gemv_prologue_matches_two_ops(dtype):
                 assert (res_out is None) == (res_ref is None) and (res_ref is None or torch.equal(res_out, res_ref))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkv_rope_matches_unfused(dtype):
+    """Norm -> q|k|v -> rotary -> cache write in one launch against the reference chain (the same
+    roundings; the matmul's sum order is the only difference), a negative kv_index writes nothing."""
+    from kernels import reference as R
+    from kernels.gemv_qkv import qkv_rope
+
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(2)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
+    heads, hidden, block_size = (4, 2, 16), 96, 4
+    h, hkv, d = heads
+    cs = R.rope_cos_sin_cache(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 128).to(device)
+    for bias, add, index, config in ((True, True, 13, ("row", 8, 32, 4, 1)), (False, False, 5, ("row", 4, 64, 4, 1)),
+                                     (True, True, -1, ("row", 16, 256, 4, 4))):
+        w, b = rnd((h + 2 * hkv) * d, hidden) / hidden**0.5, (rnd((h + 2 * hkv) * d) if bias else None)
+        x, res, nw = rnd(1, hidden), (rnd(1, hidden) if add else None), 1.0 + 0.1 * rnd(hidden)
+        pos, idx = torch.tensor([77], device=device), torch.tensor([index], device=device)
+        kc, vc = rnd(8, block_size, hkv, d), rnd(8, block_size, hkv, d)
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        q, res_sum = qkv_rope(x, w, b, config=config, norm=(nw, 1e-5), residual=res, positions=pos, cos_sin_cache=cs,
+                              k_cache=kc, v_cache=vc, kv_index=idx)
+        normed, res_ref = R.fused_add_rms_norm_ref(x, res, nw, 1e-5) if add else (R.rms_norm_ref(x, nw, 1e-5), x)
+        qr, kr, vr = torch.nn.functional.linear(normed, w, b).split([h * d, hkv * d, hkv * d], dim=-1)
+        q_ref = R.rope_kv_write_ref(qr.view(1, h, d), kr.view(1, hkv, d), vr.view(1, hkv, d), pos, cs, kc_ref, vc_ref, idx)
+        assert torch.equal(res_sum, res_ref)
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        for ours, ref in ((q, q_ref), (kc, kc_ref), (vc, vc_ref)):
+            assert (ours.float() - ref.float()).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+        assert index >= 0 or (torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref))
+
+
+def test_tune_prologues_keeps_only_faster_fused_kernels(tmp_path, monkeypatch):
+    """The tuner runs every candidate (unfused chain, each "row" config of each fused kernel) on the
+    model's weights and keeps a fused config only where its (here: scripted) time beats the unfused
+    one by the margin; the real timing is CUDA graphs on a GPU (scripts/gpu_prologues.sh)."""
+    from executor_proc.backends import gemv_tuning
+
+    backend_model = built(write_config(tmp_path), "cpu", kernels="triton").worker.model
+    backend = backend_model.backend
+    calls = []
+
+    def scripted_time(fn, weights, reps):
+        for w in weights:
+            fn(w)  # every candidate really runs (in the interpreter)
+        config = backend.prologue_everywhere
+        calls.append(config)
+        return {None: 1.0, ("row", 8, 512, 4, 4): 0.5, ("row", 16, 512, 8, 3): 0.99}.get(config, 2.0)
+
+    monkeypatch.setattr(gemv_tuning, "_time_pass", scripted_time)
+    choice, timings = gemv_tuning.tune_prologues(backend, backend_model)
+    # tiny model: q|k|v 128x64 (head_dim 16: 8 pairs tile it), gate|up 192x64, down 64x96
+    assert choice == {(kind, *shape): ("row", 8, 512, 4, 4) for kind, shape in
+                      (("qkv", (128, 64)), ("norm", (192, 64)), ("silu", (64, 96)))}  # 0.99 is within the 3% margin
+    assert calls.count(None) == 3 and len(calls) == 3 + 3 * 4 and backend.prologue_everywhere is None
+    assert timings[("silu", 64, 96, "unfused")] == 1.0
+
+
 @pytest.mark.parametrize("force_gemv", [False, True, "prologue"])
 def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
     """Torch path vs Triton eager vs Triton + decode-graph runner: the same tokens, step by step
@@ -161,8 +219,11 @@ def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
     model_dir = write_config(tmp_path)
     device = "cuda" if CUDA else "cpu"
     plans = scenario(vocab=97, steps=14 if force_gemv == "prologue" else 12, alone_from=9)
+    import executor_proc.backends.triton_backend as tb
+
     fused = []
     monkeypatch.setattr(skinny, "gemv_prologue", lambda *a, _f=skinny.gemv_prologue, **k: fused.append(1) or _f(*a, **k))
+    monkeypatch.setattr(tb, "qkv_rope", lambda *a, _f=tb.qkv_rope, **k: fused.append(2) or _f(*a, **k))
     ref = run_plans(built(model_dir, device, kernels="torch").worker, plans)
     fast = [built(model_dir, device, kernels="triton", cuda_graphs=False).worker,
             built(model_dir, device, kernels="triton").worker]
@@ -176,7 +237,8 @@ def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
     # Pure-decode steps go through the graph runner (3 rows run padded to bucket 4); prefill steps do not.
     kinds = [kind for kind, _ in graphs]
     assert kinds.count(GraphStep.__name__) == len(plans) - 2, kinds
-    assert bool(fused) == (force_gemv == "prologue")  # batch-1 steps took the fused norm / SiLU matmuls
+    # batch-1 steps took the fused norm / SiLU matmuls and the fused attention input
+    assert set(fused) == ({1, 2} if force_gemv == "prologue" else set()), set(fused)
 
 
 @needs_cuda

@@ -9,9 +9,10 @@ A backend is everything a step launches besides the model's own weights:
 - ops: ``linear``, ``rms_norm``, ``add_rms_norm`` (residual add fused into the
   norm), ``silu_and_mul`` (on the fused gate|up projection), and the two pairs the
   model asks for together so that a backend may fold the first op into the matmul's
-  loads: ``norm_linear`` (a layer's :class:`NormInput` -> its first projection) and
-  ``silu_linear`` (gate|up -> the down projection); :func:`unfused_norm_linear` and
-  :func:`unfused_silu_linear` are those pairs op by op;
+  loads: ``norm_linear`` (a layer's :class:`NormInput` -> its first projection),
+  ``silu_linear`` (gate|up -> the down projection) and ``qkv_rotate_store`` (the
+  attention input: norm -> q|k|v -> ``rotate_and_store``); the ``unfused_*``
+  functions here are those chains op by op;
 - sampler: ``sample(logits, rows)`` for the rows that are not all greedy (the
   caller, :func:`executor_proc.step.sample.sample_rows`, takes the argmax itself
   when every row is greedy).  :class:`SamplingRows` carries the per-row
@@ -79,6 +80,22 @@ def unfused_norm_linear(backend: "Backend", pre: NormInput, weight: torch.Tensor
     return backend.linear(h, weight, bias), residual
 
 
+def unfused_qkv_rotate_store(backend: "Backend", pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                             k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rotated q [T, H, D], the residual stream)``: the q|k|v matmul of the normed input, then rotary
+    on q and k and k, v into the cache (head counts from the cache's shape and the weight's)."""
+    qkv, residual = backend.norm_linear(pre, weight, bias)
+    q, k, v = split_heads(qkv, k_cache.shape[2], k_cache.shape[3])
+    return backend.rotate_and_store(q, k, v, k_cache, v_cache, plan), residual
+
+
+def split_heads(qkv: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """``[T, (H + 2 Hkv) D]`` -> views q ``[T, H, D]``, k and v ``[T, Hkv, D]``."""
+    t, kv = qkv.shape[0], num_kv_heads * head_dim
+    q, k, v = qkv.split([qkv.shape[1] - 2 * kv, kv, kv], dim=-1)
+    return q.view(t, -1, head_dim), k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
+
+
 def unfused_silu_linear(backend: "Backend", gate_up: torch.Tensor, weight: torch.Tensor,
                         bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``linear(silu(gate) * up)``, one op at a time."""
@@ -113,6 +130,9 @@ class Backend(Protocol[PlanT]):
                     bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor: ...
+
+    def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PlanT) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def sample(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor: ...
 

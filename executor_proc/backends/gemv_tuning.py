@@ -2,9 +2,10 @@
 
 :func:`tune_linears` times both on the model's own weights, on this GPU, and
 returns the choice :class:`executor_proc.backends.triton_backend.TritonBackend`
-keys its ``linear`` by; :func:`tune_prologues` then times, at batch 1, the norm or
-SiLU-mul and the (already tuned) matmul as two launches against the fused
-:func:`kernels.gemv.gemv_prologue`, and returns where the fused one wins.
+keys its ``linear`` by; :func:`tune_prologues` then times, at batch 1, the chains
+around the (already tuned) matmuls op by op against the fused kernels
+(:func:`kernels.gemv.gemv_prologue`, :func:`kernels.gemv_qkv.qkv_rope`), and returns
+where the fused one wins.
 """
 
 from __future__ import annotations
@@ -57,16 +58,22 @@ def tune_linears(model, ms: list[int], reps: int = 5, margin: float = 0.97) -> t
 
 
 def tune_prologues(backend, model, reps: int = 5, margin: float = 0.97) -> tuple[dict, dict]:
-    """For q|k|v and gate|up (after a norm with its residual add) and down (after SiLU-mul), at one
-    token: time ``backend``'s two-launch path against every "row" config of the fused matmul, keep the
-    fused one where it is faster by more than ``1 - margin``.  Returns (choice, ms per pass) keyed by
-    ``(kind, N, K)``.  ``backend.gemv_choice`` must already be tuned (the two-launch path uses it)."""
-    layers = model.model.layers
-    groups = {("norm", *w.shape): [] for w in (layers[0].self_attn.qkv.weight, layers[0].mlp.gate_up.weight)}
+    """At one token, for the attention input (norm -> q|k|v -> rotary -> cache write), gate|up (after a
+    norm with its residual add) and down (after SiLU-mul): time ``backend``'s unfused chain against
+    every "row" config of the fused kernel, keep the fused one where it is faster by more than
+    ``1 - margin``.  Returns (choice, ms per pass) keyed by ``(kind, N, K)``, kind "qkv", "norm" or
+    "silu".  ``backend.gemv_choice`` must already be tuned (the unfused chain uses it)."""
+    from types import SimpleNamespace
+
+    from kernels.gemv_qkv import rope_pairs
+
+    cfg, layers = model.config, model.model.layers
+    groups: dict[tuple[str, int, int], list[torch.Tensor]] = defaultdict(list)
     for layer in layers:
-        for kind, w in (("norm", layer.self_attn.qkv.weight), ("norm", layer.mlp.gate_up.weight),
-                        ("silu", layer.mlp.down_proj.weight)):
-            groups.setdefault((kind, *w.shape), []).append(w)
+        if layer.self_attn.q_norm is None:  # q/k norms sit between the matmul and the rotary: no fusion
+            groups[("qkv", *layer.self_attn.qkv.weight.shape)].append(layer.self_attn.qkv.weight)
+        groups[("norm", *layer.mlp.gate_up.weight.shape)].append(layer.mlp.gate_up.weight)
+        groups[("silu", *layer.mlp.down_proj.weight.shape)].append(layer.mlp.down_proj.weight)
     choice, timings = {}, {}
     saved = backend.prologue_everywhere
     try:
@@ -74,11 +81,18 @@ def tune_prologues(backend, model, reps: int = 5, margin: float = 0.97) -> tuple
             w0 = weights[0]
             x = torch.randn(1, 2 * k if kind == "silu" else k, dtype=w0.dtype, device=w0.device)
             pre = NormInput(x, torch.randn_like(x), torch.ones(k, dtype=w0.dtype, device=w0.device), 1e-5)
-            run = (lambda w: backend.silu_linear(x, w, None)) if kind == "silu" else (lambda w: backend.norm_linear(pre, w, None))
+            cache = torch.zeros(4, 16, cfg.num_kv_heads, cfg.head_dim, dtype=w0.dtype, device=w0.device)
+            plan = SimpleNamespace(positions=torch.tensor([5], device=w0.device),
+                                   kv_index=torch.tensor([3], device=w0.device))
+            run = {"silu": lambda w: backend.silu_linear(x, w, None),
+                   "norm": lambda w: backend.norm_linear(pre, w, None),
+                   "qkv": lambda w: backend.qkv_rotate_store(pre, w, None, cache, cache, plan)}[kind]
             backend.prologue_everywhere = None
             best_t, best = _time_pass(run, weights, reps) * margin, None
-            timings[(kind, n, k, "two launches")] = best_t / margin
+            timings[(kind, n, k, "unfused")] = best_t / margin
             for config in [c for c in skinny.CONFIGS if c[0] == "row"]:
+                if kind == "qkv" and rope_pairs(config, cfg.head_dim) is None:
+                    continue
                 backend.prologue_everywhere = config
                 try:
                     t = _time_pass(run, weights, reps)

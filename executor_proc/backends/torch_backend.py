@@ -26,7 +26,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import NormInput, SamplingRows, unfused_norm_linear, unfused_silu_linear
+from executor_proc.backends.base import (NormInput, SamplingRows, unfused_norm_linear, unfused_qkv_rotate_store,
+                                         unfused_silu_linear)
 from executor_proc.step.batch import ForwardBatch
 from kernels import reference as ops
 from kernels.logprobs_ref import token_logprobs_ref
@@ -195,6 +196,10 @@ class TorchBackend:
 
     def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return unfused_silu_linear(self, gate_up, weight, bias)
+
+    def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
+        return unfused_qkv_rotate_store(self, pre, weight, bias, k_cache, v_cache, plan)
 
     @staticmethod
     def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:

@@ -22,7 +22,9 @@ launches; ``linear`` is cuBLAS, or the Triton skinny matmul
 this GPU.  ``norm_linear`` and ``silu_linear`` at one token fold the norm (with its residual add)
 or the SiLU-mul into the skinny matmul's loads (:func:`kernels.gemv.gemv_prologue`, one launch
 instead of two) for the weights where :func:`executor_proc.backends.gemv_tuning.tune_prologues`
-measured that faster; otherwise they are the two ops.  With ``batch_invariant`` every linear is :func:`kernels.matmul.invariant_matmul`
+measured that faster; otherwise they are the two ops.  Where q|k|v's is fused,
+``qkv_rotate_store`` also takes the rotary and the cache write as the matmul's epilogue
+(:func:`kernels.gemv_qkv.qkv_rope`: the attention input in one launch instead of three).  With ``batch_invariant`` every linear is :func:`kernels.matmul.invariant_matmul`
 (one tile shape and one split of K per weight, whatever the number of rows) and decode
 attention always uses the batch-1 split count, so a row's result does not depend on
 the rows beside it.  The sampler is :func:`kernels.sampling.sample`; penalties and logprobs are
@@ -37,10 +39,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import NormInput, SamplingRows, unfused_norm_linear, unfused_silu_linear
+from executor_proc.backends.base import (NormInput, SamplingRows, unfused_norm_linear, unfused_qkv_rotate_store,
+                                         unfused_silu_linear)
 from executor_proc.step.batch import ForwardBatch
 from kernels import gemv as skinny
 from kernels.activation import silu_and_mul
+from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.decode_attention import DecodeWorkspace, decode_attention, default_num_splits
 from kernels.kv_write import rope_cos_sin_cache, rope_kv_write
 from kernels.logprobs import token_logprobs
@@ -88,7 +92,7 @@ class TritonBackend:
         # (N, K, m_bucket) -> skinny-matmul config; absent: cuBLAS.
         self.gemv_choice: dict[tuple[int, int, int], GemvConfig] = {}
         self.gemv_everywhere: Optional[GemvConfig] = None  # tests: force the Triton path
-        # ("norm" | "silu", N, K) -> the "row" config of the fused one-token matmul; absent: two ops.
+        # ("qkv" | "norm" | "silu", N, K) -> the "row" config of the fused one-token kernel; absent: unfused.
         self.prologue_choice: dict[tuple[str, int, int], GemvConfig] = {}
         self.prologue_everywhere: Optional[GemvConfig] = None  # tests and tuning: force the fused path
         self.prologue_timings: dict = {}
@@ -170,6 +174,17 @@ class TritonBackend:
             return unfused_norm_linear(self, pre, weight, bias)
         return skinny.gemv_prologue(pre.x, weight, bias, config=config, norm=(pre.weight, pre.eps),
                                     residual=pre.residual)
+
+    def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token, where the tuner chose it: norm, matmul, rotary and cache write in one launch
+        (:func:`kernels.gemv_qkv.qkv_rope`)."""
+        config = self._prologue_config("qkv", pre.x, weight)
+        if config is None or rope_pairs(config, k_cache.shape[3]) is None:
+            return unfused_qkv_rotate_store(self, pre, weight, bias, k_cache, v_cache, plan)
+        return qkv_rope(pre.x, weight, bias, config=config, norm=(pre.weight, pre.eps), residual=pre.residual,
+                        positions=plan.positions, cos_sin_cache=self.cos_sin, k_cache=k_cache, v_cache=v_cache,
+                        kv_index=plan.kv_index)
 
     def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         config = self._prologue_config("silu", gate_up, weight)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from executor_proc.backends.base import Backend, NormInput
+from executor_proc.backends.base import Backend, NormInput, split_heads
 from executor_proc.backends.torch_backend import TorchBackend
 from executor_proc.step.batch import ForwardBatch
 from executor_proc.model.kv_cache import KVCache
@@ -89,16 +89,14 @@ class Attention(nn.Module):
 
     def forward(self, pre: NormInput, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention output, the residual stream) for the layer's un-normalised input."""
-        t = pre.x.shape[0]
-        qkv, residual = step.backend.norm_linear(pre, self.qkv.weight, self.qkv.bias)
-        q, k, v = qkv.split(self.qkv.sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        t, backend = pre.x.shape[0], step.backend
         k_cache, v_cache = step.kv_cache.k[self.layer_id], step.kv_cache.v[self.layer_id]
-        q = step.backend.rotate_and_store(q, k, v, k_cache, v_cache, step.plan)
+        if self.q_norm is None:
+            q, residual = backend.qkv_rotate_store(pre, self.qkv.weight, self.qkv.bias, k_cache, v_cache, step.plan)
+        else:  # q/k norms sit between the matmul and the rotary
+            qkv, residual = backend.norm_linear(pre, self.qkv.weight, self.qkv.bias)
+            q, k, v = split_heads(qkv, self.num_kv_heads, self.head_dim)
+            q = backend.rotate_and_store(self.q_norm(q), self.k_norm(k), v, k_cache, v_cache, step.plan)
         out = step.backend.attend(q, k_cache, v_cache, step.plan, self.scale)
         o = step.backend.linear(out.view(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
         return o, residual

@@ -1,0 +1,122 @@
+"""One token's attention input in one launch: RMSNorm -> q|k|v matmul -> rotary -> K/V into the cache.
+
+At batch 1 a layer's attention input is three launches (norm, q|k|v GEMV, ``rope_kv_write``), two of
+them tiny.  :func:`qkv_rope` is :func:`kernels.gemv.gemv_prologue`'s norm form with the rotary and
+the cache write as its epilogue.  A program owns ``PAIRS`` rotary pairs of one head: output features
+``j`` and ``j + D/2`` of head ``h`` for ``PAIRS`` consecutive ``j``, two accumulators, so the
+"rotate half" rotation is elementwise between them.  Query heads are rotated into ``q_out``, key heads
+rotated and value heads as they are go to the paged cache at ``kv_index`` (negative: not written).
+
+Rounding is the unfused ops': the matmul output is rounded to the model dtype, rotated in float32
+from that, rounded again (:mod:`kernels.kv_write`).  Models with q/k norms (Qwen3) do not use it:
+their norms sit between the matmul and the rotary.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemv import _norm_rstd, _prologue_row
+
+__all__ = ["qkv_rope", "rope_pairs"]
+
+
+@triton.jit
+def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr,
+                     index_ptr, pos_ptr, cs_ptr, K, stride_wn, eps,
+                     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
+                     H, HKV, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
+                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD: tl.constexpr):
+    HALF = D // 2
+    pid = tl.program_id(0)
+    head = pid // (HALF // PAIRS)
+    j = (pid % (HALF // PAIRS)) * PAIRS + tl.arange(0, PAIRS)
+    lo = head * D + j
+    rstd = _norm_rstd(x_ptr, r_ptr, rout_ptr, K, eps, pid == 0, ADD, BLOCK_K)
+    w_lo = w_ptr + lo.to(tl.int64)[:, None] * stride_wn
+    w_hi = w_lo + HALF * stride_wn
+    acc_lo = tl.zeros([PAIRS, BLOCK_K], tl.float32)
+    acc_hi = tl.zeros([PAIRS, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, 1, ADD)[None, :]
+        acc_lo += tl.load(w_lo + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32) * x
+        acc_hi += tl.load(w_hi + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32) * x
+    y_lo = tl.sum(acc_lo, axis=1)
+    y_hi = tl.sum(acc_hi, axis=1)
+    if HAS_BIAS:
+        y_lo += tl.load(b_ptr + lo).to(tl.float32)
+        y_hi += tl.load(b_ptr + lo + HALF).to(tl.float32)
+    dt = x_ptr.dtype.element_ty
+    y_lo = y_lo.to(dt).to(tl.float32)  # the matmul's output, as the unfused path stores it
+    y_hi = y_hi.to(dt).to(tl.float32)
+    if head < H + HKV:  # q and k heads rotate
+        pos = tl.load(pos_ptr).to(tl.int64)
+        cos = tl.load(cs_ptr + pos * stride_cs + j)
+        sin = tl.load(cs_ptr + pos * stride_cs + HALF + j)
+        r_lo = y_lo * cos - y_hi * sin
+        r_hi = y_hi * cos + y_lo * sin
+    else:
+        r_lo = y_lo
+        r_hi = y_hi
+    if head < H:
+        tl.store(qo_ptr + lo, r_lo.to(qo_ptr.dtype.element_ty))
+        tl.store(qo_ptr + lo + HALF, r_hi.to(qo_ptr.dtype.element_ty))
+    else:
+        kv_index = tl.load(index_ptr).to(tl.int64)
+        if kv_index >= 0:
+            blk = kv_index // BLOCK_SIZE
+            off = kv_index % BLOCK_SIZE
+            if head < H + HKV:
+                dst = kc_ptr + blk * stride_kcb + off * stride_kct + (head - H) * stride_kch + j
+            else:
+                dst = vc_ptr + blk * stride_vcb + off * stride_vct + (head - H - HKV) * stride_vch + j
+            tl.store(dst, r_lo.to(kc_ptr.dtype.element_ty))
+            tl.store(dst + HALF, r_hi.to(kc_ptr.dtype.element_ty))
+
+
+def rope_pairs(config: tuple, head_dim: int) -> Optional[int]:
+    """Rotary pairs per program for a "row" :data:`kernels.gemv.CONFIGS` entry (its BLOCK_N features
+    as BLOCK_N / 2 pairs), or None where they do not tile half a head."""
+    pairs = config[1] // 2
+    return pairs if config[0] == "row" and pairs >= 1 and (head_dim // 2) % pairs == 0 else None
+
+
+def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *, config: tuple,
+             norm: tuple[torch.Tensor, float], residual: Optional[torch.Tensor], positions: torch.Tensor,
+             cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_kv_write(split(linear(rms_norm(x + residual)))))`` for one token.
+
+    x ``[1, hidden]``; weight ``[(H + 2 Hkv) D, hidden]`` (q|k|v rows); caches
+    ``[num_blocks, block_size, Hkv, D]``; positions, kv_index ``[1]`` on the device; cos_sin_cache as
+    :func:`kernels.kv_write.rope_kv_write` takes it.  Returns (rotated q ``[1, H, D]``, the residual sum
+    as :func:`kernels.gemv.gemv_prologue` returns it).
+    """
+    _, block_size, hkv, d = k_cache.shape
+    pairs = rope_pairs(config, d)
+    assert pairs is not None, (config, d)
+    n, k = weight.shape
+    heads = n // d
+    assert n % d == 0 and heads > 2 * hkv and x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1
+    assert v_cache.shape == k_cache.shape and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert positions.shape == (1,) and kv_index.shape == (1,) and cos_sin_cache.stride(1) == 1
+    nw, eps = norm
+    add = residual is not None
+    rout = torch.empty_like(x) if add else x
+    q_out = torch.empty(1, heads - 2 * hkv, d, dtype=x.dtype, device=x.device)
+    _, _, block_k, num_warps, num_stages = config
+    _qkv_rope_kernel[(heads * (d // 2 // pairs),)](
+        x, residual if add else x, nw, rout, weight, bias if bias is not None else weight, q_out, k_cache, v_cache,
+        kv_index, positions, cos_sin_cache, k, weight.stride(0), eps,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), cos_sin_cache.stride(0), heads - 2 * hkv, hkv, D=d, BLOCK_SIZE=block_size,
+        PAIRS=pairs, BLOCK_K=block_k, HAS_BIAS=bias is not None, ADD=add, num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return q_out, rout
