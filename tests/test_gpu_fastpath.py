@@ -182,7 +182,7 @@ def test_qkv_rope_matches_unfused(dtype):
         assert index >= 0 or (torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref))
 
 
-def test_tune_prologues_keeps_only_faster_fused_kernels(tmp_path, monkeypatch):
+def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
     """The tuner runs every candidate (unfused chain, each "row" config of each fused kernel) on the
     model's weights and keeps a fused config only where its (here: scripted) time beats the unfused
     one by the margin; the real timing is CUDA graphs on a GPU (scripts/gpu_prologues.sh)."""
@@ -206,6 +206,13 @@ def test_tune_prologues_keeps_only_faster_fused_kernels(tmp_path, monkeypatch):
                       (("qkv", (128, 64)), ("norm", (192, 64)), ("silu", (64, 96)))}  # 0.99 is within the 3% margin
     assert calls.count(None) == 3 and len(calls) == 3 + 3 * 4 and backend.prologue_everywhere is None
     assert timings[("silu", 64, 96, "unfused")] == 1.0
+    # tune_linears picks the same way: cuBLAS first (1.0), then every fitting config (0.5: the first wins)
+    times = iter(([1.0] + [0.5] * 8) * 5)  # 5 weight shapes, 8 configs fit one row
+    monkeypatch.setattr(gemv_tuning, "_time_pass", lambda fn, weights, reps: [fn(w) for w in weights] and next(times))
+    linears, _ = gemv_tuning.tune_linears(backend_model, [1])
+    from kernels.gemv import CONFIGS
+
+    assert linears and set(linears.values()) == {CONFIGS[0]}, linears
 
 
 @pytest.mark.parametrize("force_gemv", [False, True, "prologue"])

@@ -42,16 +42,8 @@ def tune_linears(model, ms: list[int], reps: int = 5, margin: float = 0.97) -> t
     for (n, k), weights in _weight_groups(model).items():
         for m in ms:
             x = torch.randn(m, k, dtype=weights[0].dtype, device=weights[0].device)
-            best_t, best = _time_pass(lambda w: F.linear(x, w), weights, reps) * margin, None
-            timings[(n, k, m, "cublas")] = best_t / margin
-            for config in [c for c in skinny.CONFIGS if skinny.config_fits(c, m)]:
-                try:
-                    t = _time_pass(lambda w: skinny.gemv(x, w, config=config), weights, reps)
-                except Exception:  # a config this GPU or Triton cannot build is simply not a candidate
-                    continue
-                timings[(n, k, m, config)] = t
-                if t < best_t:
-                    best_t, best = t, config
+            candidates = [(c, lambda w, c=c: skinny.gemv(x, w, config=c)) for c in skinny.CONFIGS if skinny.config_fits(c, m)]
+            best = _pick((n, k, m), ("cublas", lambda w: F.linear(x, w)), candidates, weights, reps, margin, timings)
             if best is not None:
                 choice[(n, k, m)] = best
     return choice, timings
@@ -87,25 +79,41 @@ def tune_prologues(backend, model, reps: int = 5, margin: float = 0.97) -> tuple
             run = {"silu": lambda w: backend.silu_linear(x, w, None),
                    "norm": lambda w: backend.norm_linear(pre, w, None),
                    "qkv": lambda w: backend.qkv_rotate_store(pre, w, None, cache, cache, plan)}[kind]
-            backend.prologue_everywhere = None
-            best_t, best = _time_pass(run, weights, reps) * margin, None
-            timings[(kind, n, k, "unfused")] = best_t / margin
-            for config in [c for c in skinny.CONFIGS if c[0] == "row"]:
-                if kind == "qkv" and rope_pairs(config, cfg.head_dim) is None:
-                    continue
-                backend.prologue_everywhere = config
-                try:
-                    t = _time_pass(run, weights, reps)
-                except Exception:  # a config this GPU or Triton cannot build is simply not a candidate
-                    continue
-                timings[(kind, n, k, config)] = t
-                if t < best_t:
-                    best_t, best = t, config
+            configs = [c for c in skinny.CONFIGS if c[0] == "row" and (kind != "qkv" or rope_pairs(c, cfg.head_dim))]
+            best = _pick((kind, n, k), ("unfused", _forcing(backend, None, run)),
+                         [(c, _forcing(backend, c, run)) for c in configs], weights, reps, margin, timings)
             if best is not None:
                 choice[(kind, n, k)] = best
     finally:
         backend.prologue_everywhere = saved
     return choice, timings
+
+
+def _forcing(backend, config, run):
+    """``run`` with ``backend``'s fused kernels forced to ``config`` (None: off) while it is captured."""
+    def fn(w):
+        backend.prologue_everywhere = config
+        return run(w)
+    return fn
+
+
+def _pick(key: tuple, baseline: tuple, candidates: list, weights: list[torch.Tensor], reps: int, margin: float,
+          timings: dict):
+    """Time ``baseline = (name, fn)`` and every ``(config, fn)`` over ``weights``, recording each under
+    ``(*key, name or config)``; the fastest config if it beats the baseline by more than ``1 - margin``,
+    else None.  A config that fails to build (on this GPU or Triton) is simply not a candidate."""
+    name, fn = baseline
+    best_t, best = _time_pass(fn, weights, reps) * margin, None
+    timings[(*key, name)] = best_t / margin
+    for config, fn in candidates:
+        try:
+            t = _time_pass(fn, weights, reps)
+        except Exception:
+            continue
+        timings[(*key, config)] = t
+        if t < best_t:
+            best_t, best = t, config
+    return best
 
 
 def _time_pass(fn, weights: list[torch.Tensor], reps: int) -> float:
