@@ -61,6 +61,14 @@ def test_bad_logit_bias_key_is_400_naming_logit_bias(bias):
     assert e.value.status == 400 and e.value.param == "logit_bias"
 
 
+def test_top_logprobs_out_of_range_is_400_naming_top_logprobs():
+    """Chat's top_logprobs is the SDK's logprobs: the 400 names the field the client sent, with the limit."""
+    for bad in (21, -1):
+        with pytest.raises(s.RequestError) as e:
+            params.sampling_kwargs(chat_req(logprobs=True, top_logprobs=bad), 4, 100)
+        assert e.value.param == "top_logprobs" and "[0, 20]" in str(e.value.message), e.value.message
+
+
 def test_top_logprobs_without_logprobs_and_streamed_prompt_logprobs_are_400():
     with pytest.raises(s.RequestError) as e:
         params.sampling_kwargs(chat_req(top_logprobs=2), 4, 100)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from ipc.gateway import schemas as s
+from ipc.protocol import MAX_LOGPROBS
 
 # Passed through unchanged when given (vLLM's extra parameters included).
 _PLAIN = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "stop_token_ids", "n",
@@ -42,6 +43,9 @@ def logit_bias(bias: Optional[dict[str, float]], vocab_size: int) -> dict[int, f
 def output_logprobs(req: Union[s.CompletionRequest, s.ChatCompletionRequest]) -> Optional[int]:
     """How many top alternatives per output token the request wants (None: no logprobs)."""
     if isinstance(req, s.ChatCompletionRequest):
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:  # the SDK calls it logprobs
+            raise s.RequestError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                                 "top_logprobs")
         if req.logprobs:
             return req.top_logprobs or 0
         if req.top_logprobs:
