@@ -7,9 +7,9 @@ A backend is everything a step launches besides the model's own weights:
   ``rotate_and_store`` (rotary on q and k, k and v into the paged cache; returns
   the rotated q) and ``attend``;
 - ops: ``linear``, ``rms_norm``, ``add_rms_norm`` (residual add fused into the
-  norm), ``silu_and_mul`` (on the fused gate|up projection), and the two pairs the
-  model asks for together so that a backend may fold the first op into the matmul's
-  loads: ``norm_linear`` (a layer's :class:`NormInput` -> its first projection),
+  norm), ``silu_and_mul`` (on the fused gate|up projection), and the chains the
+  model asks for whole so that a backend may fuse them around the matmul:
+  ``norm_linear`` (a layer's :class:`NormInput` -> its first projection),
   ``silu_linear`` (gate|up -> the down projection) and ``qkv_rotate_store`` (the
   attention input: norm -> q|k|v -> ``rotate_and_store``); the ``unfused_*``
   functions here are those chains op by op;

@@ -19,15 +19,15 @@ Ops: ``rms_norm``, ``add_rms_norm`` and ``silu_and_mul`` are single Triton
 launches; ``linear`` is cuBLAS, or the Triton skinny matmul
 (:mod:`kernels.gemv`) for the (shape, batch) pairs where
 :func:`executor_proc.backends.gemv_tuning.tune_linears` measured it faster on
-this GPU.  ``norm_linear`` and ``silu_linear`` at one token fold the norm (with its residual add)
-or the SiLU-mul into the skinny matmul's loads (:func:`kernels.gemv.gemv_prologue`, one launch
-instead of two) for the weights where :func:`executor_proc.backends.gemv_tuning.tune_prologues`
-measured that faster; otherwise they are the two ops.  Where q|k|v's is fused,
-``qkv_rotate_store`` also takes the rotary and the cache write as the matmul's epilogue
-(:func:`kernels.gemv_qkv.qkv_rope`: the attention input in one launch instead of three).  With ``batch_invariant`` every linear is :func:`kernels.matmul.invariant_matmul`
-(one tile shape and one split of K per weight, whatever the number of rows) and decode
-attention always uses the batch-1 split count, so a row's result does not depend on
-the rows beside it.  The sampler is :func:`kernels.sampling.sample`; penalties and logprobs are
+this GPU.  At one token, ``norm_linear`` and ``silu_linear`` fold the norm (with its
+residual add) or the SiLU-mul into the skinny matmul's loads (:func:`kernels.gemv.gemv_prologue`:
+one launch instead of two), and ``qkv_rotate_store`` also takes the rotary and the cache write
+as the q|k|v matmul's epilogue (:func:`kernels.gemv_qkv.qkv_rope`: one launch instead of three),
+for the weights where :func:`executor_proc.backends.gemv_tuning.tune_prologues` measured that
+faster; otherwise they are the ops one by one.  With ``batch_invariant`` every linear is
+:func:`kernels.matmul.invariant_matmul` (one tile shape and one split of K per weight, whatever
+the number of rows) and decode attention always uses the batch-1 split count, so a row's
+result does not depend on the rows beside it.  The sampler is :func:`kernels.sampling.sample`; penalties and logprobs are
 :mod:`kernels.penalties` and :mod:`kernels.logprobs`.
 """
 
@@ -44,8 +44,8 @@ from executor_proc.backends.base import (NormInput, SamplingRows, unfused_norm_l
 from executor_proc.step.batch import ForwardBatch
 from kernels import gemv as skinny
 from kernels.activation import silu_and_mul
-from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.decode_attention import DecodeWorkspace, decode_attention, default_num_splits
+from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.kv_write import rope_cos_sin_cache, rope_kv_write
 from kernels.logprobs import token_logprobs
 from kernels.matmul import choose_split_k, invariant_matmul

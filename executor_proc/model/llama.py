@@ -97,9 +97,8 @@ class Attention(nn.Module):
             qkv, residual = backend.norm_linear(pre, self.qkv.weight, self.qkv.bias)
             q, k, v = split_heads(qkv, self.num_kv_heads, self.head_dim)
             q = backend.rotate_and_store(self.q_norm(q), self.k_norm(k), v, k_cache, v_cache, step.plan)
-        out = step.backend.attend(q, k_cache, v_cache, step.plan, self.scale)
-        o = step.backend.linear(out.view(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
-        return o, residual
+        out = backend.attend(q, k_cache, v_cache, step.plan, self.scale)
+        return backend.linear(out.view(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias), residual
 
 
 class MLP(nn.Module):
