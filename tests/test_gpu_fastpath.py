@@ -11,6 +11,9 @@ decode loop under ``torch.cuda.set_sync_debug_mode("error")``.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections import deque
 
 import pytest
@@ -25,6 +28,7 @@ from executor_proc.step.worker import EagerStep, GraphStep
 from ipc.protocol import SlotSampling
 
 CUDA = torch.cuda.is_available()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 TOP_K_P = SlotSampling(temperature=0.8, top_k=5, top_p=0.9, min_p=0.0, seed=1234)
@@ -180,6 +184,17 @@ def test_qkv_rope_matches_unfused(dtype):
         for ours, ref in ((q, q_ref), (kc, kc_ref), (vc, vc_ref)):
             assert (ours.float() - ref.float()).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
         assert index >= 0 or (torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref))
+
+
+def test_fused_kernels_compile_for_hopper_without_spills():
+    """Every launch variant of the batch-1 fused kernels goes through Triton's real compiler and ptxas for
+    sm_90 (offline: no GPU needed), and none spills to local memory (``tests/compile_sm90.py``)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "tests.compile_sm90"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sum(line.startswith("ok ") for line in run.stdout.splitlines()) == 32, run.stdout
 
 
 def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
