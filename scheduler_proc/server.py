@@ -126,13 +126,11 @@ class Server(ClientMessages, OutputStream):
 
     def begin_shutdown(self) -> None:
         """SIGTERM / Ctrl-C: no new requests; running ones get --shutdown-timeout seconds (a second signal: none)."""
-        if self.shutdown_at is not None:
-            self.shutdown_at = 0.0
-        else:
-            self.shutdown_at = time.monotonic() + self.cfg.shutdown_timeout_s
-            print(f"forerun: shutting down: {len(self.requests)} requests get up to "
-                  f"{self.cfg.shutdown_timeout_s:g} s to finish", file=sys.stderr, flush=True)
+        again = self.shutdown_at is not None
+        self.shutdown_at = 0.0 if again else time.monotonic() + self.cfg.shutdown_timeout_s
         self.wake.set()
+        if not again:
+            say(f"shutting down: {len(self.requests)} requests get up to {self.cfg.shutdown_timeout_s:g} s to finish")
 
     def read_clients(self) -> None:
         """Handle at most a batch of client messages, so that a flood never starves the steps."""
@@ -249,8 +247,7 @@ class Server(ClientMessages, OutputStream):
         for req in poison:
             self.fail_request(req, "executor_failed", f"{cause}; this request was in flight at two executor "
                                                       "failures in a row and is not retried")
-        print(f"forerun: {cause}; restarting it, {num_requeued} requests will be recomputed",
-              file=sys.stderr, flush=True)
+        say(f"{cause}; restarting it, {num_requeued} requests will be recomputed")
         self._begin_restart(cause)
 
     def _begin_restart(self, cause: str) -> None:
@@ -265,12 +262,12 @@ class Server(ClientMessages, OutputStream):
         try:
             await self.executor.restart()
         except RuntimeError as e:
-            print(f"forerun: {e}", file=sys.stderr, flush=True)
+            say(str(e))
             self._begin_restart(str(e))
             return
         self.stats["restarts"] += 1
         self._start_result_reader()
-        print(f"forerun: executor restarted in {time.monotonic() - t0:.2f} s", file=sys.stderr, flush=True)
+        say(f"executor restarted in {time.monotonic() - t0:.2f} s")
         self.wake.set()
 
     def fail_stop(self, cause: str) -> None:
@@ -278,7 +275,7 @@ class Server(ClientMessages, OutputStream):
         if self.failure:
             return
         self.failure = f"{cause}; the server is shutting down"
-        print(f"forerun: {self.failure}", file=sys.stderr, flush=True)
+        say(self.failure)
         for req in list(self.requests.values()):
             self.fail_request(req, "executor_failed", self.failure)
         self.stop()
@@ -291,3 +288,12 @@ class Server(ClientMessages, OutputStream):
         self.ctx.term()
         if self.owns_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def say(message: str) -> None:
+    """One line on stderr for the operator.  A closed or broken stderr (the launching shell or supervisor
+    is gone) never stops the server: the line is dropped."""
+    try:
+        print(f"forerun: {message}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # BrokenPipeError, EIO; ValueError: the stream was closed
+        pass

@@ -263,6 +263,32 @@ async def _sigterm_clients(srv: ServerProcess) -> dict:
     return ends
 
 
+def test_sigterm_with_stderr_gone_still_stops_the_server():
+    """The shell or supervisor that started the server is gone (its stdout/stderr pipe has no reader) and
+    then the executor dies: the server restarts it and SIGTERM still stops it, everything cleaned up.
+    The restart's line on stderr used to raise BrokenPipeError inside the supervising task, which died:
+    no restart, no shutdown check, the server ignored SIGTERM forever."""
+    tmp = _tmpdir()
+    srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "2", "--max-num-seqs", "4",
+                        "--num-kv-blocks", "64", "--block-size", "16", tmpdir=tmp, timeout=120)
+    pids = {srv.proc.pid, *_pids(srv.proc.pid)}
+    srv.proc.stdout.close()  # the only reader of the server's stdout and stderr
+    os.kill(srv.executor_pid(), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not [pid for pid in _pids(srv.proc.pid) if pid not in pids]:
+        time.sleep(0.2)  # the restarted executor
+    assert [pid for pid in _pids(srv.proc.pid) if pid not in pids], "no executor restart"
+    pids.update(_pids(srv.proc.pid))
+    time.sleep(1.0)
+    srv.proc.send_signal(signal.SIGTERM)
+    try:
+        srv.proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        srv.stop()
+        raise AssertionError("the server ignored SIGTERM once its stderr was gone") from None
+    _assert_cleaned_up(srv, tmp, pids)
+
+
 def test_sigterm_second_server_and_startup_errors():
     tmp = _tmpdir()
     srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "5", "--max-num-seqs", "8",
