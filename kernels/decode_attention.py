@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .paged_kv import load_kv_tile
+from .pdl import pdl_args, pdl_launch, pdl_wait
 
 from .reference import decode_attention_ref  # noqa: F401  (re-exported)
 
@@ -50,12 +51,13 @@ def _split_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
 
+    pdl_wait(USE_PDL)  # everything below reads this step's data: q, the cache, the lengths
     ctx = tl.load(cl_ptr + b)
     n_tiles = tl.cdiv(ctx, BLOCK_N)
     tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
@@ -95,6 +97,7 @@ def _split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
+    pdl_launch(USE_PDL)
 
     st_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -116,10 +119,11 @@ def _merge_kernel(
     stride_pob, stride_poh, stride_pos,
     stride_pmb, stride_pmh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    pdl_wait(USE_PDL)
     ctx = tl.load(cl_ptr + b)
     n_tiles = tl.cdiv(ctx, BLOCK_N)
     tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
@@ -139,6 +143,7 @@ def _merge_kernel(
                  + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     num = tl.sum(po * w[:, None], axis=0)
     o = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+    pdl_launch(USE_PDL)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
              o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -265,7 +270,7 @@ def decode_attention(
         GROUP=G, G_PAD=max(16, triton.next_power_of_2(G)),
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PREC=dot_prec,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
     )
     if num_splits > 1:
         _merge_kernel[(B, H)](
@@ -275,6 +280,6 @@ def decode_attention(
             pm.stride(0), pm.stride(1),
             HEAD_DIM=D, D_PAD=d_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             S_PAD=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4 if D >= 128 else 2,
+            num_warps=4 if D >= 128 else 2, **pdl_args(q),
         )
     return out

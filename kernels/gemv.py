@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_launch, pdl_wait
 
 __all__ = ["gemv", "gemv_prologue", "CONFIGS", "MAX_M"]
 
@@ -45,7 +46,7 @@ CONFIGS = (("dot", 16, 256, 4, 4), ("dot", 16, 512, 4, 3), ("dot", 32, 256, 4, 4
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
+                 DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr = False):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
@@ -54,12 +55,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    pdl_wait(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
+    pdl_launch(USE_PDL)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -105,21 +108,27 @@ def _norm_rstd(x_ptr, r_ptr, rout_ptr, K, eps, writer, ADD: tl.constexpr, BLOCK_
 @triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, rout_ptr, N, K, stride_wn, eps,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PROLOGUE: tl.constexpr = 0, ADD: tl.constexpr = False):
+                     PROLOGUE: tl.constexpr = 0, ADD: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    # The first weight tile streams in while the previous kernel ends (weights are never written in flight).
+    offs_k = tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    pdl_wait(USE_PDL)
     rstd = 1.0
     if PROLOGUE == 1:
         rstd = _norm_rstd(x_ptr, r_ptr, rout_ptr, K, eps, pid == 0, ADD, BLOCK_K)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc = w.to(tl.float32) * _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, PROLOGUE, ADD)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, PROLOGUE, ADD)
         acc += w.to(tl.float32) * x[None, :]
+    pdl_launch(USE_PDL)
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -152,12 +161,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         _gemv_row_kernel[(triton.cdiv(N, block_n),)](
             x, weight, bias if bias is not None else weight, out, x, x, x, N, K, weight.stride(0), 0.0,
             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+            **pdl_args(x),
         )
         return out
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, M_PAD=16, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(x),
     )
     return out
 
@@ -192,6 +203,6 @@ def gemv_prologue(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     _gemv_row_kernel[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, out, residual if add else x, nw, rout, N, K,
         weight.stride(0), eps, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        PROLOGUE=2 if silu else 1, ADD=add, num_warps=num_warps, num_stages=num_stages,
+        PROLOGUE=2 if silu else 1, ADD=add, num_warps=num_warps, num_stages=num_stages, **pdl_args(x),
     )
     return out, (rout if norm is not None else None)

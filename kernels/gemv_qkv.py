@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .gemv import _norm_rstd, _prologue_row
+from .pdl import pdl_args, pdl_launch, pdl_wait
 
 __all__ = ["qkv_rope", "rope_pairs"]
 
@@ -30,23 +31,31 @@ def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, w_ptr, b_ptr, qo_ptr, kc_pt
                      index_ptr, pos_ptr, cs_ptr, K, stride_wn, eps,
                      stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
                      H, HKV, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
-                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD: tl.constexpr):
+                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr = False):
     HALF = D // 2
     pid = tl.program_id(0)
     head = pid // (HALF // PAIRS)
     j = (pid % (HALF // PAIRS)) * PAIRS + tl.arange(0, PAIRS)
     lo = head * D + j
-    rstd = _norm_rstd(x_ptr, r_ptr, rout_ptr, K, eps, pid == 0, ADD, BLOCK_K)
     w_lo = w_ptr + lo.to(tl.int64)[:, None] * stride_wn
     w_hi = w_lo + HALF * stride_wn
-    acc_lo = tl.zeros([PAIRS, BLOCK_K], tl.float32)
-    acc_hi = tl.zeros([PAIRS, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # the first weight tiles stream in while the previous kernel ends (kernels/pdl.py)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    w0_lo = tl.load(w_lo + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+    w0_hi = tl.load(w_hi + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+    pdl_wait(USE_PDL)
+    rstd = _norm_rstd(x_ptr, r_ptr, rout_ptr, K, eps, pid == 0, ADD, BLOCK_K)
+    x = _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, 1, ADD)[None, :]
+    acc_lo = w0_lo.to(tl.float32) * x
+    acc_hi = w0_hi.to(tl.float32) * x
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, 1, ADD)[None, :]
         acc_lo += tl.load(w_lo + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32) * x
         acc_hi += tl.load(w_hi + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32) * x
+    pdl_launch(USE_PDL)
     y_lo = tl.sum(acc_lo, axis=1)
     y_hi = tl.sum(acc_hi, axis=1)
     if HAS_BIAS:
@@ -117,6 +126,6 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), cos_sin_cache.stride(0), heads - 2 * hkv, hkv, D=d, BLOCK_SIZE=block_size,
         PAIRS=pairs, BLOCK_K=block_k, HAS_BIAS=bias is not None, ADD=add, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, **pdl_args(x),
     )
     return q_out, rout

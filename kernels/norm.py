@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_launch, pdl_wait
 from .reference import fused_add_rms_norm_ref, rms_norm_ref  # noqa: F401
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_ref", "fused_add_rms_norm_ref"]
@@ -32,11 +33,13 @@ def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr,
     stride_x, stride_r, stride_o, stride_ro,
     N, eps,
-    BLOCK: tl.constexpr, ADD: tl.constexpr,
+    BLOCK: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: safe before the wait
+    pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if ADD:
         r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -46,7 +49,7 @@ def _rms_norm_kernel(
     var = tl.sum(xf * xf, axis=0) / N
     rstd = 1.0 / tl.sqrt(var + eps)
     y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_launch(USE_PDL)
     tl.store(out_ptr + row * stride_o + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -71,7 +74,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     T, N = x.shape
     if T:
         _rms_norm_kernel[(T,)](x, x, weight, out, out, x.stride(0), 0, out.stride(0), 0, N, eps,
-                               BLOCK=triton.next_power_of_2(N), ADD=False, num_warps=_warps(N))
+                               BLOCK=triton.next_power_of_2(N), ADD=False, num_warps=_warps(N), **pdl_args(x))
     return out
 
 
@@ -91,5 +94,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if T:
         _rms_norm_kernel[(T,)](x, residual, weight, out, residual_out,
                                x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
-                               N, eps, BLOCK=triton.next_power_of_2(N), ADD=True, num_warps=_warps(N))
+                               N, eps, BLOCK=triton.next_power_of_2(N), ADD=True, num_warps=_warps(N),
+                               **pdl_args(x))
     return out, residual_out

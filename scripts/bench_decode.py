@@ -36,6 +36,7 @@ from ipc.config import ExecutorConfig
 from executor_proc.build import build_worker
 from executor_proc.step.sample import GREEDY
 from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner
+from kernels.pdl import pdl_enabled
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 TARGET_MS = {"llama-3.2-1b": 1.2, "llama-3-8b": 6.2}
@@ -168,6 +169,7 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
     kv = kv_bytes(mcfg, context + warmup + steps // 2, batch)
     floor = w_bytes / bandwidth
     row = dict(model=name, batch=batch, batch_invariant=args.batch_invariant, prologues=not args.no_prologues,
+               pdl=pdl_enabled(torch.device("cuda", 0)),
                context=context, steps=steps,
                setup_s=setup_s, stage_start_s=stages,
                step_ms=wall * 1e3, gpu_ms=gpu * 1e3, host_ms=host * 1e3, replay_ms=replay * 1e3,
@@ -219,9 +221,9 @@ def main(argv=None) -> int:
               f"{100 * r['floor_ms'] / r['step_ms']:>6.0f}%{verdict:>7}")
     for r in rows:
         for shape, t in r["linear_kernels"].items():
-            pick = "gemv" if "chosen" in t else "cublas"
-            print(f"  {r['model']} {shape:<18} cublas {t['cublas_ms']:.3f} ms  "
-                  f"best gemv {t['best_gemv_ms'] or 0:.3f} ms  -> {pick}")
+            base, best = ("unfused", "fused") if "unfused_ms" in t else ("cublas", "gemv")
+            print(f"  {r['model']} {shape:<18} {base} {t[base + '_ms'] or 0:.3f} ms  "
+                  f"best {best} {t[f'best_{best}_ms'] or 0:.3f} ms  -> {best if 'chosen' in t else base}")
     if args.json:
         write_json(args.json, dict(meta=meta, rows=rows))
     return 0

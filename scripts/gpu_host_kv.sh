@@ -46,7 +46,7 @@ run_part() {  # $1: part, $2: its own limit in seconds
   esac
   echo "== $1 took $(( SECONDS - t ))s" | tee -a "$LOG"
 }
-declare -A LIMIT=([D]=90 [T]=200 [G]=120 [A]=120 [S]=150 [C]=150)
+declare -A LIMIT=([D]=90 [T]=200 [G]=120 [A]=120 [S]=180 [C]=300)
 declare -A MIN_S=([D]=45 [S]=90 [C]=110)  # a part that cannot finish is not started
 for part in "$@"; do run_part "$part" "${LIMIT[$part]:-200}"; done
 [ -d "$STEPS" ] && tar czf "$OUT/host_kv_steps.tar.gz" -C "$STEPS" .

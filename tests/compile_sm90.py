@@ -2,8 +2,9 @@
 
 ``python -m tests.compile_sm90`` (TRITON_INTERPRET unset) compiles every variant the batch-1 fused kernels are
 launched with (:mod:`kernels.gemv`'s row kernel with each prologue, :mod:`kernels.gemv_qkv`) for the tuner's "row"
-configs, head dims 64 and 128, and prints one line per variant: its registers and whether anything spilled to
-local memory.  Exits 1 if a variant fails to compile or spills.  ``tests/test_gpu_fastpath.py`` runs it in CI.
+configs, head dims 64 and 128, as the H100 runs them (with programmatic dependent launch, :mod:`kernels.pdl`),
+and prints one line per variant: its size and whether anything spilled to local memory.  Exits 1 if a variant
+fails to compile, spills, or breaks PDL's rule in its PTX (a store before ``griddepcontrol.wait``, or no wait).  ``tests/test_gpu_fastpath.py`` runs it in CI.
 """
 
 from __future__ import annotations
@@ -31,13 +32,29 @@ def variants():
     for config in (c for c in gemv.CONFIGS if c[0] == "row"):
         _, block_n, block_k, _, _ = config
         for prologue, add in ((0, False), (1, True), (1, False), (2, False)):
-            consts = dict(HAS_BIAS=prologue == 1, BLOCK_N=block_n, BLOCK_K=block_k, PROLOGUE=prologue, ADD=add)
+            consts = dict(HAS_BIAS=prologue == 1, BLOCK_N=block_n, BLOCK_K=block_k, PROLOGUE=prologue, ADD=add,
+                          USE_PDL=True)
             yield f"gemv_row prologue={prologue} add={add} {config}", gemv._gemv_row_kernel, ROW_SIG, consts, config
         for head_dim in (64, 128):
             pairs = gemv_qkv.rope_pairs(config, head_dim)
             for add in (True, False):
-                consts = dict(D=head_dim, BLOCK_SIZE=16, PAIRS=pairs, BLOCK_K=block_k, HAS_BIAS=False, ADD=add)
+                consts = dict(D=head_dim, BLOCK_SIZE=16, PAIRS=pairs, BLOCK_K=block_k, HAS_BIAS=False, ADD=add,
+                              USE_PDL=True)
                 yield f"qkv_rope D={head_dim} add={add} {config}", gemv_qkv._qkv_rope_kernel, QKV_SIG, consts, config
+
+
+def pdl_problem(ptx: str) -> str:
+    """'' if the kernel waits for its predecessor once, before any store, and prefetches a weight tile before
+    that; else what is wrong."""
+    wait = ptx.find("griddepcontrol.wait")
+    if wait < 0 or ptx.count("griddepcontrol.wait") != 1:
+        return "PDL: not exactly one griddepcontrol.wait"
+    store = re.search(r"\bst\.global", ptx)
+    if store and store.start() < wait:
+        return "PDL: a store before griddepcontrol.wait"
+    if "ld.global" not in ptx[:wait]:
+        return "PDL: no weight prefetch before griddepcontrol.wait"
+    return ""
 
 
 def main() -> int:
@@ -46,15 +63,16 @@ def main() -> int:
         signature = dict(sig, **{k: "constexpr" for k in consts})
         try:
             compiled = triton.compile(ASTSource(kernel, signature, constexprs=consts), target=HOPPER,
-                                      options=dict(num_warps=config[3], num_stages=config[4]))
+                                      options=dict(num_warps=config[3], num_stages=config[4], launch_pdl=True))
         except Exception as e:  # noqa: BLE001 - every failure is reported, then the exit code says so
             print(f"FAIL {name}: {type(e).__name__}: {str(e)[:300]}")
             failed += 1
             continue
         ptx = compiled.asm["ptx"]
         spills = len(re.findall(r"\.local\b", ptx))
-        print(f"{'SPILL' if spills else 'ok'} {name}: cubin {len(compiled.asm['cubin'])} B")
-        failed += bool(spills)
+        problem = "SPILL" if spills else pdl_problem(ptx)
+        print(f"{problem or 'ok'} {name}: cubin {len(compiled.asm['cubin'])} B")
+        failed += bool(problem)
     return 1 if failed else 0
 
 
