@@ -20,11 +20,13 @@ Shapes and conventions (shared with the kernels):
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 __all__ = [
+    "DecodeRows",
+    "decode_rows_ref",
     "gather_kv",
     "decode_attention_ref",
     "prefill_attention_ref",
@@ -189,3 +191,25 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     i = x.shape[-1] // 2
     xf = x.float()
     return (torch.nn.functional.silu(xf[..., :i]) * xf[..., i:]).to(x.dtype)
+
+
+class DecodeRows(NamedTuple):
+    """A decode step's per-row inputs (:mod:`kernels.decode_rows`)."""
+
+    input_ids: torch.Tensor  # [B] last_token[slot]
+    kv_index: torch.Tensor  # [B] int64 flat KV index of the new token; -1 for the padding slot
+    query_start: torch.Tensor  # [B + 1] int32 0..B (one query token per row)
+    context_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32 block_table[slot]
+
+
+def decode_rows_ref(slots: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
+                    last_token: torch.Tensor, block_table: torch.Tensor, pad_slot: int,
+                    block_size: int) -> DecodeRows:
+    """The rows of a decode step from the slot tables (``slots``, ``positions``, ``context_lens`` ``[B]``)."""
+    block_tables = block_table[slots]
+    block_ids = block_tables.gather(1, (positions // block_size)[:, None])[:, 0].to(torch.int64)
+    kv_index = torch.where(slots == pad_slot, -1, block_ids * block_size + positions % block_size)
+    return DecodeRows(input_ids=last_token[slots], kv_index=kv_index,
+                      query_start=torch.arange(slots.shape[0] + 1, dtype=torch.int32, device=slots.device),
+                      context_lens=context_lens.to(torch.int32), block_tables=block_tables)

@@ -262,10 +262,16 @@ def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
     assert kinds.count(GraphStep.__name__) == len(plans) - 2, kinds
     # batch-1 steps took the fused norm / SiLU matmuls and the fused attention input where forced, and
     # otherwise exactly where the tuner picked them (on a GPU it times them; on the CPU it never picks)
-    picked = {kind for worker in fast for kind, _, _ in worker.model.backend.prologue_choice}
-    tuned = ({1} if picked & {"norm", "silu"} else set()) | ({2} if "qkv" in picked else set())
-    assert set(fused) == ({1, 2} if force_gemv == "prologue" else tuned), (set(fused), picked)
-    assert CUDA or not picked
+    # (the graph worker's calls happened at capture, before the count; the eager worker calls per step)
+    def launches(worker_list):
+        picked = {kind for worker in worker_list for kind, _, _ in worker.model.backend.prologue_choice}
+        return ({1} if picked & {"norm", "silu"} else set()) | ({2} if "qkv" in picked else set())
+
+    if force_gemv == "prologue":
+        assert set(fused) == {1, 2}
+    else:
+        assert launches(fast[:1]) <= set(fused) <= launches(fast), (set(fused), launches(fast[:1]), launches(fast))
+    assert CUDA or not launches(fast)
 
 
 @needs_cuda

@@ -6,6 +6,8 @@ A backend is everything a step launches besides the model's own weights:
   reads, so a plan is the same inside and outside a CUDA graph), then per layer
   ``rotate_and_store`` (rotary on q and k, k and v into the paged cache; returns
   the rotated q) and ``attend``;
+- decode rows: ``decode_rows`` (a graph decode step's per-row inputs from the slot
+  tables: input tokens, KV write indices, block tables; :mod:`kernels.decode_rows`);
 - ops: ``linear``, ``rms_norm``, ``add_rms_norm`` (residual add fused into the
   norm), ``silu_and_mul`` (on the fused gate|up projection), and the chains the
   model asks for whole so that a backend may fuse them around the matmul:
@@ -13,9 +15,8 @@ A backend is everything a step launches besides the model's own weights:
   ``silu_linear`` (gate|up -> the down projection) and ``qkv_rotate_store`` (the
   attention input: norm -> q|k|v -> ``rotate_and_store``); the ``unfused_*``
   functions here are those chains op by op;
-- sampler: ``sample(logits, rows)`` for the rows that are not all greedy (the
-  caller, :func:`executor_proc.step.sample.sample_rows`, takes the argmax itself
-  when every row is greedy).  :class:`SamplingRows` carries the per-row
+- sampler: ``argmax(logits)`` when every row is greedy, else ``sample(logits, rows)``
+  (the caller is :func:`executor_proc.step.sample.sample_rows`).  :class:`SamplingRows` carries the per-row
   parameters gathered from the slot tables;
 - sampling features: ``apply_penalties`` (repetition, frequency, presence,
   logit_bias, min_tokens from :class:`kernels.penalties_ref.PenaltyTables`),
@@ -36,6 +37,7 @@ import torch
 
 from executor_proc.step.batch import ForwardBatch
 from kernels.penalties_ref import PenaltyTables
+from kernels.reference import DecodeRows
 
 PlanT = TypeVar("PlanT")
 
@@ -111,6 +113,10 @@ class Backend(Protocol[PlanT]):
 
     def plan(self, batch: ForwardBatch) -> PlanT: ...
 
+    def decode_rows(self, slots: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
+                    last_token: torch.Tensor, block_table: torch.Tensor, pad_slot: int,
+                    block_size: int) -> DecodeRows: ...
+
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, plan: PlanT) -> torch.Tensor: ...
 
@@ -133,6 +139,8 @@ class Backend(Protocol[PlanT]):
 
     def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PlanT) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor: ...
 
     def sample(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor: ...
 

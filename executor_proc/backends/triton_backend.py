@@ -42,8 +42,9 @@ import torch.nn.functional as F
 from executor_proc.backends.base import (NormInput, SamplingRows, unfused_norm_linear, unfused_qkv_rotate_store,
                                          unfused_silu_linear)
 from executor_proc.step.batch import ForwardBatch
-from kernels import gemv as skinny
+from kernels import argmax, gemv as skinny
 from kernels.activation import silu_and_mul
+from kernels.decode_rows import decode_rows
 from kernels.decode_attention import DecodeWorkspace, decode_attention, default_num_splits
 from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.kv_write import rope_cos_sin_cache, rope_kv_write
@@ -210,6 +211,12 @@ class TritonBackend:
     @staticmethod
     def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(gate_up)
+
+    decode_rows = staticmethod(decode_rows)
+
+    @staticmethod
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        return argmax.argmax_rows(logits) if logits.shape[0] <= argmax.MAX_ROWS else torch.argmax(logits, dim=-1)
 
     @staticmethod
     def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:

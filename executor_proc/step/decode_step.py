@@ -8,7 +8,8 @@ padding: the tables' padding slot, position 0, context length 1)::
     context_lens  [B] int64   = positions + 1
 
 :func:`decode_step` gathers the input tokens from ``last_token[slot]``, the KV
-write indices from the block table (-1 for padded rows: no KV write), runs the
+write indices from the block table (-1 for padded rows: no KV write; both in the
+backend's ``decode_rows``), runs the
 model, samples with the per-slot parameters (:func:`executor_proc.step.sample.sample_rows`
 in the step's :class:`SamplingMode`: penalties, argmax or sampler, logprobs, counts),
 writes the tokens back to ``last_token`` and returns them.  It only
@@ -41,23 +42,21 @@ class DecodeInputs:
         return int(self.slots.shape[0])
 
 
-def decode_batch(inputs: DecodeInputs, tables: SlotTables, block_size: int) -> ForwardBatch:
-    """The step's :class:`ForwardBatch`, computed on the device from the slot tables."""
-    slots, pos = inputs.slots, inputs.positions
-    b = inputs.batch_size
-    block_tables = tables.block_table[slots]
-    block_ids = block_tables.gather(1, (pos // block_size)[:, None])[:, 0].to(torch.int64)
-    kv_index = torch.where(slots == tables.pad_slot, -1, block_ids * block_size + pos % block_size)
+def decode_batch(backend, inputs: DecodeInputs, tables: SlotTables, block_size: int) -> ForwardBatch:
+    """The step's :class:`ForwardBatch`, computed on the device from the slot tables (the backend's
+    ``decode_rows``: one launch in the Triton backend)."""
+    rows = backend.decode_rows(inputs.slots, inputs.positions, inputs.context_lens, tables.last_token,
+                               tables.block_table, tables.pad_slot, block_size)
     return ForwardBatch(
-        input_ids=tables.last_token[slots],
-        positions=pos,
-        kv_index=kv_index,
-        query_start=torch.arange(b + 1, dtype=torch.int32, device=slots.device),
-        context_lens=inputs.context_lens.to(torch.int32),
-        block_tables=block_tables,
+        input_ids=rows.input_ids,
+        positions=inputs.positions,
+        kv_index=rows.kv_index,
+        query_start=rows.query_start,
+        context_lens=rows.context_lens,
+        block_tables=rows.block_tables,
         sample_index=None,
-        sample_slots=slots,
-        host_query_lens=[1] * b,
+        sample_slots=inputs.slots,
+        host_query_lens=[1] * inputs.batch_size,
         host_context_lens=None,
         block_size=block_size,
     )
@@ -66,5 +65,5 @@ def decode_batch(inputs: DecodeInputs, tables: SlotTables, block_size: int) -> F
 def decode_step(model, kv_cache, tables: SlotTables, inputs: DecodeInputs, block_size: int,
                 mode: SamplingMode) -> Sampled:
     """Forward + sample + ``last_token`` update for one bucket; tokens ``[B]`` int64 (and logprobs)."""
-    logits = model(decode_batch(inputs, tables, block_size), kv_cache)
+    logits = model(decode_batch(model.backend, inputs, tables, block_size), kv_cache)
     return sample_rows(model.backend, logits, tables, inputs.slots, inputs.context_lens, mode)

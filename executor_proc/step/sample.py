@@ -4,8 +4,9 @@
 
 1. penalties (only when some row is penalised: repetition, frequency, presence,
    logit_bias, min_tokens), in place unless the raw logits are still needed;
-2. the token: the argmax when every row is greedy (the rule is
-   :func:`kernels.sampling_ref.is_greedy`), else the backend's sampler with the
+2. the token: the backend's argmax when every row is greedy (the rule is
+   :func:`kernels.sampling_ref.is_greedy`; :func:`argmax_rows` below is the torch
+   one), else the backend's sampler with the
    rows' parameters gathered from the slot tables (its top-k/top-p window only
    when some row filters);
 3. logprobs of the *raw* logits (the model's distribution before temperature and
@@ -79,7 +80,7 @@ def sample_rows(backend: Backend, logits: torch.Tensor, tables: SlotTables, slot
     if mode.penalised:
         x = backend.apply_penalties(logits, tables.penalties, slots, in_place=not mode.logprobs)
     if mode.greedy:
-        tokens = argmax_rows(x)
+        tokens = backend.argmax(x)
     else:
         tokens = backend.sample(x, tables.sampling_rows(slots, positions, mode.filtered))
     out = Sampled(tokens)
