@@ -206,47 +206,6 @@ def test_prefill_attention_large():
     assert rel_err(out, R.prefill_attention_ref(q, kc, vc, bt, qs, cl, D ** -0.5)) < 1e-2
 
 
-# --------------------------------------------------------------------------- decode rows
-
-
-@pytest.mark.parametrize("block_size,max_blocks", [(16, 5), (1, 1100), (32, 3)])
-def test_decode_rows(block_size, max_blocks):
-    """One launch gives exactly the torch statements' rows: tokens, KV indices (-1 on the padding
-    slot), int32 lengths and query starts, and whole block-table rows (longer than one copy chunk)."""
-    from kernels.decode_rows import decode_rows
-
-    g = torch.Generator().manual_seed(7)
-    num_slots = 6
-    table = torch.randint(0, 10_000, (num_slots + 1, max_blocks), generator=g, dtype=torch.int32).to(DEV)
-    last = torch.randint(0, 50_000, (num_slots + 1,), generator=g).to(DEV)
-    slots = torch.tensor([3, 0, num_slots, 5, num_slots], device=DEV)  # the padding slot twice
-    positions = torch.randint(0, max_blocks * block_size, (5,), generator=g).to(DEV)
-    positions[[2, 4]] = 0
-    ctx = positions + 1
-    got = decode_rows(slots, positions, ctx, last, table, num_slots, block_size)
-    want = R.decode_rows_ref(slots, positions, ctx, last, table, num_slots, block_size)
-    for name, a, b in zip(want._fields, got, want):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
-    assert got.kv_index[[2, 4]].tolist() == [-1, -1]
-
-
-@pytest.mark.parametrize("rows,vocab", [(1, 5000), (3, 2048), (32, 4099)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_rows(rows, vocab, dtype):
-    """The two-launch argmax is torch.argmax: first index on ties (across chunks too), NaN the largest,
-    a row of -inf gives 0."""
-    from kernels.argmax import argmax_rows
-
-    g = torch.Generator().manual_seed(rows * vocab)
-    x = torch.randn(rows, vocab, generator=g).to(dtype)
-    x[0, [vocab - 1, 7, 2100 % vocab]] = 50.0  # a tie: the first index wins
-    if rows > 2:
-        x[1] = float("-inf")
-        x[2, [9, 3000 % vocab]] = float("nan")
-    x = x.to(DEV)
-    assert argmax_rows(x).tolist() == torch.argmax(x, dim=-1).tolist()
-
-
 # --------------------------------------------------------------------------- KV write / rotary
 
 
