@@ -21,7 +21,6 @@ import torch
 
 from ipc.config import ExecutorConfig
 from executor_proc.step.graphs import graph_buckets
-from executor_proc.step.sample import argmax_rows
 from executor_proc.build import GRAPH_STAGE, build_worker
 from executor_proc.testing.synthetic import GREEDY, SyntheticPlanner
 from executor_proc.step.worker import EagerStep, GraphStep
@@ -104,9 +103,13 @@ def test_graph_buckets():
 
 
 def test_argmax_rows_first_index():
+    """The Triton backend's greedy argmax (kernels/argmax.py) at a real vocabulary."""
+    from kernels.argmax import argmax_rows
+
     x = torch.randn(5, 128256)
     x[1, 7] = x[1, 200000 % 128256] = x[1].max() + 1  # a tie: the first index wins
     x[2] = 0.0
+    x = x.to("cuda" if CUDA else "cpu")
     assert argmax_rows(x).tolist() == torch.argmax(x, dim=-1).tolist()
     assert argmax_rows(x[:, :97]).tolist() == torch.argmax(x[:, :97], dim=-1).tolist()  # prime width
 

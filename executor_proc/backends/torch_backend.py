@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from executor_proc.backends.base import (NormInput, SamplingRows, unfused_norm_linear, unfused_qkv_rotate_store,
                                          unfused_silu_linear)
 from executor_proc.step.batch import ForwardBatch
-from executor_proc.step.sample import argmax_rows
 from kernels import reference as ops
 from kernels.logprobs_ref import token_logprobs_ref
 from kernels.penalties_ref import PenaltyTables, apply_penalties_ref, count_sampled
@@ -192,7 +191,10 @@ class TorchBackend:
         return ops.silu_and_mul_ref(gate_up)
 
     decode_rows = staticmethod(ops.decode_rows_ref)
-    argmax = staticmethod(argmax_rows)
+
+    @staticmethod
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        return torch.argmax(logits, dim=-1)
 
     def norm_linear(self, pre: NormInput, weight: torch.Tensor,
                     bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

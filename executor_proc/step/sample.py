@@ -5,8 +5,7 @@
 1. penalties (only when some row is penalised: repetition, frequency, presence,
    logit_bias, min_tokens), in place unless the raw logits are still needed;
 2. the token: the backend's argmax when every row is greedy (the rule is
-   :func:`kernels.sampling_ref.is_greedy`; :func:`argmax_rows` below is the torch
-   one), else the backend's sampler with the
+   :func:`kernels.sampling_ref.is_greedy`), else the backend's sampler with the
    rows' parameters gathered from the slot tables (its top-k/top-p window only
    when some row filters);
 3. logprobs of the *raw* logits (the model's distribution before temperature and
@@ -22,8 +21,6 @@ ask for nothing runs exactly what it ran before these features existed.
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -90,31 +87,3 @@ def sample_rows(backend: Backend, logits: torch.Tensor, tables: SlotTables, slot
         backend.count_sampled(tables.penalties, slots, tokens)
     tables.last_token[slots] = tokens
     return out
-
-
-ARGMAX_SPLIT_MAX_ROWS = 32
-
-
-@functools.lru_cache(maxsize=None)
-def _argmax_chunk(vocab: int) -> Optional[int]:
-    """A divisor of ``vocab`` near its square root (None if there is no useful one)."""
-    for d in range(math.isqrt(vocab), 31, -1):
-        if vocab % d == 0:
-            return d
-    return None
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(logits, -1)`` (first index on ties), as two short reductions.
-
-    torch reduces one wide row in one block: 27 us for one row of 128256 on an
-    H100 (8 us in two stages: max per chunk, then the first chunk with the overall
-    max).  With many rows torch already fills the GPU, so they keep its argmax.
-    """
-    rows, vocab = logits.shape
-    chunk = _argmax_chunk(vocab)
-    if chunk is None or rows >= ARGMAX_SPLIT_MAX_ROWS:
-        return torch.argmax(logits, dim=-1)
-    part_max, part_idx = logits.view(rows, vocab // chunk, chunk).max(dim=-1)
-    best = part_max.argmax(dim=-1, keepdim=True)
-    return (best * chunk + part_idx.gather(1, best))[:, 0]
