@@ -14,9 +14,15 @@ memory once per KV head.  Scores and the online softmax are float32; P is cast
 to the cache dtype for the P@V product (fp16/bf16) as in FlashAttention.
 
 With ``num_splits > 1`` each split writes an unnormalised partial output and its
-(max, sum) into a preallocated workspace (:class:`DecodeWorkspace`), and
-``_merge_kernel`` (grid ``(B, H)``) combines the non-empty splits.  With
-``num_splits == 1`` the split kernel normalises and writes the output directly.
+(max, sum) into a preallocated workspace (:class:`DecodeWorkspace`), then counts
+itself in on the workspace's arrival counter of its (row, KV head); the split that
+arrives last merges the row's non-empty splits for its G heads, writes the output
+and sets the counter back to zero for the next call.  No second kernel: at batch 1
+a merge launch per layer cost about as much as the merge itself (16 x ~1.9 us per
+1B step).  Ordering: every thread's partial stores happen before the program's
+counter increment (a CTA barrier, then a GPU-scope acquire-release atomic), and
+the merger reads the partials through L2 (``.cg``) after its acquiring increment.
+With ``num_splits == 1`` the split kernel normalises and writes the output directly.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr, arrivals_ptr,
     qk_scale,  # softmax scale * log2(e)
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -47,11 +53,11 @@ def _split_kernel(
     stride_btb,
     stride_ob, stride_oh,
     stride_pob, stride_poh, stride_pos,
-    stride_pmb, stride_pmh,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    stride_pmb, stride_pmh, stride_ab,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, G_MERGE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr = False,
+    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -68,7 +74,7 @@ def _split_kernel(
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
     if tile_lo >= n_tiles:
-        if NUM_SPLITS == 1:  # empty row (length 0): zeros; with splits the merge writes them
+        if sp == 0:  # empty row (length 0): zeros; a later empty split has nothing to do
             tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                      tl.zeros([G_PAD, D_PAD], tl.float32).to(out_ptr.dtype.element_ty),
                      mask=g_mask[:, None] & d_mask[None, :])
@@ -110,42 +116,41 @@ def _split_kernel(
         ml_off = b.to(tl.int64) * stride_pmb + heads * stride_pmh + sp
         tl.store(pm_ptr + ml_off, m_i, mask=g_mask)
         tl.store(pl_ptr + ml_off, l_i, mask=g_mask)
+        tl.debug_barrier()  # all of this program's partial stores before its arrival
+        counter = arrivals_ptr + b.to(tl.int64) * stride_ab + kvh
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        n_valid = tl.cdiv(n_tiles, tiles_per_split)  # the non-empty splits
+        if arrived == n_valid - 1:  # the last one in merges, and re-arms the counter
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            _merge_group(out_ptr, po_ptr, pm_ptr, pl_ptr, b, kvh, n_valid, stride_ob, stride_oh,
+                         stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh,
+                         GROUP, G_MERGE, HEAD_DIM, D_PAD, S_PAD)
 
 
 @triton.jit
-def _merge_kernel(
-    cl_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
-    stride_ob, stride_oh,
-    stride_pob, stride_poh, stride_pos,
-    stride_pmb, stride_pmh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, USE_PDL: tl.constexpr = False,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    pdl_wait(USE_PDL)
-    ctx = tl.load(cl_ptr + b)
-    n_tiles = tl.cdiv(ctx, BLOCK_N)
-    tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-    n_valid = tl.where(tiles_per_split > 0, tl.cdiv(n_tiles, tl.maximum(tiles_per_split, 1)), 0)
-
+def _merge_group(out_ptr, po_ptr, pm_ptr, pl_ptr, b, kvh, n_valid,
+                 stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh,
+                 GROUP: tl.constexpr, G_MERGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                 S_PAD: tl.constexpr):
+    """Combine the ``n_valid`` partials of row ``b``'s heads of KV head ``kvh`` into ``out``."""
+    offs_g = tl.arange(0, G_MERGE)
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D_PAD)
-    s_mask = offs_s < n_valid
+    heads = kvh * GROUP + offs_g
+    gs_mask = (offs_g < GROUP)[:, None] & (offs_s < n_valid)[None, :]
+    ml_off = b.to(tl.int64) * stride_pmb + heads[:, None] * stride_pmh + offs_s[None, :]
+    m = tl.load(pm_ptr + ml_off, mask=gs_mask, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(pl_ptr + ml_off, mask=gs_mask, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(tl.where(gs_mask, m, -1.0e30), axis=1)  # finite for padded heads too
+    w = tl.where(gs_mask, tl.exp2(m - m_max[:, None]), 0.0)
+    den = tl.sum(l * w, axis=1)
     d_mask = offs_d < HEAD_DIM
-    ml_off = b.to(tl.int64) * stride_pmb + h * stride_pmh + offs_s
-    m = tl.load(pm_ptr + ml_off, mask=s_mask, other=float("-inf"))
-    l = tl.load(pl_ptr + ml_off, mask=s_mask, other=0.0)
-    m_max = tl.max(m, axis=0)
-    w = tl.where(s_mask, tl.exp2(m - m_max), 0.0)
-    den = tl.sum(l * w, axis=0)
-    po = tl.load(po_ptr + b.to(tl.int64) * stride_pob + h * stride_poh + offs_s[:, None] * stride_pos
-                 + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    num = tl.sum(po * w[:, None], axis=0)
-    o = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
-    pdl_launch(USE_PDL)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-             o.to(out_ptr.dtype.element_ty), mask=d_mask)
+    po = tl.load(po_ptr + b.to(tl.int64) * stride_pob + heads[:, None, None] * stride_poh
+                 + offs_s[None, :, None] * stride_pos + offs_d[None, None, :],
+                 mask=gs_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+    o = tl.sum(po * w[:, :, None], axis=1) / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=(offs_g < GROUP)[:, None] & d_mask[None, :])
 
 
 class DecodeWorkspace:
@@ -161,6 +166,8 @@ class DecodeWorkspace:
         self.partial_out = torch.empty(max_batch, num_heads, max_splits, head_dim, dtype=torch.float32, device=device)
         self.partial_m = torch.empty(max_batch, num_heads, max_splits, dtype=torch.float32, device=device)
         self.partial_l = torch.empty(max_batch, num_heads, max_splits, dtype=torch.float32, device=device)
+        # splits done per (row, KV head) of the call in progress; the merging split re-zeroes its entry
+        self.arrivals = torch.zeros(max_batch, num_heads, dtype=torch.int32, device=device)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -252,12 +259,14 @@ def decode_attention(
         assert workspace.max_batch >= B and workspace.num_heads == H and workspace.head_dim == D
         assert workspace.max_splits >= num_splits
         po, pm, pl = workspace.partial_out, workspace.partial_m, workspace.partial_l
+        arrivals = workspace.arrivals
     else:
         po = pm = pl = out  # unused
+        arrivals = context_lens
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     d_pad = triton.next_power_of_2(D)
     _split_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, po, pm, pl,
+        q, k_cache, v_cache, block_tables, context_lens, out, po, pm, pl, arrivals,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -267,19 +276,10 @@ def decode_attention(
         po.stride(0) if num_splits > 1 else 0, po.stride(1) if num_splits > 1 else 0,
         po.stride(2) if num_splits > 1 else 0,
         pm.stride(0) if num_splits > 1 else 0, pm.stride(1) if num_splits > 1 else 0,
-        GROUP=G, G_PAD=max(16, triton.next_power_of_2(G)),
+        arrivals.stride(0) if num_splits > 1 else 0,
+        GROUP=G, G_PAD=max(16, triton.next_power_of_2(G)), G_MERGE=max(2, triton.next_power_of_2(G)),
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT_PREC=dot_prec,
+        NUM_SPLITS=num_splits, S_PAD=max(2, triton.next_power_of_2(num_splits)), DOT_PREC=dot_prec,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
     )
-    if num_splits > 1:
-        _merge_kernel[(B, H)](
-            context_lens, out, po, pm, pl,
-            out.stride(0), out.stride(1),
-            po.stride(0), po.stride(1), po.stride(2),
-            pm.stride(0), pm.stride(1),
-            HEAD_DIM=D, D_PAD=d_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-            S_PAD=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4 if D >= 128 else 2, **pdl_args(q),
-        )
     return out

@@ -3,8 +3,10 @@
 ``python -m tests.compile_sm90`` (TRITON_INTERPRET unset) compiles every variant the batch-1 fused kernels are
 launched with (:mod:`kernels.gemv`'s row kernel with each prologue, :mod:`kernels.gemv_qkv`) for the tuner's "row"
 configs, head dims 64 and 128, as the H100 runs them (with programmatic dependent launch, :mod:`kernels.pdl`),
-and prints one line per variant: its size and whether anything spilled to local memory.  Exits 1 if a variant
-fails to compile, spills, or breaks PDL's rule in its PTX (a store before ``griddepcontrol.wait``, or no wait).  ``tests/test_gpu_fastpath.py`` runs it in CI.
+and the split-KV decode attention kernel whose last split merges, and prints one line per variant: its size and
+whether anything spilled to local memory.  Exits 1 if a variant fails to compile, spills, or breaks PDL's rule in
+its PTX (a store before ``griddepcontrol.wait``, or no wait), or if the decode kernel's arrival is not a CTA
+barrier followed by a GPU-scope acquire-release atomic.  ``tests/test_gpu_fastpath.py`` runs it in CI.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import gemv, gemv_qkv
+from kernels import decode_attention, gemv, gemv_qkv
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ROW_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16",
@@ -25,6 +27,12 @@ QKV_SIG = {"x_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16", "rout_ptr": "*
            "qo_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "index_ptr": "*i64", "pos_ptr": "*i64", "cs_ptr": "*fp32",
            "K": "i32", "stride_wn": "i32", "eps": "fp32", "stride_kcb": "i32", "stride_kct": "i32", "stride_kch": "i32",
            "stride_vcb": "i32", "stride_vct": "i32", "stride_vch": "i32", "stride_cs": "i32", "H": "i32", "HKV": "i32"}
+
+DECODE_SIG = dict({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")},
+                  **{n: "*i32" for n in ("bt_ptr", "cl_ptr", "arrivals_ptr")},
+                  **{n: "*fp32" for n in ("po_ptr", "pm_ptr", "pl_ptr")}, qk_scale="fp32",
+                  **{f"stride_{n}": "i32" for n in ("qb", "qh", "kb", "kt", "kh", "vb", "vt", "vh", "btb", "ob", "oh",
+                                                   "pob", "poh", "pos", "pmb", "pmh", "ab")})
 
 
 def variants():
@@ -41,19 +49,36 @@ def variants():
                 consts = dict(D=head_dim, BLOCK_SIZE=16, PAIRS=pairs, BLOCK_K=block_k, HAS_BIAS=False, ADD=add,
                               USE_PDL=True)
                 yield f"qkv_rope D={head_dim} add={add} {config}", gemv_qkv._qkv_rope_kernel, QKV_SIG, consts, config
+    for head_dim, group, splits in ((64, 4, 16), (128, 4, 16), (128, 8, 2)):
+        block_n, warps, stages = decode_attention._default_config(head_dim)
+        consts = dict(GROUP=group, G_PAD=16, G_MERGE=group, HEAD_DIM=head_dim, D_PAD=head_dim, BLOCK_SIZE=16,
+                      BLOCK_N=block_n, NUM_SPLITS=splits, S_PAD=splits, DOT_PREC="tf32", USE_PDL=True)
+        yield (f"decode_split D={head_dim} G={group} splits={splits}", decode_attention._split_kernel, DECODE_SIG,
+               consts, (None, None, None, warps, stages))
 
 
-def pdl_problem(ptx: str) -> str:
-    """'' if the kernel waits for its predecessor once, before any store, and prefetches a weight tile before
-    that; else what is wrong."""
+def pdl_problem(ptx: str, prefetch: bool = True) -> str:
+    """'' if the kernel waits for its predecessor once, before any store, and (``prefetch``) prefetches a weight
+    tile before that; else what is wrong."""
     wait = ptx.find("griddepcontrol.wait")
     if wait < 0 or ptx.count("griddepcontrol.wait") != 1:
         return "PDL: not exactly one griddepcontrol.wait"
     store = re.search(r"\bst\.global", ptx)
     if store and store.start() < wait:
         return "PDL: a store before griddepcontrol.wait"
-    if "ld.global" not in ptx[:wait]:
+    if prefetch and "ld.global" not in ptx[:wait]:
         return "PDL: no weight prefetch before griddepcontrol.wait"
+    return ""
+
+
+def arrival_problem(ptx: str) -> str:
+    """'' if the split kernel's arrival is a CTA barrier and then a GPU-scope acquire-release add (so every
+    thread's partial stores are visible to the merging split); else what is wrong."""
+    atom = ptx.find("atom.global.gpu.acq_rel.add")
+    if atom < 0:
+        return "arrival: no GPU-scope acq_rel atomic add"
+    if "bar.sync" not in ptx[max(0, ptx.rfind("st.global", 0, atom)):atom]:
+        return "arrival: no barrier between the partial stores and the atomic"
     return ""
 
 
@@ -70,7 +95,8 @@ def main() -> int:
             continue
         ptx = compiled.asm["ptx"]
         spills = len(re.findall(r"\.local\b", ptx))
-        problem = "SPILL" if spills else pdl_problem(ptx)
+        decode = kernel is decode_attention._split_kernel
+        problem = "SPILL" if spills else (pdl_problem(ptx, prefetch=not decode) or (decode and arrival_problem(ptx)))
         print(f"{problem or 'ok'} {name}: cubin {len(compiled.asm['cubin'])} B")
         failed += bool(problem)
     return 1 if failed else 0
