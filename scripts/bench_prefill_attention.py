@@ -92,8 +92,8 @@ def flops(rows, D):
     return sum(4 * H * D * n * (p + (n + 1) / 2) for p, n in rows)
 
 
-def sweep(results):
-    """Variants of the new kernel; the best by total time per head dim."""
+def sweep(results, deadline):
+    """Variants of the new kernel; the best by total time per head dim (stops at ``deadline``, a host time)."""
     out = {}
     for D in (64, 128):
         cases = [c for c in CASES if c[1] == D]
@@ -101,7 +101,9 @@ def sweep(results):
         for bm in (32, 16):  # query tokens per program at G=4: 128 / 64 score rows
             for bn in (64, 128):
                 for warps in (4, 8):
-                    for stages in (2, 3, 4):
+                    for stages in (3, 4):
+                        if time.time() > deadline:
+                            break
                         cfg = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
                         try:
                             times = [run_case(NEW, rows, D, 7, **cfg) for _, _, _, rows in cases]
@@ -143,6 +145,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--ttgir", default="")
     ap.add_argument("--json", default="")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="the sweep stops this long after the start")
     args = ap.parse_args()
     t0 = time.time()
     peak = matmul_peak()
@@ -161,7 +164,7 @@ def main():
             print(row, flush=True)
     ttgir = save_ttgir(args.ttgir) if args.ttgir else []
     results.append(dict(kind="ttgir", variants=ttgir))
-    best = sweep(results) if args.sweep else {}
+    best = sweep(results, t0 + args.budget_s) if args.sweep else {}
     env = dict(torch=torch.__version__, triton=__import__("triton").__version__, gpu=torch.cuda.get_device_name(),
                seconds=time.time() - t0)
     if args.json:
