@@ -133,7 +133,10 @@ def save_ttgir(where):
                 f.write(ir)
             c = {op: ir.count(op) for op in ("warp_group_dot", "async_copy_global_to_local", "async_wait",
                                              "tt.dot", "scf.for")}
-            c.update(regs=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None), file=f"prefill_{i}.ttgir")
+            md = getattr(k, "metadata", None)
+            c.update(regs=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None), file=f"prefill_{i}.ttgir",
+                     warps=getattr(md, "num_warps", None), stages=getattr(md, "num_stages", None),
+                     smem=getattr(md, "shared", None))
             counts.append(c)
             print("ttgir", c, flush=True)
     return counts
