@@ -204,7 +204,7 @@ def launch_config(head_dim: int, dtype: torch.dtype, rows: int) -> tuple[int, in
     16-bit (swept on an H100, docs/kernels.md): BLOCK_N 64 with 3 stages, so the page-id and
     K/V loads are software-pipelined (async copies in both loops); 8 warps for 128 rows of
     D <= 64 (4 warps use 255 registers and spill), 4 for D = 128 (one warpgroup issuing both
-    m64 halves: 10% faster than 8).  D > 128 is not tuned.  fp32 (tests; no tensor-core
+    m64 halves: ~10% faster than 8 although it spills 58 registers).  D > 128 is not tuned.  fp32 (tests; no tensor-core
     path): smaller tiles and 2 stages (shared memory).
     """
     if dtype == torch.float32:
