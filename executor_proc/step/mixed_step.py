@@ -83,7 +83,7 @@ class MixedShape:
 
     @property
     def tile_programs(self) -> int:
-        """Programs per head that walk the tiles: enough for one row of every token."""
+        """Programs per KV head that walk the tiles: enough for one row of every token."""
         return -(-self.tokens // self.tile_m)
 
     @property
