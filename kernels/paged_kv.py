@@ -17,3 +17,33 @@ def load_kv_tile(k_ptr, v_ptr, bt_row, t, t_mask, kvh, offs_d, d_mask,
     v = tl.load(v_ptr + (blk * stride_vb + off * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :],
                 mask=kv_mask, other=0.0)
     return k, v
+
+
+@triton.jit
+def load_kv_pair(k_ptr, v_ptr, bt_row, t, t_end, kvh, offs_d, stride_b, stride_t, stride_h,
+                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr):
+    """K and V ``[len(t), D_PAD]`` of tokens ``t`` (KV head ``kvh``) when K and V share their strides.
+
+    One page-id load and one address computation serve both.  ``MASKED``: tokens at or past
+    ``t_end`` read 0 (page id 0); otherwise every token of ``t`` must be below ``t_end`` and the
+    loads carry no token mask (what lets the compiler pipeline them as plain async copies).
+    """
+    if MASKED:
+        t_mask = t < t_end
+        blk = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0)
+    else:
+        blk = tl.load(bt_row + t // BLOCK_SIZE)
+    off = blk.to(tl.int64) * stride_b + (t % BLOCK_SIZE) * stride_t + kvh * stride_h
+    ptr = off[:, None] + offs_d[None, :]
+    if MASKED:
+        mask = t_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + ptr, mask=mask, other=0.0)
+        v = tl.load(v_ptr + ptr, mask=mask, other=0.0)
+    elif HEAD_DIM == D_PAD:
+        k = tl.load(k_ptr + ptr)
+        v = tl.load(v_ptr + ptr)
+    else:
+        mask = (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + ptr, mask=mask, other=0.0)
+        v = tl.load(v_ptr + ptr, mask=mask, other=0.0)
+    return k, v

@@ -1,4 +1,4 @@
-"""Paged prefill / chunked-prefill attention (varlen, causal).
+"""Paged prefill / chunked-prefill attention (varlen, causal), GQA-packed.
 
 Rows are laid out as in :class:`executor_proc.step.batch.ForwardBatch`: row ``r`` owns
 query tokens ``query_start[r]:query_start[r+1]`` and attends to the first
@@ -8,18 +8,32 @@ sits at position ``context_len - qlen + j`` and sees keys ``0..position``.
 Decode rows (``qlen == 1``) are just rows of length one, so a mixed step can run
 all its rows through this kernel.
 
-Grid ``(cdiv(max_query_len, BLOCK_M), H, R)`` with the host-known maximum query
-length (the plan knows it); a program whose query block lies past its row's end
-exits at once.  Each program streams the row's keys in ``BLOCK_N`` tiles with an
-online softmax (scores in float32, exp2 domain), skips tiles entirely past its
-last query's position, and masks only where needed.
+*GQA packing*: one program owns a query block of ``BQ`` tokens of one row for one KV
+head, and its ``BLOCK_M = next_pow2(GROUP * BQ)`` score rows are the (token, head)
+pairs of that block (row ``m``: token ``m // GROUP``, head ``kvh * GROUP + m % GROUP``;
+rows past ``GROUP * BQ`` are padding), so every K/V tile brought on chip feeds all
+``GROUP`` query heads of its KV head.  :func:`tile_tokens` picks ``BQ`` (128 score rows
+for long work, fewer for short rows).
+
+Each block streams its keys in ``BLOCK_N`` tiles with an online softmax (float32,
+exp2 domain, scale folded in), in two loops: the *off-band* tiles, every key below
+the block's first position rounded down to ``BLOCK_N``, seen by every query, with no
+mask at all; then the *diagonal* tiles up to the block's last position, with the
+causal mask as a finite additive term (no -inf, so no NaN guard: every query sees
+at least one key in its first tile).
+
+Plain grid ``(Hkv, R, cdiv(max_query_len, BQ))`` with the host-known maximum query
+length; the query-block axis is the slowest and runs backwards, so the blocks with
+the most keys start first (longest-processing-time order); a program whose block
+lies past its row's end exits at once.
 
 *Work-tile form* (``tiles=``, what a CUDA graph of a mixed step captures): the host
 lists the step's ``(row, query block)`` pairs in a device table ``[1 + 2 * max]``
-int32 (the count first), and a fixed grid ``(num_programs, H)`` walks it, program
-``i`` taking entries ``i, i + num_programs, ...``.  The grid depends only on the
-graph's bucket, never on the rows, and a row not in the table (a decode row of a
-mixed step, a padded row) costs nothing.
+int32 (the count first; :mod:`executor_proc.step.mixed_step` lists the longest first),
+and a fixed grid ``(num_programs, Hkv)`` walks it, program ``i`` taking entries
+``i, i + num_programs, ...``.  The grid depends only on the graph's bucket, never on
+the rows, and a row not in the table (a decode row of a mixed step, a padded row)
+costs nothing.
 """
 
 from __future__ import annotations
@@ -30,70 +44,111 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_kv import load_kv_tile
+from .paged_kv import load_kv_pair
 from .reference import prefill_attention_ref  # noqa: F401  (re-exported)
 
-__all__ = ["prefill_attention", "prefill_attention_ref", "default_block_m"]
+__all__ = ["prefill_attention", "prefill_attention_ref", "tile_tokens", "block_rows"]
 
 _LOG2E = 1.4426950408889634
+_MAX_ROWS = 128  # score rows per program for long work (two m64 wgmma tiles on Hopper)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def block_rows(group: int, tokens: int) -> int:
+    """Score rows of a program holding ``tokens`` query tokens of ``group`` heads each (>= 16: dot minimum)."""
+    return max(16, _pow2(group * tokens))
+
+
+def tile_tokens(group: int, max_query_len: int) -> int:
+    """Query tokens per program (the work-tile ``block_m``) for ``group`` query heads per KV head.
+
+    ``128 // group`` tokens (128 score rows) once the rows are long enough, fewer for
+    short rows (decode-like: ``max_query_len`` tokens, at least 16 score rows); at least
+    one token whatever the group.  Depends only on its arguments, so a graph bucket
+    (``max_query_len`` = its token count) gets a fixed value.
+    """
+    rows = min(_MAX_ROWS, block_rows(group, max(1, max_query_len)))
+    return max(1, rows // group)
+
+
+@triton.jit
+def _attend_tiles(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh, lo, hi, ctx, pos, offs_d, qk_scale,
+                  stride_kb, stride_kt, stride_kh,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Online-softmax update over keys ``lo .. hi`` (``lo`` a multiple of ``BLOCK_N``).
+
+    ``MASKED`` False: every key is visible to every query and below ``ctx`` (off-band).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        t = start + offs_n
+        k, v = load_kv_pair(k_ptr, v_ptr, bt_row, t, ctx, kvh, offs_d, stride_kb, stride_kt, stride_kh,
+                            BLOCK_SIZE, HEAD_DIM, D_PAD, MASKED)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if MASKED:
+            # Keys past a query's position (and so every key >= ctx, read as 0) get -1e6: finite.
+            qk = qk * qk_scale + tl.where(t[None, :] <= pos[:, None], 0.0, -1.0e6)
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            qk = qk - m_ij[:, None]
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_ij[:, None]  # one FMA
+        p = tl.math.exp2(qk)
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_ij = tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        l_i = l_i * alpha + l_ij  # updated last: fewer live registers across the dots
+        m_i = m_ij
+    return m_i, l_i, acc
 
 
 @triton.jit
 def _attend_block(
-    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cl_ptr, r, qb, h, q_start, q_len,
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cl_ptr, r, qb, kvh, q_start, q_len,
     qk_scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh,
     stride_btb,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """Query block ``qb`` of row ``r`` (tokens ``q_start .. q_start + q_len``), head ``h``."""
+    """Query block ``qb`` (``BQ`` tokens) of row ``r`` (tokens ``q_start .. q_start + q_len``), KV head ``kvh``."""
     ctx = tl.load(cl_ptr + r)
     prefix = ctx - q_len
-    kvh = h // GROUP
-
-    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
+    tq = qb * BQ + offs_m // GROUP  # token of each score row within the row
+    head = kvh * GROUP + offs_m % GROUP
+    m_mask = (offs_m < BQ * GROUP) & (tq < q_len)
+    pos = prefix + tq  # absolute positions (padding rows: past ctx, harmless)
     offs_d = tl.arange(0, D_PAD)
-    m_mask = offs_m < q_len
-    d_mask = offs_d < HEAD_DIM
-    pos = prefix + offs_m  # absolute positions of these queries
-    tok = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    io_mask = m_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tok = (q_start + tq).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=io_mask, other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-
-    # Keys needed: 0 .. last visible position of this query block (inclusive).
-    last_pos = tl.minimum(prefix + (qb + 1) * BLOCK_M, ctx)  # exclusive bound
-    n_tiles = tl.cdiv(last_pos, BLOCK_N)
     bt_row = bt_ptr + r.to(tl.int64) * stride_btb
-    offs_n = tl.arange(0, BLOCK_N)
-    for tile in range(0, n_tiles):
-        t = tile * BLOCK_N + offs_n
-        t_mask = t < last_pos
-        k, v = load_kv_tile(k_ptr, v_ptr, bt_row, t, t_mask, kvh, offs_d, d_mask,
-                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        visible = (t[None, :] <= pos[:, None]) & t_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows that have seen no key yet keep m = -inf; guard exp2(-inf - -inf).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
-
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    first = prefix + qb * BQ  # position of the block's first query
+    band = (first // BLOCK_N) * BLOCK_N  # keys below: visible to every query of the block
+    end = tl.minimum(first + BQ, ctx)  # exclusive: past the block's last query
+    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh, 0, band, ctx, pos, offs_d,
+                                  qk_scale, stride_kb, stride_kt, stride_kh,
+                                  HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, DOT_PREC)
+    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh, band, end, ctx, pos, offs_d,
+                                  qk_scale, stride_kb, stride_kt, stride_kh,
+                                  HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, DOT_PREC)
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -102,23 +157,21 @@ def _prefill_kernel(
     qk_scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh,
     stride_btb,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    qb = tl.program_id(0)
-    h = tl.program_id(1)
-    r = tl.program_id(2)
+    kvh = tl.program_id(0)
+    r = tl.program_id(1)
+    qb = tl.num_programs(2) - 1 - tl.program_id(2)  # last blocks (most keys) first
     q_start = tl.load(qs_ptr + r)
     q_len = tl.load(qs_ptr + r + 1) - q_start
-    if qb * BLOCK_M < q_len:
-        _attend_block(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cl_ptr, r, qb, h, q_start, q_len, qk_scale,
-                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                      stride_ot, stride_oh, stride_btb,
-                      GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PREC)
+    if qb * BQ < q_len:
+        _attend_block(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cl_ptr, r, qb, kvh, q_start, q_len, qk_scale,
+                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ot, stride_oh, stride_btb,
+                      GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BQ, BLOCK_N, DOT_PREC)
 
 
 @triton.jit
@@ -127,29 +180,39 @@ def _prefill_tiles_kernel(
     qk_scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh,
     stride_btb,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     n = tl.load(tiles_ptr)
     for i in range(tl.program_id(0), n, tl.num_programs(0)):
         r = tl.load(tiles_ptr + 1 + 2 * i)
         qb = tl.load(tiles_ptr + 2 + 2 * i)
         q_start = tl.load(qs_ptr + r)
         q_len = tl.load(qs_ptr + r + 1) - q_start
-        _attend_block(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cl_ptr, r, qb, h, q_start, q_len, qk_scale,
-                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                      stride_ot, stride_oh, stride_btb,
-                      GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PREC)
+        _attend_block(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cl_ptr, r, qb, kvh, q_start, q_len, qk_scale,
+                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ot, stride_oh, stride_btb,
+                      GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BQ, BLOCK_N, DOT_PREC)
 
 
-def default_block_m(max_query_len: int) -> int:
-    """Query tokens per program: 16 for short queries (decode-like rows), else 64."""
-    return 16 if max_query_len <= 16 else 64
+def launch_config(head_dim: int, dtype: torch.dtype, rows: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` for a program of ``rows`` score rows.
+
+    16-bit (swept on an H100, docs/kernels.md): BLOCK_N 64 with 3 stages, so the page-id and
+    K/V loads are software-pipelined (async copies in both loops); 8 warps for 128 rows of
+    D <= 64 (4 warps use 255 registers and spill), 4 for D = 128 (one warpgroup issuing both
+    m64 halves: ~10% faster than 8 although it spills 58 registers).  D > 128 is not tuned.  fp32 (tests; no tensor-core
+    path): smaller tiles and 2 stages (shared memory).
+    """
+    if dtype == torch.float32:
+        return 32, 4, 2
+    if head_dim > 128:
+        return 32, 8, 2
+    warps = 8 if rows >= 128 and head_dim <= 64 else 4
+    return 64, warps, 3
 
 
 def prefill_attention(
@@ -173,14 +236,16 @@ def prefill_attention(
     """Varlen causal attention over the paged cache.
 
     q ``[T, H, D]`` (last dim contiguous; may be a view of a fused QKV output),
-    k_cache/v_cache ``[num_blocks, block_size, Hkv, D]``, block_tables ``[R, max_blocks]``
-    int32, query_start ``[R+1]`` int32, context_lens ``[R]`` int32 (all on the device),
-    ``max_query_len`` a host int >= every row's query length.  Returns ``[T, H, D]``.
+    k_cache/v_cache ``[num_blocks, block_size, Hkv, D]`` with the same strides, block_tables
+    ``[R, max_blocks]`` int32, query_start ``[R+1]`` int32, context_lens ``[R]`` int32 (all on
+    the device), ``max_query_len`` a host int >= every row's query length.  Returns ``[T, H, D]``.
 
-    With ``tiles`` (int32 ``[1 + 2 * max]``: the count, then ``(row, query block)`` pairs
-    of ``block_m`` tokens, which must be given) only the listed blocks are computed, by a
-    grid of ``num_programs`` programs per head whatever the rows (module docstring):
-    ``out`` rows of tokens outside them are left as they were.
+    ``block_m``: query tokens per program (default :func:`tile_tokens`); each program
+    covers them for the ``H // Hkv`` heads of one KV head.  With ``tiles`` (int32
+    ``[1 + 2 * max]``: the count, then ``(row, query block)`` pairs of ``block_m`` tokens,
+    which must be given) only the listed blocks are computed, by a grid of ``num_programs``
+    programs per KV head whatever the rows (module docstring): ``out`` rows of tokens
+    outside them are left as they were.
     """
     assert q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
     T, H, D = q.shape
@@ -189,7 +254,7 @@ def prefill_attention(
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32)
     assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
-    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride()
     R = context_lens.shape[0]
     assert query_start.shape == (R + 1,) and query_start.dtype == torch.int32
     assert context_lens.dtype == torch.int32 and block_tables.dtype == torch.int32
@@ -202,26 +267,24 @@ def prefill_attention(
         assert tiles.dtype == torch.int32 and tiles.dim() == 1 and tiles.device == q.device
     elif R == 0 or T == 0 or max_query_len <= 0:
         return out
-    if block_m is None:
-        block_m = default_block_m(max_query_len)
-    block_n = block_n or (64 if D <= 64 else 32)
-    num_warps = num_warps or 4
-    num_stages = num_stages or 2
+    group = H // Hkv
+    block_m = block_m or tile_tokens(group, max_query_len)
+    rows = block_rows(group, block_m)
+    cfg_n, cfg_w, cfg_s = launch_config(D, q.dtype, rows)
     if tiles is None:
-        kernel, grid, extra = _prefill_kernel, (triton.cdiv(max_query_len, block_m), H, R), ()
+        kernel, grid, extra = _prefill_kernel, (Hkv, R, triton.cdiv(max_query_len, block_m)), ()
     else:
-        kernel, grid, extra = _prefill_tiles_kernel, (num_programs, H), (tiles,)
+        kernel, grid, extra = _prefill_tiles_kernel, (num_programs, Hkv), (tiles,)
     kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start, context_lens, *extra,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
-        GROUP=H // Hkv, HEAD_DIM=D, D_PAD=triton.next_power_of_2(D),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group, HEAD_DIM=D, D_PAD=triton.next_power_of_2(D),
+        BLOCK_SIZE=block_size, BLOCK_M=rows, BQ=block_m, BLOCK_N=block_n or cfg_n,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps or cfg_w, num_stages=num_stages or cfg_s,
     )
     return out

@@ -59,8 +59,11 @@ def test_pack_layout():
     assert parts["query_start"].tolist() == [0, 1, 21, 26] + [26] * 5
     assert parts["context_lens"][:3].tolist() == [10, 20, 35] and parts["decode_lens"].tolist() == [10] + [0] * 7
     assert parts["sample_index"][:2].tolist() == [0, 25]
-    tile_m = shape.tile_m  # 64 for 32 tokens: one tile per prefill row
-    assert tile_m == 64 and parts["tiles"][:5].tolist() == [2, 1, 0, 2, 0]
+    assert shape.tile_m == 32  # one tile per prefill row; the one with more keys (row 2: 35) first
+    assert parts["tiles"][:5].tolist() == [2, 2, 0, 1, 0]
+    grouped = MixedShape(tokens=32, rows=8, max_rows=8, group=8)  # 8 heads x 16 tokens: 128 score rows
+    tiles = pack(rows, grouped, pad_slot=6)[-grouped.lengths()["tiles"]:]
+    assert grouped.tile_m == 16 and tiles[:7].tolist() == [3, 2, 0, 1, 1, 1, 0]  # keys 35, 20, 16
 
 
 def scenario(vocab: int, chunk: int = 6):

@@ -58,7 +58,7 @@ class ForwardBatch:
     decode_context_lens: Optional[torch.Tensor] = None
     prefill_tiles: Optional[torch.Tensor] = None
     tile_m: int = 0  # query tokens per prefill tile
-    tile_programs: int = 0  # programs per head that walk the tiles
+    tile_programs: int = 0  # programs per KV head that walk the tiles
 
     @property
     def num_rows(self) -> int:

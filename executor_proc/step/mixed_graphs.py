@@ -39,9 +39,10 @@ _NO_ROWS = plan_rows(StepPlan(0, [], [], [], [], []))
 class MixedGraphs:
     def __init__(self, body_fn: BodyFn, head_fn: HeadFn, max_tokens: int, max_rows: int, pad_slot: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, capture: bool,
-                 capturer: Optional[GraphCapture] = None):
+                 capturer: Optional[GraphCapture] = None, group: int = 1):
         """``body_fn(inputs, hidden_out, host_rows)`` and ``head_fn(hidden, slots, positions, mode)``:
-        :func:`executor_proc.step.mixed_step.mixed_body` and ``mixed_head`` bound to a model."""
+        :func:`executor_proc.step.mixed_step.mixed_body` and ``mixed_head`` bound to a model;
+        ``group``: its query heads per KV head (sets the prefill work tile)."""
         self.body_fn, self.head_fn = body_fn, head_fn
         self.token_buckets = token_buckets(max_tokens)
         self.row_buckets = row_buckets(max_rows)
@@ -50,7 +51,8 @@ class MixedGraphs:
         self.device = device
         self.capture = capture
         self.capturer = capturer or GraphCapture(device)
-        self.shapes = [MixedShape(t, r, max_rows) for t in self.token_buckets for r in self._rows_for(t)]
+        self.group = group
+        self.shapes = [MixedShape(t, r, max_rows, group) for t in self.token_buckets for r in self._rows_for(t)]
         self.inputs = torch.zeros(max(s.size for s in self.shapes), dtype=torch.int64, device=device)
         self.hidden = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
         self.no_tokens = torch.zeros(0, dtype=torch.int64, device=device)
@@ -67,7 +69,7 @@ class MixedGraphs:
             return None
         tokens = self.token_buckets[i]
         fitting = self._rows_for(tokens)
-        return MixedShape(tokens, fitting[bisect.bisect_left(fitting, rows.num_rows)], self.max_rows)
+        return MixedShape(tokens, fitting[bisect.bisect_left(fitting, rows.num_rows)], self.max_rows, self.group)
 
     def pack(self, rows: PlanRows, shape: MixedShape) -> np.ndarray:
         """The step's packed inputs (for the step's upload; :meth:`load` puts them in place)."""

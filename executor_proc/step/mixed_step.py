@@ -26,7 +26,8 @@ The inputs of every bucket live in one flat int64 buffer (the host packs them wi
     context_lens      [Rb]
     decode_lens       [Rb]  a decode row's context length, 0 for prefill and padded rows
     sample_index      [Rb]  token index of each sampled row's last token
-    tiles             [1 + 2 * max_tiles]  prefill work: count, (row, query block) pairs
+    tiles             [1 + 2 * max_tiles]  prefill work: count, (row, query block) pairs,
+                      the blocks with the most keys first (they take longest)
 
 Rows are in plan order, every decode row first (row ``r < D`` is token ``r``), which is
 what lets decode rows use the split-KV decode kernel while the prefill kernel walks
@@ -47,6 +48,7 @@ from executor_proc.step.batch import ForwardBatch
 from executor_proc.step.plan_rows import PlanRows
 from executor_proc.step.sample import Sampled, SamplingMode, sample_rows
 from executor_proc.step.slot_tables import SlotTables
+from kernels.prefill_attention import tile_tokens
 
 def token_buckets(max_tokens: int) -> list[int]:
     """16, 32, 48, 64, 96, 128, then every 64 to 1024, every 128 to 2048, every 256 beyond; ``max_tokens`` last."""
@@ -66,20 +68,22 @@ def row_buckets(max_rows: int) -> list[int]:
 
 @dataclass(frozen=True)
 class MixedShape:
-    """A body bucket: ``tokens`` and ``rows`` (``rows <= tokens``); ``max_rows``: the widest row bucket."""
+    """A body bucket: ``tokens`` and ``rows`` (``rows <= tokens``); ``max_rows``: the widest row bucket;
+    ``group``: the model's query heads per KV head (the prefill kernel's tile depends on it)."""
 
     tokens: int
     rows: int
     max_rows: int
+    group: int = 1
 
     @property
     def tile_m(self) -> int:
-        """Query tokens per prefill work tile (the prefill kernel's BLOCK_M)."""
-        return 16 if self.tokens <= 16 else 64
+        """Query tokens per prefill work tile: the prefill kernel's own choice for this bucket."""
+        return tile_tokens(self.group, self.tokens)
 
     @property
     def tile_programs(self) -> int:
-        """Programs per head that walk the tiles: enough for one row of every token."""
+        """Programs per KV head that walk the tiles: enough for one row of every token."""
         return -(-self.tokens // self.tile_m)
 
     @property
@@ -122,14 +126,24 @@ def pack(rows: PlanRows, shape: MixedShape, pad_slot: int) -> np.ndarray:
     parts["context_lens"][:r] = rows.context_lens
     parts["decode_lens"][:d] = rows.context_lens[:d]
     parts["sample_index"][:s] = rows.logits_index
-    prefill = np.arange(d, r)
-    per_row = -(-rows.qlens[d:] // shape.tile_m)
-    n = int(per_row.sum())
-    tiles = parts["tiles"]
-    tiles[0] = n
-    tiles[1:1 + 2 * n:2] = np.repeat(prefill, per_row)
-    tiles[2:2 + 2 * n:2] = np.arange(n) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+    _pack_tiles(parts["tiles"], rows, shape.tile_m)
     return buf
+
+
+def _pack_tiles(tiles: np.ndarray, rows: PlanRows, tile_m: int) -> None:
+    """The prefill rows' (row, query block) pairs, most keys first: the kernel's programs take them
+    in order, so the longest start first and the short ones fill in (longest-processing-time)."""
+    d = rows.num_decode
+    qlens = rows.qlens[d:]
+    per_row = -(-qlens // tile_m)
+    n = int(per_row.sum())
+    row = np.repeat(np.arange(d, rows.num_rows), per_row)
+    block = np.arange(n) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+    prefix = np.repeat(rows.context_lens[d:] - qlens, per_row)
+    order = np.argsort(-(prefix + np.minimum((block + 1) * tile_m, qlens[row - d])), kind="stable")
+    tiles[0] = n
+    tiles[1:1 + 2 * n:2] = row[order]
+    tiles[2:2 + 2 * n:2] = block[order]
 
 
 @dataclass

@@ -103,7 +103,8 @@ class Worker:
         if mixed_max_tokens > 0:
             self.mixed = MixedGraphs(self._mixed_body, self._mixed_head, mixed_max_tokens, tables.num_slots,
                                      tables.pad_slot, model.config.hidden_size, model.lm_head.weight.dtype, device,
-                                     capture=capture_graphs, capturer=self.capturer)
+                                     capture=capture_graphs, capturer=self.capturer,
+                                     group=model.config.num_heads // model.config.num_kv_heads)
 
     def _decode_step(self, inputs, mode: SamplingMode) -> Sampled:
         with torch.inference_mode():
