@@ -5,10 +5,14 @@ torch version is five launches (~13 us).  Here programs ``(row, chunk)``
 write each chunk's maximum and its first index, then one program per row picks the first chunk
 holding the row's maximum: the first index of the maximum, as torch gives it.  NaN counts as
 larger than everything (torch's rule), so a broken row still yields an index inside the vocabulary.
-Both kernels launch with PDL (:mod:`kernels.pdl`).
+Both kernels launch with PDL (:mod:`kernels.pdl`).  With ``last_token`` and ``slots`` the pick also
+writes each row's token to ``last_token[slots[row]]`` (the decode step's feedback for the next
+step), which saves the index-put launch after it.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -39,7 +43,8 @@ def _chunk_max_kernel(x_ptr, pm_ptr, pi_ptr, V, stride_x, n_chunks, CHUNK: tl.co
 
 
 @triton.jit
-def _pick_kernel(pm_ptr, pi_ptr, out_ptr, n_chunks, V, C_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _pick_kernel(pm_ptr, pi_ptr, out_ptr, slots_ptr, last_ptr, n_chunks, V, C_PAD: tl.constexpr,
+                 STORE_LAST: tl.constexpr, USE_PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, C_PAD)
     mask = offs < n_chunks
@@ -49,13 +54,22 @@ def _pick_kernel(pm_ptr, pi_ptr, out_ptr, n_chunks, V, C_PAD: tl.constexpr, USE_
     best = tl.max(m, axis=0)
     token = tl.min(tl.where(mask & (m == best), i, V), axis=0)
     pdl_launch(USE_PDL)
-    tl.store(out_ptr + row, tl.minimum(token, V - 1).to(tl.int64))  # never past the vocabulary
+    token = tl.minimum(token, V - 1).to(tl.int64)  # never past the vocabulary
+    tl.store(out_ptr + row, token)
+    if STORE_LAST:
+        tl.store(last_ptr + tl.load(slots_ptr + row), token)
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(logits, dim=-1)`` (int64, first index on ties) for logits ``[S, V]``, ``S <= MAX_ROWS``."""
+def argmax_rows(logits: torch.Tensor, last_token: Optional[torch.Tensor] = None,
+                slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``torch.argmax(logits, dim=-1)`` (int64, first index on ties) for logits ``[S, V]``, ``S <= MAX_ROWS``;
+    with ``last_token`` (int64) and ``slots [S]`` (int64) also ``last_token[slots] = tokens``."""
     rows, vocab = logits.shape
     assert rows <= MAX_ROWS and logits.stride(1) == 1 and vocab > 0
+    store_last = last_token is not None
+    if store_last:
+        assert slots is not None and slots.shape == (rows,) and slots.dtype == torch.int64
+        assert last_token.dtype == torch.int64 and last_token.stride(0) == 1
     n_chunks = triton.cdiv(vocab, _CHUNK)
     pm = torch.empty(rows, n_chunks, dtype=torch.float32, device=logits.device)
     pi = torch.empty(rows, n_chunks, dtype=torch.int32, device=logits.device)
@@ -65,6 +79,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     pdl = pdl_args(logits)
     _chunk_max_kernel[(rows, n_chunks)](logits, pm, pi, vocab, logits.stride(0), n_chunks, CHUNK=_CHUNK,
                                         num_warps=4, **pdl)
-    _pick_kernel[(rows,)](pm, pi, out, n_chunks, vocab, C_PAD=max(2, triton.next_power_of_2(n_chunks)),
+    _pick_kernel[(rows,)](pm, pi, out, slots if store_last else out, last_token if store_last else out, n_chunks,
+                          vocab, C_PAD=max(2, triton.next_power_of_2(n_chunks)), STORE_LAST=store_last,
                           num_warps=1, **pdl)
     return out

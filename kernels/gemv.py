@@ -65,7 +65,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     pdl_launch(USE_PDL)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty),  # rounded as F.linear rounds
              mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -132,7 +133,7 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, rout_ptr, N, K, 
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    tl.store(y_ptr + offs_n, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 def config_fits(config: tuple, m: int) -> bool:
@@ -142,7 +143,11 @@ def config_fits(config: tuple, m: int) -> bool:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
          config: tuple = CONFIGS[0], out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x ``[M, K]`` with ``M <= 16``; weight ``[N, K]``, both K-contiguous."""
+    """``F.linear(x, weight, bias)`` for x ``[M, K]`` with ``M <= 16``; weight ``[N, K]``, both K-contiguous.
+
+    ``out`` may be float32 for a lower-precision x: it then holds ``F.linear(...).float()`` (values rounded
+    to x's dtype first), one launch instead of two (the LM head's float logits).
+    """
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
     assert x.shape[0] <= MAX_M and x.stride(1) == 1 and weight.stride(1) == 1
     assert x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32)

@@ -56,3 +56,22 @@ def test_argmax_rows(rows, vocab, dtype):
         x[2, [9, 3000 % vocab]] = float("nan")
     x = x.to(DEV)
     assert argmax_rows(x).tolist() == torch.argmax(x, dim=-1).tolist()
+    last = torch.full((rows + 5,), -1, dtype=torch.int64, device=DEV)  # the decode step's feedback table
+    slots = torch.randperm(rows + 5, generator=g)[:rows].to(DEV)
+    tokens = argmax_rows(x, last, slots)
+    want = torch.full_like(last, -1)
+    want[slots] = torch.argmax(x, dim=-1)
+    assert tokens.tolist() == torch.argmax(x, dim=-1).tolist() and last.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("config", [("row", 8, 512, 4, 4), ("dot", 16, 256, 4, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_float_out_is_rounded_linear(config, dtype):
+    """The LM head's one launch: float32 logits equal to the model-dtype GEMV's output, cast."""
+    from kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 96, generator=g).to(dtype).to(DEV)
+    w = torch.randn(300, 96, generator=g).to(dtype).to(DEV)
+    out = torch.empty(1, 300, dtype=torch.float32, device=DEV)
+    assert torch.equal(gemv(x, w, config=config, out=out), gemv(x, w, config=config).float())

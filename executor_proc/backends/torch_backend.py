@@ -193,8 +193,14 @@ class TorchBackend:
     decode_rows = staticmethod(ops.decode_rows_ref)
 
     @staticmethod
-    def argmax(logits: torch.Tensor) -> torch.Tensor:
-        return torch.argmax(logits, dim=-1)
+    def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, weight).float()
+
+    @staticmethod
+    def argmax(logits: torch.Tensor, last_token: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        tokens = torch.argmax(logits, dim=-1)
+        last_token[slots] = tokens
+        return tokens
 
     def norm_linear(self, pre: NormInput, weight: torch.Tensor,
                     bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

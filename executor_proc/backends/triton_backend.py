@@ -161,12 +161,24 @@ class TritonBackend:
             shape = (weight.shape[0], weight.shape[1])
             split = self.split_k.get(shape) or self.split_k.setdefault(shape, choose_split_k(*shape, self.device))
             return invariant_matmul(x, weight, bias, split_k=split)
+        config = self._gemv_config(x, weight)
+        return skinny.gemv(x, weight, bias, config=config) if config else F.linear(x, weight, bias)
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Where the skinny GEMV serves the LM head it writes float32 itself: no separate cast launch."""
+        config = None if self.batch_invariant else self._gemv_config(hidden, weight)
+        if config is None:
+            return self.linear(hidden, weight, None).float()
+        out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
+        return skinny.gemv(hidden, weight, None, config=config, out=out)
+
+    def _gemv_config(self, x: torch.Tensor, weight: torch.Tensor) -> Optional[GemvConfig]:
+        """The skinny GEMV's config for this weight at x's rows, or None (cuBLAS)."""
         m = x.shape[0]
-        if m <= 8 and x.stride(1) == 1:
-            config = self.gemv_everywhere or self.gemv_choice.get((weight.shape[0], weight.shape[1], m_bucket(m)))
-            if config is not None and skinny.config_fits(config, m):
-                return skinny.gemv(x, weight, bias, config=config)
-        return F.linear(x, weight, bias)
+        if m > 8 or x.stride(1) != 1:
+            return None
+        config = self.gemv_everywhere or self.gemv_choice.get((weight.shape[0], weight.shape[1], m_bucket(m)))
+        return config if config is not None and skinny.config_fits(config, m) else None
 
     def norm_linear(self, pre: NormInput, weight: torch.Tensor,
                     bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,8 +227,12 @@ class TritonBackend:
     decode_rows = staticmethod(decode_rows)
 
     @staticmethod
-    def argmax(logits: torch.Tensor) -> torch.Tensor:
-        return argmax.argmax_rows(logits) if logits.shape[0] <= argmax.MAX_ROWS else torch.argmax(logits, dim=-1)
+    def argmax(logits: torch.Tensor, last_token: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if logits.shape[0] <= argmax.MAX_ROWS:
+            return argmax.argmax_rows(logits, last_token, slots)  # the pick kernel writes last_token too
+        tokens = torch.argmax(logits, dim=-1)
+        last_token[slots] = tokens
+        return tokens
 
     @staticmethod
     def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:

@@ -214,7 +214,7 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: float32 logits ``[S, vocab]`` of :meth:`final_hidden`'s rows."""
-        return self.backend.linear(hidden, self.lm_head.weight, None).float()
+        return self.backend.logits(hidden, self.lm_head.weight)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` embeddings of the step's tokens (a tensor-parallel rank's model overrides it)."""

@@ -77,13 +77,13 @@ def sample_rows(backend: Backend, logits: torch.Tensor, tables: SlotTables, slot
     if mode.penalised:
         x = backend.apply_penalties(logits, tables.penalties, slots, in_place=not mode.logprobs)
     if mode.greedy:
-        tokens = backend.argmax(x)
+        tokens = backend.argmax(x, tables.last_token, slots)  # writes last_token[slots] as well
     else:
         tokens = backend.sample(x, tables.sampling_rows(slots, positions, mode.filtered))
+        tables.last_token[slots] = tokens
     out = Sampled(tokens)
     if mode.logprobs:
         out = Sampled(tokens, *backend.token_logprobs(logits, tokens, tables.num_logprobs[slots]))
     if mode.penalised:
         backend.count_sampled(tables.penalties, slots, tokens)
-    tables.last_token[slots] = tokens
     return out
