@@ -20,7 +20,6 @@ import itertools
 import json
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from executor_proc.backends.gemv_tuning import _time_pass  # noqa: E402  (the tuner's graph timing)
 from kernels.decode_attention import DecodeWorkspace, decode_attention  # noqa: E402
 from kernels.matmul import BLOCK_M, MatmulConfig, invariant_matmul, split_k_for  # noqa: E402
 
@@ -85,27 +85,7 @@ def precompile(grid, all_shapes, workers: int) -> float:
 
 def graph_ms(calls, reps: int = 15) -> float:
     """Median ms per call of ``calls`` captured back to back in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del g
-    return statistics.median(times) / len(calls)
+    return _time_pass(lambda call: call(), calls, reps) / len(calls)
 
 
 def rel_err(out, ref) -> float:
