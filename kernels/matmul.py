@@ -23,18 +23,28 @@ deterministic as well.  Used for every linear under ``--batch-invariant``.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["invariant_matmul", "choose_split_k", "BLOCK_M", "BLOCK_N", "BLOCK_K"]
+__all__ = ["invariant_matmul", "choose_config", "split_k_for", "MatmulConfig", "BLOCK_M"]
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
-NUM_WARPS, NUM_STAGES = 4, 3
+BLOCK_M = 64  # >= 64 so that a 64-row step still runs on the Hopper wgmma path; never a function of M
 MAX_SPLIT_K = 16
+SUM_BLOCK_M, SUM_BLOCK_N = 64, 64
 MIN_TILES_PER_SPLIT = 4  # a split shorter than this spends more on its partial sum than it saves
+
+
+class MatmulConfig(NamedTuple):
+    """One weight's kernel: tile, launch shape and split of K (fixed per weight, never per M)."""
+
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
 
 
 @triton.jit
@@ -91,25 +101,45 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-def choose_split_k(n: int, k: int, device: torch.device) -> int:
-    """Splits of K for an ``[N, K]`` weight: enough programs for two per SM at one row tile.
+def split_k_for(n: int, k: int, block_n: int, block_k: int, programs_per_sm: int, device: torch.device) -> int:
+    """Splits of K (a power of two) for about ``programs_per_sm`` programs per SM at one row tile.
 
-    A function of (N, K, device) only, so every batch size sums in the same order.
+    A function of (N, K, tile, device) only, so every batch size sums in the same order.
     """
-    tiles_n, tiles_k = triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K)
-    want = 2 * _num_sms(device)
+    tiles_n, tiles_k = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    want = programs_per_sm * _num_sms(device)
     split = 1
     while split < MAX_SPLIT_K and tiles_n * split < want and tiles_k // (2 * split) >= MIN_TILES_PER_SPLIT:
         split *= 2
     return split
 
 
+def choose_config(n: int, k: int, device: torch.device) -> MatmulConfig:
+    """The kernel for an ``[N, K]`` weight on ``device``, from (N, K, device) only (never M).
+
+    From the H100 sweep (``scripts/bench_invariant_knobs.py``, docs/performance.md "Batch invariance"),
+    one config per weight that is within a few percent of the best at both 1 and 64 rows:
+
+    - wide weights (gate|up, lm_head: 128-wide tiles give >= one program per two SMs) need no split:
+      128 x 128 tiles, 4 stages;
+    - long-K weights (down: K >= 8192) split K for about one program per SM; the splits' partial sums
+      cost less than a program walking 64+ tiles of K alone; 3 stages (many short programs);
+    - the rest (q|k|v, o) walk all of K in one program with 5 stages in flight: at 64 rows the split-K
+      workspace round trip costs more than the idle SMs.
+    """
+    if triton.cdiv(n, 128) * 2 >= _num_sms(device):
+        return MatmulConfig(128, 128, 4, 4, 1)
+    if k >= 8192:
+        return MatmulConfig(64, 128, 4, 3, split_k_for(n, k, 64, 128, 1, device))
+    return MatmulConfig(64, 128, 4, 5, 1)
+
+
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                     split_k: Optional[int] = None) -> torch.Tensor:
+                     split_k: Optional[int] = None, config: Optional[MatmulConfig] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x ``[M, K]``, weight ``[N, K]``, with results independent of M.
 
-    ``split_k``: default :func:`choose_split_k` of the weight's shape (pass the same value for every
-    call on one weight; the backend does).
+    ``config``: default :func:`choose_config` of the weight's shape; ``split_k`` overrides its split
+    (pass the same values for every call on one weight; the backend does).
     """
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
     assert x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
@@ -123,20 +153,24 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    split = split_k or choose_split_k(N, K, x.device)
-    tiles_per_split = triton.cdiv(triton.cdiv(K, BLOCK_K), split)
+    cfg = config or choose_config(N, K, x.device)
+    if x.element_size() == 4 and cfg.block_k > 64:  # float32 tiles take twice the shared memory per stage
+        cfg = cfg._replace(block_k=cfg.block_k // 2)
+    split = split_k or cfg.split_k
+    tiles_per_split = triton.cdiv(triton.cdiv(K, cfg.block_k), split)
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
     b = bias if bias is not None else weight
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), split)
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, cfg.block_n), split)
     _matmul_kernel[grid](
         x, weight, b, out, ws, M, N, K, tiles_per_split, x.stride(0), weight.stride(0), out.stride(0),
         ws.stride(0) if split > 1 else 0,
-        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
-    if split > 1:
-        _sum_splits_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))](
+    if split > 1:  # an elementwise sum over splits in split order: its tile does not change any result
+        _sum_splits_kernel[(triton.cdiv(M, SUM_BLOCK_M), triton.cdiv(N, SUM_BLOCK_N))](
             ws, b, out, M, N, out.stride(0), ws.stride(0),
-            HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+            HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=SUM_BLOCK_M, BLOCK_N=SUM_BLOCK_N, num_warps=4,
         )
     return out

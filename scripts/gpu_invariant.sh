@@ -13,5 +13,5 @@ for b in 1 64; do
         --json "$OUT/decode_1b_b${b}${mode:+_inv}.json" 2>&1 | grep -A2 "^model" | tail -1
   done
 done
-for mode in --batch-invariant; do timeout 150 python3 scripts/bench_decode.py --models llama-3-8b --batch 1 --steps 100 $mode \
+for mode in "" --batch-invariant; do timeout 150 python3 scripts/bench_decode.py --models llama-3-8b --batch 1 --steps 100 $mode \
     --json "$OUT/decode_8b_b1${mode:+_inv}.json" 2>&1 | grep -A2 "^model" | tail -1; done

@@ -15,7 +15,8 @@ import torch
 
 from executor_proc.testing.synthetic import SyntheticPlanner
 from ipc.config import ExecutorConfig
-from kernels.matmul import choose_split_k, invariant_matmul
+from kernels import matmul
+from kernels.matmul import MatmulConfig, choose_config, invariant_matmul
 from tests.test_gpu_fastpath import built, write_config
 
 CUDA = torch.cuda.is_available()
@@ -38,10 +39,36 @@ def test_invariant_matmul_matches_reference_and_every_row_subset(dtype):
             assert torch.equal(invariant_matmul(x[rows], w, b, split_k=split), full[rows]), (m, n, k, split, rows)
 
 
-def test_split_k_depends_on_the_weight_only():
-    device = torch.device(DEVICE)
-    assert choose_split_k(2048, 8192, device) >= choose_split_k(16384, 2048, device) >= 1
-    assert choose_split_k(64, 64, device) == 1  # one K tile: nothing to split
+def h100_configs(monkeypatch) -> list[MatmulConfig]:
+    """What :func:`choose_config` picks on a 132-SM GPU for the three kinds of weight (wide, long K, other)."""
+    monkeypatch.setattr(matmul, "_num_sms", lambda device: 132)
+    configs = [choose_config(n, k, torch.device("cuda")) for n, k in ((16384, 2048), (2048, 8192), (3072, 2048))]
+    assert len(set(configs)) == 3 and configs[1].split_k > 1, configs
+    return configs
+
+
+def test_every_chosen_config_is_invariant(monkeypatch):
+    """Each config the table can pick (its tile, warps, stages and split of K) gives any subset of rows the
+    same bits as the whole batch, and the right result."""
+    configs = h100_configs(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    m, n, k = 66, 200, 1100
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype)
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    for config in configs:
+        full = invariant_matmul(x, w, b, config=config)
+        assert ((full.double() - ref).norm() / ref.norm()).item() < (1e-2 if CUDA else 1e-6), config
+        for rows in ([0], [m - 1], list(range(5, 12)), torch.randperm(m, generator=g)[: m // 3].tolist()):
+            assert torch.equal(invariant_matmul(x[rows], w, b, config=config), full[rows]), (config, rows)
+
+
+def test_config_depends_on_the_weight_only(monkeypatch):
+    assert choose_config(64, 64, torch.device(DEVICE)).split_k == 1  # one K tile: nothing to split
+    wide, long_k, other = h100_configs(monkeypatch)
+    assert wide.split_k == other.split_k == 1 and wide.block_n > other.block_n
 
 
 def test_batch_invariant_needs_triton_kernels():

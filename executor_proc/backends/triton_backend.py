@@ -26,7 +26,7 @@ as the q|k|v matmul's epilogue (:func:`kernels.gemv_qkv.qkv_rope`: one launch in
 for the weights where :func:`executor_proc.backends.gemv_tuning.tune_prologues` measured that
 faster; otherwise they are the ops one by one.  With ``batch_invariant`` every linear is
 :func:`kernels.matmul.invariant_matmul` (one tile shape and one split of K per weight, whatever
-the number of rows) and decode attention always uses the batch-1 split count, so a row's
+the number of rows) and decode attention always uses ``INVARIANT_ATTENTION_SPLITS``, so a row's
 result does not depend on the rows beside it.  The sampler is :func:`kernels.sampling.sample`; penalties and logprobs are
 :mod:`kernels.penalties` and :mod:`kernels.logprobs`.
 """
@@ -49,13 +49,17 @@ from kernels.decode_attention import DecodeWorkspace, decode_attention, default_
 from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.kv_write import rope_cos_sin_cache, rope_kv_write
 from kernels.logprobs import token_logprobs
-from kernels.matmul import choose_split_k, invariant_matmul
+from kernels.matmul import MatmulConfig, choose_config, invariant_matmul
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.penalties import PenaltyTables, apply_penalties, count_sampled
 from kernels.prefill_attention import prefill_attention
 from kernels.sampling import sample
 
 GemvConfig = tuple
+# Batch-invariant decode attention splits each row's KV into this many parts at every batch size. The H100
+# sweep (docs/performance.md "Batch invariance"): 8 costs ~1 us/layer more than 16 at batch 1 (1B shape) and
+# saves ~2 us/layer at batch 64; on the 8B shape it is the best of 1..16 at batch 1 and no worse at 64.
+INVARIANT_ATTENTION_SPLITS = 8
 
 
 @dataclass
@@ -99,9 +103,9 @@ class TritonBackend:
         self.prologue_timings: dict = {}
         self.gemv_timings: dict = {}  # what the tuner measured (benchmarks report it)
         self.batch_invariant = batch_invariant
-        # Batch-invariant mode: the batch-1 split count for every batch; each weight's split of K, by shape.
-        self.invariant_splits = default_num_splits(1, num_kv_heads, device, self.workspace.max_splits)
-        self.split_k: dict[tuple[int, int], int] = {}
+        # Batch-invariant mode: one attention split count for every batch; each weight's kernel, by shape.
+        self.invariant_splits = min(INVARIANT_ATTENTION_SPLITS, self.workspace.max_splits)
+        self.matmul_config: dict[tuple[int, int], MatmulConfig] = {}
 
     def use_choices_of(self, other: "TritonBackend") -> None:
         """Take ``other``'s tuned kernel choices (tests compare two workers on the same kernels)."""
@@ -159,8 +163,9 @@ class TritonBackend:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.batch_invariant:
             shape = (weight.shape[0], weight.shape[1])
-            split = self.split_k.get(shape) or self.split_k.setdefault(shape, choose_split_k(*shape, self.device))
-            return invariant_matmul(x, weight, bias, split_k=split)
+            config = self.matmul_config.get(shape) or self.matmul_config.setdefault(
+                shape, choose_config(*shape, self.device))
+            return invariant_matmul(x, weight, bias, config=config)
         config = self._gemv_config(x, weight)
         return skinny.gemv(x, weight, bias, config=config) if config else F.linear(x, weight, bias)
 
