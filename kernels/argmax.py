@@ -22,7 +22,7 @@ from .pdl import pdl_args, pdl_launch, pdl_wait
 
 __all__ = ["argmax_rows", "MAX_ROWS"]
 
-MAX_ROWS = 32  # above this torch's own argmax already fills the GPU
+MAX_ROWS = 256  # H100, 128,256 columns: 8 vs 28 us at 64 rows, 46 vs 55 us at 256 (torch.argmax)
 _CHUNK = 2048
 
 

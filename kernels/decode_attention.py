@@ -177,14 +177,17 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_num_splits(batch: int, num_kv_heads: int, device: torch.device | str = "cuda",
-                       max_splits: int = 16) -> int:
-    """Splits per (row, KV head) so that the grid has about 4 programs per SM.
+                       max_splits: int = 16, head_dim: int = 64) -> int:
+    """Splits per (row, KV head) so that the grid has about 4 programs per SM at head_dim 64, 2 at 128.
 
-    Depends on the batch size only (never on lengths), so one value serves a whole
-    CUDA-graph bucket.  Short rows simply leave the later splits empty.
+    Depends on the batch size and head shape only (never on lengths), so one value serves a whole
+    CUDA-graph bucket.  Short rows simply leave the later splits empty.  The H100 sweep
+    (``scripts/bench_decode_attention.py``, 512-token rows): at head_dim 128 a program streams twice
+    the bytes per tile and fewer, longer programs win from batch 16 up (batch 64: 1 split 50 us
+    against 2 splits 55 us per layer); at head_dim 64 the 4-per-SM rule was best at every batch.
     """
     device = torch.device(device)
-    want = 4 * _num_sms(device)
+    want = 4 * _num_sms(device) * 64 // max(64, triton.next_power_of_2(head_dim))
     s = 1
     while s < max_splits and batch * num_kv_heads * s < want:
         s *= 2
@@ -246,7 +249,7 @@ def decode_attention(
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
     if num_splits is None:
-        num_splits = default_num_splits(B, Hkv, q.device, workspace.max_splits if workspace else 16)
+        num_splits = default_num_splits(B, Hkv, q.device, workspace.max_splits if workspace else 16, D)
     dflt = _default_config(D)
     block_n = block_n or dflt[0]
     num_warps = num_warps or dflt[1]

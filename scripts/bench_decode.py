@@ -102,7 +102,8 @@ def profile_kernels(fn, path: str, reps: int = 10) -> None:
 
 
 def linear_report(backend) -> dict:
-    """Per weight shape and batch: cuBLAS's time per pass over the layers, the best skinny config's, the pick."""
+    """Per weight shape and batch: cuBLAS's time per pass over the layers, the best Triton config's (skinny
+    GEMV up to 8 rows, tiled matmul above), the pick."""
     report: dict = {}
     for (n, k, m, what), ms in getattr(backend, "gemv_timings", {}).items():
         row = report.setdefault(f"{n}x{k} m={m}", {"cublas_ms": None, "best_gemv_ms": None, "best_gemv": None})
@@ -110,7 +111,7 @@ def linear_report(backend) -> dict:
             row["cublas_ms"] = ms
         elif row["best_gemv_ms"] is None or ms < row["best_gemv_ms"]:
             row["best_gemv_ms"], row["best_gemv"] = ms, list(what)
-    for (n, k, m), config in getattr(backend, "gemv_choice", {}).items():
+    for (n, k, m), config in {**getattr(backend, "gemv_choice", {}), **getattr(backend, "matmul_choice", {})}.items():
         report[f"{n}x{k} m={m}"]["chosen"] = list(config)
     for (kind, n, k, what), ms in getattr(backend, "prologue_timings", {}).items():
         row = report.setdefault(f"{kind}+{n}x{k} m=1", {"unfused_ms": None, "best_fused_ms": None})

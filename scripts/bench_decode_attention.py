@@ -64,7 +64,7 @@ def run_case(model: str, batch: int, ctx: int, bandwidth: float, args) -> dict:
     out = torch.empty_like(q)
     ws = DecodeWorkspace(batch, H, D, max_splits=16, device="cuda")
     kv_bytes = 2 * batch * ctx * Hkv * D * 2
-    default = (default_num_splits(batch, Hkv, "cuda"), *_default_config(D))
+    default = (default_num_splits(batch, Hkv, "cuda", head_dim=D), *_default_config(D))
     results = {}
     for cfg in itertools.product(args.splits, args.block_n, args.warps_stages):
         splits, block_n, (warps, stages) = cfg

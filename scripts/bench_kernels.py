@@ -123,7 +123,7 @@ def correctness():
         cl = torch.tensor(lens, dtype=torch.int32, device=DEV)
         q = torch.randn(B, H, D, device=DEV, dtype=torch.bfloat16)
         ref = R.decode_attention_ref(q, kc, vc, bt, cl, D ** -0.5)
-        for ns in (1, default_num_splits(B, Hkv, DEV), 16):
+        for ns in (1, default_num_splits(B, Hkv, DEV, head_dim=D), 16):
             out = torch.full_like(q, float("nan"))
             decode_attention(q, kc, vc, bt, cl, D ** -0.5, out=out, num_splits=ns)
             check(f"decode D={D} splits={ns}", rel_err(out, ref), 1e-2)
@@ -193,7 +193,7 @@ def decode_case(name, H, Hkv, D, ctx, copy_bw, sweep, B=64, bs=16):
 
     ms = run()
     ms_graph = bench_graph(lambda: decode_attention(q, kc, vc, bt, cl, scale, out=out, workspace=ws))
-    ns = default_num_splits(B, Hkv, DEV)
+    ns = default_num_splits(B, Hkv, DEV, head_dim=D)
     row = dict(kernel="decode_attention", model=name, B=B, ctx=ctx, H=H, Hkv=Hkv, D=D, block_size=bs,
                num_splits=ns, ms=ms, GBps=kv_bytes / ms / 1e6, frac_copy=kv_bytes / (ms * 1e-3) / copy_bw,
                graph_ms=ms_graph, graph_frac_copy=kv_bytes / (ms_graph * 1e-3) / copy_bw)

@@ -230,8 +230,17 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
     monkeypatch.setattr(gemv_tuning, "_time_pass", lambda fn, weights, reps: [fn(w) for w in weights] and next(times))
     linears, _ = gemv_tuning.tune_linears(backend_model, [1])
     from kernels.gemv import CONFIGS
+    from kernels.matmul import invariant_matmul
 
     assert linears and set(linears.values()) == {CONFIGS[0]}, linears
+    # tune_matmuls (batches above 8): cuBLAS against the tiled matmul's candidates; linear then routes to it
+    times = iter([1.0, 2.0, 2.0, 0.5, 2.0] * 5)
+    tiled, _ = gemv_tuning.tune_matmuls(backend_model, [16])
+    assert len(tiled) == 5 and set(tiled.values()) == {gemv_tuning.MATMUL_CANDIDATES[2]}, tiled
+    backend.matmul_choice = tiled
+    w = backend_model.model.layers[0].mlp.gate_up.weight
+    x = torch.randn(12, w.shape[1], dtype=w.dtype, device=w.device)
+    assert torch.equal(backend.linear(x, w, None), invariant_matmul(x, w, config=gemv_tuning.MATMUL_CANDIDATES[2]))
 
 
 @pytest.mark.parametrize("force_gemv", [False, True, "prologue"])

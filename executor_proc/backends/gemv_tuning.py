@@ -1,8 +1,11 @@
-"""Start-up tuning of the linears: cuBLAS or the Triton skinny matmul, per (shape, batch size).
+"""Start-up tuning of the linears: cuBLAS or a Triton matmul, per (shape, batch size).
 
-:func:`tune_linears` times both on the model's own weights, on this GPU, and
-returns the choice :class:`executor_proc.backends.triton_backend.TritonBackend`
-keys its ``linear`` by; :func:`tune_prologues` then times, at batch 1, the chains
+:func:`tune_linears` times cuBLAS against the skinny matmul (batch <= 8) on the
+model's own weights, on this GPU, and :func:`tune_matmuls` against the tiled
+matmul of :mod:`kernels.matmul` (larger decode batches: at 64 rows it streams
+gate|up and the LM head a few percent faster than cuBLAS on an H100); they return
+the choices :class:`executor_proc.backends.triton_backend.TritonBackend` keys its
+``linear`` by; :func:`tune_prologues` then times, at batch 1, the chains
 around the (already tuned) matmuls op by op against the fused kernels
 (:func:`kernels.gemv.gemv_prologue`, :func:`kernels.gemv_qkv.qkv_rope`), and returns
 where the fused one wins.
@@ -17,6 +20,12 @@ import torch.nn.functional as F
 
 from executor_proc.backends.base import NormInput
 from kernels import gemv as skinny
+from kernels.matmul import MatmulConfig, invariant_matmul
+
+# Tiled-matmul candidates for decode batches above 8 (the best of the H100 sweep at 64 rows,
+# scripts/bench_invariant_knobs.py): wide tiles for wide weights, deeper pipelines for narrow ones.
+MATMUL_CANDIDATES = (MatmulConfig(128, 128, 4, 3, 1), MatmulConfig(128, 128, 8, 3, 1),
+                     MatmulConfig(64, 128, 4, 5, 1), MatmulConfig(128, 128, 4, 4, 1))
 
 
 def _weight_groups(model) -> dict[tuple[int, int], list[torch.Tensor]]:
@@ -43,6 +52,20 @@ def tune_linears(model, ms: list[int], reps: int = 5, margin: float = 0.97) -> t
         for m in ms:
             x = torch.randn(m, k, dtype=weights[0].dtype, device=weights[0].device)
             candidates = [(c, lambda w, c=c: skinny.gemv(x, w, config=c)) for c in skinny.CONFIGS if skinny.config_fits(c, m)]
+            best = _pick((n, k, m), ("cublas", lambda w: F.linear(x, w)), candidates, weights, reps, margin, timings)
+            if best is not None:
+                choice[(n, k, m)] = best
+    return choice, timings
+
+
+def tune_matmuls(model, ms: list[int], reps: int = 5, margin: float = 0.97) -> tuple[dict, dict]:
+    """As :func:`tune_linears` for batch sizes above 8: cuBLAS against :data:`MATMUL_CANDIDATES` of the
+    tiled matmul; returns (choice, ms per pass) keyed by ``(N, K, m)``."""
+    choice, timings = {}, {}
+    for (n, k), weights in _weight_groups(model).items():
+        for m in ms:
+            x = torch.randn(m, k, dtype=weights[0].dtype, device=weights[0].device)
+            candidates = [(c, lambda w, c=c: invariant_matmul(x, w, config=c)) for c in MATMUL_CANDIDATES]
             best = _pick((n, k, m), ("cublas", lambda w: F.linear(x, w)), candidates, weights, reps, margin, timings)
             if best is not None:
                 choice[(n, k, m)] = best

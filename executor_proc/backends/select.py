@@ -25,13 +25,13 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
 
     Triton on CUDA (``kernels: auto``) or when asked: its decode workspace holds
     ``num_slots + 1`` rows (the padding slot), and on CUDA with graphs its linears
-    are tuned for the graph batch sizes 1, 2, 4, 8 (and the fused norm / SiLU matmuls
-    for batch 1).  Otherwise torch.
+    are tuned for the graph batch sizes 1, 2, 4, 8 (skinny matmul), 16, 32, ... up to the
+    largest graph (tiled matmul), and the fused norm / SiLU matmuls for batch 1.  Otherwise torch.
     """
     if not uses_triton(cfg, device):
         return TorchBackend(model.rope_inv_freq)
-    from executor_proc.backends.gemv_tuning import tune_linears, tune_prologues
-    from executor_proc.backends.triton_backend import TritonBackend
+    from executor_proc.backends.gemv_tuning import tune_linears, tune_matmuls, tune_prologues
+    from executor_proc.backends.triton_backend import TritonBackend, m_bucket
     from kernels.interpreter_patch import patch_interpreter
 
     patch_interpreter()  # the CPU runs the kernels in Triton's interpreter (a no-op on a GPU)
@@ -43,6 +43,9 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     progress(TUNING_STAGE, 0, 1)
     if tune_max_m > 0:
         backend.gemv_choice, backend.gemv_timings = tune_linears(model, [m for m in (1, 2, 4, 8) if m <= tune_max_m])
+        wide = [16 << i for i in range(8) if 16 << i <= m_bucket(tune_max_m)]  # the decode graphs' larger buckets
+        backend.matmul_choice, matmul_timings = tune_matmuls(model, wide)
+        backend.gemv_timings.update(matmul_timings)
         backend.prologue_choice, backend.prologue_timings = tune_prologues(backend, model)
     progress(TUNING_STAGE, 1, 1)
     return backend

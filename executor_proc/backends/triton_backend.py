@@ -91,12 +91,14 @@ class TritonBackend:
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, max_batch: int, device: torch.device, batch_invariant: bool = False):
         self.cos_sin = rope_cos_sin_cache(inv_freq.float().to(device), max_positions)
-        self.num_kv_heads = num_kv_heads
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.device = device
         self.workspace = DecodeWorkspace(max_batch, num_heads, head_dim, device=device)
         # (N, K, m_bucket) -> skinny-matmul config; absent: cuBLAS.
         self.gemv_choice: dict[tuple[int, int, int], GemvConfig] = {}
         self.gemv_everywhere: Optional[GemvConfig] = None  # tests: force the Triton path
+        # (N, K, m_bucket) -> tiled-matmul config for batches above 8; absent: cuBLAS.
+        self.matmul_choice: dict[tuple[int, int, int], MatmulConfig] = {}
         # ("qkv" | "norm" | "silu", N, K) -> the "row" config of the fused one-token kernel; absent: unfused.
         self.prologue_choice: dict[tuple[str, int, int], GemvConfig] = {}
         self.prologue_everywhere: Optional[GemvConfig] = None  # tests and tuning: force the fused path
@@ -110,6 +112,7 @@ class TritonBackend:
     def use_choices_of(self, other: "TritonBackend") -> None:
         """Take ``other``'s tuned kernel choices (tests compare two workers on the same kernels)."""
         self.gemv_choice, self.prologue_choice = other.gemv_choice, other.prologue_choice
+        self.matmul_choice = other.matmul_choice
 
     def plan(self, batch: ForwardBatch) -> TritonPlan:
         if batch.prefill_tiles is not None:
@@ -138,7 +141,7 @@ class TritonBackend:
         for every batch size when batch-invariant."""
         if self.batch_invariant:
             return self.invariant_splits
-        return default_num_splits(rows, self.num_kv_heads, self.device)
+        return default_num_splits(rows, self.num_kv_heads, self.device, self.workspace.max_splits, self.head_dim)
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, plan: TritonPlan) -> torch.Tensor:
@@ -167,7 +170,12 @@ class TritonBackend:
                 shape, choose_config(*shape, self.device))
             return invariant_matmul(x, weight, bias, config=config)
         config = self._gemv_config(x, weight)
-        return skinny.gemv(x, weight, bias, config=config) if config else F.linear(x, weight, bias)
+        if config is not None:
+            return skinny.gemv(x, weight, bias, config=config)
+        tiled = self.matmul_choice.get((weight.shape[0], weight.shape[1], m_bucket(x.shape[0])))
+        if tiled is not None and x.shape[0] > 8:
+            return invariant_matmul(x, weight, bias, config=tiled)  # invariant, and here simply faster
+        return F.linear(x, weight, bias)
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Where the skinny GEMV serves the LM head it writes float32 itself: no separate cast launch."""
