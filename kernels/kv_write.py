@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_launch, pdl_wait
 from .reference import kv_write_ref, rope_cos_sin_cache, rope_kv_write_ref  # noqa: F401
 
 __all__ = ["kv_write", "rope_kv_write", "rope_cos_sin_cache", "kv_write_ref", "rope_kv_write_ref"]
@@ -38,19 +39,21 @@ def _rope_kv_write_kernel(
     stride_cs,
     H: tl.constexpr, H_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    ROPE: tl.constexpr,
+    ROPE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
     d_mask = offs_d < HALF
     offs_kh = tl.arange(0, HKV_PAD)
     kv_mask = (offs_kh < HKV)[:, None] & d_mask[None, :]
+    pdl_wait(USE_PDL)  # everything below reads or writes this step's data
     kv_index = tl.load(index_ptr + t).to(tl.int64)
 
     k_lo = k_ptr + t * stride_kt + offs_kh[:, None] * stride_kh + offs_d[None, :]
     v_lo = v_ptr + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :]
     k1 = tl.load(k_lo, mask=kv_mask, other=0.0)
     k2 = tl.load(k_lo + HALF, mask=kv_mask, other=0.0)
+    pdl_launch(USE_PDL)  # the attention after it may start its prologue
 
     if ROPE:
         pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -110,7 +113,7 @@ def _launch(q, k, v, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache
         cos_sin_cache.stride(0),
         H=H, H_PAD=triton.next_power_of_2(H), HKV=Hkv, HKV_PAD=triton.next_power_of_2(Hkv),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=bs, ROPE=rope,
-        num_warps=4 if (H * D) >= 2048 else 2,
+        num_warps=4 if (H * D) >= 2048 else 2, **pdl_args(k),
     )
 
 

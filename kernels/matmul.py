@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_launch, pdl_wait
+
 __all__ = ["invariant_matmul", "choose_config", "split_k_for", "MatmulConfig", "BLOCK_M"]
 
 BLOCK_M = 64  # >= 64 so that a 64-row step still runs on the Hopper wgmma path; never a function of M
@@ -51,7 +53,7 @@ class MatmulConfig(NamedTuple):
 def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, tiles_per_split,
                    stride_xm, stride_wn, stride_ym, stride_ws_split,
                    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+                   BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -64,18 +66,20 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, tiles_per_split,
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_lo = split * tiles_per_split * BLOCK_K
     k_hi = tl.minimum(k_lo + tiles_per_split * BLOCK_K, K)
+    pdl_wait(USE_PDL)  # x is the step's data
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
+    pdl_launch(USE_PDL)
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT == 1:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+                 acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=out_mask)  # as F.linear rounds
     else:
         tl.store(ws_ptr + split * stride_ws_split + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :],
                  acc, mask=out_mask)
@@ -83,14 +87,17 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, tiles_per_split,
 
 @triton.jit
 def _sum_splits_kernel(ws_ptr, b_ptr, y_ptr, M, N, stride_ym, stride_ws_split,
-                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     at = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    pdl_wait(USE_PDL)
     acc = tl.load(ws_ptr + at, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT):  # in split order, always
         acc += tl.load(ws_ptr + s * stride_ws_split + at, mask=mask, other=0.0)
+    pdl_launch(USE_PDL)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -135,11 +142,14 @@ def choose_config(n: int, k: int, device: torch.device) -> MatmulConfig:
 
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                     split_k: Optional[int] = None, config: Optional[MatmulConfig] = None) -> torch.Tensor:
+                     split_k: Optional[int] = None, config: Optional[MatmulConfig] = None,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x ``[M, K]``, weight ``[N, K]``, with results independent of M.
 
     ``config``: default :func:`choose_config` of the weight's shape; ``split_k`` overrides its split
-    (pass the same values for every call on one weight; the backend does).
+    (pass the same values for every call on one weight; the backend does).  ``out`` may be float32 for a
+    lower-precision x when K is not split: it then holds ``F.linear(...).float()`` (the LM head's logits).
+    Launched with PDL (:mod:`kernels.pdl`).
     """
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
     assert x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
@@ -150,13 +160,16 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     N = weight.shape[0]
     if bias is not None:
         assert bias.shape == (N,) and bias.stride(0) == 1
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    assert out.shape == (M, N) and out.stride(1) == 1
     if M == 0:
         return out
     cfg = config or choose_config(N, K, x.device)
     if x.element_size() == 4 and cfg.block_k > 64:  # float32 tiles take twice the shared memory per stage
         cfg = cfg._replace(block_k=cfg.block_k // 2)
     split = split_k or cfg.split_k
+    assert out.dtype == x.dtype or split == 1, "a float32 out needs an unsplit K"
     tiles_per_split = triton.cdiv(triton.cdiv(K, cfg.block_k), split)
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
     b = bias if bias is not None else weight
@@ -166,11 +179,12 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
         ws.stride(0) if split > 1 else 0,
         HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **pdl_args(x),
     )
     if split > 1:  # an elementwise sum over splits in split order: its tile does not change any result
         _sum_splits_kernel[(triton.cdiv(M, SUM_BLOCK_M), triton.cdiv(N, SUM_BLOCK_N))](
             ws, b, out, M, N, out.stride(0), ws.stride(0),
             HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=SUM_BLOCK_M, BLOCK_N=SUM_BLOCK_N, num_warps=4,
+            **pdl_args(x),
         )
     return out

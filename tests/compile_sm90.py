@@ -3,7 +3,8 @@
 ``python -m tests.compile_sm90`` (TRITON_INTERPRET unset) compiles every variant the batch-1 fused kernels are
 launched with (:mod:`kernels.gemv`'s row kernel with each prologue, :mod:`kernels.gemv_qkv`) for the tuner's "row"
 configs, head dims 64 and 128, as the H100 runs them (with programmatic dependent launch, :mod:`kernels.pdl`),
-and the split-KV decode attention kernel whose last split merges, and prints one line per variant: its size and
+the split-KV decode attention kernel whose last split merges, and the tiled matmul, SiLU-mul and rotary/KV-write
+kernels (PDL, no weight prefetch), and prints one line per variant: its size and
 whether anything spilled to local memory.  Exits 1 if a variant fails to compile, spills, or breaks PDL's rule in
 its PTX (a store before ``griddepcontrol.wait``, or no wait), or if the decode kernel's arrival is not a CTA
 barrier followed by a GPU-scope acquire-release atomic.  ``tests/test_gpu_fastpath.py`` runs it in CI.
@@ -18,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import decode_attention, gemv, gemv_qkv
+from kernels import activation, decode_attention, gemv, gemv_qkv, kv_write, matmul
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ROW_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16",
@@ -33,6 +34,18 @@ DECODE_SIG = dict({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")},
                   **{n: "*fp32" for n in ("po_ptr", "pm_ptr", "pl_ptr")}, qk_scale="fp32",
                   **{f"stride_{n}": "i32" for n in ("qb", "qh", "kb", "kt", "kh", "vb", "vt", "vh", "btb", "ob", "oh",
                                                    "pob", "poh", "pos", "pmb", "pmh", "ab")})
+
+MATMUL_SIG = dict({n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}, ws_ptr="*fp32",
+                  **{n: "i32" for n in ("M", "N", "K", "tiles_per_split", "stride_xm", "stride_wn", "stride_ym",
+                                        "stride_ws_split")})
+SILU_SIG = {"x_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32", "stride_o": "i32", "I": "i32"}
+ROPE_SIG = dict({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "kc_ptr", "vc_ptr")}, index_ptr="*i64",
+                pos_ptr="*i64", cs_ptr="*fp32",
+                **{f"stride_{n}": "i32" for n in ("qt", "qh", "kt", "kh", "vt", "vh", "qot", "qoh", "kcb", "kct", "kch",
+                                                 "vcb", "vct", "vch", "cs")})
+# Kernels launched with PDL that wait before their first load (no weight prefetch to check).
+NO_PREFETCH = (decode_attention._split_kernel, matmul._matmul_kernel, activation._silu_and_mul_kernel,
+               kv_write._rope_kv_write_kernel)
 
 
 def variants():
@@ -55,6 +68,14 @@ def variants():
                       BLOCK_N=block_n, NUM_SPLITS=splits, S_PAD=splits, DOT_PREC="tf32", USE_PDL=True)
         yield (f"decode_split D={head_dim} G={group} splits={splits}", decode_attention._split_kernel, DECODE_SIG,
                consts, (None, None, None, warps, stages))
+    for cfg in (matmul.MatmulConfig(128, 128, 4, 3, 1), matmul.MatmulConfig(64, 128, 4, 3, 4)):
+        consts = dict(HAS_BIAS=False, SPLIT=cfg.split_k, BLOCK_M=matmul.BLOCK_M, BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.block_k, DOT_PREC="tf32", USE_PDL=True)
+        yield f"matmul {tuple(cfg)}", matmul._matmul_kernel, MATMUL_SIG, consts, (None, None, None, cfg.num_warps,
+                                                                                 cfg.num_stages)
+    yield "silu_and_mul", activation._silu_and_mul_kernel, SILU_SIG, dict(BLOCK=2048, USE_PDL=True), (None,) * 3 + (4, 1)
+    consts = dict(H=32, H_PAD=32, HKV=8, HKV_PAD=8, HALF=64, HALF_PAD=64, BLOCK_SIZE=16, ROPE=True, USE_PDL=True)
+    yield "rope_kv_write D=128", kv_write._rope_kv_write_kernel, ROPE_SIG, consts, (None,) * 3 + (4, 1)
 
 
 def pdl_problem(ptx: str, prefetch: bool = True) -> str:
@@ -96,7 +117,8 @@ def main() -> int:
         ptx = compiled.asm["ptx"]
         spills = len(re.findall(r"\.local\b", ptx))
         decode = kernel is decode_attention._split_kernel
-        problem = "SPILL" if spills else (pdl_problem(ptx, prefetch=not decode) or (decode and arrival_problem(ptx)))
+        problem = "SPILL" if spills else (pdl_problem(ptx, prefetch=kernel not in NO_PREFETCH)
+                                          or (decode and arrival_problem(ptx)))
         print(f"{problem or 'ok'} {name}: cubin {len(compiled.asm['cubin'])} B")
         failed += bool(problem)
     return 1 if failed else 0

@@ -75,3 +75,16 @@ def test_gemv_float_out_is_rounded_linear(config, dtype):
     w = torch.randn(300, 96, generator=g).to(dtype).to(DEV)
     out = torch.empty(1, 300, dtype=torch.float32, device=DEV)
     assert torch.equal(gemv(x, w, config=config, out=out), gemv(x, w, config=config).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_matmul_float_out_is_rounded_linear(dtype):
+    """The LM head at larger batches: float32 logits from the tiled matmul equal its model-dtype output, cast."""
+    from kernels.matmul import MatmulConfig, invariant_matmul
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 64, generator=g).to(dtype).to(DEV)
+    w = torch.randn(200, 64, generator=g).to(dtype).to(DEV)
+    cfg = MatmulConfig(64, 32, 4, 2, 1)
+    out = torch.empty(12, 200, dtype=torch.float32, device=DEV)
+    assert torch.equal(invariant_matmul(x, w, config=cfg, out=out), invariant_matmul(x, w, config=cfg).float())

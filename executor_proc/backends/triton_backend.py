@@ -172,18 +172,26 @@ class TritonBackend:
         config = self._gemv_config(x, weight)
         if config is not None:
             return skinny.gemv(x, weight, bias, config=config)
-        tiled = self.matmul_choice.get((weight.shape[0], weight.shape[1], m_bucket(x.shape[0])))
-        if tiled is not None and x.shape[0] > 8:
+        tiled = self._tiled_config(x, weight)
+        if tiled is not None:
             return invariant_matmul(x, weight, bias, config=tiled)  # invariant, and here simply faster
         return F.linear(x, weight, bias)
 
+    def _tiled_config(self, x: torch.Tensor, weight: torch.Tensor) -> Optional[MatmulConfig]:
+        """The tiled matmul's config for this weight at x's rows (above 8), or None (cuBLAS)."""
+        m = x.shape[0]
+        return self.matmul_choice.get((weight.shape[0], weight.shape[1], m_bucket(m))) if m > 8 else None
+
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Where the skinny GEMV serves the LM head it writes float32 itself: no separate cast launch."""
-        config = None if self.batch_invariant else self._gemv_config(hidden, weight)
-        if config is None:
+        """Where a Triton matmul serves the LM head it writes float32 itself: no separate cast launch."""
+        gemv, tiled = (None, None) if self.batch_invariant else (self._gemv_config(hidden, weight),
+                                                                 self._tiled_config(hidden, weight))
+        if gemv is None and tiled is None:
             return self.linear(hidden, weight, None).float()
         out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
-        return skinny.gemv(hidden, weight, None, config=config, out=out)
+        if gemv is not None:
+            return skinny.gemv(hidden, weight, None, config=gemv, out=out)
+        return invariant_matmul(hidden, weight, None, config=tiled, out=out)
 
     def _gemv_config(self, x: torch.Tensor, weight: torch.Tensor) -> Optional[GemvConfig]:
         """The skinny GEMV's config for this weight at x's rows, or None (cuBLAS)."""
