@@ -234,7 +234,7 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
 
     assert linears and set(linears.values()) == {CONFIGS[0]}, linears
     # tune_matmuls (batches above 8): cuBLAS against the tiled matmul's candidates; linear then routes to it
-    times = iter([1.0, 2.0, 2.0, 0.5, 2.0] * 5)
+    times = iter([1.0, 2.0, 2.0, 0.5, 2.0, 2.0, 2.0, 2.0, 2.0] * 5)  # cuBLAS, then the 8 candidates
     tiled, _ = gemv_tuning.tune_matmuls(backend_model, [16])
     assert len(tiled) == 5 and set(tiled.values()) == {gemv_tuning.MATMUL_CANDIDATES[2]}, tiled
     backend.matmul_choice = tiled

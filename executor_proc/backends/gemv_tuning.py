@@ -23,9 +23,12 @@ from kernels import gemv as skinny
 from kernels.matmul import MatmulConfig, invariant_matmul
 
 # Tiled-matmul candidates for decode batches above 8 (the best of the H100 sweep at 64 rows,
-# scripts/bench_invariant_knobs.py): wide tiles for wide weights, deeper pipelines for narrow ones.
+# scripts/bench_invariant_knobs.py): wide tiles for wide weights, narrow tiles with deep pipelines
+# (more programs in flight) and a split of K for the narrow ones.
 MATMUL_CANDIDATES = (MatmulConfig(128, 128, 4, 3, 1), MatmulConfig(128, 128, 8, 3, 1),
-                     MatmulConfig(64, 128, 4, 5, 1), MatmulConfig(128, 128, 4, 4, 1))
+                     MatmulConfig(64, 128, 4, 5, 1), MatmulConfig(128, 128, 4, 4, 1),
+                     MatmulConfig(32, 128, 4, 6, 1), MatmulConfig(64, 64, 4, 8, 1),
+                     MatmulConfig(32, 256, 4, 4, 1), MatmulConfig(64, 128, 4, 4, 2))
 
 
 def _weight_groups(model) -> dict[tuple[int, int], list[torch.Tensor]]:
