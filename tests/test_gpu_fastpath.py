@@ -241,6 +241,10 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
     w = backend_model.model.layers[0].mlp.gate_up.weight
     x = torch.randn(12, w.shape[1], dtype=w.dtype, device=w.device)
     assert torch.equal(backend.linear(x, w, None), invariant_matmul(x, w, config=gemv_tuning.MATMUL_CANDIDATES[2]))
+    split = next(c for c in gemv_tuning.MATMUL_CANDIDATES if c.split_k > 1)  # the LM head's float logits too
+    backend.matmul_choice = {key: split for key in tiled}
+    lm, xb = backend_model.lm_head.weight.bfloat16(), x.bfloat16()  # bf16: the float32 logits are a cast
+    assert torch.equal(backend.logits(xb, lm), invariant_matmul(xb, lm, config=split).float())
 
 
 @pytest.mark.parametrize("force_gemv", [False, True, "prologue"])

@@ -186,6 +186,8 @@ class TritonBackend:
         """Where a Triton matmul serves the LM head it writes float32 itself: no separate cast launch."""
         gemv, tiled = (None, None) if self.batch_invariant else (self._gemv_config(hidden, weight),
                                                                  self._tiled_config(hidden, weight))
+        if tiled is not None and tiled.split_k > 1:  # split partials are summed in float32 and rounded once
+            tiled = None
         if gemv is None and tiled is None:
             return self.linear(hidden, weight, None).float()
         out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
