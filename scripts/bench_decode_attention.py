@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
 
 import torch
 
 from _bench_util import write_json
+from executor_proc.backends.gemv_tuning import _time_pass
 from kernels.decode_attention import DecodeWorkspace, _default_config, decode_attention, default_num_splits
 from kernels.reference import decode_attention_ref
 
@@ -27,22 +27,9 @@ BLOCK_SIZE = 16
 
 
 def graph_time(fn, reps: int, calls: int = 10) -> float:
-    """Seconds per call: median over ``reps`` replays of a graph of ``calls`` calls."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(times)
+    """Seconds per call: ``calls`` back-to-back calls in one CUDA graph, median of ``reps`` replays (the
+    start-up tuner's timing)."""
+    return _time_pass(lambda _: fn(), [None] * calls, reps) / calls / 1e3
 
 
 def copy_bandwidth(reps: int) -> float:
