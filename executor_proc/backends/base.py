@@ -15,8 +15,10 @@ A backend is everything a step launches besides the model's own weights:
   ``silu_linear`` (gate|up -> the down projection) and ``qkv_rotate_store`` (the
   attention input: norm -> q|k|v -> ``rotate_and_store``); the ``unfused_*``
   functions here are those chains op by op;
-- sampler: ``argmax(logits)`` when every row is greedy, else ``sample(logits, rows)``
-  (the caller is :func:`executor_proc.step.sample.sample_rows`).  :class:`SamplingRows` carries the per-row
+- LM head and sampler: ``logits(hidden, weight)`` (float32 logits), then
+  ``argmax(logits, last_token, slots)`` when every row is greedy (it also writes the
+  tokens to ``last_token[slots]``), else ``sample(logits, rows)`` (the caller is
+  :func:`executor_proc.step.sample.sample_rows`).  :class:`SamplingRows` carries the per-row
   parameters gathered from the slot tables;
 - sampling features: ``apply_penalties`` (repetition, frequency, presence,
   logit_bias, min_tokens from :class:`kernels.penalties_ref.PenaltyTables`),
@@ -96,6 +98,13 @@ def split_heads(qkv: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[to
     t, kv = qkv.shape[0], num_kv_heads * head_dim
     q, k, v = qkv.split([qkv.shape[1] - 2 * kv, kv, kv], dim=-1)
     return q.view(t, -1, head_dim), k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
+
+
+def argmax_store(logits: torch.Tensor, last_token: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(logits, -1)``, also written to ``last_token[slots]`` (two torch launches)."""
+    tokens = torch.argmax(logits, dim=-1)
+    last_token[slots] = tokens
+    return tokens
 
 
 def unfused_silu_linear(backend: "Backend", gate_up: torch.Tensor, weight: torch.Tensor,

@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import (NormInput, SamplingRows, unfused_norm_linear, unfused_qkv_rotate_store,
-                                         unfused_silu_linear)
+from executor_proc.backends.base import (NormInput, SamplingRows, argmax_store, unfused_norm_linear,
+                                         unfused_qkv_rotate_store, unfused_silu_linear)
 from executor_proc.step.batch import ForwardBatch
 from kernels import reference as ops
 from kernels.logprobs_ref import token_logprobs_ref
@@ -196,11 +196,7 @@ class TorchBackend:
     def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, weight).float()
 
-    @staticmethod
-    def argmax(logits: torch.Tensor, last_token: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        tokens = torch.argmax(logits, dim=-1)
-        last_token[slots] = tokens
-        return tokens
+    argmax = staticmethod(argmax_store)
 
     def norm_linear(self, pre: NormInput, weight: torch.Tensor,
                     bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

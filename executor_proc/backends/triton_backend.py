@@ -39,8 +39,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import (NormInput, SamplingRows, unfused_norm_linear, unfused_qkv_rotate_store,
-                                         unfused_silu_linear)
+from executor_proc.backends.base import (NormInput, SamplingRows, argmax_store, unfused_norm_linear,
+                                         unfused_qkv_rotate_store, unfused_silu_linear)
 from executor_proc.step.batch import ForwardBatch
 from kernels import argmax, gemv as skinny
 from kernels.activation import silu_and_mul
@@ -253,9 +253,7 @@ class TritonBackend:
     def argmax(logits: torch.Tensor, last_token: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if logits.shape[0] <= argmax.MAX_ROWS:
             return argmax.argmax_rows(logits, last_token, slots)  # the pick kernel writes last_token too
-        tokens = torch.argmax(logits, dim=-1)
-        last_token[slots] = tokens
-        return tokens
+        return argmax_store(logits, last_token, slots)
 
     @staticmethod
     def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
