@@ -8,8 +8,11 @@ features and streams their weight rows along K in ``BLOCK_K`` chunks
 rounding once, like cuBLAS.  Two forms:
 
 - ``"dot"``: the M rows of x are the padded M dimension of ``tl.dot`` (any M <= 16);
-- ``"row"``: M = 1 only; elementwise products accumulated per (feature, k lane)
-  and reduced once at the end (no tensor-core layout shuffles).
+- ``"row"``: elementwise products accumulated per (feature, k lane) and reduced once
+  at the end (no tensor-core layout shuffles); M = 1, or up to 8 rows sharing each
+  weight chunk (the accumulators grow with M: :func:`config_fits` keeps them in
+  registers).  At 2 to 8 rows this streams the weights as fast as one row does,
+  where the "dot" form and cuBLAS lose 10-40% on an H100.
 
 No split-K and no atomics, so the result is deterministic.
 
@@ -38,23 +41,35 @@ from .pdl import pdl_args, pdl_launch, pdl_wait
 __all__ = ["gemv", "gemv_prologue", "CONFIGS", "MAX_M"]
 
 MAX_M = 16
-# (form, BLOCK_N, BLOCK_K, num_warps, num_stages); "row" configs serve M = 1 only.
+ROW_MAX_M, ROW_MAX_ACC = 8, 64  # the "row" form's rows, and its float32 accumulators per thread
+# (form, BLOCK_N, BLOCK_K, num_warps, num_stages); "row" configs serve M = 1 and, where their
+# accumulators fit (:func:`config_fits`), up to ROW_MAX_M rows (the last three "row" ones are for
+# those); "rowk" configs serve 2 to ROW_MAX_M rows.
 CONFIGS = (("dot", 16, 256, 4, 4), ("dot", 16, 512, 4, 3), ("dot", 32, 256, 4, 4), ("dot", 64, 128, 4, 4),
-           ("row", 4, 1024, 4, 4), ("row", 8, 512, 4, 4), ("row", 16, 512, 8, 3), ("row", 16, 256, 4, 4))
+           ("row", 4, 1024, 4, 4), ("row", 8, 512, 4, 4), ("row", 16, 512, 8, 3), ("row", 16, 256, 4, 4),
+           ("row", 4, 512, 4, 4), ("row", 2, 512, 4, 6), ("row", 4, 256, 4, 6),
+           ("rowk", 4, 512, 4, 4), ("rowk", 8, 256, 4, 4), ("rowk", 4, 1024, 4, 3), ("rowk", 2, 1024, 4, 4))
+
+
+@triton.jit
+def _rows_tile(x_ptr, w_ptr, M, N, stride_xm, stride_wn, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's BLOCK_N features and the M (padded) rows of x: offsets, masks, row pointers."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    return offs_n, offs_m, offs_n < N, offs_m < M, w_rows, x_rows
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr = False):
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, M_PAD)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    offs_n, offs_m, n_mask, m_mask, w_rows, x_rows = _rows_tile(x_ptr, w_ptr, M, N, stride_xm, stride_wn, M_PAD,
+                                                                BLOCK_N)
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    # No weight prefetch before the wait here: peeling the first chunk out of the loop made this kernel
+    # 8-23% slower on an H100 (scripts/bench_gemv.py), more than PDL's overlap gives back.
     pdl_wait(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -136,9 +151,62 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, rout_ptr, N, K, 
     tl.store(y_ptr + offs_n, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _rows_products(w, x):
+    """[rows, features, k lanes]: a weight chunk times each of x's rows, float32."""
+    return w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+
+
+@triton.jit
+def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                      HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EACH: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    """The "row" form for 2..``ROW_MAX_M`` rows: each weight chunk is loaded once and multiplied into every
+    row's (feature, k lane) accumulator; one reduction over the lanes at the end ("rowk", ``EACH``: a
+    reduction per chunk into [rows, features] instead: fewer registers, more shuffles)."""
+    offs_n, offs_m, n_mask, m_mask, w_rows, x_rows = _rows_tile(x_ptr, w_ptr, M, N, stride_xm, stride_wn, M_PAD,
+                                                                BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    pdl_wait(USE_PDL)  # as in the one-row kernel: the first weight chunk streams in before x is ready
+    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    acc = _rows_products(w, x)
+    if EACH:
+        acc = tl.sum(acc, axis=2)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if EACH:
+            acc += tl.sum(_rows_products(w, x), axis=2)
+        else:
+            acc += _rows_products(w, x)
+    pdl_launch(USE_PDL)
+    if EACH:
+        y = acc
+    else:
+        y = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _rows_pad(m: int) -> int:
+    return 1 << max(0, m - 1).bit_length()
+
+
 def config_fits(config: tuple, m: int) -> bool:
-    """Whether a :data:`CONFIGS` entry serves ``m`` rows."""
-    return config[0] == "dot" or m == 1
+    """Whether a :data:`CONFIGS` entry serves ``m`` rows: "dot" any M <= 16; "row" M = 1, and up to
+    ``ROW_MAX_M`` rows while its accumulators stay within ``ROW_MAX_ACC`` float32 registers per thread."""
+    form, block_n, block_k, num_warps, _ = config
+    if form == "dot":
+        return True
+    if form == "rowk":
+        return 1 < m <= ROW_MAX_M and _rows_pad(m) * block_n * block_k <= 2 * ROW_MAX_ACC * 32 * num_warps
+    return m == 1 or (m <= ROW_MAX_M and _rows_pad(m) * block_n * block_k <= ROW_MAX_ACC * 32 * num_warps)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -162,6 +230,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         return out
     form, block_n, block_k, num_warps, num_stages = config
     assert config_fits(config, M), (config, M)
+    if form == "rowk" or (form == "row" and M > 1):
+        _gemv_rows_kernel[(triton.cdiv(N, block_n),)](
+            x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
+            out.stride(0), HAS_BIAS=bias is not None, M_PAD=_rows_pad(M), BLOCK_N=block_n, BLOCK_K=block_k,
+            EACH=form == "rowk", num_warps=num_warps, num_stages=num_stages, **pdl_args(x),
+        )
+        return out
     if form == "row":
         _gemv_row_kernel[(triton.cdiv(N, block_n),)](
             x, weight, bias if bias is not None else weight, out, x, x, x, N, K, weight.stride(0), 0.0,

@@ -88,6 +88,16 @@ def latency_rows(name: str, summary: dict[str, Optional[float]], unit: str = "ms
             for key, value in summary.items()]
 
 
+def shapes_of(name: str) -> dict[str, tuple[int, int]]:
+    """The decode-time linears of ``scripts/configs/<name>`` as ``{weight: (N, K)}``."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", name, "config.json")) as f:
+        c = json.load(f)
+    h, heads, kvh = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = c.get("head_dim") or h // heads
+    return {"qkv": ((heads + 2 * kvh) * d, h), "o": (h, heads * d), "gate_up": (2 * c["intermediate_size"], h),
+            "down": (h, c["intermediate_size"]), "lm_head": (c["vocab_size"], h)}
+
+
 def write_json(path: str, data: dict[str, Any]) -> None:
     """Write benchmark figures as indented JSON, creating the folder if needed."""
     folder = os.path.dirname(os.path.abspath(path))

@@ -30,20 +30,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from executor_proc.backends.gemv_tuning import _time_pass  # noqa: E402  (the tuner's graph timing)
 from kernels.decode_attention import DecodeWorkspace, decode_attention  # noqa: E402
 from kernels.matmul import BLOCK_M, MatmulConfig, invariant_matmul, split_k_for  # noqa: E402
+from _bench_util import shapes_of  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 RULES = {"2/sm": 2, "1/sm": 1, "none": 0}
 ROWS = (1, 64)
 SMEM = 200 * 1024
-
-
-def shapes_of(name: str) -> dict[str, tuple[int, int]]:
-    with open(os.path.join(CONFIGS, name, "config.json")) as f:
-        c = json.load(f)
-    h, heads, kvh = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    d = c.get("head_dim") or h // heads
-    return {"qkv": ((heads + 2 * kvh) * d, h), "o": (h, heads * d), "gate_up": (2 * c["intermediate_size"], h),
-            "down": (h, c["intermediate_size"]), "lm_head": (c["vocab_size"], h)}
 
 
 def kernel_grid() -> list[tuple[int, int, int, int]]:

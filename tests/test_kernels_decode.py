@@ -64,16 +64,17 @@ def test_argmax_rows(rows, vocab, dtype):
     assert tokens.tolist() == torch.argmax(x, dim=-1).tolist() and last.tolist() == want.tolist()
 
 
-@pytest.mark.parametrize("config", [("row", 8, 512, 4, 4), ("dot", 16, 256, 4, 4)])
+@pytest.mark.parametrize("config,m", [(("row", 8, 512, 4, 4), 1), (("row", 4, 256, 4, 6), 3), (("rowk", 8, 256, 4, 4), 5),
+                                      (("dot", 16, 256, 4, 4), 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_float_out_is_rounded_linear(config, dtype):
+def test_gemv_float_out_is_rounded_linear(config, m, dtype):
     """The LM head's one launch: float32 logits equal to the model-dtype GEMV's output, cast."""
     from kernels.gemv import gemv
 
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 96, generator=g).to(dtype).to(DEV)
+    x = torch.randn(m, 96, generator=g).to(dtype).to(DEV)
     w = torch.randn(300, 96, generator=g).to(dtype).to(DEV)
-    out = torch.empty(1, 300, dtype=torch.float32, device=DEV)
+    out = torch.empty(m, 300, dtype=torch.float32, device=DEV)
     assert torch.equal(gemv(x, w, config=config, out=out), gemv(x, w, config=config).float())
 
 
