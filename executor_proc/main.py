@@ -50,6 +50,7 @@ class LaunchedStep:
     t_start: float
     idle_s: float
     gpu_events: Optional[tuple] = None  # (start, end) timing events on the compute stream
+    host_s: tuple[float, float] = (0.0, 0.0)  # host seconds of (plan decode + prepare, launch)
     outputs: object = None  # step_outputs.StepOutputs: logprobs, on the host once ``event`` completes
 
 
@@ -100,7 +101,7 @@ class OutputThread(threading.Thread):
             t_start, t_end, idle_s = getattr(step.event, "timing", None) or (
                 step.t_start, time.perf_counter(), step.idle_s)
             busy, gap = self._gpu_timing(step)
-            result = p.StepResult(step.step_id, tokens, t_start, t_end, idle_s, busy, gap, **extra)
+            result = p.StepResult(step.step_id, tokens, t_start, t_end, idle_s, busy, gap, *step.host_s, **extra)
             self.sock.send(p.encode(result))
 
 
@@ -201,12 +202,14 @@ class ExecutorProcess:
             t_start = self.t_ready
             events = self._record_gpu_event()
             step = worker.prepare(plan)
+            t_prepared = time.perf_counter()
             tokens = worker.launch(step)
             if events is not None:
                 events = (events, self._record_gpu_event())
             host, event = worker.copy_out(tokens, step)
+            host_s = (t_prepared - t_start, time.perf_counter() - t_prepared)
             self.output.steps.put(LaunchedStep(plan.step_id, host, event, t_start, t_start - t_wait, events,
-                                               getattr(step, "outputs", None)))
+                                               host_s, getattr(step, "outputs", None)))
         self.output.steps.put(None)
         self.output.join(timeout=5)
 

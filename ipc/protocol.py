@@ -328,6 +328,10 @@ class StepResult(_Msg, tag="step_result"):
     # GPU sat idle between the previous step's end and this step's start (0 when it was queued).
     gpu_busy_s: float = 0.0
     gpu_gap_s: float = 0.0
+    # The executor's host time on the step: decoding the plan and staging its inputs (prepare), then
+    # enqueueing its kernels or graph replays (launch).  The GPU waits for them when nothing is queued.
+    prepare_s: float = 0.0
+    launch_s: float = 0.0
     # Sampled rows that asked for logprobs: indices into token_ids, and their values.
     logprob_rows: list[int] = []
     logprobs: list[TokenLogprobs] = []

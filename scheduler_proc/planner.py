@@ -295,7 +295,9 @@ class Planner(Reconciler):
         step_id = draft.step_id
         self._next_step = step_id + 1
         releases, self._releases = self._releases, []
-        self.inflight.append(InflightStep(step_id, rows, samplers, draft.written, draft.onloaded, draft.resumed))
+        backups = self.host.send(step_id) if self.host is not None else []
+        self.inflight.append(InflightStep(step_id, rows, samplers, draft.written, draft.onloaded, draft.resumed,
+                                          sum(chunk_lens), len(backups) // 2))
         self.num_steps_planned += 1
         return StepPlan(
             step_id=step_id,
@@ -309,7 +311,7 @@ class Planner(Reconciler):
             admits=draft.admits,
             releases=releases,
             onloads=draft.onloads,
-            backups=self.host.send(step_id) if self.host is not None else [],
+            backups=backups,
         )
 
     def _reserve(self, req: Request, num_tokens: int, draft: StepDraft) -> bool:

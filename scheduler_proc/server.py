@@ -150,7 +150,7 @@ class Server(ClientMessages, OutputStream):
         while self.returned:
             result = self.returned.popleft()
             if self.step_log is not None:
-                self.step_log.record(result, len(planner.inflight[0].requests))
+                self.step_log.record(result, planner.inflight[0])
             if self.suspects:  # a step came back: its requests did not kill the executor
                 self.suspects.difference_update(r.rid for r in planner.inflight[0].requests)
             outputs = planner.reconcile(result)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 
 from ipc.protocol import StepResult
+from scheduler_proc.steps import InflightStep
 
 FLUSH_EVERY = 10_000  # step records kept in memory before they are appended
-KEYS = ("step_id", "t_start", "t_end", "idle_s", "num_rows", "num_tokens", "gpu_busy_s", "gpu_gap_s")
+# num_rows: requests in the step; num_tokens: tokens sampled; num_prefill: prefill tokens computed; num_backups:
+# KV blocks the host tier backs up behind it.
+KEYS = ("step_id", "t_start", "t_end", "idle_s", "num_rows", "num_tokens", "num_prefill", "num_backups",
+        "gpu_busy_s", "gpu_gap_s", "prepare_s", "launch_s")
 
 
 class StepLog:
@@ -15,9 +19,10 @@ class StepLog:
         self.path = path
         self.records: list[tuple] = []
 
-    def record(self, result: StepResult, num_rows: int) -> None:
-        self.records.append((result.step_id, result.t_start, result.t_end, result.idle_s, num_rows,
-                             len(result.token_ids), result.gpu_busy_s, result.gpu_gap_s))
+    def record(self, result: StepResult, step: InflightStep) -> None:
+        self.records.append((result.step_id, result.t_start, result.t_end, result.idle_s, len(step.requests),
+                             len(result.token_ids), step.num_prefill, step.num_backups, result.gpu_busy_s,
+                             result.gpu_gap_s, result.prepare_s, result.launch_s))
         if len(self.records) >= FLUSH_EVERY:
             self.flush()
 

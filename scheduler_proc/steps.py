@@ -15,11 +15,14 @@ from scheduler_proc.request import Request
 class InflightStep:
     """A step that was sent and has not come back: who is in it, who samples, what it completes."""
 
-    __slots__ = ("step_id", "requests", "samplers", "written", "onloaded", "resumed")
+    __slots__ = ("step_id", "requests", "samplers", "written", "onloaded", "resumed", "num_prefill", "num_backups")
 
     def __init__(self, step_id: int, requests: list[Request], samplers: list[Request],
-                 written: list[tuple[Request, int]], onloaded: list[int] = (), resumed: list[Request] = ()):
+                 written: list[tuple[Request, int]], onloaded: list[int] = (), resumed: list[Request] = (),
+                 num_prefill: int = 0, num_backups: int = 0):
         self.step_id = step_id
+        self.num_prefill = num_prefill  # prefill tokens computed (the step log's record of what the step did)
+        self.num_backups = num_backups  # blocks the host KV tier backs up after it
         self.requests = requests  # every request with a row in this step, row order
         self.samplers = samplers  # requests whose row is sampled, in row order
         # (request, n): once this step is back, the request's first n tokens of KV are all written

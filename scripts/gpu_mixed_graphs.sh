@@ -93,11 +93,22 @@ for name in names:
     path = os.path.join(out, f"steps_{name}.jsonl")
     if not os.path.exists(path):
         continue
-    busy = sorted(json.loads(line)["gpu_busy_s"] * 1e3 for line in open(path))
-    q = lambda p: busy[min(len(busy) - 1, int(p * len(busy)))]  # noqa: E731
-    long = [b for b in busy if b > 2.0]
-    print(f"steps {name}: {len(busy)}, GPU ms p50 {q(.5):.3f} p90 {q(.9):.3f} p99 {q(.99):.3f} max {busy[-1]:.2f}; "
-          f"{len(long)} over 2 ms (median {long[len(long) // 2] if long else 0:.2f})")
+    steps = [json.loads(line) for line in open(path)]
+    kinds = {"all": steps, "decode": [s for s in steps if not s["num_prefill"]],
+             "decode+backup": [s for s in steps if not s["num_prefill"] and s["num_backups"]],
+             "prefill<=512": [s for s in steps if 0 < s["num_prefill"] <= 512],
+             "prefill>512": [s for s in steps if s["num_prefill"] > 512]}
+    for kind, group in kinds.items():
+        busy = sorted(s["gpu_busy_s"] * 1e3 for s in group)
+        if not busy:
+            continue
+        q = lambda p: busy[min(len(busy) - 1, int(p * len(busy)))]  # noqa: E731
+        host = {k: sorted(s[k] * 1e3 for s in group) for k in ("prepare_s", "launch_s")}
+        h = lambda k, p: host[k][min(len(group) - 1, int(p * len(group)))]  # noqa: E731
+        print(f"steps {name} {kind:<14}{len(busy):>6}  GPU ms p50 {q(.5):.3f} p90 {q(.9):.3f} p99 {q(.99):.3f} "
+              f"max {busy[-1]:.2f}; {sum(b > 4.0 for b in busy)} over 4 ms; host ms prepare p50 "
+              f"{h('prepare_s', .5):.3f} p90 {h('prepare_s', .9):.3f}, launch p50 {h('launch_s', .5):.3f} "
+              f"p90 {h('launch_s', .9):.3f}")
 EOF
 tar czf "$FINAL/results.tgz" -C "$OUT" . && rm -rf "$OUT"
 stamp "all done"

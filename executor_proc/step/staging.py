@@ -29,6 +29,7 @@ import torch
 from kernels.logprobs_ref import MAX_TOP_N
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+_ITEMSIZE = {dt: np.dtype(t).itemsize for dt, t in _NUMPY.items()}
 # Every part starts at a 16-byte boundary of the device buffer.  Triton compiles a kernel variant per
 # (pointer argument, 16-byte aligned or not): parts at mere 8-byte places would give each eager step's index
 # arrays (query_start, context_lens, positions, ...) an alignment that depends on the sizes of the parts before
@@ -81,7 +82,7 @@ class PinnedStaging:
     def _send(self, parts: list[tuple[object, torch.dtype]]) -> list[torch.Tensor]:
         if not self.pinned:
             return [torch.as_tensor(np.asarray(v, dtype=_NUMPY[dt])) for v, dt in parts]
-        sizes = [len(v) * torch.empty((), dtype=dt).element_size() for v, dt in parts]
+        sizes = [len(v) * _ITEMSIZE[dt] for v, dt in parts]
         offsets, total = layout(sizes)
         k = self._next
         self._next = (k + 1) % self._depth
