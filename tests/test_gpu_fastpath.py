@@ -228,13 +228,18 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
     # tiny model: q|k|v 128x64 (head_dim 16: 8 pairs tile it), gate|up 192x64, down 64x96
     assert choice == {(kind, *shape): ("row", 8, 512, 4, 4) for kind, shape in
                       (("qkv", (128, 64)), ("norm", (192, 64)), ("silu", (64, 96)))}  # 0.99 is within the 3% margin
-    assert calls.count(None) == 3 and len(calls) == 3 + 3 * 4 and backend.prologue_everywhere is None
+    from kernels.gemv import CONFIGS, config_fits
+    from kernels.gemv_qkv import rope_pairs
+
+    rows = [c for c in CONFIGS if c[0] == "row"]
+    tried = 2 * len(rows) + sum(rope_pairs(c, 16) is not None for c in rows)  # norm, silu: every row config
+    assert calls.count(None) == 3 and len(calls) == 3 + tried and backend.prologue_everywhere is None
     assert timings[("silu", 64, 96, "unfused")] == 1.0
     # tune_linears picks the same way: cuBLAS first (1.0), then every fitting config (0.5: the first wins)
-    times = iter(([1.0] + [0.5] * 8) * 5)  # 5 weight shapes, 8 configs fit one row
+    fit = sum(config_fits(c, 1) for c in CONFIGS)
+    times = iter(([1.0] + [0.5] * fit) * 5)  # 5 weight shapes: cuBLAS, then every config that fits one row
     monkeypatch.setattr(gemv_tuning, "_time_pass", lambda fn, weights, reps: [fn(w) for w in weights] and next(times))
     linears, _ = gemv_tuning.tune_linears(backend_model, [1])
-    from kernels.gemv import CONFIGS
     from kernels.matmul import invariant_matmul
 
     assert linears and set(linears.values()) == {CONFIGS[0]}, linears

@@ -68,8 +68,9 @@ class TableDiff:
     releases: Optional[int] = None
     admit_slots: Optional[int] = None
     appends: Optional[int] = None
-    # admitted slots' parameters: table name -> upload index (see SlotTables._ADMIT_FIELDS)
-    params: dict[str, int] = field(default_factory=dict)
+    # admitted slots' parameters -> upload index: a group of SlotTables._ADMIT_GROUPS by its index, a
+    # table of SlotTables._ADMIT_ROWS by its name (only when some admitted slot needs it written)
+    params: dict[object, int] = field(default_factory=dict)
 
 
 def _padded(rows: list[list], width: int, fill, dtype) -> np.ndarray:
@@ -92,15 +93,23 @@ class SlotTables:
         z = dict(device=device)
         self.last_token = torch.zeros(rows, dtype=torch.int64, **z)
         self.block_table = torch.zeros(rows, max_blocks, dtype=torch.int32, **z)
-        self.temperature = torch.ones(rows, dtype=torch.float32, **z)
-        self.temperature[self.pad_slot] = 0.0  # padded rows take the sampler's cheapest (greedy) path
-        self.top_k = torch.zeros(rows, dtype=torch.int64, **z)
-        self.top_p = torch.ones(rows, dtype=torch.float32, **z)
-        self.min_p = torch.zeros(rows, dtype=torch.float32, **z)
-        self.seed = torch.zeros(rows, dtype=torch.int64, **z)
-        self.num_logprobs = torch.full((rows,), -1, dtype=torch.int32, **z)
         self.penalties = PenaltyTables.allocate(num_slots, max(vocab, 1), device, max_bias=MAX_BIAS,
                                                 max_stop=MAX_STOP)
+        # The per-slot scalars, one [fields, rows] tensor per dtype: each table (temperature, ...,
+        # penalties.min_tokens) is a contiguous row of its group, and an admission writes a group in one
+        # indexed write (three launches rather than ten: a mixed step's host time, docs/performance.md).
+        self._groups = []
+        for dtype, fields in self._ADMIT_GROUPS:
+            group = torch.empty(len(fields), rows, dtype=dtype, **z)
+            for i, (name, default, _) in enumerate(fields):
+                group[i].fill_(default)
+                owner, attr = self._owner(name)
+                setattr(owner, attr, group[i])
+            self._groups.append(group)
+        self.temperature[self.pad_slot] = 0.0  # padded rows take the sampler's cheapest (greedy) path
+        # Slots whose logit_bias / min_tokens stop-id rows may hold a request's values (not -1 / 0): an
+        # admission rewrites those rows only when it sets them or when the slot's last request did.
+        self._extras_set: set[int] = set()
         self.info = [SlotInfo() for _ in range(rows)]
         # Live slots with a penalty or a logprobs request: while empty, a step needs no look at them.
         self.featured: set[int] = set()
@@ -110,25 +119,29 @@ class SlotTables:
         return SamplingRows(slots, self.temperature[slots], self.top_k[slots], self.top_p[slots],
                             self.min_p[slots], self.seed[slots], positions, filtered)
 
-    # (table, dtype, value of SlotSampling) for every per-slot scalar written at admission
-    _ADMIT_FIELDS = (
-        ("temperature", torch.float32, lambda s: s.temperature),
-        ("top_k", torch.int64, lambda s: s.top_k),
-        ("top_p", torch.float32, lambda s: s.top_p),
-        ("min_p", torch.float32, lambda s: s.min_p),
-        ("seed", torch.int64, lambda s: s.seed),
-        ("num_logprobs", torch.int32, lambda s: s.logprobs),
-        ("penalties.repetition", torch.float32, lambda s: s.repetition_penalty),
-        ("penalties.frequency", torch.float32, lambda s: s.frequency_penalty),
-        ("penalties.presence", torch.float32, lambda s: s.presence_penalty),
-        ("penalties.min_tokens", torch.int32, lambda s: s.min_tokens),
+    # Every per-slot scalar written at admission, by dtype: (table, its value before any admission, its
+    # value from SlotSampling).
+    _ADMIT_GROUPS = (
+        (torch.float32, (("temperature", 1.0, lambda s: s.temperature), ("top_p", 1.0, lambda s: s.top_p),
+                         ("min_p", 0.0, lambda s: s.min_p),
+                         ("penalties.repetition", 1.0, lambda s: s.repetition_penalty),
+                         ("penalties.frequency", 0.0, lambda s: s.frequency_penalty),
+                         ("penalties.presence", 0.0, lambda s: s.presence_penalty))),
+        (torch.int64, (("top_k", 0, lambda s: s.top_k), ("seed", 0, lambda s: s.seed))),
+        (torch.int32, (("num_logprobs", -1, lambda s: s.logprobs), ("penalties.min_tokens", 0, lambda s: s.min_tokens))),
     )
+    # The [rows, width] tables of token ids and values written at admission (neutral: -1 ids, 0 values).
+    _ADMIT_ROWS = (("bias_ids", -1, np.int32, torch.int32, lambda s: s.logit_bias_ids),
+                   ("bias_values", 0.0, np.float32, torch.float32, lambda s: s.logit_bias_values),
+                   ("stop_ids", -1, np.int32, torch.int32, lambda s: s.min_tokens_stop_ids))
 
-    def _table(self, name: str) -> torch.Tensor:
+    def _owner(self, name: str) -> tuple[object, str]:
+        """(object, attribute) of a table named like ``"penalties.min_tokens"``."""
+        *path, attr = name.split(".")
         obj = self
-        for part in name.split("."):
+        for part in path:
             obj = getattr(obj, part)
-        return obj
+        return obj, attr
 
     def stage(self, plan: StepPlan, upload: HostUpload) -> TableDiff:
         """Add the plan's table changes to the step's upload."""
@@ -141,15 +154,16 @@ class SlotTables:
         if plan.admits:
             s = [a.sampling for a in plan.admits]
             diff.admit_slots = upload.add([a.slot for a in plan.admits], torch.int64)
-            for name, dtype, value in self._ADMIT_FIELDS:
-                diff.params[name] = upload.add([value(x) for x in s], dtype)
-            p = self.penalties
-            diff.params["penalties.bias_ids"] = upload.add(
-                _padded([x.logit_bias_ids for x in s], p.bias_ids.shape[1], -1, np.int32), torch.int32)
-            diff.params["penalties.bias_values"] = upload.add(
-                _padded([x.logit_bias_values for x in s], p.bias_values.shape[1], 0.0, np.float32), torch.float32)
-            diff.params["penalties.stop_ids"] = upload.add(
-                _padded([x.min_tokens_stop_ids for x in s], p.stop_ids.shape[1], -1, np.int32), torch.int32)
+            for g, (dtype, fields) in enumerate(self._ADMIT_GROUPS):  # [fields, admits], field-major
+                diff.params[g] = upload.add([value(x) for _, _, value in fields for x in s], dtype)
+            extras = [bool(x.logit_bias_ids or x.min_tokens_stop_ids) for x in s]
+            if any(extras) or any(a.slot in self._extras_set for a in plan.admits):
+                p = self.penalties
+                for name, fill, np_dtype, dtype, value in self._ADMIT_ROWS:
+                    table = getattr(p, name)
+                    diff.params[name] = upload.add(_padded([value(x) for x in s], table.shape[1], fill, np_dtype), dtype)
+                for a, has in zip(plan.admits, extras):
+                    (self._extras_set.add if has else self._extras_set.discard)(a.slot)
             for a in plan.admits:
                 info = self.info[a.slot] = slot_info(a.sampling)
                 if info.penalised or info.num_logprobs >= 0 or info.prompt_logprobs >= 0:
@@ -167,9 +181,13 @@ class SlotTables:
             self.block_table.index_fill_(0, sent[diff.releases], 0)
         if diff.admit_slots is not None:
             slots = sent[diff.admit_slots]
-            for name, part in diff.params.items():
-                table = self._table(name)
-                table[slots] = sent[part].view(-1, *table.shape[1:])
+            for key, part in diff.params.items():
+                if isinstance(key, int):
+                    group = self._groups[key]
+                    group[:, slots] = sent[part].view(group.shape[0], -1)
+                else:
+                    table = getattr(self.penalties, key)
+                    table[slots] = sent[part].view(-1, table.shape[1])
             self.block_table.index_fill_(0, slots, 0)
             reset_slots(self.penalties, slots)
         if diff.appends is not None:

@@ -1,0 +1,51 @@
+"""SlotTables: admissions write every per-slot parameter (grouped by dtype), and the logit_bias /
+min_tokens stop-id rows only when a slot gets them or its previous request had them."""
+
+from __future__ import annotations
+
+import torch
+
+from executor_proc.step.slot_tables import SlotTables
+from executor_proc.step.staging import PinnedStaging
+from ipc.protocol import Admit, SlotSampling, StepPlan
+
+PLAIN = SlotSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
+FULL = SlotSampling(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=1234, logprobs=3,
+                    repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.25, min_tokens=4,
+                    min_tokens_stop_ids=[7, 9], logit_bias_ids=[3, 5], logit_bias_values=[-2.0, 1.5])
+
+
+def _apply(tables: SlotTables, staging: PinnedStaging, admits=(), releases=()):
+    upload = staging.upload()
+    plan = StepPlan(0, [], [], [], [], [], admits=list(admits), releases=list(releases))
+    diff = tables.stage(plan, upload)
+    tables.apply(diff, upload.send())
+    return diff
+
+
+def test_admission_writes_every_parameter_and_the_bias_rows_only_when_needed():
+    tables = SlotTables(4, 8, torch.device("cpu"), vocab=32)
+    staging = PinnedStaging(torch.device("cpu"))
+    p = tables.penalties
+    assert tables.temperature[tables.pad_slot] == 0.0 and tables.temperature[0] == 1.0  # pad slot: greedy
+    assert tables.num_logprobs.tolist() == [-1] * 5 and tables.temperature.is_contiguous()
+
+    _apply(tables, staging, [Admit(1, FULL), Admit(2, PLAIN)])
+    want = dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=1234, num_logprobs=3, repetition=1.2,
+                frequency=0.5, presence=0.25, min_tokens=4)
+    for name, value in want.items():
+        table = getattr(tables, name) if hasattr(tables, name) else getattr(p, name)
+        assert table[1].item() == torch.tensor(value, dtype=table.dtype).item(), name
+    assert p.bias_ids[1, :3].tolist() == [3, 5, -1] and p.bias_values[1, :2].tolist() == [-2.0, 1.5]
+    assert p.stop_ids[1, :3].tolist() == [7, 9, -1]
+    assert tables.temperature[2] == 0.0 and p.repetition[2] == 1.0 and p.bias_ids[2].eq(-1).all()
+
+    # a plain request in a slot that never had extras: the bias and stop-id rows are not sent
+    diff = _apply(tables, staging, [Admit(3, PLAIN)])
+    assert set(diff.params) == {0, 1, 2}
+    # slot 1 again, now plain: its old bias / stop ids are cleared, and then it is clean
+    diff = _apply(tables, staging, [Admit(1, PLAIN)], releases=[1])
+    assert {"bias_ids", "bias_values", "stop_ids"} <= set(diff.params)
+    assert p.bias_ids[1].eq(-1).all() and p.bias_values[1].eq(0).all() and p.stop_ids[1].eq(-1).all()
+    assert p.repetition[1] == 1.0 and p.min_tokens[1] == 0 and tables.num_logprobs[1] == -1
+    assert set(_apply(tables, staging, [Admit(1, PLAIN)], releases=[1]).params) == {0, 1, 2}
