@@ -116,6 +116,7 @@ class ExecutorProcess:
         self.output = OutputThread(self.results)
         self.tp = None  # the tensor-parallel group, once built
         self.last_step_id: Optional[int] = None
+        self._stream = None  # the compute stream, for the step timing events
 
     def send(self, msg) -> None:
         self.results.send(p.encode(msg))
@@ -178,8 +179,10 @@ class ExecutorProcess:
         """A timing event on the compute stream (CUDA only): where the GPU is in the step stream."""
         if not self.cfg.device.startswith("cuda"):
             return None
+        if self._stream is None:
+            self._stream = torch.cuda.current_stream()  # the compute stream: looked up once, not per step
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(self._stream)
         return event
 
     def in_order(self, plan: p.StepPlan) -> None:

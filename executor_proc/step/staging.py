@@ -73,6 +73,8 @@ class PinnedStaging:
         self._depth = depth
         self._bufs: list[Optional[torch.Tensor]] = [None] * depth
         self._events = [torch.cuda.Event() if self.pinned else None for _ in range(depth)]
+        # The compute stream, looked up once (torch.cuda.current_stream() is a Python-level call per use).
+        self._stream = torch.cuda.current_stream(device) if self.pinned else None
         self._initial = initial_bytes
         self._next = 0
 
@@ -96,7 +98,7 @@ class PinnedStaging:
             host[off:off + n].view(_NUMPY[dt])[:] = values
         dev = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=self.device)
         dev[:total].copy_(buf[:total], non_blocking=True)
-        self._events[k].record()
+        self._events[k].record(self._stream)
         return [dev[off:off + n].view(dt) for (_, dt), off, n in zip(parts, offsets, sizes)]
 
 
