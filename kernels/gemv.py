@@ -11,8 +11,9 @@ rounding once, like cuBLAS.  Two forms:
 - ``"row"``: elementwise products accumulated per (feature, k lane) and reduced once
   at the end (no tensor-core layout shuffles); M = 1, or up to 8 rows sharing each
   weight chunk (the accumulators grow with M: :func:`config_fits` keeps them in
-  registers).  At 2 to 8 rows this streams the weights as fast as one row does,
-  where the "dot" form and cuBLAS lose 10-40% on an H100.
+  registers).  At 2 rows it is 7-16% faster than the "dot" form and cuBLAS on the
+  1B shapes on an H100 (``scripts/bench_gemv.py``); at 4 and 8 rows it rarely wins
+  (the tuner decides per shape).
 
 No split-K and no atomics, so the result is deterministic.
 
@@ -200,7 +201,9 @@ def _rows_pad(m: int) -> int:
 
 def config_fits(config: tuple, m: int) -> bool:
     """Whether a :data:`CONFIGS` entry serves ``m`` rows: "dot" any M <= 16; "row" M = 1, and up to
-    ``ROW_MAX_M`` rows while its accumulators stay within ``ROW_MAX_ACC`` float32 registers per thread."""
+    ``ROW_MAX_M`` rows while its [rows, features, lanes] accumulators stay within ``ROW_MAX_ACC`` float32
+    registers per thread; "rowk" 2 to ``ROW_MAX_M`` rows, its per-chunk products within twice that (they
+    live only until the chunk's reduction)."""
     form, block_n, block_k, num_warps, _ = config
     if form == "dot":
         return True
