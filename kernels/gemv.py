@@ -8,6 +8,9 @@ features and streams their weight rows along K in ``BLOCK_K`` chunks
 rounding once, like cuBLAS.  Two forms:
 
 - ``"dot"``: the M rows of x are the padded M dimension of ``tl.dot`` (any M <= 16);
+- ``"dotT"``: the same with the operands swapped: BLOCK_N (64+) weight rows are the MMA's M side,
+  which Hopper's warpgroup MMA takes (1-3% faster than "dot" on gate|up and the LM head at 2-8 rows
+  on an H100, slower on the narrow weights: the tuner decides);
 - ``"row"``: elementwise products accumulated per (feature, k lane) and reduced once
   at the end (no tensor-core layout shuffles); M = 1, or up to 8 rows sharing each
   weight chunk (the accumulators grow with M: :func:`config_fits` keeps them in
@@ -39,7 +42,7 @@ import triton.language as tl
 
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
-__all__ = ["gemv", "gemv_prologue", "CONFIGS", "MAX_M"]
+__all__ = ["gemv", "gemv_prologue", "gemv_silu", "CONFIGS", "MAX_M"]
 
 MAX_M = 16
 ROW_MAX_M, ROW_MAX_ACC = 8, 64  # the "row" form's rows, and its float32 accumulators per thread
@@ -49,7 +52,9 @@ ROW_MAX_M, ROW_MAX_ACC = 8, 64  # the "row" form's rows, and its float32 accumul
 CONFIGS = (("dot", 16, 256, 4, 4), ("dot", 16, 512, 4, 3), ("dot", 32, 256, 4, 4), ("dot", 64, 128, 4, 4),
            ("row", 4, 1024, 4, 4), ("row", 8, 512, 4, 4), ("row", 16, 512, 8, 3), ("row", 16, 256, 4, 4),
            ("row", 4, 512, 4, 4), ("row", 2, 512, 4, 6), ("row", 4, 256, 4, 6),
-           ("rowk", 4, 512, 4, 4), ("rowk", 8, 256, 4, 4), ("rowk", 4, 1024, 4, 3), ("rowk", 2, 1024, 4, 4))
+           ("rowk", 4, 512, 4, 4), ("rowk", 8, 256, 4, 4), ("rowk", 4, 1024, 4, 3), ("rowk", 2, 1024, 4, 4),
+           ("dotT", 64, 128, 4, 4), ("dotT", 64, 256, 4, 3), ("dotT", 128, 128, 4, 3), ("dotT", 64, 64, 4, 6),
+           ("dotT", 128, 64, 8, 4))
 
 
 @triton.jit
@@ -65,10 +70,18 @@ def _rows_tile(x_ptr, w_ptr, M, N, stride_xm, stride_wn, M_PAD: tl.constexpr, BL
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr = False):
+                 DOT_PREC: tl.constexpr, SWAP: tl.constexpr = False, SILU: tl.constexpr = False,
+                 USE_PDL: tl.constexpr = False):
+    """The "dot" form (``SWAP``: "dotT").  ``SILU``: w is gate|up ``[2N, K]``; the program also streams the up
+    rows of its N features and stores ``silu(gate) * up`` (each rounded as the unfused ops round)."""
     offs_n, offs_m, n_mask, m_mask, w_rows, x_rows = _rows_tile(x_ptr, w_ptr, M, N, stride_xm, stride_wn, M_PAD,
                                                                 BLOCK_N)
-    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    if SWAP:
+        acc_t = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+    else:
+        acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    if SILU:
+        acc_up = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     # No weight prefetch before the wait here: peeling the first chunk out of the loop made this kernel
     # 8-23% slower on an H100 (scripts/bench_gemv.py), more than PDL's overlap gives back.
     pdl_wait(USE_PDL)
@@ -77,12 +90,26 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
+        if SWAP:  # the weight rows as the MMA's M side (64+: Hopper's warpgroup MMA), the rows of x as its N
+            acc_t += tl.dot(w, tl.trans(x), input_precision=DOT_PREC)
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
+        if SILU:
+            w_up = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PREC)
     pdl_launch(USE_PDL)
+    if SWAP:
+        acc = tl.trans(acc_t)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    dt = x_ptr.dtype.element_ty
+    if SILU:
+        if HAS_BIAS:
+            acc_up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        g = acc.to(dt).to(tl.float32)  # gate|up as the unfused matmul stores it, then kernels/activation.py
+        acc = g / (1.0 + tl.exp(-g)) * acc_up.to(dt).to(tl.float32)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty),  # rounded as F.linear rounds
+             acc.to(dt).to(y_ptr.dtype.element_ty),  # rounded as F.linear rounds
              mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -205,7 +232,7 @@ def config_fits(config: tuple, m: int) -> bool:
     registers per thread; "rowk" 2 to ``ROW_MAX_M`` rows, its per-chunk products within twice that (they
     live only until the chunk's reduction)."""
     form, block_n, block_k, num_warps, _ = config
-    if form == "dot":
+    if form in ("dot", "dotT"):
         return True
     if form == "rowk":
         return 1 < m <= ROW_MAX_M and _rows_pad(m) * block_n * block_k <= 2 * ROW_MAX_ACC * 32 * num_warps
@@ -250,8 +277,34 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, M_PAD=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-        **pdl_args(x),
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SWAP=form == "dotT", num_warps=num_warps,
+        num_stages=num_stages, **pdl_args(x),
+    )
+    return out
+
+
+def gemv_silu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+              config: tuple) -> torch.Tensor:
+    """``silu_and_mul(F.linear(x, weight, bias))`` in one launch, for x ``[M, K]`` (M <= 16) and a gate|up
+    weight ``[2I, K]``: a "dot" config's program streams the gate rows of its BLOCK_N features and the up
+    rows of the same features, and stores ``[M, I]``, rounded as the two unfused ops round.  Saves the
+    activation's launch and the gate|up round trip through memory (a few-token MLP's third launch)."""
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
+    assert x.shape[0] <= MAX_M and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[0] % 2 == 0
+    assert x.dtype == weight.dtype and config[0] == "dot", (x.dtype, weight.dtype, config)
+    M, K = x.shape
+    I = weight.shape[0] // 2
+    if bias is not None:
+        assert bias.shape == (2 * I,) and bias.stride(0) == 1
+    out = torch.empty(M, I, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    _, block_n, block_k, num_warps, num_stages = config
+    _gemv_kernel[(triton.cdiv(I, block_n),)](
+        x, weight, bias if bias is not None else weight, out, M, I, K, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, M_PAD=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SILU=True, num_warps=num_warps,
+        num_stages=num_stages, **pdl_args(x),
     )
     return out
 

@@ -1,4 +1,4 @@
-"""One token's attention input in one launch: RMSNorm -> q|k|v matmul -> rotary -> K/V into the cache.
+"""A few tokens' attention input in one launch: (RMSNorm ->) q|k|v matmul -> rotary -> K/V into the cache.
 
 At batch 1 a layer's attention input is three launches (norm, q|k|v GEMV, ``rope_kv_write``), two of
 them tiny.  :func:`qkv_rope` is :func:`kernels.gemv.gemv_prologue`'s norm form with the rotary and
@@ -6,6 +6,9 @@ the cache write as its epilogue.  A program owns ``PAIRS`` rotary pairs of one h
 ``j`` and ``j + D/2`` of head ``h`` for ``PAIRS`` consecutive ``j``, two accumulators, so the
 "rotate half" rotation is elementwise between them.  Query heads are rotated into ``q_out``, key heads
 rotated and value heads as they are go to the paged cache at ``kv_index`` (negative: not written).
+With ``norm=None`` (x already normed, for 2-8 tokens: there every program re-reading the rows for
+the norm costs more than the norm's launch) :func:`_qkv_rope_rows_kernel` serves 1 to 8 tokens, each
+weight chunk multiplied into every token's pair of accumulators.
 
 Rounding is the unfused ops': the matmul output is rounded to the model dtype, rotated in float32
 from that, rounded again (:mod:`kernels.kv_write`).  Models with q/k norms (Qwen3) do not use it:
@@ -20,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import _norm_rstd, _prologue_row
+from .gemv import _norm_rstd, _prologue_row, _rows_pad, _rows_products, config_fits
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
 __all__ = ["qkv_rope", "rope_pairs"]
@@ -89,6 +92,75 @@ def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, w_ptr, b_ptr, qo_ptr, kc_pt
             tl.store(dst + HALF, r_hi.to(kc_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _qkv_rope_rows_kernel(x_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, M, K, stride_wn,
+                          stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
+                          H, HKV, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
+                          BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):
+    """The matmul, rotary and cache write of :func:`_qkv_rope_kernel` for 1..M_PAD tokens of an already normed
+    x (contiguous rows; padding rows re-read the last token and store nothing): each weight chunk is
+    multiplied into every token's pair of accumulators, as :mod:`kernels.gemv`'s rows kernel does."""
+    HALF = D // 2
+    pid = tl.program_id(0)
+    head = pid // (HALF // PAIRS)
+    j = (pid % (HALF // PAIRS)) * PAIRS + tl.arange(0, PAIRS)
+    lo = head * D + j
+    w_lo = w_ptr + lo.to(tl.int64)[:, None] * stride_wn
+    w_hi = w_lo + HALF * stride_wn
+    offs_m = tl.arange(0, M_PAD)
+    m_mask = offs_m < M
+    token = tl.minimum(offs_m, M - 1)[:, None]
+    x_rows = x_ptr + token * K
+    offs_k = tl.arange(0, BLOCK_K)[None, :]
+    k_mask = offs_k < K
+    w_lo0 = tl.load(w_lo + offs_k, mask=k_mask, other=0.0)
+    w_hi0 = tl.load(w_hi + offs_k, mask=k_mask, other=0.0)
+    pdl_wait(USE_PDL)  # the first weight chunks stream in while the previous kernel ends
+    x = tl.load(x_rows + offs_k, mask=k_mask, other=0.0)
+    acc_lo = _rows_products(w_lo0, x)
+    acc_hi = _rows_products(w_hi0, x)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)[None, :]
+        k_mask = offs_k < K
+        x = tl.load(x_rows + offs_k, mask=k_mask, other=0.0)
+        acc_lo += _rows_products(tl.load(w_lo + offs_k, mask=k_mask, other=0.0), x)
+        acc_hi += _rows_products(tl.load(w_hi + offs_k, mask=k_mask, other=0.0), x)
+    pdl_launch(USE_PDL)
+    y_lo = tl.sum(acc_lo, axis=2)  # [tokens, pairs]
+    y_hi = tl.sum(acc_hi, axis=2)
+    if HAS_BIAS:
+        y_lo += tl.load(b_ptr + lo).to(tl.float32)[None, :]
+        y_hi += tl.load(b_ptr + lo + HALF).to(tl.float32)[None, :]
+    dt = x_ptr.dtype.element_ty
+    y_lo = y_lo.to(dt).to(tl.float32)  # the matmul's output, as the unfused path stores it
+    y_hi = y_hi.to(dt).to(tl.float32)
+    if head < H + HKV:  # q and k heads rotate
+        cs = cs_ptr + tl.load(pos_ptr + token).to(tl.int64) * stride_cs + j[None, :]
+        cos = tl.load(cs)
+        sin = tl.load(cs + HALF)
+        r_lo = y_lo * cos - y_hi * sin
+        r_hi = y_hi * cos + y_lo * sin
+    else:
+        r_lo = y_lo
+        r_hi = y_hi
+    if head < H:
+        dst = qo_ptr + offs_m[:, None] * (H * D) + lo[None, :]
+        tl.store(dst, r_lo.to(qo_ptr.dtype.element_ty), mask=m_mask[:, None])
+        tl.store(dst + HALF, r_hi.to(qo_ptr.dtype.element_ty), mask=m_mask[:, None])
+    else:
+        kv_index = tl.load(index_ptr + token).to(tl.int64)
+        blk = kv_index // BLOCK_SIZE
+        off = kv_index % BLOCK_SIZE
+        if head < H + HKV:
+            dst = kc_ptr + blk * stride_kcb + off * stride_kct + (head - H) * stride_kch + j[None, :]
+        else:
+            dst = vc_ptr + blk * stride_vcb + off * stride_vct + (head - H - HKV) * stride_vch + j[None, :]
+        ok = m_mask[:, None] & (kv_index >= 0)
+        tl.store(dst, r_lo.to(kc_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, r_hi.to(kc_ptr.dtype.element_ty), mask=ok)
+
+
 def rope_pairs(config: tuple, head_dim: int) -> Optional[int]:
     """Rotary pairs per program for a "row" :data:`kernels.gemv.CONFIGS` entry (its BLOCK_N features
     as BLOCK_N / 2 pairs), or None where they do not tile half a head."""
@@ -97,35 +169,43 @@ def rope_pairs(config: tuple, head_dim: int) -> Optional[int]:
 
 
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *, config: tuple,
-             norm: tuple[torch.Tensor, float], residual: Optional[torch.Tensor], positions: torch.Tensor,
+             norm: Optional[tuple[torch.Tensor, float]], residual: Optional[torch.Tensor], positions: torch.Tensor,
              cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rope_kv_write(split(linear(rms_norm(x + residual)))))`` for one token.
+             kv_index: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``rope_kv_write(split(linear(rms_norm(x + residual)))))``: one token with the norm (``norm=(w, eps)``),
+    or 1 to ``ROW_MAX_M`` tokens of an already normed x (``norm=None``, no residual).
 
-    x ``[1, hidden]``; weight ``[(H + 2 Hkv) D, hidden]`` (q|k|v rows); caches
-    ``[num_blocks, block_size, Hkv, D]``; positions, kv_index ``[1]`` on the device; cos_sin_cache as
-    :func:`kernels.kv_write.rope_kv_write` takes it.  Returns (rotated q ``[1, H, D]``, the residual sum
-    as :func:`kernels.gemv.gemv_prologue` returns it).
+    x ``[M, hidden]`` contiguous; weight ``[(H + 2 Hkv) D, hidden]`` (q|k|v rows); caches
+    ``[num_blocks, block_size, Hkv, D]``; positions, kv_index ``[M]`` on the device; cos_sin_cache as
+    :func:`kernels.kv_write.rope_kv_write` takes it; a "row" ``config`` that fits M rows
+    (:func:`kernels.gemv.config_fits`).  Returns (rotated q ``[M, H, D]``, the residual sum as
+    :func:`kernels.gemv.gemv_prologue` returns it, None without the norm).
     """
     _, block_size, hkv, d = k_cache.shape
     pairs = rope_pairs(config, d)
-    assert pairs is not None, (config, d)
-    n, k = weight.shape
+    m, (n, k) = x.shape[0], weight.shape
     heads = n // d
-    assert n % d == 0 and heads > 2 * hkv and x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1
-    assert v_cache.shape == k_cache.shape and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    assert positions.shape == (1,) and kv_index.shape == (1,) and cos_sin_cache.stride(1) == 1
+    assert pairs is not None and config_fits(config, m) and (norm is None or m == 1), (config, d, m)
+    assert n % d == 0 and heads > 2 * hkv and x.dim() == 2 and x.shape[1] == k and x.is_contiguous()
+    assert weight.stride(1) == 1 and v_cache.shape == k_cache.shape and k_cache.stride(3) == 1
+    assert v_cache.stride(3) == 1 and positions.shape == (m,) and kv_index.shape == (m,)
+    assert cos_sin_cache.stride(1) == 1 and (norm is not None or residual is None)
+    q_out = torch.empty(m, heads - 2 * hkv, d, dtype=x.dtype, device=x.device)
+    _, _, block_k, num_warps, num_stages = config
+    grid = (heads * (d // 2 // pairs),)
+    b = bias if bias is not None else weight
+    caches = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+              v_cache.stride(2), cos_sin_cache.stride(0), heads - 2 * hkv, hkv)
+    meta = dict(D=d, BLOCK_SIZE=block_size, PAIRS=pairs, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+                num_warps=num_warps, num_stages=num_stages, **pdl_args(x))
+    if norm is None:
+        if m > 0:
+            _qkv_rope_rows_kernel[grid](x, weight, b, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, m,
+                                        k, weight.stride(0), *caches, M_PAD=_rows_pad(m), **meta)
+        return q_out, None
     nw, eps = norm
     add = residual is not None
     rout = torch.empty_like(x) if add else x
-    q_out = torch.empty(1, heads - 2 * hkv, d, dtype=x.dtype, device=x.device)
-    _, _, block_k, num_warps, num_stages = config
-    _qkv_rope_kernel[(heads * (d // 2 // pairs),)](
-        x, residual if add else x, nw, rout, weight, bias if bias is not None else weight, q_out, k_cache, v_cache,
-        kv_index, positions, cos_sin_cache, k, weight.stride(0), eps,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), cos_sin_cache.stride(0), heads - 2 * hkv, hkv, D=d, BLOCK_SIZE=block_size,
-        PAIRS=pairs, BLOCK_K=block_k, HAS_BIAS=bias is not None, ADD=add, num_warps=num_warps,
-        num_stages=num_stages, **pdl_args(x),
-    )
+    _qkv_rope_kernel[grid](x, residual if add else x, nw, rout, weight, b, q_out, k_cache, v_cache, kv_index,
+                           positions, cos_sin_cache, k, weight.stride(0), eps, *caches, ADD=add, **meta)
     return q_out, rout

@@ -113,14 +113,14 @@ def linear_report(backend) -> dict:
             row["best_gemv_ms"], row["best_gemv"] = ms, list(what)
     for (n, k, m), config in {**getattr(backend, "gemv_choice", {}), **getattr(backend, "matmul_choice", {})}.items():
         report[f"{n}x{k} m={m}"]["chosen"] = list(config)
-    for (kind, n, k, what), ms in getattr(backend, "prologue_timings", {}).items():
-        row = report.setdefault(f"{kind}+{n}x{k} m=1", {"unfused_ms": None, "best_fused_ms": None})
+    for (kind, n, k, m, what), ms in getattr(backend, "prologue_timings", {}).items():
+        row = report.setdefault(f"{kind}+{n}x{k} m={m}", {"unfused_ms": None, "best_fused_ms": None})
         if what == "unfused":
             row["unfused_ms"] = ms
         elif row["best_fused_ms"] is None or ms < row["best_fused_ms"]:
             row["best_fused_ms"], row["best_fused"] = ms, list(what)
-    for (kind, n, k), config in getattr(backend, "prologue_choice", {}).items():
-        report[f"{kind}+{n}x{k} m=1"]["chosen"] = list(config)
+    for (kind, n, k, m), config in getattr(backend, "prologue_choice", {}).items():
+        report[f"{kind}+{n}x{k} m={m}"]["chosen"] = list(config)
     return report
 
 
@@ -192,14 +192,14 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, help="write per-kernel times of graph replays to PREFIX.<model>.txt")
     ap.add_argument("--batch-invariant", action="store_true", help="batch-invariant kernels (the cost of that mode)")
     ap.add_argument("--no-prologues", action="store_true",
-                    help="never fold the norm / SiLU-mul into the batch-1 matmuls (the baseline for that fusion)")
+                    help="never fold the norm / SiLU-mul / rotary into the 1-8-row matmuls (the baseline for that fusion)")
     args = ap.parse_args(argv)
     import triton
 
     if args.no_prologues:
         import executor_proc.backends.gemv_tuning as tuning
 
-        tuning.tune_prologues = lambda backend, model, **kw: ({}, {})  # select_backend imports it at call time
+        tuning.tune_prologues = lambda backend, model, *a, **kw: ({}, {})  # select_backend imports it at call time
 
     device = torch.device("cuda", 0)
     bandwidth = copy_bandwidth(device)

@@ -1,8 +1,8 @@
 """Compile kernels for Hopper (sm_90) offline, without a GPU: Triton's real compiler and ptxas, not the interpreter.
 
 ``python -m tests.compile_sm90`` (TRITON_INTERPRET unset) compiles every variant the batch-1 fused kernels are
-launched with (:mod:`kernels.gemv`'s row kernel with each prologue, its 2-8-row form and the "dot" form, :mod:`kernels.gemv_qkv`) for the tuner's "row"
-configs, head dims 64 and 128, as the H100 runs them (with programmatic dependent launch, :mod:`kernels.pdl`),
+launched with (:mod:`kernels.gemv`'s row kernel with each prologue, its 2-8-row form, the "dot" form with and without the SiLU
+epilogue and the "dotT" form, :mod:`kernels.gemv_qkv` with the norm and at 1-8 rows without) for the tuner's "row" configs, head dims 64 and 128, as the H100 runs them (with programmatic dependent launch, :mod:`kernels.pdl`),
 the split-KV decode attention kernel whose last split merges, and the tiled matmul, SiLU-mul and rotary/KV-write
 kernels (PDL, no weight prefetch), and prints one line per variant: its size and
 whether anything spilled to local memory.  Exits 1 if a variant fails to compile, spills, or breaks PDL's rule in
@@ -26,6 +26,10 @@ ROW_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16
            "rout_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32", "eps": "fp32"}
 ROWS_SIG = dict({n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")},
                 **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")})
+QKV_ROWS_SIG = dict({n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "qo_ptr", "kc_ptr", "vc_ptr")}, index_ptr="*i64",
+                    pos_ptr="*i64", cs_ptr="*fp32", **{n: "i32" for n in (
+                        "M", "K", "stride_wn", "stride_kcb", "stride_kct", "stride_kch", "stride_vcb", "stride_vct",
+                        "stride_vch", "stride_cs", "H", "HKV")})
 QKV_SIG = {"x_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16", "rout_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
            "qo_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "index_ptr": "*i64", "pos_ptr": "*i64", "cs_ptr": "*fp32",
            "K": "i32", "stride_wn": "i32", "eps": "fp32", "stride_kcb": "i32", "stride_kct": "i32", "stride_kch": "i32",
@@ -64,9 +68,16 @@ def variants():
                 consts = dict(D=head_dim, BLOCK_SIZE=16, PAIRS=pairs, BLOCK_K=block_k, HAS_BIAS=False, ADD=add,
                               USE_PDL=True)
                 yield f"qkv_rope D={head_dim} add={add} {config}", gemv_qkv._qkv_rope_kernel, QKV_SIG, consts, config
-    for config in (c for c in gemv.CONFIGS if c[0] == "dot"):
-        consts = dict(HAS_BIAS=False, M_PAD=16, BLOCK_N=config[1], BLOCK_K=config[2], DOT_PREC="tf32", USE_PDL=True)
-        yield f"gemv_dot {config}", gemv._gemv_kernel, ROWS_SIG, consts, config
+            for m_pad in (m for m in (1, 2, 4, 8) if gemv.config_fits(config, m)):
+                consts = dict(D=head_dim, BLOCK_SIZE=16, PAIRS=pairs, BLOCK_K=block_k, M_PAD=m_pad, HAS_BIAS=False,
+                              USE_PDL=True)
+                yield (f"qkv_rope_rows M_PAD={m_pad} D={head_dim} {config}", gemv_qkv._qkv_rope_rows_kernel,
+                       QKV_ROWS_SIG, consts, config)
+    for config in (c for c in gemv.CONFIGS if c[0] in ("dot", "dotT")):
+        for silu in (False, True) if config[0] == "dot" else (False,):
+            consts = dict(HAS_BIAS=False, M_PAD=16, BLOCK_N=config[1], BLOCK_K=config[2], DOT_PREC="tf32",
+                          SWAP=config[0] == "dotT", SILU=silu, USE_PDL=True)
+            yield f"gemv_dot silu={silu} {config}", gemv._gemv_kernel, ROWS_SIG, consts, config
     for config in (c for c in gemv.CONFIGS if c[0] in ("row", "rowk")):
         for m_pad in (m for m in (2, 4, 8) if gemv.config_fits(config, m)):
             consts = dict(HAS_BIAS=False, M_PAD=m_pad, BLOCK_N=config[1], BLOCK_K=config[2], EACH=config[0] == "rowk",

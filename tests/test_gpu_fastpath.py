@@ -42,6 +42,11 @@ def write_config(folder, hidden=64, layers=2, heads=4, kv_heads=2, vocab=97, int
     return str(folder)
 
 
+# Every fused kernel forced on (test_fast_path_matches_torch_path): the one-token ones and the 2-8-token epilogues.
+FORCED_FUSIONS = {"qkv": ("row", 16, 256, 4, 4), "norm": ("row", 16, 256, 4, 4), "silu": ("row", 16, 256, 4, 4),
+                  "rope": ("row", 2, 512, 4, 6), "gate_silu": ("dot", 16, 256, 4, 4)}
+
+
 def built(model_dir, device, dtype="float32", num_slots=6, max_batch=4, block_size=4, num_blocks=256,
            progress=None, **kw):
     cfg = ExecutorConfig(model=model_dir, plan_addr="", result_addr="", load_format="dummy", device=device,
@@ -126,7 +131,7 @@ def test_gemv_matches_linear(dtype):
         w = torch.randn(n, k, generator=g).to(device, dtype)
         b = torch.randn(n, generator=g).to(device, dtype) if bias else None
         ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-        rows = [c for c in CONFIGS if c[0] != "dot" and config_fits(c, m)]
+        rows = [c for c in CONFIGS if c[0] in ("row", "rowk") and config_fits(c, m)]
         assert m > 8 or rows, m  # the "row" form serves 1 to 8 rows
         for config in CONFIGS[:4:3] + tuple(rows if m > 1 else rows[::3]):
             out = gemv(x, w, b, config=config).double()
@@ -161,9 +166,26 @@ def test_gemv_prologue_matches_two_ops(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_silu_matches_two_ops(dtype):
+    """gate|up with SiLU-mul as its epilogue equals ``silu_and_mul(gemv(...))`` of the same "dot" config bit for
+    bit (the same sums, the same roundings), at 1-8 rows, with and without a bias."""
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import CONFIGS, gemv, gemv_silu
+
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(3)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
+    for m, i, k, bias in ((1, 40, 96, False), (3, 70, 300, True), (8, 64, 128, False), (5, 33, 1100, True)):
+        x, w, b = rnd(m, k), rnd(2 * i, k) / k**0.5, (rnd(2 * i) if bias else None)
+        for config in [c for c in CONFIGS if c[0] == "dot"]:
+            assert torch.equal(gemv_silu(x, w, b, config=config), silu_and_mul(gemv(x, w, b, config=config))), config
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qkv_rope_matches_unfused(dtype):
-    """Norm -> q|k|v -> rotary -> cache write in one launch against the reference chain (the same
-    roundings; the matmul's sum order is the only difference), a negative kv_index writes nothing."""
+    """(Norm ->) q|k|v -> rotary -> cache write in one launch, with the norm for one token and without it for
+    1-8 tokens (each at its own position and cache slot), against the reference chain (the same roundings; the
+    matmul's sum order is the only difference); a negative kv_index writes nothing."""
     from kernels import reference as R
     from kernels.gemv_qkv import qkv_rope
 
@@ -173,23 +195,29 @@ def test_qkv_rope_matches_unfused(dtype):
     heads, hidden, block_size = (4, 2, 16), 96, 4
     h, hkv, d = heads
     cs = R.rope_cos_sin_cache(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 128).to(device)
-    for bias, add, index, config in ((True, True, 13, ("row", 8, 32, 4, 1)), (False, False, 5, ("row", 4, 64, 4, 1)),
-                                     (True, True, -1, ("row", 16, 256, 4, 4))):
+    for bias, norm, index, config in ((True, "add", [13], ("row", 8, 32, 4, 1)), (False, "norm", [5], ("row", 4, 64, 4, 1)),
+                                      (True, "add", [-1], ("row", 16, 256, 4, 4)), (True, None, [7, -1, 30], ("row", 4, 64, 4, 1)),
+                                      (False, None, [2, 3], ("row", 2, 128, 4, 2)), (True, None, [9], ("row", 4, 64, 4, 1))):
+        m = len(index)
         w, b = rnd((h + 2 * hkv) * d, hidden) / hidden**0.5, (rnd((h + 2 * hkv) * d) if bias else None)
-        x, res, nw = rnd(1, hidden), (rnd(1, hidden) if add else None), 1.0 + 0.1 * rnd(hidden)
-        pos, idx = torch.tensor([77], device=device), torch.tensor([index], device=device)
+        x, res, nw = rnd(m, hidden), (rnd(m, hidden) if norm == "add" else None), 1.0 + 0.1 * rnd(hidden)
+        pos, idx = torch.tensor([77, 3, 120][:m], device=device), torch.tensor(index, device=device)
         kc, vc = rnd(8, block_size, hkv, d), rnd(8, block_size, hkv, d)
         kc_ref, vc_ref = kc.clone(), vc.clone()
-        q, res_sum = qkv_rope(x, w, b, config=config, norm=(nw, 1e-5), residual=res, positions=pos, cos_sin_cache=cs,
-                              k_cache=kc, v_cache=vc, kv_index=idx)
-        normed, res_ref = R.fused_add_rms_norm_ref(x, res, nw, 1e-5) if add else (R.rms_norm_ref(x, nw, 1e-5), x)
+        q, res_sum = qkv_rope(x, w, b, config=config, norm=(nw, 1e-5) if norm else None, residual=res, positions=pos,
+                              cos_sin_cache=cs, k_cache=kc, v_cache=vc, kv_index=idx)
+        if norm == "add":
+            normed, res_ref = R.fused_add_rms_norm_ref(x, res, nw, 1e-5)
+        else:
+            normed, res_ref = (R.rms_norm_ref(x, nw, 1e-5), x) if norm else (x, None)
         qr, kr, vr = torch.nn.functional.linear(normed, w, b).split([h * d, hkv * d, hkv * d], dim=-1)
-        q_ref = R.rope_kv_write_ref(qr.view(1, h, d), kr.view(1, hkv, d), vr.view(1, hkv, d), pos, cs, kc_ref, vc_ref, idx)
-        assert torch.equal(res_sum, res_ref)
+        q_ref = R.rope_kv_write_ref(qr.reshape(m, h, d), kr.reshape(m, hkv, d), vr.reshape(m, hkv, d), pos, cs,
+                                    kc_ref, vc_ref, idx)
+        assert (res_sum is None) == (res_ref is None) and (res_ref is None or torch.equal(res_sum, res_ref))
         tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
         for ours, ref in ((q, q_ref), (kc, kc_ref), (vc, vc_ref)):
             assert (ours.float() - ref.float()).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
-        assert index >= 0 or (torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref))
+        assert max(index) >= 0 or (torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref))
 
 
 def test_fused_kernels_compile_for_hopper_without_spills():
@@ -207,34 +235,59 @@ def test_fused_kernels_compile_for_hopper_without_spills():
 
 
 def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
-    """The tuner runs every candidate (unfused chain, each "row" config of each fused kernel) on the
-    model's weights and keeps a fused config only where its (here: scripted) time beats the unfused
-    one by the margin; the real timing is CUDA graphs on a GPU (scripts/gpu_prologues.sh)."""
+    """The tuner runs every candidate (unfused chain, each "row" config of each one-token fused kernel; the
+    few fastest configs of each epilogue at 2-8 tokens) on the model's weights and keeps a fused config only
+    where its (here: scripted) time beats the unfused one by the margin; the real timing is CUDA graphs on a
+    GPU (scripts/gpu_prologues.sh)."""
     from executor_proc.backends import gemv_tuning
 
     backend_model = built(write_config(tmp_path), "cuda" if CUDA else "cpu", kernels="triton").worker.model
     backend = backend_model.backend
     calls = []
 
+    def forced():
+        return next(iter(backend.prologue_everywhere.values()), None)
+
     def scripted_time(fn, weights, reps):
         for w in weights:
             fn(w)  # every candidate really runs (in the interpreter)
-        config = backend.prologue_everywhere
-        calls.append(config)
-        return {None: 1.0, ("row", 8, 512, 4, 4): 0.5, ("row", 16, 512, 8, 3): 0.99}.get(config, 2.0)
+        calls.append(forced())
+        return {None: 1.0, ("row", 8, 512, 4, 4): 0.5, ("row", 16, 512, 8, 3): 0.99}.get(calls[-1], 2.0)
 
     monkeypatch.setattr(gemv_tuning, "_time_pass", scripted_time)
     choice, timings = gemv_tuning.tune_prologues(backend, backend_model)
     # tiny model: q|k|v 128x64 (head_dim 16: 8 pairs tile it), gate|up 192x64, down 64x96
-    assert choice == {(kind, *shape): ("row", 8, 512, 4, 4) for kind, shape in
-                      (("qkv", (128, 64)), ("norm", (192, 64)), ("silu", (64, 96)))}  # 0.99 is within the 3% margin
-    from kernels.gemv import CONFIGS, config_fits
+    shapes = (("qkv", (128, 64)), ("norm", (192, 64)), ("silu", (64, 96)))
+    assert choice == {(kind, *shape, 1): ("row", 8, 512, 4, 4) for kind, shape in shapes}  # 0.99: within the margin
+    from kernels.gemv import CONFIGS
     from kernels.gemv_qkv import rope_pairs
 
     rows = [c for c in CONFIGS if c[0] == "row"]
     tried = 2 * len(rows) + sum(rope_pairs(c, 16) is not None for c in rows)  # norm, silu: every row config
     assert calls.count(None) == 3 and len(calls) == 3 + tried and backend.prologue_everywhere is None
-    assert timings[("silu", 64, 96, "unfused")] == 1.0
+    assert timings[("silu", 64, 96, 1, "unfused")] == 1.0
+    # at 2 and 4 tokens, the epilogues: q|k|v + rotary takes the 3 "row" configs with rotary pairs that streamed
+    # the weight fastest as a plain linear, gate|up + SiLU-mul the 3 fastest "dot" ones (scripted: the slowest
+    # fitting "row" / "dot" config is the fastest linear and the fastest fused kernel)
+    calls.clear()
+    from kernels.gemv import config_fits
+
+    pick = {}
+    backend.gemv_timings = {}
+    for m in (2, 4):
+        for (n, k), form in (((128, 64), "row"), ((192, 64), "dot")):
+            configs = [c for c in CONFIGS if c[0] == form and config_fits(c, m) and (form == "dot" or rope_pairs(c, 16))]
+            backend.gemv_timings.update({(n, k, m, c): float(i) for i, c in enumerate(configs)})
+            backend.gemv_timings[(n, k, m, configs[-1])] = -1.0
+            pick[(n, k, m)] = configs[-1]
+    monkeypatch.setattr(gemv_tuning, "_time_pass", lambda fn, weights, reps: [fn(w) for w in weights] and (
+        calls.append(forced()) or (0.5 if calls[-1] in pick.values() else 1.0)))
+    choice, _ = gemv_tuning.tune_prologues(backend, backend_model, (2, 4))
+    kinds = {(128, 64): "rope", (192, 64): "gate_silu"}
+    assert choice == {(kinds[(n, k)], n, k, m): c for (n, k, m), c in pick.items()}, choice
+    assert len(calls) == 2 * 2 * 4 and calls.count(None) == 4  # per kind and size: unfused + 3 candidates
+    assert [c[0] for c in calls if c] == ["row"] * 6 + ["dot"] * 6
+
     # tune_linears picks the same way: cuBLAS first (1.0), then every fitting config (0.5: the first wins)
     fit = sum(config_fits(c, 1) for c in CONFIGS)
     times = iter(([1.0] + [0.5] * fit) * 5)  # 5 weight shapes: cuBLAS, then every config that fits one row
@@ -260,7 +313,8 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
 @pytest.mark.parametrize("force_gemv", [False, True, "prologue"])
 def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
     """Torch path vs Triton eager vs Triton + decode-graph runner: the same tokens, step by step
-    (forcing the skinny matmul everywhere, or its fused norm / SiLU prologues at batch 1)."""
+    (forcing the skinny matmul everywhere, or every fused kernel: the norm / SiLU prologues and the fused
+    attention input at batch 1, the rotary and SiLU epilogues at 2-8 tokens)."""
     from kernels.gemv import CONFIGS
 
     from kernels import gemv as skinny
@@ -271,15 +325,19 @@ def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
     import executor_proc.backends.triton_backend as tb
 
     fused = []
-    monkeypatch.setattr(skinny, "gemv_prologue", lambda *a, _f=skinny.gemv_prologue, **k: fused.append(1) or _f(*a, **k))
-    monkeypatch.setattr(tb, "qkv_rope", lambda *a, _f=tb.qkv_rope, **k: fused.append(2) or _f(*a, **k))
+    ids = {"norm": 1, "silu": 2, "qkv": 3, "rope": 4, "gate_silu": 5}  # the fused kernels, by the calls below
+    monkeypatch.setattr(skinny, "gemv_prologue", lambda *a, _f=skinny.gemv_prologue, **k: fused.append(
+        ids["silu" if k.get("silu") else "norm"]) or _f(*a, **k))
+    monkeypatch.setattr(tb, "qkv_rope", lambda *a, _f=tb.qkv_rope, **k: fused.append(
+        ids["qkv" if k["norm"] else "rope"]) or _f(*a, **k))
+    monkeypatch.setattr(skinny, "gemv_silu", lambda *a, _f=skinny.gemv_silu, **k: fused.append(ids["gate_silu"]) or _f(*a, **k))
     ref = run_plans(built(model_dir, device, kernels="torch").worker, plans)
     fast = [built(model_dir, device, kernels="triton", cuda_graphs=False).worker,
             built(model_dir, device, kernels="triton").worker]
     fused.clear()  # on a GPU the start-up tuner ran every fused candidate once; count the steps' calls only
     for worker in fast:
         worker.model.backend.gemv_everywhere = CONFIGS[0] if force_gemv is True else None
-        worker.model.backend.prologue_everywhere = ("row", 16, 256, 4, 4) if force_gemv == "prologue" else None
+        worker.model.backend.prologue_everywhere = FORCED_FUSIONS if force_gemv == "prologue" else None
     eager, graphs = run_plans(fast[0], plans), run_plans(fast[1], plans)
     assert [t for _, t in eager] == [t for _, t in ref]
     assert [t for _, t in graphs] == [t for _, t in ref]
@@ -287,15 +345,14 @@ def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
     # Pure-decode steps go through the graph runner (3 rows run padded to bucket 4); prefill steps do not.
     kinds = [kind for kind, _ in graphs]
     assert kinds.count(GraphStep.__name__) == len(plans) - 2, kinds
-    # batch-1 steps took the fused norm / SiLU matmuls and the fused attention input where forced, and
+    # steps of 1-8 tokens took the fused kernels where forced, and
     # otherwise exactly where the tuner picked them (on a GPU it times them; on the CPU it never picks)
     # (the graph worker's calls happened at capture, before the count; the eager worker calls per step)
     def launches(worker_list):
-        picked = {kind for worker in worker_list for kind, _, _ in worker.model.backend.prologue_choice}
-        return ({1} if picked & {"norm", "silu"} else set()) | ({2} if "qkv" in picked else set())
+        return {ids[kind] for worker in worker_list for kind, _, _, _ in worker.model.backend.prologue_choice}
 
     if force_gemv == "prologue":
-        assert set(fused) == {1, 2}
+        assert set(fused) == set(ids.values())
     else:
         assert launches(fast[:1]) <= set(fused) <= launches(fast), (set(fused), launches(fast[:1]), launches(fast))
     assert CUDA or not launches(fast)

@@ -12,7 +12,7 @@ A backend is everything a step launches besides the model's own weights:
   norm), ``silu_and_mul`` (on the fused gate|up projection), and the chains the
   model asks for whole so that a backend may fuse them around the matmul:
   ``norm_linear`` (a layer's :class:`NormInput` -> its first projection),
-  ``silu_linear`` (gate|up -> the down projection) and ``qkv_rotate_store`` (the
+  ``mlp`` (norm -> gate|up -> SiLU-mul -> down) and ``qkv_rotate_store`` (the
   attention input: norm -> q|k|v -> ``rotate_and_store``); the ``unfused_*``
   functions here are those chains op by op;
 - LM head and sampler: ``logits(hidden, weight)`` (float32 logits), then
@@ -74,13 +74,17 @@ class NormInput:
     eps: float
 
 
+def normed(backend: "Backend", pre: NormInput) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(pre), the residual stream after the add)``: one launch."""
+    if pre.residual is None:
+        return backend.rms_norm(pre.x, pre.weight, pre.eps), pre.x
+    return backend.add_rms_norm(pre.x, pre.residual, pre.weight, pre.eps)
+
+
 def unfused_norm_linear(backend: "Backend", pre: NormInput, weight: torch.Tensor,
                         bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(norm(pre)), the residual stream after the add)``, one op at a time."""
-    if pre.residual is None:
-        residual, h = pre.x, backend.rms_norm(pre.x, pre.weight, pre.eps)
-    else:
-        h, residual = backend.add_rms_norm(pre.x, pre.residual, pre.weight, pre.eps)
+    h, residual = normed(backend, pre)
     return backend.linear(h, weight, bias), residual
 
 
@@ -111,6 +115,13 @@ def unfused_silu_linear(backend: "Backend", gate_up: torch.Tensor, weight: torch
                         bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``linear(silu(gate) * up)``, one op at a time."""
     return backend.linear(backend.silu_and_mul(gate_up), weight, bias)
+
+
+def unfused_mlp(backend: "Backend", pre: NormInput, gate_up: tuple, down: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(down(silu_and_mul(gate_up(norm(pre)))), the residual stream)``, one op at a time; ``gate_up`` and
+    ``down`` are (weight, bias) pairs."""
+    h, residual = unfused_norm_linear(backend, pre, *gate_up)
+    return unfused_silu_linear(backend, h, *down), residual
 
 
 class Backend(Protocol[PlanT]):
@@ -144,7 +155,9 @@ class Backend(Protocol[PlanT]):
     def norm_linear(self, pre: NormInput, weight: torch.Tensor,
                     bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor: ...
+    def mlp(self, pre: NormInput, gate_up: tuple, down: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(down(silu_and_mul(gate_up(norm(pre)))), the residual stream)``; (weight, bias) pairs."""
+        ...
 
     def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PlanT) -> tuple[torch.Tensor, torch.Tensor]: ...

@@ -5,21 +5,24 @@ model's own weights, on this GPU, and :func:`tune_matmuls` against the tiled
 matmul of :mod:`kernels.matmul` (larger decode batches: at 64 rows it streams
 gate|up and the LM head a few percent faster than cuBLAS on an H100); they return
 the choices :class:`executor_proc.backends.triton_backend.TritonBackend` keys its
-``linear`` by; :func:`tune_prologues` then times, at batch 1, the chains
+``linear`` by; :func:`tune_prologues` then times, at one to eight tokens, the chains
 around the (already tuned) matmuls op by op against the fused kernels
-(:func:`kernels.gemv.gemv_prologue`, :func:`kernels.gemv_qkv.qkv_rope`), and returns
-where the fused one wins.
+(:func:`kernels.gemv.gemv_prologue`, :func:`kernels.gemv.gemv_silu`,
+:func:`kernels.gemv_qkv.qkv_rope`), and returns where the fused one wins.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import NormInput
+from executor_proc.backends.base import NormInput, split_heads
+from executor_proc.backends.triton_backend import ONE_TOKEN_KINDS
 from kernels import gemv as skinny
+from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.matmul import MatmulConfig, invariant_matmul
 
 # Tiled-matmul candidates for decode batches above 8 (the best of the H100 sweep at 64 rows,
@@ -75,50 +78,78 @@ def tune_matmuls(model, ms: list[int], reps: int = 5, margin: float = 0.97) -> t
     return choice, timings
 
 
-def tune_prologues(backend, model, reps: int = 5, margin: float = 0.97) -> tuple[dict, dict]:
-    """At one token, for the attention input (norm -> q|k|v -> rotary -> cache write), gate|up (after a
-    norm with its residual add) and down (after SiLU-mul): time ``backend``'s unfused chain against
-    every "row" config of the fused kernel, keep the fused one where it is faster by more than
-    ``1 - margin``.  Returns (choice, ms per pass) keyed by ``(kind, N, K)``, kind "qkv", "norm" or
-    "silu".  ``backend.gemv_choice`` must already be tuned (the unfused chain uses it)."""
-    from types import SimpleNamespace
-
-    from kernels.gemv_qkv import rope_pairs
-
+def tune_prologues(backend, model, ms: tuple[int, ...] = (1,), reps: int = 5, margin: float = 0.97,
+                   few: int = 3) -> tuple[dict, dict]:
+    """Time the fused kernels against the ops one by one on the model's weights and keep a fused one where
+    it is faster by more than ``1 - margin``.  At one token (``1 in ms``), through ``backend``'s own chains:
+    the attention input (norm -> q|k|v -> rotary -> cache write: "qkv"), gate|up after the norm ("norm")
+    and down after SiLU-mul ("silu"), every "row" config.  At the other ``ms`` (2-8 tokens), the
+    epilogues alone (the norm before them is the same launch either way): q|k|v with the rotary and cache
+    write ("rope": the ``few`` "row" configs with rotary pairs that streamed the weight fastest in
+    :func:`tune_linears`, per ``backend.gemv_timings``) and gate|up with SiLU-mul ("gate_silu": the
+    ``few`` fastest "dot" configs), so that start-up compiles a few kernels per size, not all.
+    Returns (choice, ms per pass) keyed by ``(kind, N, K, m)``.  ``backend.gemv_choice`` must already be
+    tuned (the unfused chains use it)."""
     cfg, layers = model.config, model.model.layers
     groups: dict[tuple[str, int, int], list[torch.Tensor]] = defaultdict(list)
     for layer in layers:
+        qkv, gate_up, down = layer.self_attn.qkv.weight, layer.mlp.gate_up.weight, layer.mlp.down_proj.weight
         if layer.self_attn.q_norm is None:  # q/k norms sit between the matmul and the rotary: no fusion
-            groups[("qkv", *layer.self_attn.qkv.weight.shape)].append(layer.self_attn.qkv.weight)
-        groups[("norm", *layer.mlp.gate_up.weight.shape)].append(layer.mlp.gate_up.weight)
-        groups[("silu", *layer.mlp.down_proj.weight.shape)].append(layer.mlp.down_proj.weight)
+            groups[("qkv", *qkv.shape)].append(qkv)
+            groups[("rope", *qkv.shape)].append(qkv)
+        groups[("norm", *gate_up.shape)].append(gate_up)
+        groups[("gate_silu", *gate_up.shape)].append(gate_up)
+        groups[("silu", *down.shape)].append(down)
     choice, timings = {}, {}
     saved = backend.prologue_everywhere
     try:
         for (kind, n, k), weights in groups.items():
-            w0 = weights[0]
-            x = torch.randn(1, 2 * k if kind == "silu" else k, dtype=w0.dtype, device=w0.device)
-            pre = NormInput(x, torch.randn_like(x), torch.ones(k, dtype=w0.dtype, device=w0.device), 1e-5)
-            cache = torch.zeros(4, 16, cfg.num_kv_heads, cfg.head_dim, dtype=w0.dtype, device=w0.device)
-            plan = SimpleNamespace(positions=torch.tensor([5], device=w0.device),
-                                   kv_index=torch.tensor([3], device=w0.device))
-            run = {"silu": lambda w: backend.silu_linear(x, w, None),
-                   "norm": lambda w: backend.norm_linear(pre, w, None),
-                   "qkv": lambda w: backend.qkv_rotate_store(pre, w, None, cache, cache, plan)}[kind]
-            configs = [c for c in skinny.CONFIGS if c[0] == "row" and (kind != "qkv" or rope_pairs(c, cfg.head_dim))]
-            best = _pick((kind, n, k), ("unfused", _forcing(backend, None, run)),
-                         [(c, _forcing(backend, c, run)) for c in configs], weights, reps, margin, timings)
-            if best is not None:
-                choice[(kind, n, k)] = best
+            for m in ms:
+                if (m == 1) != (kind in ONE_TOKEN_KINDS):
+                    continue
+                baseline, candidates = _fused_runs(backend, kind, n, k, m, weights[0], cfg, few)
+                best = _pick((kind, n, k, m), baseline, candidates, weights, reps, margin, timings)
+                if best is not None:
+                    choice[(kind, n, k, m)] = best
     finally:
         backend.prologue_everywhere = saved
     return choice, timings
 
 
-def _forcing(backend, config, run):
-    """``run`` with ``backend``'s fused kernels forced to ``config`` (None: off) while it is captured."""
+def _fused_runs(backend, kind: str, n: int, k: int, m: int, w0: torch.Tensor, cfg, few: int):
+    """``(("unfused", fn), [(config, fn), ...])`` for :func:`tune_prologues`: each fn takes one weight."""
+    x = torch.randn(m, 2 * k if kind == "silu" else k, dtype=w0.dtype, device=w0.device)
+    pre = NormInput(x, torch.randn_like(x), torch.ones(k, dtype=w0.dtype, device=w0.device), 1e-5)
+    cache = torch.zeros(4, 16, cfg.num_kv_heads, cfg.head_dim, dtype=w0.dtype, device=w0.device)
+    plan = SimpleNamespace(positions=torch.arange(5, 5 + m, device=w0.device),
+                           kv_index=torch.arange(3, 3 + m, device=w0.device))
+    if kind in ONE_TOKEN_KINDS:  # the backend's own chain, its fused kernel forced on or off
+        run = {"silu": lambda w: backend.silu_linear(x, w, None),
+               "norm": lambda w: backend.norm_linear(pre, w, None),
+               "qkv": lambda w: backend.qkv_rotate_store(pre, w, None, cache, cache, plan)}[kind]
+        configs = [c for c in skinny.CONFIGS if c[0] == "row" and (kind != "qkv" or rope_pairs(c, cfg.head_dim))]
+        return ("unfused", _forcing(backend, {}, run)), [(c, _forcing(backend, {kind: c}, run)) for c in configs]
+    if kind == "rope":
+        configs = [c for c in skinny.CONFIGS if c[0] == "row" and skinny.config_fits(c, m) and rope_pairs(c, cfg.head_dim)]
+        rope = dict(positions=plan.positions, cos_sin_cache=backend.cos_sin, k_cache=cache, v_cache=cache,
+                    kv_index=plan.kv_index)
+        unfused = lambda w: backend.rotate_and_store(*split_heads(backend.linear(x, w, None), cfg.num_kv_heads,  # noqa: E731
+                                                                  cfg.head_dim), cache, cache, plan)
+        fused = lambda c: lambda w: qkv_rope(x, w, None, config=c, norm=None, residual=None, **rope)  # noqa: E731
+    else:  # gate_silu
+        configs = [c for c in skinny.CONFIGS if c[0] == "dot"]
+        unfused = lambda w: backend.silu_and_mul(backend.linear(x, w, None))  # noqa: E731
+        fused = lambda c: lambda w: skinny.gemv_silu(x, w, None, config=c)  # noqa: E731
+    timed = {c: backend.gemv_timings[(n, k, m, c)] for c in configs if (n, k, m, c) in backend.gemv_timings}
+    configs = sorted(timed, key=timed.get)[:few] if timed else configs
+    return ("unfused", _forcing(backend, {}, unfused)), [(c, _forcing(backend, {kind: c}, fused(c))) for c in configs]
+
+
+def _forcing(backend, forced: dict, run):
+    """``run`` with ``backend``'s fused kernels forced to ``forced`` ({kind: config}; {}: all off) while it runs
+    (the epilogue kinds' runs call their kernels directly: there it only names the candidate)."""
     def fn(w):
-        backend.prologue_everywhere = config
+        backend.prologue_everywhere = forced
         return run(w)
     return fn
 

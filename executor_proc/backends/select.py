@@ -25,8 +25,8 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
 
     Triton on CUDA (``kernels: auto``) or when asked: its decode workspace holds
     ``num_slots + 1`` rows (the padding slot), and on CUDA with graphs its linears
-    are tuned for the graph batch sizes 1, 2, 4, 8 (skinny matmul), 16, 32, ... up to the
-    largest graph (tiled matmul), and the fused norm / SiLU matmuls for batch 1.  Otherwise torch.
+    are tuned for the graph batch sizes 1, 2, 4, 8 (skinny matmul and the fused norm / SiLU / rotary
+    matmuls), 16, 32, ... up to the largest graph (tiled matmul).  Otherwise torch.
     """
     if not uses_triton(cfg, device):
         return TorchBackend(model.rope_inv_freq)
@@ -42,11 +42,12 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     tune_max_m = graph_max_batch(cfg, backend) if device.type == "cuda" and not cfg.batch_invariant else 0
     progress(TUNING_STAGE, 0, 1)
     if tune_max_m > 0:
-        backend.gemv_choice, backend.gemv_timings = tune_linears(model, [m for m in (1, 2, 4, 8) if m <= tune_max_m])
+        small = [m for m in (1, 2, 4, 8) if m <= tune_max_m]  # the skinny and fused kernels' sizes
+        backend.gemv_choice, backend.gemv_timings = tune_linears(model, small)
         wide = [16 << i for i in range(8) if 16 << i <= m_bucket(tune_max_m)]  # the decode graphs' larger buckets
         backend.matmul_choice, matmul_timings = tune_matmuls(model, wide)
         backend.gemv_timings.update(matmul_timings)
-        backend.prologue_choice, backend.prologue_timings = tune_prologues(backend, model)
+        backend.prologue_choice, backend.prologue_timings = tune_prologues(backend, model, tuple(small))
     progress(TUNING_STAGE, 1, 1)
     return backend
 

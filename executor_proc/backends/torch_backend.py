@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import (NormInput, SamplingRows, argmax_store, unfused_norm_linear,
-                                         unfused_qkv_rotate_store, unfused_silu_linear)
+from executor_proc.backends.base import (NormInput, SamplingRows, argmax_store, unfused_mlp, unfused_norm_linear,
+                                         unfused_qkv_rotate_store)
 from executor_proc.step.batch import ForwardBatch
 from kernels import reference as ops
 from kernels.logprobs_ref import token_logprobs_ref
@@ -202,8 +202,8 @@ class TorchBackend:
                     bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return unfused_norm_linear(self, pre, weight, bias)
 
-    def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return unfused_silu_linear(self, gate_up, weight, bias)
+    def mlp(self, pre: NormInput, gate_up: tuple, down: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        return unfused_mlp(self, pre, gate_up, down)
 
     def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,9 +22,11 @@ launches; ``linear`` is cuBLAS, or the Triton skinny matmul
 this GPU.  At one token, ``norm_linear`` and ``silu_linear`` fold the norm (with its
 residual add) or the SiLU-mul into the skinny matmul's loads (:func:`kernels.gemv.gemv_prologue`:
 one launch instead of two), and ``qkv_rotate_store`` also takes the rotary and the cache write
-as the q|k|v matmul's epilogue (:func:`kernels.gemv_qkv.qkv_rope`: one launch instead of three),
-for the weights where :func:`executor_proc.backends.gemv_tuning.tune_prologues` measured that
-faster; otherwise they are the ops one by one.  With ``batch_invariant`` every linear is
+as the q|k|v matmul's epilogue (:func:`kernels.gemv_qkv.qkv_rope`: one launch instead of three).
+At 2-8 tokens the norm stays a launch, ``qkv_rotate_store`` takes the rotary and cache write as
+the epilogue and ``mlp`` the SiLU-mul as gate|up's (:func:`kernels.gemv.gemv_silu`).  Each where
+:func:`executor_proc.backends.gemv_tuning.tune_prologues` measured it faster for that weight and
+batch size; otherwise the ops one by one.  With ``batch_invariant`` every linear is
 :func:`kernels.matmul.invariant_matmul` (one tile shape and one split of K per weight, whatever
 the number of rows) and decode attention always uses ``INVARIANT_ATTENTION_SPLITS``, so a row's
 result does not depend on the rows beside it.  The sampler is :func:`kernels.sampling.sample`; penalties and logprobs are
@@ -39,7 +41,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import (NormInput, SamplingRows, argmax_store, unfused_norm_linear,
+from executor_proc.backends.base import (NormInput, SamplingRows, argmax_store, normed, unfused_norm_linear,
                                          unfused_qkv_rotate_store, unfused_silu_linear)
 from executor_proc.step.batch import ForwardBatch
 from kernels import argmax, gemv as skinny
@@ -60,6 +62,12 @@ GemvConfig = tuple
 # sweep (docs/performance.md "Batch invariance"): 8 costs ~1 us/layer more than 16 at batch 1 (1B shape) and
 # saves ~2 us/layer at batch 64; on the 8B shape it is the best of 1..16 at batch 1 and no worse at 64.
 INVARIANT_ATTENTION_SPLITS = 8
+
+
+# The fused kernels the tuner may pick.  At one token "qkv", "norm" and "silu" fold the norm / SiLU-mul into the
+# matmul's loads (every program re-reads the row: at 2+ tokens that cost more than the launch it saves on an H100);
+# at 2-8 tokens "rope" and "gate_silu" are epilogues (rotary + cache write after q|k|v; SiLU-mul after gate|up).
+ONE_TOKEN_KINDS, EPILOGUE_KINDS = ("qkv", "norm", "silu"), ("rope", "gate_silu")
 
 
 @dataclass
@@ -99,9 +107,10 @@ class TritonBackend:
         self.gemv_everywhere: Optional[GemvConfig] = None  # tests: force the Triton path
         # (N, K, m_bucket) -> tiled-matmul config for batches above 8; absent: cuBLAS.
         self.matmul_choice: dict[tuple[int, int, int], MatmulConfig] = {}
-        # ("qkv" | "norm" | "silu", N, K) -> the "row" config of the fused one-token kernel; absent: unfused.
-        self.prologue_choice: dict[tuple[str, int, int], GemvConfig] = {}
-        self.prologue_everywhere: Optional[GemvConfig] = None  # tests and tuning: force the fused path
+        # (kind, N, K, m_bucket) -> the config of a fused kernel (FUSED_KINDS); absent: unfused.
+        self.prologue_choice: dict[tuple[str, int, int, int], GemvConfig] = {}
+        # tests and tuning: force these kinds' fused kernels to these configs wherever they fit
+        self.prologue_everywhere: Optional[dict[str, GemvConfig]] = None
         self.prologue_timings: dict = {}
         self.gemv_timings: dict = {}  # what the tuner measured (benchmarks report it)
         self.batch_invariant = batch_invariant
@@ -205,7 +214,7 @@ class TritonBackend:
 
     def norm_linear(self, pre: NormInput, weight: torch.Tensor,
                     bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        config = self._prologue_config("norm", pre.x, weight)
+        config = self._fused_config("norm", pre.x, weight)
         if config is None:
             return unfused_norm_linear(self, pre, weight, bias)
         return skinny.gemv_prologue(pre.x, weight, bias, config=config, norm=(pre.weight, pre.eps),
@@ -213,26 +222,50 @@ class TritonBackend:
 
     def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token, where the tuner chose it: norm, matmul, rotary and cache write in one launch
-        (:func:`kernels.gemv_qkv.qkv_rope`)."""
-        config = self._prologue_config("qkv", pre.x, weight)
-        if config is None or rope_pairs(config, k_cache.shape[3]) is None:
+        """Where the tuner chose it: at one token norm, matmul, rotary and cache write in one launch, at 2-8
+        the norm and then the rest in one launch (:func:`kernels.gemv_qkv.qkv_rope`)."""
+        rope = dict(positions=plan.positions, cos_sin_cache=self.cos_sin, k_cache=k_cache, v_cache=v_cache,
+                    kv_index=plan.kv_index)
+        config = self._fused_config("qkv", pre.x, weight)
+        if config is not None:
+            return qkv_rope(pre.x, weight, bias, config=config, norm=(pre.weight, pre.eps), residual=pre.residual,
+                            **rope)
+        config = self._fused_config("rope", pre.x, weight)
+        if config is None:
             return unfused_qkv_rotate_store(self, pre, weight, bias, k_cache, v_cache, plan)
-        return qkv_rope(pre.x, weight, bias, config=config, norm=(pre.weight, pre.eps), residual=pre.residual,
-                        positions=plan.positions, cos_sin_cache=self.cos_sin, k_cache=k_cache, v_cache=v_cache,
-                        kv_index=plan.kv_index)
+        h, residual = normed(self, pre)
+        return qkv_rope(h, weight, bias, config=config, norm=None, residual=None, **rope)[0], residual
+
+    def mlp(self, pre: NormInput, gate_up: tuple, down: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the tuner chose it (2-8 tokens): the norm, then gate|up with SiLU-mul as its epilogue
+        (:func:`kernels.gemv.gemv_silu`), then down; otherwise :meth:`norm_linear` and :meth:`silu_linear`."""
+        config = self._fused_config("gate_silu", pre.x, gate_up[0])
+        if config is None:  # with this backend's own one-token fusions
+            h, residual = self.norm_linear(pre, *gate_up)
+            return self.silu_linear(h, *down), residual
+        h, residual = normed(self, pre)
+        return self.linear(skinny.gemv_silu(h, *gate_up, config=config), *down), residual
 
     def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        config = self._prologue_config("silu", gate_up, weight)
+        config = self._fused_config("silu", gate_up, weight)
         if config is None:
             return unfused_silu_linear(self, gate_up, weight, bias)
         return skinny.gemv_prologue(gate_up, weight, bias, config=config, silu=True)[0]
 
-    def _prologue_config(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> Optional[GemvConfig]:
-        """The fused one-token matmul's config for this weight, or None (batch > 1, batch-invariant, not chosen)."""
-        if self.batch_invariant or x.shape[0] != 1 or x.stride(1) != 1:
+    def _fused_config(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> Optional[GemvConfig]:
+        """The fused kernel's config for this weight at x's rows (key ``(kind, N, K, m_bucket)``), or None:
+        not chosen, batch-invariant, a kind not for this many rows (``ONE_TOKEN_KINDS`` at one, the
+        epilogues at 2 to ``ROW_MAX_M``), or a config that does not fit them."""
+        m = x.shape[0]
+        if self.batch_invariant or not 0 < m <= skinny.ROW_MAX_M or not x.is_contiguous():
             return None
-        return self.prologue_everywhere or self.prologue_choice.get((kind, weight.shape[0], weight.shape[1]))
+        if (m == 1) != (kind in ONE_TOKEN_KINDS):
+            return None
+        if self.prologue_everywhere is not None:
+            config = self.prologue_everywhere.get(kind)
+        else:
+            config = self.prologue_choice.get((kind, weight.shape[0], weight.shape[1], m_bucket(m)))
+        return config if config is not None and skinny.config_fits(config, m) else None
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -112,8 +112,7 @@ class MLP(nn.Module):
 
     def forward(self, pre: NormInput, backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, the residual stream) for the un-normalised input."""
-        gate_up, residual = backend.norm_linear(pre, self.gate_up.weight, self.gate_up.bias)
-        return backend.silu_linear(gate_up, self.down_proj.weight, self.down_proj.bias), residual
+        return backend.mlp(pre, (self.gate_up.weight, self.gate_up.bias), (self.down_proj.weight, self.down_proj.bias))
 
 
 class DecoderLayer(nn.Module):
