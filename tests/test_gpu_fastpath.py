@@ -169,6 +169,8 @@ def test_gemv_prologue_matches_two_ops(dtype):
 def test_gemv_silu_matches_two_ops(dtype):
     """gate|up with SiLU-mul as its epilogue equals ``silu_and_mul(gemv(...))`` of the same "dot" config bit for
     bit (the same sums, the same roundings), at 1-8 rows, with and without a bias."""
+    from triton.runtime.errors import OutOfResources
+
     from kernels.activation import silu_and_mul
     from kernels.gemv import CONFIGS, gemv, gemv_silu
 
@@ -177,8 +179,16 @@ def test_gemv_silu_matches_two_ops(dtype):
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
     for m, i, k, bias in ((1, 40, 96, False), (3, 70, 300, True), (8, 64, 128, False), (5, 33, 1100, True)):
         x, w, b = rnd(m, k), rnd(2 * i, k) / k**0.5, (rnd(2 * i) if bias else None)
+        checked = 0
         for config in [c for c in CONFIGS if c[0] == "dot"]:
-            assert torch.equal(gemv_silu(x, w, b, config=config), silu_and_mul(gemv(x, w, b, config=config))), config
+            try:
+                fused = gemv_silu(x, w, b, config=config)
+            except OutOfResources:  # float32's two weight tiles overflow an H100's shared memory in the deeper
+                assert dtype == torch.float32 and CUDA  # pipelines; the tuner skips what fails to build
+                continue
+            assert torch.equal(fused, silu_and_mul(gemv(x, w, b, config=config))), config
+            checked += 1
+        assert checked >= 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
