@@ -67,7 +67,7 @@ INVARIANT_ATTENTION_SPLITS = 8
 # The fused kernels the tuner may pick.  At one token "qkv", "norm" and "silu" fold the norm / SiLU-mul into the
 # matmul's loads (every program re-reads the row: at 2+ tokens that cost more than the launch it saves on an H100);
 # at 2-8 tokens "rope" and "gate_silu" are epilogues (rotary + cache write after q|k|v; SiLU-mul after gate|up).
-ONE_TOKEN_KINDS, EPILOGUE_KINDS = ("qkv", "norm", "silu"), ("rope", "gate_silu")
+ONE_TOKEN_KINDS = ("qkv", "norm", "silu")
 
 
 @dataclass
@@ -107,7 +107,8 @@ class TritonBackend:
         self.gemv_everywhere: Optional[GemvConfig] = None  # tests: force the Triton path
         # (N, K, m_bucket) -> tiled-matmul config for batches above 8; absent: cuBLAS.
         self.matmul_choice: dict[tuple[int, int, int], MatmulConfig] = {}
-        # (kind, N, K, m_bucket) -> the config of a fused kernel (FUSED_KINDS); absent: unfused.
+        # (kind, N, K, m_bucket) -> the config of a fused kernel (ONE_TOKEN_KINDS at m 1, "rope" and "gate_silu"
+        # at 2-8); absent: unfused.
         self.prologue_choice: dict[tuple[str, int, int, int], GemvConfig] = {}
         # tests and tuning: force these kinds' fused kernels to these configs wherever they fit
         self.prologue_everywhere: Optional[dict[str, GemvConfig]] = None
@@ -226,12 +227,13 @@ class TritonBackend:
         the norm and then the rest in one launch (:func:`kernels.gemv_qkv.qkv_rope`)."""
         rope = dict(positions=plan.positions, cos_sin_cache=self.cos_sin, k_cache=k_cache, v_cache=v_cache,
                     kv_index=plan.kv_index)
+        head_dim = k_cache.shape[3]
         config = self._fused_config("qkv", pre.x, weight)
-        if config is not None:
+        if config is not None and rope_pairs(config, head_dim):
             return qkv_rope(pre.x, weight, bias, config=config, norm=(pre.weight, pre.eps), residual=pre.residual,
                             **rope)
         config = self._fused_config("rope", pre.x, weight)
-        if config is None:
+        if config is None or not rope_pairs(config, head_dim):
             return unfused_qkv_rotate_store(self, pre, weight, bias, k_cache, v_cache, plan)
         h, residual = normed(self, pre)
         return qkv_rope(h, weight, bias, config=config, norm=None, residual=None, **rope)[0], residual
