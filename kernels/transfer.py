@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["TransferConfig", "as_bytes", "copy_items", "copy_items_ref", "copy_items_triton", "default_config"]
+__all__ = ["ItemCopy", "TransferConfig", "as_bytes", "copy_items", "copy_items_ref", "copy_items_triton", "default_config"]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -250,6 +250,41 @@ def _check(src_offsets: torch.Tensor, dst_offsets: torch.Tensor, s: torch.Tensor
                                  f"over a buffer of {buf.numel()} bytes")
 
 
+class ItemCopy:
+    """The kernel between two fixed buffers, bound once (pointers, shifts, grid): a call is the launch
+    alone, on the current stream, with offsets already on the device.  The host tier backs up blocks
+    beside most decode steps; ``copy_items_triton``'s per-call checks and set-up would be the host's."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, item_bytes: int, config: TransferConfig | None = None):
+        s, d = as_bytes(src), as_bytes(dst)
+        self.interpreted = not (s.is_cuda or d.is_cuda)
+        if not self.interpreted:
+            for name, t in (("src", s), ("dst", d)):
+                if not t.is_cuda and not t.is_pinned():
+                    raise ValueError(f"copy_items_triton: {name} is pageable host memory; pin it")
+        self.device = s.device if s.is_cuda or self.interpreted else d.device
+        self.config = config or default_config(item_bytes)
+        self.chunks = triton.cdiv(item_bytes, self.config.chunk)
+        if self.chunks > 65535:
+            raise ValueError(f"item_bytes {item_bytes} over {65535 * self.config.chunk} for chunk {self.config.chunk}")
+        self.item_bytes = item_bytes
+        self._src, self._src_shift = _kernel_operand(s, self.interpreted)
+        self._dst, self._dst_shift = _kernel_operand(d, self.interpreted)
+
+    def __call__(self, src_offsets, dst_offsets) -> None:
+        """Copy ``len(src_offsets)`` items; the offsets (int32/int64, contiguous) where the kernel reads them."""
+        items = src_offsets.numel()
+        if items == 0:
+            return
+        cfg = self.config
+        programs = items if cfg.max_programs is None else max(1, min(items, cfg.max_programs))
+        _copy_items_kernel[(programs, self.chunks)](
+            self._src, self._dst, src_offsets, dst_offsets, self._src_shift, self._dst_shift, self.item_bytes, items,
+            CHUNK=cfg.chunk, BLOCK=cfg.block, SHIFTED=cfg.shifted, PERSISTENT=programs < items,
+            num_warps=cfg.num_warps,
+        )
+
+
 def copy_items_triton(
     src: torch.Tensor,
     dst: torch.Tensor,
@@ -265,34 +300,11 @@ def copy_items_triton(
     PCIe). Under ``TRITON_INTERPRET=1`` both are CPU tensors."""
     if item_bytes <= 0 or src_offsets.numel() == 0:
         return
-    s, d = as_bytes(src), as_bytes(dst)
-    _check(src_offsets, dst_offsets, s, d, item_bytes)
-    interpreted = not (s.is_cuda or d.is_cuda)
-    if not interpreted:
-        device = s.device if s.is_cuda else d.device
-        for name, t in (("src", s), ("dst", d)):
-            if not t.is_cuda and not t.is_pinned():
-                raise ValueError(f"copy_items_triton: {name} is pageable host memory; pin it")
-    else:
-        device = s.device
-    config = config or default_config(item_bytes)
-    chunks = triton.cdiv(item_bytes, config.chunk)
-    if chunks > 65535:
-        raise ValueError(f"item_bytes {item_bytes} over {65535 * config.chunk} for chunk {config.chunk}")
-    src_arg, src_shift = _kernel_operand(s, interpreted)
-    dst_arg, dst_shift = _kernel_operand(d, interpreted)
-    items = src_offsets.numel()
-    programs = items if config.max_programs is None else max(1, min(items, config.max_programs))
-    grid = (programs, chunks)
+    _check(src_offsets, dst_offsets, as_bytes(src), as_bytes(dst), item_bytes)
+    copy = ItemCopy(src, dst, item_bytes, config)
+    interpreted, device = copy.interpreted, copy.device
     with torch.cuda.device(device) if not interpreted else contextlib.nullcontext():
-        _copy_items_kernel[grid](
-            src_arg, dst_arg,
-            _offsets_operand(src_offsets, device, interpreted),
-            _offsets_operand(dst_offsets, device, interpreted),
-            src_shift, dst_shift, item_bytes, items,
-            CHUNK=config.chunk, BLOCK=config.block, SHIFTED=config.shifted, PERSISTENT=programs < items,
-            num_warps=config.num_warps,
-        )
+        copy(_offsets_operand(src_offsets, device, interpreted), _offsets_operand(dst_offsets, device, interpreted))
 
 
 def _kernel_reaches(src: torch.Tensor, dst: torch.Tensor) -> bool:

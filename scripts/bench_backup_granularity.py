@@ -94,10 +94,13 @@ class TokenBackup:
         upload = self.staging.upload()
         parts = upload.add(d, torch.int64), upload.add(h, torch.int64)
         sent = upload.send()
-        if hk.cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream())
-            hk._on_stream(stream, ready, hk.kv.storage, hk.pool, sent[parts[0]], sent[parts[1]], config)
+        if hk.cuda and stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())  # after the rows' writer and this upload
+            sent[parts[0]].record_stream(stream)
+            with torch.cuda.stream(stream):
+                copy_items(hk.kv.storage, hk.pool, sent[parts[0]], sent[parts[1]], self.row_bytes, config=config)
+        elif hk.cuda:
+            copy_items(hk.kv.storage, hk.pool, sent[parts[0]], sent[parts[1]], self.row_bytes, config=config)
         else:
             copy_items(hk.kv.storage, hk.pool, sent[parts[0]], sent[parts[1]], self.row_bytes)
         return d.size
@@ -169,9 +172,10 @@ class Run:
         """Prefill (releasing the previous run's slots), warm up, time the decode steps; the slots used."""
         worker, cuda = self.worker, self.args.device.startswith("cuda")
         hk = worker.host_kv
-        hk.backup_stream = None if variant.endswith("_compute") else backup_stream
-        hk.backup_config = launch_config(variant)
-        stream = hk.backup_stream
+        stream = None if variant.endswith("_compute") else backup_stream
+        config = launch_config(variant)
+        if cuda:
+            hk.use_backup_launch(stream, config)
         loop = DecodeLoop(worker, self.planner)
         plans = [self.planner.step() for _ in range(3)]  # prefill, then two decode steps (warm-up)
         plans[0].releases = releases
@@ -189,9 +193,9 @@ class Run:
             pairs, rows = self.backups(variant, i + 2)
             plan = self.planner.step()
             plan.backups = pairs
-            step = worker.prepare(plan)  # the plan's block backups are enqueued here, beside the step
+            step = worker.prepare(plan)  # the plan's block backups are enqueued at launch, beside the step
             if rows:
-                items += tokens.copy(rows, stream, hk.backup_config)
+                items += tokens.copy(rows, stream, config)
             items += len(pairs) // 2 * 2 * worker.kv_cache.storage.shape[0]
             launches += bool(rows or pairs)
             loop.in_flight.append(worker.copy_out(worker.launch(step), step))
@@ -205,7 +209,8 @@ class Run:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / self.args.steps
         gpu = start.elapsed_time(end) / 1e3 / self.args.steps if cuda else 0.0
-        hk.backup_stream, hk.backup_config = backup_stream, launch_config("")
+        if cuda:
+            hk.use_backup_launch(backup_stream)
         return dict(wall_ms=wall * 1e3, gpu_ms=gpu * 1e3, items=items, launches=launches,
                     slots=[r.slot for r in self.planner.running], next_step_id=self.planner.step_id)
 

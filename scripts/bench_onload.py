@@ -189,6 +189,7 @@ def onload_figures(hk: HostKV, args, rng, matmul) -> dict:
             up = staging.upload()
             parts = hk.stage(StepPlan(next(sid), [], [], [], [], [], backups=burst), up)
             hk.copy(0, parts, up.send())
+            hk.start_backups()
         runs["burst"].append(timed_stage(hk, plan, staging, backup_burst)[1])
         runs["matmul"].append(timed_stage(hk, plan, staging, matmul)[1])
     med = lambda xs: statistics.median(xs)  # noqa: E731

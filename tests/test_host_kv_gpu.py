@@ -40,6 +40,7 @@ def run_copies(hk: HostKV, staging: PinnedStaging, plan: StepPlan) -> None:
     upload = staging.upload()
     parts = hk.stage(plan, upload)
     hk.copy(plan.step_id, parts, upload.send())
+    hk.start_backups()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -14,6 +14,7 @@ Ordering on CUDA, with no host wait and no host read of a device value::
     compute  ... step N-1 .................. | upload N | (record E) | wait(onload N) | step N ...
     copy     upload block ids | item offsets | onload N | (record onload N)
     backup                                                wait(E) | backup N | (record done N)
+    host     ... prepare N (stage, record E) | launch step N | launch backup N | prepare N+1 ...
 
 Onloads start as soon as the plan is staged, on the copy stream with an upload of their
 own, beside the steps still in flight: their target device blocks were free when the plan
@@ -22,8 +23,11 @@ source host blocks are complete (keyed only once their backup was done); step N 
 them on the device.  ``E`` is recorded on the compute stream once step N-1 and step N's
 input upload (which carries the backups' offsets) are enqueued: backups read blocks that
 steps up to N-1 wrote, and run beside step N (with few programs, so that they take a few
-SMs at PCIe speed rather than all of them); their device blocks stay out of the allocator
-until the scheduler hears they are done.  The output thread tells it:
+SMs at PCIe speed rather than all of them); they are launched once step N is enqueued, so
+the launch's host time is not a gap before step N (at batch 1 a 1B step is ~1.1 ms, and a
+backup's launch before it was 0.35-0.55 ms more host time in the server's step logs, which the
+GPU waited for: docs/performance.md, "Issue 13, seventh session").  Their device
+blocks stay out of the allocator until the scheduler hears they are done.  The output thread tells it:
 :meth:`HostKV.backups_done_through` polls the events with ``query()`` (it never waits).
 On the CPU every copy is immediate, onloads first.
 """
@@ -41,7 +45,7 @@ from executor_proc.model.kv_cache import KVCache
 from executor_proc.step.staging import PinnedStaging
 from ipc.config import DEFAULT_HOST_KV_GIB, ExecutorConfig
 from ipc.protocol import StepPlan
-from kernels.transfer import TransferConfig, copy_items
+from kernels.transfer import ItemCopy, TransferConfig, copy_items
 
 GIB = 1 << 30
 # Backups on their own stream run beside decode steps: a few programs that loop over the items move
@@ -93,7 +97,12 @@ class HostKV:
         self._device_block_bytes = self.item_bytes
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.backup_stream = torch.cuda.Stream(device) if self.cuda and backup_stream else None
-        self.backup_config = TransferConfig(max_programs=BACKUP_PROGRAMS)  # only on the backup stream
+        self._backup: Optional[ItemCopy] = None
+        if self.cuda:
+            self.use_backup_launch(self.backup_stream)
+        self._compute = torch.cuda.current_stream(device) if self.cuda else None  # looked up once
+        self._ready = torch.cuda.Event() if self.cuda else None  # recorded per step with backups
+        self._pending: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None  # (step_id, src, dst offsets)
         self._staging = PinnedStaging(device)  # the onloads' block ids, uploaded on the copy stream
         self._device_item_t = torch.from_numpy(self._device_item).to(device)  # for the onloads' expansion
         self._host_item_t = torch.from_numpy(self._host_item).to(device)
@@ -115,6 +124,15 @@ class HostKV:
                 copy_items(storage, self.pool, d, h, self.item_bytes, config=config)
                 copy_items(self.pool, storage, h, d, self.item_bytes, config=config)
         torch.cuda.synchronize(storage.device)  # start-up only
+
+    def use_backup_launch(self, stream: Optional[torch.cuda.Stream], config: Optional[TransferConfig] = None) -> None:
+        """Where backups run (a side stream, or None: the compute stream) and their launch shape (default: a
+        few looping programs on a side stream, every program the copy can use on the compute stream).
+        Bound once (:class:`ItemCopy`): a backup's host cost is its launch."""
+        if config is None:
+            config = TransferConfig(max_programs=BACKUP_PROGRAMS) if stream is not None else TransferConfig()
+        self.backup_stream = stream
+        self._backup = ItemCopy(self.kv.storage, self.pool, self.item_bytes, config)
 
     @property
     def nbytes(self) -> int:
@@ -165,39 +183,43 @@ class HostKV:
         return src, dst
 
     def copy(self, step_id: int, parts: Optional[tuple], sent: list[torch.Tensor]) -> None:
-        """Make the step wait (on the device) for its onloads; enqueue its backups (nothing waits for them)."""
-        compute = torch.cuda.current_stream() if self.cuda else None
+        """Make the step wait (on the device) for its onloads; mark where its backups may start (after the
+        previous step and this upload) and keep them for :meth:`start_backups`."""
         if self._onloaded is not None:
-            compute.wait_event(self._onloaded)
+            self._compute.wait_event(self._onloaded)
             self._onloaded = None
         if not parts:
             return
         bk_src, bk_dst = sent[parts[0]], sent[parts[1]]
-        storage = self.kv.storage
         if not self.cuda:
-            copy_items(storage, self.pool, bk_src, bk_dst, self.item_bytes)
+            copy_items(self.kv.storage, self.pool, bk_src, bk_dst, self.item_bytes)
             return
-        ready = torch.cuda.Event()
-        ready.record(compute)  # the previous step (whose KV the backups read) and this upload are enqueued
         if bk_src.numel():
-            stream = compute if self.backup_stream is None else self.backup_stream
-            self._on_stream(self.backup_stream, ready, storage, self.pool, bk_src, bk_dst, self.backup_config)
-            done = torch.cuda.Event()
-            done.record(stream)
-            self._backups.append((step_id, done))
+            assert self._pending is None, "a step's backups were kept but never started"
+            self._ready.record(self._compute)  # the backups read blocks that steps up to the previous one wrote
+            self._pending = (step_id, bk_src, bk_dst)
 
-    def _on_stream(self, stream, ready, src, dst, src_offsets, dst_offsets, config=None) -> None:
-        """``copy_items`` on ``stream`` once ``ready`` has passed (None: on the compute stream, with every
-        program the copy can use; ``config`` applies on a side stream); the offsets stay allocated until it
-        has run."""
-        if stream is None:
-            copy_items(src, dst, src_offsets, dst_offsets, self.item_bytes)
+    def start_backups(self) -> None:
+        """Enqueue the kept backups, once the step itself is enqueued: the launch's host time runs while
+        the GPU works instead of before the step's launch. On the backup stream they run beside the
+        step (nothing waits for them); on the compute stream, after it. The output thread hears of a
+        step only after this ran, so :meth:`backups_done_through` never misses a backup."""
+        if self._pending is None:
             return
-        stream.wait_event(ready)
-        src_offsets.record_stream(stream)
-        dst_offsets.record_stream(stream)
-        with torch.cuda.stream(stream):
-            copy_items(src, dst, src_offsets, dst_offsets, self.item_bytes, config=config)
+        step_id, src, dst = self._pending
+        self._pending = None
+        stream = self.backup_stream
+        if stream is None:
+            self._backup(src, dst)
+            stream = self._compute
+        else:
+            stream.wait_event(self._ready)
+            src.record_stream(stream)  # src and dst are views of one upload buffer
+            with torch.cuda.stream(stream):
+                self._backup(src, dst)
+        done = torch.cuda.Event()
+        done.record(stream)
+        self._backups.append((step_id, done))
 
     def backups_done_through(self, step_id: int) -> int:
         """The newest step id, at most ``step_id``, whose backups and every earlier step's have completed.

@@ -175,7 +175,8 @@ class Worker:
         return step
 
     def _host_copies(self, plan: StepPlan, parts, sent: list[torch.Tensor]) -> None:
-        """The plan's host-tier copies: onloads before this step's rows, backups beside it."""
+        """The plan's host-tier copies: onloads before this step's rows; backups beside it (started by
+        :meth:`launch`)."""
         if parts is not None:
             self.host_kv.copy(plan.step_id, parts, sent)
 
@@ -280,12 +281,19 @@ class Worker:
         )
         return EagerStep(batch, sent[parts["sample_positions"]], mode)
 
-    @torch.inference_mode()
     def launch(self, step: Step) -> torch.Tensor:
-        """Enqueue forward + sampling + last-token update; returns the device tensor of tokens.
+        """Enqueue forward + sampling + last-token update, then the plan's host-tier backups (their launch
+        is host time the GPU need not wait for); returns the device tensor of tokens.
 
         Logprobs (sampled and prompt) land in ``step.outputs`` as device tensors.
         """
+        tokens = self._launch_step(step)
+        if self.host_kv is not None:
+            self.host_kv.start_backups()
+        return tokens
+
+    @torch.inference_mode()
+    def _launch_step(self, step: Step) -> torch.Tensor:
         if isinstance(step, GraphStep):
             return self._keep(step, self.graphs.run(step.bucket, step.mode).head(step.rows))
         if isinstance(step, MixedStep):
