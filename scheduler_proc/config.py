@@ -18,6 +18,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     model: Optional[str] = None  # None: the default model (SmolLM2-135M-Instruct)
     tokenizer: Optional[str] = None  # folder with tokenizer files; default: the model folder
     pipeline_depth: int = 1  # steps planned ahead of the executor
+    # At depth >= 1, a plan that starts or continues a prefill may go one step further ahead (depth + 1): its
+    # larger host work in the executor then runs while two steps are on the GPU instead of one.
+    prefill_ahead: bool = True
     client_address: Optional[str] = None  # default: ipc:// in the run directory
     run_dir: Optional[str] = None  # default: $FORERUN_RUN_DIR or a new temp folder
     executor_start_timeout_s: float = 600.0

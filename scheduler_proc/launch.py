@@ -85,6 +85,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--pipeline-depth", type=int, default=S("pipeline_depth"), choices=[0, 1, 2],
                    help="steps planned ahead of the executor: 0 waits for each step, 1 sends step N+1 "
                         "before step N's tokens are back")
+    s.add_argument("--prefill-ahead", action=argparse.BooleanOptionalAction, default=S("prefill_ahead"),
+                   help="at depth 1 or 2, send a plan that carries a prefill chunk one step further ahead, so that "
+                        "the executor prepares that larger step while two steps run on the GPU (default: on)")
     s.add_argument("--address", default=S("client_address"),
                    help="client address, ipc://PATH or tcp://HOST:PORT (default: ipc:// in a private run dir)")
     s.add_argument("--executor-threads", type=int, default=E("threads"),
@@ -137,6 +140,7 @@ def server_config(args) -> ServerConfig:
         scripted=ScriptedOptions(step_latency_s=args.scripted_step_ms / 1000, eos_at=dict(args.scripted_eos_at)),
     )
     return ServerConfig(model=args.model, tokenizer=args.tokenizer, pipeline_depth=args.pipeline_depth,
+                        prefill_ahead=args.prefill_ahead,
                         client_address=args.address, debug_checks=args.debug_checks, step_log=args.step_log,
                         enable_prefix_caching=not args.no_prefix_caching,
                         executor=executor, executor_hang_timeout_s=args.executor_hang_timeout,

@@ -141,6 +141,13 @@ class Planner(Reconciler):
     def num_inflight(self) -> int:
         return len(self.inflight)
 
+    @property
+    def prefill_ready(self) -> bool:
+        """Whether the next plan would carry a prefill chunk: a running request still prefilling, or a waiting
+        one with a slot and a block free (an estimate: its prefix match and block count are the plan's)."""
+        return bool(self._prefilling) or (bool(self.waiting) and self.slots.can_allocate()
+                                           and self.blocks.num_free > 0)
+
     # ---------------------------------------------------------------- planning
 
     def plan(self) -> Optional[StepPlan]:

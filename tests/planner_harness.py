@@ -216,7 +216,7 @@ def check_counters(reqs) -> None:
 def run(
     specs, *, depth: int, num_slots=4, num_blocks=64, block_size=4, max_len=512, budget=64,
     eos_at=None, tokens_at=None, arrivals=None, aborts=None, burst=False, check=True, max_steps=10_000,
-    prefix_caching=True, prompts=None, leaders=None, num_host_blocks=0, backup_lag=0,
+    prefix_caching=True, prompts=None, leaders=None, num_host_blocks=0, backup_lag=0, prefill_ahead=False,
 ) -> tuple[Trace, Planner, ScriptedRunner]:
     """Run requests to completion.
 
@@ -230,6 +230,7 @@ def run(
     (default: made from its id, so distinct requests share no block).
     ``leaders[i] = j``: request i is a later completion of request j's prompt (n > 1).
     ``num_host_blocks``: the host KV tier's pool (0: none); ``backup_lag``: steps a backup takes.
+    ``prefill_ahead``: as the server's option, a plan with a prefill chunk may go one step further ahead.
     """
     limits = Limits(num_slots, num_blocks, block_size, max_len, budget, frozenset({EOS}),
                     num_host_blocks=num_host_blocks)
@@ -319,7 +320,7 @@ def run(
 
     while True:
         events(tick)
-        while planner.num_inflight <= depth:
+        while planner.num_inflight <= depth + (prefill_ahead and depth > 0 and planner.prefill_ready):
             before = planner.num_preemptions
             plan = planner.plan()
             if planner.num_preemptions != before:

@@ -161,10 +161,11 @@ def test_three_requests_aborted_at_every_half_tick_in_tight_pools(depth):
             check_case(trace, planner, ex, aborted={f"r{victim}"})
 
 
-@pytest.mark.parametrize("depth", DEPTHS)
-def test_random_small_cases_with_everything(depth):
-    """1 to 3 requests, random finishes, stops, ignore_eos, arrivals, aborts, pools and bursts."""
-    rng = random.Random(depth)
+@pytest.mark.parametrize("depth,prefill_ahead", [(d, False) for d in DEPTHS] + [(1, True), (2, True)])
+def test_random_small_cases_with_everything(depth, prefill_ahead):
+    """1 to 3 requests, random finishes, stops, ignore_eos, arrivals, aborts, pools and bursts (and the
+    server's default: plans with a prefill chunk one step further ahead)."""
+    rng = random.Random(depth + 10 * prefill_ahead)
     for _ in range(1500):
         n = rng.randint(1, 3)
         bs = rng.choice((1, 2, 3, 4))
@@ -187,7 +188,8 @@ def test_random_small_cases_with_everything(depth):
         trace, planner, ex = run(
             specs, depth=depth, num_slots=rng.randint(1, 3), num_blocks=rng.randint(max(need), sum(need) + 2),
             block_size=bs, budget=rng.choice((1, 2, 3, 5, 64)), eos_at=eos_at, tokens_at=tokens_at,
-            arrivals={i: rng.randrange(6) for i in range(n)}, aborts=aborts, burst=depth > 0 and rng.random() < 0.5)
+            arrivals={i: rng.randrange(6) for i in range(n)}, aborts=aborts, burst=depth > 0 and rng.random() < 0.5,
+            prefill_ahead=prefill_ahead)
         check_case(trace, planner, ex, aborted={f"r{i}" for i in aborts})
 
 

@@ -54,6 +54,37 @@ def test_random_workloads_identical_across_depths():
         assert outs[0] == outs[1] == outs[2], f"case {case}"
 
 
+def test_prefill_ahead_gives_the_same_tokens_and_plans_prefills_a_step_further():
+    """The server's default: a plan with a prefill chunk may leave with depth + 1 steps in flight. Same
+    tokens as without it (identical workloads at depths 1 and 2), and a request arriving while another
+    decodes at depth 1 gets its prefill planned with two steps already in flight."""
+    from scheduler_proc.limits import Limits
+    from scheduler_proc.planner import Planner
+    from tests.planner_harness import make_request
+
+    rng = random.Random(1)
+    for case in range(100):
+        n = rng.randint(1, 6)
+        specs = [dict(prompt_len=rng.randint(1, 40), max_tokens=rng.randint(1, 30)) for _ in range(n)]
+        kw = dict(num_slots=rng.randint(1, 4), num_blocks=80, block_size=4, budget=rng.randint(8, 64),
+                  eos_at={i: rng.randint(0, 30) for i in range(n) if rng.random() < 0.5},
+                  arrivals={i: rng.randint(0, 10) for i in range(n)})
+        for depth in (1, 2):
+            ref, _, _ = run(specs, depth=depth, **kw)
+            trace, planner, _ = run(specs, depth=depth, prefill_ahead=True, **kw)
+            assert_drained(planner)
+            assert trace.tokens == ref.tokens, f"case {case} depth {depth}"
+    planner = Planner(Limits(4, 64, 4, 512, 64, frozenset({EOS})), prefix_cache_id="p")
+    planner.add(make_request(0, prompt_len=5, max_tokens=20))
+    assert planner.prefill_ready
+    planner.plan(), planner.plan()  # r0's prefill, then a decode step: depth 1 is full
+    assert not planner.prefill_ready and planner.num_inflight == 2
+    planner.add(make_request(1, prompt_len=9, max_tokens=4))
+    assert planner.prefill_ready  # the server sends one more plan now, not after the next result
+    plan = planner.plan()
+    assert planner.num_inflight == 3 and any(plan.is_prefill) and not planner.prefill_ready
+
+
 def test_preemption_under_tiny_pool_gives_same_tokens():
     specs = [dict(prompt_len=10, max_tokens=30) for _ in range(4)]
     ref, planner, _ = run(specs, depth=0, num_blocks=200, block_size=4)
