@@ -271,9 +271,13 @@ class ItemCopy:
         self._src, self._src_shift = _kernel_operand(s, self.interpreted)
         self._dst, self._dst_shift = _kernel_operand(d, self.interpreted)
 
-    def __call__(self, src_offsets, dst_offsets) -> None:
-        """Copy ``len(src_offsets)`` items; the offsets (int32/int64, contiguous) where the kernel reads them."""
-        items = src_offsets.numel()
+    def __call__(self, src_offsets: torch.Tensor, dst_offsets: torch.Tensor) -> None:
+        """Copy ``len(src_offsets)`` items; the offsets (int32/int64, contiguous) on the device."""
+        self.launch(src_offsets, dst_offsets, src_offsets.numel())
+
+    def launch(self, src_offsets, dst_offsets, items: int) -> None:
+        """Copy ``items`` items; the offsets as the kernel reads them (device tensors, or pinned host memory
+        by address: :func:`_offsets_operand`)."""
         if items == 0:
             return
         cfg = self.config
@@ -304,7 +308,8 @@ def copy_items_triton(
     copy = ItemCopy(src, dst, item_bytes, config)
     interpreted, device = copy.interpreted, copy.device
     with torch.cuda.device(device) if not interpreted else contextlib.nullcontext():
-        copy(_offsets_operand(src_offsets, device, interpreted), _offsets_operand(dst_offsets, device, interpreted))
+        copy.launch(_offsets_operand(src_offsets, device, interpreted), _offsets_operand(dst_offsets, device, interpreted),
+                    src_offsets.numel())
 
 
 def _kernel_reaches(src: torch.Tensor, dst: torch.Tensor) -> bool:
