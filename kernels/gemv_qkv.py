@@ -30,25 +30,72 @@ __all__ = ["qkv_rope", "rope_pairs"]
 
 
 @triton.jit
-def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr,
-                     index_ptr, pos_ptr, cs_ptr, K, stride_wn, eps,
-                     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
-                     H, HKV, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
-                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _pair_tile(w_ptr, stride_wn, D: tl.constexpr, PAIRS: tl.constexpr):
+    """This program's head, its PAIRS rotary pairs ``j`` of that head, their features ``lo`` (the partners
+    are ``lo + D/2``) and the weight rows of both halves."""
     HALF = D // 2
     pid = tl.program_id(0)
     head = pid // (HALF // PAIRS)
     j = (pid % (HALF // PAIRS)) * PAIRS + tl.arange(0, PAIRS)
     lo = head * D + j
     w_lo = w_ptr + lo.to(tl.int64)[:, None] * stride_wn
-    w_hi = w_lo + HALF * stride_wn
+    return head, j, lo, w_lo, w_lo + HALF * stride_wn
+
+
+@triton.jit
+def _rope_store(y_lo, y_hi, head, j, lo, token, ok, x_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr,
+                stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs, H, HKV,
+                D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Both kernels' epilogue, for the float32 sums ``[tokens, pairs]`` of tokens ``token [tokens, 1]`` (stored
+    where ``ok``): bias, the matmul's rounding, rotary for q and k heads, then q to ``q_out`` and k, v to the
+    paged cache at their kv_index (negative: not written)."""
+    HALF = D // 2
+    if HAS_BIAS:
+        y_lo += tl.load(b_ptr + lo).to(tl.float32)[None, :]
+        y_hi += tl.load(b_ptr + lo + HALF).to(tl.float32)[None, :]
+    dt = x_ptr.dtype.element_ty
+    y_lo = y_lo.to(dt).to(tl.float32)  # the matmul's output, as the unfused path stores it
+    y_hi = y_hi.to(dt).to(tl.float32)
+    if head < H + HKV:  # q and k heads rotate
+        cs = cs_ptr + tl.load(pos_ptr + token).to(tl.int64) * stride_cs + j[None, :]
+        cos = tl.load(cs)
+        sin = tl.load(cs + HALF)
+        r_lo = y_lo * cos - y_hi * sin
+        r_hi = y_hi * cos + y_lo * sin
+    else:
+        r_lo = y_lo
+        r_hi = y_hi
+    if head < H:
+        dst = qo_ptr + token * (H * D) + lo[None, :]
+        tl.store(dst, r_lo.to(qo_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, r_hi.to(qo_ptr.dtype.element_ty), mask=ok)
+    else:
+        kv_index = tl.load(index_ptr + token).to(tl.int64)
+        blk = kv_index // BLOCK_SIZE
+        off = kv_index % BLOCK_SIZE
+        if head < H + HKV:
+            dst = kc_ptr + blk * stride_kcb + off * stride_kct + (head - H) * stride_kch + j[None, :]
+        else:
+            dst = vc_ptr + blk * stride_vcb + off * stride_vct + (head - H - HKV) * stride_vch + j[None, :]
+        ok = ok & (kv_index >= 0)
+        tl.store(dst, r_lo.to(kc_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, r_hi.to(kc_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr,
+                     index_ptr, pos_ptr, cs_ptr, K, stride_wn, eps,
+                     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
+                     H, HKV, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
+                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr = False):
+    head, j, lo, w_lo, w_hi = _pair_tile(w_ptr, stride_wn, D, PAIRS)
     # the first weight tiles stream in while the previous kernel ends (kernels/pdl.py)
     offs_k = tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
     w0_lo = tl.load(w_lo + offs_k[None, :], mask=k_mask[None, :], other=0.0)
     w0_hi = tl.load(w_hi + offs_k[None, :], mask=k_mask[None, :], other=0.0)
     pdl_wait(USE_PDL)
-    rstd = _norm_rstd(x_ptr, r_ptr, rout_ptr, K, eps, pid == 0, ADD, BLOCK_K)
+    rstd = _norm_rstd(x_ptr, r_ptr, rout_ptr, K, eps, tl.program_id(0) == 0, ADD, BLOCK_K)
     x = _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, 1, ADD)[None, :]
     acc_lo = w0_lo.to(tl.float32) * x
     acc_hi = w0_hi.to(tl.float32) * x
@@ -59,37 +106,10 @@ def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, w_ptr, b_ptr, qo_ptr, kc_pt
         acc_lo += tl.load(w_lo + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32) * x
         acc_hi += tl.load(w_hi + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32) * x
     pdl_launch(USE_PDL)
-    y_lo = tl.sum(acc_lo, axis=1)
-    y_hi = tl.sum(acc_hi, axis=1)
-    if HAS_BIAS:
-        y_lo += tl.load(b_ptr + lo).to(tl.float32)
-        y_hi += tl.load(b_ptr + lo + HALF).to(tl.float32)
-    dt = x_ptr.dtype.element_ty
-    y_lo = y_lo.to(dt).to(tl.float32)  # the matmul's output, as the unfused path stores it
-    y_hi = y_hi.to(dt).to(tl.float32)
-    if head < H + HKV:  # q and k heads rotate
-        pos = tl.load(pos_ptr).to(tl.int64)
-        cos = tl.load(cs_ptr + pos * stride_cs + j)
-        sin = tl.load(cs_ptr + pos * stride_cs + HALF + j)
-        r_lo = y_lo * cos - y_hi * sin
-        r_hi = y_hi * cos + y_lo * sin
-    else:
-        r_lo = y_lo
-        r_hi = y_hi
-    if head < H:
-        tl.store(qo_ptr + lo, r_lo.to(qo_ptr.dtype.element_ty))
-        tl.store(qo_ptr + lo + HALF, r_hi.to(qo_ptr.dtype.element_ty))
-    else:
-        kv_index = tl.load(index_ptr).to(tl.int64)
-        if kv_index >= 0:
-            blk = kv_index // BLOCK_SIZE
-            off = kv_index % BLOCK_SIZE
-            if head < H + HKV:
-                dst = kc_ptr + blk * stride_kcb + off * stride_kct + (head - H) * stride_kch + j
-            else:
-                dst = vc_ptr + blk * stride_vcb + off * stride_vct + (head - H - HKV) * stride_vch + j
-            tl.store(dst, r_lo.to(kc_ptr.dtype.element_ty))
-            tl.store(dst + HALF, r_hi.to(kc_ptr.dtype.element_ty))
+    token = tl.zeros([1, 1], dtype=tl.int32)  # the one token, as a [tokens, 1] column
+    _rope_store(tl.sum(acc_lo, axis=1)[None, :], tl.sum(acc_hi, axis=1)[None, :], head, j, lo, token, token == 0,
+                x_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, stride_kcb, stride_kct, stride_kch,
+                stride_vcb, stride_vct, stride_vch, stride_cs, H, HKV, D, BLOCK_SIZE, HAS_BIAS)
 
 
 @triton.jit
@@ -101,15 +121,8 @@ def _qkv_rope_rows_kernel(x_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr
     """The matmul, rotary and cache write of :func:`_qkv_rope_kernel` for 1..M_PAD tokens of an already normed
     x (contiguous rows; padding rows re-read the last token and store nothing): each weight chunk is
     multiplied into every token's pair of accumulators, as :mod:`kernels.gemv`'s rows kernel does."""
-    HALF = D // 2
-    pid = tl.program_id(0)
-    head = pid // (HALF // PAIRS)
-    j = (pid % (HALF // PAIRS)) * PAIRS + tl.arange(0, PAIRS)
-    lo = head * D + j
-    w_lo = w_ptr + lo.to(tl.int64)[:, None] * stride_wn
-    w_hi = w_lo + HALF * stride_wn
+    head, j, lo, w_lo, w_hi = _pair_tile(w_ptr, stride_wn, D, PAIRS)
     offs_m = tl.arange(0, M_PAD)
-    m_mask = offs_m < M
     token = tl.minimum(offs_m, M - 1)[:, None]
     x_rows = x_ptr + token * K
     offs_k = tl.arange(0, BLOCK_K)[None, :]
@@ -127,38 +140,9 @@ def _qkv_rope_rows_kernel(x_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr
         acc_lo += _rows_products(tl.load(w_lo + offs_k, mask=k_mask, other=0.0), x)
         acc_hi += _rows_products(tl.load(w_hi + offs_k, mask=k_mask, other=0.0), x)
     pdl_launch(USE_PDL)
-    y_lo = tl.sum(acc_lo, axis=2)  # [tokens, pairs]
-    y_hi = tl.sum(acc_hi, axis=2)
-    if HAS_BIAS:
-        y_lo += tl.load(b_ptr + lo).to(tl.float32)[None, :]
-        y_hi += tl.load(b_ptr + lo + HALF).to(tl.float32)[None, :]
-    dt = x_ptr.dtype.element_ty
-    y_lo = y_lo.to(dt).to(tl.float32)  # the matmul's output, as the unfused path stores it
-    y_hi = y_hi.to(dt).to(tl.float32)
-    if head < H + HKV:  # q and k heads rotate
-        cs = cs_ptr + tl.load(pos_ptr + token).to(tl.int64) * stride_cs + j[None, :]
-        cos = tl.load(cs)
-        sin = tl.load(cs + HALF)
-        r_lo = y_lo * cos - y_hi * sin
-        r_hi = y_hi * cos + y_lo * sin
-    else:
-        r_lo = y_lo
-        r_hi = y_hi
-    if head < H:
-        dst = qo_ptr + offs_m[:, None] * (H * D) + lo[None, :]
-        tl.store(dst, r_lo.to(qo_ptr.dtype.element_ty), mask=m_mask[:, None])
-        tl.store(dst + HALF, r_hi.to(qo_ptr.dtype.element_ty), mask=m_mask[:, None])
-    else:
-        kv_index = tl.load(index_ptr + token).to(tl.int64)
-        blk = kv_index // BLOCK_SIZE
-        off = kv_index % BLOCK_SIZE
-        if head < H + HKV:
-            dst = kc_ptr + blk * stride_kcb + off * stride_kct + (head - H) * stride_kch + j[None, :]
-        else:
-            dst = vc_ptr + blk * stride_vcb + off * stride_vct + (head - H - HKV) * stride_vch + j[None, :]
-        ok = m_mask[:, None] & (kv_index >= 0)
-        tl.store(dst, r_lo.to(kc_ptr.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, r_hi.to(kc_ptr.dtype.element_ty), mask=ok)
+    _rope_store(tl.sum(acc_lo, axis=2), tl.sum(acc_hi, axis=2), head, j, lo, token, (offs_m < M)[:, None],
+                x_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, stride_kcb, stride_kct, stride_kch,
+                stride_vcb, stride_vct, stride_vch, stride_cs, H, HKV, D, BLOCK_SIZE, HAS_BIAS)
 
 
 def rope_pairs(config: tuple, head_dim: int) -> Optional[int]:
