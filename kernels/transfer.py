@@ -252,7 +252,7 @@ def _check(src_offsets: torch.Tensor, dst_offsets: torch.Tensor, s: torch.Tensor
 
 class ItemCopy:
     """The kernel between two fixed buffers, bound once (pointers, shifts, grid): a call is the launch
-    alone, on the current stream, with offsets already on the device.  The host tier backs up blocks
+    alone, on the current device and stream, with offsets already on the device.  The host tier backs up blocks
     beside most decode steps; ``copy_items_triton``'s per-call checks and set-up would be the host's."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, item_bytes: int, config: TransferConfig | None = None):

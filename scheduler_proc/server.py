@@ -164,9 +164,9 @@ class Server(ClientMessages, OutputStream):
         self._drop_unreachable_clients()
 
     def plan_ahead(self) -> None:
-        """Plan and send until pipeline_depth + 1 steps are in flight (+ 2 for a plan with a prefill chunk,
-        ``prefill_ahead``: the executor's host work for a mixed step, ~1-1.4 ms on a 1B model, then runs
-        beside two steps on the GPU rather than one, and the first token comes a step sooner)."""
+        """Plan and send until pipeline_depth + 1 steps are in flight, or pipeline_depth + 2 when the next
+        plan carries a prefill chunk (``prefill_ahead``: the executor's host work for a mixed step, ~1-1.4 ms
+        on a 1B model, then runs beside two steps on the GPU rather than one; the first token comes sooner)."""
         planner = self.planner
         if not self.executor.running:
             return  # a new executor is loading: requests wait
