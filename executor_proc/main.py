@@ -40,6 +40,23 @@ from ipc.sockets import make_socket
 PARENT_POLL_MS = 500
 
 
+class GcClock:
+    """Seconds the cyclic garbage collector has run in this process (any thread, any generation), from
+    ``gc.callbacks``: a collection during a step's host work holds the GIL and delays the step's launch,
+    so each StepResult says how much of it fell there (``gc_s``)."""
+
+    def __init__(self):
+        self.total_s = 0.0
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self._started
+
+
 @dataclass
 class LaunchedStep:
     """A step whose work is enqueued; ``tokens`` are valid once ``event`` completes."""
@@ -51,6 +68,7 @@ class LaunchedStep:
     idle_s: float
     gpu_events: Optional[tuple] = None  # (start, end) timing events on the compute stream
     host_s: tuple[float, float] = (0.0, 0.0)  # host seconds of (plan decode + prepare, launch)
+    gc_s: float = 0.0  # of which the garbage collector's (GcClock)
     outputs: object = None  # step_outputs.StepOutputs: logprobs, on the host once ``event`` completes
 
 
@@ -101,7 +119,8 @@ class OutputThread(threading.Thread):
             t_start, t_end, idle_s = getattr(step.event, "timing", None) or (
                 step.t_start, time.perf_counter(), step.idle_s)
             busy, gap = self._gpu_timing(step)
-            result = p.StepResult(step.step_id, tokens, t_start, t_end, idle_s, busy, gap, *step.host_s, **extra)
+            result = p.StepResult(step.step_id, tokens, t_start, t_end, idle_s, busy, gap, *step.host_s,
+                                  gc_s=step.gc_s, **extra)
             self.sock.send(p.encode(result))
 
 
@@ -117,6 +136,8 @@ class ExecutorProcess:
         self.tp = None  # the tensor-parallel group, once built
         self.last_step_id: Optional[int] = None
         self._stream = None  # the compute stream, for the step timing events
+        self.gc_clock = GcClock()
+        self.gc_ready = 0.0  # the collector's seconds when the last plan was there to read
 
     def send(self, msg) -> None:
         self.results.send(p.encode(msg))
@@ -173,6 +194,7 @@ class ExecutorProcess:
             if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
                 return p.Shutdown()
         self.t_ready = time.perf_counter()
+        self.gc_ready = self.gc_clock.total_s
         return p.executor_input_decoder.decode(self.plans.recv())
 
     def _record_gpu_event(self):
@@ -212,7 +234,8 @@ class ExecutorProcess:
             host, event = worker.copy_out(tokens, step)
             host_s = (t_prepared - t_start, time.perf_counter() - t_prepared)
             self.output.steps.put(LaunchedStep(plan.step_id, host, event, t_start, t_start - t_wait, events,
-                                               host_s, getattr(step, "outputs", None)))
+                                               host_s, self.gc_clock.total_s - self.gc_ready,
+                                               getattr(step, "outputs", None)))
         self.output.steps.put(None)
         self.output.join(timeout=5)
 

@@ -342,6 +342,9 @@ class StepResult(_Msg, tag="step_result"):
     # Host KV tier: every backup of the plans up to this step id has completed (read without
     # waiting: the newest such step when the result was sent; -1: none known yet).
     backups_done_step_id: int = -1
+    # Seconds the executor's garbage collector ran (any thread) between this plan's arrival and the end of
+    # its launch: a collection there holds the GIL and delays the launch (the step log's jitter).
+    gc_s: float = 0.0
 
 
 class ExecutorFatal(_Msg, tag="executor_fatal"):

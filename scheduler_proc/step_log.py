@@ -9,9 +9,9 @@ from scheduler_proc.steps import InflightStep
 
 FLUSH_EVERY = 10_000  # step records kept in memory before they are appended
 # num_rows: requests in the step; num_tokens: tokens sampled; num_prefill: prefill tokens computed; num_backups:
-# KV blocks the host tier backs up behind it.
+# KV blocks the host tier backs up behind it; gc_s: of the host time, the executor's garbage collector's.
 KEYS = ("step_id", "t_start", "t_end", "idle_s", "num_rows", "num_tokens", "num_prefill", "num_backups",
-        "gpu_busy_s", "gpu_gap_s", "prepare_s", "launch_s")
+        "gpu_busy_s", "gpu_gap_s", "prepare_s", "launch_s", "gc_s")
 
 
 class StepLog:
@@ -22,7 +22,7 @@ class StepLog:
     def record(self, result: StepResult, step: InflightStep) -> None:
         self.records.append((result.step_id, result.t_start, result.t_end, result.idle_s, len(step.requests),
                              len(result.token_ids), step.num_prefill, step.num_backups, result.gpu_busy_s,
-                             result.gpu_gap_s, result.prepare_s, result.launch_s))
+                             result.gpu_gap_s, result.prepare_s, result.launch_s, result.gc_s))
         if len(self.records) >= FLUSH_EVERY:
             self.flush()
 

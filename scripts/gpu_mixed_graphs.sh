@@ -108,7 +108,7 @@ for name in names:
         print(f"steps {name} {kind:<14}{len(busy):>6}  GPU ms p50 {q(.5):.3f} p90 {q(.9):.3f} p99 {q(.99):.3f} "
               f"max {busy[-1]:.2f}; {sum(b > 4.0 for b in busy)} over 4 ms; host ms prepare p50 "
               f"{h('prepare_s', .5):.3f} p90 {h('prepare_s', .9):.3f}, launch p50 {h('launch_s', .5):.3f} "
-              f"p90 {h('launch_s', .9):.3f}")
+              f"p90 {h('launch_s', .9):.3f}; gc in {sum(s.get('gc_s', 0) > 0 for s in group)} steps")
 EOF
 tar czf "$FINAL/results.tgz" -C "$OUT" . && rm -rf "$OUT"
 stamp "all done"

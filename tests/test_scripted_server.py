@@ -85,7 +85,28 @@ def test_sdk_and_batched_clients_get_the_script_exactly(server):
     records = [json.loads(line) for line in server.step_log.read_text().splitlines()]
     assert [r["step_id"] for r in records] == list(range(len(records))) == list(range(stats.steps))
     assert all(r["idle_s"] >= 0 and r["t_end"] >= r["t_start"] and r["num_rows"] >= r["num_tokens"] for r in records)
+    assert all(0 <= r["gc_s"] <= r["prepare_s"] + r["launch_s"] + 0.01 for r in records)
     # prefill tokens: within the step budget (16), and every prompt's first pass among them (the prompts share
     # no block, so the first round computes all of them)
     assert all(0 <= r["num_prefill"] <= 16 for r in records)
     assert sum(r["num_prefill"] for r in records) >= NUM_REQUESTS * PROMPT_LEN
+
+
+def test_gc_clock_times_every_collection():
+    """The executor's GcClock (the step log's gc_s) adds up the collector's runs, whichever thread ran them."""
+    import gc
+    import threading
+
+    from executor_proc.main import GcClock
+
+    clock = GcClock()
+    try:
+        before = clock.total_s
+        gc.collect()
+        after_main = clock.total_s
+        worker = threading.Thread(target=gc.collect)
+        worker.start()
+        worker.join()
+        assert before < after_main < clock.total_s
+    finally:
+        gc.callbacks.remove(clock._callback)
