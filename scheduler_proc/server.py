@@ -172,11 +172,16 @@ class Server(ClientMessages, OutputStream):
             return  # a new executor is loading: requests wait
         depth = self.cfg.pipeline_depth
         ahead = depth > 0 and self.cfg.prefill_ahead
+        log = self.step_log
         while planner.num_inflight <= depth + (ahead and planner.prefill_ready):
+            t_plan = time.perf_counter() if log is not None else 0.0
             plan = planner.plan()
             if plan is None:
                 break
-            self.executor.send_plan(p.encode(plan), was_idle=planner.num_inflight == 1)
+            data = p.encode(plan)
+            if log is not None:
+                log.sent(plan.step_id, t_plan)
+            self.executor.send_plan(data, was_idle=planner.num_inflight == 1)
             if self.cfg.debug_checks:
                 planner.check_integrity()
 
@@ -203,6 +208,8 @@ class Server(ClientMessages, OutputStream):
             if generation != self.executor.generation:
                 return  # a late message from a replaced executor
             if isinstance(msg, p.StepResult):
+                if self.step_log is not None:
+                    self.step_log.received(msg.step_id)
                 self.returned.append(msg)
                 self.executor.on_result(msg)
             elif isinstance(msg, p.ExecutorFatal):
@@ -246,6 +253,8 @@ class Server(ClientMessages, OutputStream):
         poison = [r for rid, r in inflight.items() if rid in self.suspects]
         self.suspects = set(inflight) - {r.rid for r in poison}
         self.returned.clear()  # in-flight and unreconciled steps are void: their tokens are recomputed
+        if self.step_log is not None:
+            self.step_log.void()
         num_requeued = len(planner.running) + len(planner.draining)
         planner.restart()
         for req in poison:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from ipc.protocol import StepResult
 from scheduler_proc.steps import InflightStep
@@ -10,19 +11,38 @@ from scheduler_proc.steps import InflightStep
 FLUSH_EVERY = 10_000  # step records kept in memory before they are appended
 # num_rows: requests in the step; num_tokens: tokens sampled; num_prefill: prefill tokens computed; num_backups:
 # KV blocks the host tier backs up behind it; gc_s: of the host time, the executor's garbage collector's.
+# The scheduler's side, on the same clock (perf_counter is CLOCK_MONOTONIC, one per host): t_sent, when it sent
+# the step's plan; plan_s, how long planning and encoding it took; t_recv, when it read the result.
 KEYS = ("step_id", "t_start", "t_end", "idle_s", "num_rows", "num_tokens", "num_prefill", "num_backups",
-        "gpu_busy_s", "gpu_gap_s", "prepare_s", "launch_s", "gc_s")
+        "gpu_busy_s", "gpu_gap_s", "prepare_s", "launch_s", "gc_s", "t_sent", "plan_s", "t_recv")
 
 
 class StepLog:
     def __init__(self, path: str):
         self.path = path
         self.records: list[tuple] = []
+        self._sent: dict[int, tuple[float, float]] = {}  # step_id -> (t_sent, plan_s)
+        self._received: dict[int, float] = {}  # step_id -> t_recv
+
+    def sent(self, step_id: int, t_plan: float) -> None:
+        """The step's plan is encoded and leaves now (planning began at ``t_plan``)."""
+        now = time.perf_counter()
+        self._sent[step_id] = (now, now - t_plan)
+
+    def received(self, step_id: int) -> None:
+        self._received[step_id] = time.perf_counter()
+
+    def void(self) -> None:
+        """The steps in flight will never be recorded (an executor restart)."""
+        self._sent.clear()
+        self._received.clear()
 
     def record(self, result: StepResult, step: InflightStep) -> None:
+        t_sent, plan_s = self._sent.pop(result.step_id, (0.0, 0.0))
         self.records.append((result.step_id, result.t_start, result.t_end, result.idle_s, len(step.requests),
                              len(result.token_ids), step.num_prefill, step.num_backups, result.gpu_busy_s,
-                             result.gpu_gap_s, result.prepare_s, result.launch_s, result.gc_s))
+                             result.gpu_gap_s, result.prepare_s, result.launch_s, result.gc_s, t_sent, plan_s,
+                             self._received.pop(result.step_id, 0.0)))
         if len(self.records) >= FLUSH_EVERY:
             self.flush()
 

@@ -109,6 +109,15 @@ for name in names:
               f"max {busy[-1]:.2f}; {sum(b > 4.0 for b in busy)} over 4 ms; host ms prepare p50 "
               f"{h('prepare_s', .5):.3f} p90 {h('prepare_s', .9):.3f}, launch p50 {h('launch_s', .5):.3f} "
               f"p90 {h('launch_s', .9):.3f}; gc in {sum(s.get('gc_s', 0) > 0 for s in group)} steps")
+    # The host's relay between GPU steps, decode steps: result sent -> scheduler has it; planning; plan sent ->
+    # executor has it (idle_s is the executor's wait for it).
+    relay = [s for s in kinds["decode"] if s.get("t_recv")]
+    if relay:
+        parts = {"result": sorted((s["t_recv"] - s["t_end"]) * 1e3 for s in relay),
+                 "plan": sorted(s["plan_s"] * 1e3 for s in relay),
+                 "to executor": sorted((s["t_start"] - s["t_sent"]) * 1e3 for s in relay)}
+        print(f"relay {name} " + "; ".join(
+            f"{k} ms p50 {v[len(v) // 2]:.3f} p90 {v[int(.9 * len(v))]:.3f}" for k, v in parts.items()))
 EOF
 tar czf "$FINAL/results.tgz" -C "$OUT" . && rm -rf "$OUT"
 stamp "all done"

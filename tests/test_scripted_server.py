@@ -86,6 +86,9 @@ def test_sdk_and_batched_clients_get_the_script_exactly(server):
     assert [r["step_id"] for r in records] == list(range(len(records))) == list(range(stats.steps))
     assert all(r["idle_s"] >= 0 and r["t_end"] >= r["t_start"] and r["num_rows"] >= r["num_tokens"] for r in records)
     assert all(0 <= r["gc_s"] <= r["prepare_s"] + r["launch_s"] + 0.01 for r in records)
+    # the scheduler's times, on the executor's clock: plan sent, executor has it, result sent, scheduler has it
+    bad = [r for r in records if not 0 <= r["plan_s"] <= r["t_sent"] <= r["t_start"] <= r["t_end"] <= r["t_recv"]]
+    assert not bad, [(r["plan_s"], r["t_sent"], r["t_start"], r["t_end"], r["t_recv"]) for r in bad[:3]]
     # prefill tokens: within the step budget (16), and every prompt's first pass among them (the prompts share
     # no block, so the first round computes all of them)
     assert all(0 <= r["num_prefill"] <= 16 for r in records)
