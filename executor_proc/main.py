@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     ex = ExecutorProcess(cfg)
     try:
         ex.setup()
+        if cfg.threads is None and cfg.device.startswith("cuda"):
+            torch.set_num_threads(1)  # loading may use every core; serving on a GPU needs none (see ExecutorConfig)
         ex.run()
         if ex.tp is not None:
             ex.tp.exit_process(0)

@@ -64,7 +64,9 @@ class ExecutorConfig(_Config):
     # Token budget of one step. 1024, not 2048: a step holding two or three arriving prompts stalls every
     # running request for its duration (ITL p99 at 40 req/s, 1B shape, H100: 5.4-6.05 ms at 2048, 4.57 at 1024).
     max_num_batched_tokens: int = 1024
-    threads: Optional[int] = None  # torch CPU threads; None: all cores but one
+    # torch CPU threads; None: all cores but one, and on cuda one once loaded (serving does no CPU math there,
+    # and OpenMP workers that spin after any stray parallel op would take the cores the host relay needs).
+    threads: Optional[int] = None
     # Host KV tier (a pinned host copy of published KV blocks): GiB of host memory for it; None:
     # DEFAULT_HOST_KV_GIB on cuda (at most a quarter of available host memory), off on the cpu; 0: off.
     host_kv_gib: Optional[float] = None

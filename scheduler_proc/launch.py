@@ -91,7 +91,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--address", default=S("client_address"),
                    help="client address, ipc://PATH or tcp://HOST:PORT (default: ipc:// in a private run dir)")
     s.add_argument("--executor-threads", type=int, default=E("threads"),
-                   help="torch CPU threads in the executor (default: all cores but one)")
+                   help="torch CPU threads in the executor (default: all cores but one; on cuda one once the model is "
+                        "loaded)")
     s.add_argument("--executor-hang-timeout", type=float, default=S("executor_hang_timeout_s"), metavar="S",
                    help="restart the executor when no step returns for this long (at least; the timeout is "
                         "also 50 x the p99 step time seen)")
