@@ -113,3 +113,24 @@ def test_gc_clock_times_every_collection():
         assert before < after_main < clock.total_s
     finally:
         gc.callbacks.remove(clock._callback)
+
+
+def test_step_log_appends_in_small_batches(tmp_path):
+    """The step log writes every FLUSH_EVERY records (a flush stalls the serving loop: small batches), the
+    rest at flush(); each line is one step's record with the scheduler's times."""
+    from ipc.protocol import StepResult
+    from scheduler_proc.step_log import FLUSH_EVERY, KEYS, StepLog
+    from scheduler_proc.steps import InflightStep
+
+    path = tmp_path / "steps.jsonl"
+    log = StepLog(str(path))
+    n = 2 * FLUSH_EVERY + 7
+    for i in range(n):
+        log.sent(i, 1.0)
+        log.received(i)
+        log.record(StepResult(i, [1, 2], t_start=2.0 + i, t_end=3.0 + i, idle_s=0.5), InflightStep(i, [], [], []))
+    assert len(path.read_text().splitlines()) == 2 * FLUSH_EVERY
+    log.flush()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step_id"] for r in records] == list(range(n)) and all(tuple(r) == KEYS for r in records)
+    assert records[5]["t_end"] == 8.0 and records[5]["num_tokens"] == 2 and records[5]["t_recv"] >= records[5]["t_sent"]
