@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ItemCopy", "TransferConfig", "as_bytes", "copy_items", "copy_items_ref", "copy_items_triton", "default_config"]
+__all__ = ["ItemCopy", "TransferConfig", "as_bytes", "copy_items", "copy_items_ref", "copy_items_triton",
+           "default_config"]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -308,8 +309,8 @@ def copy_items_triton(
     copy = ItemCopy(src, dst, item_bytes, config)
     interpreted, device = copy.interpreted, copy.device
     with torch.cuda.device(device) if not interpreted else contextlib.nullcontext():
-        copy.launch(_offsets_operand(src_offsets, device, interpreted), _offsets_operand(dst_offsets, device, interpreted),
-                    src_offsets.numel())
+        copy.launch(_offsets_operand(src_offsets, device, interpreted),
+                    _offsets_operand(dst_offsets, device, interpreted), src_offsets.numel())
 
 
 def _kernel_reaches(src: torch.Tensor, dst: torch.Tensor) -> bool:

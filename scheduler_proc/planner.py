@@ -148,6 +148,11 @@ class Planner(Reconciler):
         return bool(self._prefilling) or (bool(self.waiting) and self.slots.can_allocate()
                                            and self.blocks.num_free > 0)
 
+    def room_ahead(self, depth: int, prefill_ahead: bool) -> bool:
+        """Whether another plan may leave now: while at most ``depth`` steps are in flight, or ``depth + 1``
+        when the next plan would carry a prefill chunk and ``prefill_ahead`` is on (depth >= 1 only)."""
+        return self.num_inflight <= depth + (prefill_ahead and depth > 0 and self.prefill_ready)
+
     # ---------------------------------------------------------------- planning
 
     def plan(self) -> Optional[StepPlan]:

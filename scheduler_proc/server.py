@@ -170,10 +170,8 @@ class Server(ClientMessages, OutputStream):
         planner = self.planner
         if not self.executor.running:
             return  # a new executor is loading: requests wait
-        depth = self.cfg.pipeline_depth
-        ahead = depth > 0 and self.cfg.prefill_ahead
-        log = self.step_log
-        while planner.num_inflight <= depth + (ahead and planner.prefill_ready):
+        depth, ahead, log = self.cfg.pipeline_depth, self.cfg.prefill_ahead, self.step_log
+        while planner.room_ahead(depth, ahead):
             t_plan = time.perf_counter() if log is not None else 0.0
             plan = planner.plan()
             if plan is None:

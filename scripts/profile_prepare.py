@@ -3,9 +3,9 @@
 Real plans from the scheduler's planner (``--decode-rows`` running requests, then a new prompt of
 ``--prefill`` tokens every few steps) go through a real worker (random weights of
 ``scripts/configs/<model>``); each step is prepared, launched and waited for.  Prints the median host
-ms of prepare and launch for decode and mixed steps, then the functions that took the
-``--profile`` steps' prepare time (cProfile, by own time).  On a GPU, the host work of a step is what the GPU waits for when
-nothing else is queued (docs/performance.md, "host time of a mixed step").
+ms of prepare and launch for decode and mixed steps, then the functions that took the ``--profile``
+steps' prepare time (cProfile, by own time).  On a GPU, the host work of a step is what the GPU waits
+for when nothing else is queued (docs/performance.md, "host time of a mixed step").
 
     python3 scripts/profile_prepare.py [--model smollm2-135m] [--device cuda] [--prefill 512] [--decode-rows 12]
 """
@@ -43,8 +43,8 @@ def main() -> None:
     ap.add_argument("--host-kv-gib", type=float, default=1.0, help="host KV tier size (0: off)")
     ap.add_argument("--top", type=int, default=20, help="cProfile lines to print")
     ap.add_argument("--profile", choices=("mixed", "decode", "backup", "none"), default="mixed",
-                    help="which steps cProfile records: with a prefill chunk, decode only, decode with host-tier backups, "
-                         "or none (host times without the profiler's overhead)")
+                    help="which steps cProfile records: with a prefill chunk, decode only, decode with host-tier "
+                         "backups, or none (host times without the profiler's overhead)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     cfg = ExecutorConfig(model=os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", args.model),

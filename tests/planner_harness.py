@@ -320,7 +320,7 @@ def run(
 
     while True:
         events(tick)
-        while planner.num_inflight <= depth + (prefill_ahead and depth > 0 and planner.prefill_ready):
+        while planner.room_ahead(depth, prefill_ahead):
             before = planner.num_preemptions
             plan = planner.plan()
             if planner.num_preemptions != before:

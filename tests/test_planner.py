@@ -79,10 +79,13 @@ def test_prefill_ahead_gives_the_same_tokens_and_plans_prefills_a_step_further()
     assert planner.prefill_ready
     planner.plan(), planner.plan()  # r0's prefill, then a decode step: depth 1 is full
     assert not planner.prefill_ready and planner.num_inflight == 2
+    assert not planner.room_ahead(1, True) and planner.room_ahead(2, False)
     planner.add(make_request(1, prompt_len=9, max_tokens=4))
     assert planner.prefill_ready  # the server sends one more plan now, not after the next result
+    assert planner.room_ahead(1, True) and not planner.room_ahead(1, False) and not planner.room_ahead(0, True)
     plan = planner.plan()
     assert planner.num_inflight == 3 and any(plan.is_prefill) and not planner.prefill_ready
+    assert not planner.room_ahead(1, True) and planner.room_ahead(2, True) == planner.room_ahead(2, False)
 
 
 def test_preemption_under_tiny_pool_gives_same_tokens():
