@@ -20,6 +20,15 @@ rounding once, like cuBLAS.  Two forms:
 
 No split-K and no atomics, so the result is deterministic.
 
+At 2-8 rows the RMSNorm between two projections needs no launch of its own (:func:`gemv_residual`): the
+projection before it adds the residual in its epilogue and stores, per program, the partial sums of
+the squares of what it stored; the projection after it (its weight times the norm's weight,
+:meth:`executor_proc.model.llama.CausalLM.fold_norms`) takes the un-normalised stream, loads those
+sums right after its PDL wait and scales its float32 sums by ``rsqrt(mean + eps)`` after its loop
+(``sumsq=`` of :func:`gemv`, :func:`gemv_silu` and :func:`kernels.gemv_qkv.qkv_rope`).  Squares summed in
+the consumer's loop or by every consumer program from x cost as much as the launch saves (measured);
+the producer's epilogue costs 0.2-0.4 us, the consumer's load about as much (docs/performance.md).
+
 :func:`gemv_prologue` is the "row" form with the op before the matmul folded into its
 loads, for one token: RMSNorm (with the residual add; every program sums the row's
 squares itself, an L2-resident read of K values, rather than wait for another launch)
@@ -42,10 +51,11 @@ import triton.language as tl
 
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
-__all__ = ["gemv", "gemv_prologue", "gemv_silu", "CONFIGS", "MAX_M"]
+__all__ = ["gemv", "gemv_prologue", "gemv_residual", "gemv_silu", "CONFIGS", "MAX_M"]
 
 MAX_M = 16
 ROW_MAX_M, ROW_MAX_ACC = 8, 64  # the "row" form's rows, and its float32 accumulators per thread
+SUMSQ_MAX = 4096  # partial sums of squares one program of the next matmul reads at once (gemv_residual)
 # (form, BLOCK_N, BLOCK_K, num_warps, num_stages); "row" configs serve M = 1 and, where their
 # accumulators fit (:func:`config_fits`), up to ROW_MAX_M rows (the last three "row" ones are for
 # those); "rowk" configs serve 2 to ROW_MAX_M rows.
@@ -68,12 +78,58 @@ def _rows_tile(x_ptr, w_ptr, M, N, stride_xm, stride_wn, M_PAD: tl.constexpr, BL
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _load_residual(r_ptr, stride_rm, offs_m, offs_n, m_mask, n_mask, RESIDUAL: tl.constexpr):
+    """The residual tile :func:`_store_rows` adds (unused without ``RESIDUAL``), loaded right after the PDL wait so
+    that its latency hides behind the weight stream, not in the program's tail."""
+    mask = m_mask[:, None] & n_mask[None, :] & RESIDUAL  # without it: no load (the mask folds to false)
+    return tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(y, r, offs_m, offs_n, m_mask, n_mask, M, y_ptr, stride_ym, ss_ptr, dt: tl.constexpr,
+                RESIDUAL: tl.constexpr):
+    """Store the float32 sums ``y [rows, features]`` rounded as F.linear rounds.  ``RESIDUAL``: plus the
+    residual tile ``r`` (rounded as :func:`kernels.norm.fused_add_rms_norm` rounds the add), and this
+    program's partial sums of the stored values' squares, one per row, to ``ss [programs, M]``."""
+    mask = m_mask[:, None] & n_mask[None, :]
+    y = y.to(dt)
+    if RESIDUAL:
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+        h = tl.where(mask, y.to(tl.float32), 0.0)
+        tl.store(ss_ptr + tl.program_id(0) * M + offs_m, tl.sum(h * h, axis=1), mask=m_mask)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_partials(ss_ptr, P, M, ROWS: tl.constexpr, P_PAD: tl.constexpr):
+    """The producer's partial sums of squares ``ss [P, M]`` (:func:`_store_rows`) as a ``[P_PAD, ROWS]`` tile;
+    loaded right after the PDL wait, summed after the loop (:func:`_partials_rstd`)."""
+    offs_p = tl.arange(0, P_PAD)
+    offs_r = tl.arange(0, ROWS)
+    return tl.load(ss_ptr + offs_p[:, None] * M + offs_r[None, :], mask=(offs_p < P)[:, None] & (offs_r < M)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _partials_rstd(ss, K, eps):
+    """RMSNorm's ``rsqrt(mean(x^2) + eps)`` per row (``[ROWS]``) from :func:`_load_partials`' tile, summed in one
+    fixed order; rows past M get ``rsqrt(eps)``."""
+    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, P, stride_xm, stride_wn, stride_ym, stride_rm,
+                 eps, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_PREC: tl.constexpr, SWAP: tl.constexpr = False, SILU: tl.constexpr = False,
-                 USE_PDL: tl.constexpr = False):
+                 RESIDUAL: tl.constexpr = False, NORM_ROWS: tl.constexpr = 0, P_PAD: tl.constexpr = 1,
+                 NORM_FIRST: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """The "dot" form (``SWAP``: "dotT").  ``SILU``: w is gate|up ``[2N, K]``; the program also streams the up
-    rows of its N features and stores ``silu(gate) * up`` (each rounded as the unfused ops round)."""
+    rows of its N features and stores ``silu(gate) * up`` (each rounded as the unfused ops round).
+    ``RESIDUAL``: see :func:`_store_rows`.  ``NORM_ROWS`` (> 0: the rows padded to a power of two): x is
+    the residual stream before an RMSNorm folded into w, and each row's accumulators are scaled by the
+    norm's ``rsqrt`` from the ``P`` partial sums at ``ss`` after the loop.  The sums are loaded right after
+    the PDL wait and held through the loop, or (``NORM_FIRST``: kernels at the register limit, where holding
+    them costs more) summed before it."""
     offs_n, offs_m, n_mask, m_mask, w_rows, x_rows = _rows_tile(x_ptr, w_ptr, M, N, stride_xm, stride_wn, M_PAD,
                                                                 BLOCK_N)
     if SWAP:
@@ -85,6 +141,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     # No weight prefetch before the wait here: peeling the first chunk out of the loop made this kernel
     # 8-23% slower on an H100 (scripts/bench_gemv.py), more than PDL's overlap gives back.
     pdl_wait(USE_PDL)
+    r = _load_residual(r_ptr, stride_rm, offs_m, offs_n, m_mask, n_mask, RESIDUAL)
+    if NORM_ROWS > 0:
+        ss = _load_partials(ss_ptr, P, M, NORM_ROWS, P_PAD)
+        if NORM_FIRST:
+            ss = _partials_rstd(ss, K, eps)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -100,6 +161,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     pdl_launch(USE_PDL)
     if SWAP:
         acc = tl.trans(acc_t)
+    if NORM_ROWS > 0:  # the norm's scale, widened from the true rows to the MMA's padded ones
+        rstd = ss if NORM_FIRST else _partials_rstd(ss, K, eps)
+        rstd = tl.sum(tl.where(offs_m[:, None] == tl.arange(0, NORM_ROWS)[None, :], rstd[None, :], 0.0), axis=1)
+        acc = acc * rstd[:, None]
+        if SILU:
+            acc_up = acc_up * rstd[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     dt = x_ptr.dtype.element_ty
@@ -108,9 +175,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
             acc_up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         g = acc.to(dt).to(tl.float32)  # gate|up as the unfused matmul stores it, then kernels/activation.py
         acc = g / (1.0 + tl.exp(-g)) * acc_up.to(dt).to(tl.float32)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(dt).to(y_ptr.dtype.element_ty),  # rounded as F.linear rounds
-             mask=m_mask[:, None] & n_mask[None, :])
+    _store_rows(acc, r, offs_m, offs_n, m_mask, n_mask, M, y_ptr, stride_ym, ss_ptr, dt, RESIDUAL)
 
 
 @triton.jit
@@ -186,12 +251,14 @@ def _rows_products(w, x):
 
 
 @triton.jit
-def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                      HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      EACH: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                      stride_rm, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EACH: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
+                      USE_PDL: tl.constexpr = False):
     """The "row" form for 2..``ROW_MAX_M`` rows: each weight chunk is loaded once and multiplied into every
     row's (feature, k lane) accumulator; one reduction over the lanes at the end ("rowk", ``EACH``: a
-    reduction per chunk into [rows, features] instead: fewer registers, more shuffles)."""
+    reduction per chunk into [rows, features] instead: fewer registers, more shuffles).  ``RESIDUAL``:
+    see :func:`_store_rows`."""
     offs_n, offs_m, n_mask, m_mask, w_rows, x_rows = _rows_tile(x_ptr, w_ptr, M, N, stride_xm, stride_wn, M_PAD,
                                                                 BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -199,6 +266,7 @@ def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
     w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     pdl_wait(USE_PDL)  # as in the one-row kernel: the first weight chunk streams in before x is ready
     x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    r = _load_residual(r_ptr, stride_rm, offs_m, offs_n, m_mask, n_mask, RESIDUAL)
     acc = _rows_products(w, x)
     if EACH:
         acc = tl.sum(acc, axis=2)
@@ -218,8 +286,7 @@ def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
         y = tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _store_rows(y, r, offs_m, offs_n, m_mask, n_mask, M, y_ptr, stride_ym, ss_ptr, x_ptr.dtype.element_ty, RESIDUAL)
 
 
 def _rows_pad(m: int) -> int:
@@ -240,55 +307,123 @@ def config_fits(config: tuple, m: int) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-         config: tuple = CONFIGS[0], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+         config: tuple = CONFIGS[0], out: Optional[torch.Tensor] = None,
+         sumsq: Optional[tuple[torch.Tensor, float]] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x ``[M, K]`` with ``M <= 16``; weight ``[N, K]``, both K-contiguous.
+
+    ``sumsq=(partial sums, eps)``, "dot" and "dotT" forms: x is the residual stream before a norm folded into
+    the weight, applied from the producer's partial sums as :func:`gemv_silu` does.
 
     ``out`` may be float32 for a lower-precision x: it then holds ``F.linear(...).float()`` (values rounded
     to x's dtype first), one launch instead of two (the LM head's float logits).
     """
-    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
-    assert x.shape[0] <= MAX_M and x.stride(1) == 1 and weight.stride(1) == 1
-    assert x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    M, K = x.shape
-    N = weight.shape[0]
-    if bias is not None:
-        assert bias.shape == (N,) and bias.stride(0) == 1
+    _check_linear(x, weight, bias)
+    M, N = x.shape[0], weight.shape[0]
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     assert out.shape == (M, N) and out.stride(1) == 1
     if M == 0:
         return out
-    form, block_n, block_k, num_warps, num_stages = config
-    assert config_fits(config, M), (config, M)
-    if form == "rowk" or (form == "row" and M > 1):
-        _gemv_rows_kernel[(triton.cdiv(N, block_n),)](
-            x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
-            out.stride(0), HAS_BIAS=bias is not None, M_PAD=_rows_pad(M), BLOCK_N=block_n, BLOCK_K=block_k,
-            EACH=form == "rowk", num_warps=num_warps, num_stages=num_stages, **pdl_args(x),
-        )
-        return out
-    if form == "row":
-        _gemv_row_kernel[(triton.cdiv(N, block_n),)](
-            x, weight, bias if bias is not None else weight, out, x, x, x, N, K, weight.stride(0), 0.0,
-            HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
-            **pdl_args(x),
-        )
-        return out
-    _gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, M_PAD=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SWAP=form == "dotT", num_warps=num_warps,
-        num_stages=num_stages, **pdl_args(x),
-    )
+    _launch(x, weight, bias, out, config, norm=sumsq)
     return out
 
 
+def gemv_residual(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, *,
+                  config: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = F.linear(x, weight, bias) + residual`` for 2 to ``ROW_MAX_M`` rows (each rounded as the unfused
+    ops round: the residual add of the next norm, :func:`kernels.norm.fused_add_rms_norm`), and each
+    program's partial sums of h's squares, ``[programs, M]`` float32 (:func:`sumsq_programs`), from which
+    the next matmul applies the norm itself (:func:`gemv_silu`, :func:`kernels.gemv_qkv.qkv_rope`
+    ``sumsq=``).  Returns ``(h, partial sums)``."""
+    _check_linear(x, weight, bias)
+    M, N = x.shape[0], weight.shape[0]
+    assert 1 < M <= ROW_MAX_M and config_fits(config, M), (config, M)
+    assert residual.shape == (M, N) and residual.stride(1) == 1 and residual.dtype == x.dtype
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    sumsq = torch.empty(sumsq_programs(config, N), M, dtype=torch.float32, device=x.device)
+    _launch(x, weight, bias, out, config, residual=residual, sumsq=sumsq)
+    return out, sumsq
+
+
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
+    assert x.shape[0] <= MAX_M and x.stride(1) == 1 and weight.stride(1) == 1
+    assert x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    if bias is not None:
+        assert bias.shape == (weight.shape[0],) and bias.stride(0) == 1
+
+
+def sumsq_programs(config: tuple, n: int) -> int:
+    """How many partial sums per row :func:`gemv_residual` leaves (one per program)."""
+    return triton.cdiv(n, config[1])
+
+
+def sumsq_fits(config: tuple, n: int, m: int) -> bool:
+    """Whether the next matmul may read ``config``'s partial sums for ``m`` rows in one load (a few
+    registers per thread: at most ``SUMSQ_MAX`` values)."""
+    return triton.next_power_of_2(sumsq_programs(config, n)) * _rows_pad(m) <= SUMSQ_MAX
+
+
+def _launch(x, weight, bias, out, config, residual=None, sumsq=None, norm=None) -> None:
+    """Launch ``config``'s kernel for ``out = linear(x)`` (``+ residual``, leaving the partial sums in
+    ``sumsq``; or, "dot" forms, with ``norm = (partial sums, eps)`` applied to x: :func:`gemv`)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    form, block_n, block_k, num_warps, num_stages = config
+    assert config_fits(config, M), (config, M)
+    assert norm is None or form in ("dot", "dotT"), "the norm from partial sums needs a 'dot' form"
+    b = bias if bias is not None else weight
+    r = residual if residual is not None else out
+    ss = sumsq if sumsq is not None else out
+    if form == "rowk" or (form == "row" and M > 1):
+        _gemv_rows_kernel[(triton.cdiv(N, block_n),)](
+            x, weight, b, out, r, ss, M, N, K, x.stride(0), weight.stride(0), out.stride(0), r.stride(0),
+            HAS_BIAS=bias is not None, M_PAD=_rows_pad(M), BLOCK_N=block_n, BLOCK_K=block_k,
+            EACH=form == "rowk", RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
+            **pdl_args(x),
+        )
+        return
+    if form == "row":
+        assert residual is None, "the one-row kernel has no residual epilogue"
+        _gemv_row_kernel[(triton.cdiv(N, block_n),)](
+            x, weight, b, out, x, x, x, N, K, weight.stride(0), 0.0, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **pdl_args(x),
+        )
+        return
+    _launch_dot(x, weight, bias, out, config, N, r if residual is not None else None, ss, norm, silu=False)
+
+
+def _launch_dot(x, weight, bias, out, config, n, residual, ss_out, norm, silu: bool) -> None:
+    """:func:`_gemv_kernel` over ``n`` output features (gate|up's I with ``silu``)."""
+    M, K = x.shape
+    _, block_n, block_k, num_warps, num_stages = config
+    ss, eps = norm if norm is not None else (ss_out, 0.0)
+    if norm is not None:
+        assert ss.dtype == torch.float32 and ss.dim() == 2 and ss.shape[1] == M and ss.is_contiguous(), ss.shape
+        assert triton.next_power_of_2(ss.shape[0]) * _rows_pad(M) <= SUMSQ_MAX, ss.shape
+    r = residual if residual is not None else out
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out, r, ss, M, n, K, ss.shape[0] if norm else 0, x.stride(0),
+        weight.stride(0), out.stride(0), r.stride(0), eps, HAS_BIAS=bias is not None, M_PAD=16, BLOCK_N=block_n,
+        BLOCK_K=block_k, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SWAP=config[0] == "dotT",
+        SILU=silu, RESIDUAL=residual is not None, NORM_ROWS=_rows_pad(M) if norm is not None else 0,
+        P_PAD=triton.next_power_of_2(ss.shape[0]) if norm is not None else 1,
+        NORM_FIRST=silu and block_n >= 64,  # H100: 255 registers; summed first, 0.6-1.1 us less per call
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(x),
+    )
+
+
 def gemv_silu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-              config: tuple) -> torch.Tensor:
+              config: tuple, sumsq: Optional[tuple[torch.Tensor, float]] = None) -> torch.Tensor:
     """``silu_and_mul(F.linear(x, weight, bias))`` in one launch, for x ``[M, K]`` (M <= 16) and a gate|up
     weight ``[2I, K]``: a "dot" config's program streams the gate rows of its BLOCK_N features and the up
     rows of the same features, and stores ``[M, I]``, rounded as the two unfused ops round.  Saves the
-    activation's launch and the gate|up round trip through memory (a few-token MLP's third launch)."""
+    activation's launch and the gate|up round trip through memory (a few-token MLP's third launch).
+
+    ``sumsq=(partial sums, eps)`` (from :func:`gemv_residual`): x is the residual stream before an RMSNorm
+    whose weight is folded into ``weight`` (:meth:`executor_proc.model.llama.CausalLM.fold_norms`):
+    ``F.linear(rms_norm(x, 1, eps), weight)`` with each row's accumulators scaled by the norm's rsqrt
+    after the loop (the norm's launch saved; the normalised x is not rounded on the way)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
     assert x.shape[0] <= MAX_M and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[0] % 2 == 0
     assert x.dtype == weight.dtype and config[0] == "dot", (x.dtype, weight.dtype, config)
@@ -299,13 +434,7 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     out = torch.empty(M, I, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    _, block_n, block_k, num_warps, num_stages = config
-    _gemv_kernel[(triton.cdiv(I, block_n),)](
-        x, weight, bias if bias is not None else weight, out, M, I, K, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, M_PAD=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SILU=True, num_warps=num_warps,
-        num_stages=num_stages, **pdl_args(x),
-    )
+    _launch_dot(x, weight, bias, out, config, I, None, out, sumsq, silu=True)
     return out
 
 

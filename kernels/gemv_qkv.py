@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import _norm_rstd, _prologue_row, _rows_pad, _rows_products, config_fits
+from .gemv import (_load_partials, _norm_rstd, _partials_rstd, _prologue_row, _rows_pad, _rows_products,
+                   config_fits)
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
 __all__ = ["qkv_rope", "rope_pairs"]
@@ -113,14 +114,16 @@ def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, w_ptr, b_ptr, qo_ptr, kc_pt
 
 
 @triton.jit
-def _qkv_rope_rows_kernel(x_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, M, K, stride_wn,
-                          stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
-                          H, HKV, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
-                          BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _qkv_rope_rows_kernel(x_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, ss_ptr, M, K, P,
+                          stride_wn, stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
+                          H, HKV, eps, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
+                          BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, P_PAD: tl.constexpr = 0,
                           USE_PDL: tl.constexpr = False):
     """The matmul, rotary and cache write of :func:`_qkv_rope_kernel` for 1..M_PAD tokens of an already normed
     x (contiguous rows; padding rows re-read the last token and store nothing): each weight chunk is
-    multiplied into every token's pair of accumulators, as :mod:`kernels.gemv`'s rows kernel does."""
+    multiplied into every token's pair of accumulators, as :mod:`kernels.gemv`'s rows kernel does.
+    ``P_PAD`` > 0: x is the residual stream before a norm folded into w; each token's sums are scaled by the
+    norm's rsqrt from the producer's ``P`` partial sums of squares (:func:`kernels.gemv.gemv_residual`)."""
     head, j, lo, w_lo, w_hi = _pair_tile(w_ptr, stride_wn, D, PAIRS)
     offs_m = tl.arange(0, M_PAD)
     token = tl.minimum(offs_m, M - 1)[:, None]
@@ -131,6 +134,8 @@ def _qkv_rope_rows_kernel(x_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr
     w_hi0 = tl.load(w_hi + offs_k, mask=k_mask, other=0.0)
     pdl_wait(USE_PDL)  # the first weight chunks stream in while the previous kernel ends
     x = tl.load(x_rows + offs_k, mask=k_mask, other=0.0)
+    if P_PAD > 0:
+        ss = _load_partials(ss_ptr, P, M, M_PAD, P_PAD)
     acc_lo = _rows_products(w_lo0, x)
     acc_hi = _rows_products(w_hi0, x)
     for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -140,7 +145,11 @@ def _qkv_rope_rows_kernel(x_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr
         acc_lo += _rows_products(tl.load(w_lo + offs_k, mask=k_mask, other=0.0), x)
         acc_hi += _rows_products(tl.load(w_hi + offs_k, mask=k_mask, other=0.0), x)
     pdl_launch(USE_PDL)
-    _rope_store(tl.sum(acc_lo, axis=2), tl.sum(acc_hi, axis=2), head, j, lo, token, (offs_m < M)[:, None],
+    y_lo, y_hi = tl.sum(acc_lo, axis=2), tl.sum(acc_hi, axis=2)
+    if P_PAD > 0:
+        rstd = _partials_rstd(ss, K, eps)[:, None]
+        y_lo, y_hi = y_lo * rstd, y_hi * rstd
+    _rope_store(y_lo, y_hi, head, j, lo, token, (offs_m < M)[:, None],
                 x_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, stride_kcb, stride_kct, stride_kch,
                 stride_vcb, stride_vct, stride_vch, stride_cs, H, HKV, D, BLOCK_SIZE, HAS_BIAS)
 
@@ -155,9 +164,12 @@ def rope_pairs(config: tuple, head_dim: int) -> Optional[int]:
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *, config: tuple,
              norm: Optional[tuple[torch.Tensor, float]], residual: Optional[torch.Tensor], positions: torch.Tensor,
              cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             kv_index: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+             kv_index: torch.Tensor,
+             sumsq: Optional[tuple[torch.Tensor, float]] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``rope_kv_write(split(linear(rms_norm(x + residual)))))``: one token with the norm (``norm=(w, eps)``),
-    or 1 to ``ROW_MAX_M`` tokens of an already normed x (``norm=None``, no residual).
+    or 1 to ``ROW_MAX_M`` tokens of an already normed x (``norm=None``, no residual), or of the residual
+    stream before a norm folded into the weight (``sumsq=(partial sums, eps)`` from
+    :func:`kernels.gemv.gemv_residual`: the norm's rsqrt scales the sums, as :func:`kernels.gemv.gemv_silu`).
 
     x ``[M, hidden]`` contiguous; weight ``[(H + 2 Hkv) D, hidden]`` (q|k|v rows); caches
     ``[num_blocks, block_size, Hkv, D]``; positions, kv_index ``[M]`` on the device; cos_sin_cache as
@@ -183,10 +195,15 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     meta = dict(D=d, BLOCK_SIZE=block_size, PAIRS=pairs, BLOCK_K=block_k, HAS_BIAS=bias is not None,
                 num_warps=num_warps, num_stages=num_stages, **pdl_args(x))
     if norm is None:
+        ss, eps = sumsq if sumsq is not None else (x, 0.0)
+        if sumsq is not None:
+            assert ss.dtype == torch.float32 and ss.dim() == 2 and ss.shape[1] == m and ss.is_contiguous(), ss.shape
         if m > 0:
-            _qkv_rope_rows_kernel[grid](x, weight, b, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, m,
-                                        k, weight.stride(0), *caches, M_PAD=_rows_pad(m), **meta)
+            _qkv_rope_rows_kernel[grid](x, weight, b, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, ss,
+                                        m, k, ss.shape[0], weight.stride(0), *caches, eps, M_PAD=_rows_pad(m),
+                                        P_PAD=triton.next_power_of_2(ss.shape[0]) if sumsq is not None else 0, **meta)
         return q_out, None
+    assert sumsq is None, "sumsq= is for 2-8 tokens without norm="
     nw, eps = norm
     add = residual is not None
     rout = torch.empty_like(x) if add else x

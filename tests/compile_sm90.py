@@ -24,12 +24,15 @@ from kernels import activation, decode_attention, gemv, gemv_qkv, kv_write, matm
 HOPPER = GPUTarget("cuda", 90, 32)
 ROW_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16",
            "rout_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32", "eps": "fp32"}
-ROWS_SIG = dict({n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")},
-                **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")})
+ROWS_SIG = dict({n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "r_ptr")}, ss_ptr="*fp32",
+                **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_rm")})
+DOT_SIG = dict({n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "r_ptr")}, ss_ptr="*fp32",
+               **{n: "i32" for n in ("M", "N", "K", "P", "stride_xm", "stride_wn", "stride_ym", "stride_rm")},
+               eps="fp32")
 QKV_ROWS_SIG = dict({n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "qo_ptr", "kc_ptr", "vc_ptr")}, index_ptr="*i64",
-                    pos_ptr="*i64", cs_ptr="*fp32", **{n: "i32" for n in (
-                        "M", "K", "stride_wn", "stride_kcb", "stride_kct", "stride_kch", "stride_vcb", "stride_vct",
-                        "stride_vch", "stride_cs", "H", "HKV")})
+                    pos_ptr="*i64", cs_ptr="*fp32", ss_ptr="*fp32", **{n: "i32" for n in (
+                        "M", "K", "P", "stride_wn", "stride_kcb", "stride_kct", "stride_kch", "stride_vcb",
+                        "stride_vct", "stride_vch", "stride_cs", "H", "HKV")}, eps="fp32")
 QKV_SIG = {"x_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16", "rout_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
            "qo_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "index_ptr": "*i64", "pos_ptr": "*i64", "cs_ptr": "*fp32",
            "K": "i32", "stride_wn": "i32", "eps": "fp32", "stride_kcb": "i32", "stride_kct": "i32", "stride_kch": "i32",
@@ -69,20 +72,31 @@ def variants():
                               USE_PDL=True)
                 yield f"qkv_rope D={head_dim} add={add} {config}", gemv_qkv._qkv_rope_kernel, QKV_SIG, consts, config
             for m_pad in (m for m in (1, 2, 4, 8) if gemv.config_fits(config, m)):
-                consts = dict(D=head_dim, BLOCK_SIZE=16, PAIRS=pairs, BLOCK_K=block_k, M_PAD=m_pad, HAS_BIAS=False,
-                              USE_PDL=True)
-                yield (f"qkv_rope_rows M_PAD={m_pad} D={head_dim} {config}", gemv_qkv._qkv_rope_rows_kernel,
-                       QKV_ROWS_SIG, consts, config)
+                # the norm from the most partial sums the producer may leave (gemv.sumsq_fits)
+                for p_pad in (0, gemv.SUMSQ_MAX // m_pad) if m_pad > 1 else (0,):
+                    consts = dict(D=head_dim, BLOCK_SIZE=16, PAIRS=pairs, BLOCK_K=block_k, M_PAD=m_pad, HAS_BIAS=False,
+                                  P_PAD=p_pad, USE_PDL=True)
+                    yield (f"qkv_rope_rows M_PAD={m_pad} P_PAD={p_pad} D={head_dim} {config}",
+                           gemv_qkv._qkv_rope_rows_kernel, QKV_ROWS_SIG, consts, config)
     for config in (c for c in gemv.CONFIGS if c[0] in ("dot", "dotT")):
-        for silu in (False, True) if config[0] == "dot" else (False,):
+        # plain, the residual epilogue (o, down), SiLU-mul with and without the norm from partial sums (gate|up)
+        for silu, residual, rows in ((False, False, 0), (False, True, 0), (True, False, 0), (True, False, 2),
+                                     (True, False, 8)):
+            if silu and config[0] != "dot":
+                continue
             consts = dict(HAS_BIAS=False, M_PAD=16, BLOCK_N=config[1], BLOCK_K=config[2], DOT_PREC="tf32",
-                          SWAP=config[0] == "dotT", SILU=silu, USE_PDL=True)
-            yield f"gemv_dot silu={silu} {config}", gemv._gemv_kernel, ROWS_SIG, consts, config
+                          SWAP=config[0] == "dotT", SILU=silu, RESIDUAL=residual, NORM_ROWS=rows,
+                          P_PAD=gemv.SUMSQ_MAX // rows if rows else 1, NORM_FIRST=silu and config[1] >= 64,
+                          USE_PDL=True)
+            yield (f"gemv_dot silu={silu} residual={residual} norm_rows={rows} {config}", gemv._gemv_kernel, DOT_SIG,
+                   consts, config)
     for config in (c for c in gemv.CONFIGS if c[0] in ("row", "rowk")):
         for m_pad in (m for m in (2, 4, 8) if gemv.config_fits(config, m)):
-            consts = dict(HAS_BIAS=False, M_PAD=m_pad, BLOCK_N=config[1], BLOCK_K=config[2], EACH=config[0] == "rowk",
-                          USE_PDL=True)
-            yield f"gemv_rows M_PAD={m_pad} {config}", gemv._gemv_rows_kernel, ROWS_SIG, consts, config
+            for residual in (False, True):
+                consts = dict(HAS_BIAS=False, M_PAD=m_pad, BLOCK_N=config[1], BLOCK_K=config[2],
+                              EACH=config[0] == "rowk", RESIDUAL=residual, USE_PDL=True)
+                yield (f"gemv_rows M_PAD={m_pad} residual={residual} {config}", gemv._gemv_rows_kernel, ROWS_SIG,
+                       consts, config)
     for head_dim, group, splits in ((64, 4, 16), (128, 4, 16), (128, 8, 2)):
         block_n, warps, stages = decode_attention._default_config(head_dim)
         consts = dict(GROUP=group, G_PAD=16, G_MERGE=group, HEAD_DIM=head_dim, D_PAD=head_dim, BLOCK_SIZE=16,
