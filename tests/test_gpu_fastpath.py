@@ -230,6 +230,59 @@ def test_qkv_rope_matches_unfused(dtype):
         assert max(index) >= 0 or (torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_epilogue_and_norm_from_partial_sums(dtype):
+    """At 2-8 tokens: the output projection with the residual add in its epilogue (every form) stores exactly
+    the unfused matmul then add, and partial sums of squares whose total is each row's; q|k|v (with rotary
+    and cache write) and gate|up (with SiLU-mul) that apply the norm from those sums, its weight folded into
+    theirs, match norm-then-matmul on the unfolded weight (float32 tightly; bf16 within the roundings the
+    fused form skips or adds, checked against float64 math)."""
+    from kernels import reference as R
+    from kernels.gemv import CONFIGS, config_fits, gemv, gemv_residual, gemv_silu, sumsq_fits, sumsq_programs
+    from kernels.gemv_qkv import qkv_rope
+
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(5)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
+    hidden, inner, eps = 96, 40, 1e-5
+    h_, hkv, d = 4, 2, 16
+    cs = R.rope_cos_sin_cache(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 128).to(device)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    for m, k, bias in ((2, 64, True), (5, 200, False), (8, 128, True)):
+        x, w, r = rnd(m, k), rnd(hidden, k) / k**0.5, 3 * rnd(m, hidden)
+        b = rnd(hidden) if bias else None
+        producers = [c for c in CONFIGS if config_fits(c, m) and sumsq_fits(c, hidden, m)]
+        assert {c[0] for c in producers} == {"row", "rowk", "dot", "dotT"} or m == 8
+        for config in producers[m % 2::2]:  # every other config, a different half per size
+            h, sumsq = gemv_residual(x, w, b, r, config=config)
+            assert torch.equal(h, (gemv(x, w, b, config=config).float() + r.float()).to(dtype)), config
+            assert sumsq.shape == (sumsq_programs(config, hidden), m)
+            torch.testing.assert_close(sumsq.sum(0), h.float().pow(2).sum(1), rtol=1e-5, atol=0)
+        nw = 1.0 + 0.3 * rnd(hidden)
+        normed = R.rms_norm_ref(h, nw, eps)
+        fold = lambda weight: (weight.float() * nw.float()[None, :]).to(dtype)  # noqa: E731
+        # gate|up + SiLU-mul from the partial sums of the last producer (P not a power of two where it can be)
+        gate_up = rnd(2 * inner, hidden) / hidden**0.5
+        got = gemv_silu(h, fold(gate_up), config=("dot", 16, 64, 4, 3), sumsq=(sumsq, eps))
+        want = gemv_silu(normed, gate_up, config=("dot", 16, 64, 4, 3))
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+        hd = h.double()
+        gu = (hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps) * nw.double()) @ gate_up.double().T
+        exact = torch.nn.functional.silu(gu[:, :inner]) * gu[:, inner:]
+        assert (got.double() - exact).abs().max() <= 3 * (want.double() - exact).abs().max() + 1e-5
+        # q|k|v + rotary + cache write, likewise
+        qkv_w = rnd((h_ + 2 * hkv) * d, hidden) / hidden**0.5
+        pos, idx = torch.arange(7, 7 + m, device=device), torch.arange(3, 3 + m, device=device)
+        caches = [rnd(4, 16, hkv, d) for _ in range(2)]
+        caches += [c.clone() for c in caches]
+        rope = dict(config=("row", 4, 64, 4, 1), norm=None, residual=None, positions=pos, cos_sin_cache=cs,
+                    kv_index=idx)
+        q, _ = qkv_rope(h, fold(qkv_w), None, k_cache=caches[0], v_cache=caches[1], sumsq=(sumsq, eps), **rope)
+        q_ref, _ = qkv_rope(normed, qkv_w, None, k_cache=caches[2], v_cache=caches[3], **rope)
+        for ours, ref in ((q, q_ref), (caches[0], caches[2]), (caches[1], caches[3])):
+            torch.testing.assert_close(ours.float(), ref.float(), **tol)
+
+
 def test_fused_kernels_compile_for_hopper_without_spills():
     """Every launch variant of the batch-1 fused kernels and of the split-KV decode attention goes through
     Triton's real compiler and ptxas for sm_90 (offline: no GPU needed), and none spills to local memory or
@@ -324,7 +377,8 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
 def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
     """Torch path vs Triton eager vs Triton + decode-graph runner: the same tokens, step by step
     (forcing the skinny matmul everywhere, or every fused kernel: the norm / SiLU prologues and the fused
-    attention input at batch 1, the rotary and SiLU epilogues at 2-8 tokens)."""
+    attention input at batch 1, the rotary and SiLU epilogues at 2-8 tokens, and there the output
+    projections' residual add with q|k|v's and gate|up's own norm)."""
     from kernels.gemv import CONFIGS
 
     from kernels import gemv as skinny
@@ -335,18 +389,25 @@ def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
     import executor_proc.backends.triton_backend as tb
 
     fused = []
-    ids = {"norm": 1, "silu": 2, "qkv": 3, "rope": 4, "gate_silu": 5}  # the fused kernels, by the calls below
+    # the fused kernels, by the calls below; at 2-8 tokens "residual": an output projection adds the residual
+    # (the norms folded: CausalLM.fold_norms), "norm_rope" / "norm_gate_silu": q|k|v / gate|up then apply the
+    # norm from its partial sums
+    ids = {"norm": 1, "silu": 2, "qkv": 3, "rope": 4, "gate_silu": 5, "residual": 6, "norm_rope": 7,
+           "norm_gate_silu": 8}
     monkeypatch.setattr(skinny, "gemv_prologue", lambda *a, _f=skinny.gemv_prologue, **k: fused.append(
         ids["silu" if k.get("silu") else "norm"]) or _f(*a, **k))
     monkeypatch.setattr(tb, "qkv_rope", lambda *a, _f=tb.qkv_rope, **k: fused.append(
-        ids["qkv" if k["norm"] else "rope"]) or _f(*a, **k))
-    monkeypatch.setattr(skinny, "gemv_silu", lambda *a, _f=skinny.gemv_silu, **k: fused.append(ids["gate_silu"]) or _f(*a, **k))
+        ids["qkv" if k["norm"] else "norm_rope" if k.get("sumsq") else "rope"]) or _f(*a, **k))
+    monkeypatch.setattr(skinny, "gemv_silu", lambda *a, _f=skinny.gemv_silu, **k: fused.append(
+        ids["norm_gate_silu" if k.get("sumsq") else "gate_silu"]) or _f(*a, **k))
+    monkeypatch.setattr(skinny, "gemv_residual", lambda *a, _f=skinny.gemv_residual, **k: fused.append(
+        ids["residual"]) or _f(*a, **k))
     ref = run_plans(built(model_dir, device, kernels="torch").worker, plans)
     fast = [built(model_dir, device, kernels="triton", cuda_graphs=False).worker,
             built(model_dir, device, kernels="triton").worker]
     fused.clear()  # on a GPU the start-up tuner ran every fused candidate once; count the steps' calls only
     for worker in fast:
-        worker.model.backend.gemv_everywhere = CONFIGS[0] if force_gemv is True else None
+        worker.model.backend.gemv_everywhere = CONFIGS[0] if force_gemv in (True, "prologue") else None
         worker.model.backend.prologue_everywhere = FORCED_FUSIONS if force_gemv == "prologue" else None
     eager, graphs = run_plans(fast[0], plans), run_plans(fast[1], plans)
     assert [t for _, t in eager] == [t for _, t in ref]
@@ -361,10 +422,14 @@ def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
     def launches(worker_list):
         return {ids[kind] for worker in worker_list for kind, _, _, _ in worker.model.backend.prologue_choice}
 
-    if force_gemv == "prologue":
-        assert set(fused) == set(ids.values())
+    if force_gemv == "prologue":  # every output projection adds the residual: gate|up always takes the norm itself
+        assert set(fused) == set(ids.values()) - {ids["gate_silu"]}
     else:
-        assert launches(fast[:1]) <= set(fused) <= launches(fast), (set(fused), launches(fast[:1]), launches(fast))
+        # the residual epilogue wherever a skinny matmul serves o or down at 2-8 tokens (forced; on a GPU the tuner's)
+        assert CUDA or (ids["residual"] in fused) == (force_gemv is True)
+        plain = {ids["norm_rope"]: ids["rope"], ids["norm_gate_silu"]: ids["gate_silu"]}
+        kinds = {plain.get(i, i) for i in fused} - {ids["residual"]}
+        assert launches(fast[:1]) <= kinds <= launches(fast), (set(fused), launches(fast[:1]), launches(fast))
     assert CUDA or not launches(fast)
 
 

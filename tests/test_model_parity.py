@@ -8,6 +8,7 @@ chunked prefill, batched decode with scattered block tables) and compare logits.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -147,6 +148,23 @@ def test_decode_steps(models):
     for r in prompts:
         assert len(run.tokens[r]) == lengths[r] + num_decode
         assert rel_err(torch.cat(step_logits[r]), hf_logits(hf, run.tokens[r])) < RTOL
+
+
+def test_folded_norms_match_hf(models):
+    """``CausalLM.fold_norms`` (each layer's norm weights moved into q|k|v and gate|up, the final norm kept, as
+    the CUDA path runs it) is the same function: prefill and decode logits still match HF's."""
+    hf, model, config = models
+    folded = copy.deepcopy(model)
+    folded.fold_norms()
+    for layer in folded.model.layers:
+        assert torch.all(layer.input_layernorm.weight == 1) and torch.all(layer.post_attention_layernorm.weight == 1)
+    assert torch.equal(folded.model.norm.weight, model.model.norm.weight) and not torch.all(model.model.norm.weight == 1)
+    prompts = {0: random_tokens(7, 1), 1: random_tokens(12, 3)}
+    run = PagedRun(folded, config, num_rows=2, block_size=4, max_len=20)
+    first = run.step(prompts)
+    second = run.step({r: random_tokens(1, 50 + r) for r in prompts})
+    for r in prompts:
+        assert rel_err(torch.cat([first[r], second[r]]), hf_logits(hf, run.tokens[r])) < RTOL
 
 
 def test_config_round_trip(models):

@@ -12,9 +12,10 @@ A backend is everything a step launches besides the model's own weights:
   norm), ``silu_and_mul`` (on the fused gate|up projection), and the chains the
   model asks for whole so that a backend may fuse them around the matmul:
   ``norm_linear`` (a layer's :class:`NormInput` -> its first projection),
-  ``mlp`` (norm -> gate|up -> SiLU-mul -> down) and ``qkv_rotate_store`` (the
-  attention input: norm -> q|k|v -> ``rotate_and_store``); the ``unfused_*``
-  functions here are those chains op by op;
+  ``mlp`` (norm -> gate|up -> SiLU-mul -> down), ``qkv_rotate_store`` (the
+  attention input: norm -> q|k|v -> ``rotate_and_store``) and ``project_out``
+  (attention's output projection, and the residual stream after it: a :class:`Stream`);
+  the ``unfused_*`` functions here are those chains op by op;
 - LM head and sampler: ``logits(hidden, weight)`` (float32 logits), then
   ``argmax(logits, last_token, slots)`` when every row is greedy (it also writes the
   tokens to ``last_token[slots]``), else ``sample(logits, rows)`` (the caller is
@@ -66,12 +67,33 @@ class SamplingRows:
 @dataclass
 class NormInput:
     """A layer's input before its RMSNorm: ``rms_norm(x + residual) * weight`` (the first layer has no
-    residual yet: ``x`` is the embedding)."""
+    residual yet: ``x`` is the embedding).  ``sumsq``: see :class:`Stream`."""
 
     x: torch.Tensor
     residual: Optional[torch.Tensor]
     weight: torch.Tensor
     eps: float
+    sumsq: Optional[torch.Tensor] = None
+
+
+@dataclass
+class Stream:
+    """The residual stream after a sublayer: ``x + residual``, the add left to the next norm; or, where the
+    sublayer's last matmul added the residual in its epilogue (:meth:`Backend.project_out`), ``x`` itself
+    with ``residual`` None and ``sumsq``, that matmul's per-program partial sums of x's squares ``[P, T]``
+    (float32), from which the next matmul may apply the norm itself (:func:`kernels.gemv.gemv_residual`)."""
+
+    x: torch.Tensor
+    residual: Optional[torch.Tensor] = None
+    sumsq: Optional[torch.Tensor] = None
+
+    def before(self, weight: torch.Tensor, eps: float) -> NormInput:
+        """The next norm's input."""
+        return NormInput(self.x, self.residual, weight, eps, self.sumsq)
+
+    def rows(self, index: torch.Tensor) -> "Stream":
+        """Only the rows ``index`` (the sampled tokens before the final norm; partial sums dropped)."""
+        return Stream(self.x[index], None if self.residual is None else self.residual[index])
 
 
 def normed(backend: "Backend", pre: NormInput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,11 +139,17 @@ def unfused_silu_linear(backend: "Backend", gate_up: torch.Tensor, weight: torch
     return backend.linear(backend.silu_and_mul(gate_up), weight, bias)
 
 
-def unfused_mlp(backend: "Backend", pre: NormInput, gate_up: tuple, down: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(down(silu_and_mul(gate_up(norm(pre)))), the residual stream)``, one op at a time; ``gate_up`` and
+def unfused_project_out(backend: "Backend", x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                        residual: torch.Tensor) -> Stream:
+    """``Stream(linear(x), residual)``: the residual add is left to the next norm."""
+    return Stream(backend.linear(x, weight, bias), residual)
+
+
+def unfused_mlp(backend: "Backend", pre: NormInput, gate_up: tuple, down: tuple) -> Stream:
+    """``down(silu_and_mul(gate_up(norm(pre))))`` and the residual stream, one op at a time; ``gate_up`` and
     ``down`` are (weight, bias) pairs."""
     h, residual = unfused_norm_linear(backend, pre, *gate_up)
-    return unfused_silu_linear(backend, h, *down), residual
+    return Stream(unfused_silu_linear(backend, h, *down), residual)
 
 
 class Backend(Protocol[PlanT]):
@@ -155,8 +183,14 @@ class Backend(Protocol[PlanT]):
     def norm_linear(self, pre: NormInput, weight: torch.Tensor,
                     bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def mlp(self, pre: NormInput, gate_up: tuple, down: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(down(silu_and_mul(gate_up(norm(pre)))), the residual stream)``; (weight, bias) pairs."""
+    def mlp(self, pre: NormInput, gate_up: tuple, down: tuple) -> Stream:
+        """``down(silu_and_mul(gate_up(norm(pre))))`` and the residual stream; (weight, bias) pairs."""
+        ...
+
+    def project_out(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    residual: torch.Tensor) -> Stream:
+        """A sublayer's output projection and the residual stream: ``Stream(linear(x), residual)``, or the
+        residual added in the matmul's epilogue (``Stream(linear(x) + residual, sumsq=...)``)."""
         ...
 
     def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],

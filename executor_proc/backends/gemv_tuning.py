@@ -87,10 +87,12 @@ def tune_matmuls(model, ms: list[int], reps: int = 5, margin: float = 0.97) -> t
 def tune_prologues(backend, model, ms: tuple[int, ...] = (1,), reps: int = 5, margin: float = 0.97,
                    few: int = 3) -> tuple[dict, dict]:
     """Time the fused kernels against the ops one by one on the model's weights and keep a fused one where
-    it is faster by more than ``1 - margin``.  At one token (``1 in ms``), through ``backend``'s own chains:
+    it is faster by more than ``1 - margin`` (at 2-8 tokens: where it is within :data:`SKINNY_MARGIN`).  At one
+    token (``1 in ms``), through ``backend``'s own chains:
     the attention input (norm -> q|k|v -> rotary -> cache write: "qkv"), gate|up after the norm ("norm")
     and down after SiLU-mul ("silu"), every "row" config.  At the other ``ms`` (2-8 tokens), the
-    epilogues alone (the norm before them is the same launch either way): q|k|v with the rotary and cache
+    epilogues (with the norm from partial sums where the norms are folded, against a chain with the norm's
+    launch; otherwise alone: the norm before them is the same launch either way): q|k|v with the rotary and cache
     write ("rope": the ``few`` "row" configs with rotary pairs that streamed the weight fastest in
     :func:`tune_linears`, per ``backend.gemv_timings``) and gate|up with SiLU-mul ("gate_silu": the
     ``few`` fastest "dot" configs), so that start-up compiles a few kernels per size, not all.
@@ -114,7 +116,10 @@ def tune_prologues(backend, model, ms: tuple[int, ...] = (1,), reps: int = 5, ma
                 if (m == 1) != (kind in ONE_TOKEN_KINDS):
                     continue
                 baseline, candidates = _fused_runs(backend, kind, n, k, m, weights[0], cfg, few)
-                best = _pick((kind, n, k, m), baseline, candidates, weights, reps, margin, timings)
+                # an epilogue within 2% of the unfused chain wins: it saves a launch, which in a step costs more
+                # than in this pass (there its neighbours are attention and the residual matmuls)
+                bar = margin if m == 1 else SKINNY_MARGIN
+                best = _pick((kind, n, k, m), baseline, candidates, weights, reps, bar, timings)
                 if best is not None:
                     choice[(kind, n, k, m)] = best
     finally:
@@ -135,20 +140,38 @@ def _fused_runs(backend, kind: str, n: int, k: int, m: int, w0: torch.Tensor, cf
                "qkv": lambda w: backend.qkv_rotate_store(pre, w, None, cache, cache, plan)}[kind]
         configs = [c for c in skinny.CONFIGS if c[0] == "row" and (kind != "qkv" or rope_pairs(c, cfg.head_dim))]
         return ("unfused", _forcing(backend, {}, run)), [(c, _forcing(backend, {kind: c}, run)) for c in configs]
+    # With the norms folded x is the residual stream after an output projection's epilogue: both sides take the
+    # norm from its partial sums (TritonBackend.project_out; as many as its tuned kernel has programs), the
+    # unfused side as the backend does (in a "dot" matmul, else the norm's launch).
+    sumsq = _partial_sums(backend, k, m) if backend.norms_folded else None
+    stream = NormInput(x, None, pre.weight, sumsq[1], sumsq[0]) if sumsq is not None else None
     if kind == "rope":
         configs = [c for c in skinny.CONFIGS if c[0] == "row" and skinny.config_fits(c, m) and rope_pairs(c, cfg.head_dim)]
         rope = dict(positions=plan.positions, cos_sin_cache=backend.cos_sin, k_cache=cache, v_cache=cache,
-                    kv_index=plan.kv_index)
-        unfused = lambda w: backend.rotate_and_store(*split_heads(backend.linear(x, w, None), cfg.num_kv_heads,  # noqa: E731
-                                                                  cfg.head_dim), cache, cache, plan)
+                    kv_index=plan.kv_index, sumsq=sumsq)
+        def unfused(w):
+            if stream is not None:
+                return backend.qkv_rotate_store(stream, w, None, cache, cache, plan)
+            q, k, v = split_heads(backend.linear(x, w, None), cfg.num_kv_heads, cfg.head_dim)
+            return backend.rotate_and_store(q, k, v, cache, cache, plan)
         fused = lambda c: lambda w: qkv_rope(x, w, None, config=c, norm=None, residual=None, **rope)  # noqa: E731
     else:  # gate_silu
         configs = [c for c in skinny.CONFIGS if c[0] == "dot"]
-        unfused = lambda w: backend.silu_and_mul(backend.linear(x, w, None))  # noqa: E731
-        fused = lambda c: lambda w: skinny.gemv_silu(x, w, None, config=c)  # noqa: E731
+        gate_up = (lambda w: backend.norm_linear(stream, w, None)[0]) if stream is not None else (  # noqa: E731
+            lambda w: backend.linear(x, w, None))
+        unfused = lambda w: backend.silu_and_mul(gate_up(w))  # noqa: E731
+        fused = lambda c: lambda w: skinny.gemv_silu(x, w, None, config=c, sumsq=sumsq)  # noqa: E731
     timed = {c: backend.gemv_timings[(n, k, m, c)] for c in configs if (n, k, m, c) in backend.gemv_timings}
     configs = sorted(timed, key=timed.get)[:few] if timed else configs
     return ("unfused", _forcing(backend, {}, unfused)), [(c, _forcing(backend, {kind: c}, fused(c))) for c in configs]
+
+
+def _partial_sums(backend, hidden: int, m: int) -> tuple[torch.Tensor, float]:
+    """Partial sums of squares as the output projections at ``m`` tokens leave them (the most programs of their
+    tuned kernels; 128 where cuBLAS serves them), for timing the kernels that read them."""
+    programs = [skinny.sumsq_programs(c, hidden) for (n, _, mm), c in backend.gemv_choice.items()
+                if n == hidden and mm == m and skinny.sumsq_fits(c, hidden, m)]
+    return torch.ones(max(programs, default=128), m, device=backend.device), 1e-5
 
 
 def _forcing(backend, forced: dict, run):

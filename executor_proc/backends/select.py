@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -26,7 +27,8 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     Triton on CUDA (``kernels: auto``) or when asked: its decode workspace holds
     ``num_slots + 1`` rows (the padding slot), and on CUDA with graphs its linears
     are tuned for the graph batch sizes 1, 2, 4, 8 (skinny matmul and the fused norm / SiLU / rotary
-    matmuls), 16, 32, ... up to the largest graph (tiled matmul).  Otherwise torch.
+    matmuls), 16, 32, ... up to the largest graph (tiled matmul), and the layers' norms are folded into
+    the matmuls after them (:func:`folds_norms`).  Otherwise torch.
     """
     if not uses_triton(cfg, device):
         return TorchBackend(model.rope_inv_freq)
@@ -38,6 +40,9 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     c = model.config
     backend = TritonBackend(model.rope_inv_freq, max_positions, c.num_heads, c.num_kv_heads, c.head_dim,
                             cfg.num_slots + 1, device, batch_invariant=cfg.batch_invariant)
+    if folds_norms(cfg):
+        model.fold_norms()
+        backend.norms_folded = True
     # Batch-invariant linears are one kernel for every batch size: nothing to choose per size.
     tune_max_m = graph_max_batch(cfg, backend) if device.type == "cuda" and not cfg.batch_invariant else 0
     progress(TUNING_STAGE, 0, 1)
@@ -50,6 +55,15 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
         backend.prologue_choice, backend.prologue_timings = tune_prologues(backend, model, tuple(small))
     progress(TUNING_STAGE, 1, 1)
     return backend
+
+
+def folds_norms(cfg: ExecutorConfig) -> bool:
+    """Whether the Triton backend folds the layers' norms into q|k|v and gate|up (:meth:`CausalLM.fold_norms`,
+    so that at 2-8 tokens the residual add and the norm ride in the matmuls: ``TritonBackend.project_out``):
+    not in batch-invariant mode (one kernel per op whatever the batch), not under tensor parallelism (the
+    output projections' partial sums are all-reduced before the residual add), not with
+    ``FORERUN_FOLD_NORMS=0`` (the benchmarks' baseline)."""
+    return not cfg.batch_invariant and cfg.tensor_parallel_size == 1 and os.environ.get("FORERUN_FOLD_NORMS") != "0"
 
 
 def graph_max_batch(cfg: ExecutorConfig, backend: Backend) -> int:

@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import (NormInput, SamplingRows, argmax_store, unfused_mlp, unfused_norm_linear,
-                                         unfused_qkv_rotate_store)
+from executor_proc.backends.base import (NormInput, SamplingRows, Stream, argmax_store, unfused_mlp,
+                                         unfused_norm_linear, unfused_project_out, unfused_qkv_rotate_store)
 from executor_proc.step.batch import ForwardBatch
 from kernels import reference as ops
 from kernels.logprobs_ref import token_logprobs_ref
@@ -202,8 +202,12 @@ class TorchBackend:
                     bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return unfused_norm_linear(self, pre, weight, bias)
 
-    def mlp(self, pre: NormInput, gate_up: tuple, down: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    def mlp(self, pre: NormInput, gate_up: tuple, down: tuple) -> Stream:
         return unfused_mlp(self, pre, gate_up, down)
+
+    def project_out(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    residual: torch.Tensor) -> Stream:
+        return unfused_project_out(self, x, weight, bias, residual)
 
     def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,10 +23,14 @@ this GPU.  At one token, ``norm_linear`` and ``silu_linear`` fold the norm (with
 residual add) or the SiLU-mul into the skinny matmul's loads (:func:`kernels.gemv.gemv_prologue`:
 one launch instead of two), and ``qkv_rotate_store`` also takes the rotary and the cache write
 as the q|k|v matmul's epilogue (:func:`kernels.gemv_qkv.qkv_rope`: one launch instead of three).
-At 2-8 tokens the norm stays a launch, ``qkv_rotate_store`` takes the rotary and cache write as
-the epilogue and ``mlp`` the SiLU-mul as gate|up's (:func:`kernels.gemv.gemv_silu`).  Each where
+At 2-8 tokens ``qkv_rotate_store`` takes the rotary and cache write as the epilogue and ``mlp`` the
+SiLU-mul as gate|up's (:func:`kernels.gemv.gemv_silu`), each where
 :func:`executor_proc.backends.gemv_tuning.tune_prologues` measured it faster for that weight and
-batch size; otherwise the ops one by one.  With ``batch_invariant`` every linear is
+batch size (otherwise the ops one by one); and with the layers' norms folded into q|k|v and gate|up
+(``norms_folded``, :meth:`executor_proc.model.llama.CausalLM.fold_norms`) the norms are not launched
+at all: ``project_out`` (o and down) adds the residual in the matmul's epilogue and leaves partial sums
+of squares, from which q|k|v and gate|up scale their sums by the norm's rsqrt
+(:func:`kernels.gemv.gemv_residual`).  With ``batch_invariant`` every linear is
 :func:`kernels.matmul.invariant_matmul` (one tile shape and one split of K per weight, whatever
 the number of rows) and decode attention always uses ``INVARIANT_ATTENTION_SPLITS``, so a row's
 result does not depend on the rows beside it.  The sampler is :func:`kernels.sampling.sample`; penalties and logprobs are
@@ -41,8 +45,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import (NormInput, SamplingRows, argmax_store, normed, unfused_norm_linear,
-                                         unfused_qkv_rotate_store, unfused_silu_linear)
+from executor_proc.backends.base import (NormInput, SamplingRows, Stream, argmax_store, normed, unfused_norm_linear,
+                                         unfused_project_out, unfused_qkv_rotate_store, unfused_silu_linear)
 from executor_proc.step.batch import ForwardBatch
 from kernels import argmax, gemv as skinny
 from kernels.activation import silu_and_mul
@@ -118,6 +122,9 @@ class TritonBackend:
         # Batch-invariant mode: one attention split count for every batch; each weight's kernel, by shape.
         self.invariant_splits = min(INVARIANT_ATTENTION_SPLITS, self.workspace.max_splits)
         self.matmul_config: dict[tuple[int, int], MatmulConfig] = {}
+        # CausalLM.fold_norms ran (the layers' norm weights are in q|k|v and gate|up): at 2-8 tokens the output
+        # projections add the residual and q|k|v and gate|up apply the norm themselves (project_out)
+        self.norms_folded = False
 
     def use_choices_of(self, other: "TritonBackend") -> None:
         """Take ``other``'s tuned kernel choices (tests compare two workers on the same kernels)."""
@@ -217,6 +224,9 @@ class TritonBackend:
                     bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         config = self._fused_config("norm", pre.x, weight)
         if config is None:
+            linear = self._gemv_config(pre.x, weight) if pre.sumsq is not None else None
+            if linear is not None and linear[0] in ("dot", "dotT"):  # the norm from the partial sums
+                return skinny.gemv(pre.x, weight, bias, config=linear, sumsq=(pre.sumsq, pre.eps)), pre.x
             return unfused_norm_linear(self, pre, weight, bias)
         return skinny.gemv_prologue(pre.x, weight, bias, config=config, norm=(pre.weight, pre.eps),
                                     residual=pre.residual)
@@ -235,18 +245,39 @@ class TritonBackend:
         config = self._fused_config("rope", pre.x, weight)
         if config is None or not rope_pairs(config, head_dim):
             return unfused_qkv_rotate_store(self, pre, weight, bias, k_cache, v_cache, plan)
+        if pre.sumsq is not None:  # the norm from the partial sums (its weight is folded into q|k|v)
+            return qkv_rope(pre.x, weight, bias, config=config, norm=None, residual=None, sumsq=(pre.sumsq, pre.eps),
+                            **rope)[0], pre.x
         h, residual = normed(self, pre)
         return qkv_rope(h, weight, bias, config=config, norm=None, residual=None, **rope)[0], residual
 
-    def mlp(self, pre: NormInput, gate_up: tuple, down: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the tuner chose it (2-8 tokens): the norm, then gate|up with SiLU-mul as its epilogue
-        (:func:`kernels.gemv.gemv_silu`), then down; otherwise :meth:`norm_linear` and :meth:`silu_linear`."""
+    def mlp(self, pre: NormInput, gate_up: tuple, down: tuple) -> Stream:
+        """Where the tuner chose it (2-8 tokens): the norm (or, after a residual epilogue, the partial sums of
+        squares), then gate|up with SiLU-mul as its epilogue (:func:`kernels.gemv.gemv_silu`), then down
+        through :meth:`project_out`; otherwise :meth:`norm_linear` and :meth:`silu_linear`."""
         config = self._fused_config("gate_silu", pre.x, gate_up[0])
         if config is None:  # with this backend's own one-token fusions
             h, residual = self.norm_linear(pre, *gate_up)
-            return self.silu_linear(h, *down), residual
+            if self._fused_config("silu", h, down[0]) is not None:
+                return Stream(self.silu_linear(h, *down), residual)
+            return self.project_out(self.silu_and_mul(h), *down, residual)
+        if pre.sumsq is not None:  # the norm's weight is folded into gate|up
+            return self.project_out(skinny.gemv_silu(pre.x, *gate_up, config=config, sumsq=(pre.sumsq, pre.eps)),
+                                    *down, pre.x)
         h, residual = normed(self, pre)
-        return self.linear(skinny.gemv_silu(h, *gate_up, config=config), *down), residual
+        return self.project_out(skinny.gemv_silu(h, *gate_up, config=config), *down, residual)
+
+    def project_out(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    residual: torch.Tensor) -> Stream:
+        """With the norms folded, at 2-8 tokens and where a skinny matmul serves this weight: the residual
+        added in its epilogue, with the partial sums of squares the next q|k|v or gate|up normalises by
+        (:func:`kernels.gemv.gemv_residual`): the next norm's launch saved.  Otherwise the plain matmul."""
+        m = x.shape[0]
+        config = self._gemv_config(x, weight) if self.norms_folded and 1 < m <= skinny.ROW_MAX_M else None
+        if config is None or not skinny.sumsq_fits(config, weight.shape[0], m):
+            return unfused_project_out(self, x, weight, bias, residual)
+        h, sumsq = skinny.gemv_residual(x, weight, bias, residual, config=config)
+        return Stream(h, sumsq=sumsq)
 
     def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         config = self._fused_config("silu", gate_up, weight)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from executor_proc.backends.base import Backend, NormInput, split_heads
+from executor_proc.backends.base import Backend, NormInput, Stream, normed, split_heads
 from executor_proc.backends.torch_backend import TorchBackend
 from executor_proc.step.batch import ForwardBatch
 from executor_proc.model.kv_cache import KVCache
@@ -87,8 +87,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.qkv: Optional[FusedLinear] = None  # set by CausalLM.fuse_projections
 
-    def forward(self, pre: NormInput, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention output, the residual stream) for the layer's un-normalised input."""
+    def forward(self, pre: NormInput, step: StepContext) -> Stream:
+        """The attention output and the residual stream, for the layer's un-normalised input."""
         t, backend = pre.x.shape[0], step.backend
         k_cache, v_cache = step.kv_cache.k[self.layer_id], step.kv_cache.v[self.layer_id]
         if self.q_norm is None:
@@ -98,7 +98,8 @@ class Attention(nn.Module):
             q, k, v = split_heads(qkv, self.num_kv_heads, self.head_dim)
             q = backend.rotate_and_store(self.q_norm(q), self.k_norm(k), v, k_cache, v_cache, step.plan)
         out = backend.attend(q, k_cache, v_cache, step.plan, self.scale)
-        return backend.linear(out.view(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias), residual
+        return backend.project_out(out.view(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias,
+                                   residual)
 
 
 class MLP(nn.Module):
@@ -110,8 +111,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias, dtype=dtype)
         self.gate_up: Optional[FusedLinear] = None  # set by CausalLM.fuse_projections
 
-    def forward(self, pre: NormInput, backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, the residual stream) for the un-normalised input."""
+    def forward(self, pre: NormInput, backend: Backend) -> Stream:
+        """The MLP output and the residual stream, for the un-normalised input."""
         return backend.mlp(pre, (self.gate_up.weight, self.gate_up.bias), (self.down_proj.weight, self.down_proj.bias))
 
 
@@ -123,17 +124,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def forward(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor], step: StepContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual-stream form: returns (this layer's MLP output, the residual before it is added).
+    def forward(self, stream: Stream, step: StepContext) -> Stream:
+        """Residual-stream form: the stream after this layer (its MLP output, the residual before it is added).
 
         Same sums as HF's ``h = x + attn(norm(x)); out = h + mlp(norm(h))``, with each
-        add fused into the next norm (and, where the backend can, the norm into the next matmul).
+        add fused into the next norm (and, where the backend can, the norm into the next matmul, or the
+        add into the matmul before it: :meth:`Backend.project_out`).
         """
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        attn, residual = self.self_attn(NormInput(x, residual, norm1.weight, norm1.eps), step)
-        return self.mlp(NormInput(attn, residual, norm2.weight, norm2.eps), step.backend)
+        stream = self.self_attn(stream.before(norm1.weight, norm1.eps), step)
+        return self.mlp(stream.before(norm2.weight, norm2.eps), step.backend)
 
 
 class Decoder(nn.Module):
@@ -192,6 +192,19 @@ class CausalLM(nn.Module):
             attn.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
             mlp.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj])
 
+    @torch.no_grad()
+    def fold_norms(self) -> None:
+        """Each layer's RMSNorm weights move into the matmul they feed (``W diag(w)``, rounded once to the
+        weight dtype: the input norm into q|k|v, the post-attention norm into gate|up) and the norms keep
+        weights of ones: the same function, and a matmul can then take the un-normalised residual stream and
+        scale its sums by the norm's ``rsqrt(mean + eps)`` (:meth:`Backend.project_out`). The final norm
+        stays (the LM head may be the embedding)."""
+        for layer in self.model.layers:
+            for norm, linear in ((layer.input_layernorm, layer.self_attn.qkv),
+                                 (layer.post_attention_layernorm, layer.mlp.gate_up)):
+                linear.weight.copy_((linear.weight.float() * norm.weight.float()[None, :]).to(linear.weight.dtype))
+                norm.weight.fill_(1.0)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Run one step; float32 logits ``[S, vocab]`` for ``batch.sample_index`` (every token's if None)."""
@@ -201,15 +214,14 @@ class CausalLM(nn.Module):
     def final_hidden(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """The decoder with its final norm, for the tokens of ``batch.sample_index`` (every token if None)."""
         backend = self.backend
-        x = self.embed(batch.input_ids)
+        stream = Stream(self.embed(batch.input_ids))
         step = StepContext(backend.plan(batch), kv_cache, backend)
-        residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, step)
+            stream = layer(stream, step)
         if batch.sample_index is not None:
-            x, residual = x[batch.sample_index], residual[batch.sample_index]
+            stream = stream.rows(batch.sample_index)
         norm = self.model.norm
-        return backend.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
+        return normed(backend, stream.before(norm.weight, norm.eps))[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: float32 logits ``[S, vocab]`` of :meth:`final_hidden`'s rows."""

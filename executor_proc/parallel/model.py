@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from executor_proc.backends.base import NormInput
+from executor_proc.backends.base import NormInput, Stream
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.llama import MLP, Attention, CausalLM, StepContext
 from executor_proc.parallel.group import TPGroup
@@ -37,9 +37,10 @@ class ParallelAttention(Attention):
         super().__init__(config, layer_id, dtype)
         self.group = group
 
-    def forward(self, pre: NormInput, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        out, residual = super().forward(pre, step)
-        return self.group.all_reduce(out), residual
+    def forward(self, pre: NormInput, step: StepContext) -> Stream:
+        out = super().forward(pre, step)
+        assert out.sumsq is None, "the residual is added after the all-reduce (select.folds_norms)"
+        return Stream(self.group.all_reduce(out.x), out.residual)
 
 
 class ParallelMLP(MLP):
@@ -49,9 +50,10 @@ class ParallelMLP(MLP):
         super().__init__(config, dtype)
         self.group = group
 
-    def forward(self, pre: NormInput, backend) -> tuple[torch.Tensor, torch.Tensor]:
-        out, residual = super().forward(pre, backend)
-        return self.group.all_reduce(out), residual
+    def forward(self, pre: NormInput, backend) -> Stream:
+        out = super().forward(pre, backend)
+        assert out.sumsq is None, "the residual is added after the all-reduce (select.folds_norms)"
+        return Stream(self.group.all_reduce(out.x), out.residual)
 
 
 class ParallelCausalLM(CausalLM):
