@@ -140,10 +140,11 @@ def _fused_runs(backend, kind: str, n: int, k: int, m: int, w0: torch.Tensor, cf
                "qkv": lambda w: backend.qkv_rotate_store(pre, w, None, cache, cache, plan)}[kind]
         configs = [c for c in skinny.CONFIGS if c[0] == "row" and (kind != "qkv" or rope_pairs(c, cfg.head_dim))]
         return ("unfused", _forcing(backend, {}, run)), [(c, _forcing(backend, {kind: c}, run)) for c in configs]
-    # With the norms folded x is the residual stream after an output projection's epilogue: both sides take the
-    # norm from its partial sums (TritonBackend.project_out; as many as its tuned kernel has programs), the
-    # unfused side as the backend does (in a "dot" matmul, else the norm's launch).
-    sumsq = _partial_sums(backend, k, m) if backend.norms_folded else None
+    # With the norms folded x is the residual stream after an output projection's epilogue (down before q|k|v,
+    # o before gate|up): both sides take the norm from its partial sums (TritonBackend.project_out), the unfused
+    # side as the backend does (in a "dot" matmul, else the norm's launch).
+    producer = (k, cfg.intermediate_size) if kind == "rope" else (k, cfg.num_heads * cfg.head_dim)
+    sumsq = _partial_sums(backend, producer, m) if backend.norms_folded else None
     stream = NormInput(x, None, pre.weight, sumsq[1], sumsq[0]) if sumsq is not None else None
     if kind == "rope":
         configs = [c for c in skinny.CONFIGS if c[0] == "row" and skinny.config_fits(c, m) and rope_pairs(c, cfg.head_dim)]
@@ -166,12 +167,13 @@ def _fused_runs(backend, kind: str, n: int, k: int, m: int, w0: torch.Tensor, cf
     return ("unfused", _forcing(backend, {}, unfused)), [(c, _forcing(backend, {kind: c}, fused(c))) for c in configs]
 
 
-def _partial_sums(backend, hidden: int, m: int) -> tuple[torch.Tensor, float]:
-    """Partial sums of squares as the output projections at ``m`` tokens leave them (the most programs of their
-    tuned kernels; 128 where cuBLAS serves them), for timing the kernels that read them."""
-    programs = [skinny.sumsq_programs(c, hidden) for (n, _, mm), c in backend.gemv_choice.items()
-                if n == hidden and mm == m and skinny.sumsq_fits(c, hidden, m)]
-    return torch.ones(max(programs, default=128), m, device=backend.device), 1e-5
+def _partial_sums(backend, producer: tuple[int, int], m: int) -> tuple[torch.Tensor, float]:
+    """Partial sums of squares as the output projection of shape ``producer`` leaves them at ``m`` tokens (one per
+    program of its tuned kernel, so that the kernels timed are the ones the graphs will run; 128 where cuBLAS
+    serves it), for timing the kernels that read them."""
+    config = backend.gemv_choice.get((*producer, m))
+    fits = config is not None and skinny.sumsq_fits(config, producer[0], m)
+    return torch.ones(skinny.sumsq_programs(config, producer[0]) if fits else 128, m, device=backend.device), 1e-5
 
 
 def _forcing(backend, forced: dict, run):
