@@ -33,6 +33,7 @@ import torch
 
 from _bench_util import write_json
 from ipc.config import ExecutorConfig
+from executor_proc.backends.gemv_tuning import tuner_report
 from executor_proc.build import build_worker
 from executor_proc.step.sample import GREEDY
 from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner
@@ -101,29 +102,6 @@ def profile_kernels(fn, path: str, reps: int = 10) -> None:
         f.write(table + "\n")
 
 
-def linear_report(backend) -> dict:
-    """Per weight shape and batch: cuBLAS's time per pass over the layers, the best Triton config's (skinny
-    GEMV up to 8 rows, tiled matmul above), the pick."""
-    report: dict = {}
-    for (n, k, m, what), ms in getattr(backend, "gemv_timings", {}).items():
-        row = report.setdefault(f"{n}x{k} m={m}", {"cublas_ms": None, "best_gemv_ms": None, "best_gemv": None})
-        if what == "cublas":
-            row["cublas_ms"] = ms
-        elif row["best_gemv_ms"] is None or ms < row["best_gemv_ms"]:
-            row["best_gemv_ms"], row["best_gemv"] = ms, list(what)
-    for (n, k, m), config in {**getattr(backend, "gemv_choice", {}), **getattr(backend, "matmul_choice", {})}.items():
-        report[f"{n}x{k} m={m}"]["chosen"] = list(config)
-    for (kind, n, k, m, what), ms in getattr(backend, "prologue_timings", {}).items():
-        row = report.setdefault(f"{kind}+{n}x{k} m={m}", {"unfused_ms": None, "best_fused_ms": None})
-        if what == "unfused":
-            row["unfused_ms"] = ms
-        elif row["best_fused_ms"] is None or ms < row["best_fused_ms"]:
-            row["best_fused_ms"], row["best_fused"] = ms, list(what)
-    for (kind, n, k, m), config in getattr(backend, "prologue_choice", {}).items():
-        report[f"{kind}+{n}x{k} m={m}"]["chosen"] = list(config)
-    return report
-
-
 def bench_model(name: str, args, bandwidth: float) -> dict:
     steps, warmup, batch, context = args.steps, args.warmup, args.batch, args.context
     max_len = context + warmup + steps + 64
@@ -165,7 +143,7 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
     eager = time_calls(lambda: worker.graphs.step_fn(view, GREEDY), max(10, steps // 10))
     if args.profile:
         profile_kernels(lambda: worker.graphs.run(bucket, GREEDY), f"{args.profile}.{name}.txt")
-    linears = linear_report(worker.model.backend)
+    linears = tuner_report(worker.model.backend)
     w_bytes = weight_bytes_per_step(worker.model)
     kv = kv_bytes(mcfg, context + warmup + steps // 2, batch)
     floor = w_bytes / bandwidth
@@ -192,7 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, help="write per-kernel times of graph replays to PREFIX.<model>.txt")
     ap.add_argument("--batch-invariant", action="store_true", help="batch-invariant kernels (the cost of that mode)")
     ap.add_argument("--no-prologues", action="store_true",
-                    help="never fold the norm / SiLU-mul / rotary into the 1-8-row matmuls (the baseline for that fusion)")
+                    help="never fold the norm / SiLU-mul / rotary into the 1-8-row matmuls, nor the layers' norms into "
+                         "them (the baseline for those fusions)")
     args = ap.parse_args(argv)
     import triton
 
@@ -200,6 +179,7 @@ def main(argv=None) -> int:
         import executor_proc.backends.gemv_tuning as tuning
 
         tuning.tune_prologues = lambda backend, model, *a, **kw: ({}, {})  # select_backend imports it at call time
+        os.environ["FORERUN_FOLD_NORMS"] = "0"  # and no norm from partial sums (select.folds_norms)
 
     device = torch.device("cuda", 0)
     bandwidth = copy_bandwidth(device)

@@ -36,6 +36,7 @@ SERVER=""
 serve() {  # NAME CONFIG FLAGS...: start a server, wait until it is ready, print its start-up lines
   local name=$1 model=$2; shift 2
   local t=$(date +%s.%N)
+  FORERUN_TUNER_LOG="$OUT/tuner_$name.json" \
   python3 -m scheduler_proc.launch serve --device cuda --load-format dummy --model "scripts/configs/$model" \
       --address "ipc:///tmp/fr-$name.sock" --quiet --step-log "$OUT/steps_$name.jsonl" "$@" > "$OUT/serve_$name.log" 2>&1 &
   SERVER=$!

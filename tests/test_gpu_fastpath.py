@@ -373,6 +373,29 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
     assert torch.equal(backend.logits(xb, lm), invariant_matmul(xb, lm, config=split).float())
 
 
+def test_tuner_log_names_the_picks(tmp_path, monkeypatch):
+    """``FORERUN_TUNER_LOG=path``: the executor writes what its start-up tuner measured and picked (nothing on
+    the CPU, where it does not tune); the report gives per shape and batch the baseline's time, the best
+    candidate's and the pick."""
+    from executor_proc.backends.gemv_tuning import tuner_report
+    from kernels.gemv import CONFIGS
+
+    log = tmp_path / "tuner.json"
+    monkeypatch.setenv("FORERUN_TUNER_LOG", str(log))
+    backend = built(write_config(tmp_path), "cuda" if CUDA else "cpu", kernels="triton").worker.model.backend
+    assert json.loads(log.read_text()) == tuner_report(backend) and (CUDA or tuner_report(backend) == {})
+    fused = ("dot", 16, 256, 4, 4)
+    backend.gemv_choice, backend.gemv_timings = {(64, 96, 2): CONFIGS[1]}, {
+        (64, 96, 2, "cublas"): 1.0, (64, 96, 2, CONFIGS[0]): 0.7, (64, 96, 2, CONFIGS[1]): 0.5}
+    backend.prologue_choice = {("gate_silu", 192, 64, 2): fused}
+    backend.prologue_timings = {("gate_silu", 192, 64, 2, "unfused"): 1.0, ("gate_silu", 192, 64, 2, fused): 0.9}
+    backend.matmul_choice = {}
+    assert tuner_report(backend) == {
+        "64x96 m=2": {"cublas_ms": 1.0, "best_gemv_ms": 0.5, "best_gemv": list(CONFIGS[1]), "chosen": list(CONFIGS[1])},
+        "gate_silu+192x64 m=2": {"unfused_ms": 1.0, "best_fused_ms": 0.9, "best_fused": list(fused),
+                                 "chosen": list(fused)}}
+
+
 @pytest.mark.parametrize("force_gemv", [False, True, "prologue"])
 def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
     """Torch path vs Triton eager vs Triton + decode-graph runner: the same tokens, step by step

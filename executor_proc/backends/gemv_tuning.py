@@ -223,3 +223,27 @@ def _time_pass(fn, weights: list[torch.Tensor], reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[reps // 2]
+
+
+def tuner_report(backend) -> dict:
+    """What the start-up tuner measured and picked, JSON-ready: per weight shape and batch, cuBLAS's time per
+    pass over the layers, the best Triton config's (skinny GEMV up to 8 rows, tiled matmul above) and the pick;
+    per fused kind, the unfused chain's time, the best fused config's and the pick (none: unfused)."""
+    report: dict = {}
+    for (n, k, m, what), ms in getattr(backend, "gemv_timings", {}).items():
+        row = report.setdefault(f"{n}x{k} m={m}", {"cublas_ms": None, "best_gemv_ms": None, "best_gemv": None})
+        if what == "cublas":
+            row["cublas_ms"] = ms
+        elif row["best_gemv_ms"] is None or ms < row["best_gemv_ms"]:
+            row["best_gemv_ms"], row["best_gemv"] = ms, list(what)
+    for (n, k, m), config in {**getattr(backend, "gemv_choice", {}), **getattr(backend, "matmul_choice", {})}.items():
+        report.setdefault(f"{n}x{k} m={m}", {})["chosen"] = list(config)
+    for (kind, n, k, m, what), ms in getattr(backend, "prologue_timings", {}).items():
+        row = report.setdefault(f"{kind}+{n}x{k} m={m}", {"unfused_ms": None, "best_fused_ms": None})
+        if what == "unfused":
+            row["unfused_ms"] = ms
+        elif row["best_fused_ms"] is None or ms < row["best_fused_ms"]:
+            row["best_fused_ms"], row["best_fused"] = ms, list(what)
+    for (kind, n, k, m), config in getattr(backend, "prologue_choice", {}).items():
+        report.setdefault(f"{kind}+{n}x{k} m={m}", {})["chosen"] = list(config)
+    return report

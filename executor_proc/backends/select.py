@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Callable
 
@@ -32,7 +33,7 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     """
     if not uses_triton(cfg, device):
         return TorchBackend(model.rope_inv_freq)
-    from executor_proc.backends.gemv_tuning import tune_linears, tune_matmuls, tune_prologues
+    from executor_proc.backends.gemv_tuning import tune_linears, tune_matmuls, tune_prologues, tuner_report
     from executor_proc.backends.triton_backend import TritonBackend, m_bucket
     from kernels.interpreter_patch import patch_interpreter
 
@@ -53,6 +54,9 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
         backend.matmul_choice, matmul_timings = tune_matmuls(model, wide)
         backend.gemv_timings.update(matmul_timings)
         backend.prologue_choice, backend.prologue_timings = tune_prologues(backend, model, tuple(small))
+    if os.environ.get("FORERUN_TUNER_LOG"):  # which kernels this process runs (benchmarks keep it with their results)
+        with open(os.environ["FORERUN_TUNER_LOG"], "w") as f:
+            json.dump(tuner_report(backend), f, indent=1)
     progress(TUNING_STAGE, 1, 1)
     return backend
 
