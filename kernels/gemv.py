@@ -25,9 +25,10 @@ projection before it adds the residual in its epilogue and stores, per program, 
 the squares of what it stored; the projection after it (its weight times the norm's weight,
 :meth:`executor_proc.model.llama.CausalLM.fold_norms`) takes the un-normalised stream, loads those
 sums right after its PDL wait and scales its float32 sums by ``rsqrt(mean + eps)`` after its loop
-(``sumsq=`` of :func:`gemv`, :func:`gemv_silu` and :func:`kernels.gemv_qkv.qkv_rope`).  Squares summed in
-the consumer's loop or by every consumer program from x cost as much as the launch saves (measured);
-the producer's epilogue costs 0.2-0.4 us, the consumer's load about as much (docs/performance.md).
+(``sumsq=`` of :func:`gemv` in its "dot" forms, :func:`gemv_silu` and :func:`kernels.gemv_qkv.qkv_rope`).
+Squares summed in the consumer's loop or by every consumer program from x cost as much as the launch saves
+(measured); on an H100 the producer's epilogue costs 0.2-0.4 us and the consumer's load 0-1 us, against
+1.3-1.6 us for the norm's launch (docs/performance.md, ninth session).
 
 :func:`gemv_prologue` is the "row" form with the op before the matmul folded into its
 loads, for one token: RMSNorm (with the residual add; every program sums the row's
