@@ -232,11 +232,11 @@ def test_qkv_rope_matches_unfused(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_residual_epilogue_and_norm_from_partial_sums(dtype):
-    """At 2-8 tokens: the output projection with the residual add in its epilogue (every form) stores exactly
-    the unfused matmul then add, and partial sums of squares whose total is each row's; q|k|v (with rotary
-    and cache write) and gate|up (with SiLU-mul) that apply the norm from those sums, its weight folded into
-    theirs, match norm-then-matmul on the unfolded weight (float32 tightly; bf16 within the roundings the
-    fused form skips or adds, checked against float64 math)."""
+    """At 2-8 tokens: the output projection with the residual add in its epilogue (the configs of every form,
+    half of them per size) stores exactly the unfused matmul then add, and partial sums of squares whose
+    total is each row's; q|k|v (with rotary and cache write) and gate|up (with SiLU-mul) that apply the norm
+    from those sums, its weight folded into theirs, match norm-then-matmul on the unfolded weight (float32
+    tightly; bf16 within the roundings the fused form skips or adds, checked against float64 math)."""
     from kernels import reference as R
     from kernels.gemv import CONFIGS, config_fits, gemv, gemv_residual, gemv_silu, sumsq_fits, sumsq_programs
     from kernels.gemv_qkv import qkv_rope

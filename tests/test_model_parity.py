@@ -158,7 +158,8 @@ def test_folded_norms_match_hf(models):
     folded.fold_norms()
     for layer in folded.model.layers:
         assert torch.all(layer.input_layernorm.weight == 1) and torch.all(layer.post_attention_layernorm.weight == 1)
-    assert torch.equal(folded.model.norm.weight, model.model.norm.weight) and not torch.all(model.model.norm.weight == 1)
+    assert torch.equal(folded.model.norm.weight, model.model.norm.weight)
+    assert not torch.all(model.model.norm.weight == 1)  # the fixture's norms are not trivial
     prompts = {0: random_tokens(7, 1), 1: random_tokens(12, 3)}
     run = PagedRun(folded, config, num_rows=2, block_size=4, max_len=20)
     first = run.step(prompts)
