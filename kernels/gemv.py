@@ -20,22 +20,10 @@ rounding once, like cuBLAS.  Two forms:
 
 No split-K and no atomics, so the result is deterministic.
 
-At 2-8 rows the RMSNorm between two projections needs no launch of its own (:func:`gemv_residual`): the
-projection before it adds the residual in its epilogue and stores, per program, the partial sums of
-the squares of what it stored; the projection after it (its weight times the norm's weight,
-:meth:`executor_proc.model.llama.CausalLM.fold_norms`) takes the un-normalised stream, loads those
-sums right after its PDL wait and scales its float32 sums by ``rsqrt(mean + eps)`` after its loop
-(``sumsq=`` of :func:`gemv` in its "dot" forms, :func:`gemv_silu` and :func:`kernels.gemv_qkv.qkv_rope`).
-Squares summed in the consumer's loop or by every consumer program from x cost as much as the launch saves
-(measured); on an H100 the producer's epilogue costs 0.2-0.4 us and the consumer's load 0-1 us, against
-1.3-1.6 us for the norm's launch (docs/performance.md, ninth session).
-
-:func:`gemv_prologue` is the "row" form with the op before the matmul folded into its
-loads, for one token: RMSNorm (with the residual add; every program sums the row's
-squares itself, an L2-resident read of K values, rather than wait for another launch)
-or SiLU-mul of a gate|up row.  At batch 1 the norm and activation launches cost about
-as much as a small projection; whether the fused form wins is measured per weight at
-start-up (:func:`executor_proc.backends.gemv_tuning.tune_prologues`).
+At 2-8 rows the RMSNorm between two projections needs no launch of its own: :func:`gemv_residual` adds
+the residual in the first one's epilogue and leaves partial sums of squares, from which the second applies
+the norm (``sumsq=``; :mod:`kernels.gemv_partials`).  At one token the "row" form may also fold the op
+before it into its loads (:mod:`kernels.gemv_row`).
 
 Whether it beats cuBLAS depends on the shape: :func:`executor_proc.backends.triton_backend`
 times both (and the configs in :data:`CONFIGS`) on the model's own weights at
@@ -50,13 +38,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemv_partials import _load_partials, _load_residual, _partials_rstd, _store_rows, loads_at_once, sumsq_programs
+from .gemv_row import _gemv_row_kernel
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
-__all__ = ["gemv", "gemv_prologue", "gemv_residual", "gemv_silu", "CONFIGS", "MAX_M"]
+__all__ = ["gemv", "gemv_residual", "gemv_silu", "CONFIGS", "MAX_M"]
 
 MAX_M = 16
 ROW_MAX_M, ROW_MAX_ACC = 8, 64  # the "row" form's rows, and its float32 accumulators per thread
-SUMSQ_MAX = 4096  # partial sums of squares one program of the next matmul reads at once (gemv_residual)
 # (form, BLOCK_N, BLOCK_K, num_warps, num_stages); "row" configs serve M = 1 and, where their
 # accumulators fit (:func:`config_fits`), up to ROW_MAX_M rows (the last three "row" ones are for
 # those); "rowk" configs serve 2 to ROW_MAX_M rows.
@@ -76,46 +65,6 @@ def _rows_tile(x_ptr, w_ptr, M, N, stride_xm, stride_wn, M_PAD: tl.constexpr, BL
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     return offs_n, offs_m, offs_n < N, offs_m < M, w_rows, x_rows
-
-
-@triton.jit
-def _load_residual(r_ptr, stride_rm, offs_m, offs_n, m_mask, n_mask, RESIDUAL: tl.constexpr):
-    """The residual tile :func:`_store_rows` adds (unused without ``RESIDUAL``), loaded right after the PDL wait so
-    that its latency hides behind the weight stream, not in the program's tail."""
-    mask = m_mask[:, None] & n_mask[None, :] & RESIDUAL  # without it: no load (the mask folds to false)
-    return tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _store_rows(y, r, offs_m, offs_n, m_mask, n_mask, M, y_ptr, stride_ym, ss_ptr, dt: tl.constexpr,
-                RESIDUAL: tl.constexpr):
-    """Store the float32 sums ``y [rows, features]`` rounded as F.linear rounds.  ``RESIDUAL``: plus the
-    residual tile ``r`` (rounded as :func:`kernels.norm.fused_add_rms_norm` rounds the add), and this
-    program's partial sums of the stored values' squares, one per row, to ``ss [programs, M]``."""
-    mask = m_mask[:, None] & n_mask[None, :]
-    y = y.to(dt)
-    if RESIDUAL:
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
-        h = tl.where(mask, y.to(tl.float32), 0.0)
-        tl.store(ss_ptr + tl.program_id(0) * M + offs_m, tl.sum(h * h, axis=1), mask=m_mask)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _load_partials(ss_ptr, P, M, ROWS: tl.constexpr, P_PAD: tl.constexpr):
-    """The producer's partial sums of squares ``ss [P, M]`` (:func:`_store_rows`) as a ``[P_PAD, ROWS]`` tile;
-    loaded right after the PDL wait, summed after the loop (:func:`_partials_rstd`)."""
-    offs_p = tl.arange(0, P_PAD)
-    offs_r = tl.arange(0, ROWS)
-    return tl.load(ss_ptr + offs_p[:, None] * M + offs_r[None, :], mask=(offs_p < P)[:, None] & (offs_r < M)[None, :],
-                   other=0.0)
-
-
-@triton.jit
-def _partials_rstd(ss, K, eps):
-    """RMSNorm's ``rsqrt(mean(x^2) + eps)`` per row (``[ROWS]``) from :func:`_load_partials`' tile, summed in one
-    fixed order; rows past M get ``rsqrt(eps)``."""
-    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
 
 
 @triton.jit
@@ -177,72 +126,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, P, stride_x
         g = acc.to(dt).to(tl.float32)  # gate|up as the unfused matmul stores it, then kernels/activation.py
         acc = g / (1.0 + tl.exp(-g)) * acc_up.to(dt).to(tl.float32)
     _store_rows(acc, r, offs_m, offs_n, m_mask, n_mask, M, y_ptr, stride_ym, ss_ptr, dt, RESIDUAL)
-
-
-@triton.jit
-def _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, PROLOGUE: tl.constexpr, ADD: tl.constexpr):
-    """x's chunk ``offs_k`` as the matmul reads it, float32 (see :func:`gemv_prologue`)."""
-    dt = x_ptr.dtype.element_ty
-    if PROLOGUE == 2:  # silu(gate) * up, x = [gate | up]
-        g = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        x = (g / (1.0 + tl.exp(-g)) * u).to(dt).to(tl.float32)
-    else:
-        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
-        if ADD:
-            x = (x.to(tl.float32) + tl.load(r_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dt)
-        x = x.to(tl.float32)
-        if PROLOGUE == 1:  # HF's RMSNorm: normalised value rounded, times the weight, rounded again
-            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = ((x * rstd).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _norm_rstd(x_ptr, r_ptr, rout_ptr, K, eps, writer, ADD: tl.constexpr, BLOCK_K: tl.constexpr):
-    """RMSNorm's ``rsqrt(mean(x^2) + eps)`` of ``x (+ r)``; every program sums the (K-value, L2-resident)
-    row itself rather than wait for another launch.  With ``ADD`` the ``writer`` program also stores the
-    sum ``x + r`` to ``rout`` (a new tensor: the other programs still read x and r)."""
-    k_out = tl.where(writer, K, 0)
-    ss = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x = _prologue_row(x_ptr, r_ptr, x_ptr, offs_k, k_mask, K, 1.0, 0, ADD)
-        ss += x * x
-        if ADD:
-            tl.store(rout_ptr + offs_k, x.to(rout_ptr.dtype.element_ty), mask=offs_k < k_out)
-    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-
-
-@triton.jit
-def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, rout_ptr, N, K, stride_wn, eps,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PROLOGUE: tl.constexpr = 0, ADD: tl.constexpr = False, USE_PDL: tl.constexpr = False):
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    # The first weight tile streams in while the previous kernel ends (weights are never written in flight).
-    offs_k = tl.arange(0, BLOCK_K)
-    k_mask = offs_k < K
-    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-    pdl_wait(USE_PDL)
-    rstd = 1.0
-    if PROLOGUE == 1:
-        rstd = _norm_rstd(x_ptr, r_ptr, rout_ptr, K, eps, pid == 0, ADD, BLOCK_K)
-    acc = w.to(tl.float32) * _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, PROLOGUE, ADD)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, PROLOGUE, ADD)
-        acc += w.to(tl.float32) * x[None, :]
-    pdl_launch(USE_PDL)
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -354,17 +237,6 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         assert bias.shape == (weight.shape[0],) and bias.stride(0) == 1
 
 
-def sumsq_programs(config: tuple, n: int) -> int:
-    """How many partial sums per row :func:`gemv_residual` leaves (one per program)."""
-    return triton.cdiv(n, config[1])
-
-
-def sumsq_fits(config: tuple, n: int, m: int) -> bool:
-    """Whether the next matmul may read ``config``'s partial sums for ``m`` rows in one load (a few
-    registers per thread: at most ``SUMSQ_MAX`` values)."""
-    return triton.next_power_of_2(sumsq_programs(config, n)) * _rows_pad(m) <= SUMSQ_MAX
-
-
 def _launch(x, weight, bias, out, config, residual=None, sumsq=None, norm=None) -> None:
     """Launch ``config``'s kernel for ``out = linear(x)`` (``+ residual``, leaving the partial sums in
     ``sumsq``; or, "dot" forms, with ``norm = (partial sums, eps)`` applied to x: :func:`gemv`)."""
@@ -401,7 +273,7 @@ def _launch_dot(x, weight, bias, out, config, n, residual, ss_out, norm, silu: b
     ss, eps = norm if norm is not None else (ss_out, 0.0)
     if norm is not None:
         assert ss.dtype == torch.float32 and ss.dim() == 2 and ss.shape[1] == M and ss.is_contiguous(), ss.shape
-        assert triton.next_power_of_2(ss.shape[0]) * _rows_pad(M) <= SUMSQ_MAX, ss.shape
+        assert loads_at_once(ss.shape[0], M), ss.shape
     r = residual if residual is not None else out
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, r, ss, M, n, K, ss.shape[0] if norm else 0, x.stride(0),
@@ -437,38 +309,3 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         return out
     _launch_dot(x, weight, bias, out, config, I, None, out, sumsq, silu=True)
     return out
-
-
-def gemv_prologue(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *, config: tuple,
-                  norm: Optional[tuple[torch.Tensor, float]] = None, residual: Optional[torch.Tensor] = None,
-                  silu: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """One token's matmul with the op before it folded into its loads (a "row" config, M = 1).
-
-    - ``norm=(w, eps)``: ``y = linear(rms_norm(x + residual, w, eps))`` and the sum ``x + residual``
-      is returned too (a new tensor; ``x`` itself without ``residual``), rounded as
-      :func:`kernels.norm.fused_add_rms_norm` rounds;
-    - ``silu=True``: x is ``[1, 2K]`` (gate | up) and ``y = linear(silu(gate) * up)``.
-
-    Returns ``(y, residual sum or None)``.  Saves the norm's or the activation's launch and its
-    round trip through memory, which at batch 1 cost about as much as a small projection.
-    """
-    assert (norm is not None) != silu, "exactly one of norm= and silu="
-    assert x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, x.stride())
-    assert config[0] == "row", config
-    N, K = weight.shape
-    assert x.shape[1] == (2 * K if silu else K) and x.dtype == weight.dtype, (x.shape, weight.shape)
-    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    nw, eps = norm if norm is not None else (x, 0.0)
-    add = residual is not None
-    rout = torch.empty_like(x) if add else x
-    if add:
-        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
-    if norm is not None:
-        assert nw.shape == (K,) and nw.stride(0) == 1
-    _, block_n, block_k, num_warps, num_stages = config
-    _gemv_row_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, bias if bias is not None else weight, out, residual if add else x, nw, rout, N, K,
-        weight.stride(0), eps, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        PROLOGUE=2 if silu else 1, ADD=add, num_warps=num_warps, num_stages=num_stages, **pdl_args(x),
-    )
-    return out, (rout if norm is not None else None)

@@ -1,7 +1,7 @@
 """A few tokens' attention input in one launch: (RMSNorm ->) q|k|v matmul -> rotary -> K/V into the cache.
 
 At batch 1 a layer's attention input is three launches (norm, q|k|v GEMV, ``rope_kv_write``), two of
-them tiny.  :func:`qkv_rope` is :func:`kernels.gemv.gemv_prologue`'s norm form with the rotary and
+them tiny.  :func:`qkv_rope` is :func:`kernels.gemv_row.gemv_prologue`'s norm form with the rotary and
 the cache write as its epilogue.  A program owns ``PAIRS`` rotary pairs of one head: output features
 ``j`` and ``j + D/2`` of head ``h`` for ``PAIRS`` consecutive ``j``, two accumulators, so the
 "rotate half" rotation is elementwise between them.  Query heads are rotated into ``q_out``, key heads
@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import (_load_partials, _norm_rstd, _partials_rstd, _prologue_row, _rows_pad, _rows_products,
-                   config_fits)
+from .gemv import _rows_pad, _rows_products, config_fits
+from .gemv_partials import _load_partials, _partials_rstd
+from .gemv_row import _norm_rstd, _prologue_row
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
 __all__ = ["qkv_rope", "rope_pairs"]
@@ -175,7 +176,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     ``[num_blocks, block_size, Hkv, D]``; positions, kv_index ``[M]`` on the device; cos_sin_cache as
     :func:`kernels.kv_write.rope_kv_write` takes it; a "row" ``config`` that fits M rows
     (:func:`kernels.gemv.config_fits`).  Returns (rotated q ``[M, H, D]``, the residual sum as
-    :func:`kernels.gemv.gemv_prologue` returns it, None without the norm).
+    :func:`kernels.gemv_row.gemv_prologue` returns it, None without the norm).
     """
     _, block_size, hkv, d = k_cache.shape
     pairs = rope_pairs(config, d)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The batch-1 fused kernels (kernels/gemv.py gemv_prologue, kernels/gemv_qkv.py qkv_rope) on the GPU.
+# The batch-1 fused kernels (kernels/gemv_row.py gemv_prologue, kernels/gemv_qkv.py qkv_rope) on the GPU.
 #   T: the fast-path tests (the kernels against the reference ops; graphs vs eager with the tuner's picks;
 #      the sync-debug decode loop)
 #   B: the batch-1 decode step with the fusions and without (--no-prologues), alternating in one call:

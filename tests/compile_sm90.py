@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import activation, decode_attention, gemv, gemv_qkv, kv_write, matmul
+from kernels import activation, decode_attention, gemv, gemv_partials, gemv_qkv, gemv_row, kv_write, matmul
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ROW_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16",
@@ -64,7 +64,7 @@ def variants():
         for prologue, add in ((0, False), (1, True), (1, False), (2, False)):
             consts = dict(HAS_BIAS=prologue == 1, BLOCK_N=block_n, BLOCK_K=block_k, PROLOGUE=prologue, ADD=add,
                           USE_PDL=True)
-            yield f"gemv_row prologue={prologue} add={add} {config}", gemv._gemv_row_kernel, ROW_SIG, consts, config
+            yield f"gemv_row prologue={prologue} add={add} {config}", gemv_row._gemv_row_kernel, ROW_SIG, consts, config
         for head_dim in (64, 128):
             pairs = gemv_qkv.rope_pairs(config, head_dim)
             for add in (True, False):
@@ -72,8 +72,8 @@ def variants():
                               USE_PDL=True)
                 yield f"qkv_rope D={head_dim} add={add} {config}", gemv_qkv._qkv_rope_kernel, QKV_SIG, consts, config
             for m_pad in (m for m in (1, 2, 4, 8) if gemv.config_fits(config, m)):
-                # the norm from the most partial sums the producer may leave (gemv.sumsq_fits)
-                for p_pad in (0, gemv.SUMSQ_MAX // m_pad) if m_pad > 1 else (0,):
+                # the norm from the most partial sums the producer may leave (gemv_partials.sumsq_fits)
+                for p_pad in (0, gemv_partials.SUMSQ_MAX // m_pad) if m_pad > 1 else (0,):
                     consts = dict(D=head_dim, BLOCK_SIZE=16, PAIRS=pairs, BLOCK_K=block_k, M_PAD=m_pad, HAS_BIAS=False,
                                   P_PAD=p_pad, USE_PDL=True)
                     yield (f"qkv_rope_rows M_PAD={m_pad} P_PAD={p_pad} D={head_dim} {config}",
@@ -86,7 +86,7 @@ def variants():
                 continue
             consts = dict(HAS_BIAS=False, M_PAD=16, BLOCK_N=config[1], BLOCK_K=config[2], DOT_PREC="tf32",
                           SWAP=config[0] == "dotT", SILU=silu, RESIDUAL=residual, NORM_ROWS=rows,
-                          P_PAD=gemv.SUMSQ_MAX // rows if rows else 1, NORM_FIRST=silu and config[1] >= 64,
+                          P_PAD=gemv_partials.SUMSQ_MAX // rows if rows else 1, NORM_FIRST=silu and config[1] >= 64,
                           USE_PDL=True)
             yield (f"gemv_dot silu={silu} residual={residual} norm_rows={rows} {config}", gemv._gemv_kernel, DOT_SIG,
                    consts, config)

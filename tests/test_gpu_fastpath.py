@@ -144,7 +144,8 @@ def test_gemv_prologue_matches_two_ops(dtype):
     """The fused one-token matmul (norm with and without the residual add, SiLU-mul) against the
     reference ops then a float64 linear; the residual sum it returns is the norm kernel's, bit for bit."""
     from kernels import reference as R
-    from kernels.gemv import CONFIGS, gemv_prologue
+    from kernels.gemv import CONFIGS
+    from kernels.gemv_row import gemv_prologue
 
     device = "cuda" if CUDA else "cpu"
     g = torch.Generator().manual_seed(1)
@@ -238,7 +239,8 @@ def test_residual_epilogue_and_norm_from_partial_sums(dtype):
     from those sums, its weight folded into theirs, match norm-then-matmul on the unfolded weight (float32
     tightly; bf16 within the roundings the fused form skips or adds, checked against float64 math)."""
     from kernels import reference as R
-    from kernels.gemv import CONFIGS, config_fits, gemv, gemv_residual, gemv_silu, sumsq_fits, sumsq_programs
+    from kernels.gemv import CONFIGS, config_fits, gemv, gemv_residual, gemv_silu
+    from kernels.gemv_partials import sumsq_fits, sumsq_programs
     from kernels.gemv_qkv import qkv_rope
 
     device = "cuda" if CUDA else "cpu"
@@ -417,7 +419,7 @@ def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
     # norm from its partial sums
     ids = {"norm": 1, "silu": 2, "qkv": 3, "rope": 4, "gate_silu": 5, "residual": 6, "norm_rope": 7,
            "norm_gate_silu": 8}
-    monkeypatch.setattr(skinny, "gemv_prologue", lambda *a, _f=skinny.gemv_prologue, **k: fused.append(
+    monkeypatch.setattr(tb, "gemv_prologue", lambda *a, _f=tb.gemv_prologue, **k: fused.append(
         ids["silu" if k.get("silu") else "norm"]) or _f(*a, **k))
     monkeypatch.setattr(tb, "qkv_rope", lambda *a, _f=tb.qkv_rope, **k: fused.append(
         ids["qkv" if k["norm"] else "norm_rope" if k.get("sumsq") else "rope"]) or _f(*a, **k))

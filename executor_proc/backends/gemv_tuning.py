@@ -7,7 +7,7 @@ gate|up and the LM head a few percent faster than cuBLAS on an H100); they retur
 the choices :class:`executor_proc.backends.triton_backend.TritonBackend` keys its
 ``linear`` by; :func:`tune_prologues` then times, at one to eight tokens, the chains
 around the (already tuned) matmuls op by op against the fused kernels
-(:func:`kernels.gemv.gemv_prologue`, :func:`kernels.gemv.gemv_silu`,
+(:func:`kernels.gemv_row.gemv_prologue`, :func:`kernels.gemv.gemv_silu`,
 :func:`kernels.gemv_qkv.qkv_rope`), and returns where the fused one wins.
 """
 
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from executor_proc.backends.base import NormInput, split_heads
 from executor_proc.backends.triton_backend import ONE_TOKEN_KINDS
 from kernels import gemv as skinny
+from kernels.gemv_partials import sumsq_fits, sumsq_programs
 from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.matmul import MatmulConfig, invariant_matmul
 
@@ -172,8 +173,8 @@ def _partial_sums(backend, producer: tuple[int, int], m: int) -> tuple[torch.Ten
     program of its tuned kernel, so that the kernels timed are the ones the graphs will run; 128 where cuBLAS
     serves it), for timing the kernels that read them."""
     config = backend.gemv_choice.get((*producer, m))
-    fits = config is not None and skinny.sumsq_fits(config, producer[0], m)
-    return torch.ones(skinny.sumsq_programs(config, producer[0]) if fits else 128, m, device=backend.device), 1e-5
+    fits = config is not None and sumsq_fits(config, producer[0], m)
+    return torch.ones(sumsq_programs(config, producer[0]) if fits else 128, m, device=backend.device), 1e-5
 
 
 def _forcing(backend, forced: dict, run):

@@ -20,7 +20,7 @@ launches; ``linear`` is cuBLAS, or the Triton skinny matmul
 (:mod:`kernels.gemv`) for the (shape, batch) pairs where
 :func:`executor_proc.backends.gemv_tuning.tune_linears` measured it faster on
 this GPU.  At one token, ``norm_linear`` and ``silu_linear`` fold the norm (with its
-residual add) or the SiLU-mul into the skinny matmul's loads (:func:`kernels.gemv.gemv_prologue`:
+residual add) or the SiLU-mul into the skinny matmul's loads (:func:`kernels.gemv_row.gemv_prologue`:
 one launch instead of two), and ``qkv_rotate_store`` also takes the rotary and the cache write
 as the q|k|v matmul's epilogue (:func:`kernels.gemv_qkv.qkv_rope`: one launch instead of three).
 At 2-8 tokens ``qkv_rotate_store`` takes the rotary and cache write as the epilogue and ``mlp`` the
@@ -49,6 +49,8 @@ from executor_proc.backends.base import (NormInput, SamplingRows, Stream, argmax
                                          unfused_project_out, unfused_qkv_rotate_store, unfused_silu_linear)
 from executor_proc.step.batch import ForwardBatch
 from kernels import argmax, gemv as skinny
+from kernels.gemv_partials import sumsq_fits
+from kernels.gemv_row import gemv_prologue
 from kernels.activation import silu_and_mul
 from kernels.decode_rows import decode_rows
 from kernels.decode_attention import DecodeWorkspace, decode_attention, default_num_splits
@@ -228,7 +230,7 @@ class TritonBackend:
             if linear is not None and linear[0] in ("dot", "dotT"):  # the norm from the partial sums
                 return skinny.gemv(pre.x, weight, bias, config=linear, sumsq=(pre.sumsq, pre.eps)), pre.x
             return unfused_norm_linear(self, pre, weight, bias)
-        return skinny.gemv_prologue(pre.x, weight, bias, config=config, norm=(pre.weight, pre.eps),
+        return gemv_prologue(pre.x, weight, bias, config=config, norm=(pre.weight, pre.eps),
                                     residual=pre.residual)
 
     def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -274,7 +276,7 @@ class TritonBackend:
         (:func:`kernels.gemv.gemv_residual`): the next norm's launch saved.  Otherwise the plain matmul."""
         m = x.shape[0]
         config = self._gemv_config(x, weight) if self.norms_folded and 1 < m <= skinny.ROW_MAX_M else None
-        if config is None or not skinny.sumsq_fits(config, weight.shape[0], m):
+        if config is None or not sumsq_fits(config, weight.shape[0], m):
             return unfused_project_out(self, x, weight, bias, residual)
         h, sumsq = skinny.gemv_residual(x, weight, bias, residual, config=config)
         return Stream(h, sumsq=sumsq)
@@ -283,7 +285,7 @@ class TritonBackend:
         config = self._fused_config("silu", gate_up, weight)
         if config is None:
             return unfused_silu_linear(self, gate_up, weight, bias)
-        return skinny.gemv_prologue(gate_up, weight, bias, config=config, silu=True)[0]
+        return gemv_prologue(gate_up, weight, bias, config=config, silu=True)[0]
 
     def _fused_config(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> Optional[GemvConfig]:
         """The fused kernel's config for this weight at x's rows (key ``(kind, N, K, m_bucket)``), or None:
