@@ -13,8 +13,10 @@ around the (already tuned) matmuls op by op against the fused kernels
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,7 @@ from kernels import gemv as skinny
 from kernels.gemv_partials import sumsq_fits, sumsq_programs
 from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.matmul import MatmulConfig, invariant_matmul
+from kernels.precompile import compiled_ahead
 
 # Tiled-matmul candidates for decode batches above 8 (the best of the H100 sweep at 64 rows,
 # scripts/bench_invariant_knobs.py): wide tiles for wide weights, narrow tiles with deep pipelines
@@ -60,29 +63,26 @@ def tune_linears(model, ms: list[int], reps: int = 5, margin: float = SKINNY_MAR
     captured in a CUDA graph so that launch overhead does not count; the median of ``reps``
     passes counts.  A config that fails to compile is skipped.
     """
-    choice, timings = {}, {}
+    jobs = []
     for (n, k), weights in _weight_groups(model).items():
         for m in ms:
             x = torch.randn(m, k, dtype=weights[0].dtype, device=weights[0].device)
-            candidates = [(c, lambda w, c=c: skinny.gemv(x, w, config=c)) for c in skinny.CONFIGS if skinny.config_fits(c, m)]
-            best = _pick((n, k, m), ("cublas", lambda w: F.linear(x, w)), candidates, weights, reps, margin, timings)
-            if best is not None:
-                choice[(n, k, m)] = best
-    return choice, timings
+            candidates = [(c, lambda w, c=c, x=x: skinny.gemv(x, w, config=c))
+                          for c in skinny.CONFIGS if skinny.config_fits(c, m)]
+            jobs.append(((n, k, m), ("cublas", lambda w, x=x: F.linear(x, w)), candidates, weights))
+    return _pick_all(jobs, reps, lambda key: margin)
 
 
 def tune_matmuls(model, ms: list[int], reps: int = 5, margin: float = 0.97) -> tuple[dict, dict]:
     """As :func:`tune_linears` for batch sizes above 8: cuBLAS against :data:`MATMUL_CANDIDATES` of the
     tiled matmul; returns (choice, ms per pass) keyed by ``(N, K, m)``."""
-    choice, timings = {}, {}
+    jobs = []
     for (n, k), weights in _weight_groups(model).items():
         for m in ms:
             x = torch.randn(m, k, dtype=weights[0].dtype, device=weights[0].device)
-            candidates = [(c, lambda w, c=c: invariant_matmul(x, w, config=c)) for c in MATMUL_CANDIDATES]
-            best = _pick((n, k, m), ("cublas", lambda w: F.linear(x, w)), candidates, weights, reps, margin, timings)
-            if best is not None:
-                choice[(n, k, m)] = best
-    return choice, timings
+            candidates = [(c, lambda w, c=c, x=x: invariant_matmul(x, w, config=c)) for c in MATMUL_CANDIDATES]
+            jobs.append(((n, k, m), ("cublas", lambda w, x=x: F.linear(x, w)), candidates, weights))
+    return _pick_all(jobs, reps, lambda key: margin)
 
 
 def tune_prologues(backend, model, ms: tuple[int, ...] = (1,), reps: int = 5, margin: float = 0.97,
@@ -109,23 +109,15 @@ def tune_prologues(backend, model, ms: tuple[int, ...] = (1,), reps: int = 5, ma
         groups[("norm", *gate_up.shape)].append(gate_up)
         groups[("gate_silu", *gate_up.shape)].append(gate_up)
         groups[("silu", *down.shape)].append(down)
-    choice, timings = {}, {}
+    jobs = [((kind, n, k, m), *_fused_runs(backend, kind, n, k, m, weights[0], cfg, few), weights)
+            for (kind, n, k), weights in groups.items() for m in ms if (m == 1) == (kind in ONE_TOKEN_KINDS)]
     saved = backend.prologue_everywhere
     try:
-        for (kind, n, k), weights in groups.items():
-            for m in ms:
-                if (m == 1) != (kind in ONE_TOKEN_KINDS):
-                    continue
-                baseline, candidates = _fused_runs(backend, kind, n, k, m, weights[0], cfg, few)
-                # an epilogue within 2% of the unfused chain wins: it saves a launch, which in a step costs more
-                # than in this pass (there its neighbours are attention and the residual matmuls)
-                bar = margin if m == 1 else SKINNY_MARGIN
-                best = _pick((kind, n, k, m), baseline, candidates, weights, reps, bar, timings)
-                if best is not None:
-                    choice[(kind, n, k, m)] = best
+        # an epilogue within 2% of the unfused chain wins: it saves a launch, which in a step costs more
+        # than in this pass (there its neighbours are attention and the residual matmuls)
+        return _pick_all(jobs, reps, lambda key: margin if key[-1] == 1 else SKINNY_MARGIN)
     finally:
         backend.prologue_everywhere = saved
-    return choice, timings
 
 
 def _fused_runs(backend, kind: str, n: int, k: int, m: int, w0: torch.Tensor, cfg, few: int):
@@ -184,6 +176,23 @@ def _forcing(backend, forced: dict, run):
         backend.prologue_everywhere = forced
         return run(w)
     return fn
+
+
+def _pick_all(jobs: list, reps: int, margin_of: Callable[[tuple], float]) -> tuple[dict, dict]:
+    """:func:`_pick` for each ``(key, baseline, candidates, weights)`` of ``jobs`` with ``margin_of(key)``, after
+    compiling every run's kernels at once (:func:`kernels.precompile.compiled_ahead`: a pass that records the
+    launches, compiled in parallel); returns (choice, ms per pass) keyed as :func:`tune_linears`' are."""
+    with compiled_ahead() as ahead:
+        for _, baseline, candidates, weights in (jobs if ahead.enabled else ()):
+            for _, fn in (baseline, *candidates):
+                with contextlib.suppress(Exception):  # a candidate that fails is no candidate (_pick)
+                    fn(weights[0])
+    choice, timings = {}, {}
+    for key, baseline, candidates, weights in jobs:
+        best = _pick(key, baseline, candidates, weights, reps, margin_of(key), timings)
+        if best is not None:
+            choice[key] = best
+    return choice, timings
 
 
 def _pick(key: tuple, baseline: tuple, candidates: list, weights: list[torch.Tensor], reps: int, margin: float,

@@ -30,12 +30,14 @@ share their intermediate memory.
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, TypeVar
 
 import torch
 
 from executor_proc.step.decode_step import DecodeInputs
 from executor_proc.step.sample import GREEDY, SAMPLED, Sampled, SamplingMode
+from kernels.precompile import compiled_ahead, dry_run
 
 ProgressCallback = Callable[[int, int], None]
 StepFn = Callable[[DecodeInputs, SamplingMode], Sampled]
@@ -101,28 +103,28 @@ class DecodeGraphs:
     def view(self, bucket: int) -> DecodeInputs:
         return DecodeInputs(self.inputs[0, :bucket], self.inputs[1, :bucket], self.inputs[2, :bucket])
 
-    def capture_jobs(self, modes: Iterable[SamplingMode] = START_MODES) -> list[Callable[[], None]]:
+    def capture_jobs(self, modes: Iterable[SamplingMode] = START_MODES) -> list[CaptureJob]:
         """One capture per (bucket, mode) not captured yet, largest first (none without capture)."""
         if not self.capture:
             return []
-        todo = [(b, m) for b in reversed(self.buckets) for m in modes if (b, m) not in self.graphs]
-        return [lambda b=b, m=m: self._capture(b, m) for b, m in todo]
+        return [self._job(b, m) for b in reversed(self.buckets) for m in modes if (b, m) not in self.graphs]
 
     def capture_all(self, progress: Optional[ProgressCallback] = None,
                     modes: Iterable[SamplingMode] = START_MODES) -> None:
         """Capture every (bucket, mode) graph, largest first (the smaller ones reuse its memory pool)."""
-        run_captures(self.capture_jobs(modes), self.device, progress)
+        run_captures(self.capture_jobs(modes), self.capturer, progress)
 
-    def _capture(self, bucket: int, mode: SamplingMode) -> None:
-        """Warm up and capture, both on the current input buffer."""
+    def _job(self, bucket: int, mode: SamplingMode) -> CaptureJob:
+        """The step of (bucket, mode) on the current input buffer."""
         inputs = self.view(bucket)
-        self.graphs[(bucket, mode)] = self.capturer(lambda: self.step_fn(inputs, mode))
+        return CaptureJob(lambda: self.step_fn(inputs, mode),
+                          lambda graph, out: self.graphs.__setitem__((bucket, mode), (graph, out)))
 
     def _capture_now(self, bucket: int, mode: SamplingMode) -> None:
         """A lazy capture in the middle of serving: on padding rows, then the step's inputs back."""
         saved = self.inputs[:, :bucket].clone()
         self.fill_padding()
-        self._capture(bucket, mode)
+        self._job(bucket, mode).capture(self.capturer)
         self.inputs[:, :bucket].copy_(saved)
 
     def run(self, bucket: int, mode: SamplingMode) -> Sampled:
@@ -138,12 +140,33 @@ class DecodeGraphs:
         return out
 
 
-def run_captures(jobs: list[Callable[[], None]], device: torch.device,
-                 progress: Optional[ProgressCallback] = None) -> None:
-    """Run capture jobs in order, reporting ``progress(done, total)``; then wait for the device."""
+@dataclass
+class CaptureJob:
+    """One graph to capture: ``prepare()`` puts its inputs in place (outside any capture), ``fn()`` is the
+    work it replays, ``store(graph, outputs)`` keeps it."""
+
+    fn: Callable[[], object]
+    store: Callable[[torch.cuda.CUDAGraph, object], None]
+    prepare: Callable[[], None] = lambda: None
+
+    def capture(self, capturer: GraphCapture) -> None:
+        self.prepare()
+        self.store(*capturer(self.fn))
+
+
+def run_captures(jobs: list[CaptureJob], capturer: GraphCapture, progress: Optional[ProgressCallback] = None) -> None:
+    """Compile every job's kernels at once, then capture the jobs in order, reporting ``progress(done, total)``;
+    then wait for the device.  The compile pass runs each job with its Triton launches recorded (compiled in a
+    thread pool: :func:`kernels.precompile.compiled_ahead`) and its torch ops captured into a scratch graph."""
+    if not jobs:
+        return
+    with compiled_ahead() as ahead:
+        if ahead.enabled:
+            for job in jobs:
+                job.prepare()
+                dry_run(job.fn, capturer.device)
     for done, job in enumerate(jobs):
-        job()
+        job.capture(capturer)
         if progress is not None:
             progress(done + 1, len(jobs))
-    if jobs:
-        torch.cuda.synchronize(device)
+    torch.cuda.synchronize(capturer.device)

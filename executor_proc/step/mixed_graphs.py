@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import torch
 
-from executor_proc.step.graphs import START_MODES, GraphCapture
+from executor_proc.step.graphs import START_MODES, CaptureJob, GraphCapture
 from executor_proc.step.mixed_step import MixedInputs, MixedShape, mixed_inputs, pack, row_buckets, token_buckets
 from executor_proc.step.plan_rows import PlanRows, plan_rows
 from executor_proc.step.sample import Sampled, SamplingMode
@@ -107,24 +107,25 @@ class MixedGraphs:
         r = self.max_rows
         return self.head_fn(self.hidden[:rows], self.inputs[:rows], self.inputs[r:r + rows], mode)
 
-    def capture_jobs(self, modes: Iterable[SamplingMode] = START_MODES) -> list[Callable[[], None]]:
+    def capture_jobs(self, modes: Iterable[SamplingMode] = START_MODES) -> list[CaptureJob]:
         """Captures still to do: every body, largest first, then the heads of ``modes`` (none without capture)."""
         if not self.capture:
             return []
         bodies = sorted((s for s in self.shapes if s not in self.bodies), key=lambda s: (s.tokens, s.rows),
                         reverse=True)
         heads = [(r, m) for r in reversed(self.row_buckets) for m in modes if (r, m) not in self.heads]
-        return ([lambda s=s: self._capture_body(s) for s in bodies]
-                + [lambda r=r, m=m: self._capture_head(r, m) for r, m in heads])
+        return [self._body_job(s) for s in bodies] + [self._head_job(r, m) for r, m in heads]
 
-    def _capture_body(self, shape: MixedShape) -> None:
-        """Warm up and capture on an all-padding step (no KV write, nothing sampled for a real slot)."""
-        self.load(torch.from_numpy(self.pack(_NO_ROWS, shape)).to(self.device))
+    def _body_job(self, shape: MixedShape) -> CaptureJob:
+        """The body on an all-padding step (no KV write, nothing sampled for a real slot)."""
         inputs, hidden = mixed_inputs(self.inputs, shape), self.hidden[:shape.rows]
-        self.bodies[shape] = self.capturer(lambda: self.body_fn(inputs, hidden, None))[0]
+        return CaptureJob(lambda: self.body_fn(inputs, hidden, None),
+                          lambda graph, _: self.bodies.__setitem__(shape, graph),
+                          prepare=lambda: self.load(torch.from_numpy(self.pack(_NO_ROWS, shape)).to(self.device)))
 
-    def _capture_head(self, rows: int, mode: SamplingMode) -> None:
-        self.heads[(rows, mode)] = self.capturer(lambda: self._call_head(rows, mode))
+    def _head_job(self, rows: int, mode: SamplingMode) -> CaptureJob:
+        return CaptureJob(lambda: self._call_head(rows, mode),
+                          lambda graph, out: self.heads.__setitem__((rows, mode), (graph, out)))
 
     def _capture_head_now(self, rows: int, mode: SamplingMode) -> None:
         """A lazy capture in the middle of serving: on padded sample rows, then the step's back."""
@@ -132,5 +133,5 @@ class MixedGraphs:
         saved = self.inputs[:2 * r].clone()
         self.inputs[:r].fill_(self.pad_slot)
         self.inputs[r:2 * r].fill_(0)
-        self._capture_head(rows, mode)
+        self._head_job(rows, mode).capture(self.capturer)
         self.inputs[:2 * r].copy_(saved)

@@ -123,7 +123,7 @@ class Worker:
         ``modes``: the sampling modes captured ahead, default the plain two."""
         extra = () if modes is None else (modes,)
         jobs = [job for runner in (self.mixed, self.graphs) if runner is not None for job in runner.capture_jobs(*extra)]
-        run_captures(jobs, self.device, progress)
+        run_captures(jobs, self.capturer, progress)
 
     @property
     def num_graphs(self) -> int:
