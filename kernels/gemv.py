@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_partials import _load_partials, _load_residual, _partials_rstd, _store_rows, loads_at_once, sumsq_programs
+from .gemv_partials import (_load_partials, _load_residual, _to_mma_rows, _partials_rstd, _store_rows, loads_at_once,
+                            sumsq_programs)
 from .gemv_row import _gemv_row_kernel
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
@@ -112,11 +113,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, P, stride_x
     if SWAP:
         acc = tl.trans(acc_t)
     if NORM_ROWS > 0:  # the norm's scale, widened from the true rows to the MMA's padded ones
-        rstd = ss if NORM_FIRST else _partials_rstd(ss, K, eps)
-        rstd = tl.sum(tl.where(offs_m[:, None] == tl.arange(0, NORM_ROWS)[None, :], rstd[None, :], 0.0), axis=1)
-        acc = acc * rstd[:, None]
+        rstd = _to_mma_rows(ss if NORM_FIRST else _partials_rstd(ss, K, eps), offs_m, NORM_ROWS)
+        acc = acc * rstd
         if SILU:
-            acc_up = acc_up * rstd[:, None]
+            acc_up = acc_up * rstd
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     dt = x_ptr.dtype.element_ty

@@ -63,6 +63,13 @@ def _partials_rstd(ss, K, eps):
     return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
 
 
+@triton.jit
+def _to_mma_rows(v, offs_m, ROWS: tl.constexpr):
+    """A per-row value of the ``ROWS`` true rows (``[ROWS]``, e.g. :func:`_partials_rstd`) as a column over the
+    MMA's padded rows ``offs_m`` (``[len(offs_m), 1]``; padded rows get 0)."""
+    return tl.sum(tl.where(offs_m[:, None] == tl.arange(0, ROWS)[None, :], v[None, :], 0.0), axis=1)[:, None]
+
+
 def sumsq_programs(config: tuple, n: int) -> int:
     """How many partial sums per row :func:`kernels.gemv.gemv_residual` leaves (one per program)."""
     return triton.cdiv(n, config[1])

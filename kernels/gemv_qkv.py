@@ -8,7 +8,8 @@ the cache write as its epilogue.  A program owns ``PAIRS`` rotary pairs of one h
 rotated and value heads as they are go to the paged cache at ``kv_index`` (negative: not written).
 With ``norm=None`` (x already normed, for 2-8 tokens: there every program re-reading the rows for
 the norm costs more than the norm's launch) :func:`_qkv_rope_rows_kernel` serves 1 to 8 tokens, each
-weight chunk multiplied into every token's pair of accumulators.
+weight chunk multiplied into every token's pair of accumulators, and :func:`_qkv_rope_dot_kernel` the
+tensor-core "dot" form of :mod:`kernels.gemv` (4-8 tokens, where the rows' accumulators spill).
 
 Rounding is the unfused ops': the matmul output is rounded to the model dtype, rotated in float32
 from that, rounded again (:mod:`kernels.kv_write`).  Models with q/k norms (Qwen3) do not use it:
@@ -23,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import _rows_pad, _rows_products, config_fits
-from .gemv_partials import _load_partials, _partials_rstd
+from .gemv import MAX_M, _rows_pad, _rows_products, config_fits
+from .gemv_partials import _load_partials, _partials_rstd, _to_mma_rows, loads_at_once
 from .gemv_row import _norm_rstd, _prologue_row
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
@@ -155,11 +156,47 @@ def _qkv_rope_rows_kernel(x_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr
                 stride_vcb, stride_vct, stride_vch, stride_cs, H, HKV, D, BLOCK_SIZE, HAS_BIAS)
 
 
+@triton.jit
+def _qkv_rope_dot_kernel(x_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, ss_ptr, M, K, P,
+                         stride_wn, stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
+                         H, HKV, eps, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
+                         BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         NORM_ROWS: tl.constexpr = 0, P_PAD: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
+    """:func:`_qkv_rope_rows_kernel` in :mod:`kernels.gemv`'s "dot" form, for 2 to 16 tokens: the tokens are the
+    padded M side of ``tl.dot``, the PAIRS low and the PAIRS high weight rows of the program's pairs its two N
+    sides (as :func:`kernels.gemv.gemv_silu` streams gate and up rows).  ``NORM_ROWS`` > 0: the norm from the
+    producer's ``P`` partial sums, as the "dot" matmul applies it."""
+    head, j, lo, w_lo, w_hi = _pair_tile(w_ptr, stride_wn, D, PAIRS)
+    offs_m = tl.arange(0, 16)
+    m_mask = offs_m < M
+    x_rows = x_ptr + offs_m[:, None] * K
+    acc_lo = tl.zeros([16, PAIRS], tl.float32)
+    acc_hi = tl.zeros([16, PAIRS], tl.float32)
+    pdl_wait(USE_PDL)
+    if NORM_ROWS > 0:
+        ss = _load_partials(ss_ptr, P, M, NORM_ROWS, P_PAD)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)[None, :]
+        k_mask = offs_k < K
+        x = tl.load(x_rows + offs_k, mask=m_mask[:, None] & k_mask, other=0.0)
+        acc_lo += tl.dot(x, tl.trans(tl.load(w_lo + offs_k, mask=k_mask, other=0.0)), input_precision=DOT_PREC)
+        acc_hi += tl.dot(x, tl.trans(tl.load(w_hi + offs_k, mask=k_mask, other=0.0)), input_precision=DOT_PREC)
+    pdl_launch(USE_PDL)
+    if NORM_ROWS > 0:
+        rstd = _to_mma_rows(_partials_rstd(ss, K, eps), offs_m, NORM_ROWS)
+        acc_lo, acc_hi = acc_lo * rstd, acc_hi * rstd
+    _rope_store(acc_lo, acc_hi, head, j, lo, tl.minimum(offs_m, M - 1)[:, None], m_mask[:, None],
+                x_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, stride_kcb, stride_kct, stride_kch,
+                stride_vcb, stride_vct, stride_vch, stride_cs, H, HKV, D, BLOCK_SIZE, HAS_BIAS)
+
+
 def rope_pairs(config: tuple, head_dim: int) -> Optional[int]:
-    """Rotary pairs per program for a "row" :data:`kernels.gemv.CONFIGS` entry (its BLOCK_N features
-    as BLOCK_N / 2 pairs), or None where they do not tile half a head."""
-    pairs = config[1] // 2
-    return pairs if config[0] == "row" and pairs >= 1 and (head_dim // 2) % pairs == 0 else None
+    """Rotary pairs per program for a :data:`kernels.gemv.CONFIGS` entry, or None where they do not tile half
+    a head: a "row" config's BLOCK_N features as BLOCK_N / 2 pairs; a "dot" config's BLOCK_N pairs (2 BLOCK_N
+    features, as its SiLU form streams 2 BLOCK_N rows)."""
+    form, block_n = config[0], config[1]
+    pairs = block_n // 2 if form == "row" else block_n if form == "dot" else 0
+    return pairs if pairs >= 1 and (head_dim // 2) % pairs == 0 else None
 
 
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *, config: tuple,
@@ -175,7 +212,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     x ``[M, hidden]`` contiguous; weight ``[(H + 2 Hkv) D, hidden]`` (q|k|v rows); caches
     ``[num_blocks, block_size, Hkv, D]``; positions, kv_index ``[M]`` on the device; cos_sin_cache as
     :func:`kernels.kv_write.rope_kv_write` takes it; a "row" ``config`` that fits M rows
-    (:func:`kernels.gemv.config_fits`).  Returns (rotated q ``[M, H, D]``, the residual sum as
+    (:func:`kernels.gemv.config_fits`), or without the norm a "dot" one (:func:`_qkv_rope_dot_kernel`).  Returns (rotated q ``[M, H, D]``, the residual sum as
     :func:`kernels.gemv_row.gemv_prologue` returns it, None without the norm).
     """
     _, block_size, hkv, d = k_cache.shape
@@ -183,6 +220,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     m, (n, k) = x.shape[0], weight.shape
     heads = n // d
     assert pairs is not None and config_fits(config, m) and (norm is None or m == 1), (config, d, m)
+    assert config[0] == "row" or (norm is None and m <= MAX_M), "the 'dot' form takes 1-16 already normed tokens"
     assert n % d == 0 and heads > 2 * hkv and x.dim() == 2 and x.shape[1] == k and x.is_contiguous()
     assert weight.stride(1) == 1 and v_cache.shape == k_cache.shape and k_cache.stride(3) == 1
     assert v_cache.stride(3) == 1 and positions.shape == (m,) and kv_index.shape == (m,)
@@ -199,10 +237,15 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         ss, eps = sumsq if sumsq is not None else (x, 0.0)
         if sumsq is not None:
             assert ss.dtype == torch.float32 and ss.dim() == 2 and ss.shape[1] == m and ss.is_contiguous(), ss.shape
-        if m > 0:
-            _qkv_rope_rows_kernel[grid](x, weight, b, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, ss,
-                                        m, k, ss.shape[0], weight.stride(0), *caches, eps, M_PAD=_rows_pad(m),
-                                        P_PAD=triton.next_power_of_2(ss.shape[0]) if sumsq is not None else 0, **meta)
+            assert loads_at_once(ss.shape[0], m), ss.shape
+        p_pad = triton.next_power_of_2(ss.shape[0]) if sumsq is not None else 0
+        args = (x, weight, b, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, ss, m, k, ss.shape[0],
+                weight.stride(0), *caches, eps)
+        if m > 0 and config[0] == "dot":
+            _qkv_rope_dot_kernel[grid](*args, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+                                       NORM_ROWS=_rows_pad(m) if sumsq is not None else 0, P_PAD=max(1, p_pad), **meta)
+        elif m > 0:
+            _qkv_rope_rows_kernel[grid](*args, M_PAD=_rows_pad(m), P_PAD=p_pad, **meta)
         return q_out, None
     assert sumsq is None, "sumsq= is for 2-8 tokens without norm="
     nw, eps = norm

@@ -2,7 +2,7 @@
 
 ``python -m tests.compile_sm90`` (TRITON_INTERPRET unset) compiles every variant the batch-1 fused kernels are
 launched with (:mod:`kernels.gemv`'s row kernel with each prologue, its 2-8-row form, the "dot" form with and without the SiLU
-epilogue and the "dotT" form, :mod:`kernels.gemv_qkv` with the norm and at 1-8 rows without) for the tuner's "row" configs, head dims 64 and 128, as the H100 runs them (with programmatic dependent launch, :mod:`kernels.pdl`),
+epilogue and the "dotT" form, :mod:`kernels.gemv_qkv` with the norm and at 1-8 rows without, in both forms) for the tuner's "row" configs, head dims 64 and 128, as the H100 runs them (with programmatic dependent launch, :mod:`kernels.pdl`),
 the split-KV decode attention kernel whose last split merges, and the tiled matmul, SiLU-mul and rotary/KV-write
 kernels (PDL, no weight prefetch), and prints one line per variant: its size and
 whether anything spilled to local memory.  Exits 1 if a variant fails to compile, spills, or breaks PDL's rule in
@@ -54,7 +54,7 @@ ROPE_SIG = dict({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "kc_p
                                                  "vcb", "vct", "vch", "cs")})
 # Kernels launched with PDL that wait before their first load (no weight prefetch to check).
 NO_PREFETCH = (decode_attention._split_kernel, matmul._matmul_kernel, activation._silu_and_mul_kernel,
-               kv_write._rope_kv_write_kernel, gemv._gemv_kernel)
+               kv_write._rope_kv_write_kernel, gemv._gemv_kernel, gemv_qkv._qkv_rope_dot_kernel)
 
 
 def variants():
@@ -90,6 +90,14 @@ def variants():
                           USE_PDL=True)
             yield (f"gemv_dot silu={silu} residual={residual} norm_rows={rows} {config}", gemv._gemv_kernel, DOT_SIG,
                    consts, config)
+        for head_dim in (64, 128):  # q|k|v + rotary + cache write, with and without the norm from partial sums
+            pairs = gemv_qkv.rope_pairs(config, head_dim)
+            for rows in (0, 2, 8) if pairs else ():
+                consts = dict(D=head_dim, BLOCK_SIZE=16, PAIRS=pairs, BLOCK_K=config[2], DOT_PREC="tf32",
+                              HAS_BIAS=False, NORM_ROWS=rows, P_PAD=gemv_partials.SUMSQ_MAX // rows if rows else 1,
+                              USE_PDL=True)
+                yield (f"qkv_rope_dot norm_rows={rows} D={head_dim} {config}", gemv_qkv._qkv_rope_dot_kernel,
+                       QKV_ROWS_SIG, consts, config)
     for config in (c for c in gemv.CONFIGS if c[0] in ("row", "rowk")):
         for m_pad in (m for m in (2, 4, 8) if gemv.config_fits(config, m)):
             for residual in (False, True):

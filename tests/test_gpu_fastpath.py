@@ -232,6 +232,38 @@ def test_qkv_rope_matches_unfused(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkv_rope_dot_form_matches_unfused(dtype):
+    """The tensor-core form of q|k|v + rotary + cache write (2-16 normed tokens, 16 rotary pairs per program)
+    against the reference chain, with and without bias, a skipped cache slot, K not a multiple of the chunk."""
+    from kernels import reference as R
+    from kernels.gemv_qkv import qkv_rope, rope_pairs
+
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(3)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
+    (h, hkv, d), hidden, block_size = (4, 2, 32), 80, 4
+    assert rope_pairs(("dot", 16, 32, 4, 1), d) == 16 and rope_pairs(("dot", 32, 32, 4, 1), d) is None
+    cs = R.rope_cos_sin_cache(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 128).to(device)
+    for bias, index in ((True, [7, -1]), (False, [2, 3, 9, 11, 12]), (True, [4, 5, 6, 7, 8, 9, 10, 30]),
+                        (False, list(range(16)))):
+        m = len(index)
+        w, b = rnd((h + 2 * hkv) * d, hidden) / hidden**0.5, (rnd((h + 2 * hkv) * d) if bias else None)
+        x = rnd(m, hidden)
+        pos, idx = torch.arange(100, 100 - m, -1, device=device), torch.tensor(index, device=device)
+        kc, vc = rnd(8, block_size, hkv, d), rnd(8, block_size, hkv, d)
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        q, none = qkv_rope(x, w, b, config=("dot", 16, 32, 4, 1), norm=None, residual=None, positions=pos,
+                           cos_sin_cache=cs, k_cache=kc, v_cache=vc, kv_index=idx)
+        qr, kr, vr = torch.nn.functional.linear(x, w, b).split([h * d, hkv * d, hkv * d], dim=-1)
+        q_ref = R.rope_kv_write_ref(qr.reshape(m, h, d), kr.reshape(m, hkv, d), vr.reshape(m, hkv, d), pos, cs,
+                                    kc_ref, vc_ref, idx)
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        assert none is None
+        for ours, ref in ((q, q_ref), (kc, kc_ref), (vc, vc_ref)):
+            assert (ours.float() - ref.float()).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_residual_epilogue_and_norm_from_partial_sums(dtype):
     """At 2-8 tokens: the output projection with the residual add in its epilogue (the configs of every form,
     half of them per size) stores exactly the unfused matmul then add, and partial sums of squares whose
@@ -247,7 +279,7 @@ def test_residual_epilogue_and_norm_from_partial_sums(dtype):
     g = torch.Generator().manual_seed(5)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
     hidden, inner, eps = 96, 40, 1e-5
-    h_, hkv, d = 4, 2, 16
+    h_, hkv, d = 4, 2, 32
     cs = R.rope_cos_sin_cache(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 128).to(device)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     for m, k, bias in ((2, 64, True), (5, 200, False), (8, 128, True)):
@@ -277,12 +309,12 @@ def test_residual_epilogue_and_norm_from_partial_sums(dtype):
         pos, idx = torch.arange(7, 7 + m, device=device), torch.arange(3, 3 + m, device=device)
         caches = [rnd(4, 16, hkv, d) for _ in range(2)]
         caches += [c.clone() for c in caches]
-        rope = dict(config=("row", 4, 64, 4, 1), norm=None, residual=None, positions=pos, cos_sin_cache=cs,
-                    kv_index=idx)
-        q, _ = qkv_rope(h, fold(qkv_w), None, k_cache=caches[0], v_cache=caches[1], sumsq=(sumsq, eps), **rope)
-        q_ref, _ = qkv_rope(normed, qkv_w, None, k_cache=caches[2], v_cache=caches[3], **rope)
-        for ours, ref in ((q, q_ref), (caches[0], caches[2]), (caches[1], caches[3])):
-            torch.testing.assert_close(ours.float(), ref.float(), **tol)
+        for config in (("row", 4, 64, 4, 1), ("dot", 16, 64, 4, 2)):  # the rows and the tensor-core form
+            rope = dict(config=config, norm=None, residual=None, positions=pos, cos_sin_cache=cs, kv_index=idx)
+            q, _ = qkv_rope(h, fold(qkv_w), None, k_cache=caches[0], v_cache=caches[1], sumsq=(sumsq, eps), **rope)
+            q_ref, _ = qkv_rope(normed, qkv_w, None, k_cache=caches[2], v_cache=caches[3], **rope)
+            for ours, ref in ((q, q_ref), (caches[0], caches[2]), (caches[1], caches[3])):
+                torch.testing.assert_close(ours.float(), ref.float(), **tol)
 
 
 def test_fused_kernels_compile_for_hopper_without_spills():

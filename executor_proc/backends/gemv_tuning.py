@@ -140,7 +140,7 @@ def _fused_runs(backend, kind: str, n: int, k: int, m: int, w0: torch.Tensor, cf
     sumsq = _partial_sums(backend, producer, m) if backend.norms_folded else None
     stream = NormInput(x, None, pre.weight, sumsq[1], sumsq[0]) if sumsq is not None else None
     if kind == "rope":
-        configs = [c for c in skinny.CONFIGS if c[0] == "row" and skinny.config_fits(c, m) and rope_pairs(c, cfg.head_dim)]
+        configs = [c for c in skinny.CONFIGS if c[0] in ("row", "dot") and skinny.config_fits(c, m) and rope_pairs(c, cfg.head_dim)]
         rope = dict(positions=plan.positions, cos_sin_cache=backend.cos_sin, k_cache=cache, v_cache=cache,
                     kv_index=plan.kv_index, sumsq=sumsq)
         def unfused(w):
