@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Optional
@@ -48,8 +47,11 @@ class _Pointer(MockTensor):
 
 def compile_threads() -> int:
     """The pool's size: ``FORERUN_COMPILE_THREADS``, else the CPUs this process may use (at most 32)."""
-    if os.environ.get("FORERUN_COMPILE_THREADS"):
-        return max(0, int(os.environ["FORERUN_COMPILE_THREADS"]))
+    value = os.environ.get("FORERUN_COMPILE_THREADS", "")
+    if value:
+        if not value.isdigit():
+            raise ValueError(f"FORERUN_COMPILE_THREADS must be a number of threads (0: off), not {value!r}")
+        return int(value)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return min(MAX_THREADS, cpus)
 
@@ -68,7 +70,6 @@ class Recorder:
         self.launches = 0  # launches recorded
         self.compiles = 0  # distinct specializations handed to the pool
         self.failed = 0  # of them, compiles that raised (left for their launch)
-        self.seconds = 0.0  # from entering the block until every compile was done
 
     def record(self, fn, args: tuple, kwargs: dict, grid) -> None:
         self.launches += 1
@@ -109,14 +110,12 @@ def compiled_ahead(compile_fn: Optional[Callable] = None, threads: Optional[int]
         return None
 
     JITFunction.run = recording_run
-    t0 = time.perf_counter()
     try:
         yield recorder
     finally:
         JITFunction.run = run
         recorder.failed = sum(not f.result() for f in futures)
         pool.shutdown()
-        recorder.seconds = time.perf_counter() - t0
 
 
 def _quietly(compile_fn, fn, args, kwargs, grid) -> bool:
