@@ -212,8 +212,9 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     x ``[M, hidden]`` contiguous; weight ``[(H + 2 Hkv) D, hidden]`` (q|k|v rows); caches
     ``[num_blocks, block_size, Hkv, D]``; positions, kv_index ``[M]`` on the device; cos_sin_cache as
     :func:`kernels.kv_write.rope_kv_write` takes it; a "row" ``config`` that fits M rows
-    (:func:`kernels.gemv.config_fits`), or without the norm a "dot" one (:func:`_qkv_rope_dot_kernel`).  Returns (rotated q ``[M, H, D]``, the residual sum as
-    :func:`kernels.gemv_row.gemv_prologue` returns it, None without the norm).
+    (:func:`kernels.gemv.config_fits`), or without the norm a "dot" one (:func:`_qkv_rope_dot_kernel`).
+    Returns (rotated q ``[M, H, D]``, the residual sum as :func:`kernels.gemv_row.gemv_prologue` returns it,
+    None without the norm).
     """
     _, block_size, hkv, d = k_cache.shape
     pairs = rope_pairs(config, d)

@@ -94,7 +94,7 @@ def tune_prologues(backend, model, ms: tuple[int, ...] = (1,), reps: int = 5, ma
     and down after SiLU-mul ("silu"), every "row" config.  At the other ``ms`` (2-8 tokens), the
     epilogues (with the norm from partial sums where the norms are folded, against a chain with the norm's
     launch; otherwise alone: the norm before them is the same launch either way): q|k|v with the rotary and cache
-    write ("rope": the ``few`` "row" configs with rotary pairs that streamed the weight fastest in
+    write ("rope": the ``few`` "row" and "dot" configs with rotary pairs that streamed the weight fastest in
     :func:`tune_linears`, per ``backend.gemv_timings``) and gate|up with SiLU-mul ("gate_silu": the
     ``few`` fastest "dot" configs), so that start-up compiles a few kernels per size, not all.
     Returns (choice, ms per pass) keyed by ``(kind, N, K, m)``.  ``backend.gemv_choice`` must already be
@@ -140,7 +140,8 @@ def _fused_runs(backend, kind: str, n: int, k: int, m: int, w0: torch.Tensor, cf
     sumsq = _partial_sums(backend, producer, m) if backend.norms_folded else None
     stream = NormInput(x, None, pre.weight, sumsq[1], sumsq[0]) if sumsq is not None else None
     if kind == "rope":
-        configs = [c for c in skinny.CONFIGS if c[0] in ("row", "dot") and skinny.config_fits(c, m) and rope_pairs(c, cfg.head_dim)]
+        configs = [c for c in skinny.CONFIGS
+                   if c[0] in ("row", "dot") and skinny.config_fits(c, m) and rope_pairs(c, cfg.head_dim)]
         rope = dict(positions=plan.positions, cos_sin_cache=backend.cos_sin, k_cache=cache, v_cache=cache,
                     kv_index=plan.kv_index, sumsq=sumsq)
         def unfused(w):
