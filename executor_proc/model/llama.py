@@ -166,6 +166,8 @@ class CausalLM(nn.Module):
     """Decoder + LM head.  Build it with :func:`build_model` (which fuses the projections), fill it with
     :meth:`load_weights`; it runs on the torch backend until :meth:`use_backend` says otherwise."""
 
+    tensor_parallel = False  # a rank's shard whose forward holds collectives (executor_proc.parallel.model)
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config

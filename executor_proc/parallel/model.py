@@ -59,6 +59,8 @@ class ParallelMLP(MLP):
 class ParallelCausalLM(CausalLM):
     """A rank's sharded model: ``config`` is the rank's shape, ``full_config`` the model's."""
 
+    tensor_parallel = True
+
     def __init__(self, shards: Shards, group: TPGroup, dtype: torch.dtype = torch.float32):
         super().__init__(shards.config, dtype)
         self.full_config = shards.full

@@ -123,7 +123,8 @@ class Worker:
         ``modes``: the sampling modes captured ahead, default the plain two."""
         extra = () if modes is None else (modes,)
         jobs = [job for runner in (self.mixed, self.graphs) if runner is not None for job in runner.capture_jobs(*extra)]
-        run_captures(jobs, self.capturer, progress)
+        # A rank's steps hold collectives: not captured into scratch graphs (not yet run on several GPUs).
+        run_captures(jobs, self.capturer, progress, compile_first=not self.model.tensor_parallel)
 
     @property
     def num_graphs(self) -> int:
