@@ -22,6 +22,7 @@ from executor_proc.step.host_kv import HostKV, num_host_blocks
 from executor_proc.step.slot_tables import SlotTables
 from executor_proc.step.worker import Worker
 from ipc.config import ExecutorConfig
+from kernels.precompile import STAGE as COMPILE_STAGE
 
 CPU_KV_BUDGET_BYTES = 2 * 1024**3
 GRAPH_STAGE = "capturing CUDA graphs"
@@ -96,17 +97,18 @@ def build_worker(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
                     capture_graphs=device.type == "cuda" and max_batch > 0, host_kv=host_kv,
                     mixed_max_tokens=mixed_max_tokens(cfg, backend))
     num_graphs, capture_s, graph_bytes = _capture_graphs(
-        worker, device, lambda done, total: progress(GRAPH_STAGE, done, total))
+        worker, device, lambda done, total: progress(GRAPH_STAGE, done, total),
+        lambda done, total: progress(COMPILE_STAGE, done, total))
     return BuiltWorker(worker, mcfg, num_blocks, max_len, device, host_blocks, num_graphs=num_graphs,
                        graph_capture_s=capture_s, graph_memory_bytes=graph_bytes, tp=tp)
 
 
-def _capture_graphs(worker: Worker, device: torch.device, progress) -> tuple[int, float, int]:
-    """Capture every graph; (how many, seconds, device bytes taken)."""
+def _capture_graphs(worker: Worker, device: torch.device, progress, compile_progress) -> tuple[int, float, int]:
+    """Compile every graph's kernels, then capture them; (how many, seconds, device bytes taken)."""
     cuda = device.type == "cuda"
     free = torch.cuda.mem_get_info(device)[0] if cuda else 0
     t0 = time.perf_counter()
-    worker.capture_graphs(progress)
+    worker.capture_graphs(progress, compile_progress=compile_progress)
     seconds = time.perf_counter() - t0
     taken = free - torch.cuda.mem_get_info(device)[0] if cuda else 0
     return worker.num_graphs, seconds, max(0, taken)

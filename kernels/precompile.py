@@ -24,7 +24,7 @@ import contextlib
 import os
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -32,6 +32,7 @@ import torch
 from triton.runtime.jit import JITFunction, MockTensor
 
 MAX_THREADS = 32
+STAGE = "compiling kernels"  # what a start-up calls the wait for these compiles in its progress
 
 
 class _Pointer(MockTensor):
@@ -84,11 +85,12 @@ class Recorder:
 
 
 @contextlib.contextmanager
-def compiled_ahead(compile_fn: Optional[Callable] = None, threads: Optional[int] = None) -> Iterator[Recorder]:
+def compiled_ahead(compile_fn: Optional[Callable] = None, threads: Optional[int] = None,
+                   progress: Optional[Callable[[int, int], None]] = None) -> Iterator[Recorder]:
     """Within the block, this thread's Triton launches are recorded, not launched, and their kernels compiled
-    in a pool of ``threads``; leaving it waits for them.  A no-op block where :func:`enabled` is false (then
-    the recorder stays empty and the kernels launch as usual).  ``compile_fn(fn, args, kwargs, grid)`` replaces
-    Triton's compile (tests)."""
+    in a pool of ``threads``; leaving it waits for them, reporting ``progress(done, total)`` as they finish.  A
+    no-op block where :func:`enabled` is false (then the recorder stays empty and the kernels launch as usual).
+    ``compile_fn(fn, args, kwargs, grid)`` replaces Triton's compile (tests)."""
     threads = compile_threads() if threads is None else threads
     if compile_fn is None and not enabled():
         yield Recorder(lambda *a: None, enabled=False)
@@ -114,7 +116,10 @@ def compiled_ahead(compile_fn: Optional[Callable] = None, threads: Optional[int]
         yield recorder
     finally:
         JITFunction.run = run
-        recorder.failed = sum(not f.result() for f in futures)
+        for done, future in enumerate(as_completed(futures), 1):
+            recorder.failed += not future.result()
+            if progress is not None:
+                progress(done, len(futures))
         pool.shutdown()
 
 

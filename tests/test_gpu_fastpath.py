@@ -21,7 +21,7 @@ import torch
 
 from ipc.config import ExecutorConfig
 from executor_proc.step.graphs import graph_buckets
-from executor_proc.build import GRAPH_STAGE, build_worker
+from executor_proc.build import COMPILE_STAGE, GRAPH_STAGE, build_worker
 from executor_proc.testing.synthetic import GREEDY, SyntheticPlanner
 from executor_proc.step.worker import EagerStep, GraphStep
 from ipc.protocol import SlotSampling
@@ -501,6 +501,9 @@ def test_graphs_equal_eager_bf16(tmp_path):
     eager.model.backend.use_choices_of(graphed.model.backend)  # the same kernels, with and without graphs
     n = graphed.num_graphs  # decode graphs: 2 modes per bucket; the mixed runner's bodies and heads
     assert n > 2 * len(graph_buckets(8)) and (GRAPH_STAGE, n, n) in stages
+    # the start-up also showed its kernels compiling ahead and each tuning phase to its end
+    assert {COMPILE_STAGE, "tuning skinny matmuls", "tuning fused kernels"} <= {s for s, _, _ in stages}
+    assert all((s, t, t) in stages for s, _, t in stages if s.startswith("tuning"))
     for batch in (1, 2, 4, 8):
         planner = SyntheticPlanner(num_slots=8, block_size=16, num_blocks=512)
         g = torch.Generator().manual_seed(batch)

@@ -44,8 +44,10 @@ def _record(launches, compile_fn=None):
         if compile_fn is not None:
             compile_fn(fn, args, kwargs, grid)
 
-    with compiled_ahead(compile_fn=fake_compile, threads=3) as recorder:
+    reports = []
+    with compiled_ahead(compile_fn=fake_compile, threads=3, progress=lambda *r: reports.append(r)) as recorder:
         launches()
+    assert reports == [(i + 1, len(calls)) for i in range(len(calls))]  # one report per compile, in order
     return calls, recorder
 
 

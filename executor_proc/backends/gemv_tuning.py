@@ -27,7 +27,7 @@ from kernels import gemv as skinny
 from kernels.gemv_partials import sumsq_fits, sumsq_programs
 from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.matmul import MatmulConfig, invariant_matmul
-from kernels.precompile import compiled_ahead
+from kernels.precompile import STAGE as COMPILE_STAGE, compiled_ahead
 
 # Tiled-matmul candidates for decode batches above 8 (the best of the H100 sweep at 64 rows,
 # scripts/bench_invariant_knobs.py): wide tiles for wide weights, narrow tiles with deep pipelines
@@ -49,19 +49,28 @@ def _weight_groups(model) -> dict[tuple[int, int], list[torch.Tensor]]:
     return groups
 
 
+ProgressCallback = Callable[[str, int, int], None]  # (stage, done, total), as the executor reports its load
+
+
+def _quiet(stage: str, done: int, total: int) -> None:
+    pass
+
+
 # The skinny kernel's margin over cuBLAS: within 2% counts as a win. The tuner's pass overlaps each Triton
 # matmul with the next one of its kind (PDL, kernels/pdl.py); in a step it also overlaps with its neighbours
 # (norms, attention, rotary), while a cuBLAS call ends the chain on both sides.
 SKINNY_MARGIN = 1.02
 
 
-def tune_linears(model, ms: list[int], reps: int = 5, margin: float = SKINNY_MARGIN) -> tuple[dict, dict]:
+def tune_linears(model, ms: list[int], reps: int = 5, margin: float = SKINNY_MARGIN,
+                 progress: ProgressCallback = _quiet) -> tuple[dict, dict]:
     """Time cuBLAS and every fitting :data:`kernels.gemv.CONFIGS` on the model's weights; keep the
     skinny kernel where it takes less than ``margin`` times cuBLAS's time.  Returns (choice, ms per pass).
 
     Each candidate streams all the weights of one shape (more than L2 holds, as in a real step),
     captured in a CUDA graph so that launch overhead does not count; the median of ``reps``
-    passes counts.  A config that fails to compile is skipped.
+    passes counts.  A config that fails to compile is skipped.  ``progress(stage, done, total)``: the kernels
+    compiled (:data:`kernels.precompile.STAGE`), then the shapes and sizes timed ("tuning skinny matmuls").
     """
     jobs = []
     for (n, k), weights in _weight_groups(model).items():
@@ -70,10 +79,11 @@ def tune_linears(model, ms: list[int], reps: int = 5, margin: float = SKINNY_MAR
             candidates = [(c, lambda w, c=c, x=x: skinny.gemv(x, w, config=c))
                           for c in skinny.CONFIGS if skinny.config_fits(c, m)]
             jobs.append(((n, k, m), ("cublas", lambda w, x=x: F.linear(x, w)), candidates, weights))
-    return _pick_all(jobs, reps, lambda key: margin)
+    return _pick_all(jobs, reps, lambda key: margin, "tuning skinny matmuls", progress)
 
 
-def tune_matmuls(model, ms: list[int], reps: int = 5, margin: float = 0.97) -> tuple[dict, dict]:
+def tune_matmuls(model, ms: list[int], reps: int = 5, margin: float = 0.97,
+                 progress: ProgressCallback = _quiet) -> tuple[dict, dict]:
     """As :func:`tune_linears` for batch sizes above 8: cuBLAS against :data:`MATMUL_CANDIDATES` of the
     tiled matmul; returns (choice, ms per pass) keyed by ``(N, K, m)``."""
     jobs = []
@@ -82,11 +92,11 @@ def tune_matmuls(model, ms: list[int], reps: int = 5, margin: float = 0.97) -> t
             x = torch.randn(m, k, dtype=weights[0].dtype, device=weights[0].device)
             candidates = [(c, lambda w, c=c, x=x: invariant_matmul(x, w, config=c)) for c in MATMUL_CANDIDATES]
             jobs.append(((n, k, m), ("cublas", lambda w, x=x: F.linear(x, w)), candidates, weights))
-    return _pick_all(jobs, reps, lambda key: margin)
+    return _pick_all(jobs, reps, lambda key: margin, "tuning tiled matmuls", progress)
 
 
 def tune_prologues(backend, model, ms: tuple[int, ...] = (1,), reps: int = 5, margin: float = 0.97,
-                   few: int = 3) -> tuple[dict, dict]:
+                   few: int = 3, progress: ProgressCallback = _quiet) -> tuple[dict, dict]:
     """Time the fused kernels against the ops one by one on the model's weights and keep a fused one where
     it is faster by more than ``1 - margin`` (at 2-8 tokens: where it is within :data:`SKINNY_MARGIN`).  At one
     token (``1 in ms``), through ``backend``'s own chains:
@@ -115,7 +125,8 @@ def tune_prologues(backend, model, ms: tuple[int, ...] = (1,), reps: int = 5, ma
     try:
         # an epilogue within 2% of the unfused chain wins: it saves a launch, which in a step costs more
         # than in this pass (there its neighbours are attention and the residual matmuls)
-        return _pick_all(jobs, reps, lambda key: margin if key[-1] == 1 else SKINNY_MARGIN)
+        return _pick_all(jobs, reps, lambda key: margin if key[-1] == 1 else SKINNY_MARGIN, "tuning fused kernels",
+                         progress)
     finally:
         backend.prologue_everywhere = saved
 
@@ -179,20 +190,26 @@ def _forcing(backend, forced: dict, run):
     return fn
 
 
-def _pick_all(jobs: list, reps: int, margin_of: Callable[[tuple], float]) -> tuple[dict, dict]:
+def _pick_all(jobs: list, reps: int, margin_of: Callable[[tuple], float], stage: str,
+              progress: ProgressCallback) -> tuple[dict, dict]:
     """:func:`_pick` for each ``(key, baseline, candidates, weights)`` of ``jobs`` with ``margin_of(key)``, after
     compiling every run's kernels at once (:func:`kernels.precompile.compiled_ahead`: a pass that records the
-    launches, compiled in parallel); returns (choice, ms per pass) keyed as :func:`tune_linears`' are."""
-    with compiled_ahead() as ahead:
+    launches, compiled in parallel); returns (choice, ms per pass) keyed as :func:`tune_linears`' are.
+    ``progress``: the compiles (:data:`kernels.precompile.STAGE`), then the jobs timed (``stage``)."""
+    if not jobs:
+        return {}, {}
+    with compiled_ahead(progress=lambda done, total: progress(COMPILE_STAGE, done, total)) as ahead:
         for _, baseline, candidates, weights in (jobs if ahead.enabled else ()):
             for _, fn in (baseline, *candidates):
                 with contextlib.suppress(Exception):  # a candidate that fails is no candidate (_pick)
                     fn(weights[0])
     choice, timings = {}, {}
-    for key, baseline, candidates, weights in jobs:
+    for done, (key, baseline, candidates, weights) in enumerate(jobs):
+        progress(stage, done, len(jobs))
         best = _pick(key, baseline, candidates, weights, reps, margin_of(key), timings)
         if best is not None:
             choice[key] = best
+    progress(stage, len(jobs), len(jobs))
     return choice, timings
 
 

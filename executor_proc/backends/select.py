@@ -13,7 +13,6 @@ from executor_proc.backends.torch_backend import TorchBackend
 from ipc.config import ExecutorConfig
 
 ProgressCallback = Callable[[str, int, int], None]
-TUNING_STAGE = "tuning linear kernels"
 
 
 def uses_triton(cfg: ExecutorConfig, device: torch.device) -> bool:
@@ -29,7 +28,8 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     ``num_slots + 1`` rows (the padding slot), and on CUDA with graphs its linears
     are tuned for the graph batch sizes 1, 2, 4, 8 (skinny matmul and the fused norm / SiLU / rotary
     matmuls), 16, 32, ... up to the largest graph (tiled matmul), and the layers' norms are folded into
-    the matmuls after them (:func:`folds_norms`).  Otherwise torch.
+    the matmuls after them (:func:`folds_norms`), each tuning phase reported through ``progress`` (its
+    kernels compiled, then its shapes timed).  Otherwise torch.
     """
     if not uses_triton(cfg, device):
         return TorchBackend(model.rope_inv_freq)
@@ -46,18 +46,17 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
         backend.norms_folded = True
     # Batch-invariant linears are one kernel for every batch size: nothing to choose per size.
     tune_max_m = graph_max_batch(cfg, backend) if device.type == "cuda" and not cfg.batch_invariant else 0
-    progress(TUNING_STAGE, 0, 1)
     if tune_max_m > 0:
         small = [m for m in (1, 2, 4, 8) if m <= tune_max_m]  # the skinny and fused kernels' sizes
-        backend.gemv_choice, backend.gemv_timings = tune_linears(model, small)
+        backend.gemv_choice, backend.gemv_timings = tune_linears(model, small, progress=progress)
         wide = [16 << i for i in range(8) if 16 << i <= m_bucket(tune_max_m)]  # the decode graphs' larger buckets
-        backend.matmul_choice, matmul_timings = tune_matmuls(model, wide)
+        backend.matmul_choice, matmul_timings = tune_matmuls(model, wide, progress=progress)
         backend.gemv_timings.update(matmul_timings)
-        backend.prologue_choice, backend.prologue_timings = tune_prologues(backend, model, tuple(small))
+        backend.prologue_choice, backend.prologue_timings = tune_prologues(backend, model, tuple(small),
+                                                                           progress=progress)
     if os.environ.get("FORERUN_TUNER_LOG"):  # which kernels this process runs (benchmarks keep it with their results)
         with open(os.environ["FORERUN_TUNER_LOG"], "w") as f:
             json.dump(tuner_report(backend), f, indent=1)
-    progress(TUNING_STAGE, 1, 1)
     return backend
 
 

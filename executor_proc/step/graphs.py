@@ -155,15 +155,15 @@ class CaptureJob:
 
 
 def run_captures(jobs: list[CaptureJob], capturer: GraphCapture, progress: Optional[ProgressCallback] = None,
-                 compile_first: bool = True) -> None:
-    """Compile every job's kernels at once (``compile_first``), then capture the jobs in order, reporting
-    ``progress(done, total)``; then wait for the device.  The compile pass runs each job with its Triton launches
-    recorded (compiled in a thread pool: :func:`kernels.precompile.compiled_ahead`) and its torch ops captured
-    into a scratch graph."""
+                 compile_first: bool = True, compile_progress: Optional[ProgressCallback] = None) -> None:
+    """Compile every job's kernels at once (``compile_first``, reporting ``compile_progress(done, total)``), then
+    capture the jobs in order, reporting ``progress(done, total)``; then wait for the device.  The compile pass
+    runs each job with its Triton launches recorded (compiled in a thread pool:
+    :func:`kernels.precompile.compiled_ahead`) and its torch ops captured into a scratch graph."""
     if not jobs:
         return
     if compile_first:
-        with compiled_ahead() as ahead:
+        with compiled_ahead(progress=compile_progress) as ahead:
             for job in jobs if ahead.enabled else ():
                 job.prepare()
                 dry_run(job.fn, capturer.device)

@@ -118,13 +118,16 @@ class Worker:
         with torch.inference_mode():
             return mixed_head(self.model, self.tables, hidden, slots, positions, mode)
 
-    def capture_graphs(self, progress: Optional[Callable[[int, int], None]] = None, modes=None) -> None:
+    def capture_graphs(self, progress: Optional[Callable[[int, int], None]] = None, modes=None,
+                       compile_progress: Optional[Callable[[int, int], None]] = None) -> None:
         """Capture every graph, the mixed runner's (the largest) first (start-up; no-op without graphs);
-        ``modes``: the sampling modes captured ahead, default the plain two."""
+        ``modes``: the sampling modes captured ahead, default the plain two; ``compile_progress``: the compiles
+        of their kernels, before the captures (:func:`executor_proc.step.graphs.run_captures`)."""
         extra = () if modes is None else (modes,)
         jobs = [job for runner in (self.mixed, self.graphs) if runner is not None for job in runner.capture_jobs(*extra)]
         # A rank's steps hold collectives: not captured into scratch graphs (not yet run on several GPUs).
-        run_captures(jobs, self.capturer, progress, compile_first=not self.model.tensor_parallel)
+        run_captures(jobs, self.capturer, progress, compile_first=not self.model.tensor_parallel,
+                     compile_progress=compile_progress)
 
     @property
     def num_graphs(self) -> int:
