@@ -34,18 +34,17 @@ def _launch(x, out, n, block=64, **options):
 
 
 def _record(launches, compile_fn=None):
-    """The compile calls ``compiled_ahead`` makes for ``launches()``, and its recorder."""
+    """The compile calls ``compiled_ahead`` makes for ``launches()``, in the order of the launches (one worker:
+    first in, first out), and its recorder."""
     calls = []
-    lock = threading.Lock()
 
     def fake_compile(fn, args, kwargs, grid):
-        with lock:
-            calls.append((fn, args, kwargs, grid))
+        calls.append((fn, args, kwargs, grid))
         if compile_fn is not None:
             compile_fn(fn, args, kwargs, grid)
 
     reports = []
-    with compiled_ahead(compile_fn=fake_compile, threads=3, progress=lambda *r: reports.append(r)) as recorder:
+    with compiled_ahead(compile_fn=fake_compile, threads=1, progress=lambda *r: reports.append(r)) as recorder:
         launches()
     assert reports == [(i + 1, len(calls)) for i in range(len(calls))]  # one report per compile, in order
     return calls, recorder
