@@ -93,7 +93,7 @@ def test_records_hold_no_tensor_and_failures_are_left_for_the_launch():
     def failing(*_):
         raise RuntimeError("out of resources")
 
-    calls, recorder = _record(lambda: _launch(x, x, 4096), compile_fn=failing)
+    calls, recorder = _record(lambda t=x: _launch(t, t, 4096), compile_fn=failing)
     assert recorder.compiles == 1 and recorder.failed == 1  # no exception out of the block
     del x
     gc.collect()
