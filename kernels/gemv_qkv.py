@@ -9,7 +9,7 @@ rotated and value heads as they are go to the paged cache at ``kv_index`` (negat
 With ``norm=None`` (x already normed, for 2-8 tokens: there every program re-reading the rows for
 the norm costs more than the norm's launch) :func:`_qkv_rope_rows_kernel` serves 1 to 8 tokens, each
 weight chunk multiplied into every token's pair of accumulators, and :func:`_qkv_rope_dot_kernel` the
-tensor-core "dot" form of :mod:`kernels.gemv` (4-8 tokens, where the rows' accumulators spill).
+tensor-core "dot" form of :mod:`kernels.gemv` (4-8 tokens, where the rows' accumulators outgrow the registers).
 
 Rounding is the unfused ops': the matmul output is rounded to the model dtype, rotated in float32
 from that, rounded again (:mod:`kernels.kv_write`).  Models with q/k norms (Qwen3) do not use it:
