@@ -230,8 +230,7 @@ class TritonBackend:
             if linear is not None and linear[0] in ("dot", "dotT"):  # the norm from the partial sums
                 return skinny.gemv(pre.x, weight, bias, config=linear, sumsq=(pre.sumsq, pre.eps)), pre.x
             return unfused_norm_linear(self, pre, weight, bias)
-        return gemv_prologue(pre.x, weight, bias, config=config, norm=(pre.weight, pre.eps),
-                                    residual=pre.residual)
+        return gemv_prologue(pre.x, weight, bias, config=config, norm=(pre.weight, pre.eps), residual=pre.residual)
 
     def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonPlan) -> tuple[torch.Tensor, torch.Tensor]:
