@@ -106,10 +106,14 @@ def build_worker(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
 def _capture_graphs(worker: Worker, device: torch.device, progress, compile_progress) -> tuple[int, float, int]:
     """Compile every graph's kernels, then capture them; (how many, seconds, device bytes taken)."""
     cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()  # what the allocator caches counts as free: the graphs' pool is what they add
     free = torch.cuda.mem_get_info(device)[0] if cuda else 0
     t0 = time.perf_counter()
     worker.capture_graphs(progress, compile_progress=compile_progress)
     seconds = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.empty_cache()  # the compile pass's scratch graphs are gone: their memory goes back
     taken = free - torch.cuda.mem_get_info(device)[0] if cuda else 0
     return worker.num_graphs, seconds, max(0, taken)
 
@@ -128,6 +132,7 @@ def model_path(cfg: ExecutorConfig, progress: ProgressCallback) -> str:
 
 def _auto_num_blocks(cfg: ExecutorConfig, device: torch.device, per_block: int, useful: int) -> int:
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # the tuner's scratch, still cached by the allocator, counts as free
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * cfg.kv_memory_fraction)
     else:

@@ -1,21 +1,27 @@
 """Compile Triton kernels in parallel, ahead of their first launch.
 
-Triton compiles a kernel's specialization at its first launch, on the launching thread.  A start-up
-meets a few hundred for the first time (the tuner's candidates, every graph's warm-up), 0.1 to 1 s
-each, one after another: most of an 8B start-up from an empty cache.  Inside :func:`compiled_ahead`
-Triton launches on the calling thread are *recorded* instead: each distinct specialization is handed
-to a thread pool as soon as it is seen (``JITFunction.run(..., warmup=True)``: compile, no launch;
-the compiler spends most of its time outside the GIL, in MLIR passes and ptxas), and leaving the
-block waits for them, so that the real run finds every kernel in Triton's cache.
+Triton compiles a kernel's specialization at its first launch, on the launching thread, and at its
+first launch loads it and builds its launcher (a small C extension, with the host's compiler).  A
+start-up meets a few hundred kernels for the first time (the tuner's candidates, every graph's
+warm-up), 0.1 to 1 s each, one after another: most of an 8B start-up from an empty cache.
+
+:func:`compiled_ahead` opens a thread pool; :meth:`Compiles.record` runs a call with its Triton
+launches *recorded* instead: each distinct specialization goes to the pool as soon as it is seen
+(``JITFunction.run(..., warmup=True)``: compile, no launch; then the load and the launcher; the
+compiler spends much of its time outside the GIL, in MLIR passes, ptxas and the C compiler), and
+:meth:`Compiles.wait` blocks until the kernels of one recorded call are ready.  A start-up records
+all its work first, then runs it piece by piece, each piece waiting only for its own kernels, so the
+GPU work on the first pieces (timing, capturing) overlaps the compiles of the later ones.
 
 The recording pass skips the kernels, so their outputs hold whatever the allocator left there:
-code run inside the block must not read them back on the host, and torch ops that would feed them
-to a value-checking op (an index) should run inside :func:`dry_run`, which captures them into a
-scratch CUDA graph that is never replayed.  A specialization the recording misjudges is simply
-compiled at its launch, as before; a compile that fails is left for that launch to report.
+a recorded call must not read them back on the host, and torch ops that would feed them to a
+value-checking op (an index) should run inside :func:`dry_run`, which captures them into a scratch
+CUDA graph that is never replayed.  A specialization the recording misjudges is simply compiled at
+its launch, as before; a compile that fails is left for that launch to report.
 
-Off (everything compiles at its launch) without CUDA, under the interpreter, and with
-``FORERUN_COMPILE_THREADS=0``; that variable also sets the pool's size (default: the CPUs, at most 32).
+Off (everything compiles at its launch; recorded calls are skipped) without CUDA, under the
+interpreter, and with ``FORERUN_COMPILE_THREADS=0``; that variable also sets the pool's size
+(default: the CPUs, at most 32).
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ import contextlib
 import os
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait as wait_futures
 from typing import Callable, Iterator, Optional
 
 import torch
 
 from triton.runtime.jit import JITFunction, MockTensor
+
+from kernels.capture import capturing
 
 MAX_THREADS = 32
 STAGE = "compiling kernels"  # what a start-up calls the wait for these compiles in its progress
@@ -61,66 +69,114 @@ def enabled() -> bool:
     return torch.cuda.is_available() and compile_threads() > 0 and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-class Recorder:
-    """What :func:`compiled_ahead` yields: counts of what it saw and compiled."""
+class Compiles:
+    """What :func:`compiled_ahead` yields: :meth:`record` a call's launches (their kernels start compiling),
+    :meth:`wait` for the kernels one of them needs; counts of what it saw and compiled."""
 
-    def __init__(self, submit: Callable, enabled: bool = True):
-        self.submit = submit
-        self.enabled = enabled  # False: the block runs as usual (then skip a pass made only to compile)
-        self.seen: set = set()
+    def __init__(self, pool: Optional[ThreadPoolExecutor], compile_fn: Callable,
+                 progress: Optional[Callable[[int, int], None]]):
+        self.enabled = pool is not None  # False: record() skips its call (a pass made only to compile)
+        self._pool, self._compile_fn, self._progress = pool, compile_fn, progress
+        self._futures: dict = {}  # specialization key -> its compile
+        self._all: list[Future] = []
+        self._recording: Optional[int] = None  # the thread whose launches are recorded now
         self.launches = 0  # launches recorded
         self.compiles = 0  # distinct specializations handed to the pool
-        self.failed = 0  # of them, compiles that raised (left for their launch)
+        self.failed = 0  # of them, compiles that raised (left for their launch), counted when the block ends
 
-    def record(self, fn, args: tuple, kwargs: dict, grid) -> None:
+    def record(self, fn: Callable[[], object]) -> list[Future]:
+        """Call ``fn`` with this thread's Triton launches recorded instead of launched, each new specialization
+        handed to the pool; returns the compiles its launches need (for :meth:`wait`).  Where compiling ahead
+        is off, ``fn`` is not called."""
+        if not self.enabled:
+            return []
+        needs: list[Future] = []
+        self._needs, self._recording = needs, threading.get_ident()
+        try:
+            fn()
+        finally:
+            self._recording = None
+        return needs
+
+    def wait(self, needs: list[Future]) -> None:
+        """Block until the compiles in ``needs`` are done, reporting progress while it blocks."""
+        pending = [f for f in needs if not f.done()]
+        while pending:
+            self._report()
+            pending = list(wait_futures(pending, return_when=FIRST_COMPLETED).not_done)
+        if needs is self._all:
+            self._report()
+
+    def _report(self) -> None:
+        if self._progress is not None:
+            self._progress(sum(f.done() for f in self._all), len(self._all))
+
+    def _launch(self, fn, args: tuple, kwargs: dict, grid) -> None:
         self.launches += 1
         key = specialization_key(fn, args, kwargs)
-        if key is not None and key in self.seen:
-            return
-        self.seen.add(key)
-        self.compiles += 1
-        with contextlib.suppress(Exception):  # create fn's per-device cache here, not racing in two workers
-            fn.device_caches[torch.cuda.current_device()]
-        self.submit(fn, tuple(_stand_in(a) for a in args), {k: _stand_in(v) for k, v in kwargs.items()}, grid)
+        future = self._futures.get(key) if key is not None else None
+        if future is None:
+            self.compiles += 1
+            with contextlib.suppress(Exception):  # create fn's per-device cache here, not racing in two workers
+                fn.device_caches[torch.cuda.current_device()]
+            stand_ins = tuple(_stand_in(a) for a in args), {k: _stand_in(v) for k, v in kwargs.items()}
+            future = self._pool.submit(_quietly, self._compile_fn, fn, *stand_ins, grid)
+            self._all.append(future)
+            if key is not None:
+                self._futures[key] = future
+        self._needs.append(future)
+
+    def _finish(self) -> None:
+        if self.enabled:
+            self.wait(self._all)
+            self.failed = sum(not f.result() for f in self._all)
+            self._pool.shutdown()
 
 
 @contextlib.contextmanager
 def compiled_ahead(compile_fn: Optional[Callable] = None, threads: Optional[int] = None,
-                   progress: Optional[Callable[[int, int], None]] = None) -> Iterator[Recorder]:
-    """Within the block, this thread's Triton launches are recorded, not launched, and their kernels compiled
-    in a pool of ``threads``; leaving it waits for them, reporting ``progress(done, total)`` as they finish.  A
-    no-op block where :func:`enabled` is false (then the recorder stays empty and the kernels launch as usual).
+                   progress: Optional[Callable[[int, int], None]] = None) -> Iterator[Compiles]:
+    """Within the block, :meth:`Compiles.record` runs a call with this thread's Triton launches recorded, not
+    launched, their kernels compiled in a pool of ``threads``, and :meth:`Compiles.wait` waits for the ones a
+    recorded call needs (so that work on the first kernels overlaps the compiles of the rest); leaving the
+    block waits for all.  ``progress(done, total)``: the compiles, reported while something waits for them.
+    Where :func:`enabled` is false or ``threads`` is 0 the block compiles nothing ahead (kernels compile at their
+    launch).
     ``compile_fn(fn, args, kwargs, grid)`` replaces Triton's compile (tests)."""
     threads = compile_threads() if threads is None else threads
-    if compile_fn is None and not enabled():
-        yield Recorder(lambda *a: None, enabled=False)
+    if compile_fn is None and (threads == 0 or not enabled()):
+        yield Compiles(None, lambda *a: None, progress)
         return
     run = JITFunction.run
-    compile_fn = compile_fn or (lambda fn, args, kwargs, grid: run(fn, *args, grid=grid, warmup=True, **kwargs))
+    compile_fn = compile_fn or (lambda fn, args, kwargs, grid: _load(run(fn, *args, grid=grid, warmup=True,
+                                                                         **kwargs)))
     on_cuda = torch.cuda.is_available()
     pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="triton-compile",  # workers on this device
                               initializer=torch.cuda.set_device if on_cuda else None,
                               initargs=(torch.cuda.current_device(),) if on_cuda else ())
-    futures = []
-    recorder = Recorder(lambda *job: futures.append(pool.submit(_quietly, compile_fn, *job)))
-    recording = threading.get_ident()
+    compiles = Compiles(pool, compile_fn, progress)
 
     def recording_run(fn, *args, grid, warmup, **kwargs):
-        if threading.get_ident() != recording or warmup:
+        if warmup or compiles._recording != threading.get_ident():
             return run(fn, *args, grid=grid, warmup=warmup, **kwargs)
-        recorder.record(fn, args, kwargs, grid)
+        compiles._launch(fn, args, kwargs, grid)
         return None
 
     JITFunction.run = recording_run
     try:
-        yield recorder
+        yield compiles
     finally:
         JITFunction.run = run
-        for done, future in enumerate(as_completed(futures), 1):
-            recorder.failed += not future.result()
-            if progress is not None:
-                progress(done, len(futures))
-        pool.shutdown()
+        compiles._finish()
+
+
+def _load(kernel) -> None:
+    """Load a compiled kernel as its first launch would: its module into the device, and its launcher (a small
+    C extension per argument signature that Triton builds with the host compiler: a quarter second each from an
+    empty cache, on the launching thread if not here)."""
+    init = getattr(kernel, "_init_handles", None)  # Triton's own, private: skipped if it goes away
+    if init is not None:
+        init()
 
 
 def _quietly(compile_fn, fn, args, kwargs, grid) -> bool:
@@ -134,35 +190,39 @@ def _quietly(compile_fn, fn, args, kwargs, grid) -> bool:
 def dry_run(fn: Callable[[], object], device: torch.device) -> None:
     """Call ``fn`` inside a capture into a scratch CUDA graph that is never replayed (its torch ops are
     recorded, not run: inside :func:`compiled_ahead` they would read what the skipped kernels never wrote);
-    on the CPU, call it (there nothing is skipped).  Unlike ``torch.cuda.graph`` it neither synchronizes
-    nor collects garbage: it runs once per graph of the start-up."""
+    on the CPU, call it (there nothing is skipped)."""
     if device.type != "cuda":
         fn()
         return
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="relaxed")
-        try:
+    with warnings.catch_warnings():  # torch warns about an empty graph
+        warnings.filterwarnings("ignore", "The CUDA Graph is empty", UserWarning)
+        with capturing(torch.cuda.CUDAGraph(), device, mode="relaxed"):
             torch.zeros(1, device=device)  # one node: a graph of skipped Triton launches alone would be empty
             fn()
-        finally:
-            with warnings.catch_warnings():  # and torch warns about an empty graph
-                warnings.filterwarnings("ignore", "The CUDA Graph is empty", UserWarning)
-                graph.capture_end()
-    torch.cuda.current_stream(device).wait_stream(stream)
 
 
 def specialization_key(fn, args: tuple, kwargs: dict) -> Optional[tuple]:
     """What Triton compiles a launch of ``fn`` for, as far as the arguments show it: constexpr values, pointer
     dtypes and 16-byte alignment, integers' 1 / multiple-of-16 / 32-bit ranges, the launch options.  None
     where the arguments do not bind (then the launch is compiled without de-duplication)."""
-    try:
-        names = {p.name for p in fn.params}
+    try:  # bound by hand: inspect's bind costs as much as the rest of a recorded launch
+        params = fn.params
+        names = {p.name for p in params}
         options = tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k not in names))
-        bound = fn.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in names})
-        bound.apply_defaults()
-        return (fn, tuple(_spec(p, bound.arguments[p.name]) for p in fn.params), options)
+        if len(args) > len(params):
+            return None
+        values = []
+        for i, param in enumerate(params):
+            if i < len(args):
+                value = args[i]
+            elif param.name in kwargs:
+                value = kwargs[param.name]
+            elif param.has_default:
+                value = param.default
+            else:
+                return None
+            values.append(_spec(param, value))
+        return (fn, tuple(values), options)
     except Exception:
         return None
 

@@ -213,6 +213,8 @@ class _Progress:
             self.close()
             self.stage = msg.stage
             self.bar = tqdm(total=msg.total, desc=f"forerun: {msg.stage}", unit="", file=sys.stderr, leave=False)
+        if msg.total != self.bar.total:  # a stage may learn its size as it goes
+            self.bar.total = msg.total
         self.bar.update(msg.done - self.bar.n)  # tqdm throttles redraws (mininterval)
 
     def close(self) -> None:

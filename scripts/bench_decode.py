@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     if args.no_prologues:
         import executor_proc.backends.gemv_tuning as tuning
 
-        tuning.tune_prologues = lambda backend, model, *a, **kw: ({}, {})  # select_backend imports it at call time
+        tuning.prologue_jobs = lambda backend, model, *a, **kw: []  # tune_all looks it up at call time
         os.environ["FORERUN_FOLD_NORMS"] = "0"  # and no norm from partial sums (select.folds_norms)
 
     device = torch.device("cuda", 0)

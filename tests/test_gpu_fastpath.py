@@ -407,6 +407,29 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
     assert torch.equal(backend.logits(xb, lm), invariant_matmul(xb, lm, config=split).float())
 
 
+@needs_cuda
+def test_tuner_times_inside_the_graph_while_kernels_compile():
+    """The tuner's pass is timed by events captured in its graph (the host's pace does not count), and its
+    captures leave other threads free to load kernels (the compile pool runs beside them)."""
+    from executor_proc.backends import gemv_tuning
+    from kernels.precompile import compiled_ahead
+
+    skinny = gemv_tuning.skinny
+    weights = [torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    start, end = gemv_tuning._timing_events()
+    assert start.external and end.external  # torch >= 2.8
+
+    def job(m):  # the second job's kernels still compile while the first one is timed
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        configs = [c for c in skinny.CONFIGS if skinny.config_fits(c, m)][:6]
+        return gemv_tuning.TuneJob(("w", 1024, 1024, m), ("cublas", lambda w: x @ w.T),
+                                   [(c, lambda w, c=c: skinny.gemv(x, w, config=c)) for c in configs], weights, 1.0)
+
+    with compiled_ahead() as ahead:
+        choice, timings = gemv_tuning.TunePhase([job(1), job(4)], ahead).pick("tuning")
+    assert len(timings) == 14 and all(0 < t < 10 for t in timings.values()), timings
+
+
 def test_tuner_log_names_the_picks(tmp_path, monkeypatch):
     """``FORERUN_TUNER_LOG=path``: the executor writes what its start-up tuner measured and picked (nothing on
     the CPU, where it does not tune); the report gives per shape and batch the baseline's time, the best

@@ -45,8 +45,10 @@ def _record(launches, compile_fn=None):
 
     reports = []
     with compiled_ahead(compile_fn=fake_compile, threads=1, progress=lambda *r: reports.append(r)) as recorder:
-        launches()
-    assert reports == [(i + 1, len(calls)) for i in range(len(calls))]  # one report per compile, in order
+        recorder.record(launches)
+    # reported while the block's end waits: the compiles done so far, up to all of them
+    assert reports[-1] == (len(calls), len(calls)) and reports == sorted(reports)
+    assert {total for _, total in reports} == {len(calls)}
     return calls, recorder
 
 
@@ -125,12 +127,38 @@ def test_other_threads_launch_as_usual_and_the_patch_is_undone():
         assert seen  # the other thread reached Triton's own launch
 
 
+def test_each_recorded_call_waits_for_its_own_kernels():
+    """A recorded call's needs are the compiles of its launches (a specialization seen before shares its
+    compile); waiting for them leaves the others compiling; the block's end waits for all."""
+    x = torch.zeros(64)
+    gate, started = threading.Event(), []
+
+    def compile_fn(fn, args, kwargs, grid):
+        started.append(kwargs["BLOCK"])
+        if kwargs["BLOCK"] == 256:
+            assert gate.wait(10)  # the second call's kernel takes its time
+
+    reports = []
+    with compiled_ahead(compile_fn=compile_fn, threads=2, progress=lambda *r: reports.append(r)) as ahead:
+        first = ahead.record(lambda: (_launch(x, x, 64, block=64), _launch(x, x, 64, block=128)))
+        second = ahead.record(lambda: (_launch(x, x, 64, block=256), _launch(x, x, 64, block=64)))
+        assert len(first) == 2 and len(second) == 2 and second[1] is first[0]
+        ahead.wait(first)
+        assert all(f.done() for f in first) and not second[0].done()
+        gate.set()
+    assert second[0].done() and ahead.compiles == 3 and ahead.launches == 4
+    assert reports[-1] == (3, 3)
+
+
 def test_off_without_a_gpu_or_when_asked(monkeypatch):
     monkeypatch.setenv("FORERUN_COMPILE_THREADS", "0")
     assert not enabled()
     run = JITFunction.run
     with compiled_ahead() as recorder:
         assert JITFunction.run is run and not recorder.enabled
+        assert recorder.record(lambda: 1 / 0) == []  # a pass made only to compile is skipped
+    with compiled_ahead(threads=0) as recorder:  # or when the caller asks
+        assert not recorder.enabled
     calls = []
     dry_run(lambda: calls.append(1), torch.device("cpu"))  # the CPU just calls it
     assert calls == [1]
@@ -141,10 +169,13 @@ def test_compiled_ahead_then_launched_without_compiling():
     scale = JITFunction(_scale)  # its own kernel cache
     x = torch.randn(1000, device="cuda")
     out = torch.empty_like(x)
-    with compiled_ahead(threads=4) as recorder:
+    def launches():
         for block in (64, 128, 256):
             _dry = torch.empty_like(x)
             scale[(triton.cdiv(1000, block),)](x, _dry, 1000, 2.0, BLOCK=block)
+
+    with compiled_ahead(threads=4) as recorder:
+        recorder.record(launches)
     assert recorder.compiles == 3 and recorder.failed == 0
     cache = scale.device_caches[torch.cuda.current_device()][0]
     assert len(cache) == 3

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable
 
@@ -25,9 +26,10 @@ from executor_proc.backends.base import NormInput, split_heads
 from executor_proc.backends.triton_backend import ONE_TOKEN_KINDS
 from kernels import gemv as skinny
 from kernels.gemv_partials import sumsq_fits, sumsq_programs
+from kernels.capture import capturing
 from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.matmul import MatmulConfig, invariant_matmul
-from kernels.precompile import STAGE as COMPILE_STAGE, compiled_ahead
+from kernels.precompile import STAGE as COMPILE_STAGE, Compiles, compiled_ahead
 
 # Tiled-matmul candidates for decode batches above 8 (the best of the H100 sweep at 64 rows,
 # scripts/bench_invariant_knobs.py): wide tiles for wide weights, narrow tiles with deep pipelines
@@ -36,6 +38,18 @@ MATMUL_CANDIDATES = (MatmulConfig(128, 128, 4, 3, 1), MatmulConfig(128, 128, 8, 
                      MatmulConfig(64, 128, 4, 5, 1), MatmulConfig(128, 128, 4, 4, 1),
                      MatmulConfig(32, 128, 4, 6, 1), MatmulConfig(64, 64, 4, 8, 1),
                      MatmulConfig(32, 256, 4, 4, 1), MatmulConfig(64, 128, 4, 4, 2))
+
+
+@dataclass
+class TuneJob:
+    """One choice: ``baseline = (name, fn)`` against ``candidates = [(config, fn), ...]``, each fn taking one of
+    ``weights`` (a pass streams them all); a config wins below ``margin`` times the baseline's time."""
+
+    key: tuple
+    baseline: tuple
+    candidates: list
+    weights: list
+    margin: float
 
 
 def _weight_groups(model) -> dict[tuple[int, int], list[torch.Tensor]]:
@@ -60,6 +74,8 @@ def _quiet(stage: str, done: int, total: int) -> None:
 # matmul with the next one of its kind (PDL, kernels/pdl.py); in a step it also overlaps with its neighbours
 # (norms, attention, rotary), while a cuBLAS call ends the chain on both sides.
 SKINNY_MARGIN = 1.02
+# The start-up's progress stages, one per tuning phase.
+SKINNY_STAGE, TILED_STAGE, FUSED_STAGE = "tuning skinny matmuls", "tuning tiled matmuls", "tuning fused kernels"
 
 
 def tune_linears(model, ms: list[int], reps: int = 5, margin: float = SKINNY_MARGIN,
@@ -72,27 +88,37 @@ def tune_linears(model, ms: list[int], reps: int = 5, margin: float = SKINNY_MAR
     passes counts.  A config that fails to compile is skipped.  ``progress(stage, done, total)``: the kernels
     compiled (:data:`kernels.precompile.STAGE`), then the shapes and sizes timed ("tuning skinny matmuls").
     """
+    return _tune_alone(linear_jobs(model, ms, margin), SKINNY_STAGE, reps, progress)
+
+
+def linear_jobs(model, ms: list[int], margin: float = SKINNY_MARGIN) -> list[TuneJob]:
+    """:func:`tune_linears`' jobs: per weight shape and batch size, cuBLAS against the fitting skinny configs."""
     jobs = []
     for (n, k), weights in _weight_groups(model).items():
         for m in ms:
             x = torch.randn(m, k, dtype=weights[0].dtype, device=weights[0].device)
             candidates = [(c, lambda w, c=c, x=x: skinny.gemv(x, w, config=c))
                           for c in skinny.CONFIGS if skinny.config_fits(c, m)]
-            jobs.append(((n, k, m), ("cublas", lambda w, x=x: F.linear(x, w)), candidates, weights))
-    return _pick_all(jobs, reps, lambda key: margin, "tuning skinny matmuls", progress)
+            jobs.append(TuneJob((n, k, m), ("cublas", lambda w, x=x: F.linear(x, w)), candidates, weights, margin))
+    return jobs
 
 
 def tune_matmuls(model, ms: list[int], reps: int = 5, margin: float = 0.97,
                  progress: ProgressCallback = _quiet) -> tuple[dict, dict]:
     """As :func:`tune_linears` for batch sizes above 8: cuBLAS against :data:`MATMUL_CANDIDATES` of the
     tiled matmul; returns (choice, ms per pass) keyed by ``(N, K, m)``."""
+    return _tune_alone(matmul_jobs(model, ms, margin), TILED_STAGE, reps, progress)
+
+
+def matmul_jobs(model, ms: list[int], margin: float = 0.97) -> list[TuneJob]:
+    """:func:`tune_matmuls`' jobs: per weight shape and batch size, cuBLAS against the tiled matmul's candidates."""
     jobs = []
     for (n, k), weights in _weight_groups(model).items():
         for m in ms:
             x = torch.randn(m, k, dtype=weights[0].dtype, device=weights[0].device)
             candidates = [(c, lambda w, c=c, x=x: invariant_matmul(x, w, config=c)) for c in MATMUL_CANDIDATES]
-            jobs.append(((n, k, m), ("cublas", lambda w, x=x: F.linear(x, w)), candidates, weights))
-    return _pick_all(jobs, reps, lambda key: margin, "tuning tiled matmuls", progress)
+            jobs.append(TuneJob((n, k, m), ("cublas", lambda w, x=x: F.linear(x, w)), candidates, weights, margin))
+    return jobs
 
 
 def tune_prologues(backend, model, ms: tuple[int, ...] = (1,), reps: int = 5, margin: float = 0.97,
@@ -109,6 +135,15 @@ def tune_prologues(backend, model, ms: tuple[int, ...] = (1,), reps: int = 5, ma
     ``few`` fastest "dot" configs), so that start-up compiles a few kernels per size, not all.
     Returns (choice, ms per pass) keyed by ``(kind, N, K, m)``.  ``backend.gemv_choice`` must already be
     tuned (the unfused chains use it)."""
+    saved = backend.prologue_everywhere
+    try:
+        return _tune_alone(prologue_jobs(backend, model, ms, margin, few), FUSED_STAGE, reps, progress)
+    finally:
+        backend.prologue_everywhere = saved
+
+
+def prologue_jobs(backend, model, ms: tuple[int, ...] = (1,), margin: float = 0.97, few: int = 3) -> list[TuneJob]:
+    """:func:`tune_prologues`' jobs (its runs force ``backend.prologue_everywhere``: restore it after them)."""
     cfg, layers = model.config, model.model.layers
     groups: dict[tuple[str, int, int], list[torch.Tensor]] = defaultdict(list)
     for layer in layers:
@@ -119,16 +154,11 @@ def tune_prologues(backend, model, ms: tuple[int, ...] = (1,), reps: int = 5, ma
         groups[("norm", *gate_up.shape)].append(gate_up)
         groups[("gate_silu", *gate_up.shape)].append(gate_up)
         groups[("silu", *down.shape)].append(down)
-    jobs = [((kind, n, k, m), *_fused_runs(backend, kind, n, k, m, weights[0], cfg, few), weights)
+    # an epilogue within 2% of the unfused chain wins: it saves a launch, which in a step costs more than in
+    # this pass (there its neighbours are attention and the residual matmuls)
+    return [TuneJob((kind, n, k, m), *_fused_runs(backend, kind, n, k, m, weights[0], cfg, few), weights,
+                    margin if m == 1 else SKINNY_MARGIN)
             for (kind, n, k), weights in groups.items() for m in ms if (m == 1) == (kind in ONE_TOKEN_KINDS)]
-    saved = backend.prologue_everywhere
-    try:
-        # an epilogue within 2% of the unfused chain wins: it saves a launch, which in a step costs more
-        # than in this pass (there its neighbours are attention and the residual matmuls)
-        return _pick_all(jobs, reps, lambda key: margin if key[-1] == 1 else SKINNY_MARGIN, "tuning fused kernels",
-                         progress)
-    finally:
-        backend.prologue_everywhere = saved
 
 
 def _fused_runs(backend, kind: str, n: int, k: int, m: int, w0: torch.Tensor, cfg, few: int):
@@ -190,27 +220,61 @@ def _forcing(backend, forced: dict, run):
     return fn
 
 
-def _pick_all(jobs: list, reps: int, margin_of: Callable[[tuple], float], stage: str,
-              progress: ProgressCallback) -> tuple[dict, dict]:
-    """:func:`_pick` for each ``(key, baseline, candidates, weights)`` of ``jobs`` with ``margin_of(key)``, after
-    compiling every run's kernels at once (:func:`kernels.precompile.compiled_ahead`: a pass that records the
-    launches, compiled in parallel); returns (choice, ms per pass) keyed as :func:`tune_linears`' are.
-    ``progress``: the compiles (:data:`kernels.precompile.STAGE`), then the jobs timed (``stage``)."""
-    if not jobs:
-        return {}, {}
-    with compiled_ahead(progress=lambda done, total: progress(COMPILE_STAGE, done, total)) as ahead:
-        for _, baseline, candidates, weights in (jobs if ahead.enabled else ()):
-            for _, fn in (baseline, *candidates):
-                with contextlib.suppress(Exception):  # a candidate that fails is no candidate (_pick)
-                    fn(weights[0])
-    choice, timings = {}, {}
-    for done, (key, baseline, candidates, weights) in enumerate(jobs):
-        progress(stage, done, len(jobs))
-        best = _pick(key, baseline, candidates, weights, reps, margin_of(key), timings)
-        if best is not None:
-            choice[key] = best
-    progress(stage, len(jobs), len(jobs))
-    return choice, timings
+class TunePhase:
+    """Jobs whose kernels start compiling at once (``ahead``: :func:`kernels.precompile.compiled_ahead`; a
+    pass that records each job's launches), timed by :meth:`pick`, each job when its own kernels are ready."""
+
+    def __init__(self, jobs: list[TuneJob], ahead: Compiles):
+        self.jobs, self.ahead = jobs, ahead
+        self.needs = [ahead.record(lambda job=job: _run_once(job)) for job in jobs]
+
+    def pick(self, stage: str, progress: ProgressCallback = _quiet, reps: int = 5) -> tuple[dict, dict]:
+        """:func:`_pick` for each job; (choice, ms per pass) keyed as :func:`tune_linears`' are.  ``progress``:
+        the jobs timed (``stage``), and the compiles while a job waits for its kernels."""
+        choice, timings = {}, {}
+        for done, (job, needs) in enumerate(zip(self.jobs, self.needs)):
+            self.ahead.wait(needs)
+            progress(stage, done, len(self.jobs))
+            best = _pick(job.key, job.baseline, job.candidates, job.weights, reps, job.margin, timings)
+            if best is not None:
+                choice[job.key] = best
+        progress(stage, len(self.jobs), len(self.jobs))
+        return choice, timings
+
+
+def _run_once(job: TuneJob) -> None:
+    for _, fn in (job.baseline, *job.candidates):
+        with contextlib.suppress(Exception):  # a candidate that fails is no candidate (_pick)
+            fn(job.weights[0])
+
+
+def _compiles(progress: ProgressCallback):
+    return compiled_ahead(progress=lambda done, total: progress(COMPILE_STAGE, done, total))
+
+
+def _tune_alone(jobs: list[TuneJob], stage: str, reps: int, progress: ProgressCallback) -> tuple[dict, dict]:
+    with _compiles(progress) as ahead:
+        return TunePhase(jobs, ahead).pick(stage, progress, reps)
+
+
+def tune_all(backend, model, small: list[int], wide: list[int], progress: ProgressCallback = _quiet) -> None:
+    """The start-up's tuning, into ``backend``: :func:`tune_linears` at the ``small`` batch sizes,
+    :func:`tune_matmuls` at the ``wide`` ones, then :func:`tune_prologues` at the small ones.  One compile pool
+    for all three: the first two phases' kernels are recorded up front and the fused kernels' as soon as the
+    skinny picks are known (their candidates and unfused chains depend on them), so each phase's timing
+    overlaps the compiles of what comes after it."""
+    saved = backend.prologue_everywhere
+    try:
+        with _compiles(progress) as ahead:
+            skinny_phase, tiled_phase = TunePhase(linear_jobs(model, small), ahead), TunePhase(
+                matmul_jobs(model, wide), ahead)
+            backend.gemv_choice, backend.gemv_timings = skinny_phase.pick(SKINNY_STAGE, progress)
+            fused_phase = TunePhase(prologue_jobs(backend, model, tuple(small)), ahead)
+            backend.matmul_choice, matmul_timings = tiled_phase.pick(TILED_STAGE, progress)
+            backend.gemv_timings.update(matmul_timings)
+            backend.prologue_choice, backend.prologue_timings = fused_phase.pick(FUSED_STAGE, progress)
+    finally:
+        backend.prologue_everywhere = saved
 
 
 def _pick(key: tuple, baseline: tuple, candidates: list, weights: list[torch.Tensor], reps: int, margin: float,
@@ -233,24 +297,46 @@ def _pick(key: tuple, baseline: tuple, candidates: list, weights: list[torch.Ten
 
 
 def _time_pass(fn, weights: list[torch.Tensor], reps: int) -> float:
-    """Median ms of one pass over ``weights``, replayed as a CUDA graph (as in a decode step: no launch gaps)."""
+    """Median ms of one pass over ``weights``, replayed as a CUDA graph (as in a decode step: no launch gaps).
+    The events that time it are inside the graph, so the host's pace (other threads compiling, the GIL) does
+    not count."""
     for w in weights[:2]:
         fn(w)  # compile / warm up outside the capture
     torch.cuda.synchronize()
+    start, end = _timing_events()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capturing(graph, weights[0].device):
+        if start.external:
+            start.record()
         for w in weights:
             fn(w)
+        if end.external:
+            end.record()
     graph.replay()
     times = []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        if not start.external:
+            start.record()
         graph.replay()
-        end.record()
-        end.synchronize()
+        if not end.external:
+            end.record()
+        torch.cuda.current_stream().synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[reps // 2]
+
+
+def _timing_events() -> tuple:
+    """Two timing events, recorded inside a graph where torch can (``external``, torch >= 2.8), else around
+    its replay; each carries ``external``."""
+    try:
+        events = (torch.cuda.Event(enable_timing=True, external=True),
+                  torch.cuda.Event(enable_timing=True, external=True))
+        external = True
+    except TypeError:
+        events, external = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)), False
+    for e in events:
+        e.external = external
+    return events
 
 
 def tuner_report(backend) -> dict:

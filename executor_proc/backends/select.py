@@ -33,7 +33,7 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     """
     if not uses_triton(cfg, device):
         return TorchBackend(model.rope_inv_freq)
-    from executor_proc.backends.gemv_tuning import tune_linears, tune_matmuls, tune_prologues, tuner_report
+    from executor_proc.backends.gemv_tuning import tune_all, tuner_report
     from executor_proc.backends.triton_backend import TritonBackend, m_bucket
     from kernels.interpreter_patch import patch_interpreter
 
@@ -48,12 +48,8 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     tune_max_m = graph_max_batch(cfg, backend) if device.type == "cuda" and not cfg.batch_invariant else 0
     if tune_max_m > 0:
         small = [m for m in (1, 2, 4, 8) if m <= tune_max_m]  # the skinny and fused kernels' sizes
-        backend.gemv_choice, backend.gemv_timings = tune_linears(model, small, progress=progress)
         wide = [16 << i for i in range(8) if 16 << i <= m_bucket(tune_max_m)]  # the decode graphs' larger buckets
-        backend.matmul_choice, matmul_timings = tune_matmuls(model, wide, progress=progress)
-        backend.gemv_timings.update(matmul_timings)
-        backend.prologue_choice, backend.prologue_timings = tune_prologues(backend, model, tuple(small),
-                                                                           progress=progress)
+        tune_all(backend, model, small, wide, progress)
     if os.environ.get("FORERUN_TUNER_LOG"):  # which kernels this process runs (benchmarks keep it with their results)
         with open(os.environ["FORERUN_TUNER_LOG"], "w") as f:
             json.dump(tuner_report(backend), f, indent=1)

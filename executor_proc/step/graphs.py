@@ -37,6 +37,7 @@ import torch
 
 from executor_proc.step.decode_step import DecodeInputs
 from executor_proc.step.sample import GREEDY, SAMPLED, Sampled, SamplingMode
+from kernels.capture import capturing
 from kernels.precompile import compiled_ahead, dry_run
 
 ProgressCallback = Callable[[int, int], None]
@@ -63,8 +64,9 @@ class GraphCapture:
             fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the output thread may wait on copy events while a lazy capture runs
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        # thread_local (kernels.capture): the output thread may wait on copy events while a lazy capture runs,
+        # and the compile pool loads kernels while the start-up captures
+        with capturing(graph, self.device, pool=self.pool):
             out = fn()
         self.count += 1
         return graph, out
@@ -156,19 +158,18 @@ class CaptureJob:
 
 def run_captures(jobs: list[CaptureJob], capturer: GraphCapture, progress: Optional[ProgressCallback] = None,
                  compile_first: bool = True, compile_progress: Optional[ProgressCallback] = None) -> None:
-    """Compile every job's kernels at once (``compile_first``, reporting ``compile_progress(done, total)``), then
-    capture the jobs in order, reporting ``progress(done, total)``; then wait for the device.  The compile pass
-    runs each job with its Triton launches recorded (compiled in a thread pool:
-    :func:`kernels.precompile.compiled_ahead`) and its torch ops captured into a scratch graph."""
+    """Capture the jobs in order, reporting ``progress(done, total)``; then wait for the device.  With
+    ``compile_first``, a pass first runs each job with its Triton launches recorded (their kernels compiled in
+    a thread pool: :func:`kernels.precompile.compiled_ahead`) and its torch ops captured into a scratch graph;
+    each capture then waits for its own kernels only (``compile_progress(done, total)`` while it waits), so the
+    first captures overlap the compiles of the later graphs."""
     if not jobs:
         return
-    if compile_first:
-        with compiled_ahead(progress=compile_progress) as ahead:
-            for job in jobs if ahead.enabled else ():
-                job.prepare()
-                dry_run(job.fn, capturer.device)
-    for done, job in enumerate(jobs):
-        job.capture(capturer)
-        if progress is not None:
-            progress(done + 1, len(jobs))
+    with compiled_ahead(progress=compile_progress, threads=None if compile_first else 0) as ahead:
+        needs = [ahead.record(lambda job=job: (job.prepare(), dry_run(job.fn, capturer.device))) for job in jobs]
+        for done, (job, need) in enumerate(zip(jobs, needs)):
+            ahead.wait(need)
+            job.capture(capturer)
+            if progress is not None:
+                progress(done + 1, len(jobs))
     torch.cuda.synchronize(capturer.device)

@@ -45,6 +45,7 @@ from executor_proc.model.kv_cache import KVCache
 from executor_proc.step.staging import PinnedStaging
 from ipc.config import DEFAULT_HOST_KV_GIB, ExecutorConfig
 from ipc.protocol import StepPlan
+from kernels.precompile import compiled_ahead
 from kernels.transfer import ItemCopy, TransferConfig, copy_items
 
 GIB = 1 << 30
@@ -118,11 +119,16 @@ class HostKV:
         precaution)."""
         storage, n = self.kv.storage, 2 * self.kv.storage.shape[0]
         dev, host = (torch.from_numpy(np.concatenate([[0], x])).to(storage.device) for x in self._offsets([0], [0]))
-        for start in (0, 1):  # offsets from a 16-byte boundary and from 8 bytes past one (the upload's places)
-            d, h = dev[start:start + n], host[start:start + n]
-            for config in (TransferConfig(), TransferConfig(max_programs=max(1, n - 1))):
-                copy_items(storage, self.pool, d, h, self.item_bytes, config=config)
-                copy_items(self.pool, storage, h, d, self.item_bytes, config=config)
+
+        def copies():
+            for start in (0, 1):  # offsets from a 16-byte boundary and from 8 bytes past one (the upload's places)
+                d, h = dev[start:start + n], host[start:start + n]
+                for config in (TransferConfig(), TransferConfig(max_programs=max(1, n - 1))):
+                    copy_items(storage, self.pool, d, h, self.item_bytes, config=config)
+                    copy_items(self.pool, storage, h, d, self.item_bytes, config=config)
+        with compiled_ahead() as ahead:  # the variants compile side by side, then run
+            ahead.record(copies)
+        copies()
         torch.cuda.synchronize(storage.device)  # start-up only
 
     def use_backup_launch(self, stream: Optional[torch.cuda.Stream], config: Optional[TransferConfig] = None) -> None:
