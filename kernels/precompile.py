@@ -80,6 +80,7 @@ class Compiles:
         self._futures: dict = {}  # specialization key -> its compile
         self._all: list[Future] = []
         self._recording: Optional[int] = None  # the thread whose launches are recorded now
+        self._needs: list[Future] = []  # the compiles the call being recorded needs
         self.launches = 0  # launches recorded
         self.compiles = 0  # distinct specializations handed to the pool
         self.failed = 0  # of them, compiles that raised (left for their launch), counted when the block ends
