@@ -13,7 +13,7 @@ any penalties, any logprobs): the two plain ones, all greedy (argmax) and sample
 (the general sampler; greedy rows inside it still take the argmax), are captured
 at start-up for every bucket, as before these features existed; any other mode is
 captured the first time a step needs it, for that bucket only (a one-time cost of
-one capture, a few milliseconds, and one device synchronisation).  A lazy capture
+one warm-up and capture, a few milliseconds).  A lazy capture
 warms up and captures on padding rows, then puts the step's inputs back, so the
 step's own state (``last_token``, counts, KV) is touched once, by the replay.
 

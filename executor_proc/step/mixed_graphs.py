@@ -12,8 +12,8 @@ first ``S`` tokens of the head's static output.
 
 Every body and the heads of the two plain sampling modes are captured at start-up,
 largest first; a head for another mode (penalties, logprobs) the first time a step
-needs it, on padded sample rows (one capture and one device synchronisation, once
-per row bucket and mode: a head is small).  With ``capture=False`` (the CPU, tests)
+needs it, on padded sample rows (one warm-up and capture, once per row bucket and
+mode: a head is small).  With ``capture=False`` (the CPU, tests)
 the runner calls the same functions eagerly on the same buffers.
 """
 
