@@ -232,6 +232,8 @@ class TunePhase:
         """:func:`_pick` for each job; (choice, ms per pass) keyed as :func:`tune_linears`' are.  ``progress``:
         the jobs timed (``stage``), and the compiles while a job waits for its kernels."""
         choice, timings = {}, {}
+        if not self.jobs:  # e.g. no batch above 8 to tune for: no stage to show
+            return choice, timings
         for done, (job, needs) in enumerate(zip(self.jobs, self.needs)):
             self.ahead.wait(needs)
             progress(stage, done, len(self.jobs))
