@@ -34,6 +34,17 @@ CHAT_PROMPTS = [
 ]
 
 
+@pytest.fixture
+def tiny_model_dir(tmp_path) -> str:
+    """A 2-layer model config folder (hidden 64, vocab 300): the benchmark scripts' CPU runs load it with random
+    weights."""
+    from tests.test_gpu_fastpath import write_config
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    return write_config(folder, vocab=300)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     from executor_proc.model.default_model import ensure_default_model

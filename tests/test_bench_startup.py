@@ -9,17 +9,13 @@ import sys
 
 import pytest
 
-from tests.test_gpu_fastpath import write_config
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.slow
 
 
-def test_cases_report_their_stages(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    write_config(model, hidden=64, layers=2, heads=4, kv_heads=2, vocab=300, intermediate=96)
+def test_cases_report_their_stages(tmp_path, tiny_model_dir):
+    model = tiny_model_dir
     out = tmp_path / "startup.json"
     run = subprocess.run([sys.executable, "scripts/bench_startup.py", "--device", "cpu", "--model", str(model),
                           "--num-slots", "4", "--cases", "off=0", "--warm", "--json", str(out)],

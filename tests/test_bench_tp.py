@@ -9,17 +9,13 @@ import sys
 
 import pytest
 
-from tests.test_gpu_fastpath import write_config
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.slow
 
 
-def test_both_sizes_run_and_report(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    write_config(model, hidden=64, layers=2, heads=4, kv_heads=2, vocab=300, intermediate=96)
+def test_both_sizes_run_and_report(tmp_path, tiny_model_dir):
+    model = tiny_model_dir
     out = tmp_path / "tp.json"
     env = dict(os.environ, PYTHONPATH=ROOT)
     run = subprocess.run([sys.executable, "scripts/bench_tp.py", "--device", "cpu", "--model", str(model),
