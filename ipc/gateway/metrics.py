@@ -9,6 +9,21 @@ Two sources:
   files that any worker's ``/metrics`` adds up;
 * the scheduler's state (running, waiting, KV blocks, preemptions, step
   times), read from ``ServerStats`` at scrape time: nothing runs between scrapes.
+
+The series (labelled ``model_name``):
+
+* gateway: ``request_success_total{finished_reason}``, ``prompt_tokens_total``,
+  ``generation_tokens_total`` (counters); ``time_to_first_token_seconds``,
+  ``time_per_output_token_seconds``, ``inter_token_latency_seconds``,
+  ``e2e_request_latency_seconds`` (histograms, vLLM's buckets, from the SDK's timings);
+* scheduler: ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (0 to 1),
+  ``num_kv_blocks_used``, ``num_kv_blocks_free``, ``num_host_kv_blocks_free`` (gauges);
+  ``num_preemptions_total``, ``steps_total``, ``executor_restarts_total``,
+  ``prefix_cache_queries_total``, ``prefix_cache_hits_total``, ``prefix_cache_host_hits_total``
+  (tokens looked up and found at admission), ``step_time_seconds_total``, ``gpu_busy_seconds_total``,
+  ``gpu_idle_seconds_total``, ``executor_idle_seconds_total`` (counters, summed from each
+  ``StepResult``); ``gpu_idle_fraction`` (idle / (busy + idle) since start: CUDA-event gaps on a
+  GPU, else the executor's waits for plans; use ``rate()`` of the counters for a window).
 """
 
 from __future__ import annotations
