@@ -5,8 +5,16 @@ Triton 3.6's interpreter turns a scalar tensor into a Python int with
 ``for i in range(lo, hi)`` whose bounds are loaded from memory.  We re-patch
 ``__index__`` to take the single element.
 
-It also multiplies bfloat16 operands of ``tl.dot`` as their raw uint16 bit
-patterns (its numpy stand-in type for bf16); we widen them to float32 first.
+Its ``tl.dot`` is ``np.matmul``, whose summation order is the host BLAS's
+choice: OpenBLAS picks its kernels by CPU (and, within one CPU, by the
+operands' shapes and strides), so a bit-for-bit claim that held on one machine
+failed on another.  Our ``tl.dot`` sums the products in one fixed order of its
+own (a pairwise tree over K of exactly rounded elementwise operations), the
+same on every host; :func:`fixed_order_matmul` is that order, and tests can
+reverse it to show their bit-exact checks notice an order change.  The
+interpreter also multiplied bfloat16 operands of ``tl.dot`` as their raw
+uint16 bit patterns (its numpy stand-in type for bf16); we widen them to
+float32 first.
 And its float32 -> bfloat16 cast truncates, where the GPU rounds to nearest
 even; we round through torch instead.
 Nothing happens on a real GPU.  No kernel module imports this: whoever runs kernels
@@ -39,19 +47,20 @@ def patch_interpreter() -> None:
     interp._patch_lang_tensor = _patched
 
     builder = getattr(interp, "InterpreterBuilder", None)
-    orig_dot = getattr(builder, "create_dot", None)
-    if orig_dot is not None:
+    if getattr(builder, "create_dot", None) is not None:
         import numpy as np
         import triton.language as tl
 
         def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-            def widen(x):
+            def operand(x):
                 if x.dtype.scalar == tl.bfloat16:
-                    data = interp._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
-                    return interp.TensorHandle(data, tl.float32)
-                return x
+                    return interp._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+                if x.dtype.primitive_bitwidth == 8 and x.dtype.is_floating():
+                    return interp._convert_float(x.data, x.dtype, tl.float16, None).view(np.float16)
+                return x.data
 
-            return orig_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+            acc = fixed_order_matmul(operand(a), operand(b), d.data.dtype)
+            return interp.TensorHandle(acc + d.data, d.dtype.scalar)
 
         builder.create_dot = _create_dot
 
@@ -69,3 +78,21 @@ def patch_interpreter() -> None:
             return orig_cast(self, src, dst_type)
 
         builder.cast_impl = _cast_impl
+
+
+def fixed_order_matmul(a, b, dtype, reverse: bool = False):
+    """``a @ b`` (numpy, ``[..., M, K] @ [..., K, N]``) in ``dtype``, summed in a fixed order: every product
+    rounded once, then a pairwise tree over K (k with k + K/2, and so on).  Each output element depends on its own
+    row and column alone, whatever the host's BLAS, the shapes or the strides.  ``reverse`` sums the tree over K
+    backwards: another order, for tests that show a bit-exact check notices an order change."""
+    import numpy as np
+
+    a, b = np.asarray(a).astype(dtype, copy=False), np.asarray(b).astype(dtype, copy=False)
+    if reverse:
+        a, b = a[..., ::-1], b[..., ::-1, :]
+    terms = a[..., :, :, None] * b[..., None, :, :]  # [..., M, K, N]
+    while terms.shape[-2] > 1:
+        half = terms.shape[-2] // 2
+        pairs = terms[..., :half, :] + terms[..., half:2 * half, :]
+        terms = pairs if terms.shape[-2] % 2 == 0 else np.concatenate([pairs, terms[..., 2 * half:, :]], axis=-2)
+    return terms[..., 0, :]

@@ -39,6 +39,17 @@ def test_invariant_matmul_matches_reference_and_every_row_subset(dtype):
             assert torch.equal(invariant_matmul(x[rows], w, b, split_k=split), full[rows]), (m, n, k, split, rows)
 
 
+def test_row_subset_check_notices_an_order_change():
+    """The check above can fail: rows summed with another split of K (another order) differ in some bits from
+    the same rows of the whole batch (on the CPU the interpreter's dot has one fixed order of its own, so only
+    the kernel's own order is left to differ)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(70, 300, generator=g).to(DEVICE)
+    w = torch.randn(100, 300, generator=g).to(DEVICE)
+    full = invariant_matmul(x, w, split_k=3)
+    assert not torch.equal(invariant_matmul(x[:5], w, split_k=2), full[:5])
+
+
 def h100_configs(monkeypatch) -> list[MatmulConfig]:
     """What :func:`choose_config` picks on a 132-SM GPU for the three kinds of weight (wide, long K, other)."""
     monkeypatch.setattr(matmul, "_num_sms", lambda device: 132)
