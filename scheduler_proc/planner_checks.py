@@ -6,19 +6,15 @@ rules it follows; this module is the proof that it followed them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from scheduler_proc.request import Status
-
-if TYPE_CHECKING:
-    from scheduler_proc.planner import Planner
 
 _RUNNING = Status.RUNNING
 _FINISHED = Status.FINISHED
 
 
-def check_planner(pl: "Planner") -> None:
-    """Assert every accounting invariant of ``pl``; tests (and --debug-checks) call it after every step."""
+def check_planner(pl) -> None:
+    """Assert every accounting invariant of the Planner ``pl`` (the planner imports this module, not the
+    other way round); tests (and --debug-checks) call it after every step."""
     pl.blocks.check_integrity()
     pl.slots.check_integrity()
     inflight_count: dict[int, int] = {}

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Optional
 
 from ipc.protocol import StepResult
-from scheduler_proc.outputs import reconcile_extras
 from scheduler_proc.request import Request, Status
 from scheduler_proc.steps import InflightStep, Output
 
@@ -40,7 +39,7 @@ class Reconciler:
                 f"step {step.step_id}: {len(tokens)} tokens for {len(step.samplers)} sampled rows"
             )
         if self.num_with_extras or result.logprob_rows or result.prompt_logprob_rows:
-            outputs = reconcile_extras(self, step, result)
+            outputs = self._reconcile_extras(step, result)
         else:
             outputs = self._reconcile_tokens(step.samplers, tokens)
         if self.followers:
@@ -52,6 +51,41 @@ class Reconciler:
             self.resumes.record(step.resumed)
         if self.host is not None:
             self.host.step_back(step.onloaded, result.backups_done_step_id)
+        return outputs
+
+    def _reconcile_extras(self, step: InflightStep, result: StepResult) -> list[Output]:
+        """Reconcile's path while some live request has extras: the fast path's rules plus stop strings,
+        min_tokens, and logprobs routed to the token (or prompt position) they belong to."""
+        finished = Status.FINISHED
+        for (row, first), values in zip(result.prompt_logprob_rows, result.prompt_logprobs):
+            req = step.requests[row]
+            if req.status is not finished and req.extras is not None and req.extras.prompt is not None:
+                req.extras.prompt.add(first, values)
+        by_row = dict(zip(result.logprob_rows, result.logprobs))
+        stop_tokens = self._stop_tokens
+        outputs: list[Output] = []
+        for row, (req, token) in enumerate(zip(step.samplers, result.token_ids)):
+            if req.status is finished:
+                continue  # the ledger: a request that has left gets nothing more
+            req.output.append(token)
+            out = Output(req, [token])
+            extras = req.extras
+            if extras is not None:
+                if extras.logprobs:
+                    if row not in by_row:
+                        raise RuntimeError(f"step {step.step_id}: sampled row {row} asked for logprobs, none came back")
+                    out.logprobs = [by_row[row]]
+                out.prompt_logprobs = extras.take_prompt_logprobs()
+                if extras.stop is not None:
+                    matched = extras.stop.feed(token)
+                    if matched is not None and len(req.output) >= extras.min_tokens:
+                        out.finish_reason = "stop"
+                        out.stop_str = extras.stop_str = matched
+            if out.finish_reason is None and (token in stop_tokens or len(req.output) >= req.max_output):
+                out.finish_reason = self._finish_reason(req, token)
+            if out.finish_reason is not None:
+                self._finish(req, out.finish_reason)
+            outputs.append(out)
         return outputs
 
     def _reconcile_tokens(self, samplers: list[Request], tokens: list[int]) -> list[Output]:

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from scheduler_proc.block_allocator import BlockAllocator, Pool
 from scheduler_proc.host_tier import HostTier
 from scheduler_proc.limits import Limits
 from scheduler_proc.prefix_tree import PrefixTree
 from scheduler_proc.request import Status
-
-if TYPE_CHECKING:
-    from scheduler_proc.planner import Planner
 
 
 def new_device_blocks(limits: Limits, prefix_caching: bool) -> BlockAllocator:
@@ -19,8 +14,9 @@ def new_device_blocks(limits: Limits, prefix_caching: bool) -> BlockAllocator:
     return (PrefixTree if prefix_caching else BlockAllocator)(limits.num_kv_blocks, limits.block_size)
 
 
-def restart_planner(pl: "Planner") -> None:
-    """The executor was replaced: a preemption of everything at once, pools reset.
+def restart_planner(pl) -> None:
+    """The executor was replaced: a preemption of everything at once, pools reset (``pl``: the Planner,
+    which imports this module).
 
     Every in-flight step is void (its tokens will never be applied); every
     running or preempted request goes to the front of the waiting queue, in

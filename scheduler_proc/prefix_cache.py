@@ -34,7 +34,6 @@ from array import array
 from hashlib import blake2b
 from typing import Optional
 
-from scheduler_proc.host_tier import HostTier
 from scheduler_proc.prefix_tree import ROOT, TOKEN_BYTES, PrefixTree
 from scheduler_proc.request import Request
 
@@ -53,7 +52,7 @@ class PrefixCache:
         self._keyed = blake2b(key=self._secret, digest_size=KEY_BYTES)
         self.hit_tokens = 0  # prompt (+ received) tokens admissions found cached
         self.query_tokens = 0  # prompt (+ received) tokens admissions looked up
-        self.host: Optional[HostTier] = None  # the host KV tier: backs up what is published, serves misses
+        self.host = None  # the host KV tier (HostTier.attach sets it): backs up what is published, serves misses
 
     def keys(self, req: Request, n: int) -> list[bytes]:
         """Keys of ``req``'s first ``n`` full blocks of known tokens (memoized on the request)."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Optional
 from ipc.protocol import SamplingParams
 
 if TYPE_CHECKING:
-    from scheduler_proc.outputs import RequestExtras
+    from scheduler_proc.extras import RequestExtras
 
 
 class Status(enum.Enum):
@@ -65,7 +65,7 @@ class Request:
     max_total: int = 0
     index: int = 0  # which completion of an n > 1 request
     held_by: Optional[int] = None  # rid of the completion whose first token this one waits for (n > 1)
-    extras: Optional["RequestExtras"] = None  # stop strings, logprobs, min_tokens (scheduler_proc.outputs)
+    extras: Optional["RequestExtras"] = None  # stop strings, logprobs, min_tokens (scheduler_proc.extras)
 
     @property
     def num_known(self) -> int:

@@ -12,7 +12,7 @@ import dataclasses
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import msgspec
 
@@ -241,3 +241,14 @@ class PendingRequest:
         for c in choices:
             c.prompt_logprobs = self.prompt_logprobs
         return dataclasses.replace(choices[0], choices=choices)
+
+
+class RequestOwner(Protocol):
+    """What a stream needs of the client that owns its request (``AsyncClient`` is one): the stream
+    depends on this, not on the client's module, which imports the stream."""
+
+    async def _start(self, call: Call) -> PendingRequest: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def _release(self, req: PendingRequest) -> None: ...

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
-from ipc.client.request import Call, PendingRequest
+from ipc.client.request import Call, PendingRequest, RequestOwner
 from ipc.client.results import GenerateResult, StreamChunk
-
-if TYPE_CHECKING:
-    from ipc.client.async_client import AsyncClient
 
 
 class AsyncStream:
@@ -20,7 +17,7 @@ class AsyncStream:
     normally with ``result.finish_reason == "abort"``.
     """
 
-    def __init__(self, client: "AsyncClient", call: Call) -> None:
+    def __init__(self, client: RequestOwner, call: Call) -> None:
         self.request_id = call.request_id
         self._client = client
         self._call = call
