@@ -41,9 +41,8 @@ import msgspec
 from tqdm import tqdm
 
 from ipc.client import AsyncClient, ForerunError
-from _bench_procs import Gate, run_processes
-from _bench_util import CHAT_PROMPTS, format_table, latency_rows, summarize, write_json
-from _http_stream import Connections, HTTPError, sse_post
+from _bench_util import (CHAT_PROMPTS, Connections, Gate, HTTPError, format_table, latency_rows, run_processes,
+                         sse_post, summarize, write_json)
 
 # Seconds to wait for the server's answer to Hello (requests themselves have no limit by default).
 HANDSHAKE_TIMEOUT = 60.0
