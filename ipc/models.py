@@ -76,3 +76,28 @@ def resolve_model(model: Optional[str], load_format: str, tokenizer: Optional[st
         folder = path if os.path.isdir(path) else os.path.dirname(path)
         tok = folder if any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES) else ""
     return ModelSource(path, os.path.basename(path.rstrip("/")), tok)
+
+
+# What a client needs to build the tokenizer (AutoTokenizer reads config.json for the class when
+# tokenizer_config.json does not name it); nothing else of the model's folder leaves the server.
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                        "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
+                        "chat_template.json", "config.json")
+
+
+def read_tokenizer_files(tokenizer_path: str) -> dict[str, bytes]:
+    """The tokenizer files clients fetch with GetTokenizer (empty: no tokenizer, clients send token ids)."""
+    if not tokenizer_path:
+        return {}
+    if os.path.isfile(tokenizer_path):
+        names, folder = [os.path.basename(tokenizer_path)], os.path.dirname(tokenizer_path)
+    else:
+        names, folder = TOKENIZER_FILE_NAMES, tokenizer_path
+    files = {}
+    for name in names:
+        try:
+            with open(os.path.join(folder, name), "rb") as f:
+                files[name] = f.read()
+        except OSError:
+            pass
+    return files

@@ -17,7 +17,7 @@ from typing import Literal, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Limits on what a client may send.  Sampling limits follow vLLM's.
 MAX_REQUEST_ID_LEN = 128
@@ -84,6 +84,9 @@ class Hello(_Msg, tag="hello"):
     # > 0: this client promises a message (a Ping if nothing else) at least this often, in seconds;
     # the server aborts its requests once it has been silent for HEARTBEAT_MISSES intervals.
     heartbeat_s: float = 0.0
+    # The server's shared secret (--api-key): required on a tcp:// address when the server has one, and
+    # for admin messages (ResetPrefixCache) whenever it has one.
+    api_key: str = ""
 
 
 class ServerInfo(_Msg, tag="server_info"):
@@ -91,7 +94,7 @@ class ServerInfo(_Msg, tag="server_info"):
     model_name: str
     max_model_len: int
     vocab_size: int
-    tokenizer_path: str
+    has_tokenizer: bool  # the server holds tokenizer files: GetTokenizer fetches them
     eos_token_ids: list[int]
     device: str
     dtype: str
@@ -115,7 +118,17 @@ class GetStats(_Msg, tag="get_stats"):
 
 
 class ResetPrefixCache(_Msg, tag="reset_prefix_cache"):
-    """Forget every cached KV block no running request holds (benchmarks); the reply is ServerStats."""
+    """Forget every cached KV block no running request holds (benchmarks); the reply is ServerStats.
+
+    An admin message: on a server with an API key, only a client whose Hello gave the key may send it."""
+
+
+class GetTokenizer(_Msg, tag="get_tokenizer"):
+    """Ask for the server's tokenizer files; the reply is TokenizerFiles (no path of the server's disk is told)."""
+
+
+class TokenizerFiles(_Msg, tag="tokenizer_files"):
+    files: dict[str, bytes]  # file name -> contents (tokenizer.json, tokenizer_config.json, ...)
 
 
 class ServerStats(_Msg, tag="server_stats"):
@@ -136,6 +149,7 @@ class ServerStats(_Msg, tag="server_stats"):
     resumes: int = 0
     resume_s_total: float = 0.0
     executor_restarts: int = 0
+    draining: bool = False  # a shutdown has begun: no new requests, running ones finish
     # Sums over every returned step (seconds), from its StepResult: t_end - t_start, the GPU's
     # busy time and its idle gaps (CUDA only, else 0), and the executor's wait for plans.
     step_time_s_total: float = 0.0
@@ -205,7 +219,8 @@ class Finished(_Msg, tag="finished"):
 class Error(_Msg, tag="error"):
     """A request (or a frame) was rejected; ``field`` names what was wrong."""
 
-    # "invalid_request", "bad_frame", "protocol" (e.g. no Hello first), "duplicate_id",
+    # "invalid_request", "bad_frame", "protocol" (e.g. a wrong protocol version), "hello_first" (no Hello yet,
+    # or forgotten after a silence past its heartbeat), "unauthorized" (no or a wrong api_key), "duplicate_id",
     # "overloaded" (waiting queue full), "shutting_down", "slow_reader" (the client stopped reading),
     # "executor_failed", "internal".
     code: str
@@ -220,10 +235,13 @@ class Ping(_Msg, tag="ping"):
 
 class Pong(_Msg, tag="pong"):
     server_id: str
+    # False: the server does not know this client (no Hello yet, or forgotten after a silence past its
+    # heartbeat, its requests aborted): a client that had said Hello must fail its requests and say it again.
+    hello: bool = True
 
 
-ClientToServer = Union[Hello, Generate, Abort, GetStats, Ping, ResetPrefixCache]
-ServerToClient = Union[ServerInfo, TokenDelta, TokenDeltas, Finished, Error, ServerStats, Pong]
+ClientToServer = Union[Hello, Generate, Abort, GetStats, Ping, ResetPrefixCache, GetTokenizer]
+ServerToClient = Union[ServerInfo, TokenDelta, TokenDeltas, Finished, Error, ServerStats, Pong, TokenizerFiles]
 
 
 # ---------------------------------------------------------------------------
@@ -245,16 +263,27 @@ class SlotSampling(msgspec.Struct, array_like=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_tokens: int = 0
-    # Tokens at positions >= num_prompt_tokens are outputs (a resumed request prefills them again).
+    # The request's tokens before num_prompt_tokens are its prompt, the rest outputs (a resumed request's).
     num_prompt_tokens: int = 0
     min_tokens_stop_ids: list[int] = []  # masked while fewer than min_tokens outputs exist
     logit_bias_ids: list[int] = []
     logit_bias_values: list[float] = []
 
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether the slot's device state counts the request's tokens: the repetition penalty's prompt mask,
+        the output counts of every penalty, min_tokens' count of outputs."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or (self.min_tokens > 0 and bool(self.min_tokens_stop_ids)))
+
 
 class Admit(msgspec.Struct, array_like=True):
+    """A slot's new request.  ``tokens``: every token it has (prompt, then outputs received before a
+    preemption or restart) when its sampling reads them, whatever part of its KV is cached or copied."""
+
     slot: int
     sampling: SlotSampling
+    tokens: list[int] = []
 
 
 class LoadProgress(_Msg, tag="load_progress"):

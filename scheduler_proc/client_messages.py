@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import random
 import time
 from typing import Optional
@@ -31,12 +32,12 @@ class ClientMessages:
         msg = decode_client_frame(data)
         if isinstance(msg, p.Error):
             self.frontend.send(client, msg)
-        elif isinstance(msg, p.Ping):
-            self.frontend.send(client, p.Pong(self.server_id))
+        elif isinstance(msg, p.Ping):  # hello=False tells a forgotten client to fail its requests and say Hello again
+            self.frontend.send(client, p.Pong(self.server_id, hello=state is not None))
         elif isinstance(msg, p.Hello):
             self._on_hello(client, msg)
         elif state is None:
-            self.frontend.send(client, p.Error(code="protocol", request_id=getattr(msg, "request_id", None),
+            self.frontend.send(client, p.Error(code="hello_first", request_id=getattr(msg, "request_id", None),
                                                message="send Hello first (none yet, or silent past its heartbeat)"))
         elif isinstance(msg, p.Generate):
             self._on_generate(client, msg)
@@ -45,8 +46,14 @@ class ClientMessages:
         elif isinstance(msg, p.GetStats):
             self.frontend.send(client, self.server_stats())
         elif isinstance(msg, p.ResetPrefixCache):
+            if self.cfg.api_key and not state.admin:
+                self.frontend.send(client, p.Error(code="unauthorized", field="api_key",
+                                                   message="resetting the prefix cache needs the server's API key in Hello"))
+                return
             self.planner.reset_prefix_cache()
             self.frontend.send(client, self.server_stats())
+        elif isinstance(msg, p.GetTokenizer):
+            self.frontend.send(client, p.TokenizerFiles(self.tokenizer_files))
 
     def server_stats(self) -> p.ServerStats:
         pl, totals = self.planner, self.step_totals
@@ -57,6 +64,7 @@ class ClientMessages:
             steps=self.stats["steps"], requests=self.stats["requests"], preemptions=pl.num_preemptions,
             resumes=pl.resumes.count, resume_s_total=pl.resumes.seconds,
             executor_restarts=self.stats["restarts"],
+            draining=self.shutdown_at is not None,
             step_time_s_total=totals.step_s, gpu_busy_s_total=totals.gpu_busy_s,
             gpu_gap_s_total=totals.gpu_gap_s, executor_idle_s_total=totals.idle_s,
             prefix_cache_query_tokens=pl.prefix.query_tokens if pl.prefix else 0,
@@ -71,11 +79,20 @@ class ClientMessages:
                 code="protocol", field="protocol_version",
                 message=f"client speaks protocol {msg.protocol_version}, server speaks {p.PROTOCOL_VERSION}"))
             return
-        self.frontend.hello(client, msg.heartbeat_s, msg.batch_deltas)
+        key = self.cfg.api_key
+        # Constant time: how much of a guess matches must not show in how long the answer takes.
+        keyed = bool(key) and hmac.compare_digest(msg.api_key.encode(), key.encode())
+        if key and not keyed and (msg.api_key or self.frontend.tcp):
+            self.frontend.send(client, p.Error(
+                code="unauthorized", field="api_key",
+                message="wrong API key" if msg.api_key else
+                        "this server needs its API key in Hello (the SDK's api_key=, or FORERUN_API_KEY)"))
+            return
+        self.frontend.hello(client, msg.heartbeat_s, msg.batch_deltas, admin=keyed or not key)
         r = self.ready
         self.frontend.send(client, p.ServerInfo(
             protocol_version=p.PROTOCOL_VERSION, model_name=self.model.name, max_model_len=r.max_model_len,
-            vocab_size=r.vocab_size, tokenizer_path=self.model.tokenizer_path, eos_token_ids=r.eos_token_ids,
+            vocab_size=r.vocab_size, has_tokenizer=bool(self.tokenizer_files), eos_token_ids=r.eos_token_ids,
             device=r.device, dtype=r.dtype, pipeline_depth=self.cfg.pipeline_depth, batch_deltas=msg.batch_deltas,
             server_id=self.server_id))
 

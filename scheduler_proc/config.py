@@ -39,6 +39,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     # Messages queued to one client that stopped reading before its requests are aborted
     # ("slow_reader"): about a second of tokens at 256 running requests and 1 ms steps.
     client_send_hwm: int = 200_000
+    # The shared secret of the client socket (docs/reliability.md, "Hostile clients"): checked at Hello on a
+    # tcp:// address, and for admin messages on any address.  Without one, a tcp:// address beyond loopback
+    # is refused unless allow_unauthenticated.
+    api_key: Optional[str] = None
+    allow_unauthenticated: bool = False
 
     def __post_init__(self) -> None:
         if self.pipeline_depth not in (0, 1, 2):

@@ -39,12 +39,29 @@ class StartupError(Exception):
 
 
 class ClientState:
-    __slots__ = ("heartbeat_s", "last_seen", "batch_deltas")
+    __slots__ = ("heartbeat_s", "last_seen", "batch_deltas", "admin")
 
-    def __init__(self, heartbeat_s: float, last_seen: float, batch_deltas: bool):
+    def __init__(self, heartbeat_s: float, last_seen: float, batch_deltas: bool, admin: bool):
         self.heartbeat_s = heartbeat_s
         self.last_seen = last_seen
         self.batch_deltas = batch_deltas
+        self.admin = admin  # may send admin messages (the server has no API key, or this client gave it)
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def tcp_host(address: str) -> Optional[str]:
+    """The host of a ``tcp://HOST:PORT`` address (None for other addresses)."""
+    if not address.startswith("tcp://"):
+        return None
+    return address[len("tcp://"):].rpartition(":")[0]
+
+
+def is_remote(address: str) -> bool:
+    """Whether clients on other machines can reach ``address`` (a tcp:// address not on loopback)."""
+    host = tcp_host(address)
+    return host is not None and host not in LOOPBACK_HOSTS and not host.startswith("127.")
 
 
 def claim_ipc_path(path: str) -> None:
@@ -71,6 +88,9 @@ class Frontend:
 
     def __init__(self, ctx: zmq.Context, address: str, *, send_hwm: int, max_msg_bytes: int):
         self.address = address
+        # Any tcp:// address (loopback too: every local user can connect) needs the API key at Hello when the
+        # server has one; an ipc:// socket lives in a private (0700) run directory.
+        self.tcp = address.startswith("tcp://")
         self.clients: dict[bytes, ClientState] = {}
         self.batch_clients: set[bytes] = set()  # clients that read TokenDeltas
         self.slow: set[bytes] = set()  # a send found their pipe full since the last take_dropped()
@@ -160,8 +180,8 @@ class Frontend:
 
     # --------------------------------------------------------------- clients
 
-    def hello(self, client: bytes, heartbeat_s: float, batch_deltas: bool) -> None:
-        self.clients[client] = ClientState(heartbeat_s, time.monotonic(), batch_deltas)
+    def hello(self, client: bytes, heartbeat_s: float, batch_deltas: bool, admin: bool = True) -> None:
+        self.clients[client] = ClientState(heartbeat_s, time.monotonic(), batch_deltas, admin)
         if batch_deltas:
             self.batch_clients.add(client)
         else:

@@ -29,11 +29,11 @@ import zmq
 import zmq.asyncio
 
 from ipc import protocol as p
-from ipc.models import ModelSource
+from ipc.models import ModelSource, read_tokenizer_files
 from ipc.sockets import MAX_CLIENT_MESSAGE_BYTES, ipc_address, new_run_dir
 from scheduler_proc.client_messages import ClientMessages
 from scheduler_proc.config import ServerConfig
-from scheduler_proc.frontend import Frontend
+from scheduler_proc.frontend import Frontend, StartupError, is_remote
 from scheduler_proc.limits import Limits
 from scheduler_proc.outputs import load_detokenizer
 from scheduler_proc.planner import Planner
@@ -76,6 +76,10 @@ class Server(ClientMessages, OutputStream):
 
     def bind(self) -> None:
         """Listen for clients (before the model loads: address errors show at once); raises StartupError."""
+        if is_remote(self.client_address) and not self.cfg.api_key and not self.cfg.allow_unauthenticated:
+            raise StartupError(f"{self.client_address} is reachable from other machines and no API key is set: anyone "
+                               "could send requests; set --api-key-file (or FORERUN_API_KEY), or pass "
+                               "--allow-unauthenticated")
         self.frontend = Frontend(self.ctx, self.client_address, send_hwm=self.cfg.client_send_hwm,
                                  max_msg_bytes=TRANSPORT_MAX_MESSAGE_BYTES)
 
@@ -87,6 +91,7 @@ class Server(ClientMessages, OutputStream):
         self.limits = Limits.of(self.cfg.executor, self.ready)
         self.planner = Planner(self.limits, prefix_cache_id=self._prefix_cache_id() if self.cfg.enable_prefix_caching else None,
                                detokenize=load_detokenizer(self.model.tokenizer_path))
+        self.tokenizer_files = read_tokenizer_files(self.model.tokenizer_path)
         return self.ready
 
     def _prefix_cache_id(self) -> str:

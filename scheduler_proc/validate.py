@@ -22,6 +22,7 @@ from scheduler_proc.limits import Limits
 # refusing it keeps 1/T a normal float32 instead of sampling noise from an overflowed value.
 MAX_TEMPERATURE = 1e4
 MAX_CLIENT_NAME_LEN = 256
+MAX_API_KEY_LEN = 4096
 # Hello.heartbeat_s: 0 (no heartbeat) or within these bounds, in seconds.
 MIN_HEARTBEAT_S = 0.05
 MAX_HEARTBEAT_S = 60.0
@@ -38,7 +39,7 @@ _PATH = re.compile(r"at `\$\.?([^`]*)`")
 # An unknown field and a missing required one are named by the message, not by its path.
 _NAMED = re.compile(r"(?:unknown|missing required) field `([^`]*)`")
 
-ClientMessage = Union[p.Hello, p.Generate, p.Abort, p.GetStats, p.ResetPrefixCache, p.Ping, p.Error]
+ClientMessage = Union[p.Hello, p.Generate, p.Abort, p.GetStats, p.ResetPrefixCache, p.GetTokenizer, p.Ping, p.Error]
 
 
 def decode_client_frame(data: bytes) -> ClientMessage:
@@ -107,6 +108,8 @@ def validate_hello(msg: p.Hello) -> None:
     if len(msg.client_name) > MAX_CLIENT_NAME_LEN:
         raise InvalidRequest("client_name", f"client_name must be at most {MAX_CLIENT_NAME_LEN} characters, "
                                             f"got {len(msg.client_name)}")
+    if len(msg.api_key) > MAX_API_KEY_LEN:
+        raise InvalidRequest("api_key", f"api_key must be at most {MAX_API_KEY_LEN} characters")
     hb = msg.heartbeat_s
     if not math.isfinite(hb) or not (hb == 0 or MIN_HEARTBEAT_S <= hb <= MAX_HEARTBEAT_S):
         raise InvalidRequest("heartbeat_s", f"heartbeat_s must be 0 (none) or in [{MIN_HEARTBEAT_S}, "

@@ -42,6 +42,7 @@ from ipc.protocol import (
     Finished,
     Generate,
     GetStats,
+    GetTokenizer,
     Hello,
     Ping,
     Pong,
@@ -50,9 +51,11 @@ from ipc.protocol import (
     ServerInfo,
     ServerStats,
     TokenDelta,
+    TokenizerFiles,
     client_request_decoder,
     encode,
 )
+from ipc.models import read_tokenizer_files
 
 BOS, EOS = 0, 1
 SPECIALS = ["<bos>", "<eos>", "<|user|>", "<|assistant|>"]
@@ -189,10 +192,12 @@ class FakeServer:
                 reply = Error(code="protocol", message=f"server speaks {PROTOCOL_VERSION}")
             else:
                 reply = ServerInfo(protocol_version=self.protocol_version, model_name="fake",
-                                   max_model_len=4096, vocab_size=260, tokenizer_path=self.tokenizer_path,
+                                   max_model_len=4096, vocab_size=260, has_tokenizer=bool(self.tokenizer_path),
                                    eos_token_ids=[EOS], device="cpu", dtype="float32", pipeline_depth=2,
                                    server_id=self.server_id)
             sock.send_multipart([ident, encode(reply)])
+        elif isinstance(msg, GetTokenizer):
+            sock.send_multipart([ident, encode(TokenizerFiles(read_tokenizer_files(self.tokenizer_path)))])
         elif isinstance(msg, Generate):
             self.generates.append(msg)
             active[(ident, msg.request_id)] = [msg, deque(self.script(msg)), 0]

@@ -40,6 +40,7 @@ from ipc.client.errors import (
     ServerGoneError,
     ServerShuttingDownError,
     SlowReaderError,
+    UnauthorizedError,
     error_from_wire,
 )
 from ipc.client.prompt import encode_prompt
@@ -65,6 +66,7 @@ __all__ = [
     "ServerInfo",
     "ServerShuttingDownError",
     "SlowReaderError",
+    "UnauthorizedError",
     "Stream",
     "StreamChunk",
     "Timings",

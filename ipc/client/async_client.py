@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+import tempfile
 import time
 from typing import Any, Optional, Sequence
 
@@ -31,6 +33,7 @@ from ipc.protocol import (
     Error,
     Generate,
     GetStats,
+    GetTokenizer,
     Hello,
     Pong,
     ResetPrefixCache,
@@ -38,6 +41,7 @@ from ipc.protocol import (
     ServerInfo,
     ServerStats,
     TokenDeltas,
+    TokenizerFiles,
     encode,
     server_reply_decoder,
 )
@@ -56,6 +60,8 @@ DEFAULT_HEARTBEAT_S = 1.0
 CLOSE_LINGER_MS = 100
 # Replies read per wake-up of the reader task before it yields to other tasks.
 DRAIN_BATCH = 256
+# The server's shared secret when the api_key argument is not given (servers on a tcp:// address with a key).
+API_KEY_ENV = "FORERUN_API_KEY"
 
 
 class AsyncClient:
@@ -66,14 +72,19 @@ class AsyncClient:
     no answer raises ServerGoneError.  ``heartbeat_s`` is the ping interval
     (0: no heartbeat, a dead server is then noticed only by timeouts).
     ``tokenizer`` overrides the server's tokenizer: a local folder, or an
-    already loaded tokenizer object.
+    already loaded tokenizer object (else its files come from the server).
+    ``api_key`` (default: $FORERUN_API_KEY) is the server's shared secret,
+    sent in the Hello.  A server that forgot this client (its loop stalled
+    past the heartbeat, say) fails the requests in flight with
+    ServerGoneError; the next call says Hello again.
     """
 
     def __init__(self, address: str, *, timeout: Optional[float] = DEFAULT_TIMEOUT,
                  tokenizer: Any = None, client_name: str = "forerun-python",
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, api_key: Optional[str] = None) -> None:
         self.address = check_address(address)
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.heartbeat_s = heartbeat_s
@@ -89,6 +100,7 @@ class AsyncClient:
         self._connect_lock: Optional[asyncio.Lock] = None
         self._tokenizer_lock: Optional[asyncio.Lock] = None
         self._stats_waiters: list[asyncio.Future] = []  # get_stats calls, answered in order
+        self._tokenizer_waiters: list[asyncio.Future] = []  # GetTokenizer asks, answered in order
         self._closed = False
         # The last Error that named no request (a bad frame, a connection problem).
         self.last_connection_error: Optional[Error] = None
@@ -139,7 +151,7 @@ class AsyncClient:
     async def _handshake(self, sock: zmq.asyncio.Socket) -> ServerInfo:
         await sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name=self.client_name,
                                      batch_deltas=True,  # one message per step, not per request
-                                     heartbeat_s=self.heartbeat_s)))
+                                     heartbeat_s=self.heartbeat_s, api_key=self.api_key)))
         limit = self.connect_timeout if self.timeout is None else min(self.timeout, self.connect_timeout)
         deadline = time.monotonic() + limit
         while True:
@@ -188,6 +200,13 @@ class AsyncClient:
                     if isinstance(msg, ServerStats):
                         self._on_stats(msg)
                         continue
+                    if isinstance(msg, TokenizerFiles):
+                        _answer_first(self._tokenizer_waiters, msg)
+                        continue
+                    gone = self._forgotten(msg)
+                    if gone is not None:
+                        self._server_gone(sock, gone)
+                        return
                     request_id = getattr(msg, "request_id", None)
                     if request_id is None:
                         gone = live.restarted(msg.server_id) if isinstance(msg, (Pong, ServerInfo)) else None
@@ -208,12 +227,16 @@ class AsyncClient:
             logger.exception("client reader for %s failed", self.address)
             self._fail_pending(ConnectionError, "the connection to the server failed")
 
+    @staticmethod
+    def _forgotten(msg: Any) -> Optional[str]:
+        """Why the connection is void, if ``msg`` says the server does not know this client any more."""
+        if (isinstance(msg, Pong) and not msg.hello) or (isinstance(msg, Error) and msg.code == "hello_first"):
+            return ("the server forgot this client (silent past its heartbeat: a stalled event loop?) "
+                    "and aborted its requests")
+        return None
+
     def _on_stats(self, msg: ServerStats) -> None:
-        while self._stats_waiters:
-            fut = self._stats_waiters.pop(0)
-            if not fut.done():
-                fut.set_result(msg)
-                return
+        _answer_first(self._stats_waiters, msg)
 
     async def get_stats(self, timeout: float = 10.0) -> ServerStats:
         """The server's pool occupancy and counters; TimeoutError if no answer within ``timeout`` s."""
@@ -306,12 +329,27 @@ class AsyncClient:
             self._tokenizer_lock = asyncio.Lock()
         async with self._tokenizer_lock:
             if self._tokenizer is None:
-                path = self._tokenizer_path or (await self.connect()).tokenizer_path
-                if not path:
-                    raise ForerunError("no_tokenizer", "tokenizer", "the server names no tokenizer (its model has "
+                if self._tokenizer_path:
+                    self._tokenizer = await asyncio.to_thread(load_tokenizer, self._tokenizer_path)
+                    return self._tokenizer
+                if not (await self.connect()).has_tokenizer:
+                    raise ForerunError("no_tokenizer", "tokenizer", "the server has no tokenizer (its model has "
                                        "none): send prompt_token_ids with detokenize=False, or pass tokenizer=")
-                self._tokenizer = await asyncio.to_thread(load_tokenizer, path)
+                files = await self._fetch_tokenizer_files()
+                self._tokenizer = await asyncio.to_thread(_load_tokenizer_files, files)
         return self._tokenizer
+
+    async def _fetch_tokenizer_files(self, timeout: float = 60.0) -> dict[str, bytes]:
+        fut = asyncio.get_running_loop().create_future()
+        self._tokenizer_waiters.append(fut)
+        try:
+            await self._sock.send(encode(GetTokenizer()))
+            return (await asyncio.wait_for(fut, timeout)).files
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no tokenizer files from {self.address} within {timeout} s") from None
+        finally:
+            if fut in self._tokenizer_waiters:
+                self._tokenizer_waiters.remove(fut)
 
     async def encode(self, prompt: Optional[str] = None, *,
                      messages: Optional[list[dict[str, Any]]] = None) -> list[int]:
@@ -440,3 +478,23 @@ class AsyncClient:
             req.done = True
             await self._sock.send(encode_abort(req.request_id))
 
+
+
+def _answer_first(waiters: list[asyncio.Future], msg: Any) -> None:
+    """Give ``msg`` to the oldest waiter still waiting (replies come in the order of the asks)."""
+    while waiters:
+        fut = waiters.pop(0)
+        if not fut.done():
+            fut.set_result(msg)
+            return
+
+
+def _load_tokenizer_files(files: dict[str, bytes]) -> Any:
+    """A tokenizer built from the files the server sent (written to a temporary folder, removed after loading)."""
+    with tempfile.TemporaryDirectory(prefix="forerun-tokenizer-") as folder:
+        for name, data in files.items():
+            if os.path.basename(name) != name or name in ("", ".", ".."):
+                continue  # a file name, never a path: the server cannot write outside the folder
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(data)
+        return load_tokenizer(folder)

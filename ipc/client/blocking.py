@@ -56,9 +56,9 @@ class Client:
     def __init__(self, address: str, *, timeout: Optional[float] = DEFAULT_TIMEOUT,
                  tokenizer: Any = None, client_name: str = "forerun-python",
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, api_key: Optional[str] = None) -> None:
         self._async = AsyncClient(address, timeout=timeout, tokenizer=tokenizer, client_name=client_name,
-                                  connect_timeout=connect_timeout, heartbeat_s=heartbeat_s)
+                                  connect_timeout=connect_timeout, heartbeat_s=heartbeat_s, api_key=api_key)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="forerun-client", daemon=True)
         self._thread.start()

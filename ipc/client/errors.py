@@ -28,6 +28,10 @@ class ProtocolError(ForerunError):
     """Client and server speak different protocol versions (or no Hello was sent)."""
 
 
+class UnauthorizedError(ForerunError):
+    """The server needs its API key (``api_key=`` or FORERUN_API_KEY) and got none or a wrong one."""
+
+
 class BadFrameError(ForerunError):
     """The server could not decode a frame."""
 
@@ -68,6 +72,8 @@ class ServerGoneError(ForerunError):
 _ERROR_TYPES: dict[str, type[ForerunError]] = {
     "invalid_request": InvalidRequestError,
     "protocol": ProtocolError,
+    "hello_first": ProtocolError,
+    "unauthorized": UnauthorizedError,
     "bad_frame": BadFrameError,
     "duplicate_id": DuplicateRequestIdError,
     "executor_failed": ExecutorFailedError,

@@ -4,29 +4,40 @@ Each gateway worker process runs this app on uvicorn.  Request bodies are
 decoded by msgspec into the structs of ``ipc/gateway/schemas.py`` (errors name
 the field) and answers are encoded by ``msgspec.json``: no pydantic layer on
 the per-token path.  The scheduler only ever sees SDK messages.
+
+Hostile input is bounded before it costs anything (docs/reliability.md,
+"Hostile clients"): a body over ``--max-request-bytes`` is a 413 before it is
+read in full, text that cannot fit in the context is a 400 before templating
+or tokenizing (a character count), and prompts longer than ``INLINE_CHARS``
+are templated and tokenized in a thread pool, so the event loop, and every
+other request of the worker, never waits for one heavy request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-from contextlib import asynccontextmanager
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from importlib import metadata
 from typing import Any, Optional, Union
 
 import msgspec
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ipc.client import AsyncClient, ExecutorFailedError, ForerunError, encode_prompt
+from ipc.client import AsyncClient, ExecutorFailedError, ForerunError, InvalidRequestError, encode_prompt
+from ipc.client.prompt import MAX_CHARS_PER_TOKEN, check_messages
 from ipc.gateway import params
 from ipc.gateway import schemas as s
 from ipc.gateway.logprobs import TokenTexts
 from ipc.gateway.metrics import render, request_metrics
+from ipc.gateway.process import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS
 from ipc.gateway.responses import (
     Prompt,
     chat_stream,
@@ -41,13 +52,30 @@ HEALTH_TIMEOUT_S = 2.0  # a scheduler that cannot answer GetStats in this time i
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 OPEN_PATHS = ("/health", "/metrics", "/version")  # answered without the API key
+# Prompts up to this many characters are templated and tokenized on the event loop (tens of microseconds:
+# a thread hop would cost more); longer ones in the worker's thread pool.
+INLINE_CHARS = 4096
+DISCARD_MAX_BYTES = 64 * 2**20  # a refused body up to this size is read and dropped before the 413
+MAX_ERROR_MESSAGE_CHARS = 1024  # error bodies never echo more of the input than this
+RETRY_AFTER_S = "5"  # 503s (draining, executor gone): when a client may try again, maybe on another server
+
+
+def echo(value: Any, limit: int = 64) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters: an error never echoes a large input."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def error_response(status: int, message: str, param: Optional[str] = None,
                    err_type: str = "invalid_request_error", code: Optional[str] = None) -> Response:
     """An OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    if len(message) > MAX_ERROR_MESSAGE_CHARS:
+        message = f"{message[:MAX_ERROR_MESSAGE_CHARS]}... (cut)"
+    if param is not None and len(param) > 256:
+        param = param[:256]
     body = s.ErrorResponse(s.ErrorInfo(message=message, type=err_type, param=param, code=code))
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
 
 
 def json_response(obj: Any, headers: Optional[dict] = None) -> Response:
@@ -66,14 +94,55 @@ def _decode(body: bytes, kind: type) -> Any:
         raise s.RequestError(400, text, param) from None
     except msgspec.DecodeError as e:
         raise s.RequestError(400, f"the body is not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise s.RequestError(400, f"the body is not valid UTF-8: {e.reason} at byte {e.start}") from None
+    except RecursionError:
+        raise s.RequestError(400, "the body nests arrays or objects too deeply") from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body; a 413 once it is known to exceed ``limit`` bytes (Content-Length, else while reading).
+
+    Nothing past the limit is kept.  The rest is read and dropped (up to DISCARD_MAX_BYTES) before the 413, so
+    that a client still sending its body reads the answer instead of a broken pipe."""
+    try:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            if int(declared) <= DISCARD_MAX_BYTES:
+                await _discard(request, 0)
+            raise s.RequestError(413, f"the request body is {int(declared)} bytes; the limit is {limit} bytes "
+                                      "(--max-request-bytes)", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                await _discard(request, size)
+                raise s.RequestError(413, f"the request body exceeds the limit of {limit} bytes "
+                                          "(--max-request-bytes)", code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except ClientDisconnect:
+        raise ClientGone() from None
+
+
+async def _discard(request: Request, size: int) -> None:
+    """Read and drop the rest of a body, ``size`` bytes of it read so far, up to DISCARD_MAX_BYTES in all."""
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > DISCARD_MAX_BYTES:
+            return
 
 
 class Gateway:
     """One worker's state: the SDK client, what the server said about its model, metrics."""
 
-    def __init__(self, address: str, api_key: Optional[str] = None) -> None:
-        self.client = AsyncClient(address, timeout=60.0, client_name="forerun-gateway")
+    def __init__(self, address: str, api_key: Optional[str] = None, *,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS) -> None:
+        self.client = AsyncClient(address, timeout=60.0, client_name="forerun-gateway", api_key=api_key or "")
         self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
+        self.pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="forerun-tokenize")
         self.failed = False  # the executor is gone: every later request gets 503
         self.created = int(time.time())
 
@@ -81,26 +150,31 @@ class Gateway:
         info = await self.client.connect()
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
+        self.max_chars = info.max_model_len * MAX_CHARS_PER_TOKEN
         self.vocab_size = info.vocab_size
-        self.tokenizer = await self.client.get_tokenizer() if info.tokenizer_path else None
+        self.tokenizer = await self.client.get_tokenizer() if info.has_tokenizer else None
         self.token_texts = TokenTexts(self.tokenizer)
         self.metrics = request_metrics(self.model_name)
 
     async def stop(self) -> None:
         await self.client.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def body(self, request: Request, kind: type) -> Any:
+        return _decode(await read_body(request, self.max_request_bytes), kind)
 
     # -- checks shared by the generation routes ------------------------------
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
-            raise s.RequestError(404, f"The model `{model}` does not exist; this server serves "
+            raise s.RequestError(404, f"The model {echo(model)} does not exist; this server serves "
                                       f"`{self.model_name}`.", "model", code="model_not_found")
 
     def check_request(self, req: Union[s.CompletionRequest, s.ChatCompletionRequest]) -> None:
         self.check_model(req.model)
         name = s.unsupported_param(req)
         if name is not None:
-            raise s.RequestError(400, f"{name}={getattr(req, name)!r} is not supported by forerun yet",
+            raise s.RequestError(400, f"{name}={echo(getattr(req, name))} is not supported by forerun yet",
                                  name, code="unsupported_parameter")
         params.check_stream_params(req)
         if self.failed:
@@ -111,6 +185,30 @@ class Gateway:
         if self.tokenizer is None:
             raise s.RequestError(400, "the server has no tokenizer: send token ids", "prompt")
         return self.tokenizer
+
+    def check_chars(self, num_chars: int, param: str) -> None:
+        """Refuse text that cannot fit in the context before templating or tokenizing it (a length, no parse)."""
+        if num_chars > self.max_chars:
+            raise s.RequestError(400, f"the prompt has {num_chars} characters; the model's context is "
+                                      f"{self.max_model_len} tokens, and no text over {self.max_chars} characters "
+                                      f"({MAX_CHARS_PER_TOKEN} per token) fits in it", param)
+
+    async def off_loop(self, num_chars: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``: here for short text, else in the worker's thread pool (the loop serves on)."""
+        if num_chars <= INLINE_CHARS:
+            return fn(*args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(*args, **kwargs))
+
+    async def encode_text(self, prompt: str) -> list[int]:
+        self.check_chars(len(prompt), "prompt")
+        return await self.off_loop(len(prompt), encode_prompt, self.need_tokenizer(), prompt,
+                                   max_model_len=self.max_model_len)
+
+    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        num_chars = sum(len(m["content"]) for m in messages)
+        self.check_chars(num_chars, "messages")
+        return await self.off_loop(num_chars, encode_prompt, self.need_tokenizer(), messages=messages,
+                                   max_model_len=self.max_model_len)
 
     def sampling_kwargs(self, req: Union[s.CompletionRequest, s.ChatCompletionRequest], max_tokens: Optional[int],
                         prompt_len: int) -> dict[str, Any]:
@@ -143,7 +241,7 @@ def _error_for(gw: Gateway, exc: BaseException) -> Optional[Response]:
         return error_response(exc.status, exc.message, exc.param, exc.err_type, exc.code)
     if isinstance(exc, ClientGone):
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
-    if isinstance(exc, (ForerunError, ConnectionError)):
+    if isinstance(exc, (ForerunError, ConnectionError, TimeoutError)):
         gw.note_error(exc)
         err = sdk_error(exc)
         return error_response(err.status, err.message, err.param, err.err_type, err.code)
@@ -155,17 +253,17 @@ async def _run(request: Request, handler) -> Response:
     gw = _gateway(request)
     try:
         return await handler(gw, request)
-    except (s.RequestError, ClientGone, ForerunError, ConnectionError) as e:
+    except (s.RequestError, ClientGone, ForerunError, ConnectionError, TimeoutError) as e:
         return _error_for(gw, e)
 
 
 async def completions(request: Request) -> Response:
     async def handle(gw: Gateway, request: Request) -> Any:
-        req = _decode(await request.body(), s.CompletionRequest)
+        req = await gw.body(request, s.CompletionRequest)
         gw.check_request(req)
         prompts = []
         for p in s.prompts(req):
-            ids = encode_prompt(gw.need_tokenizer(), p) if isinstance(p, str) else p
+            ids = await gw.encode_text(p) if isinstance(p, str) else p
             text = p if isinstance(p, str) else (gw.tokenizer.decode(p) if req.echo and gw.tokenizer else "")
             prompts.append(Prompt(ids, text))
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default here
@@ -181,9 +279,9 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     async def handle(gw: Gateway, request: Request) -> Any:
-        req = _decode(await request.body(), s.ChatCompletionRequest)
+        req = await gw.body(request, s.ChatCompletionRequest)
         gw.check_request(req)
-        ids = encode_prompt(gw.need_tokenizer(), messages=s.chat_messages(req.messages))
+        ids = await gw.encode_chat(s.chat_messages(req.messages))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = [gw.new_stream(ids, rid, gw.sampling_kwargs(req, max_tokens, len(ids)))]
@@ -214,24 +312,44 @@ async def models(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     async def handle(gw: Gateway, request: Request) -> Any:
-        req = _decode(await request.body(), s.TokenizeRequest)
+        req = await gw.body(request, s.TokenizeRequest)
         gw.check_model(req.model)
         tok = gw.need_tokenizer()
         if (req.prompt is None) == (req.messages is None):
             raise s.RequestError(400, "give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            text = tok.apply_chat_template(s.chat_messages(req.messages), tokenize=False,
-                                           add_generation_prompt=req.add_generation_prompt)
-            ids = list(tok.encode(text, add_special_tokens=False))
+            messages = s.chat_messages(req.messages)
+            check_messages(messages)
+            num_chars = sum(len(m["content"]) for m in messages)
+            gw.check_chars(num_chars, "messages")
+            ids = await gw.off_loop(num_chars, _tokenize_chat, tok, messages, req.add_generation_prompt)
         else:
-            ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            gw.check_chars(len(req.prompt), "prompt")
+            ids = await gw.off_loop(len(req.prompt), _tokenize_text, tok, req.prompt, req.add_special_tokens)
         return json_response({"count": len(ids), "max_model_len": gw.max_model_len, "tokens": ids})
     return await _run(request, handle)
 
 
+def _tokenize_chat(tok: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return list(tok.encode(text, add_special_tokens=False))
+    except Exception as exc:  # jinja2 and transformers raise many types
+        raise InvalidRequestError("invalid_request", "messages", f"the chat template or tokenizer failed: "
+                                                                 f"{type(exc).__name__}: {exc}") from None
+
+
+def _tokenize_text(tok: Any, prompt: str, add_special_tokens: bool) -> list[int]:
+    try:
+        return list(tok.encode(prompt, add_special_tokens=add_special_tokens))
+    except Exception as exc:  # e.g. a lone surrogate
+        raise InvalidRequestError("invalid_request", "prompt",
+                                  f"the text could not be tokenized: {type(exc).__name__}: {exc}") from None
+
+
 async def detokenize(request: Request) -> Response:
     async def handle(gw: Gateway, request: Request) -> Any:
-        req = _decode(await request.body(), s.DetokenizeRequest)
+        req = await gw.body(request, s.DetokenizeRequest)
         gw.check_model(req.model)
         bad = next((t for t in req.tokens if not 0 <= t < gw.vocab_size), None)
         if bad is not None:
@@ -244,18 +362,19 @@ async def health(request: Request) -> Response:
     gw = _gateway(request)
     if not gw.failed:
         try:
-            await gw.client.get_stats(timeout=HEALTH_TIMEOUT_S)
-            return Response(status_code=200)
-        except (TimeoutError, ConnectionError, RuntimeError):
+            stats = await gw.client.get_stats(timeout=HEALTH_TIMEOUT_S)
+            if not stats.draining:  # a draining server takes no new requests: load balancers look elsewhere
+                return Response(status_code=200)
+        except (TimeoutError, ConnectionError, RuntimeError, ForerunError):
             pass
-    return Response(status_code=503)
+    return Response(status_code=503, headers={"Retry-After": RETRY_AFTER_S})
 
 
 async def metrics(request: Request) -> Response:
     gw = _gateway(request)
     try:
         stats = await gw.client.get_stats(timeout=HEALTH_TIMEOUT_S)
-    except (TimeoutError, ConnectionError, RuntimeError):
+    except (TimeoutError, ConnectionError, RuntimeError, ForerunError):
         stats = None
     return Response(render(stats, gw.model_name), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -269,16 +388,18 @@ async def version(request: Request) -> Response:
 
 
 class _Auth:
-    """ASGI middleware: ``Authorization: Bearer KEY`` on every path but OPEN_PATHS, when a key is set."""
+    """ASGI middleware: ``Authorization: Bearer KEY`` on every path but OPEN_PATHS, when a key is set.
+
+    The scheme is case-insensitive (RFC 9110); the key is compared in constant time."""
 
     def __init__(self, app: Any, api_key: Optional[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if self.expected is not None and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            if not (hmac.compare_digest(token.strip(), self.expected) and scheme.lower() == b"bearer"):
                 response = error_response(401, "Incorrect API key provided.", code="invalid_api_key")
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
@@ -306,9 +427,10 @@ class _HotRoutes:
         await response(scope, receive, send)
 
 
-def create_app(address: str, api_key: Optional[str] = None) -> Any:
+def create_app(address: str, api_key: Optional[str] = None, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS) -> Any:
     """The ASGI app of one gateway worker, talking to the scheduler at ``address``."""
-    gateway = Gateway(address, api_key)
+    gateway = Gateway(address, api_key, max_request_bytes=max_request_bytes, tokenizer_threads=tokenizer_threads)
 
     async def lifespan(app: Starlette):
         await gateway.start()

@@ -26,14 +26,17 @@ def stop_strings(stop: Union[str, list[str], None]) -> list[str]:
 
 
 def logit_bias(bias: Optional[dict[str, float]], vocab_size: int) -> dict[int, float]:
-    """JSON's string keys as token ids; a key that is not a token id is a 400 naming logit_bias."""
+    """JSON's string keys as token ids; a key that is not a token id is a 400 naming logit_bias.
+
+    Only plain ASCII decimals are token ids: ``int()`` would also take " 5 ", "1_0" and other scripts' digits."""
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise s.RequestError(400, f"logit_bias key {key!r} is not a token id", "logit_bias") from None
-        if not 0 <= token_id < vocab_size:
+        if not (key.isascii() and key.isdigit() and len(key) <= 12):
+            shown = key if len(key) <= 32 else key[:32] + "..."
+            raise s.RequestError(400, f"logit_bias key {shown!r} is not a token id (a decimal number)",
+                                 "logit_bias")
+        token_id = int(key)
+        if not token_id < vocab_size:
             raise s.RequestError(400, f"logit_bias key {key!r} is out of the vocabulary [0, {vocab_size})",
                                  "logit_bias")
         out[token_id] = value

@@ -14,7 +14,8 @@ from typing import Any, AsyncIterator, Optional
 
 import msgspec
 
-from ipc.client import ExecutorFailedError, ForerunError, InvalidRequestError, StreamChunk
+from ipc.client import (ExecutorFailedError, ForerunError, InvalidRequestError, ServerGoneError,
+                        ServerShuttingDownError, StreamChunk)
 from ipc.gateway import params
 from ipc.gateway import schemas as s
 from ipc.gateway.logprobs import (
@@ -39,6 +40,9 @@ def sdk_error(exc: BaseException) -> s.RequestError:
         return s.RequestError(400, exc.message, param)
     if isinstance(exc, (ExecutorFailedError, ConnectionError)):
         return s.RequestError(503, str(exc), err_type="service_unavailable_error", code="executor_failed")
+    if isinstance(exc, (ServerShuttingDownError, ServerGoneError, TimeoutError)):
+        return s.RequestError(503, getattr(exc, "message", str(exc)), err_type="service_unavailable_error",
+                              code=getattr(exc, "code", "timeout"))
     if isinstance(exc, ForerunError) and exc.code == "overloaded":
         return s.RequestError(429, exc.message, err_type="rate_limit_error", code="overloaded")
     return s.RequestError(500, str(exc), err_type="server_error", code=getattr(exc, "code", None))
