@@ -282,4 +282,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No interpreter teardown: everything was sent (sockets linger 0) and it only adds noise, e.g.
+    # nanobind's "leaked instance" lines for Triton objects still alive at exit, hundreds per shutdown.
+    os._exit(code)

@@ -24,7 +24,10 @@ NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST":
 
 
 def _die_with_parent() -> None:
-    """Runs in the child before exec: the kernel kills it when the scheduler dies."""
+    """Runs in the child before exec: the kernel kills it when the scheduler dies.  SIGINT is ignored (and
+    stays ignored across exec): a Ctrl-C reaches the whole process group, and the scheduler, which drains
+    and then sends Shutdown, is the one to act on it; a KeyboardInterrupt here would look like a crash."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
@@ -66,6 +69,8 @@ def wait_ready(
             if isinstance(msg, p.LoadProgress):
                 on_progress(msg)
             elif isinstance(msg, p.ExecutorFatal):
+                if msg.refused:  # the configuration does not fit: the executor's one line says why
+                    raise RuntimeError(msg.message)
                 raise RuntimeError(f"the executor failed while loading:\n{msg.message}")
         elif (proc := next((q for q in procs if q.poll() is not None), None)) is not None:
             rank = f" (rank {list(procs).index(proc)})" if len(procs) > 1 else ""

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import gc
 import os
 import signal
 import sys
 import threading
-from typing import get_args
+from typing import Optional, get_args
 
 from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, Dtype, ExecutorConfig, Kernels, LoadFormat, MixedGraphs,
                         ScriptedOptions, default_of)
 from ipc.models import resolve_model
+from ipc.gateway.process import DEFAULT_MAX_REQUEST_BYTES as GATEWAY_MAX_REQUEST_BYTES
+from ipc.gateway.process import DEFAULT_TOKENIZER_THREADS as GATEWAY_TOKENIZER_THREADS
 from scheduler_proc.config import ServerConfig
 from scheduler_proc.executor_process import NO_MULTICAST_ENV
 
@@ -121,8 +124,34 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="HTTP address to bind (default: 127.0.0.1, or 0.0.0.0 when an API key is set)")
     s.add_argument("--api-workers", type=int, default=1, help="HTTP gateway processes sharing --port")
     s.add_argument("--api-key", default=None,
-                   help=f"bearer token the HTTP API requires (default: ${API_KEY_ENV}; none: no check)")
+                   help=f"shared secret: the bearer token the HTTP API requires, and the key SDK clients give at "
+                        f"Hello on a tcp:// --address (default: ${API_KEY_ENV}; none: no check). Visible in ps: "
+                        f"prefer ${API_KEY_ENV} or --api-key-file")
+    s.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the shared secret (as --api-key) from the first line of this file")
+    s.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a tcp:// --address reachable from other machines without an API key "
+                        "(refused otherwise: anyone who can connect could send requests)")
+    s.add_argument("--max-request-bytes", type=int, default=GATEWAY_MAX_REQUEST_BYTES, metavar="N",
+                   help="largest HTTP request body; a larger one is answered 413 before it is read in full")
+    s.add_argument("--api-tokenizer-threads", type=int, default=GATEWAY_TOKENIZER_THREADS, metavar="N",
+                   help="threads per HTTP gateway worker that template and tokenize long prompts, so that one "
+                        "large request never stalls the worker's other requests")
     return s
+
+
+def api_key_of(args) -> Optional[str]:
+    """The shared secret: --api-key-file, else --api-key, else $FORERUN_API_KEY (None: no key)."""
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file) as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file: {e}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+        return key
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
 
 
 def server_config(args) -> ServerConfig:
@@ -143,6 +172,7 @@ def server_config(args) -> ServerConfig:
     return ServerConfig(model=args.model, tokenizer=args.tokenizer, pipeline_depth=args.pipeline_depth,
                         prefill_ahead=args.prefill_ahead,
                         client_address=args.address, debug_checks=args.debug_checks, step_log=args.step_log,
+                        api_key=api_key_of(args), allow_unauthenticated=args.allow_unauthenticated,
                         enable_prefix_caching=not args.no_prefix_caching,
                         executor=executor, executor_hang_timeout_s=args.executor_hang_timeout,
                         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
@@ -232,7 +262,7 @@ def serve(args) -> int:
     import uvloop
 
     from scheduler_proc.frontend import StartupError
-    from scheduler_proc.server import Server
+    from scheduler_proc.server import Server, say
 
     os.environ.update(NO_MULTICAST_ENV)  # inherited by every process the server starts
     # Until the event loop handles them, SIGTERM unwinds like Ctrl-C, so the cleanup below runs.
@@ -242,21 +272,26 @@ def serve(args) -> int:
     except ValueError as e:  # e.g. a run directory whose socket paths are too long
         raise SystemExit(f"forerun: {e}")
     progress = _Progress(args.quiet)
+    http_sock = None
     try:
         server.bind()  # address errors before the model loads
+        http_sock = _listen_http(args, cfg)
         ready = server.start_executor(progress)
     except (StartupError, RuntimeError, TimeoutError, KeyboardInterrupt) as e:
         progress.close()
         print(f"forerun: {e or 'interrupted while starting'}", file=sys.stderr)
+        if http_sock is not None:
+            http_sock.close()
         server.close()
         return 1
     progress.close()
     gateways = None
+    failed_start = threading.Event()  # a gateway worker did not start: stop, and exit 1
     try:
         _announce(server, model, ready, cfg)
-        gateways = _start_gateways(args, server)
+        gateways = _start_gateways(args, cfg, server, http_sock)
         if args.ask or gateways:
-            threading.Thread(target=_ask, args=(server.client_address, args.ask, gateways, model.name),
+            threading.Thread(target=_ask, args=(server.client_address, args.ask, gateways, model.name, failed_start),
                              daemon=True).start()
 
         async def run() -> int:
@@ -266,13 +301,18 @@ def serve(args) -> int:
             return await server.serve()
 
         gc.freeze()  # start-up objects are never scanned again: shorter GC pauses while serving
-        return uvloop.run(run())
+        rc = uvloop.run(run())
+        return 1 if failed_start.is_set() else rc
     except KeyboardInterrupt:
         return 1
     finally:
         if gateways:
             gateways.stop()
+        elif http_sock is not None:
+            http_sock.close()
         server.close()
+        if not failed_start.is_set() and server.shutdown_at is not None:
+            say("stopped")
 
 
 def _raise_interrupt(signum, frame) -> None:
@@ -295,29 +335,48 @@ def _announce(server, model, ready, cfg) -> None:
     print(f"forerun: ready at {server.client_address}", flush=True)
 
 
-def _start_gateways(args, server):
-    """The HTTP gateway processes for --port (None without it)."""
+def _listen_http(args, cfg):
+    """The --port socket, bound and listening before the model loads (None without --port); raises StartupError
+    when the port is taken (never shared with another server: see ipc.gateway.process.listening_socket)."""
     if args.port is None:
+        return None
+    from ipc.gateway.process import listening_socket
+    from scheduler_proc.frontend import StartupError
+
+    for flag, value, least in (("--api-workers", args.api_workers, 1), ("--max-request-bytes", args.max_request_bytes,
+                               1024), ("--api-tokenizer-threads", args.api_tokenizer_threads, 1)):
+        if value < least:
+            raise StartupError(f"{flag} must be at least {least}, got {value}")
+    host = args.host or ("0.0.0.0" if cfg.api_key else "127.0.0.1")  # no key: reachable from this host only
+    try:
+        return listening_socket(host, args.port)
+    except OSError as e:
+        why = "the port is in use (another server?)" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+        raise StartupError(f"cannot listen on http://{host}:{args.port}: {why}") from None
+
+
+def _start_gateways(args, cfg, server, sock):
+    """The HTTP gateway processes for --port (None without it)."""
+    if sock is None:
         return None
     from ipc.gateway.process import start_gateways
 
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    host = args.host or ("0.0.0.0" if api_key else "127.0.0.1")  # no key: reachable from this host only
     try:
-        return start_gateways(server.client_address, host=host, port=args.port, workers=args.api_workers,
-                              run_dir=server.run_dir, api_key=api_key)
+        return start_gateways(server.client_address, sock=sock, workers=args.api_workers, run_dir=server.run_dir,
+                              api_key=cfg.api_key, max_request_bytes=args.max_request_bytes,
+                              tokenizer_threads=args.api_tokenizer_threads)
     except ValueError as e:
-        server.close()
         raise SystemExit(f"forerun: {e}")
 
 
-def _ask(address: str, question, gateways, model_name: str) -> None:
+def _ask(address: str, question, gateways, model_name: str, failed_start: threading.Event) -> None:
     """Answer --ask through the SDK; with --port, wait for the HTTP gateways and show the curl way."""
     if gateways:
         try:
             gateways.wait_ready()
         except (RuntimeError, TimeoutError) as e:
             print(f"forerun: {e}; stopping", file=sys.stderr, flush=True)
+            failed_start.set()
             os.kill(os.getpid(), signal.SIGTERM)
             return
         print(f"forerun: OpenAI-compatible API at {gateways.url}/v1 ({len(gateways.procs)} workers)", flush=True)

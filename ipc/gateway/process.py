@@ -1,14 +1,19 @@
 """Gateway worker processes: N uvicorn servers on one port, each with its own SDK client.
 
-``forerun serve --port P --api-workers N`` calls :func:`start_gateways` once
-the scheduler's client socket is bound.  Each worker is a plain child process
-(``python -m ipc.gateway.process CONFIG_JSON``) that binds its own listening
-socket with ``SO_REUSEPORT``: the kernel spreads new connections over the N
-sockets, no worker blocks another's accepts, and there is no supervisor
-process between the scheduler and the workers (uvicorn's ``--workers`` would
-add one, and needs the app as an import string).  The workers share
-prometheus_client's multiprocess directory (``<run dir>/prometheus``), so any
-worker's ``/metrics`` adds up all of them.
+``forerun serve --port P --api-workers N`` binds the port once, in the server
+process, before the model loads (:func:`listening_socket`: a port in use is
+one line and exit 1, never a second server sharing it), and calls
+:func:`start_gateways` once the scheduler's client socket is bound.  Each
+worker is a plain child process (``python -m ipc.gateway.process
+CONFIG_JSON``) that inherits the listening socket and accepts on it; there is
+no supervisor process between the scheduler and the workers (uvicorn's
+``--workers`` would add one, and needs the app as an import string).  The
+workers share prometheus_client's multiprocess directory (``<run
+dir>/prometheus``), so any worker's ``/metrics`` adds up all of them.
+
+The server process owns the workers' lives: they ignore SIGINT (a Ctrl-C goes
+to the whole process group; the server drains, then stops them) and stop on
+SIGTERM, after the responses in flight.
 
 The API key reaches the workers through the environment, never the command
 line (which any local user can read in ``ps``).
@@ -17,6 +22,7 @@ line (which any local user can read in ``ps``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import gc
 import os
@@ -35,22 +41,30 @@ API_KEY_ENV = "FORERUN_API_KEY"
 PROFILE_ENV = "FORERUN_GATEWAY_PROFILE"  # a folder: each worker runs under cProfile and writes its stats there
 PR_SET_PDEATHSIG = 1
 READY_TIMEOUT_S = 300.0
+# Hostile-client limits (docs/reliability.md): a full 8k-token context of text is about 40 KB, so 4 MiB
+# leaves room for token-id lists and many prompts; two threads template and tokenize long prompts.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+DEFAULT_TOKENIZER_THREADS = 2
 
 
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     address: str  # the scheduler's client address
     host: str
     port: int
+    fd: int  # the listening socket, bound by the server process and inherited
     ready_file: str  # created once the worker serves
     parent_pid: int
+    max_request_bytes: int
+    tokenizer_threads: int
 
 
 class Gateways:
     """The running gateway workers of one server."""
 
     def __init__(self, procs: list[subprocess.Popen], configs: list[WorkerConfig], metrics_dir: str,
-                 requires_key: bool) -> None:
+                 sock: socket.socket, requires_key: bool) -> None:
         self.procs = procs
+        self.sock = sock
         self.requires_key = requires_key
         self.configs = configs
         self.metrics_dir = metrics_dir
@@ -67,8 +81,7 @@ class Gateways:
         while not all(os.path.exists(c.ready_file) for c in self.configs):
             for i, proc in enumerate(self.procs):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"gateway worker {i} exited with status {proc.returncode} while starting "
-                                       f"(is port {self.configs[i].port} in use?)")
+                    raise RuntimeError(f"gateway worker {i} exited with status {proc.returncode} while starting")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the gateway workers were not ready after {timeout:.0f} s")
             time.sleep(0.05)
@@ -85,22 +98,36 @@ class Gateways:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self.sock.close()
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
 
 def _die_with_parent() -> None:
-    """Runs in the child before exec: the kernel sends SIGTERM when the server process dies."""
+    """Runs in the child before exec: the kernel sends SIGTERM when the server process dies; SIGINT is
+    ignored (an ignored signal stays ignored across exec), so a Ctrl-C in the terminal leaves the
+    stopping to the server process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass  # not Linux: the worker also polls its parent pid
 
 
-def start_gateways(address: str, *, host: str, port: int, workers: int, run_dir: str,
-                   api_key: Optional[str] = None) -> Gateways:
-    """Start ``workers`` gateway processes serving ``host:port``; returns at once (see wait_ready)."""
+def start_gateways(address: str, *, workers: int, run_dir: str, sock: Optional[socket.socket] = None,
+                   host: str = "127.0.0.1", port: int = 0, api_key: Optional[str] = None,
+                   max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                   tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS) -> Gateways:
+    """Start ``workers`` gateway processes accepting on ``sock`` (else a new listening_socket(host, port),
+    which raises OSError when the port is taken); returns at once (see wait_ready)."""
     if workers < 1:
         raise ValueError(f"--api-workers must be at least 1, got {workers}")
+    if max_request_bytes < 1024:
+        raise ValueError(f"--max-request-bytes must be at least 1024, got {max_request_bytes}")
+    if tokenizer_threads < 1:
+        raise ValueError(f"--api-tokenizer-threads must be at least 1, got {tokenizer_threads}")
+    if sock is None:
+        sock = listening_socket(host, port)
+    host, port = sock.getsockname()[:2]
     metrics_dir = os.path.join(run_dir, "prometheus")
     shutil.rmtree(metrics_dir, ignore_errors=True)
     os.makedirs(metrics_dir)
@@ -109,23 +136,33 @@ def start_gateways(address: str, *, host: str, port: int, workers: int, run_dir:
     env.pop(API_KEY_ENV, None)
     if api_key:
         env[API_KEY_ENV] = api_key
-    configs = [WorkerConfig(address=address, host=host, port=port, parent_pid=os.getpid(),
-                            ready_file=os.path.join(run_dir, f"gateway-{i}.ready")) for i in range(workers)]
+    configs = [WorkerConfig(address=address, host=host, port=port, fd=sock.fileno(), parent_pid=os.getpid(),
+                            ready_file=os.path.join(run_dir, f"gateway-{i}.ready"),
+                            max_request_bytes=max_request_bytes, tokenizer_threads=tokenizer_threads)
+               for i in range(workers)]
     procs = []
     for cfg in configs:
         cmd = [sys.executable, "-m", "ipc.gateway.process", msgspec.json.encode(cfg).decode()]
-        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
-    return Gateways(procs, configs, metrics_dir, requires_key=bool(api_key))
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, pass_fds=(sock.fileno(),)))
+    return Gateways(procs, configs, metrics_dir, sock, requires_key=bool(api_key))
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound with SO_REUSEPORT, so that every worker can bind the same port."""
+def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """The HTTP port, bound and listening in the server process; its workers inherit it.
+
+    No SO_REUSEPORT: with it a second server (or any program of the same user) could bind the same port
+    and the kernel would split the connections between them.  SO_REUSEADDR only lets a restarted server
+    bind while the last one's connections are in TIME_WAIT.  Raises OSError (EADDRINUSE: the port is taken)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(False)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(False)  # passed to the workers alone (pass_fds), not to the executor
     return sock
 
 
@@ -134,11 +171,20 @@ async def _serve(cfg: WorkerConfig, sock: socket.socket) -> int:
 
     from ipc.gateway.app import create_app
 
-    app = create_app(cfg.address, os.environ.get(API_KEY_ENV) or None)
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's own handlers would stop on SIGINT and raise the signal again once stopped (a
+            # KeyboardInterrupt traceback): this worker stops on SIGTERM alone, from the server process.
+            yield
+
+    app = create_app(cfg.address, os.environ.get(API_KEY_ENV) or None, max_request_bytes=cfg.max_request_bytes,
+                     tokenizer_threads=cfg.tokenizer_threads)
     # No proxy-headers middleware: nothing here reads the client's address, and it is one more
     # layer on every request.
-    server = uvicorn.Server(uvicorn.Config(app, loop="none", http="httptools", lifespan="on", proxy_headers=False,
-                                           log_level="warning", access_log=False, timeout_keep_alive=30))
+    server = Server(uvicorn.Config(app, loop="none", http="httptools", lifespan="on", proxy_headers=False,
+                                   log_level="warning", access_log=False, timeout_keep_alive=30))
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: setattr(server, "should_exit", True))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.02)
@@ -155,11 +201,8 @@ async def _serve(cfg: WorkerConfig, sock: socket.socket) -> int:
 def main(argv: list[str]) -> int:
     """Entry point of one gateway worker process."""
     cfg = msgspec.json.decode(argv[1], type=WorkerConfig)
-    try:
-        sock = listening_socket(cfg.host, cfg.port)
-    except OSError as e:
-        print(f"forerun: gateway cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr, flush=True)
-        return 1
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process stops this worker (SIGTERM)
+    sock = socket.socket(fileno=cfg.fd)  # bound and listening: inherited from the server process
     import uvloop
 
     profile_dir = os.environ.get(PROFILE_ENV)
@@ -168,8 +211,6 @@ def main(argv: list[str]) -> int:
     import cProfile
 
     # Where a worker's time goes (benchmarks): one pstats file per worker, written when it stops.
-    # uvicorn raises the SIGTERM it caught again once it has stopped: a no-op handler lets the stats be written.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     with cProfile.Profile() as prof:
         rc = uvloop.run(_serve(cfg, sock))
     prof.dump_stats(os.path.join(profile_dir, f"gateway-{os.getpid()}.prof"))
