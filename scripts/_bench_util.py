@@ -167,6 +167,39 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+
+async def lockstep_decode(address: str, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
+    """Seconds for ``batch`` greedy requests of random ``prompt_len``-token prompts decoding ``new_tokens`` tokens
+    each, sent together through the SDK (EOS ignored): they decode in lockstep."""
+    import random
+
+    from ipc.client import AsyncClient
+
+    rng = random.Random(0)
+    async with AsyncClient(address, timeout=600) as c:
+        t0 = time.perf_counter()
+        await asyncio.gather(*[
+            c.generate(prompt_token_ids=[rng.randrange(10, vocab) for _ in range(prompt_len)], max_tokens=new_tokens,
+                       temperature=0.0, ignore_eos=True, detokenize=False) for _ in range(batch)])
+        return time.perf_counter() - t0
+
+
+def gpu_idle_of(rows: list[dict], batch: int) -> dict:
+    """The GPU's idle fraction over --step-log rows with ``batch`` decoding rows (first and last tenth trimmed):
+    sum(gap) / (sum(gap) + sum(busy)) from the executor's CUDA events (None without them)."""
+    steady = [r for r in rows if r["num_rows"] == batch and r["num_tokens"] == batch]
+    trim = len(steady) // 10
+    steady = steady[trim:len(steady) - trim] if trim else steady
+    busy = sum(r["gpu_busy_s"] for r in steady)
+    gaps = [r["gpu_gap_s"] for r in steady]
+    return {
+        "steps": len(steady),
+        "gpu_idle_fraction": sum(gaps) / (sum(gaps) + busy) if sum(gaps) + busy > 0 else None,
+        "gpu_gap_us_p50": percentile(gaps, 50) * 1e6 if gaps else None,
+        "gpu_gap_us_p99": percentile(gaps, 99) * 1e6 if gaps else None,
+        "gpu_step_us_p50": percentile([r["gpu_busy_s"] for r in steady], 50) * 1e6 if steady else None,
+    }
+
 # ----------------------------------------------------------------------------------------------------
 # Several client processes that start measuring at one instant
 #

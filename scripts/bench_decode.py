@@ -27,6 +27,7 @@ import gc
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -40,7 +41,7 @@ from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner
 from kernels.pdl import pdl_enabled
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
-# Issue 13's targets: the batch-1 step (ms), and above one row the share of the weights + KV read floor.
+# Targets: the batch-1 step (ms), and above one row the share of the weights + KV read floor.
 TARGET_MS = {"llama-3.2-1b": 1.1, "llama-3-8b": 5.6}
 TARGET_FLOOR_KV = {"llama-3-8b": 0.85}
 BLOCK_SIZE = 16
@@ -104,13 +105,15 @@ def profile_kernels(fn, path: str, reps: int = 10) -> None:
         f.write(table + "\n")
 
 
-def bench_model(name: str, args, bandwidth: float) -> dict:
+def bench_model(name: str, args, bandwidth: Optional[float]) -> dict:
     steps, warmup, batch, context = args.steps, args.warmup, args.batch, args.context
+    cuda = args.device.startswith("cuda")
     max_len = context + warmup + steps + 64
     blocks = batch * -(-max_len // BLOCK_SIZE)
     cfg = ExecutorConfig(model=os.path.join(CONFIGS, name), plan_addr="", result_addr="", load_format="dummy",
-                         device="cuda", dtype="bfloat16", num_slots=batch, num_kv_blocks=blocks,
-                         block_size=BLOCK_SIZE, max_model_len=max_len, cuda_graph_max_batch=batch,
+                         device=args.device, dtype="bfloat16" if cuda else "float32", num_slots=batch,
+                         num_kv_blocks=blocks, block_size=BLOCK_SIZE, max_model_len=max_len,
+                         cuda_graph_max_batch=batch,
                          batch_invariant=args.batch_invariant)
     stages: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -126,6 +129,16 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
     for _ in range(warmup):
         loop.step()
     loop.drain()
+    if not cuda:  # the CPU has no graphs and no events: the loop's wall time only
+        t_wall = time.perf_counter()
+        for _ in range(steps):
+            loop.step()
+        loop.drain()
+        wall = (time.perf_counter() - t_wall) / steps
+        return dict(model=name, batch=batch, device=args.device, context=context, steps=steps, setup_s=setup_s,
+                    step_ms=wall * 1e3, gpu_ms=None, host_ms=None, replay_ms=None, eager_ms=None, floor_ms=None,
+                    floor_kv_ms=None, target_ms=None, linear_kernels={},
+                    tokens_valid=all(0 <= t < mcfg.vocab_size for toks in loop.tokens for t in toks))
     torch.cuda.synchronize()
     loop.host_s = 0.0
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -164,7 +177,9 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="llama-3.2-1b,llama-3-8b")
+    ap.add_argument("--models", default="llama-3.2-1b,llama-3-8b",
+                    help="names under scripts/configs, or config folders, comma-separated")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu (the loop's wall time only: a check that it runs)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=200)
@@ -184,15 +199,24 @@ def main(argv=None) -> int:
         tuning.prologue_jobs = lambda backend, model, *a, **kw: []  # tune_all looks it up at call time
         os.environ["FORERUN_FOLD_NORMS"] = "0"  # and no norm from partial sums (select.folds_norms)
 
-    device = torch.device("cuda", 0)
-    bandwidth = copy_bandwidth(device)
+    cuda = args.device.startswith("cuda")
+    device = torch.device(args.device)
+    bandwidth = copy_bandwidth(device) if cuda else None
     rows = []
     for name in args.models.split(","):
         rows.append(bench_model(name, args, bandwidth))
         gc.collect()  # the model, its KV cache and graphs go before the next one is built
-        torch.cuda.empty_cache()
-    meta = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, triton=triton.__version__,
-                copy_bandwidth_tb_s=bandwidth / 1e12, command=" ".join(sys.argv))
+        if cuda:
+            torch.cuda.empty_cache()
+    meta = dict(gpu=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
+                triton=triton.__version__, copy_bandwidth_tb_s=bandwidth / 1e12 if bandwidth else None,
+                command=" ".join(sys.argv))
+    if not cuda:
+        for r in rows:
+            print(f"{r['model']}  batch {r['batch']}  {r['step_ms']:.3f} ms per step (cpu)")
+        if args.json:
+            write_json(args.json, dict(meta=meta, rows=rows))
+        return 0
     head = f"{'model':<14}{'B':>3}{'step ms':>9}{'gpu ms':>8}{'host ms':>8}{'replay':>8}{'eager':>8}" \
            f"{'floor':>7}{'+kv':>7}{'%floor':>7}{'%+kv':>6}{'target':>7}"
     print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  copy {meta['copy_bandwidth_tb_s']:.2f} TB/s")

@@ -40,8 +40,9 @@ def prompts(args, vocab: int) -> list[list[int]]:
 def run_forerun(args, model_dir: str, inputs: list[list[int]]) -> dict:
     block = 16
     blocks = args.slots * -(-(args.prompt_len + args.new_tokens + block) // block)
-    cfg = ExecutorConfig(model=model_dir, plan_addr="", result_addr="", load_format="dummy", device="cuda",
-                         dtype="bfloat16", num_slots=args.slots, num_kv_blocks=blocks, block_size=block,
+    cuda = args.device.startswith("cuda")
+    cfg = ExecutorConfig(model=model_dir, plan_addr="", result_addr="", load_format="dummy", device=args.device,
+                         dtype="bfloat16" if cuda else "float32", num_slots=args.slots, num_kv_blocks=blocks, block_size=block,
                          max_model_len=args.prompt_len + args.new_tokens + block)
     t0 = time.perf_counter()
     worker = build_worker(cfg).worker
@@ -52,7 +53,8 @@ def run_forerun(args, model_dir: str, inputs: list[list[int]]) -> dict:
         for p in reqs:
             planner.add(p, max_new_tokens=args.new_tokens)
         loop = DecodeLoop(worker, planner)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         t = time.perf_counter()
         steps = 0
         while not planner.done:
@@ -108,9 +110,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--slots", type=int, default=256)
     ap.add_argument("--prefill-budget", type=int, default=2048)
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu (forerun only: a check that the script runs)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    model_dir = os.path.join(CONFIGS, args.model)
+    model_dir = os.path.join(CONFIGS, args.model)  # a name under scripts/configs, or a config folder
     vocab = __import__("json").load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
     inputs = prompts(args, vocab)
     engines = args.engines.split(",")
@@ -118,11 +121,12 @@ def main(argv=None) -> int:
     if "forerun" in engines:
         rows.append(run_forerun(args, model_dir, inputs))
         gc.collect()  # free the worker's memory before HF sizes its KV cache
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if "hf" in engines:
         rows += [run_hf(args, model_dir, inputs, cuda_graph=False), run_hf(args, model_dir, inputs, cuda_graph=True)]
     print(f"{args.requests} requests x {args.prompt_len} prompt x {args.new_tokens} new, {args.model}, "
-          f"{torch.cuda.get_device_name()}")
+          f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}")
     print(f"{'engine':<28}{'tokens':>8}{'seconds':>9}{'tok/s':>9}")
     for r in rows:
         if "error" in r:

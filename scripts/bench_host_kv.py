@@ -1,4 +1,7 @@
-"""The host KV tier: what backups cost, what swaps and host prefix hits buy.
+"""The KV caches: what the device prefix cache buys, what the host tier's backups cost, what swaps and host
+prefix hits buy.
+
+    python scripts/bench_host_kv.py --mode prefix --model scripts/configs/llama-3.2-1b --json prefix.json
 
     python scripts/bench_host_kv.py --mode tpot --json tpot.json      # H100: 8B shape, random weights
     python scripts/bench_host_kv.py --mode swap --json swap.json
@@ -10,6 +13,12 @@ Each mode starts its own servers (``forerun serve --load-format dummy --model
 scripts/configs/llama-3-8b`` by default) one after another and sends the same
 workload to each:
 
+* ``prefix``: ``--num-requests`` (64) requests share one random ``--prefix-len``
+  (2,048) token prefix, each with its own ``--suffix-len`` (64) tokens, and
+  decode ``--prefix-output-len`` (64) tokens, all sent at once (after a warm-up
+  on another prefix and a ``ResetPrefixCache``).  Two servers: without prefix
+  caching, and with it (device only).  Reported: TTFT p50/p90, output
+  throughput, prompt tokens looked up and found.
 * ``tpot``: ``--batch`` (64) requests of ``--prompt-len`` (128) tokens decode
   ``--output-len`` (256) tokens each, EOS ignored.  Three servers: the tier off,
   backups on their own stream (the default), backups on the compute stream
@@ -61,7 +70,7 @@ from ipc.client.raw import RawConnection
 from _bench_util import format_table, ipc_address, percentile, start_server, stop_server, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = ("tpot", "swap", "chat")
+MODES = ("prefix", "tpot", "swap", "chat")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -76,6 +85,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--pipeline-depth", type=int, default=1)
     ap.add_argument("--host-kv-gib", type=float, default=None,
                     help="host pool for tpot and swap (default: the server's, 4 GiB on cuda)")
+    ap.add_argument("--num-requests", type=int, default=64, help="prefix: requests sharing the prefix")
+    ap.add_argument("--prefix-len", type=int, default=2048, help="prefix: tokens of the shared prefix")
+    ap.add_argument("--suffix-len", type=int, default=64, help="prefix: each request's own tokens after it")
+    ap.add_argument("--prefix-output-len", type=int, default=64, help="prefix: output tokens per request")
     ap.add_argument("--batch", type=int, default=64, help="tpot: requests decoding together")
     ap.add_argument("--prompt-len", type=int, default=128, help="tpot: prompt tokens per request")
     ap.add_argument("--output-len", type=int, default=256, help="tpot: output tokens per request")
@@ -103,7 +116,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args(argv)
     if args.tiny:
-        for name, value in dict(batch=4, prompt_len=8, output_len=24, swap_requests=4, context_len=40,
+        for name, value in dict(num_requests=4, prefix_len=32, suffix_len=4, prefix_output_len=4,
+                                batch=4, prompt_len=8, output_len=24, swap_requests=4, context_len=40,
                                 swap_output_len=24, conversations=6, turns=3, first_len=24, user_len=4,
                                 reply_len=4, concurrency=3, block_size=4, think_s=0.05).items():
             setattr(args, name, value)
@@ -196,6 +210,39 @@ def tier_hits(before: p.ServerStats, after: p.ServerStats) -> dict[str, Any]:
             "preemptions": after.preemptions - before.preemptions, "resumes": after.resumes - before.resumes,
             "resume_ms_mean": (after.resume_s_total - before.resume_s_total) / (after.resumes - before.resumes) * 1e3
             if after.resumes > before.resumes else None}
+
+
+# ------------------------------------------------------------------- prefix
+
+
+def run_prefix(args: argparse.Namespace) -> dict[str, Any]:
+    """Requests sharing a long prefix, all at once: a server without prefix caching, then one with it."""
+    flags = base_flags(args, args.prefix_len + args.suffix_len + args.prefix_output_len + 16, args.num_requests)
+    flags += ["--max-num-batched-tokens", "2048", "--host-kv-gib", "0"]
+
+    async def work(client, raw):
+        tokens = Tokens(client, 3)
+        warm = tokens(args.prefix_len)
+        await asyncio.gather(*[stream(client, warm + tokens(args.suffix_len), 4) for _ in range(2)])
+        await raw.send(p.ResetPrefixCache())  # answered with ServerStats
+        await raw.recv()
+        before = await stats(raw)
+        prefix = tokens(args.prefix_len)
+        t0 = time.perf_counter()
+        runs = await asyncio.gather(*[stream(client, prefix + tokens(args.suffix_len), args.prefix_output_len)
+                                      for _ in range(args.num_requests)])
+        wall = time.perf_counter() - t0
+        after = await stats(raw)
+        ttfts = [times[0] * 1e3 for times, _ in runs]
+        out = {"ttft_ms_p50": percentile(ttfts, 50), "ttft_ms_p90": percentile(ttfts, 90), "wall_s": wall,
+               "output_tok_per_s": sum(sum(c) for _, c in runs) / wall}
+        out.update(tier_hits(before, after))
+        return out
+
+    out = {name: with_server(flags + extra, args, work, f"prefix_{name}")
+           for name, extra in (("off", ["--no-prefix-caching"]), ("on", []))}
+    out["ttft_p50_speedup"] = out["off"]["ttft_ms_p50"] / out["on"]["ttft_ms_p50"]
+    return out
 
 
 # --------------------------------------------------------------------- tpot
@@ -359,7 +406,7 @@ def table(mode: str, figures: dict[str, Any]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
-    runners = {"tpot": run_tpot, "swap": run_swap, "chat": run_chat}
+    runners = {"prefix": run_prefix, "tpot": run_tpot, "swap": run_swap, "chat": run_chat}
     modes = MODES if args.mode == "all" else (args.mode,)
     figures: dict[str, Any] = {"config": vars(args)}
     for mode in modes:

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """The kernel-level benchmarks, one sub-command each (CUDA unless said; ``SUB --help`` for its flags).
 
+Usage: bench_kernels.py SUB [flags]   (SUB --help: its flags)
+
     python3 scripts/bench_kernels.py check [--sweep] [--dry]     # every kernel against its reference, decode attention timed
     python3 scripts/bench_kernels.py gemv                        # skinny decode matmuls: cuBLAS vs every GEMV config
     python3 scripts/bench_kernels.py decode-attention            # split-KV decode attention's launch configs

@@ -3,6 +3,7 @@
     python scripts/bench_overlap.py            # scripted 1 ms and 5 ms steps, then the default model
     python scripts/bench_overlap.py --quick    # shorter runs, within a minute
     python scripts/bench_overlap.py --json out.json --client raw
+    python3 scripts/bench_overlap.py --executor cuda --depths 0 1 --throughput   # a GPU: the GPU's idle time
 
 Each configuration starts a real ``forerun serve`` (scheduler and executor
 processes) with ``--step-log``, runs ``--running`` concurrent requests that all
@@ -14,6 +15,15 @@ window (every request decoding, the first and last tenth trimmed):
     idle_fraction   idle time / wall time
     idle_gap_us     median and p99 of the per-step waits
     tokens_per_s    sampled tokens / wall time
+
+``--executor cuda`` serves random weights of ``--model`` (the Llama-3.2-1B shape) on the GPU with
+``--model-running`` (64) requests; the executor records CUDA timing events around every step, so
+each step also has ``gpu_gap_s`` (the GPU had nothing queued before it) and ``gpu_busy_s``:
+
+    gpu_idle_fraction   sum(gap) / (sum(gap) + sum(busy)) over the same window
+
+and ``--throughput`` then runs ``bench_serve.py`` on the same server (256 requests of 128 random
+prompt tokens, 128 new tokens, all at once).
 
 ``--client sdk`` (default) drives the server through ``ipc.client.AsyncClient``;
 ``--client raw`` speaks the wire protocol directly and asks for batched
@@ -27,12 +37,12 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from typing import Any, Optional
-
 
 from ipc import protocol as p
 from ipc.client.raw import RawConnection
@@ -40,6 +50,7 @@ from _bench_util import executor_pid, percentile, start_server, stop_server, wri
 
 PROMPT = list(range(10, 18))  # 8 tokens: one prefill step for everyone, then pure decode
 BLOCK_SIZE = 16
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -50,10 +61,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--step-ms", type=float, nargs="+", default=[1.0, 5.0], help="scripted step latencies")
     ap.add_argument("--running", type=int, default=256, help="concurrent requests on the scripted executor")
     ap.add_argument("--model-running", type=int, default=None,
-                    help="concurrent requests on the default model (default 16, --quick 8)")
+                    help="concurrent requests on a model (default model: 16, --quick 8; cuda: 64)")
+    ap.add_argument("--model", default=os.path.join(SCRIPTS, "configs", "llama-3.2-1b"),
+                    help="--executor cuda: a config folder for random weights (default: the Llama-3.2-1B shape)")
+    ap.add_argument("--throughput", action="store_true",
+                    help="--executor cuda: also run bench_serve.py (256 x 128 in, 128 out) on each server")
     ap.add_argument("--window-s", type=float, default=None,
                     help="steady-state seconds per scripted run (default 2, --quick 0.4)")
-    ap.add_argument("--executor", choices=["scripted", "model", "both"], default="both")
+    ap.add_argument("--executor", choices=["scripted", "model", "both", "cuda"], default="both",
+                    help="scripted steps, the default model on the CPU, both, or random weights on the GPU")
     ap.add_argument("--client", choices=["sdk", "raw"], default="sdk")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per configuration; the run with the median idle fraction is reported "
@@ -130,7 +146,13 @@ def summarize(steps: list[dict[str, Any]], running: int) -> dict[str, Any]:
     gaps = [s["idle_s"] for s in win[1:]]  # the first step's wait lies before the window
     tokens = sum(s["num_tokens"] for s in win)
     busy = [s["t_end"] - s["t_start"] for s in win]
-    return {
+    gpu = {}
+    if any(s.get("gpu_busy_s") for s in win):
+        gpu_gaps, gpu_busy = [s["gpu_gap_s"] for s in win], [s["gpu_busy_s"] for s in win]
+        gpu = {"gpu_idle_fraction": sum(gpu_gaps) / (sum(gpu_gaps) + sum(gpu_busy)),
+               "gpu_gap_us_p50": percentile(gpu_gaps, 50) * 1e6, "gpu_gap_us_p99": percentile(gpu_gaps, 99) * 1e6,
+               "gpu_step_us_p50": percentile(gpu_busy, 50) * 1e6}
+    return {**gpu,
         "steps": len(win),
         "idle_fraction": sum(gaps) / wall,
         "idle_gap_us_p50": percentile(gaps, 50) * 1e6,
@@ -161,7 +183,7 @@ def drive_niced(client: str, address: str, n: int, max_tokens: int, nice: int) -
 
 
 def run_one(executor: str, step_ms: Optional[float], depth: int, running: int, max_tokens: int,
-            client: str, nice: int, tmp: str) -> dict[str, Any]:
+            client: str, nice: int, tmp: str, model: str = "", throughput: bool = False) -> dict[str, Any]:
     log = os.path.join(tmp, f"steps-{executor}-{step_ms}-{depth}-{time.monotonic_ns()}.jsonl")
     args = ["--pipeline-depth", str(depth), "--max-num-seqs", str(running), "--step-log", log,
             "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", str(max(2048, running * len(PROMPT)))]
@@ -169,6 +191,8 @@ def run_one(executor: str, step_ms: Optional[float], depth: int, running: int, m
         blocks = running * -(-(len(PROMPT) + max_tokens) // BLOCK_SIZE)
         args += ["--load-format", "scripted", "--scripted-step-ms", str(step_ms), "--num-kv-blocks", str(blocks),
                  "--max-model-len", str(len(PROMPT) + max_tokens + 16)]
+    elif executor == "cuda":
+        args += ["--device", "cuda", "--load-format", "dummy", "--model", model, "--max-num-seqs", "256"]
     else:
         args += ["--max-model-len", "1024"]
     address = f"ipc://{tmp}/c-{time.monotonic_ns()}.sock"
@@ -183,6 +207,7 @@ def run_one(executor: str, step_ms: Optional[float], depth: int, running: int, m
         received = drive_niced(client, address, running, max_tokens, nice)
         elapsed = time.perf_counter() - t0
         usage = cpu_use(before, cpu(), elapsed)
+        serve = _throughput(address, tmp) if throughput else None
     finally:
         stop_server(server)
     assert received == running * max_tokens, (received, running * max_tokens)
@@ -190,7 +215,19 @@ def run_one(executor: str, step_ms: Optional[float], depth: int, running: int, m
            "client_nice": nice, "max_tokens": max_tokens, "client_s": elapsed}
     row.update(summarize(read_steps(log), running))
     row.update(usage)
+    if serve:
+        row.update(output_tokens_per_s=serve["output_throughput"], ttft_ms=serve["ttft_ms"], tpot_ms=serve["tpot_ms"])
     return row
+
+
+def _throughput(address: str, tmp: str) -> dict[str, Any]:
+    """bench_serve.py on the running server: 256 requests x 128 random tokens in, 128 out, all at once."""
+    out = os.path.join(tmp, f"serve-{time.monotonic_ns()}.json")
+    subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_serve.py"), "--address", address,
+                    "--num-requests", "256", "--input-len", "128", "--output-len", "128", "--warmup", "8",
+                    "--no-progress", "--json", out], check=True)
+    with open(out) as f:
+        return json.load(f)
 
 
 def configs(args: argparse.Namespace):
@@ -202,6 +239,8 @@ def configs(args: argparse.Namespace):
     if args.executor in ("model", "both"):
         running = args.model_running or (8 if args.quick else 16)
         yield "model", None, running, 10 if args.quick else 64
+    if args.executor == "cuda":
+        yield "cuda", None, args.model_running or 64, 32 if args.quick else 256
 
 
 def print_row(row: dict[str, Any]) -> None:
@@ -211,6 +250,11 @@ def print_row(row: dict[str, Any]) -> None:
     print(f"{row['executor']:>8} {step:>7} {row['depth']:>5} {row['running']:>7} {100 * row['idle_fraction']:>7.2f}% "
           f"{row['idle_gap_us_p50']:>9.1f} {row['idle_gap_us_p99']:>9.1f} {row['step_ms_measured_p50']:>8.2f} "
           f"{row['tokens_per_s']:>10.0f}   {cores}", flush=True)
+    if "gpu_idle_fraction" in row:
+        print(f"{'':>8} GPU idle {100 * row['gpu_idle_fraction']:.2f}%, gap p50 / p99 {row['gpu_gap_us_p50']:.1f} / "
+              f"{row['gpu_gap_us_p99']:.1f} us, GPU step p50 {row['gpu_step_us_p50']:.1f} us"
+              + (f", {row['output_tokens_per_s']:.0f} output tok/s (256 x 128/128)" if "output_tokens_per_s" in row
+                 else ""), flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -227,7 +271,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for _ in range(args.repeat):
                     try:
                         runs.append(run_one(executor, step_ms, depth, running, max_tokens, args.client,
-                                            args.client_nice, tmp))
+                                            args.client_nice, tmp, args.model, args.throughput))
                     except Exception as e:  # the default model may be missing: report it, keep the other rows
                         print(f"{executor:>8} {step_ms or '-':>7} {depth:>5}: failed: {type(e).__name__}: {e}"[:400],
                               flush=True)

@@ -54,19 +54,21 @@ class _DiscardSocket:
     def send(self, data, *args, **kwargs) -> None:
         pass
 
-    def send_multipart(self, parts, *args, **kwargs) -> None:
-        pass
-
 
 def make_server(planner: Planner, batch: bool):
-    """A Server with only what ``_emit_step`` touches (no executor, no event loop)."""
+    """A Server with only what ``_emit_step`` touches (no executor, no event loop): its frontend is the real
+    one's send path over a socket that discards what it is given."""
+    from scheduler_proc.frontend import Frontend
     from scheduler_proc.server import Server
 
+    frontend = Frontend.__new__(Frontend)
+    frontend.now = _DiscardSocket()
+    frontend.batch_clients = {b"client"} if batch else set()
+    frontend.slow, frontend.gone = set(), set()
     server = Server.__new__(Server)
     server.planner = planner
     server.requests = {}
-    server.frontend = server._frontend_now = _DiscardSocket()
-    server.batch_clients = {b"client"} if batch else set()
+    server.frontend = frontend
     return server
 
 

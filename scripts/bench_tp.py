@@ -33,8 +33,7 @@ import sys
 import tempfile
 import time
 
-from _bench_util import percentile, start_server, stop_server, write_json
-from bench_gpu_pipeline import gpu_idle_of, lockstep_decode
+from _bench_util import gpu_idle_of, lockstep_decode, percentile, start_server, stop_server, write_json
 from ipc.client import AsyncClient
 from ipc.client.raw import RawConnection
 

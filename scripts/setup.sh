@@ -2,6 +2,7 @@
 # Create (or update) .venv with forerun and everything it and its tests need.
 # Idempotent: a second run only checks what is there.
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,3p' "$0" | sed 's/^# //'; echo "Usage: bash scripts/setup.sh   (PYTHON: the interpreter .venv is made from)"; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

@@ -325,7 +325,8 @@ def test_sigterm_second_server_and_startup_errors():
 
 def test_flood_does_not_stall_another_clients_stream(tmp_path):
     out = tmp_path / "flood.json"
-    run = subprocess.run([sys.executable, "scripts/bench_flood.py", "--frames", "200000", "--json", str(out)],
+    run = subprocess.run([sys.executable, "scripts/bench_reliability.py", "flood", "--frames", "200000",
+                          "--json", str(out)],
                          capture_output=True, text=True, timeout=150, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(out.read_text())

@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# The GPU tests and the figures of docs/performance.md, by part; each part fits a 10-minute run.
+#
+#   bash scripts/gpu_suite.sh PART [PART ...]      (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh --dry-run PART|all   print the commands, run nothing
+#
+# Parts:
+#   tests          GPU tests: fast path against the torch path, CUDA graphs, mixed-step graphs, batch invariance
+#   tests-kernels  kernel tests on the GPU (attention, GEMV, sampling, transfer), host KV tier, compile ahead
+#   decode         batch-1 decode (1B, 8B), 2 and 4 rows (1B), batch 64 (8B, default and --batch-invariant),
+#                  prefill MFU (8B)
+#   serve          1B server: b1, r10, r40 loads through the SDK (512 in / 128 out); 8B batch 1 from the client
+#   idle           GPU idle between steps at batch 64 and SDK throughput, depths 0 and 1; the HF baseline
+#   gateway        HTTP vs SDK streaming at 1 and 4 gateway workers, 4 client processes
+#   prefix         prefix caching off / on, 1B and 8B
+#   swap           host KV tier: swap resume vs recompute and device-only caching (8B, 64 requests)
+#   chat           host KV tier: multi-turn chat, 512-token openings (8B); backups' cost on decode (tpot)
+#   startup        8B start-up from an empty Triton cache and warm; executor restart (1B)
+#   kernels        kernel benchmarks: transfer, sampling, sampling step, prefill attention
+#   tp             tensor parallelism on two GPUs: the tests on CUDA, then bench_tp.py --sizes 1 2
+#
+# Results (JSON, logs) go to $OUT (default /tmp/out).  Environment: PYTHON (default python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+PY=${PYTHON:-python3}
+DRY=0
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
+PARTS="tests tests-kernels decode serve idle gateway prefix swap chat startup kernels tp"
+CFG=scripts/configs
+
+run() {  # echo a command, then run it unless --dry-run; a failure is reported, the part goes on
+  echo "+ $*"
+  [ "$DRY" = 1 ] && return 0
+  "$@" || echo "FAILED ($?): $*"
+}
+
+wait_ready() {  # LOG PID: until the server logs "ready at" (or exits)
+  [ "$DRY" = 1 ] && return 0
+  for _ in $(seq 1 1200); do
+    grep -q "ready at" "$1" && return 0
+    kill -0 "$2" 2>/dev/null || { echo "the server exited:"; tail -20 "$1"; return 1; }
+    sleep 0.5
+  done
+  return 1
+}
+
+SERVER=""
+serve() {  # NAME FLAGS...: start forerun serve on ipc:///tmp/fr-NAME.sock and wait until it is ready
+  local name=$1; shift
+  echo "+ forerun serve --address ipc:///tmp/fr-$name.sock $* &"
+  [ "$DRY" = 1 ] && return 0
+  $PY -m scheduler_proc.launch serve --address "ipc:///tmp/fr-$name.sock" --quiet "$@" > "$OUT/serve_$name.log" 2>&1 &
+  SERVER=$!
+  wait_ready "$OUT/serve_$name.log" $SERVER
+}
+
+stop() { [ -n "$SERVER" ] && kill -TERM $SERVER && wait $SERVER 2>/dev/null; SERVER=""; }
+
+versions() {
+  [ "$DRY" = 1 ] && return 0
+  $PY -c "import platform, torch, triton; print('Python', platform.python_version(), 'torch', torch.__version__,
+'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" \
+    | tee "$OUT/versions.txt"
+}
+
+part_tests() {
+  run timeout 560 $PY -m pytest -q -p no:cacheprovider tests/test_gpu_fastpath.py tests/test_mixed_graphs.py \
+      tests/test_batch_invariance.py
+}
+
+part_tests_kernels() {
+  run timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_decode.py \
+      tests/test_kernels_prefill.py tests/test_sampling_features.py tests/test_precompile.py
+  run timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_transfer.py tests/test_host_kv_gpu.py
+}
+
+part_decode() {
+  run timeout 150 $PY scripts/bench_decode.py --models llama-3.2-1b,llama-3-8b --batch 1 --json "$OUT/decode_b1.json"
+  for b in 2 4; do
+    run timeout 90 $PY scripts/bench_decode.py --models llama-3.2-1b --batch $b --json "$OUT/decode_1b_b$b.json"
+  done
+  run timeout 120 $PY scripts/bench_decode.py --models llama-3-8b --batch 64 --context 512 --json "$OUT/decode_b64.json"
+  run timeout 120 $PY scripts/bench_decode.py --models llama-3-8b --batch 64 --context 512 --batch-invariant \
+      --json "$OUT/decode_b64_inv.json"
+  run timeout 120 $PY scripts/bench_kernels.py mixed-step --model llama-3-8b --cases 0x2048,16x1024 \
+      --json "$OUT/prefill_mfu.json"
+}
+
+bench_serve() {  # NAME TAG FLAGS...
+  local name=$1 tag=$2; shift 2
+  run $PY scripts/bench_serve.py --address "ipc:///tmp/fr-$name.sock" --input-len 512 --output-len 128 --seed 1 \
+      --no-progress --json "$OUT/serve_${name}_$tag.json" "$@"
+}
+
+part_serve() {
+  serve 1b --device cuda --load-format dummy --model $CFG/llama-3.2-1b --step-log "$OUT/steps_1b.jsonl" || return
+  bench_serve 1b b1 --concurrency 1 --num-requests 8 --warmup 1
+  bench_serve 1b r40 --request-rate 40 --num-requests 400 --warmup 4
+  bench_serve 1b r10 --request-rate 10 --num-requests 120 --warmup 2
+  stop
+  serve 8b --device cuda --load-format dummy --model $CFG/llama-3-8b || return
+  bench_serve 8b b1 --concurrency 1 --num-requests 8 --warmup 1
+  stop
+}
+
+part_idle() {
+  run timeout 400 $PY scripts/bench_overlap.py --executor cuda --depths 0 1 --throughput --json "$OUT/idle.json"
+  run timeout 180 $PY scripts/bench_hf_baseline.py --engines forerun,hf --json "$OUT/hf_baseline.json"
+}
+
+part_gateway() {
+  for w in 1 4; do
+    serve gw$w --device cuda --load-format dummy --model $CFG/llama-3.2-1b --max-num-seqs 256 \
+        --port $((8000 + w)) --api-workers $w || continue
+    local k=0
+    for run in sdk openai openai-ka sdk openai openai-ka sdk; do
+      local extra=""; [ $run = openai-ka ] && extra="--http-keep-alive"; k=$((k + 1))
+      run timeout 60 $PY scripts/bench_serve.py --backend "${run%-ka}" --address "ipc:///tmp/fr-gw$w.sock" \
+          --base-url "http://127.0.0.1:$((8000 + w))" --num-requests 256 --concurrency 256 --input-len 128 \
+          --output-len 128 --warmup 8 --client-procs 4 --no-progress $extra --json "$OUT/gateway_w${w}_${k}_$run.json"
+    done
+    stop
+  done
+}
+
+part_prefix() {
+  for m in llama-3.2-1b llama-3-8b; do
+    run timeout 280 $PY scripts/bench_host_kv.py --mode prefix --model $CFG/$m --json "$OUT/prefix_$m.json"
+  done
+}
+
+part_swap() {
+  run timeout 560 $PY scripts/bench_host_kv.py --mode swap --swap-requests 64 --json "$OUT/host_kv_swap64.json"
+}
+
+part_chat() {
+  run timeout 380 $PY scripts/bench_host_kv.py --mode chat --first-len 512 --json "$OUT/host_kv_chat512.json"
+  run timeout 180 $PY scripts/bench_host_kv.py --mode tpot --json "$OUT/host_kv_tpot.json"
+}
+
+part_startup() {
+  run timeout 400 $PY scripts/bench_startup.py --model $CFG/llama-3-8b --warm --json "$OUT/startup_8b.json"
+  run timeout 150 $PY scripts/bench_reliability.py restart --kills 2 --json "$OUT/restart_1b.json" -- \
+      --device cuda --load-format dummy --model $CFG/llama-3.2-1b
+}
+
+part_kernels() {
+  run timeout 150 $PY scripts/bench_kernels.py transfer --json "$OUT/transfer.json"
+  run timeout 120 $PY scripts/bench_kernels.py sampling --json "$OUT/sampling.json"
+  run timeout 150 $PY scripts/bench_kernels.py sampling-step --json "$OUT/sampling_step.json"
+  run timeout 120 $PY scripts/bench_kernels.py prefill-attention --json "$OUT/prefill_attention.json"
+}
+
+part_tp() {
+  run timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py
+  run timeout 280 $PY scripts/bench_tp.py --sizes 1 2 --json "$OUT/tp.json"
+}
+
+if [ $# = 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
+  sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+  exit 0
+fi
+if [ "$1" = --dry-run ]; then DRY=1; shift; fi
+[ "${1:-}" = all ] && set -- $PARTS
+mkdir -p "$OUT"
+trap stop EXIT
+versions
+for part in "$@"; do
+  case " $PARTS " in *" $part "*) ;; *) echo "unknown part: $part (one of: $PARTS)" >&2; exit 2 ;; esac
+  echo "== $part"
+  start=$SECONDS
+  "part_${part//-/_}"
+  echo "== $part took $((SECONDS - start)) s"
+done

@@ -1,0 +1,170 @@
+"""Every script in scripts/ answers --help and runs a tiny case on the CPU: a benchmark no test runs rots.
+
+The tiny cases run concurrently (three at a time) from one module fixture, so the file costs about
+the slowest few of them; the --help checks share one Python process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+
+from tests.server_proc import ROOT
+
+SCRIPTS = os.path.join(ROOT, "scripts")
+PY_SCRIPTS = sorted(f for f in os.listdir(SCRIPTS) if f.endswith(".py") and not f.startswith("_"))
+SUBCOMMANDS = {"bench_kernels.py": ["check", "gemv", "decode-attention", "prefill-attention", "mixed-step",
+                                    "transfer", "sampling", "sampling-step"],
+               "bench_reliability.py": ["flood", "restart"]}
+# Scripts whose CPU run lives in another test file.
+COVERED_ELSEWHERE = {"bench_memory.py": "tests/test_bench_memory.py",
+                     "bench_reliability.py": "tests/test_reliability.py (flood)",
+                     "bench_serve.py": "tests/test_client_unit.py (SDK), tests/test_openai_server.py (HTTP, 2 processes)"}
+
+
+def _tiny_cases(model: str, out: str) -> dict[str, list[str]]:
+    """script -> the arguments of its tiny CPU run (``{out}``: a JSON path the test reads back)."""
+    return {  # the slowest first: they start first
+        "bench_host_kv.py": ["--device", "cpu", "--model", model, "--tiny", "--mode", "prefix", "--json", out],
+        "bench_tp.py": ["--device", "cpu", "--model", model, "--sizes", "2", "--max-num-seqs", "4", "--input-len", "8",
+                        "--decode-tokens", "12", "--idle-batch", "2", "--idle-tokens", "12", "--requests", "4",
+                        "--output-len", "4", "--server-flag=--num-kv-blocks=64", "--json", out],
+        "bench_startup.py": ["--device", "cpu", "--model", model, "--num-slots", "4", "--cases", "off=0",
+                             "--json", out],
+        "bench_decode.py": ["--device", "cpu", "--models", model, "--steps", "4", "--warmup", "1", "--context", "16",
+                            "--json", out],
+        "bench_kernels.py": ["transfer", "--dry", "--json", out],
+        "bench_hf_baseline.py": ["--device", "cpu", "--engines", "forerun", "--model", model, "--requests", "4",
+                                 "--prompt-len", "8", "--new-tokens", "4", "--slots", "4", "--json", out],
+        "bench_overlap.py": ["--executor", "scripted", "--depths", "1", "--step-ms", "2", "--running", "16",
+                             "--window-s", "0.3", "--client-nice", "0", "--json", out],
+        "bench_scheduler.py": ["--running", "16", "--modes", "decode", "mixed", "--steps", "60",
+                               "--prefix-caching", "both", "--json", out],
+    }
+
+
+def _check_output(script: str, result: dict) -> None:
+    """What each tiny run must report, beyond exiting 0."""
+    if script == "bench_scheduler.py":
+        assert {(r["mode"], r["prefix"]) for r in result} == {
+            (m, c) for m in ("decode", "mixed") for c in ("off", "on")}, result
+    elif script == "bench_overlap.py":
+        (row,) = result
+        assert row["executor"] == "scripted" and row["steps"] >= 3 and 0 <= row["idle_fraction"] < 1
+    elif script == "bench_decode.py":
+        (row,) = result["rows"]
+        assert row["step_ms"] > 0 and row["tokens_valid"]
+    elif script == "bench_kernels.py":
+        assert result["rows"] and all(r["bit_exact"] for r in result["rows"]), result
+    elif script == "bench_host_kv.py":
+        prefix = result["prefix"]
+        assert prefix["off"]["query_tokens"] == 0 and prefix["on"]["query_tokens"] > 0
+        assert prefix["on"]["output_tok_per_s"] > 0
+    elif script == "bench_tp.py":
+        (row,) = result["rows"]
+        assert row["tp"] == 2 and row["decode_steps"] >= 10 and row["decode_period_us_p50"] > 0
+    elif script == "bench_startup.py":
+        (case,) = result["cases"]
+        stages = [stage for stage, _ in case["stages"]]
+        assert stages[:2] == ["importing", "building"] and "initialising weights" in stages, stages
+    elif script == "bench_hf_baseline.py":
+        (row,) = result["rows"]
+        assert row["engine"] == "forerun" and row["tokens"] == 16
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory) -> dict[str, tuple[Future, str]]:
+    """Every tiny case started at once, three at a time: script -> (its CompletedProcess future, JSON path)."""
+    from tests.test_gpu_fastpath import write_config
+
+    tmp = tmp_path_factory.mktemp("scripts")
+    (tmp / "model").mkdir()
+    model = str(write_config(tmp / "model", vocab=300))
+    pool = ThreadPoolExecutor(3)
+    runs = {}
+    for script, args in _tiny_cases(model, "").items():
+        out = str(tmp / f"{script}.json")
+        args = [out if a == "" else a for a in args]
+        runs[script] = (pool.submit(subprocess.run, [sys.executable, os.path.join(SCRIPTS, script), *args],
+                                    cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240), out)
+    yield runs
+    pool.shutdown(wait=True)
+
+
+def test_every_script_has_a_tiny_case():
+    missing = set(PY_SCRIPTS) - set(_tiny_cases("m", "o")) - set(COVERED_ELSEWHERE)
+    assert not missing, f"scripts without a CPU smoke test: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("script", sorted(_tiny_cases("m", "o")))
+def test_tiny_cpu_run(script, tiny_runs):
+    future, out = tiny_runs[script]
+    run = future.result()
+    assert run.returncode == 0, f"{script}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    with open(out) as f:
+        _check_output(script, json.load(f))
+
+
+_HELP = r"""
+import contextlib, io, json, os, runpy, sys
+sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
+results = {}
+for name in json.loads(sys.argv[2]):
+    script, _, sub = name.partition(" ")
+    sys.argv = [script, *([sub] if sub else []), "--help"]
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            runpy.run_path(os.path.join(sys.path[0], script), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    except BaseException as e:  # reported, not raised: the other scripts still get checked
+        code, buf = repr(e), io.StringIO(repr(e))
+    results[name] = [code, buf.getvalue()[:400]]
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, list]:
+    """Every script's (and sub-command's) --help, in one Python process: name -> [exit code, output start]."""
+    names = PY_SCRIPTS + [f"{s} {sub}" for s, subs in SUBCOMMANDS.items() for sub in subs]
+    run = subprocess.run([sys.executable, "-c", _HELP, SCRIPTS, json.dumps(names)], cwd=ROOT, env=_env(),
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", PY_SCRIPTS + [f"{s} {sub}" for s, subs in SUBCOMMANDS.items() for sub in subs])
+def test_help(name, helps):
+    code, text = helps[name]
+    assert code == 0 and "usage" in text.lower(), (name, code, text)
+
+
+@pytest.mark.parametrize("script", ["gpu_suite.sh", "setup.sh"])
+def test_shell_script_help(script):
+    run = subprocess.run(["bash", os.path.join(SCRIPTS, script), "--help"], capture_output=True, text=True,
+                         timeout=30)
+    assert run.returncode == 0 and run.stdout.strip(), run.stderr
+
+
+def test_gpu_suite_names_only_scripts_and_tests_that_exist(tmp_path):
+    """Every part's commands (--dry-run runs nothing) name scripts and test files that are there."""
+    run = subprocess.run(["bash", os.path.join(SCRIPTS, "gpu_suite.sh"), "--dry-run", "all"], capture_output=True,
+                         text=True, timeout=30, env=dict(os.environ, OUT=str(tmp_path)))
+    assert run.returncode == 0, run.stderr
+    words = {w for line in run.stdout.splitlines() if line.startswith("+ ") for w in line.split()}
+    named = {w for w in words if w.startswith(("scripts/", "tests/")) and w.endswith((".py", ".sh"))}
+    assert {"scripts/bench_decode.py", "scripts/bench_serve.py", "tests/test_gpu_fastpath.py"} <= named
+    assert all(os.path.exists(os.path.join(ROOT, w)) for w in named), sorted(
+        w for w in named if not os.path.exists(os.path.join(ROOT, w)))
