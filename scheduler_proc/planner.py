@@ -256,7 +256,11 @@ class Planner(Reconciler):
             req.t_readmit = time.perf_counter() if req.num_preemptions else 0.0
             self._running[req.rid] = req
             self._prefilling[req.rid] = req
-            draft.admits.append(Admit(req.slot, slot_sampling(req, self.limits.eos_token_ids)))
+            sampling = slot_sampling(req, self.limits.eos_token_ids)
+            # The slot's penalty state is built from every token the request has, not from the chunks this
+            # admission computes: a prefix hit, an onload or a swap resume computes fewer.
+            tokens = req.known_tokens(0, req.num_known) if sampling.reads_tokens else []
+            draft.admits.append(Admit(req.slot, sampling, tokens))
             if self.prefix is not None:
                 self.prefix.admit(req, hit)  # shares the hit blocks; num_computed starts after them
                 if hit:

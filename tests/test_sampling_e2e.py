@@ -70,7 +70,7 @@ class Requests:
         slots = list(range(len(prompts)))
         appends, admits = [], []
         for slot, (prompt, s) in zip(slots, zip(prompts, samplings)):
-            admits.append(Admit(slot, s))
+            admits.append(Admit(slot, s, prompt if s.reads_tokens else []))
             for i in range(-(-(len(prompt) + new_tokens) // BLOCK)):
                 appends += [slot, i, self.next_block]
                 self.next_block = (self.next_block + 1) % (33 * 8)

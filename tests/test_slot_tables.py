@@ -3,6 +3,7 @@ min_tokens stop-id rows only when a slot gets them or its previous request had t
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from executor_proc.step.slot_tables import SlotTables
@@ -49,3 +50,22 @@ def test_admission_writes_every_parameter_and_the_bias_rows_only_when_needed():
     assert p.bias_ids[1].eq(-1).all() and p.bias_values[1].eq(0).all() and p.stop_ids[1].eq(-1).all()
     assert p.repetition[1] == 1.0 and p.min_tokens[1] == 0 and tables.num_logprobs[1] == -1
     assert set(_apply(tables, staging, [Admit(1, PLAIN)], releases=[1]).params) == {0, 1, 2}
+
+
+def test_admission_builds_the_penalty_state_from_the_request_tokens():
+    """Prompt tokens mark the prompt mask, later ones (a resumed request's outputs) count as sampled, whatever
+    the step computes; a re-admission starts from nothing but its own tokens."""
+    tables = SlotTables(4, 8, torch.device("cpu"), vocab=32)
+    staging = PinnedStaging(torch.device("cpu"))
+    p = tables.penalties
+    full = msgspec.structs.replace(FULL, num_prompt_tokens=3)
+    resumed = SlotSampling(0.0, 0, 1.0, 0.0, 0, frequency_penalty=0.5, num_prompt_tokens=3)
+    _apply(tables, staging, [Admit(0, full, [5, 6, 5]), Admit(2, resumed, [1, 2, 3, 9, 9, 4]), Admit(3, PLAIN)])
+    assert p.prompt_mask[0].nonzero().flatten().tolist() == [5, 6] and p.output_counts[0].eq(0).all()
+    assert p.generated[0] == 0
+    assert p.prompt_mask[2].nonzero().flatten().tolist() == [1, 2, 3]
+    assert p.output_counts[2, 9] == 2 and p.output_counts[2, 4] == 1 and p.generated[2] == 3
+    assert not p.prompt_mask[3].any() and p.output_counts[3].eq(0).all()
+    _apply(tables, staging, [Admit(2, msgspec.structs.replace(FULL, num_prompt_tokens=1), [7])], releases=[2])
+    assert p.prompt_mask[2].nonzero().flatten().tolist() == [7] and p.output_counts[2].eq(0).all()
+    assert p.generated[2] == 0

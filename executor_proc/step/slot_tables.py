@@ -15,7 +15,10 @@ padded row computes is harmless and ignored.
 Plans change these tables by diffs (admits, releases, block appends).  The
 diffs ride in the step's one pinned host->device upload (:class:`TableDiff`
 holds their place in it) and become indexed writes on the device, so applying a
-plan never waits for the GPU.  Host mirrors of a few per-slot facts (greedy,
+plan never waits for the GPU.  An admission builds the slot's whole state,
+the penalty tables' prompt mask and output counts from the request's tokens
+(``Admit.tokens``) included: what the slot's KV came from (a prefill, a prefix
+hit, a host onload, a recompute after preemption or restart) never shows.  Host mirrors of a few per-slot facts (greedy,
 filtered, penalised, logprobs wanted) let the worker pick each step's sampling
 variant without reading the device.
 """
@@ -31,7 +34,7 @@ import torch
 from executor_proc.backends.base import SamplingRows
 from executor_proc.step.staging import HostUpload
 from ipc.protocol import MAX_STOP_TOKEN_IDS, SlotSampling, StepPlan
-from kernels.penalties_ref import MAX_BIAS, PenaltyTables, reset_slots
+from kernels.penalties_ref import MAX_BIAS, PenaltyTables, count_sampled, mark_prompt, reset_slots
 from kernels.sampling_ref import is_greedy
 
 # min_tokens masks the request's stop token ids and its EOS ids (a model has at most a few).
@@ -71,6 +74,8 @@ class TableDiff:
     # admitted slots' parameters -> upload index: a group of SlotTables._ADMIT_GROUPS by its index, a
     # table of SlotTables._ADMIT_ROWS by its name (only when some admitted slot needs it written)
     params: dict[object, int] = field(default_factory=dict)
+    # admitted requests' tokens: (slots, tokens) of prompts, then (slots, tokens) of outputs if any
+    tokens: tuple[int, ...] = ()
 
 
 def _padded(rows: list[list], width: int, fill, dtype) -> np.ndarray:
@@ -111,6 +116,9 @@ class SlotTables:
         # admission rewrites those rows only when it sets them or when the slot's last request did.
         self._extras_set: set[int] = set()
         self.info = [SlotInfo() for _ in range(rows)]
+        # [rows, ceil(vocab / 32)] int32 bitmasks of the constrained slots (executor_proc/step/grammar.py owns it;
+        # None without structured outputs).
+        self.grammar_mask: Optional[torch.Tensor] = None
         # Live slots with a penalty or a logprobs request: while empty, a step needs no look at them.
         self.featured: set[int] = set()
 
@@ -164,6 +172,7 @@ class SlotTables:
                     diff.params[name] = upload.add(_padded([value(x) for x in s], table.shape[1], fill, np_dtype), dtype)
                 for a, has in zip(plan.admits, extras):
                     (self._extras_set.add if has else self._extras_set.discard)(a.slot)
+            diff.tokens = self._stage_tokens(plan, upload)
             for a in plan.admits:
                 info = self.info[a.slot] = slot_info(a.sampling)
                 if info.penalised or info.num_logprobs >= 0 or info.prompt_logprobs >= 0:
@@ -173,6 +182,21 @@ class SlotTables:
         if plan.block_appends:
             diff.appends = upload.add(plan.block_appends, torch.int64)
         return diff
+
+    @staticmethod
+    def _stage_tokens(plan: StepPlan, upload: HostUpload) -> tuple[int, ...]:
+        """Admitted requests' tokens, split where their outputs start (a resumed request has some): the
+        prompt's mark the penalty prompt mask, the outputs count as sampled."""
+        prompt_slots, prompt_tokens, out_slots, out_tokens = [], [], [], []
+        for a in plan.admits:
+            if a.tokens:
+                p = a.sampling.num_prompt_tokens
+                prompt_slots += [a.slot] * min(p, len(a.tokens))
+                prompt_tokens += a.tokens[:p]
+                out_slots += [a.slot] * max(len(a.tokens) - p, 0)
+                out_tokens += a.tokens[p:]
+        parts = (prompt_slots, prompt_tokens) + ((out_slots, out_tokens) if out_slots else ())
+        return tuple(upload.add(x, torch.int64) for x in parts) if prompt_slots else ()
 
     def apply(self, diff: TableDiff, sent: list[torch.Tensor]) -> None:
         """Releases, then admissions, then block-table appends (a plan may reuse a freed slot)."""
@@ -190,6 +214,10 @@ class SlotTables:
                     table[slots] = sent[part].view(-1, table.shape[1])
             self.block_table.index_fill_(0, slots, 0)
             reset_slots(self.penalties, slots)
+            if diff.tokens:
+                mark_prompt(self.penalties, sent[diff.tokens[0]], sent[diff.tokens[1]])
+                if len(diff.tokens) == 4:
+                    count_sampled(self.penalties, sent[diff.tokens[2]], sent[diff.tokens[3]])
         if diff.appends is not None:
             a = sent[diff.appends].view(-1, 3)
             self.block_table[a[:, 0], a[:, 1]] = a[:, 2].to(torch.int32)

@@ -39,7 +39,6 @@ from executor_proc.step.slot_tables import SlotTables
 from executor_proc.step.staging import PinnedStaging, TokenRing
 from executor_proc.step.step_outputs import StepOutputs
 from ipc.protocol import StepPlan
-from kernels.penalties_ref import mark_prompt
 
 
 @dataclass
@@ -164,11 +163,9 @@ class Worker:
             part = upload.add(self.mixed.pack(rows, shape), torch.int64)
         else:
             parts = self._eager_rows(rows, upload, outputs.prompt)
-        marks = self._prefill_marks(plan, upload) if featured else None
         sent = upload.send()
         self._host_copies(plan, host, sent)
         self.tables.apply(diff, sent)
-        self._apply_marks(marks, sent)
         if shape is not None:
             self.mixed.load(sent[part])
             return MixedStep(shape, len(sampled_slots), mode, rows, outputs)
@@ -188,35 +185,6 @@ class Worker:
         """For the output thread: the newest step up to ``step_id`` whose backups have all completed."""
         return self.host_kv.backups_done_through(step_id) if self.host_kv is not None else step_id
 
-    def _prefill_marks(self, plan: StepPlan, upload) -> Optional[tuple[int, int, int, int]]:
-        """Penalised slots' prefill tokens: prompt positions for the prompt mask, later ones (a resumed
-        request's outputs) for the output counts; their places in the upload, or None."""
-        info = self.tables.info
-        prompt_slots, prompt_tokens, out_slots, out_tokens = [], [], [], []
-        cursor = 0
-        for slot, n, p, prefill in zip(plan.slots, plan.num_tokens, plan.positions, plan.is_prefill):
-            if not prefill:
-                continue
-            chunk = plan.prefill_tokens[cursor:cursor + n]
-            cursor += n
-            if info[slot].penalised:
-                cut = min(max(info[slot].num_prompt_tokens - p, 0), n)
-                prompt_slots += [slot] * cut
-                prompt_tokens += chunk[:cut]
-                out_slots += [slot] * (n - cut)
-                out_tokens += chunk[cut:]
-        if not (prompt_slots or out_slots):
-            return None
-        return (upload.add(prompt_slots, torch.int64), upload.add(prompt_tokens, torch.int64),
-                upload.add(out_slots, torch.int64), upload.add(out_tokens, torch.int64))
-
-    def _apply_marks(self, marks: Optional[tuple[int, int, int, int]], sent: list[torch.Tensor]) -> None:
-        if marks is None:
-            return
-        penalties = self.tables.penalties
-        mark_prompt(penalties, sent[marks[0]], sent[marks[1]])
-        if sent[marks[2]].numel():
-            self.model.backend.count_sampled(penalties, sent[marks[2]], sent[marks[3]])
     def _graph_bucket(self, plan: StepPlan) -> Optional[int]:
         pure_decode = bool(plan.slots) and not any(plan.is_prefill) and all(plan.sample)
         return self.graphs.bucket_for(len(plan.slots)) if self.graphs is not None and pure_decode else None

@@ -85,6 +85,7 @@ class ScriptedRunner:
     seqs: dict[int, list[int]] = field(default_factory=dict)  # slot -> tokens by position
     seed: dict[int, int] = field(default_factory=dict)
     sampling: dict[int, SlotSampling] = field(default_factory=dict)
+    admitted_tokens: dict[int, list[int]] = field(default_factory=dict)  # slot -> its Admit's tokens
     tables: dict[int, list[int]] = field(default_factory=dict)
     block_slots: dict[int, set[int]] = field(default_factory=dict)  # block -> slots whose tables hold it
     kv: dict[int, list[Optional[int]]] = field(default_factory=dict)  # block -> token written at each offset
@@ -121,6 +122,8 @@ class ScriptedRunner:
                     seq.extend(found)
                 del seq[start:]
                 seq.extend(chunk)
+                known = self.admitted_tokens[slot]
+                assert not known or seq == known[:len(seq)], f"slot {slot}: admitted with tokens not its own"
             else:
                 assert n == 1, f"slot {slot}: decode row with {n} tokens"
                 assert start == len(seq) - 1, f"slot {slot}: decode at {start}, last known token at {len(seq) - 1}"
@@ -221,7 +224,7 @@ class ScriptedRunner:
             assert slot in self.tables, f"release of free slot {slot}"
             for b in self.tables.pop(slot):
                 self.block_slots[b].discard(slot)
-            del self.seqs[slot], self.seed[slot], self.sampling[slot]
+            del self.seqs[slot], self.seed[slot], self.sampling[slot], self.admitted_tokens[slot]
         for admit in plan.admits:
             assert 0 <= admit.slot < self.num_slots
             assert admit.slot not in self.tables, f"slot {admit.slot} admitted while still in use"
@@ -229,6 +232,10 @@ class ScriptedRunner:
             self.seqs[admit.slot] = []
             self.seed[admit.slot] = admit.sampling.seed
             self.sampling[admit.slot] = admit.sampling
+            # the request's every token when its penalties read them: the prompt and any earlier outputs
+            assert bool(admit.tokens) == admit.sampling.reads_tokens, f"slot {admit.slot}: admission tokens"
+            assert len(admit.tokens) >= admit.sampling.num_prompt_tokens or not admit.tokens
+            self.admitted_tokens[admit.slot] = admit.tokens
         a = plan.block_appends
         for i in range(0, len(a), 3):
             slot, index, block = a[i], a[i + 1], a[i + 2]

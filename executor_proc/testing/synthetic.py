@@ -84,7 +84,7 @@ class SyntheticPlanner:
     def step(self) -> StepPlan:
         """Decode rows of the running requests, then prefill rows (chunks) of those still prefilling."""
         self._admit()
-        admits = [Admit(r.slot, r.sampling) for r in self.waiting]
+        admits = [Admit(r.slot, r.sampling, r.prompt if r.sampling.reads_tokens else []) for r in self.waiting]
         self.running += self.waiting
         self.waiting = []
         decoding = [r for r in self.running if r.computed >= len(r.prompt)]
