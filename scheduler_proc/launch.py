@@ -20,8 +20,8 @@ from typing import Optional, get_args
 from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, Dtype, ExecutorConfig, Kernels, LoadFormat, MixedGraphs,
                         ScriptedOptions, default_of)
 from ipc.models import resolve_model
-from ipc.gateway.process import DEFAULT_MAX_REQUEST_BYTES as GATEWAY_MAX_REQUEST_BYTES
-from ipc.gateway.process import DEFAULT_TOKENIZER_THREADS as GATEWAY_TOKENIZER_THREADS
+from ipc.gateway.limits import DEFAULT_MAX_REQUEST_BYTES as GATEWAY_MAX_REQUEST_BYTES
+from ipc.gateway.limits import DEFAULT_TOKENIZER_THREADS as GATEWAY_TOKENIZER_THREADS
 from scheduler_proc.config import ServerConfig
 from scheduler_proc.executor_process import NO_MULTICAST_ENV
 
@@ -109,6 +109,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="waiting requests beyond which a new one is refused with an 'overloaded' error")
     s.add_argument("--client-send-hwm", type=int, default=S("client_send_hwm"), metavar="N",
                    help="messages queued to a client that stopped reading before its requests are aborted")
+    s.add_argument("--grammar-compile-timeout", type=float, default=S("grammar_compile_timeout_s"), metavar="S",
+                   help="a structured-output constraint (JSON schema, regex, grammar) whose compile takes longer "
+                        "than this is refused")
     s.add_argument("--debug-checks", action="store_true", help="check scheduler invariants after every step")
     s.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute every prompt instead of sharing the KV blocks of prefixes seen before")

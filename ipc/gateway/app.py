@@ -35,9 +35,10 @@ from ipc.client import AsyncClient, ExecutorFailedError, ForerunError, InvalidRe
 from ipc.client.prompt import MAX_CHARS_PER_TOKEN, check_messages
 from ipc.gateway import params
 from ipc.gateway import schemas as s
+from ipc.gateway.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS, DISCARD_MAX_BYTES, INLINE_CHARS,
+                                MAX_ERROR_MESSAGE_CHARS)
 from ipc.gateway.logprobs import TokenTexts
 from ipc.gateway.metrics import render, request_metrics
-from ipc.gateway.process import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS
 from ipc.gateway.responses import (
     Prompt,
     chat_stream,
@@ -52,11 +53,6 @@ HEALTH_TIMEOUT_S = 2.0  # a scheduler that cannot answer GetStats in this time i
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 OPEN_PATHS = ("/health", "/metrics", "/version")  # answered without the API key
-# Prompts up to this many characters are templated and tokenized on the event loop (tens of microseconds:
-# a thread hop would cost more); longer ones in the worker's thread pool.
-INLINE_CHARS = 4096
-DISCARD_MAX_BYTES = 64 * 2**20  # a refused body up to this size is read and dropped before the 413
-MAX_ERROR_MESSAGE_CHARS = 1024  # error bodies never echo more of the input than this
 RETRY_AFTER_S = "5"  # 503s (draining, executor gone): when a client may try again, maybe on another server
 
 

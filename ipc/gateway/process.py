@@ -36,15 +36,13 @@ from typing import Optional
 
 import msgspec
 
+from ipc.gateway.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS
+
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 API_KEY_ENV = "FORERUN_API_KEY"
 PROFILE_ENV = "FORERUN_GATEWAY_PROFILE"  # a folder: each worker runs under cProfile and writes its stats there
 PR_SET_PDEATHSIG = 1
 READY_TIMEOUT_S = 300.0
-# Hostile-client limits (docs/reliability.md): a full 8k-token context of text is about 40 KB, so 4 MiB
-# leaves room for token-id lists and many prompts; two threads template and tokenize long prompts.
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
-DEFAULT_TOKENIZER_THREADS = 2
 
 
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
