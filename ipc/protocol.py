@@ -23,7 +23,7 @@ PROTOCOL_VERSION = 2
 MAX_REQUEST_ID_LEN = 128
 MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
-# Output features (issue 9): scheduler_proc.validate.validate_output_features enforces them.
+# Output features: scheduler_proc.validate.validate_output_features enforces them.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_BYTES = 256
 MAX_LOGPROBS = 20

@@ -10,7 +10,7 @@ here: :func:`_load_residual` and :func:`_store_rows` (the producer's epilogue), 
 :func:`_partials_rstd` (the consumer's norm), and how many sums a producer leaves.
 Squares summed in the consumer's loop or by every consumer program from x cost as much as the launch saves
 (measured); on an H100 the producer's epilogue costs 0.2-0.4 us and the consumer's load 0-1 us, against
-1.3-1.6 us for the norm's launch (docs/performance.md, ninth session).
+1.3-1.6 us for the norm's launch.
 """
 
 from __future__ import annotations

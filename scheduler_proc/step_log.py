@@ -11,7 +11,7 @@ from scheduler_proc.steps import InflightStep
 
 # Step records kept in memory before they are appended. A flush runs in the serving loop: 512 records are
 # about 1 ms of encoding (10,000 with the json module took 90-200 ms: a 200 ms stall of every running request
-# at 40 req/s, the TTFT p99 of 100-150 ms in the eighth session's first servers, docs/performance.md).
+# at 40 req/s, a TTFT p99 of 100-150 ms).
 FLUSH_EVERY = 512
 _ENCODER = msgspec.json.Encoder()
 # num_rows: requests in the step; num_tokens: tokens sampled; num_prefill: prefill tokens computed; num_backups:

@@ -173,7 +173,7 @@ MAX_REPETITION_PENALTY = 2.0
 
 
 def validate_output_features(s: p.SamplingParams, limits: Limits) -> None:
-    """Stop strings, logprobs, penalties, logit_bias, min_tokens and n (issue 9): raise InvalidRequest."""
+    """Stop strings, logprobs, penalties, logit_bias, min_tokens and n: raise InvalidRequest."""
     if len(s.stop) > p.MAX_STOP_STRINGS:
         raise InvalidRequest("sampling.stop", f"at most {p.MAX_STOP_STRINGS} stop strings are allowed, got {len(s.stop)}")
     for text in s.stop:

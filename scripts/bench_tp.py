@@ -1,4 +1,4 @@
-"""Tensor parallelism: the issue's three figures, each tensor-parallel size against the others, one server per size.
+"""Tensor parallelism: three figures, each tensor-parallel size against the others, one server per size.
 
 For each ``--sizes`` N, starts ``forerun serve --tensor-parallel-size N`` (random weights of ``--model``'s
 shape, depth 1, ``--step-log``), then, through the SDK:
@@ -8,7 +8,7 @@ shape, depth 1, ``--step-log``), then, through the SDK:
    the step period (successive steps' end times) and the client's TPOT. Target: TP=2 <= 60% of TP=1.
 2. **GPU idle at batch ``--idle-batch``**: that many requests decode in lockstep; over the steps with all of
    them (first and last tenth trimmed) idle = sum(gap) / (sum(gap) + sum(busy)) from rank 0's CUDA events
-   (``scripts/bench_gpu_pipeline.py``'s measure). Target at TP=2, batch 64: <= 2%.
+   (``bench_overlap.py --executor cuda``'s measure). Target at TP=2, batch 64: <= 2%.
 3. **throughput**: ``scripts/bench_serve.py`` with ``--requests`` x ``--input-len`` in / ``--output-len`` out,
    all at once, EOS ignored.
 

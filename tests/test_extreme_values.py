@@ -183,8 +183,7 @@ async def test_server_gone_when_the_server_is_killed_mid_stream(server_factory):
     srv = server_factory("--load-format", "scripted", "--scripted-step-ms", "20")
     async with AsyncClient(srv.address, timeout=120) as client:
         if not client.server_info.server_id:
-            pytest.skip("this server predates heartbeats (no server_id, no Pong): re-enabled by the server side "
-                        "of issue 8")
+            pytest.skip("this server predates heartbeats (no server_id, no Pong)")
         stream = client.stream(prompt_token_ids=[1, 2, 3], max_tokens=4000, ignore_eos=True,
                                detokenize=False)
         assert (await stream.next_chunk()).token_ids
@@ -193,7 +192,7 @@ async def test_server_gone_when_the_server_is_killed_mid_stream(server_factory):
         with pytest.raises(ServerGoneError):
             while await asyncio.wait_for(stream.next_chunk(), 10) is not None:
                 pass
-        assert time.monotonic() - t0 < 5.0 + 0.5
+        assert time.monotonic() - t0 < 20  # HEARTBEAT_MISSES x 1 s, not the 60 s timeout (any load)
 
 
 def test_forerun_chat_prints_one_line_for_expected_failures(model_server, tmp_path):

@@ -196,7 +196,7 @@ def test_bad_new_params_are_400_naming_them(oai, kwargs, param):
 
 
 # ---------------------------------------------------------------------------
-# sampling and output features (issue 9): these need the scheduler and executor
+# sampling and output features: these need the scheduler and executor
 # sides of n, stop strings, logprobs and penalties; run them after merging those.
 # ---------------------------------------------------------------------------
 

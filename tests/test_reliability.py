@@ -1,4 +1,4 @@
-"""The server survives its executor, its clients and its operator (issue 8), as real processes.
+"""The server survives its executor, its clients and its operator, as real processes.
 
 Scripted executor throughout (the model does not matter): its oracle says
 exactly which tokens each request must get, across executor restarts.

@@ -26,7 +26,7 @@ steps up to N-1 wrote, and run beside step N (with few programs, so that they ta
 SMs at PCIe speed rather than all of them); they are launched once step N is enqueued, so
 the launch's host time is not a gap before step N (at batch 1 a 1B step is ~1.1 ms, and a
 backup's launch before it was 0.35-0.55 ms more host time in the server's step logs, which the
-GPU waited for: docs/performance.md, "Issue 13, seventh session").  Their device
+GPU waited for).  Their device
 blocks stay out of the allocator until the scheduler hears they are done.  The output thread tells it:
 :meth:`HostKV.backups_done_through` polls the events with ``query()`` (it never waits).
 On the CPU every copy is immediate, onloads first.
