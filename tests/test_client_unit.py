@@ -451,7 +451,7 @@ async def test_timeout_raises_and_aborts_on_server(serve, address, completion_id
         start = time.monotonic()
         with pytest.raises(TimeoutError):
             await client.generate(prompt_token_ids=[1], request_id="slow", timeout=0.2)
-        assert 0.15 < time.monotonic() - start < 2.0
+        assert 0.2 <= time.monotonic() - start < 4.5  # its own timeout, not the client's 5 s
         assert server.wait_for(lambda: server.aborts == ["slow"])
         # The connection is still good, and the late Finished(abort) is dropped.
         result = await client.generate(prompt_token_ids=[1], detokenize=False)
