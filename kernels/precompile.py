@@ -188,18 +188,27 @@ def _quietly(compile_fn, fn, args, kwargs, grid) -> bool:
         return False
 
 
-def dry_run(fn: Callable[[], object], device: torch.device) -> None:
+def dry_run(fn: Callable[[], object], device: torch.device, scratch: Optional[list] = None) -> None:
     """Call ``fn`` inside a capture into a scratch CUDA graph that is never replayed (its torch ops are
     recorded, not run: inside :func:`compiled_ahead` they would read what the skipped kernels never wrote);
-    on the CPU, call it (there nothing is skipped)."""
+    on the CPU, call it (there nothing is skipped).
+
+    ``scratch``: a list that keeps the scratch graphs of one pass alive, all in the first one's memory pool,
+    so that each reuses what the last freed.  A scratch graph dropped at once leaves its pool to be freed by
+    the next ``empty_cache``, which no capture may call: a pass of a hundred dry runs then held a hundred
+    pools' memory at once (gigabytes at 256 slots)."""
     if device.type != "cuda":
         fn()
         return
+    graph = torch.cuda.CUDAGraph()
+    pool = scratch[0].pool() if scratch else None
     with warnings.catch_warnings():  # torch warns about an empty graph
         warnings.filterwarnings("ignore", "The CUDA Graph is empty", UserWarning)
-        with capturing(torch.cuda.CUDAGraph(), device, mode="relaxed"):
+        with capturing(graph, device, pool=pool, mode="relaxed"):
             torch.zeros(1, device=device)  # one node: a graph of skipped Triton launches alone would be empty
             fn()
+    if scratch is not None:
+        scratch.append(graph)
 
 
 def specialization_key(fn, args: tuple, kwargs: dict) -> Optional[tuple]:

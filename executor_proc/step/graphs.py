@@ -43,6 +43,10 @@ from kernels.precompile import compiled_ahead, dry_run
 ProgressCallback = Callable[[int, int], None]
 StepFn = Callable[[DecodeInputs, SamplingMode], Sampled]
 START_MODES = (GREEDY, SAMPLED)
+# The sampling mode with the most intermediates (a penalised copy of the logits beside the raw ones for
+# logprobs): captured at start-up for the largest bucket, so that its memory is in the plan and a later
+# lazy capture of a smaller bucket or a lighter mode reuses the pool's memory.
+HEAVIEST_MODE = SamplingMode(False, filtered=True, penalised=True, logprobs=True)
 Out = TypeVar("Out")
 
 
@@ -58,11 +62,10 @@ class GraphCapture:
         """Run ``fn`` once (compiles kernels, creates handles), then capture it; (graph, its outputs)."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        # The warm-up runs on the current stream: its intermediates reuse the blocks the allocator keeps for
+        # that stream's steps (held in the memory plan).  A fresh stream per warm-up kept each one's blocks
+        # apart: lazy captures while serving added gigabytes past the plan at 256 slots.
+        fn()
         graph = torch.cuda.CUDAGraph()
         # thread_local (kernels.capture): the output thread may wait on copy events while a lazy capture runs,
         # and the compile pool loads kernels while the start-up captures
@@ -70,6 +73,12 @@ class GraphCapture:
             out = fn()
         self.count += 1
         return graph, out
+
+    def reset(self) -> None:
+        """Forget the pool and the count (once every graph captured into it is dropped, its memory goes back
+        at the next ``empty_cache``)."""
+        self.pool = None
+        self.count = 0
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -110,6 +119,15 @@ class DecodeGraphs:
         if not self.capture:
             return []
         return [self._job(b, m) for b in reversed(self.buckets) for m in modes if (b, m) not in self.graphs]
+
+    def heaviest_jobs(self) -> list[CaptureJob]:
+        """The largest bucket's graph of :data:`HEAVIEST_MODE`, if not captured yet (none without capture)."""
+        key = (self.buckets[-1], HEAVIEST_MODE)
+        return [self._job(*key)] if self.capture and key not in self.graphs else []
+
+    def drop(self) -> None:
+        """Forget every captured graph (start-up captures them again against the final KV cache)."""
+        self.graphs.clear()
 
     def capture_all(self, progress: Optional[ProgressCallback] = None,
                     modes: Iterable[SamplingMode] = START_MODES) -> None:
@@ -165,11 +183,14 @@ def run_captures(jobs: list[CaptureJob], capturer: GraphCapture, progress: Optio
     first captures overlap the compiles of the later graphs."""
     if not jobs:
         return
+    scratch: list = []  # the compile pass's scratch graphs, sharing one pool until the captures are done
     with compiled_ahead(progress=compile_progress, threads=None if compile_first else 0) as ahead:
-        needs = [ahead.record(lambda job=job: (job.prepare(), dry_run(job.fn, capturer.device))) for job in jobs]
+        needs = [ahead.record(lambda job=job: (job.prepare(), dry_run(job.fn, capturer.device, scratch)))
+                 for job in jobs]
         for done, (job, need) in enumerate(zip(jobs, needs)):
             ahead.wait(need)
             job.capture(capturer)
             if progress is not None:
                 progress(done + 1, len(jobs))
     torch.cuda.synchronize(capturer.device)
+    scratch.clear()

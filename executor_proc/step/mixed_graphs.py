@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import torch
 
-from executor_proc.step.graphs import START_MODES, CaptureJob, GraphCapture
+from executor_proc.step.graphs import HEAVIEST_MODE, START_MODES, CaptureJob, GraphCapture
 from executor_proc.step.mixed_step import MixedInputs, MixedShape, mixed_inputs, pack, row_buckets, token_buckets
 from executor_proc.step.plan_rows import PlanRows, plan_rows
 from executor_proc.step.sample import Sampled, SamplingMode
@@ -115,6 +115,16 @@ class MixedGraphs:
                         reverse=True)
         heads = [(r, m) for r in reversed(self.row_buckets) for m in modes if (r, m) not in self.heads]
         return [self._body_job(s) for s in bodies] + [self._head_job(r, m) for r, m in heads]
+
+    def heaviest_jobs(self) -> list[CaptureJob]:
+        """The widest head of :data:`HEAVIEST_MODE`, if not captured yet (none without capture)."""
+        key = (self.row_buckets[-1], HEAVIEST_MODE)
+        return [self._head_job(*key)] if self.capture and key not in self.heads else []
+
+    def drop(self) -> None:
+        """Forget every captured body and head (start-up captures them again against the final KV cache)."""
+        self.bodies.clear()
+        self.heads.clear()
 
     def _body_job(self, shape: MixedShape) -> CaptureJob:
         """The body on an all-padding step (no KV write, nothing sampled for a real slot)."""

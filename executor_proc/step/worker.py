@@ -118,15 +118,29 @@ class Worker:
             return mixed_head(self.model, self.tables, hidden, slots, positions, mode)
 
     def capture_graphs(self, progress: Optional[Callable[[int, int], None]] = None, modes=None,
-                       compile_progress: Optional[Callable[[int, int], None]] = None) -> None:
+                       compile_progress: Optional[Callable[[int, int], None]] = None, compile_first: bool = True,
+                       heaviest: bool = False) -> None:
         """Capture every graph, the mixed runner's (the largest) first (start-up; no-op without graphs);
         ``modes``: the sampling modes captured ahead, default the plain two; ``compile_progress``: the compiles
-        of their kernels, before the captures (:func:`executor_proc.step.graphs.run_captures`)."""
+        of their kernels, before the captures (:func:`executor_proc.step.graphs.run_captures`; not with
+        ``compile_first=False``: the kernels are compiled already); ``heaviest``: also the largest decode graph
+        and head of :data:`executor_proc.step.graphs.HEAVIEST_MODE` (so that the memory plan holds it)."""
         extra = () if modes is None else (modes,)
-        jobs = [job for runner in (self.mixed, self.graphs) if runner is not None for job in runner.capture_jobs(*extra)]
+        runners = [runner for runner in (self.mixed, self.graphs) if runner is not None]
+        jobs = [job for runner in runners for job in runner.capture_jobs(*extra)]
+        if heaviest:
+            jobs += [job for runner in runners for job in runner.heaviest_jobs()]
         # A rank's steps hold collectives: not captured into scratch graphs (not yet run on several GPUs).
-        run_captures(jobs, self.capturer, progress, compile_first=not self.model.tensor_parallel,
+        run_captures(jobs, self.capturer, progress, compile_first=compile_first and not self.model.tensor_parallel,
                      compile_progress=compile_progress)
+
+    def drop_graphs(self) -> None:
+        """Forget every captured graph and their pool (start-up measures them, then captures them again
+        against the final KV cache)."""
+        for runner in (self.mixed, self.graphs):
+            if runner is not None:
+                runner.drop()
+        self.capturer.reset()
 
     @property
     def num_graphs(self) -> int:
