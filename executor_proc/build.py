@@ -8,6 +8,8 @@ and the GPU benchmarks share it.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -15,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from executor_proc.backends.select import graph_max_batch, mixed_max_tokens, select_backend
+from executor_proc.memory_plan import MemoryPlan, MemoryPlanError, check_fits, plan_memory
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.kv_cache import KVCache, kv_cache_bytes_per_block
 from executor_proc.model.loader import load_model
@@ -22,10 +25,12 @@ from executor_proc.step.host_kv import HostKV, num_host_blocks
 from executor_proc.step.slot_tables import SlotTables
 from executor_proc.step.worker import Worker
 from ipc.config import ExecutorConfig
+from ipc.protocol import Admit, SlotSampling, StepPlan
 from kernels.precompile import STAGE as COMPILE_STAGE
 
 CPU_KV_BUDGET_BYTES = 2 * 1024**3
 GRAPH_STAGE = "capturing CUDA graphs"
+PROFILE_STAGE = "measuring the largest step"
 
 ProgressCallback = Callable[[str, int, int], None]
 
@@ -44,6 +49,7 @@ class BuiltWorker:
     graph_capture_s: float = 0.0  # how long capturing them took
     graph_memory_bytes: int = 0  # device memory they took (free memory before - after)
     tp: Optional[object] = None  # executor_proc.parallel.group.TPGroup when tensor_parallel_size > 1
+    plan: Optional[MemoryPlan] = None  # the device memory plan the KV cache was sized by
 
 
 def resolve_device(name: str) -> torch.device:
@@ -60,7 +66,19 @@ def build_worker(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
 
     With ``tensor_parallel_size > 1`` this is one rank's worker: it joins the group first, loads its
     shard, and sizes its KV cache (its KV heads only) and host pool to the smallest any rank can hold.
+    Raises :class:`executor_proc.memory_plan.MemoryPlanError` (a one-line message) when the configuration
+    does not fit the device, also for a device that runs out of memory while starting.
     """
+    try:
+        return _build_worker(cfg, progress)
+    except torch.OutOfMemoryError as e:
+        first = str(e).splitlines()[0] if str(e) else "out of memory"
+        raise MemoryPlanError(f"the device ran out of memory while starting ({first}); lower "
+                              f"--gpu-memory-utilization (other processes may be using the device), "
+                              f"--max-num-seqs or --max-num-batched-tokens") from None
+
+
+def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorker:
     tp_size = cfg.tensor_parallel_size
     tp = None
     if tp_size > 1:
@@ -70,47 +88,166 @@ def build_worker(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
         tp = init_group(cfg.tp_init_method, cfg.tp_rank, tp_size, device)
     else:
         device = resolve_device(cfg.device)
+    cuda = device.type == "cuda"
     dtype = getattr(torch, cfg.resolved_dtype())
     model, mcfg = load_model(model_path(cfg, progress), cfg.load_format, device, dtype, progress_cb=progress, tp=tp)
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     max_len = min(cfg.max_model_len or mcfg.max_model_len, mcfg.max_model_len)
     max_blocks = -(-max_len // cfg.block_size)
     backend = select_backend(cfg, device, model, max_len, progress)
     model.use_backend(backend)
     per_block = kv_cache_bytes_per_block(model.config, cfg.block_size, dtype)  # the rank's KV heads
-    num_blocks = cfg.num_kv_blocks or _auto_num_blocks(cfg, device, per_block, cfg.num_slots * max_blocks)
     # A host pool costs per_block on every rank: its budget is the whole group's.
     host_blocks = num_host_blocks(cfg, device, per_block * tp_size)
-    if tp is not None:
-        num_blocks, host_blocks = tp.agree_min(num_blocks), tp.agree_min(host_blocks)
+    tables = SlotTables(cfg.num_slots, max_blocks, device, mcfg.vocab_size)
+    max_batch = graph_max_batch(cfg, backend)
+    capture = cuda and max_batch > 0
+    # A provisional KV cache, as large as the profile step needs: the activations and the graphs are
+    # measured against it, then it makes way for the planned one.
+    probe = ProfileStep.of(cfg, max_len, mcfg.vocab_size) if cuda else None
+    kv = KVCache(model.config, probe.num_blocks if probe else 1, cfg.block_size, device=device, dtype=dtype)
+    worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=max_batch, capture_graphs=capture,
+                    mixed_max_tokens=mixed_max_tokens(cfg, backend))
+    graph_progress = lambda done, total: progress(GRAPH_STAGE, done, total)  # noqa: E731
+    compile_progress = lambda done, total: progress(COMPILE_STAGE, done, total)  # noqa: E731
+    measured = None
+    if cuda:
+        progress(PROFILE_STAGE, 0, 1)
+        transient = probe.run(worker)
+        progress(PROFILE_STAGE, 1, 1)
+        graphs = 0
+        if cfg.num_kv_blocks is None and capture:  # capture once to measure, again against the planned cache
+            _, _, graphs = _capture_graphs(worker, device, graph_progress, compile_progress)
+            worker.drop_graphs()
+        worker.kv_cache = kv = None
+        measured = _measure(device, weights, transient, graphs)
+    useful = cfg.num_slots * max_blocks
+    plan = _plan(cfg, device, measured, weights, per_block, max_len, useful, tp)
+    host_blocks = tp.agree_min(host_blocks) if tp is not None else host_blocks
     progress("kv_cache", 0, 1)
-    kv = KVCache(model.config, num_blocks, cfg.block_size, device=device, dtype=dtype)
+    worker.kv_cache = kv = KVCache(model.config, plan.kv_blocks, cfg.block_size, device=device, dtype=dtype)
     progress("kv_cache", 1, 1)
-    host_kv = None
     if host_blocks:
         progress("host_kv_cache", 0, 1)
         # Only rank 0 reports which backups are done: the other ranks' are ordered before their later steps.
-        host_kv = HostKV(kv, host_blocks, device, backup_stream=cfg.host_kv_backup_stream and cfg.tp_rank == 0)
+        worker.host_kv = HostKV(kv, host_blocks, device,
+                                backup_stream=cfg.host_kv_backup_stream and cfg.tp_rank == 0)
         progress("host_kv_cache", 1, 1)
-    tables = SlotTables(cfg.num_slots, max_blocks, device, mcfg.vocab_size)
-    max_batch = graph_max_batch(cfg, backend)
-    worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=max_batch,
-                    capture_graphs=device.type == "cuda" and max_batch > 0, host_kv=host_kv,
-                    mixed_max_tokens=mixed_max_tokens(cfg, backend))
     num_graphs, capture_s, graph_bytes = _capture_graphs(
-        worker, device, lambda done, total: progress(GRAPH_STAGE, done, total),
-        lambda done, total: progress(COMPILE_STAGE, done, total))
-    return BuiltWorker(worker, mcfg, num_blocks, max_len, device, host_blocks, num_graphs=num_graphs,
-                       graph_capture_s=capture_s, graph_memory_bytes=graph_bytes, tp=tp)
+        worker, device, graph_progress, compile_progress, compile_first=measured is None or not measured.graphs)
+    if cuda and not measured.graphs:  # not measured before (a given block count): the plan shows what they took
+        plan = dataclasses.replace(plan, graphs=graph_bytes)
+    return BuiltWorker(worker, mcfg, plan.kv_blocks, max_len, device, host_blocks, num_graphs=num_graphs,
+                       graph_capture_s=capture_s, graph_memory_bytes=graph_bytes, tp=tp, plan=plan)
 
 
-def _capture_graphs(worker: Worker, device: torch.device, progress, compile_progress) -> tuple[int, float, int]:
-    """Compile every graph's kernels, then capture them; (how many, seconds, device bytes taken)."""
+@dataclass
+class Measured:
+    """The parts of the plan measured on the device (bytes); see :mod:`executor_proc.memory_plan`."""
+
+    total: int
+    activations: int  # the step machinery's fixed buffers + the profile step's transient peak
+    graphs: int  # the graphs' pool and objects (0: not measured yet)
+    other: int  # on the device outside torch's allocator: the CUDA context, libraries, other processes
+
+
+def _measure(device: torch.device, weights: int, transient: int, graphs: int) -> Measured:
+    """What is on the device now (the weights and the step machinery's buffers, no KV cache, no graph)."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)  # the allocator's segments, partly used ones whole
+    return Measured(total, max(0, reserved - weights) + transient, graphs, max(0, total - free - reserved))
+
+
+def _plan(cfg: ExecutorConfig, device: torch.device, measured: Optional[Measured], weights: int, per_block: int,
+          max_len: int, useful: int, tp) -> MemoryPlan:
+    """The rank's plan, agreed with the group (the smallest KV block count), or MemoryPlanError."""
+    if measured is None:  # the cpu: a fixed budget (host memory is not planned like a device's)
+        blocks = cfg.num_kv_blocks or min(useful, CPU_KV_BUDGET_BYTES // per_block)
+        plan = MemoryPlan("cpu", CPU_KV_BUDGET_BYTES, 1.0, weights, 0, 0, 0, blocks, per_block, cfg.block_size)
+    elif cfg.num_kv_blocks is not None:
+        plan = MemoryPlan(str(device), measured.total, cfg.gpu_memory_utilization, weights, measured.activations,
+                          measured.graphs, measured.other, cfg.num_kv_blocks, per_block, cfg.block_size)
+    else:
+        plan = plan_memory(device=str(device), total=measured.total, utilization=cfg.gpu_memory_utilization,
+                           weights=weights, activations=measured.activations, graphs=measured.graphs,
+                           other=measured.other, block_bytes=per_block, block_size=cfg.block_size,
+                           max_model_len=0, useful_blocks=useful)  # checked once the group agrees
+    if tp is not None:
+        plan = dataclasses.replace(plan, kv_blocks=tp.agree_min(plan.kv_blocks))
+    if cfg.num_kv_blocks is None:  # a given block count is the caller's (tests, restarts of the same server)
+        check_fits(plan, max_len)
+    return plan
+
+
+class ProfileStep:
+    """The heaviest eager step a server can be sent, run once to measure its transient memory (vLLM's
+    profile run): the full token budget in prefill chunks of as many rows as fit, every row sampled with
+    top-k/top-p, penalties and logprobs, every prompt position's logprobs (the LM head for every token)."""
+
+    def __init__(self, rows: list[int], block_size: int, vocab: int):
+        self.rows = rows  # tokens of each row
+        self.block_size = block_size
+        self.vocab = vocab
+
+    @classmethod
+    def of(cls, cfg: ExecutorConfig, max_len: int, vocab: int) -> "ProfileStep":
+        """``max_len``: the longest row (the context length)."""
+        tokens = min(cfg.max_num_batched_tokens, cfg.num_slots * max_len)
+        # Two tokens a row at least (one prompt logprob each), at most max_len.
+        n = min(cfg.num_slots, max(1, tokens // 2, -(-tokens // max_len)))
+        return cls([tokens // n + (i < tokens % n) for i in range(n)], cfg.block_size, vocab)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks its rows write, and block 0 (the padding slot's)."""
+        return 1 + sum(-(-t // self.block_size) for t in self.rows)
+
+    def plans(self) -> tuple[StepPlan, StepPlan]:
+        """The step, then a plan that releases its slots."""
+        slots = list(range(len(self.rows)))
+        appends, next_block = [], 1
+        for slot, t in enumerate(self.rows):
+            for i in range(-(-t // self.block_size)):
+                appends += [slot, i, next_block]
+                next_block += 1
+        admits = [Admit(s, SlotSampling(temperature=1.0, top_k=50, top_p=0.9, min_p=0.0, seed=s, logprobs=20,
+                                        prompt_logprobs=20, repetition_penalty=1.1, frequency_penalty=0.1,
+                                        presence_penalty=0.1, num_prompt_tokens=t))
+                  for s, t in zip(slots, self.rows)]
+        tokens = [(7 * i + 1) % self.vocab for i in range(sum(self.rows))]
+        n = len(slots)
+        step = StepPlan(0, slots, list(self.rows), [0] * n, [True] * n, [True] * n, prefill_tokens=tokens,
+                        block_appends=appends, admits=admits)
+        return step, StepPlan(1, [], [], [], [], [], releases=slots)
+
+    def run(self, worker: Worker) -> int:
+        """Run it on ``worker``; the device memory it reserved beyond what was reserved before (bytes)."""
+        device = worker.device
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        for plan in self.plans():
+            step = worker.prepare(plan)
+            worker.launch(step)
+        torch.cuda.synchronize(device)
+        worker.saved_logits.forget(range(len(self.rows)))
+        return max(0, torch.cuda.max_memory_reserved(device) - before)
+
+
+def _capture_graphs(worker: Worker, device: torch.device, progress, compile_progress,
+                    compile_first: bool = True) -> tuple[int, float, int]:
+    """Compile every graph's kernels (unless ``compile_first`` is false: compiled already), then capture them;
+    (how many, seconds, device bytes taken)."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()  # what the allocator caches counts as free: the graphs' pool is what they add
     free = torch.cuda.mem_get_info(device)[0] if cuda else 0
     t0 = time.perf_counter()
-    worker.capture_graphs(progress, compile_progress=compile_progress)
+    worker.capture_graphs(progress, compile_progress=compile_progress, compile_first=compile_first, heaviest=True)
     seconds = time.perf_counter() - t0
     if cuda:
         torch.cuda.empty_cache()  # the compile pass's scratch graphs are gone: their memory goes back
@@ -128,13 +265,3 @@ def model_path(cfg: ExecutorConfig, progress: ProgressCallback) -> str:
     folder = ensure_default_model()
     progress("preparing the default model", 1, 1)
     return folder
-
-
-def _auto_num_blocks(cfg: ExecutorConfig, device: torch.device, per_block: int, useful: int) -> int:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the tuner's scratch, still cached by the allocator, counts as free
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * cfg.kv_memory_fraction)
-    else:
-        budget = CPU_KV_BUDGET_BYTES
-    return max(1, min(useful, budget // per_block))

@@ -33,11 +33,13 @@ import msgspec
 import torch
 import zmq
 
+from executor_proc.memory_plan import MemoryPlanError
 from ipc.config import ExecutorConfig
 from ipc import protocol as p
 from ipc.sockets import make_socket
 
 PARENT_POLL_MS = 500
+MEMORY_SAMPLE_S = 1.0  # how often a StepResult carries the device memory figures
 
 
 class GcClock:
@@ -79,6 +81,8 @@ class OutputThread(threading.Thread):
         super().__init__(name="forerun-output", daemon=True)
         self.sock = sock
         self.backups_done = lambda step_id: step_id  # the worker's backups_done_through, once built
+        self.memory_device = None  # the CUDA device whose memory the results report, once built
+        self._next_memory_sample = 0.0
         self.steps: queue.SimpleQueue = queue.SimpleQueue()
         self._prev_end = None  # the previous step's end event, for the GPU's idle gap
 
@@ -112,6 +116,10 @@ class OutputThread(threading.Thread):
             extra = step.outputs.result_fields() if step.outputs is not None else {}
             if "backups_done_step_id" not in extra:  # polled after the step's copy: never waits
                 extra["backups_done_step_id"] = self.backups_done(step.step_id)
+            if self.memory_device is not None and time.monotonic() >= self._next_memory_sample:
+                self._next_memory_sample = time.monotonic() + MEMORY_SAMPLE_S
+                extra["device_peak_bytes"] = torch.cuda.max_memory_reserved(self.memory_device)
+                extra["device_free_bytes"] = torch.cuda.mem_get_info(self.memory_device)[0]
             release = getattr(step.event, "release", None)  # a pinned ring slot, free again once read
             if release is not None:
                 release()
@@ -155,6 +163,9 @@ class ExecutorProcess:
         built = build_worker(cfg, report)
         self.worker, mcfg, self.tp = built.worker, built.model_config, built.tp
         self.output.backups_done = self.worker.backups_done_through
+        if built.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(built.device)  # the peak the results report is the serving one
+            self.output.memory_device = built.device
         if self.tp is not None:
             self.tp.barrier()  # every rank is built and listening for plans before the scheduler sends one
             if not lead:  # rank 0 alone reports
@@ -164,7 +175,8 @@ class ExecutorProcess:
             num_kv_blocks=built.num_kv_blocks, max_model_len=built.max_model_len, vocab_size=mcfg.vocab_size,
             eos_token_ids=list(mcfg.eos_token_ids), device=str(built.device), dtype=cfg.resolved_dtype(),
             num_host_blocks=built.num_host_blocks, num_graphs=built.num_graphs,
-            graph_capture_s=built.graph_capture_s, graph_memory_bytes=built.graph_memory_bytes))
+            graph_capture_s=built.graph_capture_s, graph_memory_bytes=built.graph_memory_bytes,
+            memory_plan=built.plan.line(), memory_plan_bytes=built.plan.as_dict()))
         gc.freeze()  # the hot loop must not pay for scanning start-up objects (see _setup_scripted)
 
     def _setup_scripted(self) -> None:
@@ -265,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
         ex.run()
         if ex.tp is not None:
             ex.tp.exit_process(0)
+    except MemoryPlanError as e:  # the configuration does not fit the device: one line, no traceback
+        try:
+            ex.send(p.ExecutorFatal(str(e), refused=True))
+            time.sleep(0.2)  # let the message leave before the context is torn down
+        except Exception:
+            pass
+        return 1
     except BaseException as e:  # report every failure to the scheduler before dying
         rank = f"rank {cfg.tp_rank}: " if cfg.tensor_parallel_size > 1 else ""
         msg = f"{rank}{type(e).__name__}: {e}\n{traceback.format_exc()}"

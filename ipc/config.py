@@ -59,7 +59,9 @@ class ExecutorConfig(_Config):
     num_slots: int = 64  # most requests running at once
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: Optional[int] = None  # None: sized from free memory
-    kv_memory_fraction: float = 0.85  # of free device memory after weights (cuda)
+    # Fraction of the device's total memory the whole server may use (cuda): the KV cache gets what the
+    # weights, the largest step's activations and the CUDA graphs leave of it (executor_proc/memory_plan.py).
+    gpu_memory_utilization: float = 0.90
     max_model_len: Optional[int] = None  # None: the model's context length
     # Token budget of one step. 1024, not 2048: a step holding two or three arriving prompts stalls every
     # running request for its duration (ITL p99 at 40 req/s, 1B shape, H100: 5.4-6.05 ms at 2048, 4.57 at 1024).
@@ -114,8 +116,8 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
         _at_least("num_host_kv_blocks", cfg.num_host_kv_blocks, 0)
     if cfg.host_kv_gib is not None and not 0 <= cfg.host_kv_gib <= MAX_HOST_KV_GIB:
         raise ValueError(f"host_kv_gib must be in [0, {MAX_HOST_KV_GIB}], got {cfg.host_kv_gib}")
-    if not 0 < cfg.kv_memory_fraction <= 1:
-        raise ValueError(f"kv_memory_fraction must be in (0, 1], got {cfg.kv_memory_fraction}")
+    if not 0 < cfg.gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
     if cfg.batch_invariant and cfg.load_format != "scripted" and not (
             cfg.kernels == "triton" or (cfg.kernels == "auto" and cfg.device.startswith("cuda"))):
         raise ValueError("batch_invariant needs the Triton kernels: kernels='triton' (the default on cuda), "

@@ -163,6 +163,10 @@ class ServerStats(_Msg, tag="server_stats"):
     prefix_cache_host_hit_tokens: int = 0
     num_host_kv_blocks: int = 0
     num_free_host_kv_blocks: int = 0
+    # The executor's device memory (CUDA; 0 before the first sample): the allocator's peak reserved bytes
+    # since start-up, and the least free device memory seen while serving.
+    device_peak_bytes: int = 0
+    device_free_min_bytes: int = 0
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -305,6 +309,10 @@ class ExecutorReady(_Msg, tag="executor_ready"):
     num_graphs: int = 0  # CUDA graphs captured at start-up
     graph_capture_s: float = 0.0  # seconds they took to capture
     graph_memory_bytes: int = 0  # device memory they took
+    # The device memory plan (executor_proc/memory_plan.py): one line for the user, and its parts in bytes
+    # (total, budget, weights, activations, graphs, other, kv, planned, kv_tokens, ...).
+    memory_plan: str = ""
+    memory_plan_bytes: dict[str, float] = {}
 
 
 class StepPlan(_Msg, tag="step_plan"):
@@ -374,10 +382,17 @@ class StepResult(_Msg, tag="step_result"):
     # Seconds the executor's garbage collector ran (any thread) between this plan's arrival and the end of
     # its launch: a collection there holds the GIL and delays the launch (the step log's jitter).
     gc_s: float = 0.0
+    # The executor's device memory (CUDA), sampled at most once a second (0: not sampled with this result):
+    # the allocator's peak reserved bytes since start-up, and the device's free bytes.
+    device_peak_bytes: int = 0
+    device_free_bytes: int = 0
 
 
 class ExecutorFatal(_Msg, tag="executor_fatal"):
     message: str
+    # The executor refuses the configuration (it does not fit the device): ``message`` is one line for
+    # the user, with no traceback.
+    refused: bool = False
 
 
 class Shutdown(_Msg, tag="shutdown"):

@@ -71,7 +71,9 @@ class ClientMessages:
             prefix_cache_hit_tokens=pl.prefix.hit_tokens if pl.prefix else 0,
             prefix_cache_host_hit_tokens=pl.host.hit_tokens if pl.host else 0,
             num_host_kv_blocks=pl.limits.num_host_blocks if pl.host else 0,
-            num_free_host_kv_blocks=pl.host.blocks.num_free if pl.host else 0)
+            num_free_host_kv_blocks=pl.host.blocks.num_free if pl.host else 0,
+            device_peak_bytes=totals.device_peak_bytes,
+            device_free_min_bytes=totals.device_free_min_bytes)
 
     def _on_hello(self, client: bytes, msg: p.Hello) -> None:
         if msg.protocol_version != p.PROTOCOL_VERSION:

@@ -73,8 +73,12 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                         "stalls of running streams when prompts arrive together")
     s.add_argument("--max-num-seqs", type=int, default=E("num_slots"), help="most requests running at once (slots)")
     s.add_argument("--max-model-len", type=int, default=E("max_model_len"), help="context length cap (default: the model's)")
-    s.add_argument("--kv-memory-fraction", type=float, default=E("kv_memory_fraction"),
-                   help="fraction of free GPU memory, after weights, given to the KV cache")
+    s.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help=f"fraction of the GPU's total memory the server may use (default "
+                        f"{E('gpu_memory_utilization'):g}): the KV cache gets what the weights, the largest "
+                        f"step's activations and the CUDA graphs leave of it, measured at start-up")
+    s.add_argument("--kv-memory-fraction", type=float, default=None, metavar="F",
+                   help="deprecated: an alias of --gpu-memory-utilization (a fraction of total memory now)")
     s.add_argument("--host-kv-gib", type=float, default=E("host_kv_gib"), metavar="GIB",
                    help=f"pinned host memory for the host KV tier, a second prefix cache that keeps a copy of "
                         f"published KV blocks so that evicted prefixes and preempted requests come back by copy, "
@@ -163,7 +167,7 @@ def server_config(args) -> ServerConfig:
         load_format=args.load_format, device=args.device, dtype=args.dtype, kernels=args.kernels,
         cuda_graphs=not args.no_cuda_graphs, mixed_graphs=args.mixed_graphs, batch_invariant=args.batch_invariant,
         num_slots=args.max_num_seqs, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
+        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=_memory_utilization(args),
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.executor_threads, tensor_parallel_size=args.tensor_parallel_size,
         # The host tier keys its blocks with the prefix cache's keys: without prefix caching it is off.
@@ -181,6 +185,18 @@ def server_config(args) -> ServerConfig:
                         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                         shutdown_timeout_s=args.shutdown_timeout, max_waiting=args.max_waiting,
                         client_send_hwm=args.client_send_hwm)
+
+
+def _memory_utilization(args) -> float:
+    """--gpu-memory-utilization, or the deprecated --kv-memory-fraction (with a line saying so)."""
+    if args.kv_memory_fraction is not None:
+        print("forerun: --kv-memory-fraction is deprecated: it now means --gpu-memory-utilization, the fraction "
+              "of the GPU's total memory the server may use", file=sys.stderr, flush=True)
+        if args.gpu_memory_utilization is None:
+            return args.kv_memory_fraction
+    if args.gpu_memory_utilization is not None:
+        return args.gpu_memory_utilization
+    return default_of(ExecutorConfig, "gpu_memory_utilization")
 
 
 def _seed_position(text: str) -> tuple[int, int]:
@@ -335,6 +351,8 @@ def _announce(server, model, ready, cfg) -> None:
     if ready.num_graphs:
         print(f"forerun: {ready.num_graphs} CUDA graphs captured in {ready.graph_capture_s:.1f} s, "
               f"{ready.graph_memory_bytes / 2**20:.0f} MiB", flush=True)
+    if ready.memory_plan:
+        print(f"forerun: {ready.memory_plan}", flush=True)
     print(f"forerun: ready at {server.client_address}", flush=True)
 
 

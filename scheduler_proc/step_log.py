@@ -62,15 +62,21 @@ class StepLog:
 
 
 class StepTotals:
-    """Seconds summed over every returned step: the step's work, GPU busy, GPU gap, executor idle."""
+    """Seconds summed over every returned step: the step's work, GPU busy, GPU gap, executor idle; and the
+    executor's device memory samples: the peak reserved bytes, the least free bytes (0: none yet)."""
 
-    __slots__ = ("step_s", "gpu_busy_s", "gpu_gap_s", "idle_s")
+    __slots__ = ("step_s", "gpu_busy_s", "gpu_gap_s", "idle_s", "device_peak_bytes", "device_free_min_bytes")
 
     def __init__(self) -> None:
         self.step_s = self.gpu_busy_s = self.gpu_gap_s = self.idle_s = 0.0
+        self.device_peak_bytes = self.device_free_min_bytes = 0
 
     def add(self, result: StepResult) -> None:
         self.step_s += result.t_end - result.t_start
         self.gpu_busy_s += result.gpu_busy_s
         self.gpu_gap_s += result.gpu_gap_s
         self.idle_s += result.idle_s
+        if result.device_peak_bytes:
+            self.device_peak_bytes = max(self.device_peak_bytes, result.device_peak_bytes)
+            free = result.device_free_bytes
+            self.device_free_min_bytes = min(self.device_free_min_bytes or free, free)

@@ -1,0 +1,144 @@
+"""The device memory plan: what the server may use, what each part takes, what is left for the KV cache.
+
+Pure arithmetic, no torch: :mod:`executor_proc.build` measures the parts on the device and calls
+:func:`plan_memory`.  The budget is ``gpu_memory_utilization x total`` device memory (vLLM's rule),
+and it holds, in the order they are measured::
+
+    weights       the model's parameters (this rank's shard)
+    activations   the largest eager step's transient peak (a profile run of a full token budget with
+                  prompt logprobs, the heaviest step kind) plus the step machinery's fixed buffers
+    graphs        every CUDA graph's memory pool (measured by capturing them)
+    other         what is on the device outside torch's allocator: the CUDA context, NCCL's buffers,
+                  kernel modules, other processes' memory
+    kv            the rest, in whole blocks (at most what the slots can use)
+
+A plan that cannot hold the KV of one request of ``max_model_len`` tokens is refused with
+:class:`MemoryPlanError`, whose message names the numbers and the flags that would fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+GIB = 1024**3
+MAX_UTILIZATION = 0.98  # what a refusal may suggest: the last 2% is the driver's and the other processes'
+
+
+class MemoryPlanError(Exception):
+    """The configuration does not fit the device: a one-line message for the user, no traceback."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's plan, in bytes (``kv_blocks`` and ``kv_tokens`` in blocks and tokens); on the cpu ``total`` is
+    the KV cache's fixed budget."""
+
+    device: str
+    total: int
+    utilization: float
+    weights: int
+    activations: int
+    graphs: int
+    other: int
+    kv_blocks: int
+    block_bytes: int
+    block_size: int
+
+    @property
+    def budget(self) -> int:
+        return int(self.total * self.utilization)
+
+    @property
+    def kv(self) -> int:
+        return self.kv_blocks * self.block_bytes
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_blocks * self.block_size
+
+    @property
+    def planned(self) -> int:
+        """What the plan gives this process's own allocations: all but ``other``."""
+        return self.weights + self.activations + self.graphs + self.kv
+
+    def as_dict(self) -> dict[str, float]:
+        """The numbers (bytes, blocks, tokens), for ``ExecutorReady.memory_plan_bytes``."""
+        d = {k: v for k, v in asdict(self).items() if k != "device"}
+        d.update(budget=self.budget, kv=self.kv, kv_tokens=self.kv_tokens, planned=self.planned)
+        return d
+
+    def line(self) -> str:
+        """The plan in one line (what ``forerun serve`` prints at start-up)."""
+        if self.device == "cpu":
+            return (f"memory plan (cpu: host memory is not planned like a GPU's; the KV cache gets at most a "
+                    f"fixed {_gib(self.total)} GiB): weights {_gib(self.weights)} GiB, KV {_gib(self.kv)} GiB = "
+                    f"{self.kv_tokens:,} tokens")
+        used = self.planned + self.other
+        return (f"memory plan: weights {_gib(self.weights)} + activations {_gib(self.activations)} + graphs "
+                f"{_gib(self.graphs)} + other {_gib(self.other)} + KV {_gib(self.kv)} = {_gib(used)} GiB of "
+                f"{_gib(self.budget)} ({self.utilization:g} x {_gib(self.total)} GiB); KV {self.kv_tokens:,} "
+                f"tokens")
+
+
+def plan_memory(*, device: str, total: int, utilization: float, weights: int, activations: int, graphs: int,
+                other: int, block_bytes: int, block_size: int, max_model_len: int,
+                useful_blocks: Optional[int] = None) -> MemoryPlan:
+    """The KV cache gets what the budget leaves after the measured parts, in whole blocks, at most
+    ``useful_blocks`` (what the slots can fill); :class:`MemoryPlanError` if that cannot hold one request
+    of ``max_model_len`` tokens."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    free = int(total * utilization) - weights - activations - graphs - other
+    blocks = max(0, free) // block_bytes
+    if useful_blocks is not None:
+        blocks = min(blocks, useful_blocks)
+    plan = MemoryPlan(device, total, utilization, weights, activations, graphs, other, blocks, block_bytes,
+                      block_size)
+    check_fits(plan, max_model_len)
+    return plan
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def check_fits(plan: MemoryPlan, max_model_len: int) -> None:
+    """Raise :class:`MemoryPlanError` if the plan's KV cache cannot hold one request of ``max_model_len``."""
+    need = blocks_for(max_model_len, plan.block_size)
+    if plan.kv_blocks >= need:
+        return
+    raise MemoryPlanError(refusal(plan, max_model_len))
+
+
+def refusal(plan: MemoryPlan, max_model_len: int) -> str:
+    """Why the server will not start, with the numbers and the flags that would make it fit."""
+    need = blocks_for(max_model_len, plan.block_size) * plan.block_bytes
+    fits_len = plan.kv_tokens
+    if plan.device == "cpu":
+        return (f"the KV cache cannot hold one request of --max-model-len {max_model_len:,} tokens "
+                f"({_gib(need)} GiB): on the cpu it gets a fixed {_gib(plan.total)} GiB ({fits_len:,} tokens); "
+                f"lower --max-model-len to {fits_len:,} or less")
+    short = need - plan.kv
+    parts = (f"weights {_gib(plan.weights)} + activations {_gib(plan.activations)} + graphs {_gib(plan.graphs)} "
+             f"+ other {_gib(plan.other)} GiB")
+    fixes = []
+    util = (plan.weights + plan.activations + plan.graphs + plan.other + need) / plan.total
+    if util <= MAX_UTILIZATION:
+        fixes.append(f"raise --gpu-memory-utilization to {_ceil2(util):.2f}")
+    if fits_len > 0:
+        fixes.append(f"lower --max-model-len to {fits_len:,}")
+    fixes.append(f"lower --max-num-seqs (the graphs take {_gib(plan.graphs)} GiB) or --max-num-batched-tokens "
+                 f"(activations {_gib(plan.activations)} GiB)")
+    return (f"not enough device memory for one request of --max-model-len {max_model_len:,} tokens: its KV cache "
+            f"needs {_gib(need)} GiB, and the budget of {_gib(plan.budget)} GiB (--gpu-memory-utilization "
+            f"{plan.utilization:g} x {_gib(plan.total)} GiB on {plan.device}) less {parts} leaves {_gib(plan.kv)} "
+            f"GiB, {_gib(short)} GiB short; " + ", or ".join(fixes))
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _ceil2(x: float) -> float:
+    return -(-int(x * 10000) // 100) / 100

@@ -1,0 +1,93 @@
+"""The device memory plan: its arithmetic (a pure function), and a server that refuses a configuration that
+does not fit, with one line and no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from executor_proc.memory_plan import GIB, MemoryPlan, MemoryPlanError, plan_memory
+from tests.server_proc import ROOT
+
+MIB = 1024**2
+# The 8B shape's KV: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 128 KiB a token, 2 MiB a block of 16.
+BLOCK = 16 * 128 * 1024
+
+
+def plan(**kw):
+    args = dict(device="cuda:0", total=80 * GIB, utilization=0.9, weights=15 * GIB, activations=2 * GIB,
+                graphs=1 * GIB, other=GIB // 2, block_bytes=BLOCK, block_size=16, max_model_len=8192)
+    args.update(kw)
+    return plan_memory(**args)
+
+
+def test_the_kv_cache_gets_what_the_budget_leaves_in_whole_blocks():
+    p = plan()
+    left = int(80 * GIB * 0.9) - 15 * GIB - 2 * GIB - 1 * GIB - GIB // 2
+    assert p.kv_blocks == left // BLOCK and p.kv_tokens == p.kv_blocks * 16
+    assert p.kv <= left < p.kv + BLOCK
+    assert p.planned + p.other <= p.budget == int(80 * GIB * 0.9)
+    assert "weights 15.00 + activations 2.00 + graphs 1.00 + other 0.50 + KV" in p.line()
+    assert f"KV {p.kv_tokens:,} tokens" in p.line() and "0.9 x 80.00 GiB" in p.line()
+
+
+def test_each_part_and_the_utilization_move_the_kv_cache():
+    base = plan().kv_blocks
+    assert plan(graphs=3 * GIB).kv_blocks == base - 2 * GIB // BLOCK
+    assert plan(activations=3 * GIB).kv_blocks == base - GIB // BLOCK
+    assert plan(utilization=0.95).kv_blocks > base
+    assert plan(useful_blocks=600).kv_blocks == 600  # no more than the slots can fill
+
+
+def test_a_plan_that_cannot_hold_one_request_is_refused_with_the_numbers_and_the_flags():
+    # 14.5 GiB of parts leave 0.5 GiB of a 15 GiB budget: 4,096 tokens of 128 KiB, short of 8,192.
+    with pytest.raises(MemoryPlanError) as e:
+        plan(total=20 * GIB, utilization=0.75, weights=12 * GIB, activations=GIB, graphs=GIB, other=GIB // 2)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "--max-model-len 8,192" in msg and "needs 1.00 GiB" in msg and "leaves 0.50 GiB" in msg
+    assert "raise --gpu-memory-utilization to 0.78" in msg  # (14.5 + 1) / 20 = 0.775, rounded up
+    assert "lower --max-model-len to 4,096" in msg
+    assert "--max-num-seqs" in msg and "--max-num-batched-tokens" in msg
+    # Exactly one request fits: no refusal.
+    assert plan(total=20 * GIB, utilization=0.775, weights=12 * GIB, activations=GIB, graphs=GIB,
+                other=GIB // 2).kv_tokens == 8192
+
+
+def test_nothing_left_refuses_without_suggesting_a_length_or_an_impossible_utilization():
+    with pytest.raises(MemoryPlanError) as e:
+        plan(weights=75 * GIB)
+    msg = str(e.value)
+    assert "--gpu-memory-utilization to" not in msg and "--max-model-len to" not in msg
+    assert "lower --max-num-seqs" in msg
+
+
+def test_the_cpu_plan_says_host_memory_is_not_planned():
+    p = MemoryPlan("cpu", 2 * GIB, 1.0, 10 * MIB, 0, 0, 0, kv_blocks=8, block_bytes=BLOCK, block_size=16)
+    assert "host memory is not planned" in p.line() and "at most a fixed 2.00 GiB" in p.line()
+    assert "KV 0.02 GiB = 128 tokens" in p.line()
+
+
+def test_serve_refuses_a_context_the_kv_budget_cannot_hold(tmp_path):
+    """A real `forerun serve`: the cpu's fixed 2 GiB KV budget against a 16M-token context (a tiny model of
+    2 layers x 2 KV heads x 16 x 2 (K, V) x 4 bytes = 512 bytes a token: 8 GiB a request)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+        max_position_embeddings=1 << 24, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)))
+    env = dict(os.environ, PYTHONPATH=ROOT, FORERUN_RUN_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-m", "scheduler_proc.launch", "serve", "--quiet", "--device", "cpu",
+                          "--load-format", "dummy", "--model", str(tmp_path), "--max-model-len", str(1 << 24),
+                          "--max-num-seqs", "1", "--address", f"ipc://{tmp_path}/s.sock"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out
+    assert "Traceback" not in out and "Error" not in out, out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("forerun: the KV cache cannot hold one request"), out
+    assert "--max-model-len 16,777,216" in lines[0] and "lower --max-model-len to" in lines[0]
