@@ -53,6 +53,11 @@ class ClientMessages:
             self.planner.reset_prefix_cache()
             self.frontend.send(client, self.server_stats())
         elif isinstance(msg, p.GetTokenizer):
+            if state.tokenizer_sent:  # a client that asks again and never reads would pile megabytes up here
+                self.frontend.send(client, p.Error(code="invalid_request", field="get_tokenizer",
+                                                   message="the tokenizer files were sent on this connection already"))
+                return
+            state.tokenizer_sent = True
             self.frontend.send(client, p.TokenizerFiles(self.tokenizer_files))
 
     def server_stats(self) -> p.ServerStats:

@@ -39,13 +39,14 @@ class StartupError(Exception):
 
 
 class ClientState:
-    __slots__ = ("heartbeat_s", "last_seen", "batch_deltas", "admin")
+    __slots__ = ("heartbeat_s", "last_seen", "batch_deltas", "admin", "tokenizer_sent")
 
     def __init__(self, heartbeat_s: float, last_seen: float, batch_deltas: bool, admin: bool):
         self.heartbeat_s = heartbeat_s
         self.last_seen = last_seen
         self.batch_deltas = batch_deltas
         self.admin = admin  # may send admin messages (the server has no API key, or this client gave it)
+        self.tokenizer_sent = False  # the tokenizer files (megabytes) go once per connection, never queued twice
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
