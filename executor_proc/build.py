@@ -21,6 +21,7 @@ from executor_proc.memory_plan import MemoryPlan, MemoryPlanError, check_fits, p
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.kv_cache import KVCache, kv_cache_bytes_per_block
 from executor_proc.model.loader import load_model
+from executor_proc.step.grammar import build_grammar_slots
 from executor_proc.step.host_kv import HostKV, num_host_blocks
 from executor_proc.step.slot_tables import SlotTables
 from executor_proc.step.worker import Worker
@@ -108,6 +109,10 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     kv = KVCache(model.config, probe.num_blocks if probe else 1, cfg.block_size, device=device, dtype=dtype)
     worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=max_batch, capture_graphs=capture,
                     mixed_max_tokens=mixed_max_tokens(cfg, backend))
+    if tp_size == 1:  # structured outputs (the scheduler refuses them under tensor parallelism)
+        worker.grammar = build_grammar_slots(cfg.tokenizer, mcfg.vocab_size, list(mcfg.eos_token_ids),
+                                             cfg.num_slots, device)
+        tables.grammar_mask = worker.grammar.table if worker.grammar is not None else None
     graph_progress = lambda done, total: progress(GRAPH_STAGE, done, total)  # noqa: E731
     compile_progress = lambda done, total: progress(COMPILE_STAGE, done, total)  # noqa: E731
     measured = None

@@ -82,6 +82,7 @@ class OutputThread(threading.Thread):
         self.sock = sock
         self.backups_done = lambda step_id: step_id  # the worker's backups_done_through, once built
         self.memory_device = None  # the CUDA device whose memory the results report, once built
+        self.grammar = None  # the worker's GrammarSlots (structured outputs), once built
         self._next_memory_sample = 0.0
         self.steps: queue.SimpleQueue = queue.SimpleQueue()
         self._prev_end = None  # the previous step's end event, for the GPU's idle gap
@@ -130,6 +131,9 @@ class OutputThread(threading.Thread):
             result = p.StepResult(step.step_id, tokens, t_start, t_end, idle_s, busy, gap, *step.host_s,
                                   gc_s=step.gc_s, **extra)
             self.sock.send(p.encode(result))
+            grammar = getattr(step.outputs, "grammar", None)
+            if grammar is not None:  # after the send: the scheduler need not wait for the next masks
+                self.grammar.advance(grammar, tokens)
 
 
 class ExecutorProcess:
@@ -163,6 +167,7 @@ class ExecutorProcess:
         built = build_worker(cfg, report)
         self.worker, mcfg, self.tp = built.worker, built.model_config, built.tp
         self.output.backups_done = self.worker.backups_done_through
+        self.output.grammar = self.worker.grammar
         if built.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(built.device)  # the peak the results report is the serving one
             self.output.memory_device = built.device

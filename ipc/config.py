@@ -45,6 +45,8 @@ class ExecutorConfig(_Config):
     """Everything the executor needs to build itself; the scheduler fills in the addresses."""
 
     model: str = ""  # HF folder, .gguf file, config.json for dummy weights; "" = the default model
+    # The tokenizer's folder or tokenizer.json (structured outputs' matchers need it; the scheduler fills it in).
+    tokenizer: str = ""
     load_format: LoadFormat = "auto"
     device: str = "cpu"
     dtype: Dtype = "auto"  # auto: float32 on cpu, bfloat16 on cuda

@@ -74,6 +74,14 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     # n completions of the prompt, prefilled once; completion i samples with seed (seed + i) mod 2**63
     # (seed: this one, or a random one when None), so it equals an n=1 request with that seed.
     n: int = 1
+    # Structured output, at most one (scheduler_proc/grammar.py): a JSON schema (an object, or its JSON
+    # text), a regular expression, one of a list of strings, or a Lark / GBNF grammar.  The output is
+    # masked token by token to what the constraint allows; it ends with "stop" only once it is complete.
+    json_schema: Union[dict, str, None] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+
 
 
 class Hello(_Msg, tag="hello"):
@@ -272,13 +280,16 @@ class SlotSampling(msgspec.Struct, array_like=True, omit_defaults=True):
     min_tokens_stop_ids: list[int] = []  # masked while fewer than min_tokens outputs exist
     logit_bias_ids: list[int] = []
     logit_bias_values: list[float] = []
+    # A compiled llguidance grammar (scheduler_proc/grammar.py): the executor keeps a matcher for the slot,
+    # built from it and the request's outputs in Admit.tokens.
+    grammar: str = ""
 
     @property
     def reads_tokens(self) -> bool:
         """Whether the slot's device state counts the request's tokens: the repetition penalty's prompt mask,
-        the output counts of every penalty, min_tokens' count of outputs."""
+        the output counts of every penalty, min_tokens' count of outputs, a grammar's matcher."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or (self.min_tokens > 0 and bool(self.min_tokens_stop_ids)))
+                or (self.min_tokens > 0 and bool(self.min_tokens_stop_ids)) or bool(self.grammar))
 
 
 class Admit(msgspec.Struct, array_like=True):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import random
 import time
@@ -9,6 +10,7 @@ from typing import Optional
 
 from ipc import protocol as p
 from ipc.sockets import MAX_CLIENT_MESSAGE_BYTES
+from scheduler_proc.grammar import CONSTRAINT_FIELDS, admit_constrained
 from scheduler_proc.request import Request
 from scheduler_proc.validate import InvalidRequest, decode_client_frame, validate_generate
 
@@ -126,10 +128,21 @@ class ClientMessages:
             self.frontend.send(client, p.Error(code="invalid_request", message=e.message, request_id=msg.request_id,
                                                field=e.field))
             return
-        if any((client, msg.request_id, i) in self.requests for i in range(p.MAX_N)):
+        if (any((client, msg.request_id, i) in self.requests for i in range(p.MAX_N))
+                or (client, msg.request_id) in self.compiling):
             self.frontend.send(client, p.Error(code="duplicate_id", field="request_id", request_id=msg.request_id,
                                                message=f"request_id {msg.request_id!r} is already in use by this client"))
             return
+        if any(getattr(msg.sampling, name) is not None for name in CONSTRAINT_FIELDS):
+            # Compiled off the loop; admitted (or refused) when done (scheduler_proc/grammar.py).
+            task = asyncio.get_running_loop().create_task(admit_constrained(self, client, msg))
+            self.compile_tasks.add(task)
+            task.add_done_callback(self.compile_tasks.discard)
+            return
+        self._start_generate(client, msg)
+
+    def _start_generate(self, client: bytes, msg: p.Generate, grammar: str = "") -> None:
+        """Admit a validated request's n completions (``grammar``: its compiled constraint)."""
         s = msg.sampling
         base = s.seed if s.seed is not None else random.getrandbits(63)
         leader = None
@@ -137,7 +150,7 @@ class ClientMessages:
             req = Request(
                 rid=next(self._rids), client=client, request_id=msg.request_id, prompt=msg.prompt_token_ids,
                 sampling=s, seed=(base + index) % 2**63, max_tokens=s.max_tokens, stop_ids=frozenset(s.stop_token_ids),
-                index=index)
+                index=index, grammar=grammar)
             try:
                 self.planner.add(req, leader)
             except ValueError as e:  # e.g. stop strings on a server without a tokenizer
@@ -150,6 +163,8 @@ class ClientMessages:
 
     def _on_abort(self, client: bytes, msg: p.Abort) -> None:
         """Abort every completion of the request (already finished ones: nothing to do)."""
+        if (client, msg.request_id) in self.compiling:  # answered once its compile is done
+            self.compiling[(client, msg.request_id)] = True
         for index in range(p.MAX_N):
             req = self.requests.get((client, msg.request_id, index))
             if req is not None:

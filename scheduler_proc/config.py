@@ -44,11 +44,15 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     # is refused unless allow_unauthenticated.
     api_key: Optional[str] = None
     allow_unauthenticated: bool = False
+    # Structured outputs (scheduler_proc/grammar.py): a constraint whose grammar takes longer than this to
+    # compile is refused as an invalid request.
+    grammar_compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.pipeline_depth not in (0, 1, 2):
             raise ValueError(f"pipeline_depth must be 0, 1 or 2, got {self.pipeline_depth}")
-        for name in ("executor_hang_timeout_s", "restart_window_s", "max_waiting", "client_send_hwm"):
+        for name in ("executor_hang_timeout_s", "restart_window_s", "max_waiting", "client_send_hwm",
+                     "grammar_compile_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_restarts", "shutdown_timeout_s"):

@@ -113,6 +113,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="waiting requests beyond which a new one is refused with an 'overloaded' error")
     s.add_argument("--client-send-hwm", type=int, default=S("client_send_hwm"), metavar="N",
                    help="messages queued to a client that stopped reading before its requests are aborted")
+    s.add_argument("--grammar-compile-timeout", type=float, default=S("grammar_compile_timeout_s"), metavar="S",
+                   help="a structured-output constraint (JSON schema, regex, grammar) whose compile takes longer "
+                        "than this is refused")
     s.add_argument("--debug-checks", action="store_true", help="check scheduler invariants after every step")
     s.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute every prompt instead of sharing the KV blocks of prefixes seen before")
@@ -181,7 +184,7 @@ def server_config(args) -> ServerConfig:
                         executor=executor, executor_hang_timeout_s=args.executor_hang_timeout,
                         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                         shutdown_timeout_s=args.shutdown_timeout, max_waiting=args.max_waiting,
-                        client_send_hwm=args.client_send_hwm)
+                        client_send_hwm=args.client_send_hwm, grammar_compile_timeout_s=args.grammar_compile_timeout)
 
 
 def _memory_utilization(args) -> float:

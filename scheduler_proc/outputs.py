@@ -49,7 +49,8 @@ def slot_sampling(req, eos_token_ids) -> SlotSampling:
         prompt_logprobs=-1 if s.prompt_logprobs is None else s.prompt_logprobs,
         repetition_penalty=s.repetition_penalty, frequency_penalty=s.frequency_penalty,
         presence_penalty=s.presence_penalty, min_tokens=s.min_tokens, num_prompt_tokens=len(req.prompt),
-        min_tokens_stop_ids=stop_ids, logit_bias_ids=[t for t, _ in bias], logit_bias_values=[v for _, v in bias])
+        min_tokens_stop_ids=stop_ids, logit_bias_ids=[t for t, _ in bias], logit_bias_values=[v for _, v in bias],
+        grammar=req.grammar)
 
 
 def load_detokenizer(tokenizer_path: str) -> Optional[Detokenize]:

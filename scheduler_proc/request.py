@@ -43,6 +43,7 @@ class Request:
     max_tokens: int
     stop_ids: frozenset[int]
     output: list[int] = field(default_factory=list)
+    grammar: str = ""  # the compiled constraint (scheduler_proc/grammar.py); "" for none
     num_computed: int = 0
     num_prefill: int = 0  # tokens fed from the host since admission (prompt + received at admission)
     slot: Optional[int] = None

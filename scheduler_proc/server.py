@@ -25,6 +25,7 @@ import uuid
 from collections import deque
 from typing import Optional
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -35,6 +36,7 @@ from scheduler_proc.client_messages import ClientMessages
 from scheduler_proc.config import ServerConfig
 from scheduler_proc.frontend import Frontend, StartupError, is_remote
 from scheduler_proc.limits import Limits
+from scheduler_proc.grammar import GrammarCompiler
 from scheduler_proc.outputs import load_detokenizer
 from scheduler_proc.planner import Planner
 from scheduler_proc.request import Request, Status
@@ -60,7 +62,11 @@ class Server(ClientMessages, OutputStream):
         self.ctx = zmq.asyncio.Context()
         self.frontend: Optional[Frontend] = None
         self.executor = Supervisor(cfg, model.path, self.ctx, self.run_dir)
+        self.executor.base = msgspec.structs.replace(self.executor.base, tokenizer=model.tokenizer_path or "")
         self.requests: dict[tuple[bytes, str, int], Request] = {}  # (client, request_id, completion index)
+        # Constrained requests whose grammar compiles (scheduler_proc/grammar.py): (client, id) -> aborted.
+        self.compiling: dict[tuple[bytes, str], bool] = {}
+        self.compile_tasks: set[asyncio.Task] = set()
         self.returned: deque = deque()
         self.wake = asyncio.Event()
         self.failure: Optional[str] = None
@@ -92,6 +98,11 @@ class Server(ClientMessages, OutputStream):
         self.planner = Planner(self.limits, prefix_cache_id=self._prefix_cache_id() if self.cfg.enable_prefix_caching else None,
                                detokenize=load_detokenizer(self.model.tokenizer_path))
         self.tokenizer_files = read_tokenizer_files(self.model.tokenizer_path)
+        self.grammars = GrammarCompiler(
+            self.model.tokenizer_path, self.ready.vocab_size, self.ready.eos_token_ids,
+            self.cfg.grammar_compile_timeout_s,
+            unavailable="structured outputs are not supported with tensor parallelism"
+            if self.cfg.executor.tensor_parallel_size > 1 else "")
         return self.ready
 
     def _prefix_cache_id(self) -> str:

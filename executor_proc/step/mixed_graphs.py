@@ -80,10 +80,11 @@ class MixedGraphs:
         self.inputs[:packed.numel()].copy_(packed)
 
     def run(self, shape: MixedShape, num_sampled: int, mode: SamplingMode,
-            host: Optional[PlanRows] = None) -> Sampled:
+            host: Optional[PlanRows] = None, before_head: Optional[Callable[[], None]] = None) -> Sampled:
         """Replay (or, without capture, run) the body and the head on the loaded inputs; ``num_sampled`` rows.
 
-        ``host``: the step's rows, for an eager call on a backend that attends from host lengths.
+        ``host``: the step's rows, for an eager call on a backend that attends from host lengths;
+        ``before_head``: called between the two (a grammar mask binds there, while the body runs).
         """
         graph = self.bodies.get(shape)
         if graph is not None:
@@ -92,6 +93,8 @@ class MixedGraphs:
             self.body_fn(mixed_inputs(self.inputs, shape), self.hidden[:shape.rows], host)
         if num_sampled == 0:
             return Sampled(self.no_tokens)
+        if before_head is not None:
+            before_head()
         rows = self.row_buckets[bisect.bisect_left(self.row_buckets, num_sampled)]
         entry = self.heads.get((rows, mode))
         if entry is None:

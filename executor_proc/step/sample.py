@@ -4,6 +4,8 @@
 
 1. penalties (only when some row is penalised: repetition, frequency, presence,
    logit_bias, min_tokens), in place unless the raw logits are still needed;
+   then the grammar mask (only when some row has a constraint): tokens the slot's grammar does not
+   allow get -inf, from the bitmask table :mod:`executor_proc.step.grammar` fills just before;
 2. the token: the backend's argmax when every row is greedy (the rule is
    :func:`kernels.sampling_ref.is_greedy`), else the backend's sampler with the
    rows' parameters gathered from the slot tables (its top-k/top-p window only
@@ -27,6 +29,16 @@ import torch
 
 from executor_proc.backends.base import Backend
 from executor_proc.step.slot_tables import SlotTables
+from kernels.grammar_mask_ref import apply_grammar_mask_ref
+
+
+def apply_grammar_mask(logits: torch.Tensor, table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """-inf where the slot's bitmask lacks the token (in place): the Triton kernel on CUDA, torch elsewhere."""
+    if logits.is_cuda:
+        from kernels.grammar_mask import apply_grammar_mask as kernel
+
+        return kernel(logits, table, slots)
+    return apply_grammar_mask_ref(logits, table, slots)
 
 
 class SamplingMode(NamedTuple):
@@ -36,6 +48,7 @@ class SamplingMode(NamedTuple):
     filtered: bool = False  # some row has top-k or top-p
     penalised: bool = False  # some row has a penalty, logit_bias or min_tokens
     logprobs: bool = False  # some row asks for logprobs
+    masked: bool = False  # some row has a grammar (structured output)
 
 
 GREEDY = SamplingMode(True)
@@ -76,6 +89,8 @@ def sample_rows(backend: Backend, logits: torch.Tensor, tables: SlotTables, slot
     x = logits
     if mode.penalised:
         x = backend.apply_penalties(logits, tables.penalties, slots, in_place=not mode.logprobs)
+    if mode.masked:
+        x = apply_grammar_mask(x.clone() if x is logits and mode.logprobs else x, tables.grammar_mask, slots)
     if mode.greedy:
         tokens = backend.argmax(x, tables.last_token, slots)  # writes last_token[slots] as well
     else:

@@ -31,6 +31,8 @@ class StepOutputs:
     prompt: Optional[PromptLogprobPlan] = None
     logprobs: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # ids, logprobs [S, 21]
     prompt_logprobs: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # ids, logprobs [M, 21]
+    # The step's constrained rows (executor_proc/step/grammar.py): the output thread advances their matchers.
+    grammar: Optional[object] = None
 
     def result_fields(self) -> dict:
         """StepResult keyword arguments (read the host tensors: only once the copy has completed)."""

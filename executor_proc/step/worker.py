@@ -27,6 +27,7 @@ import torch
 
 from executor_proc.step.batch import ForwardBatch
 from executor_proc.step.decode_step import decode_step
+from executor_proc.step.grammar import GrammarSlots
 from executor_proc.step.graphs import DecodeGraphs, GraphCapture, run_captures
 from executor_proc.step.host_kv import HostKV
 from executor_proc.step.mixed_graphs import MixedGraphs
@@ -99,6 +100,7 @@ class Worker:
             self.graphs = DecodeGraphs(self._decode_step, min(graph_max_batch, tables.num_slots), tables.pad_slot,
                                        device, capture=capture_graphs, capturer=self.capturer)
         self.mixed = None
+        self.grammar: Optional[GrammarSlots] = None  # structured outputs' matchers (set by build_worker)
         if mixed_max_tokens > 0:
             self.mixed = MixedGraphs(self._mixed_body, self._mixed_head, mixed_max_tokens, tables.num_slots,
                                      tables.pad_slot, model.config.hidden_size, model.lm_head.weight.dtype, device,
@@ -155,13 +157,16 @@ class Worker:
         diff = self.tables.stage(plan, upload)
         sampled_slots = [s for s, sampled in zip(plan.slots, plan.sample) if sampled]
         mode = sampling_mode(self.tables, sampled_slots)
+        grammar = self.grammar.stage(plan, sampled_slots) if self.grammar is not None else None
         outputs = StepOutputs()
         if mode.logprobs:
             info = self.tables.info
             outputs.logprob_rows = [(j, info[s].num_logprobs) for j, s in enumerate(sampled_slots)
                                     if info[s].num_logprobs >= 0]
         host = self.host_kv.stage(plan, upload) if self.host_kv is not None else None
-        bucket = self._graph_bucket(plan)
+        if grammar is not None:  # the mask binds between forward and sampling: no whole-step decode graph
+            mode, outputs.grammar = mode._replace(masked=True), grammar
+        bucket = self._graph_bucket(plan) if grammar is None else None
         if bucket is not None:
             part = upload.add(self._decode_rows(plan, bucket), torch.int64)
             sent = upload.send()
@@ -283,7 +288,8 @@ class Worker:
         if isinstance(step, GraphStep):
             return self._keep(step, self.graphs.run(step.bucket, step.mode).head(step.rows))
         if isinstance(step, MixedStep):
-            return self._keep(step, self.mixed.run(step.shape, step.num_sampled, step.mode, step.rows))
+            return self._keep(step, self.mixed.run(step.shape, step.num_sampled, step.mode, step.rows,
+                                                   before_head=self._binder(step)))
         batch = step.batch
         if batch.num_rows == 0:  # a plan of table diffs only
             return batch.sample_slots
@@ -295,9 +301,16 @@ class Worker:
                 self.model.backend, logits[s:], prompt, self.saved_logits, *(step.prompt_parts or (None, None)))
         if s == 0:
             return batch.sample_slots
+        if step.outputs.grammar is not None:
+            self.grammar.bind(step.outputs.grammar)
         sampled = sample_rows(self.model.backend, logits[:s], self.tables, batch.sample_slots,
                               step.sample_positions, step.mode)
         return self._keep(step, sampled)
+
+    def _binder(self, step: Step) -> Optional[Callable[[], None]]:
+        """What binds the step's grammar masks before its sampling (None: no constrained row)."""
+        rows = step.outputs.grammar
+        return None if rows is None else (lambda: self.grammar.bind(rows))
 
     @staticmethod
     def _keep(step: Step, sampled: Sampled) -> torch.Tensor:

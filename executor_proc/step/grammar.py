@@ -1,0 +1,212 @@
+"""Structured outputs, the executor's half: a matcher per constrained slot, its mask bound at sampling.
+
+A slot admitted with ``SlotSampling.grammar`` gets an llguidance matcher, built from the grammar and
+advanced over the request's outputs so far (``Admit.tokens`` past its prompt): a resume after
+preemption or an executor restart rebuilds the same state from the tokens it is given.
+
+The mask of a step's constrained row depends on the slot's previous token, which the executor
+does not have on the host when it launches the step (it runs ahead of its own output).  So the
+mask binds late, between the step's forward and its sampling::
+
+    main thread                                   output thread
+    prepare(N+1): rows that need a mask           ... waits for step N's copy event
+    launch(N+1): enqueue the forward              send StepResult(N)
+      bind: wait until the rows' slots have       advance N's constrained slots' matchers,
+            consumed step N  <------------------  compute their next masks (host, llguidance)
+            upload the masks -> table [slot]
+      enqueue the sampling (reads the table)
+
+The GPU runs N+1's forward while the output thread works, and waits only when that work is longer
+than the forward.  The upload is on the compute stream, after the forward and before the sampling:
+stream order binds it; each pinned staging buffer is reused only after its copy's event.  Rows
+without a constraint hold all ones in the table; a step with no constrained row runs no mask at all.
+``wait_s`` sums the main thread's waits (the bench reports it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ipc.protocol import StepPlan
+from ipc.structured import load_tokenizer
+
+PROTOTYPES = 256  # compiled matchers kept by grammar text: a new slot of a known grammar copies one
+WAIT_TIMEOUT_S = 120.0
+_STAGING_BUFFERS = 4
+
+
+@dataclass(eq=False)
+class SlotGrammar:
+    """One constrained slot: its matcher, the mask of its next token, and where it is in the step stream."""
+
+    slot: int
+    matcher: object
+    mask: np.ndarray  # int32 [W], valid once ``advanced >= awaited`` of the step that reads it
+    awaited: int = -1  # the newest step with a sampled row of this slot
+    advanced: int = -1  # the newest step whose token the matcher has consumed
+
+
+@dataclass
+class GrammarRows:
+    """A step's constrained sampled rows: (row among the sampled, state, step whose token it needs first)."""
+
+    step_id: int
+    rows: list[tuple[int, SlotGrammar, int]] = field(default_factory=list)
+
+
+class GrammarSlots:
+    """The matchers of the constrained slots, the device bitmask table and the late binding of masks."""
+
+    def __init__(self, tokenizer, vocab_size: int, num_slots: int, device: torch.device):
+        import llguidance
+
+        self._llg = llguidance
+        self.tokenizer = tokenizer
+        self.device = device
+        self.words = -(-vocab_size // 32)  # the table's width: the logits'
+        self.llg_words = -(-tokenizer.vocab_size // 32)  # llguidance's mask width
+        self.table = torch.full((num_slots + 1, self.words), -1, dtype=torch.int32, device=device)
+        self.states: dict[int, SlotGrammar] = {}
+        self._reset: set[int] = set()  # slots whose table row must go back to all ones
+        self._prototypes: OrderedDict[str, object] = OrderedDict()
+        self._cond = threading.Condition()
+        self._executor = llguidance.LLExecutor()
+        cuda = device.type == "cuda"
+        self._staging = [(torch.empty((num_slots + 1, self.words), dtype=torch.int32, pin_memory=cuda),
+                          torch.empty(num_slots + 1, dtype=torch.int64, pin_memory=cuda)) for _ in range(_STAGING_BUFFERS)]
+        self._staged_events: list[Optional[torch.cuda.Event]] = [None] * _STAGING_BUFFERS
+        self._next = 0
+        self.wait_s = 0.0
+        self.binds = 0
+        self.waits = 0
+
+    # ------------------------------------------------------------- main thread: prepare
+
+    def stage(self, plan: StepPlan, sampled_slots: list[int]) -> Optional[GrammarRows]:
+        """Follow the plan's releases and admissions; the step's constrained rows (None: no mask)."""
+        for slot in plan.releases:
+            if self.states.pop(slot, None) is not None:
+                self._reset.add(slot)
+        for a in plan.admits:
+            if self.states.pop(a.slot, None) is not None:
+                self._reset.add(a.slot)
+            if a.sampling.grammar:
+                self.states[a.slot] = self._build(a.slot, a.sampling.grammar, a.tokens[a.sampling.num_prompt_tokens:])
+                self._reset.discard(a.slot)
+        if not self.states:
+            return None
+        rows = GrammarRows(plan.step_id)
+        for j, slot in enumerate(sampled_slots):
+            st = self.states.get(slot)
+            if st is not None:
+                rows.rows.append((j, st, st.awaited))
+                st.awaited = plan.step_id
+        return rows if rows.rows else None
+
+    def _build(self, slot: int, grammar: str, outputs: list[int]) -> SlotGrammar:
+        proto = self._prototypes.get(grammar)
+        if proto is None:
+            proto = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+            self._prototypes[grammar] = proto
+            if len(self._prototypes) > PROTOTYPES:
+                self._prototypes.popitem(last=False)
+        else:
+            self._prototypes.move_to_end(grammar)
+        matcher = proto.deep_copy()
+        for t in outputs:  # a resumed request: the tokens it has already produced
+            if matcher.is_stopped() or not matcher.consume_token(t):
+                break
+        st = SlotGrammar(slot, matcher, np.zeros(self.words, dtype=np.int32))
+        self._fill_masks([st])
+        return st
+
+    # ------------------------------------------------------------- main thread: launch
+
+    def bind(self, rows: GrammarRows) -> None:
+        """Between the forward and the sampling: wait for the rows' masks, upload them into the table."""
+        self.binds += 1
+        pending = [(st, need) for _, st, need in rows.rows if need >= 0]
+        with self._cond:
+            if any(st.advanced < need for st, need in pending):
+                self.waits += 1
+                t0 = time.perf_counter()
+                ok = self._cond.wait_for(lambda: all(st.advanced >= need for st, need in pending), WAIT_TIMEOUT_S)
+                self.wait_s += time.perf_counter() - t0
+                if not ok:
+                    raise RuntimeError(f"step {rows.step_id}: the grammar masks did not arrive in {WAIT_TIMEOUT_S} s")
+        states = [st for _, st, _ in rows.rows]
+        resets = sorted(self._reset)
+        self._reset.clear()
+        self._upload([st.slot for st in states] + resets, [st.mask for st in states], len(resets))
+
+    def _upload(self, slots: list[int], masks: list[np.ndarray], num_resets: int) -> None:
+        k = len(slots)
+        i = self._next
+        self._next = (i + 1) % _STAGING_BUFFERS
+        if self._staged_events[i] is not None:
+            self._staged_events[i].synchronize()  # long complete: it is four steps old
+        buf, slot_buf = self._staging[i]
+        host = buf.numpy()
+        for r, m in enumerate(masks):
+            host[r] = m
+        if num_resets:
+            host[len(masks):k] = -1
+        slot_buf.numpy()[:k] = slots
+        if self.device.type == "cuda":
+            rows_dev = buf[:k].to(self.device, non_blocking=True)
+            slots_dev = slot_buf[:k].to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._staged_events[i] = event
+        else:
+            rows_dev, slots_dev = buf[:k].clone(), slot_buf[:k].clone()
+        self.table.index_copy_(0, slots_dev, rows_dev)
+
+    # ------------------------------------------------------------- output thread
+
+    def advance(self, rows: GrammarRows, tokens: list[int]) -> None:
+        """Consume the step's tokens of its constrained rows and compute their next masks (after the send)."""
+        states = []
+        for j, st, _ in rows.rows:
+            m = st.matcher
+            if not m.is_stopped():
+                m.consume_token(tokens[j])  # masked to what it allows; an error leaves it stopped (EOS only)
+            states.append(st)
+        self._fill_masks(states)
+        with self._cond:
+            for st in states:
+                st.advanced = rows.step_id
+            self._cond.notify_all()
+
+    def _fill_masks(self, states: list[SlotGrammar]) -> None:
+        """Each state's next-token bitmask (llguidance's own thread pool when there are several)."""
+        out = np.zeros((len(states), self.llg_words), dtype=np.int32)
+        if len(states) == 1:
+            states[0].matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        else:
+            self._executor.unsafe_compute_mask_ptr([(st.matcher, r) for r, st in enumerate(states)],
+                                                   out.ctypes.data, self.llg_words * 4, len(states))
+        for r, st in enumerate(states):
+            if self.llg_words == self.words:
+                st.mask = out[r]
+            else:
+                mask = np.zeros(self.words, dtype=np.int32)
+                n = min(self.words, self.llg_words)
+                mask[:n] = out[r, :n]
+                st.mask = mask
+
+
+def build_grammar_slots(tokenizer_path: str, vocab_size: int, eos_token_ids: list[int], num_slots: int,
+                        device: torch.device) -> Optional[GrammarSlots]:
+    """The executor's grammar state, or None when the model has no tokenizer (no constraint is admitted then)."""
+    tokenizer = load_tokenizer(tokenizer_path, vocab_size, eos_token_ids) if tokenizer_path else None
+    if tokenizer is None:
+        return None
+    return GrammarSlots(tokenizer, vocab_size, num_slots, device)

@@ -1,0 +1,142 @@
+"""Structured outputs through the SDK on the default model: JSON schemas, regexes, choices, grammars.
+
+One batch of concurrent constrained requests runs at pipeline depths 0, 1 and 2 (the shared
+real-model servers): every output that ends with "stop" must satisfy its constraint, and each
+request's output (greedy or seeded) must be the same at every depth, whatever else is in the batch.
+Bad constraints are refused naming the field, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import pytest
+
+from ipc.client import AsyncClient
+from ipc.client.errors import InvalidRequestError
+from tests.server_proc import assert_no_leak, wait_idle
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [{"role": "user", "content": "Describe a user of a web shop as JSON."}]
+
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {
+            "id": {"type": "integer"},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 3}},
+            "required": ["id", "tags"], "additionalProperties": False}},
+        "required": ["user"], "additionalProperties": False},
+    "enum_range": {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["color", "count"], "additionalProperties": False},
+    "pattern_optional": {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}, "note": {"type": "string", "maxLength": 12}},
+        "required": ["code"], "additionalProperties": False},
+    "bounded_array": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
+                      "minItems": 2, "maxItems": 4},
+}
+REGEX = r"[0-9]{3}-[a-z]{2,4}"
+CHOICES = ["yes", "no", "maybe"]
+GRAMMAR = 'start: "The answer is " NUMBER "."\nNUMBER: /[1-9][0-9]?/\n'
+
+
+def _requests():
+    """(name, keywords) of the batch: each constraint kind, greedy and seeded, with other sampling features."""
+    out = [(f"json:{name}", dict(json_schema=schema, temperature=0)) for name, schema in SCHEMAS.items()]
+    out += [
+        ("json:seeded", dict(json_schema=SCHEMAS["enum_range"], temperature=1.0, top_p=0.9, seed=7)),
+        ("json:penalised", dict(json_schema=json.dumps(SCHEMAS["pattern_optional"]), temperature=0.7, top_k=20,
+                                seed=3, repetition_penalty=1.2, presence_penalty=0.5, logprobs=2)),
+        ("regex", dict(regex=REGEX, temperature=0.9, seed=11)),
+        ("choice", dict(choice=CHOICES, temperature=0)),
+        ("choice:n2", dict(choice=CHOICES, temperature=1.0, seed=5, n=2)),
+        ("grammar", dict(grammar=GRAMMAR, temperature=0.8, seed=2)),
+        ("plain", dict(temperature=0, max_tokens=8)),
+    ]
+    return out
+
+
+def _check(name: str, text: str, finish: str) -> None:
+    if finish != "stop":
+        assert finish == "length", (name, finish)
+        return
+    kind = name.split(":")[0]
+    if kind == "json":
+        schema = SCHEMAS.get(name.split(":")[1]) or (SCHEMAS["enum_range"] if "seeded" in name
+                                                      else SCHEMAS["pattern_optional"])
+        jsonschema.validate(json.loads(text), schema)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES, text
+    elif kind == "grammar":
+        assert re.fullmatch(r"The answer is [1-9][0-9]?\.", text), text
+
+
+async def _run_batch(address: str) -> dict[str, list[tuple[str, str]]]:
+    async with AsyncClient(address) as c:
+        async def one(name, kw):
+            kw.setdefault("max_tokens", 60)
+            r = await c.generate(messages=PROMPT, **kw)
+            outs = r.choices
+            if kw.get("logprobs") is not None:
+                assert len(r.logprobs) == len(r.token_ids)
+            return name, [(o.text, o.finish_reason) for o in outs]
+
+        return dict(await asyncio.gather(*(one(n, dict(kw)) for n, kw in _requests())))
+
+
+@pytest.fixture(scope="module")
+def outputs_by_depth(model_server):
+    return {depth: asyncio.run(_run_batch(model_server(depth).address)) for depth in (0, 1, 2)}
+
+
+def test_constrained_outputs_are_valid(outputs_by_depth):
+    stops = 0
+    for name, outs in outputs_by_depth[1].items():
+        if name == "plain":
+            continue
+        for text, finish in outs:
+            _check(name, text, finish)
+            stops += finish == "stop"
+    assert stops >= len(outputs_by_depth[1]) - 2  # the bounded schemas end well inside max_tokens
+
+
+def test_constrained_outputs_equal_at_every_depth(outputs_by_depth):
+    assert outputs_by_depth[0] == outputs_by_depth[1] == outputs_by_depth[2]
+
+
+BAD = [
+    (dict(json_schema={"type": "strin"}), "sampling.json_schema", "strin"),
+    (dict(json_schema="{not json"), "sampling.json_schema", "not valid JSON"),
+    (dict(json_schema={"type": "integer", "minimum": 5, "maximum": 2}), "sampling.json_schema", "minimum"),
+    (dict(regex="a(b"), "sampling.regex", "unclosed group"),
+    (dict(grammar="start: foo\n"), "sampling.grammar", "foo"),
+    (dict(choice=[]), "sampling.choice", "at least one"),
+    (dict(regex="a", choice=["a"]), "sampling.choice", "at most one"),
+    (dict(regex="a", ignore_eos=True), "sampling.ignore_eos", "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize("kw,field,words", BAD)
+def test_bad_constraints_are_refused(model_server, kw, field, words):
+    async def go():
+        async with AsyncClient(model_server(1).address) as c:
+            with pytest.raises(InvalidRequestError) as e:
+                await c.generate("hi", max_tokens=4, **kw)
+            assert e.value.field == field and words in str(e.value), e.value
+            # The server keeps serving, and a cached error is the same error.
+            with pytest.raises(InvalidRequestError):
+                await c.generate("hi", max_tokens=4, **kw)
+            assert (await c.generate("hi", max_tokens=2, temperature=0)).finish_reason == "length"
+    asyncio.run(go())
+
+
+def test_no_leak_after_constrained_requests(model_server, outputs_by_depth):
+    for depth in (0, 1, 2):
+        stats = asyncio.run(wait_idle(model_server(depth).address))
+        assert_no_leak(stats)
