@@ -83,7 +83,6 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     grammar: Optional[str] = None
 
 
-
 class Hello(_Msg, tag="hello"):
     protocol_version: int
     client_name: str = ""

@@ -119,9 +119,6 @@ class SlotTables:
         # [rows, ceil(vocab / 32)] int32 bitmasks of the constrained slots (executor_proc/step/grammar.py owns it;
         # None without structured outputs).
         self.grammar_mask: Optional[torch.Tensor] = None
-        # [rows, ceil(vocab / 32)] int32 bitmasks of the constrained slots (executor_proc/step/grammar.py owns it;
-        # None without structured outputs).
-        self.grammar_mask: Optional[torch.Tensor] = None
         # Live slots with a penalty or a logprobs request: while empty, a step needs no look at them.
         self.featured: set[int] = set()
 
