@@ -91,3 +91,37 @@ def test_serve_refuses_a_context_the_kv_budget_cannot_hold(tmp_path):
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("forerun: the KV cache cannot hold one request"), out
     assert "--max-model-len 16,777,216" in lines[0] and "lower --max-model-len to" in lines[0]
+
+
+def test_prompt_logprobs_in_slices_equal_one_pass(monkeypatch):
+    """The eager step's prompt logprobs, computed LOGITS_ROWS positions at a time (so that a full token budget's
+    logits never sit in memory at once), equal one pass over every position, saved logits included."""
+    import torch
+
+    from executor_proc.backends.torch_backend import TorchBackend
+    from executor_proc.step import prompt_logprobs as pl_mod
+    from executor_proc.step.prompt_logprobs import PromptLogprobPlan, SavedLogits, compute_prompt_logprobs
+
+    torch.manual_seed(0)
+    vocab, extra = 50, torch.randn(23, 50)
+    m = 1 + 9 + 13
+    targets, nums = torch.randint(0, vocab, (m,)), torch.full((m,), 4, dtype=torch.int32)
+    plan = PromptLogprobPlan(pieces=[("saved", 3), ("extra", 0, 9), ("extra", 9, 13)], saves=[(5, 40, 22)],
+                             targets=targets.tolist())
+    calls = []
+
+    def run(rows: int):
+        monkeypatch.setattr(pl_mod, "LOGITS_ROWS", rows)
+        saved = SavedLogits()
+        saved.by_slot[3] = (7, torch.randn(vocab, generator=torch.Generator().manual_seed(1)))
+        out = compute_prompt_logprobs(TorchBackend, lambda a, b: calls.append(b - a) or extra[a:b], plan, saved,
+                                      targets, nums)
+        return out, saved.by_slot[5]
+
+    (ids, lps), kept = run(1024)
+    for rows in (1, 4, 8):
+        calls.clear()
+        (ids2, lps2), kept2 = run(rows)
+        assert torch.equal(ids, ids2) and torch.equal(lps, lps2) and torch.equal(kept[1], kept2[1])
+        assert max(calls) <= rows and kept2[0] == 40
+    assert ids.shape == (m, 21)

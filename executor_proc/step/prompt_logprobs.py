@@ -14,18 +14,20 @@ past its start) reports from ``p + 1``: the ``first`` position in the result say
 Positions ``>= P`` (outputs re-prefilled after a preemption) are never reported.
 
 :func:`plan_prompt_logprobs` is the host part (from the plan and the slot mirrors, no
-device reads); :func:`compute_prompt_logprobs` the device part, one
-``token_logprobs`` call over every reported position of the step.
+device reads); :func:`compute_prompt_logprobs` the device part, ``token_logprobs`` over every reported
+position of the step, the LM head and the logprobs :data:`LOGITS_ROWS` positions at a time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ipc.protocol import StepPlan
+
+LOGITS_ROWS = 1024  # prompt positions whose logits are computed (and held) at once
 
 
 @dataclass
@@ -112,14 +114,46 @@ def _plan_row(out: PromptLogprobPlan, row: int, slot: int, p: int, n: int, si, c
         out.saves.append((slot, p + n, extra + inside))
 
 
-def compute_prompt_logprobs(backend, extra: torch.Tensor, pl: PromptLogprobPlan, saved: SavedLogits,
-                            targets: torch.Tensor, nums: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """``(ids, logprobs) [M, 21]`` for every reported position; keeps the chunks' last logits."""
-    pieces = [saved.by_slot[p[1]][1][None] if p[0] == "saved" else extra[p[1]:p[1] + p[2]] for p in pl.pieces]
+def compute_prompt_logprobs(backend, extra_logits: Callable[[int, int], torch.Tensor], pl: PromptLogprobPlan,
+                            saved: SavedLogits, targets: torch.Tensor,
+                            nums: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``(ids, logprobs) [M, 21]`` for every reported position; keeps the chunks' last logits.
+
+    ``extra_logits(a, b)``: the float32 logits of rows ``a .. b - 1`` of the step's extra block (the LM head
+    of those rows).  They are computed and consumed :data:`LOGITS_ROWS` rows at a time, so a step's peak
+    memory does not grow with its prompt tokens (a full token budget's logits are gigabytes).
+    """
+    saves = [(slot, position, extra_logits(index, index + 1)[0].clone()) for slot, position, index in pl.saves]
     result = None
     if pl.targets:
-        x = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        result = backend.token_logprobs(x.contiguous(), targets, nums)
-    for slot, position, index in pl.saves:
-        saved.by_slot[slot] = (position, extra[index].clone())
+        ids, values, group, done = [], [], [], 0
+
+        def flush() -> None:
+            nonlocal group, done
+            x = group[0] if len(group) == 1 else torch.cat(group)
+            out = backend.token_logprobs(x.contiguous(), targets[done:done + len(x)], nums[done:done + len(x)])
+            ids.append(out[0])
+            values.append(out[1])
+            done += len(x)
+            group = []
+
+        rows = 0
+        for piece in pl.pieces:
+            if piece[0] == "saved":
+                parts = [saved.by_slot[piece[1]][1][None]]
+            else:
+                start, count = piece[1], piece[2]
+                parts = [extra_logits(a, min(a + LOGITS_ROWS, start + count))
+                         for a in range(start, start + count, LOGITS_ROWS)]
+            for part in parts:
+                group.append(part)
+                rows += len(part)
+                if rows >= LOGITS_ROWS:
+                    flush()
+                    rows = 0
+        if group:
+            flush()
+        result = (ids[0], values[0]) if len(ids) == 1 else (torch.cat(ids), torch.cat(values))
+    for slot, position, logits in saves:
+        saved.by_slot[slot] = (position, logits)
     return result

@@ -293,12 +293,16 @@ class Worker:
         batch = step.batch
         if batch.num_rows == 0:  # a plan of table diffs only
             return batch.sample_slots
-        logits = self.model(batch, self.kv_cache)  # a prompt chunk that samples nothing still writes KV
         s = step.num_sampled
         prompt = step.outputs.prompt
-        if prompt is not None:
+        if prompt is None:
+            logits = self.model(batch, self.kv_cache)  # a prompt chunk that samples nothing still writes KV
+        else:  # the prompt positions' LM head runs a slice at a time (prompt_logprobs.LOGITS_ROWS)
+            hidden = self.model.final_hidden(batch, self.kv_cache)
+            logits = self.model.logits(hidden[:s]) if s else None
             step.outputs.prompt_logprobs = compute_prompt_logprobs(
-                self.model.backend, logits[s:], prompt, self.saved_logits, *(step.prompt_parts or (None, None)))
+                self.model.backend, lambda a, b: self.model.logits(hidden[s + a:s + b]), prompt, self.saved_logits,
+                *(step.prompt_parts or (None, None)))
         if s == 0:
             return batch.sample_slots
         if step.outputs.grammar is not None:
