@@ -125,3 +125,18 @@ def test_prompt_logprobs_in_slices_equal_one_pass(monkeypatch):
         assert torch.equal(ids, ids2) and torch.equal(lps, lps2) and torch.equal(kept[1], kept2[1])
         assert max(calls) <= rows and kept2[0] == 40
     assert ids.shape == (m, 21)
+
+
+def test_kv_memory_fraction_is_a_deprecated_alias(capsys):
+    from scheduler_proc.launch import build_parser, server_config
+
+    def utilization(*flags):
+        return server_config(build_parser().parse_args(["serve", *flags])).executor.gpu_memory_utilization
+
+    assert utilization() == 0.9 and capsys.readouterr().err == ""
+    assert utilization("--gpu-memory-utilization", "0.8") == 0.8
+    assert utilization("--kv-memory-fraction", "0.7") == 0.7
+    assert "--kv-memory-fraction is deprecated" in capsys.readouterr().err
+    assert utilization("--kv-memory-fraction", "0.7", "--gpu-memory-utilization", "0.85") == 0.85
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        utilization("--gpu-memory-utilization", "1.5")
