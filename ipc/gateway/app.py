@@ -33,7 +33,7 @@ from starlette.routing import Route
 
 from ipc.client import AsyncClient, ExecutorFailedError, ForerunError, InvalidRequestError, encode_prompt
 from ipc.client.prompt import MAX_CHARS_PER_TOKEN, check_messages
-from ipc.gateway import params
+from ipc.gateway import params, tools
 from ipc.gateway import schemas as s
 from ipc.gateway.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS, DISCARD_MAX_BYTES, INLINE_CHARS,
                                 MAX_ERROR_MESSAGE_CHARS)
@@ -277,13 +277,16 @@ async def chat_completions(request: Request) -> Response:
     async def handle(gw: Gateway, request: Request) -> Any:
         req = await gw.body(request, s.ChatCompletionRequest)
         gw.check_request(req)
-        ids = await gw.encode_chat(s.chat_messages(req.messages))
+        plan = tools.plan_tools(req)
+        ids = await (tools.encode(gw, req, plan) if tools.uses_tools(req)
+                     else gw.encode_chat(s.chat_messages(req.messages)))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = [gw.new_stream(ids, rid, gw.sampling_kwargs(req, max_tokens, len(ids)))]
+        streams = [gw.new_stream(ids, rid, tools.with_constraint(gw.sampling_kwargs(req, max_tokens, len(ids)), plan))]
         if req.stream:
-            return _stream(gw, streams, lambda firsts: chat_stream(gw, req, rid, streams, firsts))
-        answer = whole_chat(gw, req, rid, Prompt(ids, ""), streams[0])
+            events = chat_stream if plan is None else tools.chat_stream
+            return _stream(gw, streams, lambda firsts: events(gw, req, rid, streams, firsts))
+        answer = whole_chat(gw, req, rid, Prompt(ids, ""), streams[0], plan)
         return json_response(await until_disconnect(request.receive, answer))
     return await _run(request, handle)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from ipc.gateway import schemas as s
+from ipc.gateway.structured import constraint_kwargs
 from ipc.protocol import MAX_LOGPROBS
 
 # Passed through unchanged when given (vLLM's extra parameters included).
@@ -75,6 +76,7 @@ def sampling_kwargs(req: Union[s.CompletionRequest, s.ChatCompletionRequest], ma
         kw["stop"] = stop_strings(req.stop)
     if req.logit_bias:
         kw["logit_bias"] = logit_bias(req.logit_bias, vocab_size)
+    kw.update(constraint_kwargs(req))
     top_n = output_logprobs(req)
     if top_n is not None:
         kw["logprobs"] = top_n

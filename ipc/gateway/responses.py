@@ -26,9 +26,11 @@ from ipc.gateway.logprobs import (
     prompt_logprobs,
 )
 from ipc.gateway.streaming import DONE, gather_or_cancel, merge
+from ipc.gateway.structured import PARAM_OF_FIELD
+from ipc.gateway.tools import choice_message
 
 # SDK field names -> the OpenAI parameter they came from (others: "sampling." dropped).
-_PARAM_OF_FIELD = {"prompt_token_ids": "prompt", "request_id": None}
+_PARAM_OF_FIELD = {"prompt_token_ids": "prompt", "request_id": None, **PARAM_OF_FIELD}
 _encode = msgspec.json.encode
 
 
@@ -115,14 +117,14 @@ async def whole_completion(gw: Any, req: s.CompletionRequest, rid: str, prompts:
 
 
 async def whole_chat(gw: Any, req: s.ChatCompletionRequest, rid: str, prompt: Prompt,
-                     stream: Any) -> s.ChatCompletionResponse:
-    """The non-streaming /v1/chat/completions answer: n choices."""
+                     stream: Any, plan: Any = None) -> s.ChatCompletionResponse:
+    """The non-streaming /v1/chat/completions answer: n choices (``plan``: tools, ipc/gateway/tools.py)."""
     (r,) = await _results(gw, [stream])
     top_n = params.output_logprobs(req)
-    choices = [s.ChatChoice(index=c.index, message=s.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+    choices = [s.ChatChoice(index=c.index, message=message, finish_reason=finish,
                             logprobs=None if top_n is None else chat_logprobs(gw.token_texts, c.token_ids,
                                                                                c.logprobs, top_n))
-               for c in r.choices]
+               for c in r.choices for message, finish in [choice_message(c.text, c.finish_reason, plan)]]
     vllm_plps = prompt_logprobs(gw.token_texts, prompt.ids, r.prompt_logprobs) if req.prompt_logprobs is not None \
         else None
     return s.ChatCompletionResponse(id=rid, created=int(time.time()), model=gw.model_name, choices=choices,

@@ -37,6 +37,30 @@ class ChatMessage(_Body):
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls (ipc/gateway/tools.py)
+    tool_call_id: Optional[str] = None  # a tool result's call
+
+
+class JsonSchemaFormat(_Body):
+    name: str = ""
+    schema: Optional[dict[str, Any]] = None
+    description: Optional[str] = None
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Body):
+    type: str  # "text", "json_object" or "json_schema"
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsParams(_Body):
+    """vLLM's ``structured_outputs`` (one of its fields)."""
+
+    json: Union[dict[str, Any], str, None] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
 
 
 class _Sampling(_Body):
@@ -64,6 +88,13 @@ class _Sampling(_Body):
     stop_token_ids: Optional[list[int]] = None
     prompt_logprobs: Optional[int] = None
     include_stop_str_in_output: Optional[bool] = None
+    # Structured outputs (ipc/gateway/structured.py): OpenAI's response_format, vLLM's guided_* and structured_outputs.
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
 
 class CompletionRequest(_Sampling):
@@ -81,6 +112,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
+    # Tool calls (ipc/gateway/tools.py).
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 class TokenizeRequest(_Body):
@@ -211,7 +246,7 @@ class AssistantMessage(msgspec.Struct):
 
 class ChatChoice(msgspec.Struct):
     index: int
-    message: AssistantMessage
+    message: Union[AssistantMessage, ToolCallsMessage]
     finish_reason: Optional[str] = None
     logprobs: Optional[ChatLogprobs] = None
 
@@ -226,9 +261,36 @@ class ChatCompletionResponse(msgspec.Struct):
     prompt_logprobs: Optional[list] = None  # vLLM's shape, see ipc/gateway/logprobs.py
 
 
+class ToolCallFunction(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: ToolCallFunction
+    type: str = "function"
+
+
+class ToolCallsMessage(msgspec.Struct):
+    """An assistant message that calls tools (``content``: any text beside the calls, else null)."""
+
+    tool_calls: list[ToolCall]
+    content: Optional[str] = None
+    role: str = "assistant"
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    index: int
+    id: Optional[str] = None
+    type: Optional[str] = None
+    function: Optional[dict[str, str]] = None
+
+
 class Delta(msgspec.Struct, omit_defaults=True):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -1,0 +1,70 @@
+"""Structured-output parameters of the HTTP API -> the SDK's one constraint keyword.
+
+Accepted (at most one per request; a second is a 400 naming it):
+
+* OpenAI's ``response_format``: ``{"type": "json_object"}`` (any JSON object) or
+  ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` (``strict`` or not, the
+  schema is enforced: the output is masked to it token by token); ``{"type": "text"}`` is no constraint;
+* vLLM's ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` and
+  ``structured_outputs: {json | regex | choice | grammar | json_object}`` (``extra_body``).
+
+The scheduler compiles the constraint and refuses a bad one with the SDK field
+(``sampling.json_schema``, ...), which :data:`PARAM_OF_FIELD` names as an HTTP parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ipc.gateway import schemas as s
+
+ANY_OBJECT = {"type": "object"}
+# The SDK's constraint fields -> the parameter a 400 names.
+PARAM_OF_FIELD = {"sampling.json_schema": "response_format", "sampling.regex": "guided_regex",
+                  "sampling.choice": "guided_choice", "sampling.grammar": "guided_grammar"}
+
+
+def _response_format(rf: s.ResponseFormat) -> Optional[tuple[str, Any]]:
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return "json_schema", ANY_OBJECT
+    if rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise s.RequestError(400, "response_format of type json_schema needs a json_schema object",
+                                 "response_format.json_schema")
+        schema = rf.json_schema.schema
+        return "json_schema", schema if schema is not None else ANY_OBJECT
+    raise s.RequestError(400, f"response_format.type must be text, json_object or json_schema; got {rf.type!r}",
+                         "response_format.type")
+
+
+def _structured_outputs(so: s.StructuredOutputsParams) -> list[tuple[str, str, Any]]:
+    out = []
+    for name, sdk in (("json", "json_schema"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar")):
+        value = getattr(so, name)
+        if value is not None:
+            out.append((f"structured_outputs.{name}", sdk, value))
+    if so.json_object:
+        out.append(("structured_outputs.json_object", "json_schema", ANY_OBJECT))
+    return out
+
+
+def constraint_kwargs(req: Any) -> dict[str, Any]:
+    """``{sdk_field: value}`` of the request's one constraint (empty: none); a 400 when several are given."""
+    found: list[tuple[str, str, Any]] = []
+    if req.response_format is not None:
+        c = _response_format(req.response_format)
+        if c is not None:
+            found.append(("response_format", *c))
+    for param, sdk in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        value = getattr(req, param)
+        if value is not None:
+            found.append((param, sdk, value))
+    if req.structured_outputs is not None:
+        found += _structured_outputs(req.structured_outputs)
+    if len(found) > 1:
+        raise s.RequestError(400, f"give at most one structured-output constraint; got {found[0][0]} and "
+                                  f"{found[1][0]}", found[1][0])
+    return {found[0][1]: found[0][2]} if found else {}

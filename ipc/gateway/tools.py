@@ -1,0 +1,281 @@
+"""Tool calls on /v1/chat/completions: ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``role: tool``.
+
+* **Prompt.** The tools go into the chat template's ``tools`` variable. A template that does not
+  read it (SmolLM2's) gets them in a system message instead, with the Hermes format to answer in;
+  an assistant message's earlier ``tool_calls`` are then written into its content in that format,
+  and ``role: tool`` results are rendered as the template renders any role.
+* **tool_choice.** ``none``: no tools in the prompt, no parsing. ``auto`` (the default with tools):
+  the model decides; its text is parsed for calls. ``required``: the output is constrained (a JSON
+  schema, ``scheduler_proc/grammar.py``) to a list of ``{"name", "parameters"}`` calls of the given
+  functions, each ``parameters`` matching its function's schema (one call when
+  ``parallel_tool_calls`` is false). A named function: the output is constrained to that function's
+  ``parameters`` schema, and is the call's arguments.
+* **Parsing** (``auto``): Hermes / Qwen ``<tool_call>{"name", "arguments"}</tool_call>`` (several),
+  Mistral ``[TOOL_CALLS][{"name", "arguments"}, ...]``, Llama 3.1+ JSON ``{"name", "parameters"}``
+  (``;``-separated, after an optional ``<|python_tag|>``). Only calls of the request's functions count.
+  Calls found: ``message.tool_calls`` (arguments as JSON text), ``content`` the text beside them or
+  null, ``finish_reason`` ``tool_calls``.
+* **Streaming.** A request with tools streams its answer once it is complete (the text must be
+  parsed whole): a role chunk, the content if any, one ``delta.tool_calls`` chunk per call (index,
+  id, name, the whole arguments), then the finish chunk, which the openai client assembles into the
+  same calls as the non-streaming answer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional
+
+from ipc.gateway import schemas as s
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_FALLBACK_PROMPT = (
+    "You may call functions to answer. The functions you can call, as JSON schemas:\n{tools}\n"
+    "To call one, answer with one <tool_call></tool_call> block per call, each holding a JSON object "
+    'with the function\'s "name" and its "arguments":\n'
+    '<tool_call>\n{{"name": "function_name", "arguments": {{"argument": "value"}}}}\n</tool_call>')
+
+
+@dataclass
+class ToolPlan:
+    """What a chat request does with its tools."""
+
+    functions: list[dict[str, Any]]  # each {"name", "description"?, "parameters"?}
+    choice: str  # "auto", "required", or "named"
+    name: Optional[str] = None  # the named function
+    parallel: bool = True
+
+    @property
+    def names(self) -> list[str]:
+        return [f["name"] for f in self.functions]
+
+
+def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise s.RequestError(400, 'each tool must be {"type": "function", "function": {...}}', f"tools[{i}]")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise s.RequestError(400, "a function needs a name", f"tools[{i}].function.name")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise s.RequestError(400, "parameters must be a JSON schema object", f"tools[{i}].function.parameters")
+        out.append({**fn, "parameters": params})
+    return out
+
+
+def plan_tools(req: s.ChatCompletionRequest) -> Optional[ToolPlan]:
+    """The request's tool plan (None: no tools in play); a 400 for malformed tools or choices."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none", "auto"):
+            raise s.RequestError(400, "tool_choice needs tools", "tool_choice")
+        return None
+    functions = _functions(req.tools)
+    parallel = req.parallel_tool_calls is not False
+    if choice is None or choice == "auto":
+        return ToolPlan(functions, "auto", parallel=parallel)
+    if choice == "none":
+        return None
+    if choice == "required":
+        return ToolPlan(functions, "required", parallel=parallel)
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise s.RequestError(400, 'a named tool_choice is {"type": "function", "function": {"name": ...}}',
+                                 "tool_choice")
+        if name not in [f["name"] for f in functions]:
+            raise s.RequestError(400, f"tool_choice names {name!r}, which is not one of the tools", "tool_choice")
+        return ToolPlan(functions, "named", name=name, parallel=parallel)
+    raise s.RequestError(400, f"tool_choice must be none, auto, required or a function; got {choice!r}", "tool_choice")
+
+
+def constraint(plan: Optional[ToolPlan]) -> dict[str, Any]:
+    """The SDK constraint keyword that ``required`` and a named function need (empty for auto)."""
+    if plan is None or plan.choice == "auto":
+        return {}
+    if plan.choice == "named":
+        fn = next(f for f in plan.functions if f["name"] == plan.name)
+        return {"json_schema": fn["parameters"]}
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": f["parameters"]},
+              "required": ["name", "parameters"], "additionalProperties": False} for f in plan.functions]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not plan.parallel:
+        schema["maxItems"] = 1
+    return {"json_schema": schema}
+
+
+def with_constraint(kw: dict[str, Any], plan: Optional[ToolPlan]) -> dict[str, Any]:
+    """The request's sampling keywords with the constraint its tool_choice needs (a 400 beside another one)."""
+    extra = constraint(plan)
+    if extra and any(k in kw for k in ("json_schema", "regex", "choice", "grammar")):
+        raise s.RequestError(400, f"tool_choice {plan.choice} constrains the output; it cannot be combined with "
+                                  "response_format or guided decoding", "tool_choice")
+    return {**kw, **extra}
+
+
+async def encode(gw: Any, req: s.ChatCompletionRequest, plan: Optional[ToolPlan]) -> list[int]:
+    """Token ids of a conversation with tools, tool calls or tool results (the gateway's checks and threads)."""
+    tok = gw.need_tokenizer()
+    messages, tool_defs = template_messages(req, plan, getattr(tok, "chat_template", None) or "")
+    num_chars = sum(len(str(m.get("content", ""))) for m in messages) + len(json.dumps(tool_defs or []))
+    gw.check_chars(num_chars, "messages")
+    return await gw.off_loop(num_chars, render, tok, messages, tool_defs)
+
+
+def uses_tools(req: s.ChatCompletionRequest) -> bool:
+    """Whether the prompt needs the tool path (tools given, or a conversation with calls or results)."""
+    return bool(req.tools) or any(m.tool_calls or m.role == "tool" for m in req.messages)
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    fn = call.get("function") or {}
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args
+
+
+def template_messages(req: s.ChatCompletionRequest, plan: Optional[ToolPlan],
+                      template: str) -> tuple[list[dict[str, Any]], Optional[list[dict[str, Any]]]]:
+    """(messages, tools) for ``apply_chat_template``: as the template wants them, or the Hermes fallback."""
+    messages = s.chat_messages(req.messages)
+    native = "tool" in template  # the template reads tools / tool_calls itself
+    tools = [{"type": "function", "function": f} for f in plan.functions] if plan is not None else None
+    for m, src in zip(messages, req.messages):
+        if src.tool_calls:
+            calls = [{"name": (c.get("function") or {}).get("name", ""), "arguments": _arguments(c)}
+                     for c in src.tool_calls]
+            if native:
+                m["tool_calls"] = [{"type": "function", "id": c.get("id", ""),
+                                    "function": {"name": k["name"], "arguments": k["arguments"]}}
+                                   for c, k in zip(src.tool_calls, calls)]
+            else:
+                text = "\n".join(f"<tool_call>\n{json.dumps(k)}\n</tool_call>" for k in calls)
+                m["content"] = (m["content"] + "\n" + text).strip()
+        if src.tool_call_id is not None:
+            m["tool_call_id"] = src.tool_call_id
+    if tools and not native:
+        listing = "\n".join(json.dumps(f) for f in plan.functions)
+        system = _FALLBACK_PROMPT.format(tools=listing)
+        if messages and messages[0]["role"] == "system":
+            messages[0]["content"] = messages[0]["content"] + "\n\n" + system
+        else:
+            messages.insert(0, {"role": "system", "content": system})
+        tools = None
+    return messages, tools
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]]) -> list[int]:
+    """Token ids of the conversation through the chat template, with ``tools`` when it reads them."""
+    kw = {"tools": tools} if tools else {}
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+    except Exception as exc:  # jinja2 and transformers raise many types
+        raise s.RequestError(400, f"the chat template failed: {type(exc).__name__}: {exc}", "messages") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _call_of(obj: Any, names: list[str]) -> Optional[tuple[str, str]]:
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return obj["name"], args if isinstance(args, str) else json.dumps(args)
+
+
+def _json_calls(text: str, names: list[str]) -> list[tuple[str, str]]:
+    """Mistral's list, a Llama JSON call or several ``;``-separated ones; [] if the text is not all calls."""
+    text = text.strip().removeprefix("<|python_tag|>").removeprefix("[TOOL_CALLS]").strip()
+    if not text or text[0] not in "[{":
+        return []
+    try:
+        objs = json.loads(text)
+        objs = objs if isinstance(objs, list) else [objs]
+    except ValueError:
+        try:
+            objs = [json.loads(part) for part in text.split(";") if part.strip()]
+        except ValueError:
+            return []
+    calls = [_call_of(o, names) for o in objs]
+    return calls if calls and all(c is not None for c in calls) else []
+
+
+def parse_calls(text: str, plan: ToolPlan) -> tuple[Optional[str], list[tuple[str, str]]]:
+    """(content beside the calls or None, [(name, arguments JSON)]) of a finished output."""
+    if plan.choice == "named":
+        try:
+            json.loads(text)
+        except ValueError:
+            return text, []
+        return None, [(plan.name, text)]
+    if plan.choice == "required":
+        return (None, _json_calls(text, plan.names)) if _json_calls(text, plan.names) else (text, [])
+    calls = []
+    for body in _HERMES.findall(text):
+        try:
+            call = _call_of(json.loads(body), plan.names)
+        except ValueError:
+            call = None
+        if call is not None:
+            calls.append(call)
+    if calls:
+        content = _HERMES.sub("", text).strip()
+        return content or None, calls
+    calls = _json_calls(text, plan.names)
+    return (None, calls) if calls else (text, [])
+
+
+def _tool_calls(calls: list[tuple[str, str]], plan: ToolPlan) -> list[s.ToolCall]:
+    calls = calls if plan.parallel else calls[:1]
+    return [s.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=s.ToolCallFunction(name, args))
+            for name, args in calls]
+
+
+def choice_message(text: str, finish: str, plan: Optional[ToolPlan]) -> tuple[Any, str]:
+    """(message, finish_reason) of one finished choice: its tool calls when it made any."""
+    if plan is None or finish not in ("stop", "length"):
+        return s.AssistantMessage(content=text), finish
+    content, calls = parse_calls(text, plan)
+    if not calls:
+        return s.AssistantMessage(content=text), finish
+    return s.ToolCallsMessage(tool_calls=_tool_calls(calls, plan), content=content), "tool_calls"
+
+
+async def chat_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: list[Any],
+                      firsts: list[Any]) -> AsyncIterator[bytes]:
+    """SSE events of a streaming answer with tools: sent once the output is complete (module docstring)."""
+    from ipc.gateway.responses import DONE, _drain, _include_usage, _sse, _usage
+
+    plan = plan_tools(req)
+    created, model = int(time.time()), gw.model_name
+    (result,) = [await _drain(st) for st in streams]
+    gw.observe(result)
+
+    def event(index: int, delta: s.Delta, finish: Optional[str] = None) -> bytes:
+        choice = s.ChatChunkChoice(index=index, delta=delta, finish_reason=finish)
+        return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
+
+    out = []
+    for c in result.choices:
+        out.append(event(c.index, s.Delta(role="assistant", content="")))
+        message, finish = choice_message(c.text, c.finish_reason, plan)
+        content = message.content
+        if content:
+            out.append(event(c.index, s.Delta(content=content)))
+        for i, call in enumerate(getattr(message, "tool_calls", [])):
+            out.append(event(c.index, s.Delta(tool_calls=[s.ToolCallDelta(
+                index=i, id=call.id, type="function",
+                function={"name": call.function.name, "arguments": call.function.arguments})])))
+        out.append(event(c.index, s.Delta(), finish))
+    if _include_usage(req):
+        out.append(_sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                              usage=_usage([result]))))
+    yield b"".join(out) + DONE

@@ -1,0 +1,138 @@
+"""Structured outputs and tool calls over HTTP, through the official openai client.
+
+One real-model server for the module; its requests run concurrently.  Outputs that end with
+"stop" satisfy their schema (``jsonschema``), regex or choice; ``tool_choice="required"`` and a named
+function give calls whose arguments validate against the function's parameters, and a streamed
+answer assembles to the same calls; bad constraints and tool choices are 400s naming the parameter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from tests.test_openai_server import free_port, wait_for_line
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+ASK = [{"role": "user", "content": "What is the weather in Paris? Answer as JSON."}]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["c", "f"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a zone",
+                                           "parameters": TIME}}]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def api(server_factory, default_model_dir):
+    port = free_port()
+    srv = server_factory("--port", str(port), "--host", "127.0.0.1", "--max-num-seqs", "16", "--num-kv-blocks", "256")
+    wait_for_line(srv, "OpenAI-compatible API at")
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def _client(url: str) -> openai.AsyncOpenAI:
+    """A client per test: its connections belong to that test's event loop."""
+    return openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
+
+
+def _chat(api, **kw):
+    kw.setdefault("max_tokens", 48)
+    kw.setdefault("temperature", 0)
+    return api.chat.completions.create(model=MODEL, messages=kw.pop("messages", ASK), **kw)
+
+
+async def _assembled(stream) -> tuple[dict[int, dict], str]:
+    """Tool calls and finish reason of a stream, assembled the way the openai client's users do."""
+    calls: dict[int, dict] = {}
+    finish = None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = d.id or call["id"]
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return calls, finish
+
+
+def test_structured_and_tools(api):
+    api = _client(api)
+
+    async def go():
+        named = {"type": "function", "function": {"name": "get_time"}}
+        jobs = {
+            "schema": _chat(api, response_format={"type": "json_schema", "json_schema": {
+                "name": "weather", "schema": WEATHER, "strict": True}}),
+            "object": _chat(api, response_format={"type": "json_object"}, max_tokens=24),
+            "guided_json": _chat(api, extra_body={"guided_json": TIME}, temperature=0.8, seed=4),
+            "regex": _chat(api, extra_body={"guided_regex": r"[A-Z][a-z]{2,8} [0-9]{1,2}C"}, temperature=0.7, seed=1),
+            "choice": _chat(api, extra_body={"structured_outputs": {"choice": ["sunny", "rainy", "cloudy"]}}),
+            "required": _chat(api, tools=TOOLS, tool_choice="required", max_tokens=64),
+            "named": _chat(api, tools=TOOLS, tool_choice=named),
+            "auto": _chat(api, tools=TOOLS, max_tokens=16),
+            "required_stream": _chat(api, tools=TOOLS, tool_choice="required", max_tokens=64, stream=True),
+            "tool_result": _chat(api, tools=TOOLS, max_tokens=16, messages=ASK + [
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"}]),
+        }
+        r = dict(zip(jobs, await asyncio.gather(*jobs.values())))
+        for name, schema in (("schema", WEATHER), ("object", {"type": "object"}), ("guided_json", TIME)):
+            c = r[name].choices[0]
+            if c.finish_reason == "stop":
+                jsonschema.validate(json.loads(c.message.content), schema)
+        assert r["schema"].choices[0].finish_reason == "stop"
+        assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{1,2}C", r["regex"].choices[0].message.content)
+        assert r["choice"].choices[0].message.content in ("sunny", "rainy", "cloudy")
+        for name in ("required", "named"):
+            c = r[name].choices[0]
+            assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+            for call in c.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+        assert r["named"].choices[0].message.tool_calls[0].function.name == "get_time"
+        streamed, finish = await _assembled(r["required_stream"])
+        assert finish == "tool_calls"
+        whole = r["required"].choices[0].message.tool_calls
+        assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
+            (c.function.name, c.function.arguments) for c in whole]
+        assert r["auto"].choices[0].finish_reason in ("stop", "length", "tool_calls")
+        assert r["tool_result"].choices[0].message.content
+    asyncio.run(go())
+
+
+BAD = [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}),
+     "response_format"),
+    (dict(extra_body={"guided_regex": "a(b"}), "guided_regex"),
+    (dict(extra_body={"guided_regex": "a", "guided_choice": ["a"]}), "guided_choice"),
+    (dict(response_format={"type": "xml"}), "response_format.type"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools[0].function.name"),
+]
+
+
+def test_bad_constraints_and_tools_are_400s(api):
+    api = _client(api)
+
+    async def go():
+        for kw, param in BAD:
+            with pytest.raises(openai.BadRequestError) as e:
+                await _chat(api, max_tokens=4, **kw)
+            assert e.value.body["param"] == param, (kw, e.value.body)
+        ok = await _chat(api, max_tokens=2)  # still serving
+        assert ok.choices[0].finish_reason == "length"
+    asyncio.run(go())
