@@ -174,6 +174,14 @@ class ServerStats(_Msg, tag="server_stats"):
     # since start-up, and the least free device memory seen while serving.
     device_peak_bytes: int = 0
     device_free_min_bytes: int = 0
+    # Structured outputs (scheduler_proc/grammar.py): constrained requests, constraints compiled (not cached),
+    # their compile seconds (sum, and counts per bucket of scheduler_proc.grammar.COMPILE_BUCKETS, +Inf last),
+    # and requests whose constraint was found compiled in the cache.
+    structured_requests: int = 0
+    grammar_compiles: int = 0
+    grammar_compile_s_total: float = 0.0
+    grammar_compile_buckets: list[int] = []
+    grammar_cache_hits: int = 0
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):

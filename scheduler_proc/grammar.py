@@ -110,6 +110,12 @@ class GrammarStats:
         self.compile_s_total = 0.0
         self.compile_buckets = [0] * (len(COMPILE_BUCKETS) + 1)
 
+    def server_stats(self) -> dict:
+        """ServerStats fields."""
+        return dict(structured_requests=self.constrained_requests, grammar_compiles=self.compiles,
+                    grammar_compile_s_total=self.compile_s_total, grammar_compile_buckets=list(self.compile_buckets),
+                    grammar_cache_hits=self.cache_hits)
+
     def observe_compile(self, seconds: float) -> None:
         self.compiles += 1
         self.compile_s_total += seconds

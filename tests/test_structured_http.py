@@ -12,9 +12,12 @@ import asyncio
 import json
 import re
 
+import urllib.request
+
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_openai_server import free_port, wait_for_line
 
@@ -126,7 +129,7 @@ BAD = [
 
 
 def test_bad_constraints_and_tools_are_400s(api):
-    api = _client(api)
+    url, api = api, _client(api)
 
     async def go():
         for kw, param in BAD:
@@ -136,3 +139,8 @@ def test_bad_constraints_and_tools_are_400s(api):
         ok = await _chat(api, max_tokens=2)  # still serving
         assert ok.choices[0].finish_reason == "length"
     asyncio.run(go())
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics") as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    assert families["forerun:structured_requests"].samples[0].value > 0
+    compiles = {s.name: s.value for s in families["forerun:grammar_compile_seconds"].samples}
+    assert compiles["forerun:grammar_compile_seconds_count"] > 0

@@ -23,7 +23,9 @@ The series (labelled ``model_name``):
   (tokens looked up and found at admission), ``step_time_seconds_total``, ``gpu_busy_seconds_total``,
   ``gpu_idle_seconds_total``, ``executor_idle_seconds_total`` (counters, summed from each
   ``StepResult``); ``gpu_idle_fraction`` (idle / (busy + idle) since start: CUDA-event gaps on a
-  GPU, else the executor's waits for plans; use ``rate()`` of the counters for a window).
+  GPU, else the executor's waits for plans; use ``rate()`` of the counters for a window);
+  structured outputs: ``structured_requests_total``, ``grammar_cache_hits_total``,
+  ``grammar_compile_seconds`` (a histogram; ``ipc/gateway/structured.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, g
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from ipc.gateway.structured import grammar_metrics
 from ipc.protocol import ServerStats
 
 # vLLM's buckets, so that dashboards' bucket queries carry over.
@@ -199,6 +202,7 @@ class SchedulerCollector:
             c = CounterMetricFamily(name, doc, labels=LABELS)
             c.add_metric(m, value)
             yield c
+        yield from grammar_metrics(s, m, LABELS)
 
 
 def idle_fraction(s: ServerStats) -> float:

@@ -14,9 +14,16 @@ The scheduler compiles the constraint and refuses a bad one with the SDK field
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from ipc.gateway import schemas as s
+from ipc.protocol import ServerStats
+
+# The scheduler's compile-time buckets (scheduler_proc/grammar.py's COMPILE_BUCKETS; the gateway does not import
+# the scheduler); ServerStats.grammar_compile_buckets counts per bucket, +Inf last.
+COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 ANY_OBJECT = {"type": "object"}
 # The SDK's constraint fields -> the parameter a 400 names.
@@ -68,3 +75,24 @@ def constraint_kwargs(req: Any) -> dict[str, Any]:
         raise s.RequestError(400, f"give at most one structured-output constraint; got {found[0][0]} and "
                                   f"{found[1][0]}", found[1][0])
     return {found[0][1]: found[0][2]} if found else {}
+
+
+def grammar_metrics(st: ServerStats, labels: list[str], label_names: list[str]) -> Iterator[Metric]:
+    """``forerun:structured_requests_total``, ``forerun:grammar_cache_hits_total`` and the
+    ``forerun:grammar_compile_seconds`` histogram, from the scheduler's ServerStats."""
+    for name, doc, value in (
+            ("forerun:structured_requests", "Requests with a structured-output constraint.", st.structured_requests),
+            ("forerun:grammar_cache_hits", "Constraints found compiled in the scheduler's cache.",
+             st.grammar_cache_hits)):
+        c = CounterMetricFamily(name, doc, labels=label_names)
+        c.add_metric(labels, value)
+        yield c
+    counts = st.grammar_compile_buckets or [0] * (len(COMPILE_BUCKETS) + 1)
+    cumulative, buckets = 0, []
+    for bound, n in zip([str(b) for b in COMPILE_BUCKETS] + ["+Inf"], counts):
+        cumulative += n
+        buckets.append((bound, cumulative))
+    h = HistogramMetricFamily("forerun:grammar_compile_seconds", "Seconds to compile a constraint (cache misses).",
+                              labels=label_names)
+    h.add_metric(labels, buckets, st.grammar_compile_s_total)
+    yield h
