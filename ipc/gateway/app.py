@@ -42,6 +42,7 @@ from ipc.gateway.metrics import render, request_metrics
 from ipc.gateway.responses import (
     Prompt,
     chat_stream,
+    chat_tools_stream,
     completion_stream,
     sdk_error,
     whole_chat,
@@ -284,7 +285,7 @@ async def chat_completions(request: Request) -> Response:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = [gw.new_stream(ids, rid, tools.with_constraint(gw.sampling_kwargs(req, max_tokens, len(ids)), plan))]
         if req.stream:
-            events = chat_stream if plan is None else tools.chat_stream
+            events = chat_stream if plan is None else chat_tools_stream
             return _stream(gw, streams, lambda firsts: events(gw, req, rid, streams, firsts))
         answer = whole_chat(gw, req, rid, Prompt(ids, ""), streams[0], plan)
         return json_response(await until_disconnect(request.receive, answer))

@@ -27,7 +27,7 @@ from ipc.gateway.logprobs import (
 )
 from ipc.gateway.streaming import DONE, gather_or_cancel, merge
 from ipc.gateway.structured import PARAM_OF_FIELD
-from ipc.gateway.tools import choice_message
+from ipc.gateway.tools import choice_message, plan_tools
 
 # SDK field names -> the OpenAI parameter they came from (others: "sampling." dropped).
 _PARAM_OF_FIELD = {"prompt_token_ids": "prompt", "request_id": None, **PARAM_OF_FIELD}
@@ -249,3 +249,33 @@ def _error_event(exc: BaseException) -> bytes:
     err = sdk_error(exc)
     return _sse(s.ErrorResponse(s.ErrorInfo(message=err.message, type=err.err_type, param=err.param,
                                             code=err.code)))
+
+
+async def chat_tools_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: list[Any],
+                      firsts: list[Any]) -> AsyncIterator[bytes]:
+    """SSE events of a streaming answer with tools: sent once the output is complete (ipc/gateway/tools.py)."""
+    plan = plan_tools(req)
+    created, model = int(time.time()), gw.model_name
+    (result,) = [await _drain(st) for st in streams]
+    gw.observe(result)
+
+    def event(index: int, delta: s.Delta, finish: Optional[str] = None) -> bytes:
+        choice = s.ChatChunkChoice(index=index, delta=delta, finish_reason=finish)
+        return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
+
+    out = []
+    for c in result.choices:
+        out.append(event(c.index, s.Delta(role="assistant", content="")))
+        message, finish = choice_message(c.text, c.finish_reason, plan)
+        content = message.content
+        if content:
+            out.append(event(c.index, s.Delta(content=content)))
+        for i, call in enumerate(getattr(message, "tool_calls", [])):
+            out.append(event(c.index, s.Delta(tool_calls=[s.ToolCallDelta(
+                index=i, id=call.id, type="function",
+                function={"name": call.function.name, "arguments": call.function.arguments})])))
+        out.append(event(c.index, s.Delta(), finish))
+    if _include_usage(req):
+        out.append(_sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                              usage=_usage([result]))))
+    yield b"".join(out) + DONE

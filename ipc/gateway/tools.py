@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, Optional
 
 from ipc.gateway import schemas as s
 
@@ -247,35 +246,3 @@ def choice_message(text: str, finish: str, plan: Optional[ToolPlan]) -> tuple[An
     if not calls:
         return s.AssistantMessage(content=text), finish
     return s.ToolCallsMessage(tool_calls=_tool_calls(calls, plan), content=content), "tool_calls"
-
-
-async def chat_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: list[Any],
-                      firsts: list[Any]) -> AsyncIterator[bytes]:
-    """SSE events of a streaming answer with tools: sent once the output is complete (module docstring)."""
-    from ipc.gateway.responses import DONE, _drain, _include_usage, _sse, _usage
-
-    plan = plan_tools(req)
-    created, model = int(time.time()), gw.model_name
-    (result,) = [await _drain(st) for st in streams]
-    gw.observe(result)
-
-    def event(index: int, delta: s.Delta, finish: Optional[str] = None) -> bytes:
-        choice = s.ChatChunkChoice(index=index, delta=delta, finish_reason=finish)
-        return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
-
-    out = []
-    for c in result.choices:
-        out.append(event(c.index, s.Delta(role="assistant", content="")))
-        message, finish = choice_message(c.text, c.finish_reason, plan)
-        content = message.content
-        if content:
-            out.append(event(c.index, s.Delta(content=content)))
-        for i, call in enumerate(getattr(message, "tool_calls", [])):
-            out.append(event(c.index, s.Delta(tool_calls=[s.ToolCallDelta(
-                index=i, id=call.id, type="function",
-                function={"name": call.function.name, "arguments": call.function.arguments})])))
-        out.append(event(c.index, s.Delta(), finish))
-    if _include_usage(req):
-        out.append(_sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                              usage=_usage([result]))))
-    yield b"".join(out) + DONE
