@@ -182,7 +182,7 @@ def default_num_splits(batch: int, num_kv_heads: int, device: torch.device | str
 
     Depends on the batch size and head shape only (never on lengths), so one value serves a whole
     CUDA-graph bucket.  Short rows simply leave the later splits empty.  The H100 sweep
-    (``scripts/bench_decode_attention.py``, 512-token rows): at head_dim 128 a program streams twice
+    (``scripts/bench_kernels.py decode-attention``, 512-token rows): at head_dim 128 a program streams twice
     the bytes per tile and fewer, longer programs win from batch 16 up (batch 64: 1 split 50 us
     against 2 splits 55 us per layer); at head_dim 64 the 4-per-SM rule was best at every batch.
     """

@@ -15,7 +15,7 @@ rounding once, like cuBLAS.  Two forms:
   at the end (no tensor-core layout shuffles); M = 1, or up to 8 rows sharing each
   weight chunk (the accumulators grow with M: :func:`config_fits` keeps them in
   registers).  At 2 rows it is 7-16% faster than the "dot" form and cuBLAS on the
-  1B shapes on an H100 (``scripts/bench_gemv.py``); at 4 and 8 rows it rarely wins
+  1B shapes on an H100 (``scripts/bench_kernels.py gemv``); at 4 and 8 rows it rarely wins
   (the tuner decides per shape).
 
 No split-K and no atomics, so the result is deterministic.
@@ -90,7 +90,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, P, stride_x
     if SILU:
         acc_up = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     # No weight prefetch before the wait here: peeling the first chunk out of the loop made this kernel
-    # 8-23% slower on an H100 (scripts/bench_gemv.py), more than PDL's overlap gives back.
+    # 8-23% slower on an H100 (scripts/bench_kernels.py gemv), more than PDL's overlap gives back.
     pdl_wait(USE_PDL)
     r = _load_residual(r_ptr, stride_rm, offs_m, offs_n, m_mask, n_mask, RESIDUAL)
     if NORM_ROWS > 0:

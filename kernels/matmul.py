@@ -124,7 +124,7 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, programs_per_sm: int
 def choose_config(n: int, k: int, device: torch.device) -> MatmulConfig:
     """The kernel for an ``[N, K]`` weight on ``device``, from (N, K, device) only (never M).
 
-    From the H100 sweep (``scripts/bench_invariant_knobs.py``, docs/performance.md "Batch invariance"),
+    From an H100 sweep of configs per weight and split rule,
     one config per weight that is within a few percent of the best at both 1 and 64 rows:
 
     - wide weights (gate|up, lm_head: 128-wide tiles give >= one program per two SMs) need no split:

@@ -8,7 +8,7 @@ has called :func:`pdl_launch` (or exited), run whatever touches no data an in-fl
 finished and its memory is visible.  Stream capture keeps the dependency as a programmatic graph edge,
 so graph replays overlap too.
 
-Rules every PDL kernel here follows (docs/research/pdl.md says why):
+Rules every PDL kernel here follows (docs/kernels.md says why):
 
 - ``pdl_wait`` runs unconditionally, before the first load of anything a previous kernel may write,
   before every store and before any early return.  A kernel that skipped it would race its

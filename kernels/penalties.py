@@ -12,7 +12,7 @@ documented there):
 Out of place (``out`` a different buffer) keeps the raw logits for logprobs; in place costs
 one read and one write less and is what a step without logprobs should use.  A dense row
 reads 4 + 4 + 1 bytes per vocab entry and writes 4: at S=64, V=128256 about 74 MB, ~25 us on
-an H100 (estimate; ``scripts/bench_sampling.py`` measures it).
+an H100 (estimate; ``scripts/bench_kernels.py sampling`` measures it).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ scores agree to within float rounding (different summation orders / libm
 Cost of the row kernel alone (H100, S=64, V=128256, docs/kernels.md): greedy 33 us,
 temperature/min-p ~100 us, top-k ~1.0 ms, top-p ~1.6 ms, both ~2.1 ms: one program per
 row uses at most S of the SMs, and every search pass re-reads the row.
-``scripts/bench_sampling.py`` compares it with the default path.
+``scripts/bench_kernels.py sampling`` compares it with the default path.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ at the nucleus edge are kept or dropped together (``-0.0`` and ``+0.0`` are one 
 holds all of a tie because it is ``s >= e``; among equal Gumbel scores the lowest vocab index
 wins; an all ``-inf`` row (every survivor's score ``-inf``) gives token 0.
 
-Cost on an H100 at 64 x 128256 (``scripts/bench_topp.py``, docs/performance.md): top-k 50
+Cost on an H100 at 64 x 128256 (``scripts/bench_kernels.py sampling``, docs/performance.md): top-k 50
 67 us, top-p 0.9 84 us, both 68 us, mixed rows 75 us (the previous select path: 104 / 146 / 103 /
 122 us; a ``torch.topk`` window: ~200 us).
 

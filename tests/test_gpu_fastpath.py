@@ -335,7 +335,7 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
     """The tuner runs every candidate (unfused chain, each "row" config of each one-token fused kernel; the
     few fastest configs of each epilogue at 2-8 tokens) on the model's weights and keeps a fused config only
     where its (here: scripted) time beats the unfused one by the margin; the real timing is CUDA graphs on a
-    GPU (scripts/gpu_prologues.sh)."""
+    GPU (bash scripts/gpu_suite.sh tests)."""
     from executor_proc.backends import gemv_tuning
 
     backend_model = built(write_config(tmp_path), "cuda" if CUDA else "cpu", kernels="triton").worker.model

@@ -32,7 +32,7 @@ from kernels.matmul import MatmulConfig, invariant_matmul
 from kernels.precompile import STAGE as COMPILE_STAGE, Compiles, compiled_ahead
 
 # Tiled-matmul candidates for decode batches above 8 (the best of the H100 sweep at 64 rows,
-# scripts/bench_invariant_knobs.py): wide tiles for wide weights, narrow tiles with deep pipelines
+# a sweep of matmul configs per weight): wide tiles for wide weights, narrow tiles with deep pipelines
 # (more programs in flight) and a split of K for the narrow ones.
 MATMUL_CANDIDATES = (MatmulConfig(128, 128, 4, 3, 1), MatmulConfig(128, 128, 8, 3, 1),
                      MatmulConfig(64, 128, 4, 5, 1), MatmulConfig(128, 128, 4, 4, 1),
