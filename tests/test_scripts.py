@@ -45,6 +45,7 @@ def _tiny_cases(model: str, out: str) -> dict[str, list[str]]:
                              "--window-s", "0.3", "--client-nice", "0", "--json", out],
         "bench_scheduler.py": ["--running", "16", "--modes", "decode", "mixed", "--steps", "60",
                                "--prefix-caching", "both", "--json", out],
+        "bench_structured.py": ["--batches", "2", "--new-tokens", "4", "--json", out],
     }
 
 
@@ -53,6 +54,9 @@ def _check_output(script: str, result: dict) -> None:
     if script == "bench_scheduler.py":
         assert {(r["mode"], r["prefix"]) for r in result} == {
             (m, c) for m in ("decode", "mixed") for c in ("off", "on")}, result
+    elif script == "bench_structured.py":
+        assert [r["mode"] for r in result["rows"]] == ["unconstrained", "json_schema"], result
+        assert result["compile"]["cache_hit"] == 1 and result["compile"]["compile_cold_ms"] > 0
     elif script == "bench_overlap.py":
         (row,) = result
         assert row["executor"] == "scripted" and row["steps"] >= 3 and 0 <= row["idle_fraction"] < 1
