@@ -2,7 +2,7 @@
 
 Every case (a prompt and sampling options that read per-request state on the device:
 repetition / frequency / presence penalties, logit_bias, min_tokens, stop strings, stop token
-ids, prompt logprobs, top-n logprobs, seeds) runs on a reference server with no prefix cache and
+ids, prompt logprobs, top-n logprobs, seeds, a regex constraint) runs on a reference server with no prefix cache and
 no host tier, and along every path by which a prompt's KV can come about; tokens, finish
 reasons, stop strings and logprobs must be the reference's.
 
@@ -77,6 +77,8 @@ CASES = [
     Case("stop_string", "Who wrote Romeo and Juliet?", dict(GREEDY, stop=[" of Rom"])),  # spans 2 tokens
     Case("stop_token_ids", "What is an atom?", dict(GREEDY, stop_token_ids=[260], ignore_eos=False)),
     Case("prompt_logprobs", "What is 12 times 12?", dict(GREEDY, prompt_logprobs=2, repetition_penalty=1.3)),
+    Case("regex_seeded", "Describe the moon.",  # the executor's grammar matcher, advanced over outputs on resume
+         dict(regex="[A-Z][a-z]+( [a-z]+)+", repetition_penalty=1.2, temperature=0.8, seed=9, ignore_eos=False)),
     Case("everything", "Answer yes or no: is water wet?",
          dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3, logit_bias={5230: -5.0},
               min_tokens=5, stop_token_ids=[28], logprobs=2, temperature=0.7, seed=21, ignore_eos=False)),
@@ -184,7 +186,7 @@ async def killed_mid_request(srv, client: AsyncClient, prompts) -> PathRun:
             received[case.name] += len(chunk.token_ids)
 
     readers = [asyncio.create_task(read(c, s)) for c, s in zip(CASES, streams)]
-    while sum(n >= 2 for n in received.values()) < 2:
+    while sum(n >= 2 for n in received.values()) < 2 and not any(r.done() for r in readers):
         await asyncio.sleep(0.005)
     at_kill = dict(received)
     os.kill(srv.executor_pid(), signal.SIGKILL)
@@ -237,7 +239,7 @@ def runs(server_factory, default_model_dir):
                                     plain_paths(servers["plain"].address, prompts),
                                     tier_paths(servers["tier"].address, prompts))
 
-    paths = {k: v for part in asyncio.run(everything()) for k, v in part.items()}
+    paths = {k: v for part in asyncio.run(asyncio.wait_for(everything(), 600)) for k, v in part.items()}
     for srv in servers.values():
         srv.stop()
     print(f"kv paths: servers and paths {time.monotonic() - t0:.1f} s")
