@@ -281,6 +281,9 @@ class AsyncClient:
             return  # this connection was already dropped
         logger.warning("server at %s is gone: %s", self.address, reason)
         self._fail_pending(ServerGoneError, f"{reason} at {self.address}; the request is lost")
+        for fut in self._stats_waiters + self._tokenizer_waiters:  # their answers will not come on this connection
+            if not fut.done():
+                fut.set_exception(ServerGoneError(f"{reason} at {self.address}"))
         tasks = [t for t in (self._reader, self._heartbeat) if t is not None and t is not asyncio.current_task()]
         self._sock, self._server_info, self._reader, self._heartbeat = None, None, None, None
         for task in tasks:
