@@ -120,15 +120,16 @@ def test_tiny_cpu_run(script, tiny_runs):
 
 _HELP = r"""
 import contextlib, io, json, os, runpy, sys
-sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
+folder, names = sys.argv[1], json.loads(sys.argv[2])
+path = [folder, os.path.dirname(folder), *sys.path]
 results = {}
-for name in json.loads(sys.argv[2]):
+for name in names:
     script, _, sub = name.partition(" ")
-    sys.argv = [script, *([sub] if sub else []), "--help"]
+    sys.argv, sys.path[:] = [script, *([sub] if sub else []), "--help"], path  # as if run on its own
     buf = io.StringIO()
     try:
         with contextlib.redirect_stdout(buf):
-            runpy.run_path(os.path.join(sys.path[0], script), run_name="__main__")
+            runpy.run_path(os.path.join(folder, script), run_name="__main__")
         code = 0
     except SystemExit as e:
         code = e.code or 0
