@@ -264,28 +264,47 @@ def test_sdk_socket_needs_the_key_and_tells_no_paths(server, default_model_dir):
     assert any("no API key is set" in line and "--allow-unauthenticated" in line for line in srv.lines), srv.lines
 
 
-def test_ctrl_c_drains_and_stops_cleanly(server):
-    """SIGINT to the process group (a terminal's Ctrl-C) with streams in flight: /health 503 and new requests
-    503 + Retry-After while draining, the streams finish, one line per step, no traceback, exit 0, nothing left."""
-    children = server.children()
+def drain_and_stop(srv, signal_it) -> None:
+    """Signal a serving server with streams in flight; check the drain, its output and what it leaves."""
+    children = srv.children()
     assert len(children) == 2, children  # the executor and one gateway worker
-    before = len(server.lines)
+    before = len(srv.lines)
     with ThreadPoolExecutor(3) as pool:
-        streams = [pool.submit(stream_events, server.port, {"prompt": PROMPT, "max_tokens": 200, "seed": i,
-                                                             "ignore_eos": True}) for i in range(2)]
+        streams = [pool.submit(stream_events, srv.port, {"prompt": PROMPT, "max_tokens": 200, "seed": i,
+                                                          "ignore_eos": True}) for i in range(2)]
         time.sleep(0.5)
-        os.killpg(server.proc.pid, signal.SIGINT)
+        signal_it()
         time.sleep(0.3)
-        assert request(server.port, "GET", "/health")[0] == 503
-        status, headers, body = request(server.port, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+        assert request(srv.port, "GET", "/health")[0] == 503
+        status, headers, body = request(srv.port, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
         assert status == 503 and headers.get("retry-after") and b"shutting_down" in body, (status, body)
         results = [f.result(timeout=60) for f in streams]
     for events in results:
         assert events[-1] == b"[DONE]" and completion_tokens(events) == 200, events[-3:]
-    assert server.finish() == 0
-    after = server.lines[before:]
+    assert srv.finish() == 0
+    after = srv.lines[before:]
     assert [line.split(":")[:2] for line in after] == [["forerun", " shutting down"], ["forerun", " stopped"]], after
-    assert not any(word in line for line in server.lines for word in ("Traceback", "failed", "restarting", "leaked"))
+    assert not any(word in line for line in srv.lines for word in ("Traceback", "failed", "restarting", "leaked"))
     for pid in children:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
-    assert not os.listdir(server.run_dir), os.listdir(server.run_dir)
+    assert not os.listdir(srv.run_dir), os.listdir(srv.run_dir)  # the run directory and its socket files
+
+
+def test_sigterm_drains_and_stops_cleanly():
+    """SIGTERM to the server process alone (a supervisor's stop), its SDK socket on ipc:// in its run directory
+    (no tokenizer: token ids only, a faster start)."""
+    srv = Serve("--load-format", "scripted", "--scripted-step-ms", "10", "--port", str(free_port()),
+                "--shutdown-timeout", "20")
+    try:
+        srv.wait_for("OpenAI-compatible API at")
+        srv.port = int(next(line for line in srv.lines if "OpenAI-compatible" in line).split(":")[-1].split("/")[0])
+        drain_and_stop(srv, lambda: srv.proc.send_signal(signal.SIGTERM))
+    finally:
+        if srv.proc.poll() is None:
+            os.killpg(srv.proc.pid, signal.SIGKILL)
+
+
+def test_ctrl_c_drains_and_stops_cleanly(server):
+    """SIGINT to the process group (a terminal's Ctrl-C) with streams in flight: /health 503 and new requests
+    503 + Retry-After while draining, the streams finish, one line per step, no traceback, exit 0, nothing left."""
+    drain_and_stop(server, lambda: os.killpg(server.proc.pid, signal.SIGINT))
