@@ -103,11 +103,12 @@ async def read_body(request: Request, limit: int) -> bytes:
     Nothing past the limit is kept.  The rest is read and dropped (up to DISCARD_MAX_BYTES) before the 413, so
     that a client still sending its body reads the answer instead of a broken pipe."""
     try:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            if int(declared) <= DISCARD_MAX_BYTES:
+        header = request.headers.get("content-length", "")
+        declared = int(header) if header.isascii() and header.isdigit() and len(header) <= 18 else None
+        if declared is not None and declared > limit:
+            if declared <= DISCARD_MAX_BYTES:
                 await _discard(request, 0)
-            raise s.RequestError(413, f"the request body is {int(declared)} bytes; the limit is {limit} bytes "
+            raise s.RequestError(413, f"the request body is {declared} bytes; the limit is {limit} bytes "
                                       "(--max-request-bytes)", code="request_too_large")
         chunks, size = [], 0
         async for chunk in request.stream():
