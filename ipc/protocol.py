@@ -182,6 +182,11 @@ class ServerStats(_Msg, tag="server_stats"):
     grammar_compile_s_total: float = 0.0
     grammar_compile_buckets: list[int] = []
     grammar_cache_hits: int = 0
+    # Steps with a constrained row, those whose sampling waited for its masks, and the seconds waited (the
+    # executor's host time between the step's forward and its sampling: the GPU idles only past the forward).
+    grammar_steps: int = 0
+    grammar_wait_steps: int = 0
+    grammar_wait_s_total: float = 0.0
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -404,6 +409,10 @@ class StepResult(_Msg, tag="step_result"):
     # the allocator's peak reserved bytes since start-up, and the device's free bytes.
     device_peak_bytes: int = 0
     device_free_bytes: int = 0
+    # Structured outputs: the step's constrained rows, and how long its sampling waited for their masks
+    # (executor_proc/step/grammar.py: the output thread advancing the previous step's matchers).
+    grammar_rows: int = 0
+    grammar_wait_s: float = 0.0
 
 
 class ExecutorFatal(_Msg, tag="executor_fatal"):

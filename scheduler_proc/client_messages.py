@@ -80,7 +80,9 @@ class ClientMessages:
             num_host_kv_blocks=pl.limits.num_host_blocks if pl.host else 0,
             num_free_host_kv_blocks=pl.host.blocks.num_free if pl.host else 0,
             device_peak_bytes=totals.device_peak_bytes,
-            device_free_min_bytes=totals.device_free_min_bytes, **self.grammars.stats.server_stats())
+            device_free_min_bytes=totals.device_free_min_bytes, **self.grammars.stats.server_stats(),
+            grammar_steps=totals.grammar_steps, grammar_wait_steps=totals.grammar_wait_steps,
+            grammar_wait_s_total=totals.grammar_wait_s)
 
     def _on_hello(self, client: bytes, msg: p.Hello) -> None:
         if msg.protocol_version != p.PROTOCOL_VERSION:

@@ -64,7 +64,12 @@ def check_sampling(sampling: p.SamplingParams) -> None:
 
 def cache_key(name: str, value: Any) -> str:
     """The constraint's identity: its field and its text (a schema object as sorted, compact JSON)."""
-    if name == "json_schema" and not isinstance(value, str):
+    if name == "json_schema":
+        if isinstance(value, str):  # a schema's text and its object are one schema
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return f"{name}\0{value}"
         value = json.dumps(value, sort_keys=True, separators=(",", ":"))
     elif name == "choice":
         value = json.dumps(value)

@@ -65,17 +65,22 @@ class StepTotals:
     """Seconds summed over every returned step: the step's work, GPU busy, GPU gap, executor idle; and the
     executor's device memory samples: the peak reserved bytes, the least free bytes (0: none yet)."""
 
-    __slots__ = ("step_s", "gpu_busy_s", "gpu_gap_s", "idle_s", "device_peak_bytes", "device_free_min_bytes")
+    __slots__ = ("step_s", "gpu_busy_s", "gpu_gap_s", "idle_s", "device_peak_bytes", "device_free_min_bytes",
+                 "grammar_steps", "grammar_wait_steps", "grammar_wait_s")
 
     def __init__(self) -> None:
-        self.step_s = self.gpu_busy_s = self.gpu_gap_s = self.idle_s = 0.0
-        self.device_peak_bytes = self.device_free_min_bytes = 0
+        self.step_s = self.gpu_busy_s = self.gpu_gap_s = self.idle_s = self.grammar_wait_s = 0.0
+        self.device_peak_bytes = self.device_free_min_bytes = self.grammar_steps = self.grammar_wait_steps = 0
 
     def add(self, result: StepResult) -> None:
         self.step_s += result.t_end - result.t_start
         self.gpu_busy_s += result.gpu_busy_s
         self.gpu_gap_s += result.gpu_gap_s
         self.idle_s += result.idle_s
+        if result.grammar_rows:  # structured outputs: steps whose sampling waited for grammar masks
+            self.grammar_steps += 1
+            self.grammar_wait_steps += result.grammar_wait_s > 0
+            self.grammar_wait_s += result.grammar_wait_s
         if result.device_peak_bytes:
             self.device_peak_bytes = max(self.device_peak_bytes, result.device_peak_bytes)
             free = result.device_free_bytes

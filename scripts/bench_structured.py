@@ -5,7 +5,9 @@ unconstrained (``ignore_eos``), then every request under a JSON schema that keep
 (a long required string); then, at batch 1, a fresh schema (cold compile) and the same one again
 (cached).  Reported per batch and mode: TPOT (the phase's wall time / its steps), the GPU's idle
 fraction between steps (ServerStats: CUDA timing events; on the CPU the executor's waits), and the
-grammar's compile time (the scheduler's, from ServerStats) cold and cached.
+grammar's compile time (the scheduler's, from ServerStats) cold and cached; for the constrained phase,
+how many steps' sampling waited for their masks and for how long (the executor's own count: the GPU
+idles only where the wait outlasts the step's forward, which the idle fraction shows).
 
     python scripts/bench_structured.py --model scripts/configs/llama-3-8b --load-format dummy \\
         --tokenizer PATH --device cuda --batches 1,64 --json docs/bench/structured.json
@@ -66,7 +68,11 @@ async def _phase(address: str, batch: int, tokens: int, constrained: bool, vocab
     if busy <= 0:  # no CUDA timing events: the executor's waits for plans
         busy = after.step_time_s_total - before.step_time_s_total
         gap = after.executor_idle_s_total - before.executor_idle_s_total
-    return {"wall_s": wall, "steps": steps, "tpot_ms": wall / max(steps, 1) * 1e3,
+    grammar_steps = after.grammar_steps - before.grammar_steps
+    waits = {"grammar_steps": grammar_steps, "grammar_wait_steps": after.grammar_wait_steps - before.grammar_wait_steps,
+             "grammar_wait_ms_per_step": (after.grammar_wait_s_total - before.grammar_wait_s_total) * 1e3
+             / max(grammar_steps, 1)}
+    return {**waits, "wall_s": wall, "steps": steps, "tpot_ms": wall / max(steps, 1) * 1e3,
             "tokens": sum(len(r.token_ids) for r in results), "finish": sorted({r.finish_reason for r in results}),
             "gpu_idle_fraction": gap / (busy + gap) if busy + gap > 0 else None}
 
@@ -128,7 +134,8 @@ def table(result: dict) -> str:
         idle = r.get("gpu_idle_fraction")
         rows.append((f"batch {r['batch']:>3} {r['mode']:<13}",
                      f"TPOT {r['tpot_ms']:7.2f} ms   steps {r['steps']:4d}   idle "
-                     f"{'-' if idle is None else f'{idle * 100:5.1f} %'}   finish {','.join(r['finish'])}"))
+                     f"{'-' if idle is None else f'{idle * 100:5.1f} %'}   mask waits {r['grammar_wait_steps']}/"
+                     f"{r['grammar_steps']} steps, {r['grammar_wait_ms_per_step']:.2f} ms/step"))
     c = result["compile"] or {}
     if c:
         rows.append(("compile (cold)", f"{c['compile_cold_ms']:.1f} ms in the scheduler; request {c['request_cold_ms']:.1f} ms"))

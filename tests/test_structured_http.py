@@ -142,5 +142,6 @@ def test_bad_constraints_and_tools_are_400s(api):
     with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics") as r:
         families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
     assert families["forerun:structured_requests"].samples[0].value > 0
+    assert families["forerun:grammar_steps"].samples[0].value > 0  # steps with a constrained row
     compiles = {s.name: s.value for s in families["forerun:grammar_compile_seconds"].samples}
     assert compiles["forerun:grammar_compile_seconds_count"] > 0

@@ -180,3 +180,32 @@ def test_matcher_rebuilt_from_tokens_matches_advanced_one(default_model_dir):
     texts = [slots.tokenizer.decode_str(text_ids + [i]) for i in allowed]
     assert allowed and 2 not in allowed
     assert all(want.startswith(t) or t.startswith(want) for t in texts), texts[:5]
+
+
+def test_compiler_timeout_cache_and_refusals(default_model_dir):
+    """The scheduler's compiler: a compile over the time limit is refused, results and errors are cached."""
+    from ipc.protocol import SamplingParams
+    from scheduler_proc.grammar import GrammarCompiler, GrammarError
+
+    async def go():
+        slow = GrammarCompiler(default_model_dir, 49152, [2], timeout_s=1e-6)
+        with pytest.raises(GrammarError) as e:
+            await slow.compile(SamplingParams(regex="[a-z]+"))
+        assert e.value.field == "sampling.regex" and "longer than" in e.value.message
+        c = GrammarCompiler(default_model_dir, 49152, [2])
+        assert await c.compile(SamplingParams()) == ""
+        g = await c.compile(SamplingParams(json_schema={"type": "object"}))
+        assert g and await c.compile(SamplingParams(json_schema='{"type": "object"}')) == g
+        assert c.stats.cache_hits == 1 and c.stats.compiles == 1 and sum(c.stats.compile_buckets) == 1
+        bad = SamplingParams(json_schema={"type": "string", "format": "no-such-format"})
+        for _ in range(2):
+            with pytest.raises(GrammarError, match="format"):
+                await c.compile(bad)
+        assert c.stats.cache_hits == 2
+        none = GrammarCompiler("", 49152, [2])
+        with pytest.raises(GrammarError, match="tokenizer"):
+            await none.compile(SamplingParams(choice=["a"]))
+        tp = GrammarCompiler(default_model_dir, 49152, [2], unavailable="not with tensor parallelism")
+        with pytest.raises(GrammarError, match="tensor parallelism"):
+            await tp.compile(SamplingParams(regex="a"))
+    asyncio.run(go())

@@ -20,7 +20,7 @@ The GPU runs N+1's forward while the output thread works, and waits only when th
 than the forward.  The upload is on the compute stream, after the forward and before the sampling:
 stream order binds it; each pinned staging buffer is reused only after its copy's event.  Rows
 without a constraint hold all ones in the table; a step with no constrained row runs no mask at all.
-``wait_s`` sums the main thread's waits (the bench reports it).
+Each step's wait rides in its StepResult (``grammar_wait_s``; ServerStats sums them).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class GrammarRows:
 
     step_id: int
     rows: list[tuple[int, SlotGrammar, int]] = field(default_factory=list)
+    wait_s: float = 0.0  # how long bind waited for the masks (reported in the StepResult)
 
 
 class GrammarSlots:
@@ -83,9 +84,6 @@ class GrammarSlots:
                           torch.empty(num_slots + 1, dtype=torch.int64, pin_memory=cuda)) for _ in range(_STAGING_BUFFERS)]
         self._staged_events: list[Optional[torch.cuda.Event]] = [None] * _STAGING_BUFFERS
         self._next = 0
-        self.wait_s = 0.0
-        self.binds = 0
-        self.waits = 0
 
     # ------------------------------------------------------------- main thread: prepare
 
@@ -131,14 +129,12 @@ class GrammarSlots:
 
     def bind(self, rows: GrammarRows) -> None:
         """Between the forward and the sampling: wait for the rows' masks, upload them into the table."""
-        self.binds += 1
         pending = [(st, need) for _, st, need in rows.rows if need >= 0]
         with self._cond:
             if any(st.advanced < need for st, need in pending):
-                self.waits += 1
                 t0 = time.perf_counter()
                 ok = self._cond.wait_for(lambda: all(st.advanced >= need for st, need in pending), WAIT_TIMEOUT_S)
-                self.wait_s += time.perf_counter() - t0
+                rows.wait_s = time.perf_counter() - t0
                 if not ok:
                     raise RuntimeError(f"step {rows.step_id}: the grammar masks did not arrive in {WAIT_TIMEOUT_S} s")
         states = [st for _, st, _ in rows.rows]

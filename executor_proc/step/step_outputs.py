@@ -37,6 +37,8 @@ class StepOutputs:
     def result_fields(self) -> dict:
         """StepResult keyword arguments (read the host tensors: only once the copy has completed)."""
         fields: dict = {}
+        if self.grammar is not None:
+            fields["grammar_rows"], fields["grammar_wait_s"] = len(self.grammar.rows), self.grammar.wait_s
         if self.logprob_rows and self.logprobs is not None:
             ids, lps = self.logprobs[0].tolist(), self.logprobs[1].tolist()
             fields["logprob_rows"] = [r for r, _ in self.logprob_rows]

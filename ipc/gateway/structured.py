@@ -78,12 +78,18 @@ def constraint_kwargs(req: Any) -> dict[str, Any]:
 
 
 def grammar_metrics(st: ServerStats, labels: list[str], label_names: list[str]) -> Iterator[Metric]:
-    """``forerun:structured_requests_total``, ``forerun:grammar_cache_hits_total`` and the
+    """``forerun:structured_requests_total``, ``forerun:grammar_cache_hits_total``, the mask waits
+    (``grammar_steps_total``, ``grammar_wait_steps_total``, ``grammar_wait_seconds_total``) and the
     ``forerun:grammar_compile_seconds`` histogram, from the scheduler's ServerStats."""
     for name, doc, value in (
             ("forerun:structured_requests", "Requests with a structured-output constraint.", st.structured_requests),
             ("forerun:grammar_cache_hits", "Constraints found compiled in the scheduler's cache.",
-             st.grammar_cache_hits)):
+             st.grammar_cache_hits),
+            ("forerun:grammar_steps", "Steps with a constrained row.", st.grammar_steps),
+            ("forerun:grammar_wait_steps", "Steps whose sampling waited for the grammar masks.",
+             st.grammar_wait_steps),
+            ("forerun:grammar_wait_seconds", "Seconds the executor waited for grammar masks before sampling.",
+             st.grammar_wait_s_total)):
         c = CounterMetricFamily(name, doc, labels=label_names)
         c.add_metric(labels, value)
         yield c
