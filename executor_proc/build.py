@@ -32,6 +32,8 @@ from kernels.precompile import STAGE as COMPILE_STAGE
 CPU_KV_BUDGET_BYTES = 2 * 1024**3
 GRAPH_STAGE = "capturing CUDA graphs"
 PROFILE_STAGE = "measuring the largest step"
+# How much more the final capture may take than the measured one before the KV cache is sized again.
+GRAPH_SLACK_BYTES = 256 * 1024**2
 
 ProgressCallback = Callable[[str, int, int], None]
 
@@ -129,19 +131,33 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     useful = cfg.num_slots * max_blocks
     plan = _plan(cfg, device, measured, weights, per_block, max_len, useful, tp)
     host_blocks = tp.agree_min(host_blocks) if tp is not None else host_blocks
-    progress("kv_cache", 0, 1)
-    worker.kv_cache = kv = KVCache(model.config, plan.kv_blocks, cfg.block_size, device=device, dtype=dtype)
-    progress("kv_cache", 1, 1)
-    if host_blocks:
+    for attempt in range(2):
+        progress("kv_cache", 0, 1)
+        worker.kv_cache = kv = KVCache(model.config, plan.kv_blocks, cfg.block_size, device=device, dtype=dtype)
+        progress("kv_cache", 1, 1)
+        num_graphs, capture_s, graph_bytes = _capture_graphs(
+            worker, device, graph_progress, compile_progress, compile_first=measured is None or not measured.graphs)
+        if not (cuda and measured.graphs):  # not measured before (a given block count): the plan shows what they took
+            plan = dataclasses.replace(plan, graphs=graph_bytes) if cuda else plan
+            break
+        # The final capture took more than the measured one: once, the KV cache makes way for what it took.
+        again = attempt == 0 and graph_bytes > plan.graphs + GRAPH_SLACK_BYTES
+        if tp is not None:
+            again = tp.agree_min(0 if again else 1) == 0
+        if not again:
+            break
+        worker.drop_graphs()
+        worker.kv_cache = kv = None
+        measured = dataclasses.replace(measured, graphs=max(graph_bytes, measured.graphs))
+        plan = _plan(cfg, device, measured, weights, per_block, max_len, useful, tp)
+        gc.collect()
+        torch.cuda.empty_cache()
+    if host_blocks:  # after the captures: a host pool holds the KV cache's storage, not the graphs'
         progress("host_kv_cache", 0, 1)
         # Only rank 0 reports which backups are done: the other ranks' are ordered before their later steps.
         worker.host_kv = HostKV(kv, host_blocks, device,
                                 backup_stream=cfg.host_kv_backup_stream and cfg.tp_rank == 0)
         progress("host_kv_cache", 1, 1)
-    num_graphs, capture_s, graph_bytes = _capture_graphs(
-        worker, device, graph_progress, compile_progress, compile_first=measured is None or not measured.graphs)
-    if cuda and not measured.graphs:  # not measured before (a given block count): the plan shows what they took
-        plan = dataclasses.replace(plan, graphs=graph_bytes)
     return BuiltWorker(worker, mcfg, plan.kv_blocks, max_len, device, host_blocks, num_graphs=num_graphs,
                        graph_capture_s=capture_s, graph_memory_bytes=graph_bytes, tp=tp, plan=plan)
 
