@@ -71,6 +71,15 @@ async def _assembled(stream) -> tuple[dict[int, dict], str]:
     return calls, finish
 
 
+async def _content(stream) -> tuple[str, str]:
+    text, finish = "", None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, finish
+
+
 def test_structured_and_tools(api):
     api = _client(api)
 
@@ -87,6 +96,10 @@ def test_structured_and_tools(api):
             "named": _chat(api, tools=TOOLS, tool_choice=named),
             "auto": _chat(api, tools=TOOLS, max_tokens=16),
             "required_stream": _chat(api, tools=TOOLS, tool_choice="required", max_tokens=64, stream=True),
+            "named_stream": _chat(api, tools=TOOLS, tool_choice=named, stream=True),
+            "auto_stream": _chat(api, tools=TOOLS, max_tokens=16, stream=True),
+            "completion": api.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                                 temperature=0, extra_body={"guided_choice": ["Paris", "Lyon"]}),
             "tool_result": _chat(api, tools=TOOLS, max_tokens=16, messages=ASK + [
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
                     "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
@@ -100,6 +113,7 @@ def test_structured_and_tools(api):
         assert r["schema"].choices[0].finish_reason == "stop"
         assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{1,2}C", r["regex"].choices[0].message.content)
         assert r["choice"].choices[0].message.content in ("sunny", "rainy", "cloudy")
+        assert r["completion"].choices[0].text in ("Paris", "Lyon")
         for name in ("required", "named"):
             c = r[name].choices[0]
             assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
@@ -111,7 +125,14 @@ def test_structured_and_tools(api):
         whole = r["required"].choices[0].message.tool_calls
         assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
             (c.function.name, c.function.arguments) for c in whole]
-        assert r["auto"].choices[0].finish_reason in ("stop", "length", "tool_calls")
+        streamed, finish = await _assembled(r["named_stream"])
+        assert finish == "tool_calls"
+        assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
+            (c.function.name, c.function.arguments) for c in r["named"].choices[0].message.tool_calls]
+        content, finish = await _content(r["auto_stream"])
+        assert finish == r["auto"].choices[0].finish_reason
+        if finish != "tool_calls":
+            assert content == r["auto"].choices[0].message.content
         assert r["tool_result"].choices[0].message.content
     asyncio.run(go())
 

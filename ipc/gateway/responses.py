@@ -27,7 +27,7 @@ from ipc.gateway.logprobs import (
 )
 from ipc.gateway.streaming import DONE, gather_or_cancel, merge
 from ipc.gateway.structured import PARAM_OF_FIELD
-from ipc.gateway.tools import choice_message, plan_tools
+from ipc.gateway.tools import ToolCallStream, choice_message, plan_tools
 
 # SDK field names -> the OpenAI parameter they came from (others: "sampling." dropped).
 _PARAM_OF_FIELD = {"prompt_token_ids": "prompt", "request_id": None, **PARAM_OF_FIELD}
@@ -252,30 +252,37 @@ def _error_event(exc: BaseException) -> bytes:
 
 
 async def chat_tools_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: list[Any],
-                      firsts: list[Any]) -> AsyncIterator[bytes]:
-    """SSE events of a streaming answer with tools: sent once the output is complete (ipc/gateway/tools.py)."""
+                            firsts: list[Any]) -> AsyncIterator[bytes]:
+    """SSE events of a streaming answer with tools: content and calls as they can be told apart
+    (:class:`ipc.gateway.tools.ToolCallStream`), the calls of each choice before its finish chunk."""
     plan = plan_tools(req)
     created, model = int(time.time()), gw.model_name
-    (result,) = [await _drain(st) for st in streams]
-    gw.observe(result)
+    parsers: dict[int, ToolCallStream] = {}
 
     def event(index: int, delta: s.Delta, finish: Optional[str] = None) -> bytes:
         choice = s.ChatChunkChoice(index=index, delta=delta, finish_reason=finish)
         return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
 
-    out = []
-    for c in result.choices:
-        out.append(event(c.index, s.Delta(role="assistant", content="")))
-        message, finish = choice_message(c.text, c.finish_reason, plan)
-        content = message.content
-        if content:
-            out.append(event(c.index, s.Delta(content=content)))
-        for i, call in enumerate(getattr(message, "tool_calls", [])):
-            out.append(event(c.index, s.Delta(tool_calls=[s.ToolCallDelta(
-                index=i, id=call.id, type="function",
-                function={"name": call.function.name, "arguments": call.function.arguments})])))
-        out.append(event(c.index, s.Delta(), finish))
-    if _include_usage(req):
-        out.append(_sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                              usage=_usage([result]))))
-    yield b"".join(out) + DONE
+    def chunk_events(c: StreamChunk) -> list[bytes]:
+        parser = parsers.setdefault(c.index, ToolCallStream(plan))
+        out = [event(c.index, d) for d in parser.feed(c.text_delta)]
+        if c.finish_reason is not None:
+            deltas, finish = parser.finish(c.finish_reason)
+            out += [event(c.index, d) for d in deltas] + [event(c.index, s.Delta(), finish)]
+        return out
+
+    def end() -> bytes:
+        if not _include_usage(req):
+            return DONE
+        usage = _usage([streams[0].result])
+        return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage)) + DONE
+
+    head = b"".join([event(index, s.Delta(role="assistant", content="")) for index in range(req.n or 1)])
+    try:
+        async for batch, last in _chunks(gw, streams, firsts):
+            data = head + b"".join([e for _, c in batch for e in chunk_events(c)])
+            head = b""
+            yield data + end() if last else data
+    except (ForerunError, ConnectionError) as exc:
+        gw.note_error(exc)
+        yield head + _error_event(exc) + DONE

@@ -15,10 +15,11 @@
   (``;``-separated, after an optional ``<|python_tag|>``). Only calls of the request's functions count.
   Calls found: ``message.tool_calls`` (arguments as JSON text), ``content`` the text beside them or
   null, ``finish_reason`` ``tool_calls``.
-* **Streaming.** A request with tools streams its answer once it is complete (the text must be
-  parsed whole): a role chunk, the content if any, one ``delta.tool_calls`` chunk per call (index,
-  id, name, the whole arguments), then the finish chunk, which the openai client assembles into the
-  same calls as the non-streaming answer.
+* **Streaming** (:class:`ToolCallStream`): a named function's arguments stream as generated
+  (``delta.tool_calls[0].function.arguments`` pieces); ``auto`` streams content until a call marker
+  (or JSON at the start) and parses the rest at the end; ``required`` is parsed at the end. Calls
+  found at the end go out as one ``delta.tool_calls`` chunk each (index, id, name, arguments) before
+  the finish chunk: the openai client assembles the same calls as the non-streaming answer.
 """
 
 from __future__ import annotations
@@ -246,3 +247,75 @@ def choice_message(text: str, finish: str, plan: Optional[ToolPlan]) -> tuple[An
     if not calls:
         return s.AssistantMessage(content=text), finish
     return s.ToolCallsMessage(tool_calls=_tool_calls(calls, plan), content=content), "tool_calls"
+
+
+_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
+
+
+def _held_tail(text: str) -> int:
+    """Characters at the end of ``text`` that may begin a call marker (held back until the next delta)."""
+    for n in range(min(len(text), max(map(len, _MARKERS)) - 1), 0, -1):
+        if any(m.startswith(text[-n:]) for m in _MARKERS):
+            return n
+    return 0
+
+
+class ToolCallStream:
+    """One choice of a streamed answer with tools, as ``delta`` objects while its text arrives.
+
+    A named function's arguments stream as they are generated (the output is the arguments).
+    ``auto`` streams content while the text cannot be a call; from a call marker (or a first
+    character that opens JSON) on, the rest waits for the end and is parsed then, like the
+    non-streaming answer. ``required`` output is parsed at the end.
+    """
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.text = ""
+        self.sent = 0  # characters of ``text`` sent as content
+        self.holding = plan.choice == "required"  # the rest is parsed at the end
+        self.call_id: Optional[str] = None
+
+    def feed(self, delta: str) -> list[s.Delta]:
+        self.text += delta
+        if not delta:
+            return []
+        if self.plan.choice == "named":
+            first, self.call_id = self.call_id is None, self.call_id or f"call_{uuid.uuid4().hex[:24]}"
+            fn = {"name": self.plan.name, "arguments": delta} if first else {"arguments": delta}
+            return [s.Delta(tool_calls=[s.ToolCallDelta(index=0, id=self.call_id if first else None,
+                                                        type="function" if first else None, function=fn)])]
+        if self.holding:
+            return []
+        pending = self.text[self.sent:]
+        if not self.text[:self.sent].strip() and pending.lstrip()[:1] in ("{", "["):
+            self.holding = True  # a JSON call (Llama, Mistral) may be coming
+            return []
+        cut = min((i for i in (pending.find(m) for m in _MARKERS) if i >= 0), default=-1)
+        if cut >= 0:
+            self.holding = True
+        else:
+            cut = len(pending) - _held_tail(pending)
+        return self._content(pending[:cut])
+
+    def _content(self, text: str) -> list[s.Delta]:
+        self.sent += len(text)
+        return [s.Delta(content=text)] if text else []
+
+    def finish(self, finish_reason: str) -> tuple[list[s.Delta], str]:
+        """The last deltas of the choice and its finish reason (``tool_calls`` when it made calls)."""
+        if self.plan.choice == "named":
+            try:
+                json.loads(self.text)
+            except ValueError:
+                return [], finish_reason
+            return [], "tool_calls" if finish_reason in ("stop", "length") else finish_reason
+        rest = self.text[self.sent:]
+        if not self.holding:
+            return self._content(rest), finish_reason
+        content, calls = parse_calls(rest, self.plan) if finish_reason in ("stop", "length") else (rest, [])
+        out = self._content(content or "")
+        out += [s.Delta(tool_calls=[s.ToolCallDelta(index=i, id=c.id, type="function", function={
+                    "name": c.function.name, "arguments": c.function.arguments})])
+                for i, c in enumerate(_tool_calls(calls, self.plan))]
+        return out, "tool_calls" if calls else finish_reason
