@@ -16,6 +16,8 @@
 #   swap           host KV tier: swap resume vs recompute and device-only caching (8B, 64 requests)
 #   chat           host KV tier: multi-turn chat, 512-token openings (8B); backups' cost on decode (tpot)
 #   startup        8B start-up from an empty Triton cache and warm; executor restart (1B)
+#   memory         the memory plan's GPU test (1B, 256 slots, every step kind), then bench_memory.py's matrix
+#                  (--quick; the cells past its deadline are skipped)
 #   kernels        kernel benchmarks: transfer, sampling, sampling step, prefill attention
 #   tp             tensor parallelism on two GPUs: the tests on CUDA, then bench_tp.py --sizes 1 2
 #
@@ -26,7 +28,7 @@ OUT=${OUT:-/tmp/out}
 PY=${PYTHON:-python3}
 DRY=0
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
-PARTS="tests tests-kernels decode serve idle gateway prefix swap chat startup kernels tp"
+PARTS="tests tests-kernels decode serve idle gateway prefix swap chat startup memory kernels tp"
 CFG=scripts/configs
 
 run() {  # echo a command, then run it unless --dry-run; a failure is reported, the part goes on
@@ -143,6 +145,11 @@ part_startup() {
   run timeout 400 $PY scripts/bench_startup.py --model $CFG/llama-3-8b --warm --json "$OUT/startup_8b.json"
   run timeout 150 $PY scripts/bench_reliability.py restart --kills 2 --json "$OUT/restart_1b.json" -- \
       --device cuda --load-format dummy --model $CFG/llama-3.2-1b
+}
+
+part_memory() {
+  run timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_memory_plan_gpu.py
+  run timeout 380 $PY scripts/bench_memory.py --quick --deadline-s 200 --json "$OUT/memory.json"
 }
 
 part_kernels() {
