@@ -100,6 +100,47 @@ async def _compile_times(address: str) -> dict:
             "request_plain_ms": plain_wall * 1e3, "cache_hit": s2.grammar_cache_hits - s1.grammar_cache_hits}
 
 
+def masks_only(args) -> dict:
+    """The executor's grammar work per step, no model: B slots under the schema advance by one allowed token
+    (drawn at random from their masks) and compute their next masks, as the output thread does."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from _bench_util import summarize
+    from executor_proc.step.grammar import build_grammar_slots
+    from ipc.models import resolve_model
+    from ipc.protocol import Admit, SlotSampling, StepPlan
+    from scheduler_proc.grammar import to_grammar
+
+    tokenizer = args.tokenizer or resolve_model(None, "auto").tokenizer_path
+    rows = []
+    for batch in args.batches:
+        slots = build_grammar_slots(tokenizer, args.vocab, [2], batch, torch.device("cpu"))
+        sampling = SlotSampling(1.0, 0, 1.0, 0.0, 0, num_prompt_tokens=1, grammar=to_grammar("json_schema", schema()))
+        admits = [Admit(i, sampling, [1]) for i in range(batch)]
+        t0 = time.perf_counter()
+        rows_of = slots.stage(StepPlan(0, list(range(batch)), [1] * batch, [0] * batch, [False] * batch,
+                                       [True] * batch, admits=admits), list(range(batch)))
+        admit_ms = (time.perf_counter() - t0) * 1e3
+        rng, times = random.Random(0), []
+        for step in range(args.new_tokens):
+            tokens = []
+            for _, st, _ in rows_of.rows:
+                bits = np.unpackbits(st.mask.view(np.uint8), bitorder="little")
+                allowed = np.flatnonzero(bits)
+                tokens.append(int(allowed[rng.randrange(len(allowed))]))
+            t0 = time.perf_counter()
+            slots.advance(rows_of, tokens)
+            times.append(time.perf_counter() - t0)
+            rows_of = slots.stage(StepPlan(step + 1, list(range(batch)), [1] * batch, [step + 1] * batch,
+                                           [False] * batch, [True] * batch), list(range(batch)))
+        ms = summarize([t * 1e3 for t in times])
+        rows.append({"batch": batch, "admit_ms": admit_ms, "advance_ms": ms})
+    return {"args": vars(args), "masks": rows}
+
+
 def run(args) -> dict:
     out = {"args": vars(args), "rows": [], "compile": None}
     for batch in args.batches:
@@ -156,9 +197,19 @@ def main(argv=None) -> int:
     ap.add_argument("--server-flag", action="append", default=[], help="an extra flag for forerun serve")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--verbose", action="store_true", help="echo the server's output")
+    ap.add_argument("--masks-only", action="store_true",
+                    help="no server: time the executor's grammar work per step (matchers advanced, masks computed)")
+    ap.add_argument("--vocab", type=int, default=49152, help="--masks-only: the logits' width")
     args = ap.parse_args(argv)
-    result = run(args)
-    print(table(result))
+    if args.masks_only:
+        result = masks_only(args)
+        print(format_table([(f"batch {r['batch']:>3}", f"admit {r['admit_ms']:.1f} ms; advance + masks per step "
+                                                         f"p50 {r['advance_ms']['p50']:.2f} ms, p90 "
+                                                         f"{r['advance_ms']['p90']:.2f} ms") for r in result["masks"]],
+                           title="grammar work per step (host, no model)"))
+    else:
+        result = run(args)
+        print(table(result))
     if args.json:
         write_json(args.json, result)
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 
 import jsonschema
@@ -209,3 +210,16 @@ def test_compiler_timeout_cache_and_refusals(default_model_dir):
         with pytest.raises(GrammarError, match="tensor parallelism"):
             await tp.compile(SamplingParams(regex="a"))
     asyncio.run(go())
+
+
+def test_bench_masks_only(tmp_path):
+    """scripts/bench_structured.py --masks-only (no server): the executor's grammar work per step."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "masks.json"
+    subprocess.run([sys.executable, "scripts/bench_structured.py", "--masks-only", "--batches", "2",
+                    "--new-tokens", "3", "--json", str(out)], check=True, capture_output=True, timeout=120,
+                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    (row,) = json.loads(out.read_text())["masks"]
+    assert row["batch"] == 2 and row["advance_ms"]["p50"] > 0

@@ -39,6 +39,9 @@ from ipc.structured import load_tokenizer
 
 PROTOTYPES = 256  # compiled matchers kept by grammar text: a new slot of a known grammar copies one
 WAIT_TIMEOUT_S = 120.0
+# From this many masks in one step on, llguidance's thread pool computes them (2-core VM, JSON schema:
+# 8 masks 0.8 ms one by one, 2.3 ms pooled; 64 masks 19 ms one by one, 3.5 ms pooled).
+PARALLEL_MASKS = 16
 _STAGING_BUFFERS = 4
 
 
@@ -182,10 +185,11 @@ class GrammarSlots:
             self._cond.notify_all()
 
     def _fill_masks(self, states: list[SlotGrammar]) -> None:
-        """Each state's next-token bitmask (llguidance's own thread pool when there are several)."""
+        """Each state's next-token bitmask (llguidance's own thread pool when there are many)."""
         out = np.zeros((len(states), self.llg_words), dtype=np.int32)
-        if len(states) == 1:
-            states[0].matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        if len(states) < PARALLEL_MASKS:
+            for r, st in enumerate(states):
+                st.matcher.unsafe_compute_mask_ptr(out[r].ctypes.data, self.llg_words * 4)
         else:
             self._executor.unsafe_compute_mask_ptr([(st.matcher, r) for r, st in enumerate(states)],
                                                    out.ctypes.data, self.llg_words * 4, len(states))
