@@ -1,9 +1,11 @@
 """Build a ready :class:`executor_proc.step.worker.Worker` from an :class:`ExecutorConfig` (no sockets).
 
 Load the model, choose its backend (:func:`executor_proc.backends.select.select_backend`),
-size and allocate the KV cache, and capture the CUDA graphs (decode steps, and steps with
-prefill chunks), timing the capture and the device memory it took.  The executor process
-and the GPU benchmarks share it.
+measure what the largest step and the CUDA graphs take (a profile step and a capture against a
+provisional KV cache), size the KV cache from what is left of the memory budget
+(:mod:`executor_proc.memory_plan`), allocate it, and capture the graphs (decode steps, and steps
+with prefill chunks) against it, timing the capture and the device memory it took.  The executor
+process and the GPU benchmarks share it.
 """
 
 from __future__ import annotations
