@@ -4,6 +4,7 @@ min_tokens stop-id rows only when a slot gets them or its previous request had t
 from __future__ import annotations
 
 import msgspec
+import pytest
 import torch
 
 from executor_proc.step.slot_tables import SlotTables
@@ -69,3 +70,24 @@ def test_admission_builds_the_penalty_state_from_the_request_tokens():
     _apply(tables, staging, [Admit(2, msgspec.structs.replace(FULL, num_prompt_tokens=1), [7])], releases=[2])
     assert p.prompt_mask[2].nonzero().flatten().tolist() == [7] and p.output_counts[2].eq(0).all()
     assert p.generated[2] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_admission_with_tokens_does_not_synchronize():
+    """Building the penalty state from an admission's tokens is indexed writes only: no host sync."""
+    device = torch.device("cuda")
+    tables = SlotTables(4, 8, device, vocab=32)
+    staging = PinnedStaging(device)
+    s = SlotSampling(0.0, 0, 1.0, 0.0, 0, repetition_penalty=1.3, frequency_penalty=0.5, num_prompt_tokens=3)
+    _apply(tables, staging, [Admit(1, s, [1, 2, 3, 9, 9, 4])], releases=[1])  # first calls may allocate
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(10):
+            _apply(tables, staging, [Admit(1, s, [1, 2, 3, 9, 9, 4 + i % 3]), Admit(2, s, [5, 6, 7])], releases=[1, 2])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    p = tables.penalties
+    assert p.prompt_mask[1].nonzero().flatten().tolist() == [1, 2, 3] and p.output_counts[1, 9] == 2
+    assert p.generated[1] == 3 and p.generated[2] == 0
