@@ -2,9 +2,9 @@
 
 Every case (a prompt and sampling options that read per-request state on the device:
 repetition / frequency / presence penalties, logit_bias, min_tokens, stop strings, stop token
-ids, prompt logprobs, top-n logprobs, seeds, a regex constraint) runs on a reference server with no prefix cache and
-no host tier, and along every path by which a prompt's KV can come about; tokens, finish
-reasons, stop strings and logprobs must be the reference's.
+ids, prompt logprobs, top-n logprobs, seeds, a regex constraint) runs on a reference server
+with no prefix cache and no host tier, and along every path by which a prompt's KV can come
+about; tokens, finish reasons, stop strings and logprobs must be the reference's.
 
     path        server (block size 8)                   how the prompt's KV comes about
     cold        prefix, depth 1                         first sight of each prompt (a late arrival may share
