@@ -223,3 +223,34 @@ def test_bench_masks_only(tmp_path):
                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     (row,) = json.loads(out.read_text())["masks"]
     assert row["batch"] == 2 and row["advance_ms"]["p50"] > 0
+
+
+def test_bind_waits_for_the_previous_steps_token(default_model_dir):
+    """Step N+1's masks bind only once the output thread has advanced the matcher over step N's token."""
+    import threading
+    import time
+
+    import torch
+
+    from executor_proc.step.grammar import build_grammar_slots
+    from ipc.protocol import Admit, SlotSampling, StepPlan
+    from scheduler_proc.grammar import to_grammar
+
+    slots = build_grammar_slots(f"{default_model_dir}/tokenizer.json", 49152, [2], 2, torch.device("cpu"))
+    sampling = SlotSampling(1.0, 0, 1.0, 0.0, 0, num_prompt_tokens=1, grammar=to_grammar("choice", ["yes", "no"]))
+
+    def plan(step, admits=()):
+        return StepPlan(step, [0], [1], [0], [False], [True], admits=list(admits))
+
+    first = slots.stage(plan(0, [Admit(0, sampling, [1])]), [0])
+    slots.bind(first)
+    start_mask = slots.table[0].clone()
+    second = slots.stage(plan(1), [0])  # launched before step 0's token is known
+    yes = slots.tokenizer.tokenize_str("yes")
+    threading.Timer(0.2, lambda: slots.advance(first, yes[:1])).start()  # the output thread, later
+    t0 = time.perf_counter()
+    slots.bind(second)
+    assert time.perf_counter() - t0 >= 0.15 and second.wait_s >= 0.15
+    assert not torch.equal(slots.table[0], start_mask)  # the mask after "yes"'s first token
+    allowed = [i for i in range(49152) if (int(slots.table[0, i // 32]) >> (i % 32)) & 1]
+    assert all("yes".startswith(slots.tokenizer.decode_str(yes[:1] + [i])) or i == 2 for i in allowed)
