@@ -37,14 +37,6 @@ def ours(gguf_path):
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    from transformers import AutoModelForCausalLM
-
-    folder, name = os.path.split(gguf_path)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """The default model converted into a fresh cache root by two concurrent callers."""
     root = str(tmp_path_factory.mktemp("forerun_cache"))

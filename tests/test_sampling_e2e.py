@@ -10,7 +10,6 @@ and in a batch of 32.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -28,18 +27,6 @@ def worker(default_model_dir):
     cfg = ExecutorConfig(model=default_model_dir, plan_addr="", result_addr="", device="cpu", dtype="float32",
                          num_slots=33, num_kv_blocks=33 * 8, block_size=BLOCK, kernels="torch")
     return build_worker(cfg).worker
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    from executor_proc.model.default_model import default_gguf_path
-
-    gguf = default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                 dtype=torch.float32)
-    return model.eval()
 
 
 def hf_log_softmax(hf_model, tokens: list[int]) -> torch.Tensor:
