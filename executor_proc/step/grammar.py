@@ -2,7 +2,9 @@
 
 A slot admitted with ``SlotSampling.grammar`` gets an llguidance matcher, built from the grammar and
 advanced over the request's outputs so far (``Admit.tokens`` past its prompt): a resume after
-preemption or an executor restart rebuilds the same state from the tokens it is given.
+preemption or an executor restart rebuilds the same state from the tokens it is given.  A grammar
+thread builds it (a copy of the grammar's cached prototype, or a compile) while the admitting
+step's forward runs; the step's sampling waits for it like for any mask.
 
 The mask of a step's constrained row depends on the slot's previous token, which the executor
 does not have on the host when it launches the step (it runs ahead of its own output).  So the
@@ -28,6 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -50,10 +53,11 @@ class SlotGrammar:
     """One constrained slot: its matcher, the mask of its next token, and where it is in the step stream."""
 
     slot: int
-    matcher: object
-    mask: np.ndarray  # int32 [W], valid once ``advanced >= awaited`` of the step that reads it
+    matcher: object = None  # built by the grammar thread
+    mask: Optional[np.ndarray] = None  # int32 [W], valid once ``advanced >= awaited`` of the step that reads it
     awaited: int = -1  # the newest step with a sampled row of this slot
-    advanced: int = -1  # the newest step whose token the matcher has consumed
+    advanced: int = -2  # the newest step whose token the matcher has consumed; -1: built, none yet; -2: building
+    error: Optional[BaseException] = None  # the build failed (the scheduler compiled the grammar: not expected)
 
 
 @dataclass
@@ -82,6 +86,9 @@ class GrammarSlots:
         self._prototypes: OrderedDict[str, object] = OrderedDict()
         self._cond = threading.Condition()
         self._executor = llguidance.LLExecutor()
+        # Matchers are built off the main thread, while the admitting step's forward runs (a new grammar's
+        # compile can take tens of milliseconds); one thread, so the prototypes need no lock.
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="forerun-grammar")
         cuda = device.type == "cuda"
         self._staging = [(torch.empty((num_slots + 1, self.words), dtype=torch.int32, pin_memory=cuda),
                           torch.empty(num_slots + 1, dtype=torch.int64, pin_memory=cuda)) for _ in range(_STAGING_BUFFERS)]
@@ -95,12 +102,16 @@ class GrammarSlots:
         for slot in plan.releases:
             if self.states.pop(slot, None) is not None:
                 self._reset.add(slot)
+        builds = []
         for a in plan.admits:
             if self.states.pop(a.slot, None) is not None:
                 self._reset.add(a.slot)
             if a.sampling.grammar:
-                self.states[a.slot] = self._build(a.slot, a.sampling.grammar, a.tokens[a.sampling.num_prompt_tokens:])
+                st = self.states[a.slot] = SlotGrammar(a.slot)
+                builds.append((st, a.sampling.grammar, a.tokens[a.sampling.num_prompt_tokens:]))
                 self._reset.discard(a.slot)
+        if builds:
+            self._builder.submit(self._build, builds)
         if not self.states:
             return None
         rows = GrammarRows(plan.step_id)
@@ -111,28 +122,38 @@ class GrammarSlots:
                 st.awaited = plan.step_id
         return rows if rows.rows else None
 
-    def _build(self, slot: int, grammar: str, outputs: list[int]) -> SlotGrammar:
-        proto = self._prototypes.get(grammar)
-        if proto is None:
-            proto = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
-            self._prototypes[grammar] = proto
-            if len(self._prototypes) > PROTOTYPES:
-                self._prototypes.popitem(last=False)
-        else:
-            self._prototypes.move_to_end(grammar)
-        matcher = proto.deep_copy()
-        for t in outputs:  # a resumed request: the tokens it has already produced
-            if matcher.is_stopped() or not matcher.consume_token(t):
-                break
-        st = SlotGrammar(slot, matcher, np.zeros(self.words, dtype=np.int32))
-        self._fill_masks([st])
-        return st
+    def _build(self, builds: list[tuple[SlotGrammar, str, list[int]]]) -> None:
+        """The grammar thread, for one plan's admissions: each slot's matcher (a copy of the grammar's
+        prototype), advanced over the request's outputs so far, then their first masks."""
+        states = [st for st, _, _ in builds]
+        try:
+            for st, grammar, outputs in builds:
+                proto = self._prototypes.get(grammar)
+                if proto is None:
+                    proto = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+                    self._prototypes[grammar] = proto
+                    if len(self._prototypes) > PROTOTYPES:
+                        self._prototypes.popitem(last=False)
+                else:
+                    self._prototypes.move_to_end(grammar)
+                st.matcher = proto.deep_copy()
+                for t in outputs:  # a resumed request: the tokens it has already produced
+                    if st.matcher.is_stopped() or not st.matcher.consume_token(t):
+                        break
+            self._fill_masks(states)
+        except BaseException as e:  # raised by the main thread's bind
+            for st in states:
+                st.error = e
+        with self._cond:
+            for st in states:
+                st.advanced = -1
+            self._cond.notify_all()
 
     # ------------------------------------------------------------- main thread: launch
 
     def bind(self, rows: GrammarRows) -> None:
         """Between the forward and the sampling: wait for the rows' masks, upload them into the table."""
-        pending = [(st, need) for _, st, need in rows.rows if need >= 0]
+        pending = [(st, need) for _, st, need in rows.rows]  # need -1: built
         with self._cond:
             if any(st.advanced < need for st, need in pending):
                 t0 = time.perf_counter()
@@ -140,6 +161,9 @@ class GrammarSlots:
                 rows.wait_s = time.perf_counter() - t0
                 if not ok:
                     raise RuntimeError(f"step {rows.step_id}: the grammar masks did not arrive in {WAIT_TIMEOUT_S} s")
+        for st, _ in pending:
+            if st.error is not None:
+                raise RuntimeError(f"slot {st.slot}: its grammar failed to build: {st.error}") from st.error
         states = [st for _, st, _ in rows.rows]
         resets = sorted(self._reset)
         self._reset.clear()
