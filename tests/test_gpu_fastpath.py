@@ -44,7 +44,7 @@ def write_config(folder, hidden=64, layers=2, heads=4, kv_heads=2, vocab=97, int
 
 # Every fused kernel forced on (test_fast_path_matches_torch_path): the one-token ones and the 2-8-token epilogues.
 FORCED_FUSIONS = {"qkv": ("row", 16, 256, 4, 4), "norm": ("row", 16, 256, 4, 4), "silu": ("row", 16, 256, 4, 4),
-                  "rope": ("row", 2, 512, 4, 6), "gate_silu": ("dot", 16, 256, 4, 4)}
+                  "rope": ("row", 4, 256, 4, 6), "gate_silu": ("dot", 16, 256, 4, 4)}
 
 
 def built(model_dir, device, dtype="float32", num_slots=6, max_batch=4, block_size=4, num_blocks=256,
