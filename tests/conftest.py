@@ -99,9 +99,8 @@ def hf_greedy(hf_model, chat_prompt_ids) -> list[list[int]]:
     return outs
 
 
-@pytest.fixture(scope="session")
-def server_factory(tmp_path_factory):
-    """Start real `forerun serve` processes; all are stopped at the end of the session."""
+def _servers():
+    """A factory that starts real `forerun serve` processes, and stops them all when its fixture ends."""
     started: list[ServerProcess] = []
 
     def start(*args: str) -> ServerProcess:
@@ -113,6 +112,13 @@ def server_factory(tmp_path_factory):
     yield start
     for srv in started:
         srv.stop()
+
+
+# One factory per lifetime: a server lives only as long as the tests that use it (each real-model server holds
+# about 1 GB, and an idle one still answers heartbeats).
+server_factory = pytest.fixture(scope="session", name="server_factory")(_servers)  # the servers every module shares (model_server)
+module_servers = pytest.fixture(scope="module", name="module_servers")(_servers)  # a module's own servers
+servers = pytest.fixture(name="servers")(_servers)  # one test's servers
 
 
 @pytest.fixture(scope="session")

@@ -95,10 +95,10 @@ async def test_max_tokens_and_eos_finishes(model_server, chat_prompt_ids, hf_gre
         assert r.finish_reason == "stop" and r.token_ids == [first]
 
 
-async def test_preemption_small_kv_pool_same_greedy_output(server_factory, default_model_dir,
+async def test_preemption_small_kv_pool_same_greedy_output(servers, default_model_dir,
                                                            chat_prompt_ids, hf_greedy):
     # 12 requests of ~40 + 48 tokens need ~70 blocks of 16; 24 blocks force preemption.
-    srv = server_factory("--num-kv-blocks", "24", "--max-num-seqs", "12", "--debug-checks")
+    srv = servers("--num-kv-blocks", "24", "--max-num-seqs", "12", "--debug-checks")
     async with AsyncClient(srv.address, timeout=300) as c:
         results = await asyncio.gather(*[
             c.generate(prompt_token_ids=ids, max_tokens=48, temperature=0.0) for ids in chat_prompt_ids])
@@ -157,10 +157,10 @@ async def test_bad_input_each_gets_clear_error_and_server_keeps_serving(model_se
         assert c.generate(prompt_token_ids=good, max_tokens=3, temperature=0.0).completion_tokens == 3
 
 
-async def test_executor_sigkill_mid_stream_is_invisible_but_for_a_delay(server_factory, default_model_dir,
+async def test_executor_sigkill_mid_stream_is_invisible_but_for_a_delay(servers, default_model_dir,
                                                                          chat_prompt_ids, hf_greedy):
     """The scheduler restarts the executor and recomputes: greedy outputs identical to HF's, no error."""
-    srv = server_factory("--max-num-seqs", "8", "--debug-checks")
+    srv = servers("--max-num-seqs", "8", "--debug-checks")
     async with AsyncClient(srv.address, timeout=300) as c:
         tasks = [asyncio.create_task(c.generate(prompt_token_ids=ids, max_tokens=48, temperature=0.0))
                  for ids in chat_prompt_ids[:6]]

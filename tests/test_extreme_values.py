@@ -174,13 +174,13 @@ async def test_extreme_values_over_every_field_of_every_message(model_server):
     assert_no_leak(await wait_idle(srv.address))
 
 
-async def test_server_gone_when_the_server_is_killed_mid_stream(server_factory):
+async def test_server_gone_when_the_server_is_killed_mid_stream(servers):
     """SIGKILL of the scheduler (scripted executor): the SDK fails the stream with ServerGoneError within 5 s."""
     import time
 
     from ipc.client import AsyncClient, ServerGoneError
 
-    srv = server_factory("--load-format", "scripted", "--scripted-step-ms", "20")
+    srv = servers("--load-format", "scripted", "--scripted-step-ms", "20")
     async with AsyncClient(srv.address, timeout=120) as client:
         if not client.server_info.server_id:
             pytest.skip("this server predates heartbeats (no server_id, no Pong)")

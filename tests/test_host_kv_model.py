@@ -31,8 +31,8 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def tier_server(server_factory, default_model_dir):
-    return server_factory("--pipeline-depth", "1", "--max-num-seqs", "8", "--num-kv-blocks", str(DEVICE_BLOCKS),
+def tier_server(module_servers, default_model_dir):
+    return module_servers("--pipeline-depth", "1", "--max-num-seqs", "8", "--num-kv-blocks", str(DEVICE_BLOCKS),
                           "--num-host-kv-blocks", str(HOST_BLOCKS), "--debug-checks")
 
 
@@ -83,14 +83,14 @@ DUMMY_135M = ("--load-format", "dummy", "--model", os.path.join(ROOT, "scripts",
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-async def test_cuda_swaps_and_host_hits_match_an_untouched_run(server_factory):
+async def test_cuda_swaps_and_host_hits_match_an_untouched_run(servers):
     """The same on CUDA (float32, Triton kernels, graphs, the copy and backup streams), random weights of the
     default model's shape (the model file does not travel to GPU machines) and random prompts. float32: the
     resumed request's partial last block is recomputed by a prefill, which in bf16 need not give the decode's
     bits (the copied blocks are bit-exact in any dtype: tests/test_host_kv_gpu.py)."""
     cuda = DUMMY_135M + ("--device", "cuda", "--dtype", "float32", "--pipeline-depth", "1", "--max-num-seqs", "8")
-    plain = server_factory(*cuda, "--num-kv-blocks", "512", "--host-kv-gib", "0")
-    tier = server_factory(*cuda, "--num-kv-blocks", str(DEVICE_BLOCKS), "--num-host-kv-blocks", str(HOST_BLOCKS),
+    plain = servers(*cuda, "--num-kv-blocks", "512", "--host-kv-gib", "0")
+    tier = servers(*cuda, "--num-kv-blocks", str(DEVICE_BLOCKS), "--num-host-kv-blocks", str(HOST_BLOCKS),
                           "--debug-checks")
     rng = random.Random(3)
     ids = [[rng.randrange(10, 49000) for _ in range(rng.randrange(25, 36))] for _ in range(12)]

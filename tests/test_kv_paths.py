@@ -221,7 +221,7 @@ CHAT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, traine
 
 
 @pytest.fixture(scope="module")
-def runs(server_factory, default_model_dir):
+def runs(module_servers, default_model_dir):
     """Start the servers together and run every path on them at once: the prompts, and each path's run (the
     reference's too)."""
     from tokenizers import Tokenizer
@@ -231,7 +231,7 @@ def runs(server_factory, default_model_dir):
     prompts = {k: tokenizer.encode(CHAT.format(q), add_special_tokens=False).ids for k, q in questions.items()}
     t0 = time.monotonic()
     with ThreadPoolExecutor(len(SERVERS)) as pool:
-        started = {name: pool.submit(server_factory, *args, *COMMON) for name, args in SERVERS.items()}
+        started = {name: pool.submit(module_servers, *args, *COMMON) for name, args in SERVERS.items()}
         servers = {name: f.result() for name, f in started.items()}
 
     async def everything():

@@ -46,11 +46,11 @@ async def _workload(address: str, prompts: list[list[int]]) -> dict:
         return dict(enumerate(results))
 
 
-def test_outputs_equal_across_depths(server_factory, default_model_dir, chat_prompt_ids):
+def test_outputs_equal_across_depths(servers, default_model_dir, chat_prompt_ids):
     outputs, preemptions = {}, 0
     for depth in (0, 1, 2):
         # 14 blocks of 16 tokens hold about 3 of these requests: the rest wait or are preempted.
-        srv = server_factory("--pipeline-depth", str(depth), "--num-kv-blocks", "14", "--max-num-seqs", "8",
+        srv = servers("--pipeline-depth", str(depth), "--num-kv-blocks", "14", "--max-num-seqs", "8",
                              "--debug-checks")
         try:
             outputs[depth] = asyncio.run(_workload(srv.address, chat_prompt_ids))

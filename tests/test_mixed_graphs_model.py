@@ -29,23 +29,23 @@ async def _outputs(address: str, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
-async def test_padding_to_buckets_never_changes_outputs(depth, server_factory, chat_prompt_ids):
+async def test_padding_to_buckets_never_changes_outputs(depth, servers, chat_prompt_ids):
     prompts = chat_prompt_ids[:8]
     if "want" not in _REFERENCE:
-        _REFERENCE["want"] = await _outputs(server_factory("--mixed-graphs", "off", *FLAGS).address, prompts)
+        _REFERENCE["want"] = await _outputs(servers("--mixed-graphs", "off", *FLAGS).address, prompts)
     want = _REFERENCE["want"]
     assert all(len(t) == 12 for t in want)
-    srv = server_factory("--mixed-graphs", "on", "--pipeline-depth", str(depth), *FLAGS)
+    srv = servers("--mixed-graphs", "on", "--pipeline-depth", str(depth), *FLAGS)
     got = await _outputs(srv.address, prompts)
     assert got == want
     assert_no_leak(await wait_idle(srv.address))
 
 
-async def test_host_kv_swaps_and_hits_through_the_runner(server_factory, model_server, chat_prompt_ids):
+async def test_host_kv_swaps_and_hits_through_the_runner(servers, model_server, chat_prompt_ids):
     """The host KV tier's onloads and backups beside padded steps: swapped and host-hit requests, same tokens."""
     from tests.test_host_kv_model import DEVICE_BLOCKS, HOST_BLOCKS, assert_tiers_whole, generate_all
 
-    tier = server_factory("--mixed-graphs", "on", "--max-num-seqs", "8", "--num-kv-blocks", str(DEVICE_BLOCKS),
+    tier = servers("--mixed-graphs", "on", "--max-num-seqs", "8", "--num-kv-blocks", str(DEVICE_BLOCKS),
                           "--num-host-kv-blocks", str(HOST_BLOCKS), "--debug-checks")
     reference = model_server(1).address
     prompts = [ids + ids for ids in chat_prompt_ids[:8]]  # the tiny device pool forces preemption

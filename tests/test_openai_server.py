@@ -52,9 +52,9 @@ def wait_for_line(srv, text: str, timeout: float = 180.0) -> str:
 
 
 @pytest.fixture(scope="module")
-def http_server(server_factory, default_model_dir):
+def http_server(module_servers, default_model_dir):
     port = free_port()
-    srv = server_factory("--port", str(port), "--host", "127.0.0.1", "--api-key", API_KEY,
+    srv = module_servers("--port", str(port), "--host", "127.0.0.1", "--api-key", API_KEY,
                          "--max-num-seqs", "8", "--num-kv-blocks", "256")
     wait_for_line(srv, "OpenAI-compatible API at")
     srv.url = f"http://127.0.0.1:{port}"
@@ -451,9 +451,9 @@ def test_bench_serve_over_http_in_two_processes_with_keep_alive(http_server, scr
 # ---------------------------------------------------------------------------
 
 
-async def test_two_workers_64_streams_no_mixup(server_factory, default_model_dir):
+async def test_two_workers_64_streams_no_mixup(servers, default_model_dir):
     port = free_port()
-    srv = server_factory("--load-format", "scripted", "--scripted-step-ms", "2", "--tokenizer", default_model_dir,
+    srv = servers("--load-format", "scripted", "--scripted-step-ms", "2", "--tokenizer", default_model_dir,
                          "--max-num-seqs", "64", "--port", str(port), "--api-workers", "2")
     wait_for_line(srv, "OpenAI-compatible API at")
     prompt = [5, 6, 7, 8, 9]
@@ -482,9 +482,9 @@ async def test_two_workers_64_streams_no_mixup(server_factory, default_model_dir
     assert assert_no_leak_after.num_free_kv_blocks == assert_no_leak_after.num_kv_blocks
 
 
-async def test_health_503_once_the_executor_is_gone(server_factory):
+async def test_health_503_once_the_executor_is_gone(servers):
     # No restarts allowed: the executor's death is the server's (fail-stop), as after too many restarts.
-    srv = server_factory("--load-format", "scripted", "--scripted-step-ms", "5", "--max-restarts", "0")
+    srv = servers("--load-format", "scripted", "--scripted-step-ms", "5", "--max-restarts", "0")
     port = free_port()
     run_dir = tempfile.mkdtemp(prefix="gw", dir="/tmp")
     gateways = start_gateways(srv.address, host="127.0.0.1", port=port, workers=1, run_dir=run_dir)

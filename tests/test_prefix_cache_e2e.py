@@ -42,10 +42,10 @@ def prompts(tokenizer) -> list[list[int]]:
     return out
 
 
-async def test_greedy_outputs_identical_with_and_without_prefix_caching(server_factory, model_server, prompts):
+async def test_greedy_outputs_identical_with_and_without_prefix_caching(servers, model_server, prompts):
     assert min(len(x) for x in prompts) > 200
     kw = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    plain = server_factory("--pipeline-depth", "1", "--max-num-seqs", "32", "--num-kv-blocks", "512",
+    plain = servers("--pipeline-depth", "1", "--max-num-seqs", "32", "--num-kv-blocks", "512",
                            "--no-prefix-caching")
     async with AsyncClient(plain.address, timeout=300) as c:
         reference = [r.token_ids for r in await asyncio.gather(*[c.generate(prompt_token_ids=ids, **kw)

@@ -38,9 +38,9 @@ PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.fixture(scope="module")
-def api(server_factory, default_model_dir):
+def api(module_servers, default_model_dir):
     port = free_port()
-    srv = server_factory("--port", str(port), "--host", "127.0.0.1", "--max-num-seqs", "16", "--num-kv-blocks", "256")
+    srv = module_servers("--port", str(port), "--host", "127.0.0.1", "--max-num-seqs", "16", "--num-kv-blocks", "256")
     wait_for_line(srv, "OpenAI-compatible API at")
     return f"http://127.0.0.1:{port}/v1"
 

@@ -346,10 +346,10 @@ def test_a_killed_rank_without_restarts_fails_every_client_within_2s(tiny_model,
 
 
 @pytest.mark.slow
-def test_default_model_over_three_ranks_matches_one_process(model_server, server_factory, chat_prompt_ids):
+def test_default_model_over_three_ranks_matches_one_process(model_server, servers, chat_prompt_ids):
     """SmolLM2-135M: 9 heads and 3 KV heads split over 3 ranks (1 KV head each); tied embeddings."""
     flags = ("--pipeline-depth", "1", "--max-num-seqs", "32", "--num-kv-blocks", "512", "--debug-checks")
-    tp3 = server_factory(*flags, "--tensor-parallel-size", "3")
+    tp3 = servers(*flags, "--tensor-parallel-size", "3")
     ref = asyncio.run(_workload(model_server(1).address, chat_prompt_ids[:4], max_tokens=16, shared=False))
     ours = asyncio.run(_workload(tp3.address, chat_prompt_ids[:4], max_tokens=16, shared=False))
     _assert_same_outputs(ours, ref)
