@@ -133,3 +133,16 @@ def model_server(server_factory, default_model_dir):
         return cache[depth]
 
     return get
+
+
+HF_REFERENCE = {"hf_model", "hf_greedy"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """For ``pytest -n 2 --dist loadgroup`` (pytest-xdist; the README's test command): a module's tests run on one
+    worker, so its module-scoped servers start once, and the modules that read HF's reference model share one
+    worker, so it loads once.  Without xdist the marks do nothing."""
+    hf_modules = {item.module.__name__ for item in items if HF_REFERENCE & set(item.fixturenames)}
+    for item in items:
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("hf_reference" if module in hf_modules else module))

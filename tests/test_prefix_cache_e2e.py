@@ -1,6 +1,6 @@
 """Prefix caching end to end: the default model (fp32, CPU) gives the same greedy tokens with and without it.
 
-24 prompts with one long system prompt go to a server started with
+12 prompts with one long system prompt go to a server started with
 ``--no-prefix-caching`` (the reference; its stats prove nothing was looked
 up) and to the shared real-model server (depth 1, prefix caching on by
 default), concurrently and one by one, sharing the system prompt's blocks.
@@ -21,13 +21,12 @@ SYSTEM = ("You are a careful assistant for a small museum of clocks and watches.
           "plainly, without lists. Visitors ask about opening hours, tickets, the collection, pendulums, "
           "escapements, sundials, water clocks, marine chronometers, wristwatches and how to wind a clock. "
           "If you do not know, say so. Never invent prices. ") * 3
+# Twelve requests already arrive together, share blocks still being computed and then hit them one by one:
+# more questions would repeat the same sharing pattern.
 QUESTIONS = [
     "When do you open?", "How much is a ticket?", "What is an escapement?", "Do you have sundials?",
     "Who invented the pendulum clock?", "What is a chronometer?", "Can I wind a clock myself?", "Is there a cafe?",
-    "What is a water clock?", "Are children welcome?", "How old is the oldest clock?", "Can I take photos?",
-    "Do you sell watches?", "What is a tourbillon?", "Is the museum accessible?", "Where can I park?",
-    "What is quartz?", "How does a cuckoo clock work?", "Do you repair watches?", "What is a mainspring?",
-    "Are there guided tours?", "What is an hourglass?", "Can I book a group visit?", "What is GMT?",
+    "What is a water clock?", "Are children welcome?", "How old is the oldest clock?", "What is GMT?",
 ]
 MAX_TOKENS = 6
 
