@@ -11,7 +11,7 @@ operands' shapes and strides), so a bit-for-bit claim that held on one machine
 failed on another.  Our ``tl.dot`` sums the products in one fixed order of its
 own (a pairwise tree over K of exactly rounded elementwise operations), the
 same on every host; :func:`fixed_order_matmul` is that order, and tests can
-reverse it to show their bit-exact checks notice an order change.  The
+sum sequentially instead to show that their bit-exact checks notice an order change.  The
 interpreter also multiplied bfloat16 operands of ``tl.dot`` as their raw
 uint16 bit patterns (its numpy stand-in type for bf16); we widen them to
 float32 first.
@@ -89,17 +89,20 @@ def patch_interpreter() -> None:
         builder.cast_impl = _cast_impl
 
 
-def fixed_order_matmul(a, b, dtype, reverse: bool = False):
+def fixed_order_matmul(a, b, dtype, sequential: bool = False):
     """``a @ b`` (numpy, ``[..., M, K] @ [..., K, N]``) in ``dtype``, summed in a fixed order: every product
     rounded once, then a pairwise tree over K (k with k + K/2, and so on).  Each output element depends on its own
-    row and column alone, whatever the host's BLAS, the shapes or the strides.  ``reverse`` sums the tree over K
-    backwards: another order, for tests that show a bit-exact check notices an order change."""
+    row and column alone, whatever the host's BLAS, the shapes or the strides.  ``sequential`` sums k = 0, 1, ...
+    one after another instead: another order, for tests that show a bit-exact check notices an order change."""
     import numpy as np
 
     a, b = np.asarray(a).astype(dtype, copy=False), np.asarray(b).astype(dtype, copy=False)
-    if reverse:
-        a, b = a[..., ::-1], b[..., ::-1, :]
     terms = a[..., :, :, None] * b[..., None, :, :]  # [..., M, K, N]
+    if sequential:
+        acc = terms[..., 0, :].copy()
+        for k in range(1, terms.shape[-2]):
+            acc += terms[..., k, :]
+        return acc
     while terms.shape[-2] > 1:
         half = terms.shape[-2] // 2
         pairs = terms[..., :half, :] + terms[..., half:2 * half, :]
