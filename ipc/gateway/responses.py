@@ -227,10 +227,7 @@ async def chat_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: 
         return event(c.index, delta, c.finish_reason, lps)
 
     def end() -> bytes:
-        if not _include_usage(req):
-            return DONE
-        usage = _usage([streams[0].result])
-        return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage)) + DONE
+        return _chat_stream_end(req, streams, rid, created, model)
 
     # The role events go out with the first tokens (they are there before the 200 is sent).
     head = b"".join([event(index, s.Delta(role="assistant", content="")) for index in range(req.n or 1)])
@@ -242,6 +239,14 @@ async def chat_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: 
     except (ForerunError, ConnectionError) as exc:
         gw.note_error(exc)
         yield head + _error_event(exc) + DONE
+
+
+def _chat_stream_end(req: s.ChatCompletionRequest, streams: list[Any], rid: str, created: int, model: str) -> bytes:
+    """The end of a streamed chat answer: the usage chunk when the request asks for it, then [DONE]."""
+    if not _include_usage(req):
+        return DONE
+    usage = _usage([streams[0].result])
+    return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage)) + DONE
 
 
 def _error_event(exc: BaseException) -> bytes:
@@ -272,10 +277,7 @@ async def chat_tools_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, str
         return out
 
     def end() -> bytes:
-        if not _include_usage(req):
-            return DONE
-        usage = _usage([streams[0].result])
-        return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage)) + DONE
+        return _chat_stream_end(req, streams, rid, created, model)
 
     head = b"".join([event(index, s.Delta(role="assistant", content="")) for index in range(req.n or 1)])
     try:
