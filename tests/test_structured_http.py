@@ -159,6 +159,9 @@ def test_bad_constraints_and_tools_are_400s(api):
             assert e.value.body["param"] == param, (kw, e.value.body)
         ok = await _chat(api, max_tokens=2)  # still serving
         assert ok.choices[0].finish_reason == "length"
+        # one constrained answer here too, so the metrics below do not depend on the other test having run
+        yes_no = await _chat(api, max_tokens=4, extra_body={"guided_choice": ["yes", "no"]})
+        assert any(word.startswith(yes_no.choices[0].message.content) for word in ("yes", "no"))
     asyncio.run(go())
     with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics") as r:
         families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
