@@ -11,7 +11,12 @@ import os
 
 def load_tokenizer(tokenizer_path: str, vocab_size: int, eos_token_ids: list[int]):
     """An llguidance tokenizer from the model's tokenizer.json (None without one): masks ``vocab_size``
-    wide (the logits'), EOS ids the model's."""
+    wide (the logits'), EOS ids the model's.
+
+    A tokenizer that is not the model's (a random-weight model's stand-in) may be smaller than the
+    logits and not hold the model's EOS ids: then its own EOS ends a constrained output (one the
+    scheduler does not stop at: such an output finishes with ``length``), or its own size when it is
+    the larger one."""
     path = os.path.join(tokenizer_path, "tokenizer.json") if os.path.isdir(tokenizer_path or "") else tokenizer_path
     if not path or not os.path.isfile(path):
         return None
@@ -20,7 +25,9 @@ def load_tokenizer(tokenizer_path: str, vocab_size: int, eos_token_ids: list[int
     with open(path, encoding="utf-8") as f:
         text = f.read()
     eos = list(eos_token_ids) or None
-    try:
-        return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
-    except (ValueError, RuntimeError):  # a tokenizer larger than the logits: its own size
-        return llguidance.LLTokenizer(text, eos_token=eos)
+    for kw in (dict(n_vocab=vocab_size, eos_token=eos), dict(n_vocab=vocab_size), dict(eos_token=eos)):
+        try:
+            return llguidance.LLTokenizer(text, **kw)
+        except (ValueError, RuntimeError):
+            continue
+    return llguidance.LLTokenizer(text)

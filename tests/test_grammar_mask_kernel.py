@@ -44,3 +44,31 @@ def test_grammar_mask_table_narrower_than_logits():
     got = apply_grammar_mask(logits.clone().to(DEVICE), table.to(DEVICE), slots.to(DEVICE)).cpu()
     assert torch.equal(got, apply_grammar_mask_ref(logits.clone(), table, slots))
     assert got[:, :64].isfinite().all() and torch.isinf(got[:, 64:]).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_grammar_mask_captured_in_a_graph_equals_eager():
+    """Captured once, replayed over new logits, a new table and new slots: the eager result each time (the
+    sampling head's graph binds the table between the forward and the replay)."""
+    vocab, rows, num_slots = 128256, 64, 80
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.zeros(rows, vocab, device="cuda")
+    table = _table(num_slots, vocab, gen).cuda()
+    slots = torch.zeros(rows, dtype=torch.int64, device="cuda")
+    apply_grammar_mask(logits, table, slots)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        apply_grammar_mask(logits, table, slots)
+    for trial in range(3):
+        fresh = torch.randn(rows, vocab, generator=gen).cuda()
+        new_table = _table(num_slots, vocab, gen).cuda()
+        new_slots = torch.randint(0, num_slots, (rows,), generator=gen).cuda()
+        new_slots[:3] = torch.tensor([0, 1, 2])
+        logits.copy_(fresh)
+        table.copy_(new_table)
+        slots.copy_(new_slots)
+        graph.replay()
+        want = apply_grammar_mask(fresh.clone(), new_table, new_slots)
+        assert torch.equal(logits, want), trial
+        assert torch.equal(want.cpu(), apply_grammar_mask_ref(fresh.cpu(), new_table.cpu(), new_slots.cpu()))

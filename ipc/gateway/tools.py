@@ -11,10 +11,14 @@
   ``parallel_tool_calls`` is false). A named function: the output is constrained to that function's
   ``parameters`` schema, and is the call's arguments.
 * **Parsing** (``auto``): Hermes / Qwen ``<tool_call>{"name", "arguments"}</tool_call>`` (several),
-  Mistral ``[TOOL_CALLS][{"name", "arguments"}, ...]``, Llama 3.1+ JSON ``{"name", "parameters"}``
-  (``;``-separated, after an optional ``<|python_tag|>``). Only calls of the request's functions count.
+  Mistral ``[TOOL_CALLS][{"name", "arguments"}, ...]`` and its newer ``[TOOL_CALLS]name[ARGS]{...}``
+  (repeated), Llama 3.1+ JSON ``{"name", "parameters"}`` (``;``-separated, after an optional
+  ``<|python_tag|>``); text before a marker is content. Only calls of the request's functions count.
   Calls found: ``message.tool_calls`` (arguments as JSON text), ``content`` the text beside them or
   null, ``finish_reason`` ``tool_calls``.
+* **Mistral's ids.** Mistral's templates refuse a call id that is not 9 characters: in a
+  conversation rendered by such a template, ids (``tool_calls[].id``, ``tool_call_id``) become the
+  last 9 letters and digits of the id the client sent back.
 * **Streaming** (:class:`ToolCallStream`): a named function's arguments stream as generated
   (``delta.tool_calls[0].function.arguments`` pieces); ``auto`` streams content until a call marker
   (or JSON at the start) and parses the rest at the end; ``required`` is parsed at the end. Calls
@@ -33,6 +37,7 @@ from typing import Any, Optional
 from ipc.gateway import schemas as s
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_MISTRAL_ARGS = re.compile(r"\[TOOL_CALLS\]\s*([^\s\[\]{}]+)\s*\[ARGS\]")  # [TOOL_CALLS]name[ARGS]{...}
 _FALLBACK_PROMPT = (
     "You may call functions to answer. The functions you can call, as JSON schemas:\n{tools}\n"
     "To call one, answer with one <tool_call></tool_call> block per call, each holding a JSON object "
@@ -149,20 +154,21 @@ def template_messages(req: s.ChatCompletionRequest, plan: Optional[ToolPlan],
     """(messages, tools) for ``apply_chat_template``: as the template wants them, or the Hermes fallback."""
     messages = s.chat_messages(req.messages)
     native = "tool" in template  # the template reads tools / tool_calls itself
+    call_id = _mistral_id if "[TOOL_CALLS]" in template else (lambda i: i)
     tools = [{"type": "function", "function": f} for f in plan.functions] if plan is not None else None
     for m, src in zip(messages, req.messages):
         if src.tool_calls:
             calls = [{"name": (c.get("function") or {}).get("name", ""), "arguments": _arguments(c)}
                      for c in src.tool_calls]
             if native:
-                m["tool_calls"] = [{"type": "function", "id": c.get("id", ""),
+                m["tool_calls"] = [{"type": "function", "id": call_id(c.get("id", "")),
                                     "function": {"name": k["name"], "arguments": k["arguments"]}}
                                    for c, k in zip(src.tool_calls, calls)]
             else:
                 text = "\n".join(f"<tool_call>\n{json.dumps(k)}\n</tool_call>" for k in calls)
                 m["content"] = (m["content"] + "\n" + text).strip()
         if src.tool_call_id is not None:
-            m["tool_call_id"] = src.tool_call_id
+            m["tool_call_id"] = call_id(src.tool_call_id)
     if tools and not native:
         listing = "\n".join(json.dumps(f) for f in plan.functions)
         system = _FALLBACK_PROMPT.format(tools=listing)
@@ -172,6 +178,11 @@ def template_messages(req: s.ChatCompletionRequest, plan: Optional[ToolPlan],
             messages.insert(0, {"role": "system", "content": system})
         tools = None
     return messages, tools
+
+
+def _mistral_id(call_id: Any) -> str:
+    """A call id as Mistral's templates require: 9 letters and digits (the id's last ones, zero-padded)."""
+    return "".join(ch for ch in str(call_id or "") if ch.isascii() and ch.isalnum())[-9:].rjust(9, "0")
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]]) -> list[int]:
@@ -191,9 +202,32 @@ def _call_of(obj: Any, names: list[str]) -> Optional[tuple[str, str]]:
     return obj["name"], args if isinstance(args, str) else json.dumps(args)
 
 
+def _mistral_args_calls(text: str, names: list[str]) -> list[tuple[str, str]]:
+    """Mistral's ``[TOOL_CALLS]name[ARGS]{...}`` calls (one or more); [] if the text is not all such calls."""
+    heads = list(_MISTRAL_ARGS.finditer(text))
+    if not heads or text[:heads[0].start()].strip():
+        return []
+    calls = []
+    for head, nxt in zip(heads, heads[1:] + [None]):
+        body = text[head.end():nxt.start() if nxt is not None else len(text)].strip()
+        try:
+            args = json.loads(body)
+        except ValueError:
+            return []
+        call = _call_of({"name": head.group(1), "arguments": args}, names)
+        if call is None:
+            return []
+        calls.append(call)
+    return calls
+
+
 def _json_calls(text: str, names: list[str]) -> list[tuple[str, str]]:
-    """Mistral's list, a Llama JSON call or several ``;``-separated ones; [] if the text is not all calls."""
-    text = text.strip().removeprefix("<|python_tag|>").removeprefix("[TOOL_CALLS]").strip()
+    """Mistral's list or its ``name[ARGS]`` calls, a Llama JSON call or several ``;``-separated ones;
+    [] if the text is not all calls."""
+    text = text.strip().removeprefix("<|python_tag|>").strip()
+    if text.startswith("[TOOL_CALLS]") and "[ARGS]" in text:
+        return _mistral_args_calls(text, names)
+    text = text.removeprefix("[TOOL_CALLS]").strip()
     if not text or text[0] not in "[{":
         return []
     try:
@@ -230,7 +264,14 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[Optional[str], list[tuple[st
         content = _HERMES.sub("", text).strip()
         return content or None, calls
     calls = _json_calls(text, plan.names)
-    return (None, calls) if calls else (text, [])
+    if calls:
+        return None, calls
+    cut = min((i for i in (text.find(m) for m in _MARKERS[1:]) if i > 0), default=-1)
+    if cut > 0:  # content, then a Mistral or Llama call marker (what the stream holds back and parses)
+        calls = _json_calls(text[cut:], plan.names)
+        if calls:
+            return text[:cut].strip() or None, calls
+    return text, []
 
 
 def _tool_calls(calls: list[tuple[str, str]], plan: ToolPlan) -> list[s.ToolCall]:
