@@ -141,6 +141,19 @@ def test_bad_constraints_are_refused(model_server, kw, field, words):
     asyncio.run(go())
 
 
+def test_unfinished_constraint_ends_with_length(model_server):
+    """A grammar that max_tokens cuts short finishes with "length" (its text a prefix of a valid output), and
+    one that ends inside max_tokens with "stop"."""
+    async def go():
+        async with AsyncClient(model_server(1).address) as c:
+            long = await c.generate(messages=PROMPT, json_schema={"type": "string", "minLength": 40}, max_tokens=5,
+                                    temperature=0)
+            assert long.finish_reason == "length" and long.text.startswith('"') and len(long.token_ids) == 5
+            bounded = await c.generate(messages=PROMPT, regex="[0-9]{2}", max_tokens=8, temperature=0)
+            assert bounded.finish_reason == "stop" and re.fullmatch("[0-9]{2}", bounded.text)
+    asyncio.run(go())
+
+
 def test_no_leak_after_constrained_requests(model_server, outputs_by_depth):
     for depth in (0, 1, 2):
         stats = asyncio.run(wait_idle(model_server(depth).address))
