@@ -99,6 +99,12 @@ def plan_memory(*, device: str, total: int, utilization: float, weights: int, ac
     return plan
 
 
+def gc_threshold(plan: MemoryPlan) -> float:
+    """The allocator's garbage-collection threshold while serving: the plan's share of the device (what torch's
+    allocator may hold), strictly between 0 and 1 as torch requires."""
+    return min(0.999, max(0.001, plan.planned / plan.total))
+
+
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 

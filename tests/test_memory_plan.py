@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from executor_proc.memory_plan import GIB, MemoryPlan, MemoryPlanError, plan_memory
+from executor_proc.memory_plan import GIB, MemoryPlan, MemoryPlanError, gc_threshold, plan_memory
 from tests.server_proc import ROOT
 
 MIB = 1024**2
@@ -32,6 +32,12 @@ def test_the_kv_cache_gets_what_the_budget_leaves_in_whole_blocks():
     assert p.planned + p.other <= p.budget == int(80 * GIB * 0.9)
     assert "weights 15.00 + activations 2.00 + graphs 1.00 + other 0.50 + KV" in p.line()
     assert f"KV {p.kv_tokens:,} tokens" in p.line() and "0.9 x 80.00 GiB" in p.line()
+
+
+def test_the_allocator_is_held_to_the_plans_share_of_the_device():
+    p = plan()
+    assert abs(gc_threshold(p) * p.total - p.planned) < 1024
+    assert gc_threshold(plan(utilization=1.0, other=0)) < 1.0  # torch takes (0, 1) only
 
 
 def test_each_part_and_the_utilization_move_the_kv_cache():

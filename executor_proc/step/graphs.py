@@ -57,6 +57,9 @@ class GraphCapture:
         self.device = device
         self.pool = None
         self.count = 0  # graphs captured so far
+        # While serving (the allocator held to the memory plan: executor_proc.build.cap_allocator): the warm-up's
+        # cached blocks go back to the device before a capture, inside which nothing can be given back.
+        self.empty_cache_before_capture = False
 
     def __call__(self, fn: Callable[[], Out]) -> tuple[torch.cuda.CUDAGraph, Out]:
         """Run ``fn`` once (compiles kernels, creates handles), then capture it; (graph, its outputs)."""
@@ -66,6 +69,8 @@ class GraphCapture:
         # that stream's steps (held in the memory plan).  A fresh stream per warm-up kept each one's blocks
         # apart: lazy captures while serving added gigabytes past the plan at 256 slots.
         fn()
+        if self.empty_cache_before_capture:
+            torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         # thread_local (kernels.capture): the output thread may wait on copy events while a lazy capture runs,
         # and the compile pool loads kernels while the start-up captures
