@@ -188,6 +188,8 @@ def run_cell(model: str, seqs: int, tokens: int, args: argparse.Namespace) -> di
         plan_line = server.line("forerun: memory plan")
         cell["plan_line"] = plan_line
         cell["plan"] = parse_plan(plan_line)
+        print(f"{model} seqs {seqs} tokens {tokens}: {'ready' if server.ready else 'not ready'} after "
+              f"{cell['start_s']} s; {plan_line}", flush=True)  # before the load: a cell cut off still shows it
         # The final capture's own figure (the plan's graphs were measured on the first): the two should agree.
         graphs = re.search(r"CUDA graphs captured in ([0-9.]+) s, ([0-9]+) MiB", "".join(server.log))
         if graphs:
@@ -259,6 +261,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             continue
         cell = run_cell(model, seqs, tokens, args)
         results.append(cell)
+        if args.json:  # after every cell: a run cut off keeps the cells it finished
+            write_json(args.json, dict(device=args.device, quick=args.quick, cells=results))
         print(f"{model} seqs {seqs} tokens {tokens}: {'ok' if cell['ok'] else 'FAILED'} {cell.get('plan_line', '')}"
               f" | peak {cell['peak_gib']} GiB, free min {cell['free_min_gib']} GiB, {cell.get('requests', 0)} "
               f"requests, errors {len(cell.get('errors', []))} {cell.get('error', '')[:300]}", flush=True)
