@@ -198,6 +198,37 @@ def masks_only(args) -> dict:
     return {"args": vars(args), "masks": rows}
 
 
+def mask_kernel(args) -> dict:
+    """The grammar mask kernel's time per launch (CUDA graph of 20 launches, 10 replays), 128,256 columns, rows
+    of the batch sizes, every column past the first 3,200 disallowed (a JSON structure position: the most writes)."""
+    import torch
+
+    from kernels.grammar_mask import apply_grammar_mask
+
+    out, vocab = [], 128256
+    for rows in args.batches:
+        logits = torch.randn(rows, vocab, device="cuda")
+        table = torch.randint(-2**31, 2**31 - 1, (rows + 1, -(-vocab // 32)), dtype=torch.int64).to(torch.int32).cuda()
+        table[:, 100:] = 0
+        slots = torch.arange(rows, device="cuda")
+        for _ in range(3):
+            apply_grammar_mask(logits, table, slots)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                apply_grammar_mask(logits, table, slots)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        out.append({"rows": rows, "us": start.elapsed_time(end) / 200 * 1e3})
+    return {"args": vars(args), "mask_kernel": out}
+
+
 def run(args) -> dict:
     out = {"args": vars(args), "rows": [], "compile": None}
     folder = tempfile.mkdtemp(prefix="fs", dir="/tmp")
@@ -289,8 +320,13 @@ def main(argv=None) -> int:
     ap.add_argument("--masks-only", action="store_true",
                     help="no server: time the executor's grammar work per step (matchers advanced, masks computed)")
     ap.add_argument("--vocab", type=int, default=49152, help="--masks-only: the logits' width")
+    ap.add_argument("--mask-kernel", action="store_true", help="no server: time the grammar mask kernel (CUDA)")
     args = ap.parse_args(argv)
-    if args.masks_only:
+    if args.mask_kernel:
+        result = mask_kernel(args)
+        print(format_table([(f"rows {r['rows']:>3}", f"{r['us']:.2f} us") for r in result["mask_kernel"]],
+                           title="grammar mask kernel, 128,256 columns (in a CUDA graph)"))
+    elif args.masks_only:
         result = masks_only(args)
         print(format_table([(f"batch {r['batch']:>3}", f"admit {r['admit_ms']:.1f} ms; advance + masks per step "
                                                          f"p50 {r['advance_ms']['p50']:.2f} ms, p90 "
