@@ -129,3 +129,35 @@ def test_tool_results_in_a_conversation():
     assert tools is None and messages[0]["role"] == "system" and "get_time" in messages[0]["content"]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in messages[2]["content"]
     assert messages[3] == {"role": "tool", "content": "21 degrees, sunny", "tool_call_id": call_id}
+
+
+def test_required_schema_keeps_each_functions_definitions(default_model_dir):
+    """tool_choice "required" over functions whose parameters hold ``$defs`` (pydantic's nested models, the same
+    name in two functions) and a recursive ``#`` ref: the one schema compiles and validates what each function's
+    own schema does."""
+    import jsonschema
+
+    from ipc.gateway.tools import constraint
+    from scheduler_proc.grammar import GrammarCompiler
+
+    user = {"$defs": {"Item": {"type": "object", "properties": {"street": {"type": "string"}}, "required": ["street"],
+                               "additionalProperties": False}},
+            "type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}},
+            "required": ["items"], "additionalProperties": False}
+    order = {"definitions": {"Item": {"type": "object", "properties": {"sku": {"type": "integer"}}, "required": ["sku"],
+                                      "additionalProperties": False}},
+             "type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/definitions/Item"}},
+                                              "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+             "required": ["items"], "additionalProperties": False}
+    plan = ToolPlan([{"name": "save_user", "parameters": user}, {"name": "order", "parameters": order}], "required")
+    schema = constraint(plan)["json_schema"]
+    good = [{"name": "save_user", "parameters": {"items": [{"street": "Main"}]}},
+            {"name": "order", "parameters": {"items": [{"sku": 1}], "next": {"items": [], "next": None}}}]
+    jsonschema.validate(good, schema)
+    for call in good:
+        jsonschema.validate(call["parameters"], user if call["name"] == "save_user" else order)
+    for bad in ([{"name": "save_user", "parameters": {"items": [{"sku": 1}]}}],
+                [{"name": "order", "parameters": {"items": [{"sku": 1}], "next": {"items": [{"street": "x"}]}}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert GrammarCompiler(default_model_dir, 49152, [2]).compile_sync("json_schema", schema)

@@ -107,12 +107,46 @@ def constraint(plan: Optional[ToolPlan]) -> dict[str, Any]:
     if plan.choice == "named":
         fn = next(f for f in plan.functions if f["name"] == plan.name)
         return {"json_schema": fn["parameters"]}
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": f["parameters"]},
-              "required": ["name", "parameters"], "additionalProperties": False} for f in plan.functions]
+    defs: dict[str, Any] = {}
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                               "parameters": _hoisted(f["parameters"], f"f{i}", defs)},
+              "required": ["name", "parameters"], "additionalProperties": False} for i, f in enumerate(plan.functions)]
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not plan.parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return {"json_schema": schema}
+
+
+def _hoisted(params: dict[str, Any], name: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """A function's ``parameters`` inside the ``required`` schema: its ``$defs`` / ``definitions`` (pydantic's
+    nested models) move to the root's ``$defs`` as ``{name}_{def}``, its local ``$ref``s follow them, and a
+    ``#`` (the parameters themselves, recursively) becomes ``#/$defs/{name}``."""
+    local = ("#/$defs/", "#/definitions/")
+    recursive = False
+
+    def ref(value: str) -> str:
+        nonlocal recursive
+        if value == "#":
+            recursive = True
+            return f"#/$defs/{name}"
+        prefix = next((p for p in local if value.startswith(p)), None)
+        return value if prefix is None else f"#/$defs/{name}_{value[len(prefix):]}"
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: ref(v) if k == "$ref" and isinstance(v, str) else rewrite(v) for k, v in node.items()}
+        return [rewrite(v) for v in node] if isinstance(node, list) else node
+
+    for key in ("$defs", "definitions"):
+        for def_name, value in (params.get(key) or {}).items():
+            defs[f"{name}_{def_name}"] = rewrite(value)
+    body = rewrite({k: v for k, v in params.items() if k not in ("$defs", "definitions")})
+    if recursive:
+        defs[name] = body
+        return {"$ref": f"#/$defs/{name}"}
+    return body
 
 
 def with_constraint(kw: dict[str, Any], plan: Optional[ToolPlan]) -> dict[str, Any]:
