@@ -27,6 +27,7 @@ from executor_proc.model.loader import load_model
 from executor_proc.step.grammar import build_grammar_slots
 from executor_proc.step.host_kv import HostKV, num_host_blocks
 from executor_proc.step.slot_tables import SlotTables
+from executor_proc.step.speculate import build_speculator
 from executor_proc.step.worker import Worker
 from ipc.config import ExecutorConfig
 from ipc.protocol import Admit, SlotSampling, StepPlan
@@ -114,6 +115,7 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     kv = KVCache(model.config, probe.num_blocks if probe else 1, cfg.block_size, device=device, dtype=dtype)
     worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=max_batch, capture_graphs=capture,
                     mixed_max_tokens=mixed_max_tokens(cfg, backend))
+    worker.enable_speculation(build_speculator(cfg.speculative, cfg.num_slots, max_len, device))
     if tp_size == 1:  # structured outputs (the scheduler refuses them under tensor parallelism)
         worker.grammar = build_grammar_slots(cfg.tokenizer, mcfg.vocab_size, list(mcfg.eos_token_ids),
                                              cfg.num_slots, device)

@@ -115,6 +115,9 @@ class OutputThread(threading.Thread):
                 step.event.synchronize()
             tokens = step.tokens if isinstance(step.tokens, list) else step.tokens.tolist()
             extra = step.outputs.result_fields() if step.outputs is not None else {}
+            if getattr(step.outputs, "spec", None) is not None and step.outputs.spec.rows:  # speculative rows' runs
+                tokens, spec_fields = step.outputs.spec.split(tokens)
+                extra.update(spec_fields)
             if "backups_done_step_id" not in extra:  # polled after the step's copy: never waits
                 extra["backups_done_step_id"] = self.backups_done(step.step_id)
             if self.memory_device is not None and time.monotonic() >= self._next_memory_sample:
@@ -193,7 +196,8 @@ class ExecutorProcess:
         self.worker = ScriptedWorker(ScriptedRunner(
             cfg.num_slots, num_blocks, cfg.block_size, vocab_size=script.vocab_size,
             eos_at=dict(script.eos_at), tokens_at={s: dict(t) for s, t in script.tokens_at.items()},
-            num_host_blocks=cfg.num_host_kv_blocks or 0, backup_lag=script.backup_lag_steps),
+            num_host_blocks=cfg.num_host_kv_blocks or 0, backup_lag=script.backup_lag_steps,
+            num_speculative_tokens=cfg.speculative.num_tokens if cfg.speculative.method else 0),
             step_latency_s=script.step_latency_s)
         self.send(p.ExecutorReady(
             num_kv_blocks=num_blocks, max_model_len=cfg.max_model_len or 4096, vocab_size=script.vocab_size,

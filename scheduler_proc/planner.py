@@ -47,6 +47,7 @@ from scheduler_proc.planner_reconcile import Reconciler
 from scheduler_proc.planner_restart import new_device_blocks, restart_planner
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.request import Request, Status
+from scheduler_proc.speculation import DraftCounts, Speculation
 from scheduler_proc.steps import InflightStep, Output, ResumeClock, StepDraft
 
 _RUNNING = Status.RUNNING
@@ -54,7 +55,7 @@ _FINISHED = Status.FINISHED
 
 
 @dataclass
-class Planner(Reconciler):
+class Planner(Reconciler, Speculation):
     """Intake and planning; applying returned steps and releasing requests are :class:`Reconciler`'s."""
 
     limits: Limits
@@ -73,6 +74,8 @@ class Planner(Reconciler):
         self._running: dict[int, Request] = {}
         self._prefilling: dict[int, Request] = {}
         self._decoding: dict[int, Request] = {}
+        self._speculating: dict[int, Request] = {}  # past their prompt, speculative rows (scheduler_proc/speculation)
+        self.spec_drafts = DraftCounts()
         # Blocks held by draining requests: they will come back (a shared one may not; then the wait
         # ends when its holder has drained, and the next plan preempts).
         self._draining_blocks = 0
@@ -163,6 +166,8 @@ class Planner(Reconciler):
         """
         draft = StepDraft(self.limits.max_num_batched_tokens, self._next_step)
         self._plan_decodes(draft)
+        if self._speculating:
+            self._plan_speculative(draft)
         self._plan_chunks(draft)
         if not draft.blocked:
             self._plan_admissions(draft)
@@ -257,9 +262,10 @@ class Planner(Reconciler):
             self._running[req.rid] = req
             self._prefilling[req.rid] = req
             sampling = slot_sampling(req, self.limits.eos_token_ids)
-            # The slot's penalty state is built from every token the request has, not from the chunks this
-            # admission computes: a prefix hit, an onload or a swap resume computes fewer.
-            tokens = req.known_tokens(0, req.num_known) if sampling.reads_tokens else []
+            req.spec_k = self.spec_drafts_for(sampling)
+            # The slot's penalty state (and a speculating slot's token table) is built from every token the request
+            # has, not from the chunks this admission computes: a prefix hit, an onload or a swap resume computes fewer.
+            tokens = req.known_tokens(0, req.num_known) if sampling.reads_tokens or req.spec_k else []
             draft.admits.append(Admit(req.slot, sampling, tokens))
             if self.prefix is not None:
                 self.prefix.admit(req, hit)  # shares the hit blocks; num_computed starts after them
@@ -299,11 +305,12 @@ class Planner(Reconciler):
                 draft.resumed.append(req)
             del self._prefilling[req.rid]
             if end + 1 < req.max_total:
-                self._decoding[req.rid] = req
+                (self._speculating if req.spec_k else self._decoding)[req.rid] = req
 
     def _emit(self, draft: StepDraft) -> StepPlan:
         """Record the step as in flight and build its plan: decode rows, then prefill rows."""
-        rows, nd, chunk_lens = draft.rows, draft.num_decode, draft.chunk_lens
+        rows, chunk_lens, spec = draft.rows, draft.chunk_lens, draft.spec
+        nd = draft.num_decode + len(spec)  # decode rows, then speculative rows: every one samples
         if chunk_lens:
             samplers = rows[:nd] + [r for r, s in zip(rows[nd:], draft.chunk_sample) if s]
         else:
@@ -313,12 +320,12 @@ class Planner(Reconciler):
         releases, self._releases = self._releases, []
         backups = self.host.send(step_id) if self.host is not None else []
         self.inflight.append(InflightStep(step_id, rows, samplers, draft.written, draft.onloaded, draft.resumed,
-                                          sum(chunk_lens), len(backups) // 2))
+                                          sum(chunk_lens), len(backups) // 2, spec))
         self.num_steps_planned += 1
         return StepPlan(
             step_id=step_id,
             slots=draft.slots,
-            num_tokens=[1] * nd + chunk_lens,
+            num_tokens=[1] * draft.num_decode + [k + 1 for _, k in spec] + chunk_lens,
             positions=draft.positions,
             is_prefill=[False] * nd + [True] * len(chunk_lens),
             sample=[True] * nd + draft.chunk_sample,
@@ -328,6 +335,7 @@ class Planner(Reconciler):
             releases=releases,
             onloads=draft.onloads,
             backups=backups,
+            num_drafts=[-1] * draft.num_decode + [k for _, k in spec] + [-1] * len(chunk_lens) if spec else [],
         )
 
     def _reserve(self, req: Request, num_tokens: int, draft: StepDraft) -> bool:

@@ -19,7 +19,10 @@ def check_planner(pl) -> None:
     pl.slots.check_integrity()
     inflight_count: dict[int, int] = {}
     pending_count: dict[int, int] = {}
+    lag_count: dict[int, int] = {}  # drafts of speculative rows in flight, per request
     for step in pl.inflight:
+        for r, k in step.spec:
+            lag_count[r.rid] = lag_count.get(r.rid, 0) + k
         assert len({r.rid for r in step.requests}) == len(step.requests), f"step {step.step_id}: a request twice"
         assert pl._returned < step.step_id < pl._next_step, f"step {step.step_id}: in flight out of order"
         for r in step.requests:
@@ -41,7 +44,15 @@ def check_planner(pl) -> None:
             holds[b] = holds.get(b, 0) + 1
         assert r.slot is not None and slot_owner.get(r.slot) == r.rid, f"request {r.rid}: slot ownership"
         # Exactly the blocks its KV needs: a decode row crosses into a new block when its position is a multiple.
-        assert len(r.blocks) == -(-r.num_computed // pl.limits.block_size), f"request {r.rid}: blocks for its KV"
+        # A speculating request keeps the blocks of its rejected drafts (its next rows write there): at most the
+        # worst case of the most steps that can be in flight (depth 2, one more with a prefill ahead) past its bound.
+        need = -(-r.num_computed // pl.limits.block_size)
+        if r.spec_k:
+            most = -(-(r.num_computed + 4 * (r.spec_k + 1)) // pl.limits.block_size)
+            assert need <= len(r.blocks) <= most, f"request {r.rid}: blocks for its KV and drafts"
+        else:
+            assert len(r.blocks) == need, f"request {r.rid}: blocks for its KV"
+        assert r.spec_lag == lag_count.get(r.rid, 0), f"request {r.rid}: drafts in flight"
     if pl.host is not None:  # a device block being backed up holds one more reference
         for b in pl.host.busy_device_blocks():
             holds[b] = holds.get(b, 0) + 1
@@ -57,14 +68,22 @@ def check_planner(pl) -> None:
         assert r.status is Status.PREEMPTED or r.status is _FINISHED, f"request {r.rid}: draining while {r.status}"
     for r in running:
         assert r.status is _RUNNING
-        total = r.num_known + pending_count.get(r.rid, 0)  # prompt, received and sampled tokens in flight
+        # prompt, received and sampled tokens in flight (every draft in flight counted as accepted)
+        total = r.num_known + pending_count.get(r.rid, 0) + r.spec_lag
         assert r.num_computed <= total
         if not r.is_prefilling:
             assert r.num_computed == total - 1, f"request {r.rid}: decode invariant"
         assert (r.rid in pl._prefilling) == r.is_prefilling, f"request {r.rid}: prefilling set"
-        wants_decode = not r.is_prefilling and r.num_computed + 1 < r.max_total
-        assert (r.rid in pl._decoding) == wants_decode, f"request {r.rid}: decoding set"
+        if r.spec_k:  # speculating: in the set from its prompt's end (if it wanted a token) to its finish
+            assert r.rid not in pl._decoding and not (r.is_prefilling and r.rid in pl._speculating)
+            wants = not r.is_prefilling and r.num_computed + 1 - r.spec_lag < r.max_total
+            assert r.rid in pl._speculating or not wants, f"request {r.rid}: speculating set"
+        else:
+            wants_decode = not r.is_prefilling and r.num_computed + 1 < r.max_total
+            assert (r.rid in pl._decoding) == wants_decode, f"request {r.rid}: decoding set"
+            assert r.rid not in pl._speculating and not r.spec_lag, f"request {r.rid}: speculating set"
     assert pl._prefilling.keys() <= pl._running.keys() and pl._decoding.keys() <= pl._running.keys()
+    assert pl._speculating.keys() <= pl._running.keys()
     live = running + list(pl.waiting) + [r for r in pl.draining.values() if r.status is not _FINISHED]
     assert {t for r in live for t in r.stop_ids} <= pl._stop_tokens, "a live request's stop token is missed"
     assert pl.limits.eos_token_ids <= pl._stop_tokens

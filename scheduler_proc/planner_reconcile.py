@@ -42,6 +42,8 @@ class Reconciler:
             outputs = self._reconcile_extras(step, result)
         else:
             outputs = self._reconcile_tokens(step.samplers, tokens)
+        if step.spec:
+            self._reconcile_spec(step, result, outputs)  # their accepted runs (scheduler_proc/speculation.py)
         if self.followers:
             for out in outputs:
                 if out.request.rid in self.followers:
@@ -156,6 +158,7 @@ class Reconciler:
         del self._running[req.rid]
         self._prefilling.pop(req.rid, None)
         self._decoding.pop(req.rid, None)
+        self._speculating.pop(req.rid, None)
 
     def _leave(self, req: Request) -> None:
         """Out of future plans; resources return now or when the last in-flight step does."""

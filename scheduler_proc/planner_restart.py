@@ -28,10 +28,10 @@ def restart_planner(pl) -> None:
         req.status = Status.WAITING
         req.num_preemptions += 1
         req.slot, req.blocks, req.num_published = None, [], 0
-        req.num_computed = req.num_prefill = 0
+        req.num_computed = req.num_prefill = req.spec_lag = 0
     pl.waiting.extendleft(reversed(requeue))
     pl.num_preemptions += len(requeue)
-    for group in (pl._running, pl._prefilling, pl._decoding, pl.draining):
+    for group in (pl._running, pl._prefilling, pl._decoding, pl._speculating, pl.draining):
         group.clear()
     pl.inflight.clear()
     pl._returned = pl._next_step - 1  # the steps in flight are void: none of them will come back

@@ -67,6 +67,10 @@ class Request:
     index: int = 0  # which completion of an n > 1 request
     held_by: Optional[int] = None  # rid of the completion whose first token this one waits for (n > 1)
     extras: Optional["RequestExtras"] = None  # stop strings, logprobs, min_tokens (scheduler_proc.extras)
+    # Speculative decoding (scheduler_proc/speculation.py): drafts per row (0: it does not speculate), and the
+    # drafts of its rows in flight, not yet accepted or rejected (num_computed counts them all as accepted).
+    spec_k: int = 0
+    spec_lag: int = 0
 
     @property
     def num_known(self) -> int:

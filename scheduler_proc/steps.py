@@ -15,11 +15,12 @@ from scheduler_proc.request import Request
 class InflightStep:
     """A step that was sent and has not come back: who is in it, who samples, what it completes."""
 
-    __slots__ = ("step_id", "requests", "samplers", "written", "onloaded", "resumed", "num_prefill", "num_backups")
+    __slots__ = ("step_id", "requests", "samplers", "written", "onloaded", "resumed", "num_prefill", "num_backups",
+                 "spec")
 
     def __init__(self, step_id: int, requests: list[Request], samplers: list[Request],
                  written: list[tuple[Request, int]], onloaded: list[int] = (), resumed: list[Request] = (),
-                 num_prefill: int = 0, num_backups: int = 0):
+                 num_prefill: int = 0, num_backups: int = 0, spec: list[tuple[Request, int]] = ()):
         self.step_id = step_id
         self.num_prefill = num_prefill  # prefill tokens computed (the step log's record of what the step did)
         self.num_backups = num_backups  # blocks the host KV tier backs up after it
@@ -31,6 +32,7 @@ class InflightStep:
         self.written = written
         self.onloaded = onloaded  # host blocks this step copies to the device (busy until it is back)
         self.resumed = resumed  # preempted requests whose first token since readmission this step samples
+        self.spec = spec  # (request, drafts) of its speculative rows, row order (scheduler_proc/speculation.py)
 
 
 class ResumeClock:
@@ -68,7 +70,7 @@ class StepDraft:
     """The plan being built: its rows' requests and the StepPlan's lists, filled in one pass."""
 
     __slots__ = ("budget", "step_id", "blocked", "rows", "slots", "positions", "appends", "admits", "num_decode",
-                 "chunk_lens", "chunk_sample", "chunk_tokens", "written", "onloads", "onloaded", "resumed")
+                 "chunk_lens", "chunk_sample", "chunk_tokens", "written", "onloads", "onloaded", "resumed", "spec")
 
     def __init__(self, budget: int, step_id: int = 0):
         self.budget = budget  # tokens left in the step
@@ -87,6 +89,7 @@ class StepDraft:
         self.onloads: list[int] = []  # (host block, device block) pairs, flat
         self.onloaded: list[int] = []  # the host blocks of ``onloads``
         self.resumed: list[Request] = []  # readmitted preempted requests whose chunk samples
+        self.spec: list[tuple[Request, int]] = []  # speculative rows (after the decode rows): request, drafts
 
     def add_blocks(self, slot: int, start: int, blocks: list[int]) -> None:
         """Append ``blocks`` to ``slot``'s block table from index ``start``: ``(slot, index, block)`` triples."""

@@ -91,6 +91,10 @@ class InflightLedger:
         # Coverage: steps outstanding when a plan with onloads / backups was sent.
         self.onload_offsets: set[int] = set()
         self.backup_offsets: set[int] = set()
+        # Speculative rows: a row writes from its slot's exact length, at most the drafts in flight below its
+        # planned position (each may be rejected); per outstanding step, its (slot, drafts).
+        self.spec_lag: dict[int, int] = {}
+        self.spec_rows: dict[int, list[tuple[int, int]]] = {}
 
     def sent(self, plan: StepPlan) -> None:
         used_slots: set[int] = set()
@@ -124,9 +128,15 @@ class InflightLedger:
         self._host_diffs(plan, writing)
         bs = self.block_size
         written = set()
-        for slot, n, start in zip(plan.slots, plan.num_tokens, plan.positions):
+        spec = self.spec_rows[plan.step_id] = []
+        for row, (slot, n, start) in enumerate(zip(plan.slots, plan.num_tokens, plan.positions)):
             table = self.tables[slot]
-            for b in {table[p // bs] for p in range(start, start + n)}:
+            low = start
+            if plan.num_drafts and plan.num_drafts[row] >= 0:
+                low -= self.spec_lag.get(slot, 0)
+                self.spec_lag[slot] = self.spec_lag.get(slot, 0) + n - 1
+                spec.append((slot, n - 1))
+            for b in {table[p // bs] for p in range(low, start + n)}:
                 assert self.holders[b] == 1, f"step {plan.step_id}: slot {slot} writes block {b}, which is shared"
                 assert b not in self.backing_up, f"step {plan.step_id}: slot {slot} writes block {b}, backed up"
                 written.add(b)
@@ -159,6 +169,8 @@ class InflightLedger:
     def returned(self, step_id: int, backups_done: int = -1) -> None:
         sid = self.outstanding.popleft()[0]
         assert sid == step_id, f"step {step_id} returned, ledger expected {sid}"
+        for slot, k in self.spec_rows.pop(step_id):
+            self.spec_lag[slot] -= k
         del self.onloading[step_id]
         for block, s in list(self.backing_up.items()):
             if s <= backups_done:
@@ -217,6 +229,7 @@ def run(
     specs, *, depth: int, num_slots=4, num_blocks=64, block_size=4, max_len=512, budget=64,
     eos_at=None, tokens_at=None, arrivals=None, aborts=None, burst=False, check=True, max_steps=10_000,
     prefix_caching=True, prompts=None, leaders=None, num_host_blocks=0, backup_lag=0, prefill_ahead=False,
+    num_speculative_tokens=0, accept=None,
 ) -> tuple[Trace, Planner, ScriptedRunner]:
     """Run requests to completion.
 
@@ -231,9 +244,11 @@ def run(
     ``leaders[i] = j``: request i is a later completion of request j's prompt (n > 1).
     ``num_host_blocks``: the host KV tier's pool (0: none); ``backup_lag``: steps a backup takes.
     ``prefill_ahead``: as the server's option, a plan with a prefill chunk may go one step further ahead.
+    ``num_speculative_tokens``: drafts per speculative row (0: off); ``accept(seed, position, k)``: how many
+    of a row's k drafts the script accepts (ScriptedRunner.accept).
     """
     limits = Limits(num_slots, num_blocks, block_size, max_len, budget, frozenset({EOS}),
-                    num_host_blocks=num_host_blocks)
+                    num_host_blocks=num_host_blocks, num_speculative_tokens=num_speculative_tokens)
     planner = Planner(limits, prefix_cache_id="scripted" if prefix_caching else None, detokenize=fake_detokenize)
     reqs = [make_request(i, **s) for i, s in enumerate(specs)]
     for i, prompt in (prompts or {}).items():
@@ -241,7 +256,8 @@ def run(
     eos_pos = {reqs[i].seed: len(reqs[i].prompt) + k for i, k in (eos_at or {}).items()}
     placed = {reqs[i].seed: {len(reqs[i].prompt) + k: t for k, t in at.items()} for i, at in (tokens_at or {}).items()}
     ex = ScriptedRunner(num_slots, num_blocks, block_size, vocab_size=VOCAB, eos_token_id=EOS, eos_at=eos_pos,
-                        tokens_at=placed, num_host_blocks=num_host_blocks, backup_lag=backup_lag)
+                        tokens_at=placed, num_host_blocks=num_host_blocks, backup_lag=backup_lag,
+                        num_speculative_tokens=num_speculative_tokens, accept=accept)
     arrivals = arrivals or {}
     aborts = aborts or {}
     ids = [r.request_id for r in reqs]

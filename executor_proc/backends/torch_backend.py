@@ -90,10 +90,10 @@ def plan_attention(batch: ForwardBatch) -> AttentionPlan:
         n, ctx = qlens[r], clens[r]
         mask = None
         if ctx != n:
-            # Query i sits at position ctx - n + i and sees keys 0..ctx - n + i.
+            # Query i sees keys 0..its position (ctx - n + i; a speculative row's host ctx is only an upper bound of
+            # its context, its positions are the device's).
             keys = torch.arange(ctx, device=device)
-            queries = torch.arange(n, device=device) + (ctx - n)
-            mask = keys[None, :] <= queries[:, None]
+            mask = keys[None, :] <= batch.positions[starts[r]:starts[r + 1], None]
         plan.prefill_rows.append(
             PrefillRow(
                 tokens=slice(starts[r], starts[r + 1]),

@@ -146,9 +146,10 @@ class TokenRing:
         main.wait_event(self._copied[k])  # on the device: the slot's previous D2H copy is done
         self._dev[k, :n].copy_(tokens)
         lp = outputs.logprobs if outputs is not None else None
+        m = lp[0].shape[0] if lp is not None else 0  # the sampled rows (a speculative step sends more tokens)
         if lp is not None:
             for dev, src in zip(self._lp_dev, lp):
-                dev[k, :n].copy_(src)
+                dev[k, :m].copy_(src)
         if outputs is not None and outputs.prompt_logprobs is not None:
             outputs.prompt_logprobs = tuple(t.to("cpu", non_blocking=True) for t in outputs.prompt_logprobs)
         self.stream.wait_stream(main)
@@ -156,7 +157,7 @@ class TokenRing:
             self._host[k, :n].copy_(self._dev[k, :n], non_blocking=True)
             if lp is not None:
                 for host, dev in zip(self._lp_host, self._lp_dev):
-                    host[k, :n].copy_(dev[k, :n], non_blocking=True)
-                outputs.logprobs = tuple(host[k, :n] for host in self._lp_host)
+                    host[k, :m].copy_(dev[k, :m], non_blocking=True)
+                outputs.logprobs = tuple(host[k, :m] for host in self._lp_host)
             self._copied[k].record(self.stream)
         return self._host[k, :n], TokenCopy(self, k, self._copied[k])

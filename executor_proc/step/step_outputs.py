@@ -33,6 +33,8 @@ class StepOutputs:
     prompt_logprobs: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # ids, logprobs [M, 21]
     # The step's constrained rows (executor_proc/step/grammar.py): the output thread advances their matchers.
     grammar: Optional[object] = None
+    # The step's speculative rows (executor_proc/step/speculate.py SpecStep): they cut its token list.
+    spec: Optional[object] = None
 
     def result_fields(self) -> dict:
         """StepResult keyword arguments (read the host tensors: only once the copy has completed)."""

@@ -98,6 +98,10 @@ class ScriptedRunner:
     backing_up: dict[int, tuple[int, int, list[int]]] = field(default_factory=dict)
     num_backups: int = 0
     num_onloads: int = 0
+    # Speculative rows (drafts per row; 0: off): accept(seed, position, k) is how many of the k drafts of a row
+    # starting at that position the "model" accepts (default: a hash of both); the rest are wrong guesses.
+    num_speculative_tokens: int = 0
+    accept: Optional[Callable[[int, int, int], int]] = None
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
@@ -113,6 +117,9 @@ class ScriptedRunner:
         )):
             seq = self.seqs[slot]
             sp = self.sampling[slot]
+            if plan.num_drafts and plan.num_drafts[row] >= 0:
+                tokens.append(self._speculative_row(slot, n - 1, start, result))
+                continue
             if prefill:
                 chunk = plan.prefill_tokens[cursor : cursor + n]
                 cursor += n
@@ -150,6 +157,29 @@ class ScriptedRunner:
         self.steps_run += 1
         result.t_start, result.t_end = t0, time.perf_counter()
         return result
+
+    def _speculative_row(self, slot: int, k: int, bound: int, result: StepResult) -> int:
+        """A verify row of ``k`` drafts from the slot's length (``bound``: the planner's upper bound of it): the
+        accepted drafts are the script's tokens, a rejected one a wrong guess whose KV the next row overwrites.
+        Returns the row's first token; its further tokens and accepted count go into ``result``."""
+        seq, sp, seed = self.seqs[slot], self.sampling[slot], self.seed[slot]
+        assert 0 <= k <= self.num_speculative_tokens and sp.verifiable, f"slot {slot}: a speculative row of {k} drafts"
+        last = len(seq) - 1  # the input token's position: the slot's length on the device
+        assert last <= bound, f"slot {slot}: speculative row at {last}, above the planner's bound {bound}"
+        assert len(self.tables[slot]) * self.block_size >= last + k + 1, f"slot {slot}: KV beyond its blocks"
+        accepted = (self.accept or _hash_accept)(seed, last, k)
+        assert 0 <= accepted <= k
+        true = []
+        for p in range(last + 1, last + k + 2):
+            tok = self.token_at(seed, p)
+            true.append(masked(tok, sp.min_tokens_stop_ids, self.vocab_size)
+                        if p - sp.num_prompt_tokens < sp.min_tokens else tok)
+        drafts = true[:accepted] + [-1 - j for j in range(k - accepted)]  # -1...: never a real token
+        self._write(slot, last, [seq[last]] + drafts)
+        seq.extend(true[:accepted + 1])
+        result.spec_tokens += true[1:]
+        result.num_accepted.append(accepted)
+        return true[0]
 
     def token_at(self, seed: int, position: int) -> int:
         """The token this script samples at absolute ``position`` for ``seed``."""
@@ -233,7 +263,8 @@ class ScriptedRunner:
             self.seed[admit.slot] = admit.sampling.seed
             self.sampling[admit.slot] = admit.sampling
             # the request's every token when its penalties read them: the prompt and any earlier outputs
-            assert bool(admit.tokens) == admit.sampling.reads_tokens, f"slot {admit.slot}: admission tokens"
+            speculates = self.num_speculative_tokens > 0 and admit.sampling.verifiable
+            assert bool(admit.tokens) == (admit.sampling.reads_tokens or speculates), f"slot {admit.slot}: admission tokens"
             assert len(admit.tokens) >= admit.sampling.num_prompt_tokens or not admit.tokens
             self.admitted_tokens[admit.slot] = admit.tokens
         a = plan.block_appends
@@ -245,6 +276,11 @@ class ScriptedRunner:
             assert slot not in holders, f"block {block} twice in the table of slot {slot}"
             holders.add(slot)
             self.tables[slot].append(block)
+
+
+def _hash_accept(seed: int, position: int, k: int) -> int:
+    """The default accepted count: anything from 0 to ``k``, from the seed and position."""
+    return default_token(seed, position * 31 + 7, k + 5) - 4
 
 
 def wait_until(deadline: float) -> None:
@@ -335,9 +371,10 @@ class ScriptedOutputs:
 
     def result_fields(self) -> dict:
         r = self.result
+        spec = {"spec_tokens": r.spec_tokens, "num_accepted": r.num_accepted} if r.num_accepted else {}
         if not (r.logprob_rows or r.prompt_logprob_rows):
-            return {"backups_done_step_id": r.backups_done_step_id}
-        return {"logprob_rows": r.logprob_rows, "logprobs": r.logprobs, "backups_done_step_id": r.backups_done_step_id,
+            return {"backups_done_step_id": r.backups_done_step_id, **spec}
+        return {**spec, "logprob_rows": r.logprob_rows, "logprobs": r.logprobs, "backups_done_step_id": r.backups_done_step_id,
                 "prompt_logprob_rows": r.prompt_logprob_rows, "prompt_logprobs": r.prompt_logprobs}
 
 

@@ -1,0 +1,181 @@
+"""Speculative rows on the device: n-gram drafts, one verify pass, greedy acceptance, next inputs.
+
+Design.  The scheduler runs a step ahead, so when it plans a speculative row it does not know how many tokens
+the slot's previous row accepted: it sends only an upper bound of the row's position (``StepPlan.positions``)
+and the row's draft count ``k`` (``StepPlan.num_drafts``), and reserves KV for the worst case.  Everything that
+depends on the accepted counts stays on the device, in two per-slot tables::
+
+    tokens   [num_slots + 1, max_len + K + 2]  the slot's tokens by position (admission: Admit.tokens)
+    lengths  [num_slots + 1]                  position of the slot's newest token (the next row's first input)
+
+A speculative row starts at ``lengths[slot]`` (at the plan's position for the slot's first speculative row,
+whose position the scheduler knows exactly; the host remembers which slots have run one, ``live``).  The step
+(inside the eager step, before the forward) writes ``last_token`` at that position, proposes ``K`` drafts by
+prompt lookup over ``tokens[slot, :length + 1]`` (:mod:`kernels.ngram`), and makes the row's ``k + 1`` input
+ids (the last token, then the drafts), positions, KV indices and context length from the device length.  After
+the forward, the logits of every position of the row give the target argmax ``g[0..k]``; the row accepts the
+longest prefix of drafts equal to it (``d[j] == g[j - 1]``) and emits ``g[0..a]`` (``a`` accepted drafts, then the
+model's own token: the correction, or the bonus token when all are accepted).  Then, on the device:
+``last_token = g[a]``, ``lengths += a + 1``, ``tokens[length + 1 ..] = g``.  Positions past the accepted ones
+hold rejected drafts' KV, which the next row overwrites (its positions start right after the accepted ones).
+
+The result carries each row's first token in ``token_ids`` and its ``k`` further tokens and accepted count in
+``StepResult.spec_tokens`` / ``num_accepted``: one device tensor, cut on the host by :meth:`SpecStep.split`.
+Only verifiable slots (``SlotSampling.verifiable``: greedy, no penalty, bias, mask or logprobs) speculate;
+the planner decides that.  The torch backend (the CPU's) attends a row over its host upper bound and masks the
+keys past each query's device position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from executor_proc.step.batch import ForwardBatch
+from executor_proc.step.plan_rows import PlanRows
+from executor_proc.step.slot_tables import SlotTables
+from ipc.config import SpeculativeConfig
+from ipc.protocol import StepPlan
+from kernels.ngram_ref import ngram_drafts_ref
+
+
+def build_speculator(sc: SpeculativeConfig, num_slots: int, max_len: int, device: torch.device
+                     ) -> Optional["Speculator"]:
+    """The executor's speculative state for ``--speculative-method`` (None: off)."""
+    if sc.method is None:
+        return None
+    return Speculator(num_slots, max_len, sc.num_tokens, sc.ngram_min, sc.ngram_max, device)
+
+
+def ngram_drafts(tokens, slots, lengths, k, ngram_min, ngram_max) -> torch.Tensor:
+    """The Triton kernel on CUDA, its torch reference elsewhere."""
+    if tokens.is_cuda:
+        from kernels.ngram import ngram_drafts as kernel
+
+        return kernel(tokens, slots, lengths, k, ngram_min, ngram_max)
+    return ngram_drafts_ref(tokens, slots, lengths, k, ngram_min, ngram_max)
+
+
+def accept_greedy(drafts: torch.Tensor, target: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """``[R]`` accepted drafts: the longest prefix with ``drafts[:, j] == target[:, j]`` and ``j < num_drafts``
+    (``drafts [R, K]``, ``target [R, K + 1]``: the argmax after each input)."""
+    K = drafts.shape[1]
+    ok = (drafts == target[:, :K]) & (torch.arange(K, device=drafts.device)[None, :] < num_drafts[:, None])
+    return ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+@dataclass
+class SpecStep:
+    """One step's speculative rows: where their host arrays sit in the upload, and how to cut the result."""
+
+    rows: int = 0  # speculative rows
+    extra: int = 0  # their further tokens, flat (sum of k)
+    num_sampled: int = 0  # the step's sampled rows (token_ids)
+    fill: Optional[int] = None  # upload index of admitted slots' (slot, position, token) triples
+    part: Optional[int] = None  # upload index of the rows' and tokens' arrays
+    num_tokens: int = 0  # speculative rows' tokens (logits rows at the end of the sample index)
+    logits_index: Optional[np.ndarray] = None  # their token indices (host)
+    sizes: tuple[int, ...] = ()  # the lengths of the arrays at ``part``
+    parts: Optional[list] = None  # those arrays on the device (bind)
+    state: Optional[tuple] = None  # slots, drafts per row, first positions, drafts (bind -> verify)
+
+    def split(self, host: list[int]) -> tuple[list[int], dict]:
+        """``token_ids`` and the StepResult's speculative fields from the step's one host list."""
+        s, e = self.num_sampled, self.num_sampled + self.extra
+        return host[:s], {"spec_tokens": host[s:e], "num_accepted": host[e:e + self.rows]}
+
+
+class Speculator:
+    """The per-slot tables and the step's speculative work (module docstring)."""
+
+    def __init__(self, num_slots: int, max_len: int, k: int, ngram_min: int, ngram_max: int, device: torch.device):
+        self.k, self.ngram_min, self.ngram_max = k, ngram_min, ngram_max
+        rows = num_slots + 1
+        self.tokens = torch.zeros(rows, max_len + k + 2, dtype=torch.int64, device=device)
+        self.lengths = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.live: set[int] = set()
+
+    def stage_admits(self, plan: StepPlan, upload) -> Optional[SpecStep]:
+        """Add the admitted slots' tokens to the upload (None: no admission with tokens)."""
+        for slot in plan.releases:
+            self.live.discard(slot)
+        step = None
+        admits = [a for a in plan.admits if a.tokens]
+        for a in plan.admits:
+            self.live.discard(a.slot)
+        if admits:
+            step = SpecStep()
+            n = sum(len(a.tokens) for a in admits)
+            fill = np.empty((3, n), dtype=np.int64)
+            fill[0] = np.repeat([a.slot for a in admits], [len(a.tokens) for a in admits])
+            fill[1] = np.concatenate([np.arange(len(a.tokens)) for a in admits])
+            fill[2] = np.concatenate([a.tokens for a in admits])
+            step.fill = upload.add(fill.reshape(-1), torch.int64)
+        return step
+
+    def stage_rows(self, plan: StepPlan, rows: PlanRows, upload, step: Optional[SpecStep]) -> SpecStep:
+        """Add the plan's speculative rows to the upload (their token indices in ``logits_index``)."""
+        step = step or SpecStep()
+        drafts = np.asarray(plan.num_drafts, dtype=np.int64)
+        spec = np.flatnonzero(drafts >= 0)
+        slots = rows.slots[spec]
+        ks = drafts[spec]
+        start = np.where([s in self.live for s in slots.tolist()], -1, rows.starts[spec])  # -1: the device's
+        self.live.update(slots.tolist())
+        lens = ks + 1
+        tok_row = np.repeat(np.arange(len(spec)), lens)  # every token of the speculative rows, row by row
+        tok_j = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        tok_index = rows.query_start[spec][tok_row] + tok_j
+        sampled_at = np.searchsorted(rows.sampled, spec)  # each speculative row's place among the sampled rows
+        extra = np.concatenate([r * (self.k + 1) + np.arange(1, k + 1) for r, k in enumerate(ks)]) if ks.sum() \
+            else np.zeros(0, dtype=np.int64)
+        parts = [spec, slots, ks, start, sampled_at, tok_row, tok_j, tok_index, extra]
+        step.part = upload.add(np.concatenate(parts), torch.int64)
+        step.rows, step.extra, step.num_tokens = len(spec), len(extra), len(tok_row)
+        step.num_sampled = len(rows.sampled)
+        step.sizes, step.logits_index = tuple(len(p) for p in parts), tok_index
+        return step
+
+    def apply(self, step: Optional[SpecStep], sent: list[torch.Tensor]) -> None:
+        """Admitted slots' tokens into the table (after the slot tables' own admissions); the rows' arrays."""
+        if step is not None and step.fill is not None:
+            fill = sent[step.fill].view(3, -1)
+            self.tokens[fill[0], fill[1]] = fill[2]
+        if step is not None and step.part is not None:
+            step.parts = list(torch.split(sent[step.part], step.sizes))
+
+    def bind(self, step: SpecStep, batch: ForwardBatch, tables: SlotTables) -> None:
+        """The rows' drafts, input ids, positions, KV indices and context lengths, from the device lengths."""
+        spec, slots, ks, start, _, tok_row, tok_j, tok_index, _ = step.parts
+        last = tables.last_token[slots]
+        base = torch.where(start >= 0, start, self.lengths[slots])
+        self.tokens[slots, base] = last
+        drafts = ngram_drafts(self.tokens, slots, base + 1, self.k, self.ngram_min, self.ngram_max)
+        inputs = torch.cat([last[:, None], drafts], dim=1)  # [rows, K + 1]
+        pos = base[tok_row] + tok_j
+        bs = batch.block_size
+        batch.input_ids = batch.input_ids.index_put((tok_index,), inputs[tok_row, tok_j])
+        batch.positions = batch.positions.clone().index_put_((tok_index,), pos)
+        blocks = tables.block_table[slots[tok_row], pos // bs].to(torch.int64)
+        batch.kv_index = batch.kv_index.clone().index_put_((tok_index,), blocks * bs + pos % bs)
+        batch.context_lens = batch.context_lens.clone().index_put_((spec,), (base + ks + 1).to(batch.context_lens.dtype))
+        step.state = (slots, ks, base, drafts)
+
+    def verify(self, step: SpecStep, logits: torch.Tensor, tokens: torch.Tensor, tables: SlotTables) -> torch.Tensor:
+        """Accept each row's drafts from its positions' ``logits [num_tokens, vocab]``; update the tables; the
+        step's one output tensor: ``tokens`` (the first token of each speculative row in its place), the rows'
+        further tokens, their accepted counts."""
+        slots, ks, base, drafts = step.state
+        _, _, _, _, sampled_at, tok_row, tok_j, _, extra = step.parts
+        target = torch.zeros(step.rows, self.k + 1, dtype=torch.int64, device=logits.device)
+        target[tok_row, tok_j] = logits.argmax(dim=-1)
+        accepted = accept_greedy(drafts, target, ks)
+
+        tables.last_token[slots] = target.gather(1, accepted[:, None])[:, 0]
+        self.tokens[slots[tok_row], base[tok_row] + 1 + tok_j] = target[tok_row, tok_j]
+        self.lengths[slots] = base + accepted + 1
+        tokens = tokens.index_put((sampled_at,), target[:, 0])
+        return torch.cat([tokens, target.view(-1)[extra], accepted])

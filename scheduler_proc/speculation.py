@@ -1,0 +1,123 @@
+"""Speculative rows in the plans, and their accepted counts in reconcile: the scheduler's half of speculation.
+
+A request whose sampling a verify step reproduces exactly (``SlotSampling.verifiable``: greedy, nothing per
+token on the logits) speculates once speculative decoding is on.  After its prompt every row of it is a
+*speculative row* of ``k + 1`` tokens (``k <= K`` drafts): the executor proposes the drafts on the device
+(n-gram lookup in the slot's tokens), runs the row, keeps the longest prefix of drafts the model's argmax
+agrees with plus one token of its own, and moves the slot's length on the device.  So a row emits 1 to
+``k + 1`` tokens, and the scheduler learns how many one step late, after it has planned the next rows.
+
+It plans for the worst case and reconciles the outcome::
+
+    num_computed   upper bound of the KV positions written: every draft in flight counted as accepted
+    spec_lag       drafts in flight not yet accepted or rejected (num_computed - spec_lag: the lower bound)
+
+A row is planned at the upper bound (``StepPlan.positions`` is only that bound; the executor starts the row at
+the slot's device length), with blocks reserved for ``num_computed + k + 1`` tokens, and only while the lower
+bound of its tokens is short of ``max_tokens`` (length finishes stay known ahead, at worst one row late).
+When the step comes back, each row's ``k - accepted`` rejected drafts leave ``num_computed``; the blocks past the
+new bound stay with the request, whose next rows write there again (they are what the next worst case
+reserves: a block that held rejected drafts is reused, never leaked), and go back to the pool at its drain
+with the rest.  The first token of a row is reconciled with every other row's; the accepted ones
+follow through the same finish rules, one token at a time, so a stop token, a stop string, ``max_tokens`` or
+``min_tokens`` inside an accepted run ends the request there and the rest of the run is dropped.  Aborts,
+preemption and restarts need nothing more: a request that left still has its bounds tightened until its last
+step is back, so its drain publishes exactly the KV that was written.
+
+A mixin of :class:`~scheduler_proc.planner.Planner`, which owns the state (``_speculating``: the speculating
+requests past their prompt).
+"""
+
+from __future__ import annotations
+
+from ipc.protocol import SlotSampling, StepResult
+from scheduler_proc.request import Request, Status
+from scheduler_proc.steps import InflightStep, Output, StepDraft
+
+__all__ = ["DraftCounts", "Speculation"]
+
+_RUNNING = Status.RUNNING
+_FINISHED = Status.FINISHED
+
+
+class DraftCounts:
+    """Drafts verified and accepted since start-up (the server's stats and metrics)."""
+
+    __slots__ = ("drafted", "accepted")
+
+    def __init__(self):
+        self.drafted = self.accepted = 0
+
+
+class Speculation:
+    """Planning speculative rows and applying their accepted counts (the state is the Planner's)."""
+
+    def spec_drafts_for(self, sampling: SlotSampling) -> int:
+        """Drafts per row for a request admitted with ``sampling`` (0: it runs without speculation)."""
+        return self.limits.num_speculative_tokens if sampling.verifiable else 0
+
+    def _plan_speculative(self, draft: StepDraft) -> None:
+        """One row of ``k + 1`` tokens per speculating request that may still need tokens (module docstring)."""
+        max_len = self.limits.max_model_len
+        for req in list(self._speculating.values()):
+            if draft.budget == 0:
+                break
+            if req.status is not _RUNNING:
+                continue  # preempted by an earlier row of this plan
+            low = req.num_computed + 1 - req.spec_lag  # fewest tokens it will have once its steps are back
+            k = min(req.spec_k, req.max_total - low - 1, max_len - req.num_computed - 1, draft.budget - 1)
+            if low >= req.max_total or k < 0:
+                continue  # a length finish in flight, or its bound must come back first
+            if not self._reserve(req, req.num_computed + k + 1, draft):
+                draft.blocked = True
+                continue
+            draft.rows.append(req)
+            draft.slots.append(req.slot)
+            draft.positions.append(req.num_computed)
+            draft.spec.append((req, k))
+            draft.budget -= k + 1
+            req.num_computed += k + 1
+            req.spec_lag += k
+            req.last_step = draft.step_id
+
+    def _reconcile_spec(self, step: InflightStep, result: StepResult, outputs: list[Output]) -> None:
+        """The speculative rows' accepted counts: bounds tightened, blocks past them freed, accepted tokens applied
+        (each row's first token was applied with the other rows')."""
+        if len(result.num_accepted) != len(step.spec) or len(result.spec_tokens) != sum(k for _, k in step.spec):
+            raise RuntimeError(f"step {step.step_id}: {len(result.num_accepted)} accepted counts and "
+                               f"{len(result.spec_tokens)} drafted tokens for speculative rows {[k for _, k in step.spec]}")
+        by_rid = {out.request.rid: out for out in outputs}
+        counts = self.spec_drafts
+        cursor = 0
+        for (req, k), accepted in zip(step.spec, result.num_accepted):
+            if not 0 <= accepted <= k:
+                raise RuntimeError(f"step {step.step_id}: {accepted} of {k} drafts accepted")
+            run = result.spec_tokens[cursor:cursor + accepted]
+            cursor += k
+            counts.drafted += k
+            counts.accepted += accepted
+            req.spec_lag -= k
+            req.num_computed -= k - accepted
+            out = by_rid.get(req.rid)
+            if out is not None and out.finish_reason is None and req.status is not _FINISHED:
+                self._spec_tokens(req, run, out)
+
+    def _spec_tokens(self, req: Request, tokens: list[int], out: Output) -> None:
+        """Apply an accepted run after the row's first token, stopping at the first finish."""
+        stop_tokens = self._stop_tokens
+        extras = req.extras
+        for token in tokens:
+            req.output.append(token)
+            out.new_tokens.append(token)
+            reason = None
+            if extras is not None and extras.stop is not None:
+                matched = extras.stop.feed(token)
+                if matched is not None and len(req.output) >= extras.min_tokens:
+                    reason, out.stop_str = "stop", matched
+                    extras.stop_str = matched
+            if reason is None and (token in stop_tokens or len(req.output) >= req.max_output):
+                reason = self._finish_reason(req, token)
+            if reason is not None:
+                out.finish_reason = reason
+                self._finish(req, reason)
+                return

@@ -1,0 +1,57 @@
+"""Speculative decoding (n-gram) on the default model on the CPU: greedy output identical token for token.
+
+One server per pipeline depth with ``--speculative-method ngram``, one at a time.  At depth 1 each prompt runs
+twice at once: as itself (it speculates) and with ``logprobs=0`` (a row the verify step cannot reproduce exactly:
+it runs without speculation, in the same steps), the reference of every depth.  The prompts ask to copy or edit
+a given text (drafts found in the prompt get accepted) or for something new (little is), and one stop string
+falls inside an accepted run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ipc.client import AsyncClient
+from tests.server_proc import server_stats
+
+PASSAGE = ("The committee met on Tuesday to review the budget. It approved funding for the new library and asked "
+           "the city to repair the bridge before winter.")
+PROMPTS = [
+    ([{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{PASSAGE}"}], {}),
+    ([{"role": "user", "content": "Correct the spelling in this text and write it out again: The commitee met on "
+                                  "Tuesday to reveiw the budget. It aproved funding for the new library."}],
+     {"stop": ["library"]}),
+    ([{"role": "user", "content": "Tell me a short joke about cats."}], {}),
+]
+
+
+SERVER = ("--speculative-method", "ngram", "--max-num-seqs", "8", "--num-kv-blocks", "128", "--max-model-len", "512",
+          "--debug-checks")
+
+
+async def _run(srv, plain: bool):
+    """Every prompt as itself (it speculates), and with ``plain`` also as a row that cannot speculate."""
+    async with AsyncClient(srv.address, timeout=300) as c:
+        runs = [c.generate(messages=m, max_tokens=24, temperature=0.0, **kw) for m, kw in PROMPTS]
+        if plain:
+            runs += [c.generate(messages=m, max_tokens=24, temperature=0.0, logprobs=0, **kw) for m, kw in PROMPTS]
+        return await asyncio.gather(*runs)
+
+
+async def test_greedy_identical_with_and_without_speculation_at_every_depth(module_servers):
+    """Depth 1 runs the reference beside the speculating rows; depths 0 and 2 must give the same tokens."""
+    reference = None
+    for depth in (1, 0, 2):
+        srv = module_servers("--pipeline-depth", str(depth), *SERVER)
+        before = await server_stats(srv.address)
+        results = await _run(srv, plain=reference is None)
+        if reference is None:
+            reference = results[len(PROMPTS):]
+        for spec, ref in zip(results, reference):
+            assert (spec.token_ids, spec.finish_reason) == (ref.token_ids, ref.finish_reason), depth
+        assert results[1].finish_reason == "stop"  # its stop string, inside an accepted run
+        after = await server_stats(srv.address)
+        drafted = after.spec_draft_tokens - before.spec_draft_tokens
+        accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+        assert accepted >= 15 and drafted > accepted, (depth, drafted, accepted)  # the copy is accepted, the joke not
+        srv.stop()  # one real-model server at a time

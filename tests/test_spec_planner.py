@@ -1,0 +1,83 @@
+"""Speculative rows under run-ahead, against the scripted executor (scheduler_proc/speculation.py).
+
+Each case runs through :func:`tests.planner_harness.run`: the planner's ``check_integrity()`` after every
+operation, the harness's own ledger of what each step in flight may write (a speculative row from its slot's
+exact length, at most the drafts in flight below its planned position), and the script's oracle for what every
+client sees.  The script accepts a chosen number of each row's drafts: every count from 0 to K, and mixtures.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.planner_harness import assert_client_view, assert_drained, expected, run
+
+K = 3
+STOP = 3
+
+
+def check(trace, planner, ex, aborted=(), max_len=512):
+    assert_drained(planner)
+    assert_client_view(trace, expected(trace, ex, max_len), set(aborted))
+
+
+def constant(a):
+    return lambda seed, pos, k: min(a, k)
+
+
+def finishes(max_tokens):
+    """(run kwargs, request 0's extras) for a finish of request 0 at every generated index."""
+    yield {}, {}
+    for i in range(max_tokens):
+        yield {"eos_at": {0: i}}, {}
+        yield {"tokens_at": {0: {i: STOP}}}, {"stop": (STOP,)}
+    yield {}, {"stop_strings": ("cd",)}
+    yield {"eos_at": {0: 1}}, {"min_tokens": 3, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_every_accept_count_every_finish(depth):
+    """Every accepted count 0..K with every finish of a speculating request beside a plain and a speculating
+    mate: each finish lands inside an accepted run at every offset."""
+    for accepted in range(K + 1):
+        for kwargs, extra in finishes(7):
+            specs = [dict(prompt_len=5, max_tokens=7, **extra), dict(prompt_len=6, max_tokens=9),
+                     dict(prompt_len=3, max_tokens=4, logprobs=1)]  # logprobs: it runs without speculation
+            trace, planner, ex = run(specs, depth=depth, num_speculative_tokens=K, accept=constant(accepted),
+                                     **kwargs)
+            check(trace, planner, ex)
+            if not kwargs and not extra and accepted == K:  # K + 1 tokens a step once past the prompts
+                assert trace.steps <= 2 + 9 // (K + 1) + 2, trace.steps
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_preemption_aborts_and_shared_prefixes(depth):
+    """A pool too small for every worst case (preemption while drafts are in flight), aborts at every tick,
+    shared prompts and the host tier, with mixed accepted counts."""
+    rng = random.Random(depth)
+    preempted, aborted_running = set(), 0
+    for case in range(12):
+        n = 4
+        specs = [dict(prompt_len=rng.randint(2, 9), max_tokens=rng.randint(1, 12)) for _ in range(n)]
+        aborts = {rng.randrange(n): rng.randint(0, 8) + rng.choice((0, 0.5))}
+        prompts = {i: [7] * 8 + [i] for i in range(n) if rng.random() < 0.5}
+        trace, planner, ex = run(specs, depth=depth, num_slots=3, num_blocks=12, block_size=2,
+                                 num_speculative_tokens=K, accept=lambda s, p, k: (s + p) % (k + 1),
+                                 arrivals={i: rng.randint(0, 4) for i in range(n)}, aborts=aborts,
+                                 prompts=prompts, num_host_blocks=8 if case % 2 else 0, burst=case % 3 == 0,
+                                 prefill_ahead=bool(case % 2))
+        check(trace, planner, ex, aborted={f"r{i}" for i in aborts})
+        preempted |= trace.preempted_inflight
+        aborted_running += sum(s[0] == "running" for s in trace.abort_states)
+    assert preempted - {0} and aborted_running, (preempted, aborted_running)  # coverage
+
+
+def test_length_near_the_context():
+    """Drafts are cut to what max_tokens and the context can still take; nothing is planned past either."""
+    for accepted in range(K + 1):
+        trace, planner, ex = run([dict(prompt_len=10, max_tokens=50), dict(prompt_len=3, max_tokens=2)], depth=2,
+                                 max_len=20, num_speculative_tokens=K, accept=constant(accepted))
+        check(trace, planner, ex, max_len=20)
+        assert len(trace.tokens["r0"]) == 10
