@@ -9,6 +9,7 @@ keeps it generating (a required string longer than the tokens allowed: both mode
   the batch's full-width steps left out), and the phase's wall time per step;
 - the GPU's idle fraction over those steps (CUDA timing events; on the CPU the executor's waits)
   and its busy time per step;
+- whether each constrained output is a prefix the schema allows (a fresh matcher accepts it);
 - how many steps' sampling waited for their masks and for how long (the executor's count: the GPU
   idles only where the wait outlasts the step's forward, which the idle fraction shows).
 
@@ -80,8 +81,24 @@ async def _stats(address: str):
     return await server_stats(address)
 
 
-async def _phase(address: str, batch: int, tokens: int, constrained: bool, vocab: int) -> dict:
-    """One lockstep batch: wall seconds, the step ids it ran and the scheduler's counters around it."""
+def _checker(tokenizer_path: str, vocab: int):
+    """``valid(token_ids)``: whether a fresh matcher of the lockstep schema accepts the tokens (a JSON prefix)."""
+    import llguidance
+
+    from ipc.structured import load_tokenizer
+    from scheduler_proc.grammar import to_grammar
+
+    tokenizer, grammar = load_tokenizer(tokenizer_path, vocab, []), to_grammar("json_schema", schema())
+
+    def valid(token_ids: list[int]) -> bool:
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        return all(matcher.consume_token(t) for t in token_ids) and not matcher.is_error()
+    return valid
+
+
+async def _phase(address: str, batch: int, tokens: int, constrained: bool, vocab: int, valid=None) -> dict:
+    """One lockstep batch: wall seconds, the step ids it ran and the scheduler's counters around it; with
+    ``valid``, whether every constrained output passed it."""
     import random
 
     from ipc.client import AsyncClient
@@ -98,7 +115,8 @@ async def _phase(address: str, batch: int, tokens: int, constrained: bool, vocab
     after = await _stats(address)
     steps = after.steps - before.steps
     grammar_steps = after.grammar_steps - before.grammar_steps
-    return {"wall_s": wall, "steps": steps, "step_ids": [before.steps, after.steps],
+    ok = all(valid(r.token_ids) for r in results) if constrained and valid else None
+    return {"valid": ok, "wall_s": wall, "steps": steps, "step_ids": [before.steps, after.steps],
             "wall_ms_per_step": wall / max(steps, 1) * 1e3,
             "tokens": sum(len(r.token_ids) for r in results), "finish": sorted({r.finish_reason for r in results}),
             "grammar_steps": grammar_steps,
@@ -244,12 +262,15 @@ def run(args) -> dict:
 
         with Client(address) as c:
             vocab = c.server_info.vocab_size
+        from ipc.models import resolve_model
+
+        valid = _checker(args.tokenizer or resolve_model(None, "auto").tokenizer_path, vocab)
         for batch in args.batches:
             asyncio.run(_phase(address, batch, 4, False, vocab))  # warm-up: kernels, graphs, the grammar's heads
             asyncio.run(_phase(address, batch, 4, True, vocab))
             for repeat in range(args.repeats):
                 for constrained in (False, True):
-                    phase = asyncio.run(_phase(address, batch, args.new_tokens, constrained, vocab))
+                    phase = asyncio.run(_phase(address, batch, args.new_tokens, constrained, vocab, valid))
                     out["rows"].append({"batch": batch, "mode": "json_schema" if constrained else "unconstrained",
                                         "repeat": repeat, **phase})
         out["compile"] = asyncio.run(_compile_times(address))
@@ -289,7 +310,8 @@ def table(result: dict) -> str:
         rows.append((f"batch {r['batch']:>3} {r['mode']:<13} #{r['repeat']}",
                      f"TPOT {r['tpot_ms']:7.3f} ms (wall {r['wall_ms_per_step']:.2f})  GPU {r['gpu_step_ms'] or 0:.3f} "
                      f"ms/step, idle {_pct(r['gpu_idle_fraction'])}  mask waits {r['grammar_wait_steps']}/"
-                     f"{r['grammar_steps']} steps, {r['grammar_wait_ms_per_step']:.3f} ms/step  {r['finish']}"))
+                     f"{r['grammar_steps']} steps, {r['grammar_wait_ms_per_step']:.3f} ms/step  {r['finish']}"
+                     f"{'' if r['valid'] is None else ' valid' if r['valid'] else ' INVALID'}"))
     for s in result.get("summary", []):
         rows.append((f"batch {s['batch']:>3}", f"TPOT {s['tpot_unconstrained_ms']:.3f} -> {s['tpot_json_schema_ms']:.3f}"
                      f" ms ({s['overhead'] * 100:+.2f} %); GPU idle {_pct(s['gpu_idle_unconstrained'])} -> "
