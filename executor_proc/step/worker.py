@@ -38,6 +38,7 @@ from executor_proc.step.prompt_logprobs import (PromptLogprobPlan, SavedLogits, 
 from executor_proc.step.sample import Sampled, SamplingMode, sample_rows, sampling_mode
 from executor_proc.step.slot_tables import SlotTables
 from executor_proc.step.split_decode import SplitDecode
+from executor_proc.step.speculate import SpecStep, Speculator
 from executor_proc.step.staging import PinnedStaging, TokenRing
 from executor_proc.step.step_outputs import StepOutputs
 from ipc.protocol import StepPlan
@@ -72,6 +73,7 @@ class EagerStep:
     num_sampled: int = 0
     prompt_parts: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # prompt-logprob targets, top-n
     outputs: StepOutputs = field(default_factory=StepOutputs)
+    spec: Optional[SpecStep] = None  # speculative rows (executor_proc/step/speculate.py)
 
 
 Step = Union[GraphStep, MixedStep, EagerStep]
@@ -105,6 +107,7 @@ class Worker:
                       if self.graphs is not None else None)
         self.mixed = None
         self.grammar: Optional[GrammarSlots] = None  # structured outputs' matchers (set by build_worker)
+        self.spec: Optional[Speculator] = None  # speculative decoding (enable_speculation)
         if mixed_max_tokens > 0:
             self.mixed = MixedGraphs(self._mixed_body, self._mixed_head, mixed_max_tokens, tables.num_slots,
                                      tables.pad_slot, model.config.hidden_size, model.lm_head.weight.dtype, device,
@@ -122,6 +125,12 @@ class Worker:
     def _mixed_head(self, hidden, slots, positions, mode: SamplingMode) -> Sampled:
         with torch.inference_mode():
             return mixed_head(self.model, self.tables, hidden, slots, positions, mode)
+
+    def enable_speculation(self, spec: Optional[Speculator]) -> None:
+        """Run plans' speculative rows (eager steps); a step then returns up to K + 2 values per row."""
+        self.spec = spec
+        if spec is not None and self.tokens_out is not None:
+            self.tokens_out = TokenRing(self.device, (self.tables.num_slots + 1) * (spec.k + 2))
 
     def capture_graphs(self, progress: Optional[Callable[[int, int], None]] = None, modes=None,
                        compile_progress: Optional[Callable[[int, int], None]] = None, compile_first: bool = True,
@@ -170,30 +179,41 @@ class Worker:
         host = self.host_kv.stage(plan, upload) if self.host_kv is not None else None
         if grammar is not None:  # the mask binds between forward and sampling: no whole-step graph
             mode, outputs.grammar = mode._replace(masked=True), grammar
-        bucket = self._graph_bucket(plan) if grammar is None or self.split is not None else None
+        spec = self.spec.stage_admits(plan, upload) if self.spec is not None else None
+        speculative = bool(plan.num_drafts)  # its rows' positions are the device's: an eager step
+        bucket = self._graph_bucket(plan) if (grammar is None or self.split is not None) and not speculative else None
         if bucket is not None:
             part = upload.add(self._decode_rows(plan, bucket), torch.int64)
             sent = upload.send()
             self._host_copies(plan, host, sent)
             self.tables.apply(diff, sent)
+            if spec is not None:
+                self.spec.apply(spec, sent)
             self.graphs.inputs[:, :bucket].copy_(sent[part].view(3, bucket))
             return GraphStep(bucket, len(plan.slots), mode, outputs)
         featured = bool(self.tables.featured)
         outputs.prompt = plan_prompt_logprobs(plan, self.tables.info, self.saved_logits) if featured else None
         rows = plan_rows(plan)
-        shape = self._mixed_shape(rows, outputs.prompt)
+        shape = self._mixed_shape(rows, outputs.prompt) if not speculative else None
         if shape is not None:
             part = upload.add(self.mixed.pack(rows, shape), torch.int64)
         else:
-            parts = self._eager_rows(rows, upload, outputs.prompt)
+            if speculative:
+                spec = outputs.spec = self.spec.stage_rows(plan, rows, upload, spec)
+            parts = self._eager_rows(rows, upload, outputs.prompt, spec.logits_index if speculative else None)
         sent = upload.send()
         self._host_copies(plan, host, sent)
         self.tables.apply(diff, sent)
+        if spec is not None:
+            self.spec.apply(spec, sent)
         if shape is not None:
             self.mixed.load(sent[part])
             return MixedStep(shape, len(sampled_slots), mode, rows, outputs)
         step = self._eager_batch(plan, sent, parts, mode)
         step.num_sampled, step.outputs = len(sampled_slots), outputs
+        if speculative:
+            step.spec = spec
+            self.spec.bind(spec, step.batch, self.tables)
         if outputs.prompt is not None and outputs.prompt.targets:
             step.prompt_parts = (sent[outputs.prompt.targets_part], sent[outputs.prompt.nums_part])
         return step
@@ -232,10 +252,12 @@ class Worker:
         return rows.reshape(-1)
 
     @staticmethod
-    def _eager_rows(rows: PlanRows, upload, prompt: Optional[PromptLogprobPlan]) -> dict[str, int]:
+    def _eager_rows(rows: PlanRows, upload, prompt: Optional[PromptLogprobPlan],
+                    spec_index: Optional[np.ndarray] = None) -> dict[str, int]:
         """Add the token- and row-level inputs of an eager step to the upload.
 
-        The logits computed are the sampled rows' last tokens', then (prompt logprobs) ``prompt.logits_index``.
+        The logits computed are the sampled rows' last tokens', then (prompt logprobs) ``prompt.logits_index``,
+        then every position of the speculative rows (``spec_index``).
         """
         slots = rows.slots
         logits_index = rows.logits_index
@@ -244,6 +266,8 @@ class Worker:
             if prompt.targets:
                 prompt.targets_part = upload.add(prompt.targets, torch.int64)
                 prompt.nums_part = upload.add(prompt.nums, torch.int32)
+        if spec_index is not None:
+            logits_index = np.concatenate([logits_index, spec_index])
         return dict(
             ids=upload.add(rows.ids, torch.int64),  # -1: a decode row's token, gathered from last_token
             positions=upload.add(rows.positions, torch.int64),
@@ -301,11 +325,14 @@ class Worker:
             return batch.sample_slots
         s = step.num_sampled
         prompt = step.outputs.prompt
+        nt = step.spec.num_tokens if step.spec is not None else 0  # speculative rows' logits come last
         if prompt is None:
             logits = self.model(batch, self.kv_cache)  # a prompt chunk that samples nothing still writes KV
+            spec_logits = logits[logits.shape[0] - nt:]
         else:  # the prompt positions' LM head runs a slice at a time (prompt_logprobs.LOGITS_ROWS)
             hidden = self.model.final_hidden(batch, self.kv_cache)
             logits = self.model.logits(hidden[:s]) if s else None
+            spec_logits = self.model.logits(hidden[hidden.shape[0] - nt:]) if nt else None
             step.outputs.prompt_logprobs = compute_prompt_logprobs(
                 self.model.backend, lambda a, b: self.model.logits(hidden[s + a:s + b]), prompt, self.saved_logits,
                 *(step.prompt_parts or (None, None)))
@@ -315,7 +342,10 @@ class Worker:
             self.grammar.bind(step.outputs.grammar)
         sampled = sample_rows(self.model.backend, logits[:s], self.tables, batch.sample_slots,
                               step.sample_positions, step.mode)
-        return self._keep(step, sampled)
+        tokens = self._keep(step, sampled)
+        if nt:  # after sample_rows: the speculative rows' last_token is the verify's
+            tokens = self.spec.verify(step.spec, spec_logits, tokens, self.tables)
+        return tokens
 
     def _binder(self, step: Step) -> Optional[Callable[[], None]]:
         """What binds the step's grammar masks before its sampling (None: no constrained row)."""
