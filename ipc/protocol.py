@@ -308,10 +308,9 @@ class SlotSampling(msgspec.Struct, array_like=True, omit_defaults=True):
 
     @property
     def verifiable(self) -> bool:
-        """Whether a speculative row verifies this slot's drafts exactly: the greedy argmax of the raw logits
-        (no penalty, bias, mask or logprobs to apply per drafted position)."""
-        return (self.temperature < 1e-5 and self.logprobs < 0 and self.prompt_logprobs < 0 and not self.reads_tokens
-                and not self.logit_bias_ids)
+        """Whether a speculative row verifies this slot's drafts exactly: the plain sampler's token at each drafted
+        position (no penalty, bias, mask or logprobs that would depend on the tokens before it in the row)."""
+        return self.logprobs < 0 and self.prompt_logprobs < 0 and not self.reads_tokens and not self.logit_bias_ids
 
 
 class Admit(msgspec.Struct, array_like=True):

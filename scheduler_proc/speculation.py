@@ -1,11 +1,12 @@
 """Speculative rows in the plans, and their accepted counts in reconcile: the scheduler's half of speculation.
 
-A request whose sampling a verify step reproduces exactly (``SlotSampling.verifiable``: greedy, nothing per
-token on the logits) speculates once speculative decoding is on.  After its prompt every row of it is a
-*speculative row* of ``k + 1`` tokens (``k <= K`` drafts): the executor proposes the drafts on the device
-(n-gram lookup in the slot's tokens), runs the row, keeps the longest prefix of drafts the model's argmax
-agrees with plus one token of its own, and moves the slot's length on the device.  So a row emits 1 to
-``k + 1`` tokens, and the scheduler learns how many one step late, after it has planned the next rows.
+A request whose sampling a verify step reproduces exactly (``SlotSampling.verifiable``: nothing that depends on
+the tokens before a position, like penalties, or asks for logprobs) speculates once speculative decoding is on.
+After its prompt every row of it is a *speculative row* of ``k + 1`` tokens (``k <= K`` drafts): the executor
+proposes the drafts on the device (n-gram lookup in the slot's tokens), runs the row, keeps the longest prefix of
+drafts the model's sampler agrees with (its argmax, or its keyed draw: rejection sampling of a point-mass draft)
+plus one token of its own, and moves the slot's length on the device.  So a row emits 1 to ``k + 1`` tokens, and
+the scheduler learns how many one step late, after it has planned the next rows.
 
 It plans for the worst case and reconciles the outcome::
 
@@ -85,7 +86,8 @@ class Speculation:
         (each row's first token was applied with the other rows')."""
         if len(result.num_accepted) != len(step.spec) or len(result.spec_tokens) != sum(k for _, k in step.spec):
             raise RuntimeError(f"step {step.step_id}: {len(result.num_accepted)} accepted counts and "
-                               f"{len(result.spec_tokens)} drafted tokens for speculative rows {[k for _, k in step.spec]}")
+                               f"{len(result.spec_tokens)} drafted tokens for speculative rows "
+                               f"{[k for _, k in step.spec]}")
         by_rid = {out.request.rid: out for out in outputs}
         counts = self.spec_drafts
         cursor = 0

@@ -1,10 +1,11 @@
-"""Speculative decoding (n-gram) on the default model on the CPU: greedy output identical token for token.
+"""Speculative decoding (n-gram) on the default model on the CPU: output identical token for token, greedy and seeded.
 
 One server per pipeline depth with ``--speculative-method ngram``, one at a time.  At depth 1 each prompt runs
 twice at once: as itself (it speculates) and with ``logprobs=0`` (a row the verify step cannot reproduce exactly:
 it runs without speculation, in the same steps), the reference of every depth.  The prompts ask to copy or edit
-a given text (drafts found in the prompt get accepted) or for something new (little is), and one stop string
-falls inside an accepted run.
+a given text (drafts found in the prompt get accepted) or for something new (little is), one stop string falls
+inside an accepted run, and two are sampled with a seed (a sampled row accepts a draft when the sampler's keyed draw
+at that position is the draft: the plain sampler's output).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ PROMPTS = [
                                   "Tuesday to reveiw the budget. It aproved funding for the new library."}],
      {"stop": ["library"]}),
     ([{"role": "user", "content": "Tell me a short joke about cats."}], {}),
+    ([{"role": "user", "content": f"Repeat this text: {PASSAGE}"}], {"temperature": 0.8, "seed": 7}),
+    ([{"role": "user", "content": "Name three colours."}], {"temperature": 1.0, "top_p": 0.9, "seed": 3}),
 ]
 
 
@@ -32,9 +35,10 @@ SERVER = ("--speculative-method", "ngram", "--max-num-seqs", "8", "--num-kv-bloc
 async def _run(srv, plain: bool):
     """Every prompt as itself (it speculates), and with ``plain`` also as a row that cannot speculate."""
     async with AsyncClient(srv.address, timeout=300) as c:
-        runs = [c.generate(messages=m, max_tokens=24, temperature=0.0, **kw) for m, kw in PROMPTS]
+        options = [{"max_tokens": 24, "temperature": 0.0, **kw} for _, kw in PROMPTS]
+        runs = [c.generate(messages=m, **o) for (m, _), o in zip(PROMPTS, options)]
         if plain:
-            runs += [c.generate(messages=m, max_tokens=24, temperature=0.0, logprobs=0, **kw) for m, kw in PROMPTS]
+            runs += [c.generate(messages=m, logprobs=0, **o) for (m, _), o in zip(PROMPTS, options)]
         return await asyncio.gather(*runs)
 
 

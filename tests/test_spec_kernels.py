@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from executor_proc.step.speculate import accept_greedy  # noqa: E402
+from executor_proc.step.speculate import accept_prefix  # noqa: E402
 from kernels.ngram import ngram_drafts  # noqa: E402
 from kernels.ngram_ref import ngram_drafts_ref  # noqa: E402
 
@@ -41,8 +41,8 @@ def test_ngram_drafts_match_the_rule(nmin, nmax, k):
     assert torch.equal(got, want)
 
 
-def test_accept_greedy_is_the_longest_agreeing_prefix():
+def test_accept_prefix_is_the_longest_agreeing_prefix():
     drafts = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [1, 6, 7, 8], [5, 6, 9, 8], [5, 6, 7, 8]])
     target = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9]])
     ks = torch.tensor([4, 2, 4, 4, 0])
-    assert accept_greedy(drafts, target, ks).tolist() == [4, 2, 0, 2, 0]
+    assert accept_prefix(drafts, target, ks).tolist() == [4, 2, 0, 2, 0]

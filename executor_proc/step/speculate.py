@@ -1,4 +1,4 @@
-"""Speculative rows on the device: n-gram drafts, one verify pass, greedy acceptance, next inputs.
+"""Speculative rows on the device: n-gram drafts, one verify pass, acceptance, next inputs.
 
 Design.  The scheduler runs a step ahead, so when it plans a speculative row it does not know how many tokens
 the slot's previous row accepted: it sends only an upper bound of the row's position (``StepPlan.positions``)
@@ -13,15 +13,20 @@ whose position the scheduler knows exactly; the host remembers which slots have 
 (inside the eager step, before the forward) writes ``last_token`` at that position, proposes ``K`` drafts by
 prompt lookup over ``tokens[slot, :length + 1]`` (:mod:`kernels.ngram`), and makes the row's ``k + 1`` input
 ids (the last token, then the drafts), positions, KV indices and context length from the device length.  After
-the forward, the logits of every position of the row give the target argmax ``g[0..k]``; the row accepts the
-longest prefix of drafts equal to it (``d[j] == g[j - 1]``) and emits ``g[0..a]`` (``a`` accepted drafts, then the
-model's own token: the correction, or the bonus token when all are accepted).  Then, on the device:
+the forward, the logits of every position of the row give the target ``g[0..k]``: the token the plain sampler
+draws there (the argmax for a greedy row; else :func:`kernels.sampling_ref.sample`'s keyed Gumbel race at the
+token's position).  The row accepts the longest prefix of drafts equal to it (``d[j] == g[j - 1]``) and emits
+``g[0..a]`` (``a`` accepted drafts, then the model's own token: the correction, or the bonus token when all are
+accepted).  For a sampled row this *is* rejection sampling of a point-mass draft (:mod:`kernels.spec_sample_ref`):
+a draft is accepted with probability ``p(d) = min(1, p(d) / q(d))``, and at the first rejection the token, given that
+it is not ``d``, follows ``norm(max(0, p - q))``; the coupling through the position's keyed random numbers makes the
+output that of plain sampling token for token, whatever the depth, the batch mates or the drafts.  Then, on the device:
 ``last_token = g[a]``, ``lengths += a + 1``, ``tokens[length + 1 ..] = g``.  Positions past the accepted ones
 hold rejected drafts' KV, which the next row overwrites (its positions start right after the accepted ones).
 
 The result carries each row's first token in ``token_ids`` and its ``k`` further tokens and accepted count in
 ``StepResult.spec_tokens`` / ``num_accepted``: one device tensor, cut on the host by :meth:`SpecStep.split`.
-Only verifiable slots (``SlotSampling.verifiable``: greedy, no penalty, bias, mask or logprobs) speculate;
+Only verifiable slots (``SlotSampling.verifiable``: no penalty, bias, mask or logprobs) speculate;
 the planner decides that.  The torch backend (the CPU's) attends a row over its host upper bound and masks the
 keys past each query's device position.
 """
@@ -59,7 +64,7 @@ def ngram_drafts(tokens, slots, lengths, k, ngram_min, ngram_max) -> torch.Tenso
     return ngram_drafts_ref(tokens, slots, lengths, k, ngram_min, ngram_max)
 
 
-def accept_greedy(drafts: torch.Tensor, target: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+def accept_prefix(drafts: torch.Tensor, target: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
     """``[R]`` accepted drafts: the longest prefix with ``drafts[:, j] == target[:, j]`` and ``j < num_drafts``
     (``drafts [R, K]``, ``target [R, K + 1]``: the argmax after each input)."""
     K = drafts.shape[1]
@@ -81,6 +86,8 @@ class SpecStep:
     sizes: tuple[int, ...] = ()  # the lengths of the arrays at ``part``
     parts: Optional[list] = None  # those arrays on the device (bind)
     state: Optional[tuple] = None  # slots, drafts per row, first positions, drafts (bind -> verify)
+    greedy: bool = True  # every speculative row is greedy (host mirrors): the verify is an argmax
+    filtered: bool = False  # some sampled speculative row has top-k or top-p
 
     def split(self, host: list[int]) -> tuple[list[int], dict]:
         """``token_ids`` and the StepResult's speculative fields from the step's one host list."""
@@ -116,8 +123,9 @@ class Speculator:
             step.fill = upload.add(fill.reshape(-1), torch.int64)
         return step
 
-    def stage_rows(self, plan: StepPlan, rows: PlanRows, upload, step: Optional[SpecStep]) -> SpecStep:
-        """Add the plan's speculative rows to the upload (their token indices in ``logits_index``)."""
+    def stage_rows(self, plan: StepPlan, rows: PlanRows, upload, step: Optional[SpecStep], info=None) -> SpecStep:
+        """Add the plan's speculative rows to the upload (their token indices in ``logits_index``; ``info``: the
+        slot tables' host mirrors, for the verify's sampling variant)."""
         step = step or SpecStep()
         drafts = np.asarray(plan.num_drafts, dtype=np.int64)
         spec = np.flatnonzero(drafts >= 0)
@@ -137,6 +145,9 @@ class Speculator:
         step.rows, step.extra, step.num_tokens = len(spec), len(extra), len(tok_row)
         step.num_sampled = len(rows.sampled)
         step.sizes, step.logits_index = tuple(len(p) for p in parts), tok_index
+        infos = [info[s] for s in slots.tolist()] if info is not None else []
+        step.greedy = all(i.greedy for i in infos)
+        step.filtered = any(i.filtered for i in infos)
         return step
 
     def apply(self, step: Optional[SpecStep], sent: list[torch.Tensor]) -> None:
@@ -161,21 +172,33 @@ class Speculator:
         batch.positions = batch.positions.clone().index_put_((tok_index,), pos)
         blocks = tables.block_table[slots[tok_row], pos // bs].to(torch.int64)
         batch.kv_index = batch.kv_index.clone().index_put_((tok_index,), blocks * bs + pos % bs)
-        batch.context_lens = batch.context_lens.clone().index_put_((spec,), (base + ks + 1).to(batch.context_lens.dtype))
+        lens = (base + ks + 1).to(batch.context_lens.dtype)
+        batch.context_lens = batch.context_lens.clone().index_put_((spec,), lens)
         step.state = (slots, ks, base, drafts)
 
-    def verify(self, step: SpecStep, logits: torch.Tensor, tokens: torch.Tensor, tables: SlotTables) -> torch.Tensor:
+    def verify(self, step: SpecStep, logits: torch.Tensor, tokens: torch.Tensor, tables: SlotTables,
+               backend) -> torch.Tensor:
         """Accept each row's drafts from its positions' ``logits [num_tokens, vocab]``; update the tables; the
         step's one output tensor: ``tokens`` (the first token of each speculative row in its place), the rows'
         further tokens, their accepted counts."""
         slots, ks, base, drafts = step.state
         _, _, _, _, sampled_at, tok_row, tok_j, _, extra = step.parts
         target = torch.zeros(step.rows, self.k + 1, dtype=torch.int64, device=logits.device)
-        target[tok_row, tok_j] = logits.argmax(dim=-1)
-        accepted = accept_greedy(drafts, target, ks)
+        target[tok_row, tok_j] = self._targets(step, logits, slots[tok_row], base[tok_row] + tok_j + 1, tables,
+                                               backend)
+        accepted = accept_prefix(drafts, target, ks)
 
         tables.last_token[slots] = target.gather(1, accepted[:, None])[:, 0]
         self.tokens[slots[tok_row], base[tok_row] + 1 + tok_j] = target[tok_row, tok_j]
         self.lengths[slots] = base + accepted + 1
         tokens = tokens.index_put((sampled_at,), target[:, 0])
         return torch.cat([tokens, target.view(-1)[extra], accepted])
+
+    @staticmethod
+    def _targets(step: SpecStep, logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                 tables: SlotTables, backend) -> torch.Tensor:
+        """The token the plain sampler gives at each position (``positions``: of the token sampled, keying the
+        slot's random stream): the argmax when every row is greedy."""
+        if step.greedy:
+            return logits.argmax(dim=-1)
+        return backend.sample(logits, tables.sampling_rows(slots, positions, step.filtered))

@@ -199,7 +199,7 @@ class Worker:
             part = upload.add(self.mixed.pack(rows, shape), torch.int64)
         else:
             if speculative:
-                spec = outputs.spec = self.spec.stage_rows(plan, rows, upload, spec)
+                spec = outputs.spec = self.spec.stage_rows(plan, rows, upload, spec, self.tables.info)
             parts = self._eager_rows(rows, upload, outputs.prompt, spec.logits_index if speculative else None)
         sent = upload.send()
         self._host_copies(plan, host, sent)
@@ -344,7 +344,7 @@ class Worker:
                               step.sample_positions, step.mode)
         tokens = self._keep(step, sampled)
         if nt:  # after sample_rows: the speculative rows' last_token is the verify's
-            tokens = self.spec.verify(step.spec, spec_logits, tokens, self.tables)
+            tokens = self.spec.verify(step.spec, spec_logits, tokens, self.tables, self.model.backend)
         return tokens
 
     def _binder(self, step: Step) -> Optional[Callable[[], None]]:
