@@ -12,6 +12,7 @@ Block ids are shared by all layers: block b of a request holds its tokens
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from executor_proc.model.config import ModelConfig
@@ -37,11 +38,8 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         # Zeros, not empty: masked-out keys still multiply their V by 0 in SDPA, and 0 * NaN = NaN.
-        self.storage = torch.zeros(
-            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
-            device=device,
-            dtype=dtype,
-        )
+        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.storage = _zeros(shape, dtype, torch.device(device))
         self.k = [self.storage[layer, 0] for layer in range(config.num_layers)]
         self.v = [self.storage[layer, 1] for layer in range(config.num_layers)]
 
@@ -52,3 +50,13 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.storage.numel() * self.storage.element_size()
+
+
+def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros on the device; on the CPU from the OS's zero pages (numpy's calloc), so a pool's memory is
+    resident only once its blocks are written: a server's start writes none of it (2 GiB by default)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    item = torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * item, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
