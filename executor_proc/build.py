@@ -98,11 +98,12 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     cuda = device.type == "cuda"
     dtype = getattr(torch, cfg.resolved_dtype())
     model, mcfg = load_model(model_path(cfg, progress), cfg.load_format, device, dtype, progress_cb=progress, tp=tp)
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     max_len = min(cfg.max_model_len or mcfg.max_model_len, mcfg.max_model_len)
     max_blocks = -(-max_len // cfg.block_size)
     backend = select_backend(cfg, device, model, max_len, progress)
     model.use_backend(backend)
+    # after the backend: FP8 weights are quantized there
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     per_block = kv_cache_bytes_per_block(model.config, cfg.block_size, dtype)  # the rank's KV heads
     # A host pool costs per_block on every rank: its budget is the whole group's.
     host_blocks = num_host_blocks(cfg, device, per_block * tp_size)

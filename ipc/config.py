@@ -14,6 +14,7 @@ import msgspec
 LoadFormat = Literal["auto", "hf", "gguf", "dummy", "scripted"]
 Kernels = Literal["auto", "triton", "torch"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["none", "fp8"]
 # Steps with prefill chunks through the bucketed mixed-step runner: auto = where decode graphs are
 # captured (CUDA, Triton kernels, graphs on); on = also where it runs uncaptured (tests); off = eager.
 MixedGraphs = Literal["auto", "on", "off"]
@@ -70,6 +71,9 @@ class ExecutorConfig(_Config):
     # One kernel, tile and split per op whatever the batch: a row's logits do not depend on its step's
     # other rows (Triton kernels only; costs speed: docs/performance.md).
     batch_invariant: bool = False
+    # fp8: every layer's linear weights in float8 e4m3 with per-output-channel scales, quantized at load
+    # (executor_proc/model/quantization.py); the embedding and the LM head stay in dtype.
+    quantization: Quantization = "none"
     cuda_graph_max_batch: Optional[int] = None  # largest graph bucket; None: num_slots
     mixed_graphs: MixedGraphs = "auto"  # graphs of steps with prefill chunks (see MixedGraphs above)
     cuda_graph_max_tokens: Optional[int] = None  # largest mixed-step token bucket; None: max_num_batched_tokens
@@ -141,6 +145,9 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
         raise ValueError("batch_invariant needs the Triton kernels: kernels='triton' (the default on cuda), "
                          f"got kernels={cfg.kernels!r} on device {cfg.device!r}")
     _check_speculative(cfg.speculative)
+    if cfg.quantization == "fp8" and cfg.batch_invariant:
+        raise ValueError("quantization 'fp8' cannot run batch_invariant: its linears change kernel (and "
+                         "activation rounding) between 8 and 9 rows")
     if cfg.scripted.vocab_size < 3:
         raise ValueError(f"scripted.vocab_size must be at least 3, got {cfg.scripted.vocab_size}")
     _at_least("scripted.backup_lag_steps", cfg.scripted.backup_lag_steps, 0)

@@ -40,10 +40,11 @@ import triton.language as tl
 
 from .gemv_partials import (_load_partials, _load_residual, _to_mma_rows, _partials_rstd, _store_rows, loads_at_once,
                             sumsq_programs)
+from .fp8 import weight_args
 from .gemv_row import _gemv_row_kernel
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
-__all__ = ["gemv", "gemv_residual", "gemv_silu", "CONFIGS", "MAX_M"]
+__all__ = ["gemv", "gemv_residual", "gemv_silu", "CONFIGS", "FP8_CONFIGS", "MAX_M"]
 
 MAX_M = 16
 ROW_MAX_M, ROW_MAX_ACC = 8, 64  # the "row" form's rows, and its float32 accumulators per thread
@@ -56,6 +57,10 @@ CONFIGS = (("dot", 16, 256, 4, 4), ("dot", 16, 512, 4, 3), ("dot", 32, 256, 4, 4
            ("rowk", 4, 512, 4, 4), ("rowk", 8, 256, 4, 4), ("rowk", 4, 1024, 4, 3), ("rowk", 2, 1024, 4, 4),
            ("dotT", 64, 128, 4, 4), ("dotT", 64, 256, 4, 3), ("dotT", 128, 128, 4, 3), ("dotT", 64, 64, 4, 6),
            ("dotT", 128, 64, 8, 4))
+# More "row" candidates for FP8 weights (kernels/fp8.py): a byte per value, so twice the values per chunk keep each
+# thread's loads 16 bytes wide.
+FP8_CONFIGS = (("row", 4, 2048, 4, 4), ("row", 2, 2048, 4, 6), ("row", 8, 2048, 8, 3), ("row", 2, 4096, 8, 4),
+               ("row", 1, 2048, 4, 8))
 
 
 @triton.jit
@@ -69,13 +74,15 @@ def _rows_tile(x_ptr, w_ptr, M, N, stride_xm, stride_wn, M_PAD: tl.constexpr, BL
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, P, stride_xm, stride_wn, stride_ym, stride_rm,
-                 eps, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, P, stride_xm, stride_wn, stride_ym,
+                 stride_rm, eps, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr,
                  DOT_PREC: tl.constexpr, SWAP: tl.constexpr = False, SILU: tl.constexpr = False,
                  RESIDUAL: tl.constexpr = False, NORM_ROWS: tl.constexpr = 0, P_PAD: tl.constexpr = 1,
-                 NORM_FIRST: tl.constexpr = False, USE_PDL: tl.constexpr = False):
-    """The "dot" form (``SWAP``: "dotT").  ``SILU``: w is gate|up ``[2N, K]``; the program also streams the up
-    rows of its N features and stores ``silu(gate) * up`` (each rounded as the unfused ops round).
+                 NORM_FIRST: tl.constexpr = False, W_SCALED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    """The "dot" form (``SWAP``: "dotT").  ``W_SCALED``: w is FP8 with per-row scales at ``ws``
+    (:mod:`kernels.fp8`), widened to x's dtype for the MMA, the sums scaled after the loop.  ``SILU``: w is gate|up
+    ``[2N, K]``; the program also streams the up rows of its N features and stores ``silu(gate) * up`` (each rounded as the unfused ops round).
     ``RESIDUAL``: see :func:`_store_rows`.  ``NORM_ROWS`` (> 0: the rows padded to a power of two): x is
     the residual stream before an RMSNorm folded into w, and each row's accumulators are scaled by the
     norm's ``rsqrt`` from the ``P`` partial sums at ``ss`` after the loop.  The sums are loaded right after
@@ -89,6 +96,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, P, stride_x
         acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     if SILU:
         acc_up = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    ws = _load_scales(ws_ptr, offs_n, n_mask, W_SCALED)
     # No weight prefetch before the wait here: peeling the first chunk out of the loop made this kernel
     # 8-23% slower on an H100 (scripts/bench_kernels.py gemv), more than PDL's overlap gives back.
     pdl_wait(USE_PDL)
@@ -102,16 +110,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, P, stride_x
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = w.to(x.dtype)  # FP8 widened in registers (a no-op otherwise)
         if SWAP:  # the weight rows as the MMA's M side (64+: Hopper's warpgroup MMA), the rows of x as its N
             acc_t += tl.dot(w, tl.trans(x), input_precision=DOT_PREC)
         else:
             acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
         if SILU:
             w_up = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PREC)
+            acc_up += tl.dot(x, tl.trans(w_up.to(x.dtype)), input_precision=DOT_PREC)
     pdl_launch(USE_PDL)
     if SWAP:
         acc = tl.trans(acc_t)
+    if W_SCALED:
+        acc = acc * ws[None, :]
+        if SILU:
+            acc_up = acc_up * _load_scales(ws_ptr + N, offs_n, n_mask, W_SCALED)[None, :]
     if NORM_ROWS > 0:  # the norm's scale, widened from the true rows to the MMA's padded ones
         rstd = _to_mma_rows(ss if NORM_FIRST else _partials_rstd(ss, K, eps), offs_m, NORM_ROWS)
         acc = acc * rstd
@@ -129,16 +142,22 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, P, stride_x
 
 
 @triton.jit
+def _load_scales(ws_ptr, offs_n, n_mask, W_SCALED: tl.constexpr):
+    """The FP8 weight's per-row scales of this program's features (``W_SCALED``; else ones, unread)."""
+    return tl.load(ws_ptr + offs_n, mask=n_mask & W_SCALED, other=1.0)
+
+
+@triton.jit
 def _rows_products(w, x):
     """[rows, features, k lanes]: a weight chunk times each of x's rows, float32."""
     return w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
 
 
 @triton.jit
-def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def _gemv_rows_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                       stride_rm, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, EACH: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
-                      USE_PDL: tl.constexpr = False):
+                      W_SCALED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """The "row" form for 2..``ROW_MAX_M`` rows: each weight chunk is loaded once and multiplied into every
     row's (feature, k lane) accumulator; one reduction over the lanes at the end ("rowk", ``EACH``: a
     reduction per chunk into [rows, features] instead: fewer registers, more shuffles).  ``RESIDUAL``:
@@ -148,6 +167,7 @@ def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, stride
     offs_k = tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
     w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    ws = _load_scales(ws_ptr, offs_n, n_mask, W_SCALED)
     pdl_wait(USE_PDL)  # as in the one-row kernel: the first weight chunk streams in before x is ready
     x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
     r = _load_residual(r_ptr, stride_rm, offs_m, offs_n, m_mask, n_mask, RESIDUAL)
@@ -168,6 +188,8 @@ def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, stride
         y = acc
     else:
         y = tl.sum(acc, axis=2)
+    if W_SCALED:
+        y = y * ws[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     _store_rows(y, r, offs_m, offs_n, m_mask, n_mask, M, y_ptr, stride_ym, ss_ptr, x_ptr.dtype.element_ty, RESIDUAL)
@@ -245,25 +267,29 @@ def _launch(x, weight, bias, out, config, residual=None, sumsq=None, norm=None) 
     form, block_n, block_k, num_warps, num_stages = config
     assert config_fits(config, M), (config, M)
     assert norm is None or form in ("dot", "dotT"), "the norm from partial sums needs a 'dot' form"
+    if form == "dot" or form == "dotT":
+        _launch_dot(x, weight, bias, out, config, N, residual, sumsq if sumsq is not None else out, norm, silu=False)
+        return
+    weight, ws, scaled = weight_args(weight)
     b = bias if bias is not None else weight
     r = residual if residual is not None else out
     ss = sumsq if sumsq is not None else out
     if form == "rowk" or (form == "row" and M > 1):
         _gemv_rows_kernel[(triton.cdiv(N, block_n),)](
-            x, weight, b, out, r, ss, M, N, K, x.stride(0), weight.stride(0), out.stride(0), r.stride(0),
+            x, weight, ws, b, out, r, ss, M, N, K, x.stride(0), weight.stride(0), out.stride(0), r.stride(0),
             HAS_BIAS=bias is not None, M_PAD=_rows_pad(M), BLOCK_N=block_n, BLOCK_K=block_k,
-            EACH=form == "rowk", RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
-            **pdl_args(x),
+            EACH=form == "rowk", RESIDUAL=residual is not None, W_SCALED=scaled, num_warps=num_warps,
+            num_stages=num_stages, **pdl_args(x),
         )
         return
     if form == "row":
         assert residual is None, "the one-row kernel has no residual epilogue"
         _gemv_row_kernel[(triton.cdiv(N, block_n),)](
-            x, weight, b, out, x, x, x, N, K, weight.stride(0), 0.0, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **pdl_args(x),
+            x, weight, ws, b, out, x, x, x, N, K, weight.stride(0), 0.0, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+            BLOCK_K=block_k, W_SCALED=scaled, num_warps=num_warps, num_stages=num_stages, **pdl_args(x),
         )
         return
-    _launch_dot(x, weight, bias, out, config, N, r if residual is not None else None, ss, norm, silu=False)
+    raise ValueError(f"unknown skinny-matmul form {form!r}")
 
 
 def _launch_dot(x, weight, bias, out, config, n, residual, ss_out, norm, silu: bool) -> None:
@@ -275,14 +301,15 @@ def _launch_dot(x, weight, bias, out, config, n, residual, ss_out, norm, silu: b
         assert ss.dtype == torch.float32 and ss.dim() == 2 and ss.shape[1] == M and ss.is_contiguous(), ss.shape
         assert loads_at_once(ss.shape[0], M), ss.shape
     r = residual if residual is not None else out
+    weight, ws, scaled = weight_args(weight)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, r, ss, M, n, K, ss.shape[0] if norm else 0, x.stride(0),
-        weight.stride(0), out.stride(0), r.stride(0), eps, HAS_BIAS=bias is not None, M_PAD=16, BLOCK_N=block_n,
+        x, weight, ws, bias if bias is not None else weight, out, r, ss, M, n, K, ss.shape[0] if norm else 0,
+        x.stride(0), weight.stride(0), out.stride(0), r.stride(0), eps, HAS_BIAS=bias is not None, M_PAD=16, BLOCK_N=block_n,
         BLOCK_K=block_k, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SWAP=config[0] == "dotT",
         SILU=silu, RESIDUAL=residual is not None, NORM_ROWS=_rows_pad(M) if norm is not None else 0,
         P_PAD=triton.next_power_of_2(ss.shape[0]) if norm is not None else 1,
         NORM_FIRST=silu and block_n >= 64,  # H100: 255 registers; summed first, 0.6-1.1 us less per call
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(x),
+        W_SCALED=scaled, num_warps=num_warps, num_stages=num_stages, **pdl_args(x),
     )
 
 

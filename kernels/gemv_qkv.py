@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import weight_args
 from .gemv import MAX_M, _rows_pad, _rows_products, config_fits
 from .gemv_partials import _load_partials, _partials_rstd, _to_mma_rows, loads_at_once
 from .gemv_row import _norm_rstd, _prologue_row
@@ -43,6 +44,16 @@ def _pair_tile(w_ptr, stride_wn, D: tl.constexpr, PAIRS: tl.constexpr):
     lo = head * D + j
     w_lo = w_ptr + lo.to(tl.int64)[:, None] * stride_wn
     return head, j, lo, w_lo, w_lo + HALF * stride_wn
+
+
+@triton.jit
+def _pair_scales(ws_ptr, lo, D: tl.constexpr, W_SCALED: tl.constexpr):
+    """An FP8 weight's scales of the features ``lo`` and their partners ``lo + D/2``, as ``[1, pairs]`` rows
+    (``W_SCALED``; else ones, unread)."""
+    mask = (lo >= 0) & W_SCALED
+    s_lo = tl.load(ws_ptr + lo, mask=mask, other=1.0)
+    s_hi = tl.load(ws_ptr + lo + D // 2, mask=mask, other=1.0)
+    return s_lo[None, :], s_hi[None, :]
 
 
 @triton.jit
@@ -86,11 +97,12 @@ def _rope_store(y_lo, y_hi, head, j, lo, token, ok, x_ptr, b_ptr, qo_ptr, kc_ptr
 
 
 @triton.jit
-def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr,
+def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, w_ptr, ws_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr,
                      index_ptr, pos_ptr, cs_ptr, K, stride_wn, eps,
                      stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
                      H, HKV, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
-                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr = False):
+                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD: tl.constexpr, W_SCALED: tl.constexpr = False,
+                     USE_PDL: tl.constexpr = False):
     head, j, lo, w_lo, w_hi = _pair_tile(w_ptr, stride_wn, D, PAIRS)
     # the first weight tiles stream in while the previous kernel ends (kernels/pdl.py)
     offs_k = tl.arange(0, BLOCK_K)
@@ -110,17 +122,19 @@ def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, w_ptr, b_ptr, qo_ptr, kc_pt
         acc_hi += tl.load(w_hi + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32) * x
     pdl_launch(USE_PDL)
     token = tl.zeros([1, 1], dtype=tl.int32)  # the one token, as a [tokens, 1] column
-    _rope_store(tl.sum(acc_lo, axis=1)[None, :], tl.sum(acc_hi, axis=1)[None, :], head, j, lo, token, token == 0,
+    s_lo, s_hi = _pair_scales(ws_ptr, lo, D, W_SCALED)
+    _rope_store(tl.sum(acc_lo, axis=1)[None, :] * s_lo, tl.sum(acc_hi, axis=1)[None, :] * s_hi, head, j, lo, token,
+                token == 0,
                 x_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, stride_kcb, stride_kct, stride_kch,
                 stride_vcb, stride_vct, stride_vch, stride_cs, H, HKV, D, BLOCK_SIZE, HAS_BIAS)
 
 
 @triton.jit
-def _qkv_rope_rows_kernel(x_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, ss_ptr, M, K, P,
-                          stride_wn, stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
+def _qkv_rope_rows_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, ss_ptr, M,
+                          K, P,                          stride_wn, stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
                           H, HKV, eps, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
                           BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, P_PAD: tl.constexpr = 0,
-                          USE_PDL: tl.constexpr = False):
+                          W_SCALED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """The matmul, rotary and cache write of :func:`_qkv_rope_kernel` for 1..M_PAD tokens of an already normed
     x (contiguous rows; padding rows re-read the last token and store nothing): each weight chunk is
     multiplied into every token's pair of accumulators, as :mod:`kernels.gemv`'s rows kernel does.
@@ -148,6 +162,9 @@ def _qkv_rope_rows_kernel(x_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr
         acc_hi += _rows_products(tl.load(w_hi + offs_k, mask=k_mask, other=0.0), x)
     pdl_launch(USE_PDL)
     y_lo, y_hi = tl.sum(acc_lo, axis=2), tl.sum(acc_hi, axis=2)
+    if W_SCALED:
+        s_lo, s_hi = _pair_scales(ws_ptr, lo, D, W_SCALED)
+        y_lo, y_hi = y_lo * s_lo, y_hi * s_hi
     if P_PAD > 0:
         rstd = _partials_rstd(ss, K, eps)[:, None]
         y_lo, y_hi = y_lo * rstd, y_hi * rstd
@@ -157,11 +174,12 @@ def _qkv_rope_rows_kernel(x_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr
 
 
 @triton.jit
-def _qkv_rope_dot_kernel(x_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, ss_ptr, M, K, P,
-                         stride_wn, stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
+def _qkv_rope_dot_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, ss_ptr, M,
+                         K, P,                         stride_wn, stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
                          H, HKV, eps, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
                          BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         NORM_ROWS: tl.constexpr = 0, P_PAD: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
+                         NORM_ROWS: tl.constexpr = 0, P_PAD: tl.constexpr = 1, W_SCALED: tl.constexpr = False,
+                         USE_PDL: tl.constexpr = False):
     """:func:`_qkv_rope_rows_kernel` in :mod:`kernels.gemv`'s "dot" form, for 2 to 16 tokens: the tokens are the
     padded M side of ``tl.dot``, the PAIRS low and the PAIRS high weight rows of the program's pairs its two N
     sides (as :func:`kernels.gemv.gemv_silu` streams gate and up rows).  ``NORM_ROWS`` > 0: the norm from the
@@ -179,9 +197,14 @@ def _qkv_rope_dot_kernel(x_ptr, w_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr,
         offs_k = k0 + tl.arange(0, BLOCK_K)[None, :]
         k_mask = offs_k < K
         x = tl.load(x_rows + offs_k, mask=m_mask[:, None] & k_mask, other=0.0)
-        acc_lo += tl.dot(x, tl.trans(tl.load(w_lo + offs_k, mask=k_mask, other=0.0)), input_precision=DOT_PREC)
-        acc_hi += tl.dot(x, tl.trans(tl.load(w_hi + offs_k, mask=k_mask, other=0.0)), input_precision=DOT_PREC)
+        w_lo_k = tl.load(w_lo + offs_k, mask=k_mask, other=0.0).to(x.dtype)  # FP8 widened (a no-op otherwise)
+        w_hi_k = tl.load(w_hi + offs_k, mask=k_mask, other=0.0).to(x.dtype)
+        acc_lo += tl.dot(x, tl.trans(w_lo_k), input_precision=DOT_PREC)
+        acc_hi += tl.dot(x, tl.trans(w_hi_k), input_precision=DOT_PREC)
     pdl_launch(USE_PDL)
+    if W_SCALED:
+        s_lo, s_hi = _pair_scales(ws_ptr, lo, D, W_SCALED)
+        acc_lo, acc_hi = acc_lo * s_lo, acc_hi * s_hi
     if NORM_ROWS > 0:
         rstd = _to_mma_rows(_partials_rstd(ss, K, eps), offs_m, NORM_ROWS)
         acc_lo, acc_hi = acc_lo * rstd, acc_hi * rstd
@@ -229,10 +252,11 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     q_out = torch.empty(m, heads - 2 * hkv, d, dtype=x.dtype, device=x.device)
     _, _, block_k, num_warps, num_stages = config
     grid = (heads * (d // 2 // pairs),)
+    weight, ws, scaled = weight_args(weight)
     b = bias if bias is not None else weight
     caches = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
               v_cache.stride(2), cos_sin_cache.stride(0), heads - 2 * hkv, hkv)
-    meta = dict(D=d, BLOCK_SIZE=block_size, PAIRS=pairs, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+    meta = dict(D=d, BLOCK_SIZE=block_size, PAIRS=pairs, BLOCK_K=block_k, HAS_BIAS=bias is not None, W_SCALED=scaled,
                 num_warps=num_warps, num_stages=num_stages, **pdl_args(x))
     if norm is None:
         ss, eps = sumsq if sumsq is not None else (x, 0.0)
@@ -240,7 +264,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
             assert ss.dtype == torch.float32 and ss.dim() == 2 and ss.shape[1] == m and ss.is_contiguous(), ss.shape
             assert loads_at_once(ss.shape[0], m), ss.shape
         p_pad = triton.next_power_of_2(ss.shape[0]) if sumsq is not None else 0
-        args = (x, weight, b, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, ss, m, k, ss.shape[0],
+        args = (x, weight, ws, b, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, ss, m, k, ss.shape[0],
                 weight.stride(0), *caches, eps)
         if m > 0 and config[0] == "dot":
             _qkv_rope_dot_kernel[grid](*args, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
@@ -252,6 +276,6 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     nw, eps = norm
     add = residual is not None
     rout = torch.empty_like(x) if add else x
-    _qkv_rope_kernel[grid](x, residual if add else x, nw, rout, weight, b, q_out, k_cache, v_cache, kv_index,
+    _qkv_rope_kernel[grid](x, residual if add else x, nw, rout, weight, ws, b, q_out, k_cache, v_cache, kv_index,
                            positions, cos_sin_cache, k, weight.stride(0), eps, *caches, ADD=add, **meta)
     return q_out, rout

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import weight_args
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
 __all__ = ["gemv_prologue"]
@@ -59,9 +60,11 @@ def _norm_rstd(x_ptr, r_ptr, rout_ptr, K, eps, writer, ADD: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, rout_ptr, N, K, stride_wn, eps,
+def _gemv_row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, rout_ptr, N, K, stride_wn, eps,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PROLOGUE: tl.constexpr = 0, ADD: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                     PROLOGUE: tl.constexpr = 0, ADD: tl.constexpr = False, W_SCALED: tl.constexpr = False,
+                     USE_PDL: tl.constexpr = False):
+    """``W_SCALED``: w is FP8 with per-row scales at ``ws`` (:mod:`kernels.fp8`), applied to the sums."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -70,6 +73,7 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, rout_ptr, N, K, 
     offs_k = tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
     w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    ws = tl.load(ws_ptr + offs_n, mask=n_mask & W_SCALED, other=1.0)
     pdl_wait(USE_PDL)
     rstd = 1.0
     if PROLOGUE == 1:
@@ -83,6 +87,8 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, rout_ptr, N, K, 
         acc += w.to(tl.float32) * x[None, :]
     pdl_launch(USE_PDL)
     y = tl.sum(acc, axis=1)
+    if W_SCALED:
+        y = y * ws
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -115,9 +121,10 @@ def gemv_prologue(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if norm is not None:
         assert nw.shape == (K,) and nw.stride(0) == 1
     _, block_n, block_k, num_warps, num_stages = config
+    weight, ws, scaled = weight_args(weight)
     _gemv_row_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, bias if bias is not None else weight, out, residual if add else x, nw, rout, N, K,
+        x, weight, ws, bias if bias is not None else weight, out, residual if add else x, nw, rout, N, K,
         weight.stride(0), eps, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        PROLOGUE=2 if silu else 1, ADD=add, num_warps=num_warps, num_stages=num_stages, **pdl_args(x),
+        PROLOGUE=2 if silu else 1, ADD=add, W_SCALED=scaled, num_warps=num_warps, num_stages=num_stages, **pdl_args(x),
     )
     return out, (rout if norm is not None else None)

@@ -23,10 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from executor_proc.backends.base import NormInput, split_heads
-from executor_proc.backends.triton_backend import ONE_TOKEN_KINDS
+from executor_proc.backends.triton_backend import FP8_GEMV_DEFAULT, ONE_TOKEN_KINDS
 from kernels import gemv as skinny
 from kernels.gemv_partials import sumsq_fits, sumsq_programs
 from kernels.capture import capturing
+from kernels.fp8 import Fp8Weight
+from kernels.matmul_fp8 import FP8_MATMUL_CONFIGS, Fp8MatmulConfig, w8a8_linear
 from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.matmul import MatmulConfig, invariant_matmul
 from kernels.precompile import STAGE as COMPILE_STAGE, Compiles, compiled_ahead
@@ -57,7 +59,7 @@ def _weight_groups(model) -> dict[tuple[int, int], list[torch.Tensor]]:
     groups: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(list)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for w in (attn.qkv.weight, attn.o_proj.weight, mlp.gate_up.weight, mlp.down_proj.weight):
+        for w in (attn.qkv.weight, attn.o.weight, mlp.gate_up.weight, mlp.down.weight):
             groups[tuple(w.shape)].append(w)
     groups[tuple(model.lm_head.weight.shape)].append(model.lm_head.weight)
     return groups
@@ -97,8 +99,14 @@ def linear_jobs(model, ms: list[int], margin: float = SKINNY_MARGIN) -> list[Tun
     for (n, k), weights in _weight_groups(model).items():
         for m in ms:
             x = torch.randn(m, k, dtype=weights[0].dtype, device=weights[0].device)
+            fp8 = isinstance(weights[0], Fp8Weight)
             candidates = [(c, lambda w, c=c, x=x: skinny.gemv(x, w, config=c))
-                          for c in skinny.CONFIGS if skinny.config_fits(c, m)]
+                          for c in skinny.CONFIGS + (skinny.FP8_CONFIGS if fp8 else ()) if skinny.config_fits(c, m)]
+            if fp8:  # no cuBLAS W8A16: against the untuned default, any faster wins
+                default = FP8_GEMV_DEFAULT[m == 1]
+                baseline = ("default", lambda w, x=x: skinny.gemv(x, w, config=default))
+                jobs.append(TuneJob((n, k, m), baseline, candidates, weights, 1.0))
+                continue
             jobs.append(TuneJob((n, k, m), ("cublas", lambda w, x=x: F.linear(x, w)), candidates, weights, margin))
     return jobs
 
@@ -116,6 +124,11 @@ def matmul_jobs(model, ms: list[int], margin: float = 0.97) -> list[TuneJob]:
     for (n, k), weights in _weight_groups(model).items():
         for m in ms:
             x = torch.randn(m, k, dtype=weights[0].dtype, device=weights[0].device)
+            if isinstance(weights[0], Fp8Weight):  # W8A8: cuBLASLt against the Triton FP8 kernel
+                candidates = [(c, lambda w, c=c, x=x: w8a8_linear(x, w, config=c)) for c in FP8_MATMUL_CONFIGS]
+                jobs.append(TuneJob((n, k, m), ("cublas", lambda w, x=x: w8a8_linear(x, w)), candidates, weights,
+                                    margin))
+                continue
             candidates = [(c, lambda w, c=c, x=x: invariant_matmul(x, w, config=c)) for c in MATMUL_CANDIDATES]
             jobs.append(TuneJob((n, k, m), ("cublas", lambda w, x=x: F.linear(x, w)), candidates, weights, margin))
     return jobs
@@ -147,7 +160,7 @@ def prologue_jobs(backend, model, ms: tuple[int, ...] = (1,), margin: float = 0.
     cfg, layers = model.config, model.model.layers
     groups: dict[tuple[str, int, int], list[torch.Tensor]] = defaultdict(list)
     for layer in layers:
-        qkv, gate_up, down = layer.self_attn.qkv.weight, layer.mlp.gate_up.weight, layer.mlp.down_proj.weight
+        qkv, gate_up, down = layer.self_attn.qkv.weight, layer.mlp.gate_up.weight, layer.mlp.down.weight
         if layer.self_attn.q_norm is None:  # q/k norms sit between the matmul and the rotary: no fusion
             groups[("qkv", *qkv.shape)].append(qkv)
             groups[("rope", *qkv.shape)].append(qkv)
@@ -172,7 +185,8 @@ def _fused_runs(backend, kind: str, n: int, k: int, m: int, w0: torch.Tensor, cf
         run = {"silu": lambda w: backend.silu_linear(x, w, None),
                "norm": lambda w: backend.norm_linear(pre, w, None),
                "qkv": lambda w: backend.qkv_rotate_store(pre, w, None, cache, cache, plan)}[kind]
-        configs = [c for c in skinny.CONFIGS if c[0] == "row" and (kind != "qkv" or rope_pairs(c, cfg.head_dim))]
+        fp8 = skinny.FP8_CONFIGS if isinstance(w0, Fp8Weight) else ()
+        configs = [c for c in skinny.CONFIGS + fp8 if c[0] == "row" and (kind != "qkv" or rope_pairs(c, cfg.head_dim))]
         return ("unfused", _forcing(backend, {}, run)), [(c, _forcing(backend, {kind: c}, run)) for c in configs]
     # With the norms folded x is the residual stream after an output projection's epilogue (down before q|k|v,
     # o before gate|up): both sides take the norm from its partial sums (TritonBackend.project_out), the unfused
@@ -272,7 +286,9 @@ def tune_all(backend, model, small: list[int], wide: list[int], progress: Progre
                 matmul_jobs(model, wide), ahead)
             backend.gemv_choice, backend.gemv_timings = skinny_phase.pick(SKINNY_STAGE, progress)
             fused_phase = TunePhase(prologue_jobs(backend, model, tuple(small)), ahead)
-            backend.matmul_choice, matmul_timings = tiled_phase.pick(TILED_STAGE, progress)
+            tiled, matmul_timings = tiled_phase.pick(TILED_STAGE, progress)
+            backend.matmul_choice = {key: c for key, c in tiled.items() if not isinstance(c, Fp8MatmulConfig)}
+            backend.fp8_matmul_choice = {key: c for key, c in tiled.items() if isinstance(c, Fp8MatmulConfig)}
             backend.gemv_timings.update(matmul_timings)
             backend.prologue_choice, backend.prologue_timings = fused_phase.pick(FUSED_STAGE, progress)
     finally:
@@ -352,7 +368,9 @@ def tuner_report(backend) -> dict:
             row["cublas_ms"] = ms
         elif row["best_gemv_ms"] is None or ms < row["best_gemv_ms"]:
             row["best_gemv_ms"], row["best_gemv"] = ms, list(what)
-    for (n, k, m), config in {**getattr(backend, "gemv_choice", {}), **getattr(backend, "matmul_choice", {})}.items():
+    choices = {**getattr(backend, "gemv_choice", {}), **getattr(backend, "matmul_choice", {}),
+               **getattr(backend, "fp8_matmul_choice", {})}
+    for (n, k, m), config in choices.items():
         report.setdefault(f"{n}x{k} m={m}", {})["chosen"] = list(config)
     for (kind, n, k, m, what), ms in getattr(backend, "prologue_timings", {}).items():
         row = report.setdefault(f"{kind}+{n}x{k} m={m}", {"unfused_ms": None, "best_fused_ms": None})

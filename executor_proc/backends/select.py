@@ -28,10 +28,11 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     ``num_slots + 1`` rows (the padding slot), and on CUDA with graphs its linears
     are tuned for the graph batch sizes 1, 2, 4, 8 (skinny matmul and the fused norm / SiLU / rotary
     matmuls), 16, 32, ... up to the largest graph (tiled matmul), and the layers' norms are folded into
-    the matmuls after them (:func:`folds_norms`), each tuning phase reported through ``progress`` (its
-    kernels compiled, then its shapes timed).  Otherwise torch.
+    the matmuls after them (:func:`folds_norms`) before the weights are quantized (:func:`quantize`), each
+    tuning phase reported through ``progress`` (its kernels compiled, then its shapes timed).  Otherwise torch.
     """
     if not uses_triton(cfg, device):
+        quantize(cfg, model)
         return TorchBackend(model.rope_inv_freq)
     from executor_proc.backends.gemv_tuning import tune_all, tuner_report
     from executor_proc.backends.triton_backend import TritonBackend, m_bucket
@@ -44,6 +45,7 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     if folds_norms(cfg):
         model.fold_norms()
         backend.norms_folded = True
+    quantize(cfg, model)  # after the fold (the folded weights are what is quantized), before the tuning
     # Batch-invariant linears are one kernel for every batch size: nothing to choose per size.
     tune_max_m = graph_max_batch(cfg, backend) if device.type == "cuda" and not cfg.batch_invariant else 0
     if tune_max_m > 0:
@@ -54,6 +56,14 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
         with open(os.environ["FORERUN_TUNER_LOG"], "w") as f:
             json.dump(tuner_report(backend), f, indent=1)
     return backend
+
+
+def quantize(cfg: ExecutorConfig, model) -> None:
+    """``quantization: fp8``: the model's layer weights in FP8 (:mod:`executor_proc.model.quantization`)."""
+    if cfg.quantization == "fp8":
+        from executor_proc.model.quantization import quantize_model
+
+        quantize_model(model)
 
 
 def folds_norms(cfg: ExecutorConfig) -> bool:

@@ -12,6 +12,9 @@ backend does that).  Norm, activation, rotary, KV write and sampling are the
 one torch statement of each op in :mod:`kernels.reference`, :mod:`kernels.sampling_ref`,
 :mod:`kernels.penalties_ref` and :mod:`kernels.logprobs_ref`, which the kernel tests also compare against.
 
+FP8 weights (``--quantization fp8``) run :func:`kernels.fp8.fp8_linear_ref`, the Triton kernels' arithmetic
+(W8A16 up to 8 rows, W8A8 above) in float32 torch ops.
+
 Decode rows (one query token) are attended in batched runs: the blocks of every
 row of a run are gathered into one padded tensor with a length mask and sent to
 one SDPA call.  Prefill and chunk rows go one at a time over their gathered
@@ -30,6 +33,7 @@ from executor_proc.backends.base import (NormInput, SamplingRows, Stream, argmax
                                          unfused_norm_linear, unfused_project_out, unfused_qkv_rotate_store)
 from executor_proc.step.batch import ForwardBatch
 from kernels import reference as ops
+from kernels.fp8 import Fp8Weight, fp8_linear_ref
 from kernels.logprobs_ref import token_logprobs_ref
 from kernels.penalties_ref import PenaltyTables, apply_penalties_ref, count_sampled
 from kernels.sampling_ref import sample
@@ -175,6 +179,8 @@ class TorchBackend:
 
     @staticmethod
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if isinstance(weight, Fp8Weight):  # the kernels' arithmetic (kernels/fp8.py), in torch
+            return fp8_linear_ref(x, weight, bias)
         return F.linear(x, weight, bias)
 
     @staticmethod

@@ -30,7 +30,9 @@ batch size (otherwise the ops one by one); and with the layers' norms folded int
 (``norms_folded``, :meth:`executor_proc.model.llama.CausalLM.fold_norms`) the norms are not launched
 at all: ``project_out`` (o and down) adds the residual in the matmul's epilogue and leaves partial sums
 of squares, from which q|k|v and gate|up scale their sums by the norm's rsqrt
-(:func:`kernels.gemv.gemv_residual`).  With ``batch_invariant`` every linear is
+(:func:`kernels.gemv.gemv_residual`).  FP8 weights (:mod:`kernels.fp8`) run every one of these skinny and
+fused kernels on their e4m3 values (widened in registers, the per-channel scales applied to the sums) up to
+8 rows, and W8A8 above (:mod:`kernels.matmul_fp8`).  With ``batch_invariant`` every linear is
 :func:`kernels.matmul.invariant_matmul` (one tile shape and one split of K per weight, whatever
 the number of rows) and decode attention always uses ``INVARIANT_ATTENTION_SPLITS``, so a row's
 result does not depend on the rows beside it.  The sampler is :func:`kernels.sampling.sample`; penalties and logprobs are
@@ -49,6 +51,7 @@ from executor_proc.backends.base import (NormInput, SamplingRows, Stream, argmax
                                          unfused_project_out, unfused_qkv_rotate_store, unfused_silu_linear)
 from executor_proc.step.batch import ForwardBatch
 from kernels import argmax, gemv as skinny
+from kernels.fp8 import W8A16_MAX_ROWS, Fp8Weight
 from kernels.gemv_partials import sumsq_fits
 from kernels.gemv_row import gemv_prologue
 from kernels.activation import silu_and_mul
@@ -58,6 +61,7 @@ from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.kv_write import rope_cos_sin_cache, rope_kv_write
 from kernels.logprobs import token_logprobs
 from kernels.matmul import MatmulConfig, choose_config, invariant_matmul
+from kernels.matmul_fp8 import Fp8MatmulConfig, w8a8_linear
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.penalties import PenaltyTables, apply_penalties, count_sampled
 from kernels.prefill_attention import prefill_attention
@@ -74,6 +78,9 @@ INVARIANT_ATTENTION_SPLITS = 8
 # matmul's loads (every program re-reads the row: at 2+ tokens that cost more than the launch it saves on an H100);
 # at 2-8 tokens "rope" and "gate_silu" are epilogues (rotary + cache write after q|k|v; SiLU-mul after gate|up).
 ONE_TOKEN_KINDS = ("qkv", "norm", "silu")
+# An FP8 weight's skinny matmul where the tuner chose none: [2-8 rows, one row] ("dot" at 2-8: the norm from
+# partial sums needs it).
+FP8_GEMV_DEFAULT = (("dot", 16, 256, 4, 4), ("row", 8, 512, 4, 4))
 
 
 @dataclass
@@ -113,6 +120,8 @@ class TritonBackend:
         self.gemv_everywhere: Optional[GemvConfig] = None  # tests: force the Triton path
         # (N, K, m_bucket) -> tiled-matmul config for batches above 8; absent: cuBLAS.
         self.matmul_choice: dict[tuple[int, int, int], MatmulConfig] = {}
+        # FP8 weights above 8 rows: (N, K, m_bucket) -> the Triton W8A8 kernel's config; absent: cuBLASLt.
+        self.fp8_matmul_choice: dict[tuple[int, int, int], Fp8MatmulConfig] = {}
         # (kind, N, K, m_bucket) -> the config of a fused kernel (ONE_TOKEN_KINDS at m 1, "rope" and "gate_silu"
         # at 2-8); absent: unfused.
         self.prologue_choice: dict[tuple[str, int, int, int], GemvConfig] = {}
@@ -131,7 +140,7 @@ class TritonBackend:
     def use_choices_of(self, other: "TritonBackend") -> None:
         """Take ``other``'s tuned kernel choices (tests compare two workers on the same kernels)."""
         self.gemv_choice, self.prologue_choice = other.gemv_choice, other.prologue_choice
-        self.matmul_choice = other.matmul_choice
+        self.matmul_choice, self.fp8_matmul_choice = other.matmul_choice, other.fp8_matmul_choice
 
     def plan(self, batch: ForwardBatch) -> TritonPlan:
         if batch.prefill_tiles is not None:
@@ -183,6 +192,8 @@ class TritonBackend:
                                  plan.max_query_len, scale)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if isinstance(weight, Fp8Weight):
+            return self._fp8_linear(x, weight, bias)
         if self.batch_invariant:
             shape = (weight.shape[0], weight.shape[1])
             config = self.matmul_config.get(shape) or self.matmul_config.setdefault(
@@ -195,6 +206,15 @@ class TritonBackend:
         if tiled is not None:
             return invariant_matmul(x, weight, bias, config=tiled)  # invariant, and here simply faster
         return F.linear(x, weight, bias)
+
+    def _fp8_linear(self, x: torch.Tensor, weight: Fp8Weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """Up to 8 rows the skinny matmul on the FP8 weight (W8A16); above, W8A8 on the FP8 tensor cores with the
+        tuned kernel (cuBLASLt where none was tuned: prefill)."""
+        m = x.shape[0]
+        if m <= W8A16_MAX_ROWS:
+            x = x.contiguous()
+            return skinny.gemv(x, weight, bias, config=self._gemv_config(x, weight) or FP8_GEMV_DEFAULT[m == 1])
+        return w8a8_linear(x, weight, bias, config=self.fp8_matmul_choice.get((*weight.shape, m_bucket(m))))
 
     def _tiled_config(self, x: torch.Tensor, weight: torch.Tensor) -> Optional[MatmulConfig]:
         """The tiled matmul's config for this weight at x's rows (above 8), or None (cuBLAS)."""
@@ -220,6 +240,8 @@ class TritonBackend:
         if m > 8 or x.stride(1) != 1:
             return None
         config = self.gemv_everywhere or self.gemv_choice.get((weight.shape[0], weight.shape[1], m_bucket(m)))
+        if config is None and isinstance(weight, Fp8Weight):  # no cuBLAS for W8A16: the untuned default
+            config = FP8_GEMV_DEFAULT[m == 1]
         return config if config is not None and skinny.config_fits(config, m) else None
 
     def norm_linear(self, pre: NormInput, weight: torch.Tensor,

@@ -86,6 +86,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.qkv: Optional[FusedLinear] = None  # set by CausalLM.fuse_projections
+        self.o: Optional[FusedLinear] = None  # o_proj alone (its weight may become FP8: quantization.py)
 
     def forward(self, pre: NormInput, step: StepContext) -> Stream:
         """The attention output and the residual stream, for the layer's un-normalised input."""
@@ -98,8 +99,7 @@ class Attention(nn.Module):
             q, k, v = split_heads(qkv, self.num_kv_heads, self.head_dim)
             q = backend.rotate_and_store(self.q_norm(q), self.k_norm(k), v, k_cache, v_cache, step.plan)
         out = backend.attend(q, k_cache, v_cache, step.plan, self.scale)
-        return backend.project_out(out.view(t, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias,
-                                   residual)
+        return backend.project_out(out.view(t, self.num_heads * self.head_dim), self.o.weight, self.o.bias, residual)
 
 
 class MLP(nn.Module):
@@ -110,10 +110,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(i, h, bias=bias, dtype=dtype)
         self.gate_up: Optional[FusedLinear] = None  # set by CausalLM.fuse_projections
+        self.down: Optional[FusedLinear] = None  # down_proj alone (its weight may become FP8)
 
     def forward(self, pre: NormInput, backend: Backend) -> Stream:
         """The MLP output and the residual stream, for the un-normalised input."""
-        return backend.mlp(pre, (self.gate_up.weight, self.gate_up.bias), (self.down_proj.weight, self.down_proj.bias))
+        return backend.mlp(pre, (self.gate_up.weight, self.gate_up.bias), (self.down.weight, self.down.bias))
 
 
 class DecoderLayer(nn.Module):
@@ -147,12 +148,14 @@ class Decoder(nn.Module):
 
 
 class FusedLinear:
-    """Several ``nn.Linear`` of one input as one matmul; the originals become views of its weight
-    (``sizes`` splits the fused output back into the projections)."""
+    """Several ``nn.Linear`` of one input as one matmul (or one alone); the originals become views of its weight
+    (``sizes`` splits the fused output back into the projections).  ``weight`` is what the backend receives: a
+    tensor, or an FP8 weight with its scales (:mod:`executor_proc.model.quantization`)."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
+        self.linears = linears
         self.sizes = [lin.out_features for lin in linears]
-        self.weight = torch.cat([lin.weight for lin in linears])
+        self.weight = torch.cat([lin.weight for lin in linears]) if len(linears) > 1 else linears[0].weight.data
         has_bias = linears[0].bias is not None
         self.bias = torch.cat([lin.bias for lin in linears]) if has_bias else None
         for lin, w, b in zip(linears, self.weight.split(self.sizes), self._bias_parts()):
@@ -190,11 +193,14 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def fuse_projections(self) -> None:
-        """q|k|v and gate|up become one matmul each; the separate linears become views of it."""
+        """q|k|v and gate|up become one matmul each; the separate linears become views of it (o and down stand
+        alone, in the same holder)."""
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+            attn.o = FusedLinear([attn.o_proj])
             mlp.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj])
+            mlp.down = FusedLinear([mlp.down_proj])
 
     @torch.no_grad()
     def fold_norms(self) -> None:

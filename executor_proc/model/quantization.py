@@ -1,0 +1,54 @@
+"""``--quantization fp8``: the decoder's linear layers in FP8 e4m3, quantized once the weights are loaded.
+
+Every projection of every layer (fused q|k|v, o, fused gate|up, down) becomes a
+:class:`kernels.fp8.Fp8Weight`: e4m3 values with one float32 scale per output channel, computed from the
+loaded weight whatever its source (a bf16/fp16/fp32 checkpoint, GGUF, random weights).  Per-output-channel
+scales keep a fused weight's parts exact views of its projections (each row has its own scale), shard with
+their rows under tensor parallelism (column-parallel weights: the rank's rows and their scales; row-parallel
+ones are quantized from the rank's own columns, so their scales are the rank's), and commute with the
+sum over K, so a kernel applies them once to its float32 sums.  It runs after the layers' norms are folded
+into q|k|v and gate|up (the folded product is what is quantized).
+
+The embedding and the LM head stay in the model dtype: the embedding is a gather (one row per token,
+nothing to gain in bandwidth), and the LM head's logits feed sampling and logprobs directly, where an
+error of a few percent in a logit moves the sampled distribution (with tied embeddings they are one
+tensor anyway).  On an 8B model the head is 1 GB of the 8 GB that a decode step reads.
+
+How the quantized linears run (W8A16 up to 8 rows, W8A8 above) is :mod:`kernels.fp8`'s rule; the torch
+backend follows it with the reference math, the Triton backend with the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from kernels.fp8 import Fp8Weight, quantize_weight
+
+Quantization = Literal["none", "fp8"]
+
+
+def quantize_model(model) -> int:
+    """Quantize ``model``'s (a :class:`executor_proc.model.llama.CausalLM`) layer projections in place; returns
+    the bytes of weights saved.  Each fused projection's weight becomes an :class:`Fp8Weight` (what the backend
+    receives), and its parts' ``nn.Linear`` weights FP8 views of it, each with a ``weight_scale`` buffer, so that
+    the model's parameters and buffers count what the device holds."""
+    saved = 0
+    for layer in model.model.layers:
+        for fused in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
+            before = fused.weight.numel() * fused.weight.element_size()
+            fused.weight = quantize_weight(fused.weight)
+            for lin, part in zip(fused.linears, fused.weight.split(fused.sizes)):
+                lin.weight = nn.Parameter(part.data, requires_grad=False)  # the float copy is freed
+                lin.register_buffer("weight_scale", part.scale)
+            saved += before - fused.weight.data.numel() - 4 * fused.weight.scale.numel()
+    if torch.cuda.is_available() and model.lm_head.weight.is_cuda:
+        torch.cuda.empty_cache()
+    return saved
+
+
+def is_quantized(model) -> bool:
+    """Whether :func:`quantize_model` ran on ``model``."""
+    return isinstance(model.model.layers[0].self_attn.qkv.weight, Fp8Weight)
