@@ -31,6 +31,9 @@ OUTPUTS = [
      None, [PARIS, UTC]),
     ('{"name": "unknown", "parameters": {}}', '{"name": "unknown", "parameters": {}}', []),
     ('[TOOL_CALLS]get_weather[ARGS]{"city": "Par', '[TOOL_CALLS]get_weather[ARGS]{"city": "Par', []),  # cut short
+    ('get_weather{"city": "Paris"}get_time {"zone": "UTC"}', None, [PARIS, UTC]),  # Mistral's, special tokens dropped
+    ("get the weather first.", "get the weather first.", []),
+    ("get_weatherman says sunny", "get_weatherman says sunny", []),
     ("It is sunny in Paris.", "It is sunny in Paris.", []),
 ]
 

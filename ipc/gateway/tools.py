@@ -12,8 +12,9 @@
   ``parameters`` schema, and is the call's arguments.
 * **Parsing** (``auto``): Hermes / Qwen ``<tool_call>{"name", "arguments"}</tool_call>`` (several),
   Mistral ``[TOOL_CALLS][{"name", "arguments"}, ...]`` and its newer ``[TOOL_CALLS]name[ARGS]{...}``
-  (repeated), Llama 3.1+ JSON ``{"name", "parameters"}`` (``;``-separated, after an optional
-  ``<|python_tag|>``); text before a marker is content. Only calls of the request's functions count.
+  (repeated; ``name{...}`` once the detokenizer has dropped those special tokens), Llama 3.1+ JSON
+  ``{"name", "parameters"}`` (``;``-separated, after an optional ``<|python_tag|>``); text before a
+  marker is content. Only calls of the request's functions count.
   Calls found: ``message.tool_calls`` (arguments as JSON text), ``content`` the text beside them or
   null, ``finish_reason`` ``tool_calls``.
 * **Mistral's ids.** Mistral's templates refuse a call id that is not 9 characters: in a
@@ -37,7 +38,6 @@ from typing import Any, Optional
 from ipc.gateway import schemas as s
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_MISTRAL_ARGS = re.compile(r"\[TOOL_CALLS\]\s*([^\s\[\]{}]+)\s*\[ARGS\]")  # [TOOL_CALLS]name[ARGS]{...}
 _FALLBACK_PROMPT = (
     "You may call functions to answer. The functions you can call, as JSON schemas:\n{tools}\n"
     "To call one, answer with one <tool_call></tool_call> block per call, each holding a JSON object "
@@ -236,31 +236,43 @@ def _call_of(obj: Any, names: list[str]) -> Optional[tuple[str, str]]:
     return obj["name"], args if isinstance(args, str) else json.dumps(args)
 
 
-def _mistral_args_calls(text: str, names: list[str]) -> list[tuple[str, str]]:
-    """Mistral's ``[TOOL_CALLS]name[ARGS]{...}`` calls (one or more); [] if the text is not all such calls."""
-    heads = list(_MISTRAL_ARGS.finditer(text))
-    if not heads or text[:heads[0].start()].strip():
-        return []
-    calls = []
-    for head, nxt in zip(heads, heads[1:] + [None]):
-        body = text[head.end():nxt.start() if nxt is not None else len(text)].strip()
+def _named_json_calls(text: str, names: list[str]) -> list[tuple[str, str]]:
+    """Mistral's ``[TOOL_CALLS]name[ARGS]{...}`` calls (one or more), also as ``name{...}`` once the detokenizer
+    has dropped its special tokens; [] if the text is not all calls of the request's functions."""
+    text = text.replace("[TOOL_CALLS]", " ").replace("[ARGS]", "")
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    by_length = sorted(names, key=len, reverse=True)
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at == len(text):
+            return calls
+        name = next((n for n in by_length if text.startswith(n, at)), None)
+        if name is None:
+            return []
+        at += len(name)
+        while at < len(text) and text[at].isspace():
+            at += 1
         try:
-            args = json.loads(body)
+            args, at = decoder.raw_decode(text, at)
         except ValueError:
             return []
-        call = _call_of({"name": head.group(1), "arguments": args}, names)
-        if call is None:
+        if not isinstance(args, dict):
             return []
-        calls.append(call)
-    return calls
+        calls.append((name, json.dumps(args)))
+
+
+def _may_be_named_call(head: str, names: list[str]) -> bool:
+    """Whether an answer that begins with ``head`` may be ``name{...}`` calls (a stream holds it back)."""
+    return any(n.startswith(head) or (head.startswith(n) and head[len(n):].lstrip()[:1] in ("", "{")) for n in names)
 
 
 def _json_calls(text: str, names: list[str]) -> list[tuple[str, str]]:
     """Mistral's list or its ``name[ARGS]`` calls, a Llama JSON call or several ``;``-separated ones;
     [] if the text is not all calls."""
     text = text.strip().removeprefix("<|python_tag|>").strip()
-    if text.startswith("[TOOL_CALLS]") and "[ARGS]" in text:
-        return _mistral_args_calls(text, names)
+    if "[ARGS]" in text or (text[:1] not in ("[", "{", "") and not text.startswith("[TOOL_CALLS]")):
+        return _named_json_calls(text, names)
     text = text.removeprefix("[TOOL_CALLS]").strip()
     if not text or text[0] not in "[{":
         return []
@@ -363,9 +375,14 @@ class ToolCallStream:
         if self.holding:
             return []
         pending = self.text[self.sent:]
-        if not self.text[:self.sent].strip() and pending.lstrip()[:1] in ("{", "["):
-            self.holding = True  # a JSON call (Llama, Mistral) may be coming
-            return []
+        head = pending.lstrip()
+        if not self.text[:self.sent].strip() and head:
+            if head[0] in "{[":
+                self.holding = True  # a JSON call (Llama, Mistral) may be coming
+                return []
+            if _may_be_named_call(head, self.plan.names):  # Mistral's name{...} (its markers dropped)
+                self.holding = any(head.startswith(n) and head[len(n):].lstrip()[:1] == "{" for n in self.plan.names)
+                return []
         cut = min((i for i in (pending.find(m) for m in _MARKERS) if i >= 0), default=-1)
         if cut >= 0:
             self.holding = True
