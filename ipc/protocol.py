@@ -187,7 +187,8 @@ class ServerStats(_Msg, tag="server_stats"):
     grammar_steps: int = 0
     grammar_wait_steps: int = 0
     grammar_wait_s_total: float = 0.0
-    # Speculative decoding: drafts verified, and those accepted (each speculative row also emits one token of its own).
+    # Speculative decoding: rows, drafts verified, and those accepted (each row also emits one token of its own).
+    spec_rows: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
 
@@ -241,6 +242,9 @@ class Finished(_Msg, tag="finished"):
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None  # if not sent in a delta before
     stop_str: Optional[str] = None  # the stop string that finished the request (reason "stop")
     index: int = 0  # which completion of an n > 1 request (each completion has its own Finished)
+    # Speculative decoding: draft tokens verified for this request, and those accepted (0: it did not speculate).
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class Error(_Msg, tag="error"):

@@ -83,7 +83,8 @@ class ClientMessages:
             device_free_min_bytes=totals.device_free_min_bytes, **self.grammars.stats.server_stats(),
             grammar_steps=totals.grammar_steps, grammar_wait_steps=totals.grammar_wait_steps,
             grammar_wait_s_total=totals.grammar_wait_s,
-            spec_draft_tokens=pl.spec_drafts.drafted, spec_accepted_tokens=pl.spec_drafts.accepted)
+            spec_rows=pl.spec_drafts.rows, spec_draft_tokens=pl.spec_drafts.drafted,
+            spec_accepted_tokens=pl.spec_drafts.accepted)
 
     def _on_hello(self, client: bytes, msg: p.Hello) -> None:
         if msg.protocol_version != p.PROTOCOL_VERSION:

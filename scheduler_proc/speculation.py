@@ -44,10 +44,10 @@ _FINISHED = Status.FINISHED
 class DraftCounts:
     """Drafts verified and accepted since start-up (the server's stats and metrics)."""
 
-    __slots__ = ("drafted", "accepted")
+    __slots__ = ("rows", "drafted", "accepted")
 
     def __init__(self):
-        self.drafted = self.accepted = 0
+        self.rows = self.drafted = self.accepted = 0
 
 
 class Speculation:
@@ -96,8 +96,11 @@ class Speculation:
                 raise RuntimeError(f"step {step.step_id}: {accepted} of {k} drafts accepted")
             run = result.spec_tokens[cursor:cursor + accepted]
             cursor += k
+            counts.rows += 1
             counts.drafted += k
             counts.accepted += accepted
+            req.spec_drafted += k
+            req.spec_accepted += accepted
             req.spec_lag -= k
             req.num_computed -= k - accepted
             out = by_rid.get(req.rid)

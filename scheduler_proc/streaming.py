@@ -88,7 +88,8 @@ class OutputStream:
         sent = self.frontend.send(req.client, p.Finished(
             request_id=req.request_id, reason=out.finish_reason, prompt_tokens=len(req.prompt),
             completion_tokens=len(req.output), token_ids=req.output[req.num_sent:], logprobs=out.logprobs or [],
-            prompt_logprobs=prompt_logprobs, stop_str=out.stop_str, index=req.index))
+            prompt_logprobs=prompt_logprobs, stop_str=out.stop_str, index=req.index,
+            draft_tokens=req.spec_drafted, accepted_tokens=req.spec_accepted))
         req.num_sent = len(req.output)
         if not sent and req.client in self.frontend.slow:  # its stream has a hole: say so once it reads again
             self.frontend.owe(req.client, p.Error(code="slow_reader", request_id=req.request_id,

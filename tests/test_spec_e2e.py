@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+
+from ipc import protocol as p
 from ipc.client import AsyncClient
+from ipc.gateway.metrics import render
 from tests.server_proc import server_stats
 
 PASSAGE = ("The committee met on Tuesday to review the budget. It approved funding for the new library and asked "
@@ -58,4 +62,20 @@ async def test_greedy_identical_with_and_without_speculation_at_every_depth(modu
         drafted = after.spec_draft_tokens - before.spec_draft_tokens
         accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
         assert accepted >= 15 and drafted > accepted, (depth, drafted, accepted)  # the copy is accepted, the joke not
+        # per request, in timings (the server also counts rows that ran past a finish)
+        assert 0 < sum(r.timings.accepted_tokens for r in results[:len(PROMPTS)]) <= accepted
+        assert results[0].timings.accepted_tokens >= 10  # the copy
+        assert all(r.timings.draft_tokens == 0 for r in results[len(PROMPTS):])  # rows that cannot speculate
         srv.stop()  # one real-model server at a time
+
+
+def test_metrics_carry_the_draft_counts():
+    """The gateway's speculative-decoding series, from the scheduler's counters."""
+    fields = {f.name: 0 for f in msgspec.structs.fields(p.ServerStats) if f.default is msgspec.NODEFAULT}
+    stats = msgspec.structs.replace(p.ServerStats(**fields), spec_rows=10, spec_draft_tokens=40, spec_accepted_tokens=25)
+    text = render(stats, "m").decode()
+    for line in ('forerun:spec_decode_num_drafts_total{model_name="m"} 10.0',
+                 'forerun:spec_decode_num_draft_tokens_total{model_name="m"} 40.0',
+                 'forerun:spec_decode_num_accepted_tokens_total{model_name="m"} 25.0',
+                 'forerun:spec_decode_mean_accepted_length{model_name="m"} 3.5'):
+        assert line in text

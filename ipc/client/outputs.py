@@ -139,6 +139,7 @@ class CompletionOutput:
             e2e=self.t_finish,
             token_times=self.token_times,
             itl=[b - a for a, b in zip(times, times[1:])],
+            draft_tokens=fin.draft_tokens, accepted_tokens=fin.accepted_tokens,
         )
         return GenerateResult(
             request_id=request_id,

@@ -25,7 +25,9 @@ The series (labelled ``model_name``):
   ``StepResult``); ``gpu_idle_fraction`` (idle / (busy + idle) since start: CUDA-event gaps on a
   GPU, else the executor's waits for plans; use ``rate()`` of the counters for a window);
   structured outputs: ``structured_requests_total``, ``grammar_cache_hits_total``,
-  ``grammar_compile_seconds`` (a histogram; ``ipc/gateway/structured.py``).
+  ``grammar_compile_seconds`` (a histogram; ``ipc/gateway/structured.py``); speculative decoding:
+  ``spec_decode_num_drafts_total`` (speculative rows), ``spec_decode_num_draft_tokens_total``,
+  ``spec_decode_num_accepted_tokens_total``, ``spec_decode_mean_accepted_length`` (tokens a row emits, a gauge).
 """
 
 from __future__ import annotations
@@ -175,6 +177,9 @@ class SchedulerCollector:
              s.num_free_host_kv_blocks),
             ("forerun:gpu_idle_fraction", "Fraction of the device's time spent idle since start "
              "(GPU gaps on CUDA, else the executor's wait for plans).", idle_fraction(s)),
+            ("forerun:spec_decode_mean_accepted_length", "Tokens a speculative row emitted on average (accepted "
+             "drafts plus the model's own; 0 before any).", (s.spec_rows + s.spec_accepted_tokens) / s.spec_rows
+             if s.spec_rows else 0.0),
         )
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=LABELS)
@@ -197,6 +202,9 @@ class SchedulerCollector:
              s.prefix_cache_hit_tokens),
             ("forerun:prefix_cache_host_hits", "Prompt tokens found in the host KV tier (and copied back).",
              s.prefix_cache_host_hit_tokens),
+            ("forerun:spec_decode_num_drafts", "Speculative rows verified.", s.spec_rows),
+            ("forerun:spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_draft_tokens),
+            ("forerun:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted_tokens),
         )
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=LABELS)
