@@ -13,7 +13,6 @@ import asyncio
 import logging
 import math
 import os
-import tempfile
 import time
 from typing import Any, Optional, Sequence
 
@@ -21,9 +20,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.client.errors import ForerunError, ProtocolError, ServerGoneError, error_from_wire
+from ipc.client.errors import ForerunError, ServerGoneError
+from ipc.client.asks import OrderedAsks
+from ipc.client.handshake import handshake
 from ipc.client.liveness import Liveness, keep_alive
-from ipc.client.prompt import encode_prompt, load_tokenizer
+from ipc.client.prompt import encode_prompt, load_tokenizer, load_tokenizer_files
 from ipc.client.request import Call, PendingRequest, Stop, sampling_params, split_deltas
 from ipc.client.results import GenerateResult
 from ipc.client.stream import AsyncStream
@@ -99,8 +100,8 @@ class AsyncClient:
         self._pending: dict[str, PendingRequest] = {}
         self._connect_lock: Optional[asyncio.Lock] = None
         self._tokenizer_lock: Optional[asyncio.Lock] = None
-        self._stats_waiters: list[asyncio.Future] = []  # get_stats calls, answered in order
-        self._tokenizer_waiters: list[asyncio.Future] = []  # GetTokenizer asks, answered in order
+        self._stats_asks = OrderedAsks("stats")  # get_stats / reset_prefix_cache calls
+        self._tokenizer_asks = OrderedAsks("tokenizer files")
         self._closed = False
         # The last Error that named no request (a bad frame, a connection problem).
         self.last_connection_error: Optional[Error] = None
@@ -136,7 +137,11 @@ class AsyncClient:
             # lost Finished would hang its request; the client chose to ask for them all.
             sock = make_socket(self._ctx, zmq.DEALER, self.address, bind=False, hwm=0)
             try:
-                info = await self._handshake(sock)
+                hello = Hello(protocol_version=PROTOCOL_VERSION, client_name=self.client_name,
+                              batch_deltas=True,  # one message per step, not per request
+                              heartbeat_s=self.heartbeat_s, api_key=self.api_key)
+                limit = self.connect_timeout if self.timeout is None else min(self.timeout, self.connect_timeout)
+                info = await handshake(sock, hello, self.address, limit)
             except BaseException:
                 sock.close(linger=0)
                 raise
@@ -147,31 +152,6 @@ class AsyncClient:
             if self.heartbeat_s > 0:
                 self._heartbeat = loop.create_task(keep_alive(sock, live, lambda why: self._server_gone(sock, why)))
         return info
-
-    async def _handshake(self, sock: zmq.asyncio.Socket) -> ServerInfo:
-        await sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name=self.client_name,
-                                     batch_deltas=True,  # one message per step, not per request
-                                     heartbeat_s=self.heartbeat_s, api_key=self.api_key)))
-        limit = self.connect_timeout if self.timeout is None else min(self.timeout, self.connect_timeout)
-        deadline = time.monotonic() + limit
-        while True:
-            try:
-                frames = await asyncio.wait_for(sock.recv_multipart(), max(deadline - time.monotonic(), 0.0))
-            except asyncio.TimeoutError:
-                raise ServerGoneError(f"no server answered at {self.address} within {limit:g} s") from None
-            try:
-                msg = server_reply_decoder.decode(frames[-1])
-            except msgspec.DecodeError as exc:
-                raise ProtocolError("protocol", None, f"undecodable handshake reply: {exc}") from None
-            if isinstance(msg, ServerInfo):
-                if msg.protocol_version != PROTOCOL_VERSION:
-                    raise ProtocolError("protocol", "protocol_version",
-                                        f"server speaks protocol {msg.protocol_version}, "
-                                        f"this client {PROTOCOL_VERSION}")
-                return msg
-            if isinstance(msg, Error) and msg.request_id is None:
-                raise error_from_wire(msg)
-            # Anything else is a stray reply to an earlier connection's request.
 
     async def _read_loop(self, sock: zmq.asyncio.Socket, live: Liveness) -> None:
         pending = self._pending
@@ -198,10 +178,10 @@ class AsyncClient:
                             pending[delta.request_id].deliver(t, delta)
                         continue
                     if isinstance(msg, ServerStats):
-                        self._on_stats(msg)
+                        self._stats_asks.answer(msg)
                         continue
                     if isinstance(msg, TokenizerFiles):
-                        _answer_first(self._tokenizer_waiters, msg)
+                        self._tokenizer_asks.answer(msg)
                         continue
                     gone = self._forgotten(msg)
                     if gone is not None:
@@ -235,9 +215,6 @@ class AsyncClient:
                     "and aborted its requests")
         return None
 
-    def _on_stats(self, msg: ServerStats) -> None:
-        _answer_first(self._stats_waiters, msg)
-
     async def get_stats(self, timeout: float = 10.0) -> ServerStats:
         """The server's pool occupancy and counters; TimeoutError if no answer within ``timeout`` s."""
         return await self._ask_stats(GetStats(), timeout)
@@ -249,16 +226,7 @@ class AsyncClient:
     async def _ask_stats(self, msg: Any, timeout: float) -> ServerStats:
         await self.connect()
         self._check_open()
-        fut = asyncio.get_running_loop().create_future()
-        self._stats_waiters.append(fut)
-        try:
-            await self._sock.send(encode(msg))
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"no stats from {self.address} within {timeout} s") from None
-        finally:
-            if fut in self._stats_waiters:
-                self._stats_waiters.remove(fut)
+        return await self._stats_asks.ask(self._sock, encode(msg), timeout, self.address)
 
     def _on_connection_error(self, msg: Any) -> None:
         if not isinstance(msg, Error):
@@ -281,9 +249,8 @@ class AsyncClient:
             return  # this connection was already dropped
         logger.warning("server at %s is gone: %s", self.address, reason)
         self._fail_pending(ServerGoneError, f"{reason} at {self.address}; the request is lost")
-        for fut in self._stats_waiters + self._tokenizer_waiters:  # their answers will not come on this connection
-            if not fut.done():
-                fut.set_exception(ServerGoneError(f"{reason} at {self.address}"))
+        for asks in (self._stats_asks, self._tokenizer_asks):  # their answers will not come on this connection
+            asks.fail(ServerGoneError(f"{reason} at {self.address}"))
         tasks = [t for t in (self._reader, self._heartbeat) if t is not None and t is not asyncio.current_task()]
         self._sock, self._server_info, self._reader, self._heartbeat = None, None, None, None
         for task in tasks:
@@ -338,21 +305,9 @@ class AsyncClient:
                 if not (await self.connect()).has_tokenizer:
                     raise ForerunError("no_tokenizer", "tokenizer", "the server has no tokenizer (its model has "
                                        "none): send prompt_token_ids with detokenize=False, or pass tokenizer=")
-                files = await self._fetch_tokenizer_files()
-                self._tokenizer = await asyncio.to_thread(_load_tokenizer_files, files)
+                answer = await self._tokenizer_asks.ask(self._sock, encode(GetTokenizer()), 60.0, self.address)
+                self._tokenizer = await asyncio.to_thread(load_tokenizer_files, answer.files)
         return self._tokenizer
-
-    async def _fetch_tokenizer_files(self, timeout: float = 60.0) -> dict[str, bytes]:
-        fut = asyncio.get_running_loop().create_future()
-        self._tokenizer_waiters.append(fut)
-        try:
-            await self._sock.send(encode(GetTokenizer()))
-            return (await asyncio.wait_for(fut, timeout)).files
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"no tokenizer files from {self.address} within {timeout} s") from None
-        finally:
-            if fut in self._tokenizer_waiters:
-                self._tokenizer_waiters.remove(fut)
 
     async def encode(self, prompt: Optional[str] = None, *,
                      messages: Optional[list[dict[str, Any]]] = None) -> list[int]:
@@ -480,24 +435,3 @@ class AsyncClient:
         if not req.done and not self._closed and self._sock is not None:
             req.done = True
             await self._sock.send(encode_abort(req.request_id))
-
-
-
-def _answer_first(waiters: list[asyncio.Future], msg: Any) -> None:
-    """Give ``msg`` to the oldest waiter still waiting (replies come in the order of the asks)."""
-    while waiters:
-        fut = waiters.pop(0)
-        if not fut.done():
-            fut.set_result(msg)
-            return
-
-
-def _load_tokenizer_files(files: dict[str, bytes]) -> Any:
-    """A tokenizer built from the files the server sent (written to a temporary folder, removed after loading)."""
-    with tempfile.TemporaryDirectory(prefix="forerun-tokenizer-") as folder:
-        for name, data in files.items():
-            if os.path.basename(name) != name or name in ("", ".", ".."):
-                continue  # a file name, never a path: the server cannot write outside the folder
-            with open(os.path.join(folder, name), "wb") as f:
-                f.write(data)
-        return load_tokenizer(folder)

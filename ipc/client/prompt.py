@@ -7,6 +7,8 @@ exception, a text too long to be worth tokenizing) becomes an
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 from typing import Any, Optional
 
@@ -24,6 +26,17 @@ MAX_CHARS_PER_TOKEN = 32
 # transformers imports its submodules lazily and not thread-safely: two threads loading their
 # first tokenizer at once can see a half-imported module (ImportError). One load at a time.
 _load_lock = threading.Lock()
+
+
+def load_tokenizer_files(files: dict[str, bytes]) -> Any:
+    """A tokenizer built from the files a server sent (written to a temporary folder, removed after loading)."""
+    with tempfile.TemporaryDirectory(prefix="forerun-tokenizer-") as folder:
+        for name, data in files.items():
+            if os.path.basename(name) != name or name in ("", ".", ".."):
+                continue  # a file name, never a path: the server cannot write outside the folder
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(data)
+        return load_tokenizer(folder)
 
 
 def load_tokenizer(path: str) -> Any:
