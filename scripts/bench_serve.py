@@ -22,8 +22,9 @@ with its share of the warm-up, the cap and the rate) that start measuring at
 the same instant: one process following hundreds of streams can be the limit
 it measures.  Percentiles and throughput are taken over the union.  Prompts are
 random token ids (``--dataset random``) or a small built-in set of chat prompts
-(``--dataset chat``, which needs the server's tokenizer on this machine).  Text
-is never detokenized: only token arrival times are measured.
+(``--dataset chat``, which needs the server's tokenizer on this machine; ``--prompts-file`` another set, e.g.
+``scripts/data/spec_prompts.jsonl``: edits of a given text, for speculative decoding).  Text is never
+detokenized: only token arrival times are measured.  A server that speculates also reports its drafts.
 """
 
 from __future__ import annotations
@@ -149,6 +150,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "(default: %(default)s)")
     p.add_argument("--dataset", choices=["random", "chat"], default="random",
                    help="random token-id prompts, or the built-in chat prompts (default: %(default)s)")
+    p.add_argument("--prompts-file", default=None, metavar="PATH",
+                   help="with --dataset chat: chat prompts, one JSON string per line, instead of the built-in ones "
+                        "(scripts/data/spec_prompts.jsonl: prompt-lookup-friendly edits of a given text)")
     p.add_argument("--input-len", type=int, default=256,
                    help="prompt tokens per request for --dataset random (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=128,
@@ -195,9 +199,10 @@ def random_requests(n: int, input_len: int, output_len: int, vocab_size: int,
     return [BenchRequest([rng.choice(ids) for _ in range(input_len)], output_len) for _ in range(n)]
 
 
-async def chat_requests(client: AsyncClient, n: int, output_len: int) -> list[BenchRequest]:
-    """The built-in chat prompts, cycled, through the server's chat template."""
-    encoded = [await client.encode(messages=[{"role": "user", "content": text}]) for text in CHAT_PROMPTS]
+async def chat_requests(client: AsyncClient, n: int, output_len: int, path: Optional[str] = None) -> list[BenchRequest]:
+    """The built-in chat prompts (or ``path``'s, one JSON string a line), cycled, through the server's chat template."""
+    texts = [msgspec.json.decode(line) for line in open(path) if line.strip()] if path else CHAT_PROMPTS
+    encoded = [await client.encode(messages=[{"role": "user", "content": text}]) for text in texts]
     return [BenchRequest(encoded[i % len(encoded)], output_len) for i in range(n)]
 
 
@@ -427,6 +432,16 @@ async def server_facts(args: argparse.Namespace, client: Optional[AsyncClient]) 
             "vocab_size": args.vocab_size, "eos_token_ids": [0, 1, 2]}
 
 
+def spec_figures(before: Any, after: Any) -> dict[str, Any]:
+    """The run's speculative decoding (ServerStats before and after it; empty when the server did not speculate)."""
+    rows = after.spec_rows - before.spec_rows
+    if not rows:
+        return {}
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    return {"spec_rows": rows, "spec_draft_tokens": after.spec_draft_tokens - before.spec_draft_tokens,
+            "spec_accepted_tokens": accepted, "mean_accepted_length": (rows + accepted) / rows}
+
+
 def get_json(url: str, api_key: Optional[str] = None) -> Any:
     """GET a JSON document (blocking)."""
     import json
@@ -453,13 +468,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             workload = random_requests(total, args.input_len, args.output_len, info["vocab_size"],
                                        set(info["eos_token_ids"]), rng)
         else:
-            workload = await chat_requests(client, total, args.output_len)
+            workload = await chat_requests(client, total, args.output_len, args.prompts_file)
         warmup, measured = workload[:args.warmup], workload[args.warmup:]
+        before = await client.get_stats() if client is not None else None
         if args.client_procs > 1:
             samples, duration, client_cpu = await asyncio.to_thread(run_spread, args, warmup, measured)
         else:
             samples, start, end, client_cpu = await measure(client, warmup, measured, args, rng)
             duration = end - start
+        spec = spec_figures(before, await client.get_stats()) if client is not None else {}
     finally:
         if client is not None:
             await client.close()
@@ -470,7 +487,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     # Near 1.0 means this client (its busiest process), not the server, may be what limits the run.
     m["client_cpu_fraction"] = client_cpu / duration
     m["client_procs"] = args.client_procs
+    m.update(spec)
     print(report(m))
+    if spec:
+        print(f"speculation: {spec['spec_draft_tokens']} drafts, {spec['spec_accepted_tokens']} accepted, "
+              f"{spec['mean_accepted_length']:.2f} tokens per speculative row")
     figures = {
         "config": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()},
         "server": {k: v for k, v in info.items() if k != "eos_token_ids"},
