@@ -27,7 +27,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -35,8 +35,8 @@ from ipc.client import AsyncClient, ExecutorFailedError, ForerunError, InvalidRe
 from ipc.client.prompt import MAX_CHARS_PER_TOKEN, check_messages
 from ipc.gateway import params, tools
 from ipc.gateway import schemas as s
-from ipc.gateway.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS, DISCARD_MAX_BYTES, INLINE_CHARS,
-                                MAX_ERROR_MESSAGE_CHARS)
+from ipc.gateway.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS, INLINE_CHARS,
+                                MAX_ERROR_MESSAGE_CHARS, read_body)
 from ipc.gateway.logprobs import TokenTexts
 from ipc.gateway.metrics import render, request_metrics
 from ipc.gateway.responses import (
@@ -95,40 +95,6 @@ def _decode(body: bytes, kind: type) -> Any:
         raise s.RequestError(400, f"the body is not valid UTF-8: {e.reason} at byte {e.start}") from None
     except RecursionError:
         raise s.RequestError(400, "the body nests arrays or objects too deeply") from None
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body; a 413 once it is known to exceed ``limit`` bytes (Content-Length, else while reading).
-
-    Nothing past the limit is kept.  The rest is read and dropped (up to DISCARD_MAX_BYTES) before the 413, so
-    that a client still sending its body reads the answer instead of a broken pipe."""
-    try:
-        header = request.headers.get("content-length", "")
-        declared = int(header) if header.isascii() and header.isdigit() and len(header) <= 18 else None
-        if declared is not None and declared > limit:
-            if declared <= DISCARD_MAX_BYTES:
-                await _discard(request, 0)
-            raise s.RequestError(413, f"the request body is {declared} bytes; the limit is {limit} bytes "
-                                      "(--max-request-bytes)", code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                await _discard(request, size)
-                raise s.RequestError(413, f"the request body exceeds the limit of {limit} bytes "
-                                          "(--max-request-bytes)", code="request_too_large")
-            chunks.append(chunk)
-        return b"".join(chunks)
-    except ClientDisconnect:
-        raise ClientGone() from None
-
-
-async def _discard(request: Request, size: int) -> None:
-    """Read and drop the rest of a body, ``size`` bytes of it read so far, up to DISCARD_MAX_BYTES in all."""
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > DISCARD_MAX_BYTES:
-            return
 
 
 class Gateway:
