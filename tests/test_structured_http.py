@@ -35,6 +35,11 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "description": "The time in a zone",
                                            "parameters": TIME}}]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+FORECAST = {"type": "object", "properties": {  # a nested object, an array with bounds, an optional field
+    "city": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+             "additionalProperties": False},
+    "highs": {"type": "array", "items": {"type": "integer", "minimum": -30, "maximum": 50}, "minItems": 1, "maxItems": 3},
+    "note": {"type": "string", "maxLength": 8}}, "required": ["city", "highs"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +94,8 @@ def test_structured_and_tools(api):
             "schema": _chat(api, response_format={"type": "json_schema", "json_schema": {
                 "name": "weather", "schema": WEATHER, "strict": True}}),
             "object": _chat(api, response_format={"type": "json_object"}, max_tokens=24),
+            "nested": _chat(api, response_format={"type": "json_schema", "json_schema": {
+                "name": "forecast", "schema": FORECAST, "strict": True}}, max_tokens=40),
             "guided_json": _chat(api, extra_body={"guided_json": TIME}, temperature=0.8, seed=4),
             "regex": _chat(api, extra_body={"guided_regex": r"[A-Z][a-z]{2,8} [0-9]{1,2}C"}, temperature=0.7, seed=1),
             "choice": _chat(api, extra_body={"structured_outputs": {"choice": ["sunny", "rainy", "cloudy"]}}),
@@ -106,7 +113,8 @@ def test_structured_and_tools(api):
                 {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"}]),
         }
         r = dict(zip(jobs, await asyncio.gather(*jobs.values())))
-        for name, schema in (("schema", WEATHER), ("object", {"type": "object"}), ("guided_json", TIME)):
+        for name, schema in (("schema", WEATHER), ("object", {"type": "object"}), ("guided_json", TIME),
+                             ("nested", FORECAST)):
             c = r[name].choices[0]
             if c.finish_reason == "stop":
                 jsonschema.validate(json.loads(c.message.content), schema)
