@@ -10,6 +10,7 @@ import torch
 
 from executor_proc.backends.base import Backend
 from executor_proc.backends.torch_backend import TorchBackend
+from executor_proc.model.quantization import is_quantized
 from ipc.config import ExecutorConfig
 
 ProgressCallback = Callable[[str, int, int], None]
@@ -42,7 +43,7 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     c = model.config
     backend = TritonBackend(model.rope_inv_freq, max_positions, c.num_heads, c.num_kv_heads, c.head_dim,
                             cfg.num_slots + 1, device, batch_invariant=cfg.batch_invariant)
-    if folds_norms(cfg):
+    if folds_norms(cfg) and not is_quantized(model):  # FP8 from the checkpoint: a fold would re-quantize
         model.fold_norms()
         backend.norms_folded = True
     quantize(cfg, model)  # after the fold (the folded weights are what is quantized), before the tuning
@@ -60,7 +61,7 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
 
 def quantize(cfg: ExecutorConfig, model) -> None:
     """``quantization: fp8``: the model's layer weights in FP8 (:mod:`executor_proc.model.quantization`)."""
-    if cfg.quantization == "fp8":
+    if cfg.quantization == "fp8" and not is_quantized(model):  # an FP8 checkpoint is FP8 already
         from executor_proc.model.quantization import quantize_model
 
         quantize_model(model)

@@ -23,10 +23,14 @@ from executor_proc.backends.torch_backend import TorchBackend
 from executor_proc.step.batch import ForwardBatch
 from executor_proc.model.kv_cache import KVCache
 from executor_proc.model.config import ModelConfig
+from executor_proc.model.fp8_checkpoint import row_scales
+from kernels.fp8 import FP8
 from kernels.reference import rms_norm_ref
 
-# Buffers some HF checkpoints carry that the model recomputes.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Buffers some HF checkpoints carry that the model recomputes, and FP8 checkpoints' static activation scales (the
+# kernels scale activations per token: executor_proc/model/fp8_checkpoint.py).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale")
+_SCALE = ".weight_scale"  # an FP8 weight's scales, loaded into the buffer of that name (fp8_checkpoint.prepare_fp8)
 
 
 class RMSNorm(nn.Module):
@@ -252,6 +256,7 @@ class CausalLM(nn.Module):
         ``progress_cb(n_seen)`` is called after each tensor read from ``weights``.  Returns the number copied.
         """
         params = dict(self.named_parameters())  # a tied lm_head is listed once, as embed_tokens
+        params.update((n, b) for n, b in self.named_buffers() if n.endswith(_SCALE))
         loaded: set[str] = set()
         unexpected: list[str] = []
         bad_shapes: list[str] = []
@@ -264,8 +269,11 @@ class CausalLM(nn.Module):
             if param is None:
                 unexpected.append(name)
                 continue
-            if tuple(param.shape) != tuple(tensor.shape):
-                bad_shapes.append(f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
+            if name.endswith(_SCALE):
+                tensor = row_scales(tensor, param.shape[0])
+            if tuple(param.shape) != tuple(tensor.shape) or (param.dtype == FP8) != (tensor.dtype == FP8):
+                bad_shapes.append(f"{name}: checkpoint {tuple(tensor.shape)} {tensor.dtype} vs model "
+                                  f"{tuple(param.shape)} {param.dtype}")
                 continue
             param.copy_(tensor)
             loaded.add(name)

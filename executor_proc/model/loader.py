@@ -24,6 +24,7 @@ import torch
 
 from executor_proc.model.llama import CausalLM, build_model, rope_inv_freq
 from executor_proc.model.config import Llama3RopeScaling, ModelConfig
+from executor_proc.model.fp8_checkpoint import checkpoint_is_fp8, prepare_fp8
 
 if TYPE_CHECKING:
     from executor_proc.parallel.group import TPGroup
@@ -103,6 +104,8 @@ def load_model(
         total, weights = hf_weights(path, shards)
         stage = "loading weights"
     model = build_model(config, device, dtype, make)
+    if reader is None and checkpoint_is_fp8(path):  # e4m3 weights and their scales, read as they are
+        prepare_fp8(model)
     report = None if progress_cb is None else (lambda done: progress_cb(stage, done, total))
     model.load_weights(weights, report)
     return model, config

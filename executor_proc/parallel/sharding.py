@@ -7,6 +7,8 @@ Rank ``r`` of ``N``, for HF parameter names::
                                  them) the one KV head its query heads read, replicated on N/KV ranks
     o_proj, down_proj            row-parallel: the matching input columns; the partial outputs are
                                  all-reduced, so a bias is added once: rank 0 holds it, the others zeros
+    *.weight_scale (FP8)         with their weight's rows: column-parallel sliced, row-parallel and
+                                 per-tensor ones whole
     embed_tokens, lm_head        vocabulary-parallel: rows r*Vp .. (r+1)*Vp, Vp = ceil(V/N), rows past V zero
     norms                        replicated
 
@@ -46,6 +48,13 @@ def check_divisible(config: ModelConfig, size: int) -> None:
                      f"sizes that do: {', '.join(map(str, good))}")
 
 
+def _numel(t) -> int:
+    n = 1
+    for d in _shape(t):
+        n *= d
+    return n
+
+
 def _shape(t) -> tuple[int, ...]:
     """A tensor's shape, or a safetensors slice's."""
     return tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
@@ -79,6 +88,8 @@ class Shards:
         """This rank's part of the full weight ``name`` (HF naming); ``t`` is a tensor or a safetensors slice."""
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+        if kind == "weight_scale" and (module in _ROW or _numel(t) == 1):  # per output row, or one per tensor
+            return t[...]
         if module in _COLUMN:
             a, b = self.rows[_COLUMN[module]]
             return t[a:b]

@@ -1,0 +1,125 @@
+"""FP8 checkpoints (compressed-tensors float-quantized, quant_method fp8): detected from config.json, read as they
+are (e4m3 values and scales bit for bit), sharded with their weights, and refused by name when not supported."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from executor_proc.model.fp8_checkpoint import fp8_scheme
+from executor_proc.model.loader import load_model
+from kernels.fp8 import FP8, Fp8Weight, quantize_weight
+from tests.test_gpu_fastpath import write_config
+
+_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _built(model_dir: str, **kw):
+    from executor_proc.build import build_worker
+    from ipc.config import ExecutorConfig
+
+    kw.setdefault("kernels", "torch")
+    return build_worker(ExecutorConfig(model=model_dir, load_format="hf", device="cpu", num_slots=2, num_kv_blocks=16,
+                                       block_size=4, **kw)).worker
+
+
+def _compressed_tensors(strategy: str) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                                          "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
+                                                      "symmetric": True, "dynamic": False},
+                                          "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                                "dynamic": False}}}}
+
+
+def _write_checkpoint(folder, quantization: dict, per_tensor: bool) -> tuple[str, str]:
+    """A tiny model's random weights as an FP8 checkpoint (``folder``/fp8) and the same values dequantized as a
+    float32 one (``folder``/ref); returns both folders."""
+    model, _ = load_model(write_config(folder), "dummy", "cpu", torch.float32)
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fp8, ref = dict(state), dict(state)
+    for name, w in state.items():
+        if name.split(".")[-2] not in _PROJ:
+            continue
+        if per_tensor:  # one scale for the projection
+            scale = w.abs().max().float() / 448
+            q = Fp8Weight((w / scale).clamp(-448, 448).to(FP8), scale.expand(w.shape[0]).contiguous(), w.dtype)
+        else:
+            q = quantize_weight(w)
+        fp8[name] = q.data
+        fp8[name + "_scale"] = q.scale[0].reshape(()) if per_tensor else q.scale[:, None]
+        fp8[name.removesuffix("weight") + "input_scale"] = torch.tensor([0.02])
+        ref[name] = q.dequantize()
+    config = json.loads((folder / "config.json").read_text())
+    out = []
+    for sub, tensors, extra in (("fp8", fp8, {"quantization_config": quantization}), ("ref", ref, {})):
+        d = folder / sub
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**config, **extra}))
+        save_file(tensors, str(d / "model.safetensors"))
+        out.append(str(d))
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("quantization,per_tensor", [(_compressed_tensors("channel"), False),
+                                                     ({"quant_method": "fp8", "activation_scheme": "static"}, True)])
+def test_fp8_checkpoint_loads_as_it_is(tmp_path, quantization, per_tensor):
+    from tests.forward_batch import all_logits, build_forward_batch
+
+    fp8_dir, ref_dir = _write_checkpoint(tmp_path, quantization, per_tensor)
+    ckpt = _built(fp8_dir)
+    layer = ckpt.model.model.layers[1]
+    written = load_model(fp8_dir, "hf", "cpu", torch.float32)[0]  # as loaded, before the backend
+    assert isinstance(layer.mlp.gate_up.weight, Fp8Weight) and layer.self_attn.k_proj.weight.dtype == FP8
+    assert ckpt.model.lm_head.weight.dtype == torch.float32
+    from safetensors import safe_open
+    with safe_open(f"{fp8_dir}/model.safetensors", "pt") as f:  # the checkpoint's values and scales, bit for bit
+        q = f.get_tensor("model.layers.1.self_attn.k_proj.weight")
+        s = f.get_tensor("model.layers.1.self_attn.k_proj.weight_scale")
+    got = written.model.layers[1].self_attn.k_proj
+    assert torch.equal(got.weight.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(got.weight_scale, s.float().reshape(-1).expand(q.shape[0]))
+    # The same values, dequantized and quantized at load: per-channel scales come back exactly; per-tensor ones
+    # are the checkpoint's own (coarser) scales, so only the per-channel logits match bit for bit.
+    ref, plain = _built(ref_dir, quantization="fp8"), _built(ref_dir)
+    batch = build_forward_batch([(0, list(range(3, 15)), 0, True)], [[1, 2, 3, 4]], 4, "cpu")
+    batch = dataclasses.replace(batch, block_tables=batch.block_tables.int())
+    a, b, c = (all_logits(w.model, batch, w.kv_cache) for w in (ckpt, ref, plain))
+    if not per_tensor:
+        assert torch.equal(a, b)
+        tri = _built(fp8_dir, kernels="triton", cuda_graphs=False)  # the norms stay: folding would re-quantize
+        assert not tri.model.backend.norms_folded
+        norm = written.model.layers[0].input_layernorm.weight
+        assert torch.equal(tri.model.model.layers[0].input_layernorm.weight, norm)
+    assert (a - c).abs().max() < 0.05 * c.abs().max()  # activations rounded to e4m3 (12 rows: W8A8)
+
+
+def test_unsupported_quantization_configs_are_refused_by_name():
+    assert fp8_scheme({}) is None
+    assert fp8_scheme({"quantization_config": _compressed_tensors("tensor")}) == "compressed-tensors"
+    cases = [({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+             ({"quant_method": "gptq"}, "quant_method 'gptq'"),
+             ({**_compressed_tensors("channel"), "format": "pack-quantized"}, "format 'pack-quantized'"),
+             ({**_compressed_tensors("group")}, "weights.strategy 'group'")]
+    for q, words in cases:
+        with pytest.raises(ValueError, match=words):
+            fp8_scheme({"quantization_config": q})
+
+
+def test_scales_shard_with_their_weights():
+    from executor_proc.model.config import ModelConfig
+    from executor_proc.parallel.sharding import Shards
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=97, hidden_size=64, intermediate_size=96,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
+                      max_position_embeddings=512)
+    shards = Shards(cfg, 1, 2)
+    rows = torch.arange(96.0)[:, None]
+    assert torch.equal(shards.take("model.layers.0.mlp.up_proj.weight_scale", rows), rows[48:])
+    assert torch.equal(shards.take("model.layers.0.mlp.down_proj.weight_scale", rows[:64]), rows[:64])
+    assert torch.equal(shards.take("model.layers.0.self_attn.q_proj.weight_scale", torch.tensor(0.5)),
+                       torch.tensor(0.5))
