@@ -313,8 +313,9 @@ class SlotSampling(msgspec.Struct, array_like=True, omit_defaults=True):
     @property
     def verifiable(self) -> bool:
         """Whether a speculative row verifies this slot's drafts exactly: the plain sampler's token at each drafted
-        position (no penalty, bias, mask or logprobs that would depend on the tokens before it in the row)."""
-        return self.logprobs < 0 and self.prompt_logprobs < 0 and not self.reads_tokens and not self.logit_bias_ids
+        position (no penalty, bias or mask that would depend on the tokens before it in the row; logprobs are the
+        raw logits', per position)."""
+        return self.prompt_logprobs < 0 and not self.reads_tokens and not self.logit_bias_ids
 
 
 class Admit(msgspec.Struct, array_like=True):
@@ -435,6 +436,7 @@ class StepResult(_Msg, tag="step_result"):
     # only the first num_accepted count), and how many of its K drafts the model accepted.
     spec_tokens: list[int] = []
     num_accepted: list[int] = []
+    spec_logprobs: list[TokenLogprobs] = []  # parallel to spec_tokens when a speculative row asked for logprobs
 
 
 class ExecutorFatal(_Msg, tag="executor_fatal"):

@@ -90,11 +90,13 @@ class Speculation:
                                f"{[k for _, k in step.spec]}")
         by_rid = {out.request.rid: out for out in outputs}
         counts = self.spec_drafts
+        logprobs = result.spec_logprobs
         cursor = 0
         for (req, k), accepted in zip(step.spec, result.num_accepted):
             if not 0 <= accepted <= k:
                 raise RuntimeError(f"step {step.step_id}: {accepted} of {k} drafts accepted")
             run = result.spec_tokens[cursor:cursor + accepted]
+            run_logprobs = logprobs[cursor:cursor + accepted] if logprobs else None
             cursor += k
             counts.rows += 1
             counts.drafted += k
@@ -105,15 +107,21 @@ class Speculation:
             req.num_computed -= k - accepted
             out = by_rid.get(req.rid)
             if out is not None and out.finish_reason is None and req.status is not _FINISHED:
-                self._spec_tokens(req, run, out)
+                self._spec_tokens(req, run, out, run_logprobs)
 
-    def _spec_tokens(self, req: Request, tokens: list[int], out: Output) -> None:
-        """Apply an accepted run after the row's first token, stopping at the first finish."""
+    def _spec_tokens(self, req: Request, tokens: list[int], out: Output, logprobs) -> None:
+        """Apply an accepted run after the row's first token (and its logprobs when the request asked), stopping at
+        the first finish."""
         stop_tokens = self._stop_tokens
         extras = req.extras
-        for token in tokens:
+        wants = extras is not None and extras.logprobs
+        if wants and (logprobs is None or len(logprobs) != len(tokens)):
+            raise RuntimeError(f"request {req.rid}: speculative tokens asked for logprobs, none came back")
+        for i, token in enumerate(tokens):
             req.output.append(token)
             out.new_tokens.append(token)
+            if wants:
+                out.logprobs.append(logprobs[i])
             reason = None
             if extras is not None and extras.stop is not None:
                 matched = extras.stop.feed(token)

@@ -1,11 +1,12 @@
 """Speculative decoding (n-gram) on the default model on the CPU: output identical token for token, greedy and seeded.
 
 One server per pipeline depth with ``--speculative-method ngram``, one at a time.  At depth 1 each prompt runs
-twice at once: as itself (it speculates) and with ``logprobs=0`` (a row the verify step cannot reproduce exactly:
-it runs without speculation, in the same steps), the reference of every depth.  The prompts ask to copy or edit
+twice at once: as itself (it speculates) and with ``prompt_logprobs=0`` (a row that does not speculate, in the same steps),
+the reference of every depth.  The prompts ask to copy or edit
 a given text (drafts found in the prompt get accepted) or for something new (little is), one stop string falls
-inside an accepted run, and two are sampled with a seed (a sampled row accepts a draft when the sampler's keyed draw
-at that position is the draft: the plain sampler's output).
+inside an accepted run, one asks for logprobs (each token's own, accepted runs included) and one is sampled with a
+seed (a sampled row accepts a draft when the sampler's keyed draw at that position is the draft: the plain sampler's
+output).
 """
 
 from __future__ import annotations
@@ -22,15 +23,14 @@ from tests.server_proc import server_stats
 PASSAGE = ("The committee met on Tuesday to review the budget. It approved funding for the new library and asked "
            "the city to repair the bridge before winter.")
 PROMPTS = [
-    ([{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{PASSAGE}"}], {}),
+    ([{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{PASSAGE}"}],
+     {"logprobs": 2}),  # each token's own logprobs, accepted runs included
     ([{"role": "user", "content": "Correct the spelling in this text and write it out again: The commitee met on "
                                   "Tuesday to reveiw the budget. It aproved funding for the new library."}],
      {"stop": ["library"]}),
     ([{"role": "user", "content": "Tell me a short joke about cats."}], {}),
-    ([{"role": "user", "content": f"Repeat this text: {PASSAGE}"}], {"temperature": 0.8, "seed": 7}),
-    ([{"role": "user", "content": "Name three colours."}], {"temperature": 1.0, "top_p": 0.9, "seed": 3}),
+    ([{"role": "user", "content": f"Repeat this text: {PASSAGE}"}], {"temperature": 0.8, "top_p": 0.95, "seed": 7}),
 ]
-
 
 SERVER = ("--speculative-method", "ngram", "--max-num-seqs", "8", "--num-kv-blocks", "128", "--max-model-len", "512",
           "--debug-checks")
@@ -41,8 +41,8 @@ async def _run(srv, plain: bool):
     async with AsyncClient(srv.address, timeout=300) as c:
         options = [{"max_tokens": 24, "temperature": 0.0, **kw} for _, kw in PROMPTS]
         runs = [c.generate(messages=m, **o) for (m, _), o in zip(PROMPTS, options)]
-        if plain:
-            runs += [c.generate(messages=m, logprobs=0, **o) for (m, _), o in zip(PROMPTS, options)]
+        if plain:  # prompt logprobs: a row that cannot speculate
+            runs += [c.generate(messages=m, prompt_logprobs=0, **o) for (m, _), o in zip(PROMPTS, options)]
         return await asyncio.gather(*runs)
 
 
@@ -57,6 +57,10 @@ async def test_greedy_identical_with_and_without_speculation_at_every_depth(modu
             reference = results[len(PROMPTS):]
         for spec, ref in zip(results, reference):
             assert (spec.token_ids, spec.finish_reason) == (ref.token_ids, ref.finish_reason), depth
+            if ref.logprobs:
+                assert len(spec.logprobs) == len(ref.logprobs)
+                for a, b in zip(spec.logprobs, ref.logprobs):
+                    assert abs(a.logprob - b.logprob) < 1e-3 and a.top_ids[:1] == b.top_ids[:1], depth
         assert results[1].finish_reason == "stop"  # its stop string, inside an accepted run
         after = await server_stats(srv.address)
         drafted = after.spec_draft_tokens - before.spec_draft_tokens

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from tests.planner_harness import assert_client_view, assert_drained, expected, run
+from tests.planner_harness import assert_client_view, assert_drained, assert_logprobs, expected, run
 
 K = 3
 STOP = 3
@@ -21,6 +21,7 @@ STOP = 3
 def check(trace, planner, ex, aborted=(), max_len=512):
     assert_drained(planner)
     assert_client_view(trace, expected(trace, ex, max_len), set(aborted))
+    assert_logprobs(trace)  # each token's own, accepted runs included
 
 
 def constant(a):
@@ -43,8 +44,8 @@ def test_every_accept_count_every_finish(depth):
     mate: each finish lands inside an accepted run at every offset."""
     for accepted in range(K + 1):
         for kwargs, extra in finishes(7):
-            specs = [dict(prompt_len=5, max_tokens=7, **extra), dict(prompt_len=6, max_tokens=9),
-                     dict(prompt_len=3, max_tokens=4, logprobs=1)]  # logprobs: it runs without speculation
+            specs = [dict(prompt_len=5, max_tokens=7, **extra), dict(prompt_len=6, max_tokens=9, logprobs=2),
+                     dict(prompt_len=3, max_tokens=4, prompt_logprobs=1)]  # prompt logprobs: no speculation
             trace, planner, ex = run(specs, depth=depth, num_speculative_tokens=K, accept=constant(accepted),
                                      **kwargs)
             check(trace, planner, ex)
@@ -60,7 +61,8 @@ def test_preemption_aborts_and_shared_prefixes(depth):
     preempted, aborted_running = set(), 0
     for case in range(12):
         n = 4
-        specs = [dict(prompt_len=rng.randint(2, 9), max_tokens=rng.randint(1, 12)) for _ in range(n)]
+        specs = [dict(prompt_len=rng.randint(2, 9), max_tokens=rng.randint(1, 12), logprobs=rng.choice((None, 0, 2)))
+                 for _ in range(n)]
         aborts = {rng.randrange(n): rng.randint(0, 8) + rng.choice((0, 0.5))}
         prompts = {i: [7] * 8 + [i] for i in range(n) if rng.random() < 0.5}
         trace, planner, ex = run(specs, depth=depth, num_slots=3, num_blocks=12, block_size=2,

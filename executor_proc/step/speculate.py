@@ -88,6 +88,7 @@ class SpecStep:
     state: Optional[tuple] = None  # slots, drafts per row, first positions, drafts (bind -> verify)
     greedy: bool = True  # every speculative row is greedy (host mirrors): the verify is an argmax
     filtered: bool = False  # some sampled speculative row has top-k or top-p
+    extra_logprobs: Optional[list[int]] = None  # top-n of each further token's row, when some row asked (else None)
 
     def split(self, host: list[int]) -> tuple[list[int], dict]:
         """``token_ids`` and the StepResult's speculative fields from the step's one host list."""
@@ -140,7 +141,8 @@ class Speculator:
         sampled_at = np.searchsorted(rows.sampled, spec)  # each speculative row's place among the sampled rows
         extra = np.concatenate([r * (self.k + 1) + np.arange(1, k + 1) for r, k in enumerate(ks)]) if ks.sum() \
             else np.zeros(0, dtype=np.int64)
-        parts = [spec, slots, ks, start, sampled_at, tok_row, tok_j, tok_index, extra]
+        first_tok, extra_tok = np.flatnonzero(tok_j == 0), np.flatnonzero(tok_j > 0)  # in row order, like extra
+        parts = [spec, slots, ks, start, sampled_at, tok_row, tok_j, tok_index, extra, first_tok, extra_tok]
         step.part = upload.add(np.concatenate(parts), torch.int64)
         step.rows, step.extra, step.num_tokens = len(spec), len(extra), len(tok_row)
         step.num_sampled = len(rows.sampled)
@@ -148,6 +150,8 @@ class Speculator:
         infos = [info[s] for s in slots.tolist()] if info is not None else []
         step.greedy = all(i.greedy for i in infos)
         step.filtered = any(i.filtered for i in infos)
+        if any(i.num_logprobs >= 0 for i in infos):
+            step.extra_logprobs = [infos[r].num_logprobs for r in tok_row[extra_tok].tolist()]
         return step
 
     def apply(self, step: Optional[SpecStep], sent: list[torch.Tensor]) -> None:
@@ -160,7 +164,7 @@ class Speculator:
 
     def bind(self, step: SpecStep, batch: ForwardBatch, tables: SlotTables) -> None:
         """The rows' drafts, input ids, positions, KV indices and context lengths, from the device lengths."""
-        spec, slots, ks, start, _, tok_row, tok_j, tok_index, _ = step.parts
+        spec, slots, ks, start, _, tok_row, tok_j, tok_index = step.parts[:8]
         last = tables.last_token[slots]
         base = torch.where(start >= 0, start, self.lengths[slots])
         self.tokens[slots, base] = last
@@ -177,15 +181,21 @@ class Speculator:
         step.state = (slots, ks, base, drafts)
 
     def verify(self, step: SpecStep, logits: torch.Tensor, tokens: torch.Tensor, tables: SlotTables,
-               backend) -> torch.Tensor:
+               backend, outputs=None) -> torch.Tensor:
         """Accept each row's drafts from its positions' ``logits [num_tokens, vocab]``; update the tables; the
         step's one output tensor: ``tokens`` (the first token of each speculative row in its place), the rows'
-        further tokens, their accepted counts."""
+        further tokens, their accepted counts.  With logprobs asked, ``outputs.logprobs`` (the sampled rows') get
+        each speculative row's first token's in its row and every further token's after them."""
         slots, ks, base, drafts = step.state
-        _, _, _, _, sampled_at, tok_row, tok_j, _, extra = step.parts
+        _, _, _, _, sampled_at, tok_row, tok_j, _, extra, first_tok, extra_tok = step.parts
         target = torch.zeros(step.rows, self.k + 1, dtype=torch.int64, device=logits.device)
-        target[tok_row, tok_j] = self._targets(step, logits, slots[tok_row], base[tok_row] + tok_j + 1, tables,
-                                               backend)
+        chosen = self._targets(step, logits, slots[tok_row], base[tok_row] + tok_j + 1, tables, backend)
+        target[tok_row, tok_j] = chosen
+        if step.extra_logprobs is not None and outputs is not None and outputs.logprobs is not None:
+            ids, lps = backend.token_logprobs(logits, chosen, tables.num_logprobs[slots[tok_row]])
+            row_ids, row_lps = outputs.logprobs
+            outputs.logprobs = (torch.cat([row_ids.index_put((sampled_at,), ids[first_tok]), ids[extra_tok]]),
+                                torch.cat([row_lps.index_put((sampled_at,), lps[first_tok]), lps[extra_tok]]))
         accepted = accept_prefix(drafts, target, ks)
 
         tables.last_token[slots] = target.gather(1, accepted[:, None])[:, 0]

@@ -45,6 +45,11 @@ class StepOutputs:
             ids, lps = self.logprobs[0].tolist(), self.logprobs[1].tolist()
             fields["logprob_rows"] = [r for r, _ in self.logprob_rows]
             fields["logprobs"] = [_token_logprobs(ids[r], lps[r], n) for r, n in self.logprob_rows]
+            extra = getattr(self.spec, "extra_logprobs", None)
+            if extra is not None:  # speculative rows' further tokens, after the sampled rows
+                s = self.spec.num_sampled
+                fields["spec_logprobs"] = [_token_logprobs(ids[s + i], lps[s + i], max(n, 0))
+                                           for i, n in enumerate(extra)]
         if self.prompt is not None and self.prompt.rows and self.prompt_logprobs is not None:
             ids, lps = self.prompt_logprobs[0].tolist(), self.prompt_logprobs[1].tolist()
             rows, values, k = [], [], 0

@@ -151,6 +151,8 @@ class ScriptedRunner:
                     result.logprob_rows.append(len(tokens) - 1)
                     result.logprobs.append(fake_logprobs(tok, start + n, sp.logprobs, self.vocab_size))
         assert cursor == len(plan.prefill_tokens), "prefill tokens left over"
+        if not any(self.sampling[s].logprobs >= 0 for s, d in zip(plan.slots, plan.num_drafts) if d >= 0):
+            result.spec_logprobs = []
         result.backups_done_step_id = self._complete_backups(plan.step_id - self.backup_lag)
         if self.step_latency_s:
             wait_until(t0 + self.step_latency_s)
@@ -179,6 +181,12 @@ class ScriptedRunner:
         seq.extend(true[:accepted + 1])
         result.spec_tokens += true[1:]
         result.num_accepted.append(accepted)
+        if sp.logprobs >= 0:  # each token's own, at its position (the first one's in the row's place)
+            result.logprob_rows.append(len(result.token_ids))
+            result.logprobs.append(fake_logprobs(true[0], last + 1, sp.logprobs, self.vocab_size))
+        # parallel to spec_tokens (the executor sends them when any speculative row of the step asked)
+        result.spec_logprobs += [fake_logprobs(t, last + 2 + j, max(sp.logprobs, 0), self.vocab_size)
+                                 for j, t in enumerate(true[1:])]
         return true[0]
 
     def token_at(self, seed: int, position: int) -> int:
@@ -264,7 +272,8 @@ class ScriptedRunner:
             self.sampling[admit.slot] = admit.sampling
             # the request's every token when its penalties read them: the prompt and any earlier outputs
             speculates = self.num_speculative_tokens > 0 and admit.sampling.verifiable
-            assert bool(admit.tokens) == (admit.sampling.reads_tokens or speculates), f"slot {admit.slot}: admission tokens"
+            assert bool(admit.tokens) == (admit.sampling.reads_tokens or speculates), \
+                f"slot {admit.slot}: admission tokens"
             assert len(admit.tokens) >= admit.sampling.num_prompt_tokens or not admit.tokens
             self.admitted_tokens[admit.slot] = admit.tokens
         a = plan.block_appends
@@ -371,7 +380,8 @@ class ScriptedOutputs:
 
     def result_fields(self) -> dict:
         r = self.result
-        spec = {"spec_tokens": r.spec_tokens, "num_accepted": r.num_accepted} if r.num_accepted else {}
+        spec = {"spec_tokens": r.spec_tokens, "num_accepted": r.num_accepted, "spec_logprobs": r.spec_logprobs} \
+            if r.num_accepted else {}
         if not (r.logprob_rows or r.prompt_logprob_rows):
             return {"backups_done_step_id": r.backups_done_step_id, **spec}
         return {**spec, "logprob_rows": r.logprob_rows, "logprobs": r.logprobs, "backups_done_step_id": r.backups_done_step_id,
