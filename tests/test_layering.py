@@ -18,6 +18,7 @@ def test_scheduler_side_loads_no_torch_and_no_executor():
     mods = _modules_after_import(
         "import scheduler_proc.launch, scheduler_proc.server, scheduler_proc.planner, scheduler_proc.validate")
     assert "torch" not in mods
+    assert "starlette" not in mods  # the HTTP stack is the gateway's: a server without --port runs without it
     assert not any(m == "executor_proc" or m.startswith("executor_proc.") for m in mods)
 
 

@@ -35,8 +35,9 @@ from ipc.client import AsyncClient, ExecutorFailedError, ForerunError, InvalidRe
 from ipc.client.prompt import MAX_CHARS_PER_TOKEN, check_messages
 from ipc.gateway import params, tools
 from ipc.gateway import schemas as s
+from ipc.gateway.body import read_body
 from ipc.gateway.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS, INLINE_CHARS,
-                                MAX_ERROR_MESSAGE_CHARS, read_body)
+                                MAX_ERROR_MESSAGE_CHARS)
 from ipc.gateway.logprobs import TokenTexts
 from ipc.gateway.metrics import render, request_metrics
 from ipc.gateway.responses import (
