@@ -11,6 +11,7 @@ Usage: bench_kernels.py SUB [flags]   (SUB --help: its flags)
     python3 scripts/bench_kernels.py transfer [--dry]            # the device <-> pinned host item copy
     python3 scripts/bench_kernels.py sampling                    # the sampler and the sampling features at batch 64
     python3 scripts/bench_kernels.py sampling-step               # a decode step's cost with logprobs and penalties
+    python3 scripts/bench_kernels.py spec                        # speculative verification: K + 1 tokens a row vs 1
 
 Each sub-command's code is a function below whose body reads as a script (its own imports, constants and
 ``main``); only the one asked for is imported and run, so each keeps its own import-time settings (the
@@ -1401,7 +1402,138 @@ for "same as before".
     return main(argv) or 0
 
 
-SUBCOMMANDS = {"check": _check, "gemv": _gemv, "decode-attention": _decode_attention, "prefill-attention": _prefill_attention, "mixed-step": _mixed_step, "transfer": _transfer, "sampling": _sampling, "sampling-step": _sampling_step}
+def _spec(argv: list[str]) -> int:
+    """The cost of verifying K drafts: a step of K + 1 tokens per row against a decode step of 1, per batch size.
+
+For each batch size B, B requests at a context of ``--context`` tokens (random weights of ``--model``), three
+steps over the same rows, each launched alone (``Worker.launch``; CUDA events, median of ``--reps`` after warm-up;
+on the cpu wall time, a check that it runs):
+
+- ``decode``: one token per row, the decode graph of bucket B (what a step without speculation costs);
+- ``verify graph``: the rows as K + 1-token chunks through the mixed-step graphs (body and head): what a verify
+  step costs once it is captured;
+- ``verify eager``: the speculative rows as the executor runs them now (``StepPlan.num_drafts``: drafts by the
+  n-gram kernel, the eager forward, acceptance and table updates on the device).
+
+The ratios to ``decode`` are the verification's price; speculation pays when a row gains more accepted tokens.
+
+    python3 scripts/bench_kernels.py spec [--model llama-3-8b] [--batches 1,8,32,64] [--k 4] [--context 512]
+                                          [--reps 20] [--device cuda] [--json OUT.json]
+    """
+    sys.argv = ["bench_kernels.py spec", *argv]
+
+    import argparse
+    import statistics
+    import time
+
+    import torch
+
+    from _bench_util import write_json
+    from executor_proc.build import build_worker
+    from executor_proc.step.worker import EagerStep, GraphStep, MixedStep
+    from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner
+    from ipc.config import ExecutorConfig, SpeculativeConfig
+    from ipc.protocol import StepPlan
+
+    CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+    BLOCK_SIZE = 16
+
+
+    def timed(fn, reps: int, cuda: bool) -> float:
+        """Median seconds of ``fn`` over ``reps`` calls, after two warm-up calls."""
+        times = []
+        for i in range(reps + 2):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                t = start.elapsed_time(end) / 1e3
+            else:
+                t0 = time.perf_counter()
+                fn()
+                t = time.perf_counter() - t0
+            if i >= 2:
+                times.append(t)
+        return statistics.median(times)
+
+
+    def plan(rows, n: int, prefill: bool, drafts: bool, vocab: int) -> StepPlan:
+        """One step over ``rows`` (slot, next position): ``n`` tokens each, rewriting the KV of their last ``n``."""
+        g = torch.Generator().manual_seed(n)
+        return StepPlan(step_id=0, slots=[s for s, _ in rows], num_tokens=[n] * len(rows),
+                        positions=[p - n for _, p in rows], is_prefill=[prefill] * len(rows),
+                        sample=[True] * len(rows),
+                        prefill_tokens=torch.randint(0, vocab, (n * len(rows),), generator=g).tolist() if prefill else [],
+                        num_drafts=[n - 1] * len(rows) if drafts else [])
+
+
+    def main(argv=None) -> int:
+        ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        ap.add_argument("--model", default="llama-3-8b", help="a folder of scripts/configs, or a config path")
+        ap.add_argument("--batches", default="1,8,32,64", help="batch sizes, comma-separated")
+        ap.add_argument("--k", type=int, default=4, help="drafts per row")
+        ap.add_argument("--context", type=int, default=512, help="tokens of context of each row")
+        ap.add_argument("--reps", type=int, default=20, help="timed repetitions per case (median)")
+        ap.add_argument("--device", default="cuda", help="cuda, or cpu (wall time of tiny shapes: a check that it runs)")
+        ap.add_argument("--json", default=None, help="write the rows and metadata here")
+        args = ap.parse_args(argv)
+        cuda = args.device.startswith("cuda")
+        batches = [int(b) for b in args.batches.split(",")]
+        slots, k = max(batches), args.k
+        model = args.model if os.path.exists(args.model) else os.path.join(CONFIGS, args.model)
+        max_len = args.context + 64
+        blocks = slots * -(-max_len // BLOCK_SIZE)
+        budget = max(2048, slots * (k + 1))
+        cfg = ExecutorConfig(model=model, load_format="dummy", device=args.device,
+                             dtype="bfloat16" if cuda else "float32", num_slots=slots, num_kv_blocks=blocks,
+                             block_size=BLOCK_SIZE, max_model_len=max_len, max_num_batched_tokens=budget,
+                             cuda_graph_max_tokens=budget, mixed_graphs="auto" if cuda else "on",
+                             speculative=SpeculativeConfig(method="ngram", num_tokens=k))
+        t0 = time.perf_counter()
+        built = build_worker(cfg)
+        setup_s = time.perf_counter() - t0
+        worker, vocab = built.worker, built.model_config.vocab_size
+        planner = SyntheticPlanner(slots, BLOCK_SIZE, blocks, max_prefill_tokens=budget, chunk_size=budget)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(slots):
+            planner.add(torch.randint(0, vocab, (args.context,), generator=g).tolist())
+        loop = DecodeLoop(worker, planner)
+        while any(r.computed < len(r.prompt) for r in planner.running) or planner.pending:
+            loop.step()
+        for _ in range(4):
+            loop.step()
+        loop.drain()
+        rows = []
+        for b in batches:
+            live = [(r.slot, r.computed) for r in planner.running[:b]]
+            decode = worker.prepare(plan(live, 1, False, False, vocab))
+            assert isinstance(decode, GraphStep if cuda else MixedStep), type(decode).__name__
+            t_decode = timed(lambda: worker.launch(decode), args.reps, cuda)
+            mixed = worker.prepare(plan(live, k + 1, True, False, vocab))
+            assert isinstance(mixed, MixedStep), type(mixed).__name__
+            t_graph = timed(lambda: worker.launch(mixed), args.reps, cuda)
+            spec = worker.prepare(plan(live, k + 1, False, True, vocab))
+            assert isinstance(spec, EagerStep) and spec.spec is not None, type(spec).__name__
+            t_eager = timed(lambda: worker.launch(spec), args.reps, cuda)
+            rows.append(dict(batch=b, k=k, context=args.context, decode_ms=t_decode * 1e3,
+                             verify_graph_ms=t_graph * 1e3, verify_eager_ms=t_eager * 1e3,
+                             graph_ratio=t_graph / t_decode, eager_ratio=t_eager / t_decode))
+        meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, model=args.model, setup_s=setup_s,
+                    command=" ".join(sys.argv))
+        print(f"{meta['device']}  {args.model}  K={k}  context {args.context}  (setup {setup_s:.0f} s)")
+        print(f"{'batch':>6}{'decode ms':>11}{'verify graph':>14}{'x':>7}{'verify eager':>14}{'x':>7}")
+        for r in rows:
+            print(f"{r['batch']:>6}{r['decode_ms']:>11.3f}{r['verify_graph_ms']:>14.3f}{r['graph_ratio']:>7.2f}"
+                  f"{r['verify_eager_ms']:>14.3f}{r['eager_ratio']:>7.2f}")
+        if args.json:
+            write_json(args.json, dict(meta=meta, rows=rows))
+        return 0
+    return main(argv) or 0
+
+
+SUBCOMMANDS = {"check": _check, "gemv": _gemv, "decode-attention": _decode_attention, "prefill-attention": _prefill_attention, "mixed-step": _mixed_step, "transfer": _transfer, "sampling": _sampling, "sampling-step": _sampling_step, "spec": _spec}
 
 
 def main(argv: list[str]) -> int:
