@@ -104,7 +104,8 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     model.use_backend(backend)
     # after the backend: FP8 weights are quantized there
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    per_block = kv_cache_bytes_per_block(model.config, cfg.block_size, dtype)  # the rank's KV heads
+    kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else dtype
+    per_block = kv_cache_bytes_per_block(model.config, cfg.block_size, kv_dtype)  # the rank's KV heads
     # A host pool costs per_block on every rank: its budget is the whole group's.
     host_blocks = num_host_blocks(cfg, device, per_block * tp_size)
     tables = SlotTables(cfg.num_slots, max_blocks, device, mcfg.vocab_size)
@@ -113,7 +114,7 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     # A provisional KV cache, as large as the profile step needs: the activations and the graphs are
     # measured against it, then it makes way for the planned one.
     probe = ProfileStep.of(cfg, max_len, mcfg.vocab_size) if cuda else None
-    kv = KVCache(model.config, probe.num_blocks if probe else 1, cfg.block_size, device=device, dtype=dtype)
+    kv = KVCache(model.config, probe.num_blocks if probe else 1, cfg.block_size, device=device, dtype=kv_dtype)
     worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=max_batch, capture_graphs=capture,
                     mixed_max_tokens=mixed_max_tokens(cfg, backend))
     worker.enable_speculation(build_speculator(cfg.speculative, cfg.num_slots, max_len, device))
@@ -139,7 +140,7 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     host_blocks = tp.agree_min(host_blocks) if tp is not None else host_blocks
     for attempt in range(2):
         progress("kv_cache", 0, 1)
-        worker.kv_cache = kv = KVCache(model.config, plan.kv_blocks, cfg.block_size, device=device, dtype=dtype)
+        worker.kv_cache = kv = KVCache(model.config, plan.kv_blocks, cfg.block_size, device=device, dtype=kv_dtype)
         progress("kv_cache", 1, 1)
         num_graphs, capture_s, graph_bytes = _capture_graphs(
             worker, device, graph_progress, compile_progress, compile_first=measured is None or not measured.graphs)

@@ -15,6 +15,7 @@ LoadFormat = Literal["auto", "hf", "gguf", "dummy", "scripted"]
 Kernels = Literal["auto", "triton", "torch"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "fp8"]
+KVCacheDtype = Literal["auto", "fp8"]
 # Steps with prefill chunks through the bucketed mixed-step runner: auto = where decode graphs are
 # captured (CUDA, Triton kernels, graphs on); on = also where it runs uncaptured (tests); off = eager.
 MixedGraphs = Literal["auto", "on", "off"]
@@ -74,6 +75,9 @@ class ExecutorConfig(_Config):
     # fp8: every layer's linear weights in float8 e4m3 with per-output-channel scales, quantized at load
     # (executor_proc/model/quantization.py); the embedding and the LM head stay in dtype.
     quantization: Quantization = "none"
+    # fp8: the paged KV cache in float8 e4m3 (scale 1: values stored as they are, clamped to +-448); half the
+    # bytes per token. auto: the model dtype.
+    kv_cache_dtype: KVCacheDtype = "auto"
     cuda_graph_max_batch: Optional[int] = None  # largest graph bucket; None: num_slots
     mixed_graphs: MixedGraphs = "auto"  # graphs of steps with prefill chunks (see MixedGraphs above)
     cuda_graph_max_tokens: Optional[int] = None  # largest mixed-step token bucket; None: max_num_batched_tokens

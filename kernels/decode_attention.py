@@ -11,7 +11,8 @@ any lengths that fit the block tables.
 All ``G = H // Hkv`` query heads of one KV head are handled by one program: they
 are the M dimension of ``tl.dot`` (padded to 16), so each K/V tile is read from
 memory once per KV head.  Scores and the online softmax are float32; P is cast
-to the cache dtype for the P@V product (fp16/bf16) as in FlashAttention.
+to q's dtype for the P@V product (fp16/bf16) as in FlashAttention.  An FP8 cache
+(``--kv-cache-dtype fp8``, e4m3 with scale 1) is widened to q's dtype as its tiles load.
 
 With ``num_splits > 1`` each split writes an unnormalised partial output and its
 (max, sum) into a preallocated workspace (:class:`DecodeWorkspace`), then counts
@@ -95,13 +96,13 @@ def _split_kernel(
         t_mask = t < ctx
         k, v = load_kv_tile(k_ptr, v_ptr, bt_row, t, t_mask, kvh, offs_d, d_mask,
                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2 units
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)  # FP8 widened
         m_i = m_new
     pdl_launch(USE_PDL)
 
@@ -209,7 +210,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
     assert H % Hkv == 0, "num_heads must be a multiple of num_kv_heads"
     assert block_size & (block_size - 1) == 0 and 1 <= block_size <= 256, "block_size must be a power of two"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
-    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "q and cache dtypes must match"
+    assert v_cache.dtype == k_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn), k_cache.dtype
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "last dim must be contiguous"
     assert block_tables.dim() == 2 and block_tables.shape[0] >= B and block_tables.dtype == torch.int32
     assert block_tables.stride(1) == 1

@@ -28,6 +28,7 @@ from .fp8 import weight_args
 from .gemv import MAX_M, _rows_pad, _rows_products, config_fits
 from .gemv_partials import _load_partials, _partials_rstd, _to_mma_rows, loads_at_once
 from .gemv_row import _norm_rstd, _prologue_row
+from .kv_write import to_cache
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
 __all__ = ["qkv_rope", "rope_pairs"]
@@ -92,8 +93,8 @@ def _rope_store(y_lo, y_hi, head, j, lo, token, ok, x_ptr, b_ptr, qo_ptr, kc_ptr
         else:
             dst = vc_ptr + blk * stride_vcb + off * stride_vct + (head - H - HKV) * stride_vch + j[None, :]
         ok = ok & (kv_index >= 0)
-        tl.store(dst, r_lo.to(kc_ptr.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, r_hi.to(kc_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst, to_cache(r_lo, kc_ptr), mask=ok)
+        tl.store(dst + HALF, to_cache(r_hi, kc_ptr), mask=ok)
 
 
 @triton.jit

@@ -79,10 +79,20 @@ def _rope_kv_write_kernel(
         v2 = tl.load(v_lo + HALF, mask=kv_mask, other=0.0)
         kc = kc_ptr + blk * stride_kcb + off * stride_kct + offs_kh[:, None] * stride_kch + offs_d[None, :]
         vc = vc_ptr + blk * stride_vcb + off * stride_vct + offs_kh[:, None] * stride_vch + offs_d[None, :]
-        tl.store(kc, k1.to(kc_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(kc + HALF, k2.to(kc_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(vc, v1.to(vc_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(vc + HALF, v2.to(vc_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(kc, to_cache(k1, kc_ptr), mask=kv_mask)
+        tl.store(kc + HALF, to_cache(k2, kc_ptr), mask=kv_mask)
+        tl.store(vc, to_cache(v1, vc_ptr), mask=kv_mask)
+        tl.store(vc + HALF, to_cache(v2, vc_ptr), mask=kv_mask)
+
+
+@triton.jit
+def to_cache(x, cache_ptr):
+    """``x`` as the cache at ``cache_ptr`` stores it: an FP8 cache (``--kv-cache-dtype fp8``, scale 1) gets x
+    clamped to e4m3's +-448 in float32, then rounded to nearest even; any other cache x cast."""
+    dt = cache_ptr.dtype.element_ty
+    if dt == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    return x.to(dt)
 
 
 def _check_cache(k, v, k_cache, v_cache, kv_index):

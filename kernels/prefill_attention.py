@@ -88,7 +88,7 @@ def _attend_tiles(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh, lo, hi, ctx, pos,
         t = start + offs_n
         k, v = load_kv_pair(k_ptr, v_ptr, bt_row, t, ctx, kvh, offs_d, stride_kb, stride_kt, stride_kh,
                             BLOCK_SIZE, HEAD_DIM, D_PAD, MASKED)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # an FP8 cache widened
         if MASKED:
             # Keys past a query's position (and so every key >= ctx, read as 0) get -1e6: finite.
             qk = qk * qk_scale + tl.where(t[None, :] <= pos[:, None], 0.0, -1.0e6)
@@ -101,7 +101,7 @@ def _attend_tiles(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh, lo, hi, ctx, pos,
         alpha = tl.math.exp2(m_i - m_ij)
         l_ij = tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PREC)
         l_i = l_i * alpha + l_ij  # updated last: fewer live registers across the dots
         m_i = m_ij
     return m_i, l_i, acc
@@ -253,7 +253,7 @@ def prefill_attention(
     assert Dk == D and D <= 256 and H % Hkv == 0
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+    assert v_cache.dtype == k_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride()
     R = context_lens.shape[0]
     assert query_start.shape == (R + 1,) and query_start.dtype == torch.int32

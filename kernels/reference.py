@@ -120,8 +120,19 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              kv_index: torch.Tensor) -> None:
     """In place: store keys and values ``[T, Hkv, D]`` at their flat cache indices (all valid)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, kv_index, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, kv_index, v.to(v_cache.dtype))
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        x = to_cache_dtype(x, cache.dtype)
+        if cache.dtype == torch.float8_e4m3fn:  # no index_copy_ for FP8 on the CPU: the same bytes as uint8
+            x, cache = x.view(torch.uint8), cache.view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, kv_index, x)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the KV cache stores it: cast, and for an FP8 cache clamped to e4m3's +-448 first (as
+    :func:`kernels.kv_write.to_cache` does; a cast alone would make larger values NaN)."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-448.0, 448.0).to(dtype)
+    return x.to(dtype)
 
 
 def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

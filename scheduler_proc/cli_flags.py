@@ -11,8 +11,8 @@ import os
 from typing import get_args
 
 from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, MAX_NGRAM, MAX_SPECULATIVE_TOKENS, Dtype, ExecutorConfig,
-                        Kernels, LoadFormat, MixedGraphs, Quantization, ScriptedOptions, SpeculativeConfig,
-                        SpeculativeMethod, default_of)
+                        KVCacheDtype, Kernels, LoadFormat, MixedGraphs, Quantization, ScriptedOptions,
+                        SpeculativeConfig, SpeculativeMethod, default_of)
 from ipc.gateway.limits import DEFAULT_MAX_REQUEST_BYTES as GATEWAY_MAX_REQUEST_BYTES
 from ipc.gateway.limits import DEFAULT_TOKENIZER_THREADS as GATEWAY_TOKENIZER_THREADS
 from scheduler_proc.config import ServerConfig
@@ -59,6 +59,9 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                    help="fp8: every layer's linear weights in float8 e4m3 with per-output-channel scales, "
                         "quantized at load (the embedding and LM head stay in --dtype); decode reads half the "
                         "weight bytes. Not with --batch-invariant")
+    s.add_argument("--kv-cache-dtype", default=E("kv_cache_dtype"), choices=list(get_args(KVCacheDtype)),
+                   help="fp8: the paged KV cache (and the host KV tier) in float8 e4m3, half the bytes per token: "
+                        "twice the tokens fit and attention reads half (auto: --dtype)")
     s.add_argument("--dtype", default=E("dtype"), choices=list(get_args(Dtype)),
                    help="weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda)")
     s.add_argument("--num-kv-blocks", type=int, default=E("num_kv_blocks"),

@@ -42,7 +42,7 @@ def server_config(args) -> ServerConfig:
     executor = ExecutorConfig(
         load_format=args.load_format, device=args.device, dtype=args.dtype, kernels=args.kernels,
         cuda_graphs=not args.no_cuda_graphs, mixed_graphs=args.mixed_graphs, batch_invariant=args.batch_invariant,
-        quantization=args.quantization,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         num_slots=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=_memory_utilization(args),
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,

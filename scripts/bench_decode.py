@@ -18,7 +18,8 @@ in flight, the oldest waited for on its copy event).  Reported per step:
                                     [--quantization none,fp8] [--prefill 2048]
 
 ``--quantization none,fp8`` runs each model once per setting (FP8 weights: targets and floors of their own);
-``--prefill N`` also times one eager forward of an N-token prefill chunk (``prefill_tok_s``).
+``--kv-cache-dtype fp8`` puts the KV cache in e4m3; ``--prefill N`` also times one eager forward of an N-token
+prefill chunk (``prefill_tok_s``).
 
 ``--batch-invariant`` builds the worker with batch-invariant kernels (one matmul tile and split of K for
 every batch size, the batch-1 attention split count), to measure what that mode costs.
@@ -78,8 +79,8 @@ def weight_bytes_per_step(model) -> int:
     return total
 
 
-def kv_bytes(mcfg, context: int, batch: int) -> int:
-    return 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * 2 * context * batch
+def kv_bytes(mcfg, context: int, batch: int, item: int = 2) -> int:
+    return 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * item * context * batch
 
 
 def time_calls(fn, n: int) -> float:
@@ -147,7 +148,8 @@ def bench_model(name: str, args, bandwidth: Optional[float], quantization: str =
                          device=args.device, dtype="bfloat16" if cuda else "float32", num_slots=batch,
                          num_kv_blocks=blocks, block_size=BLOCK_SIZE, max_model_len=max_len,
                          cuda_graph_max_batch=batch, max_num_batched_tokens=max(1024, args.prefill),
-                         batch_invariant=args.batch_invariant, quantization=quantization)
+                         batch_invariant=args.batch_invariant, quantization=quantization,
+                         kv_cache_dtype=args.kv_cache_dtype)
     stages: dict[str, float] = {}
     t0 = time.perf_counter()
     built = build_worker(cfg, lambda stage, done, total: stages.setdefault(stage, time.perf_counter() - t0))
@@ -197,7 +199,7 @@ def bench_model(name: str, args, bandwidth: Optional[float], quantization: str =
         profile_prefill(worker, args.prefill, f"{args.profile}.{name}.{quantization}.prefill.txt")
     linears = tuner_report(worker.model.backend)
     w_bytes = weight_bytes_per_step(worker.model)
-    kv = kv_bytes(mcfg, context + warmup + steps // 2, batch)
+    kv = kv_bytes(mcfg, context + warmup + steps // 2, batch, worker.kv_cache.k[0].element_size())
     floor = w_bytes / bandwidth
     fp8 = quantization == "fp8"
     target_ms, target_kv = (TARGET_MS_FP8, TARGET_FLOOR_KV_FP8) if fp8 else (TARGET_MS, TARGET_FLOOR_KV)
@@ -231,6 +233,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-invariant", action="store_true", help="batch-invariant kernels (the cost of that mode)")
     ap.add_argument("--quantization", default="none",
                     help="comma-separated weight quantizations to run each model with: none, fp8 (e.g. none,fp8)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="the paged KV cache's dtype (fp8: e4m3, half the bytes per token)")
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
                     help="also time one eager forward of an N-token prefill chunk (0: off)")
     ap.add_argument("--no-prologues", action="store_true",
@@ -272,7 +276,8 @@ def main(argv=None) -> int:
         target, share = r["target_ms"], r.get("target_floor_kv")
         verdict = ("ok" if r["step_ms"] <= target else "MISS") if target is not None else (
             ("ok" if r["floor_kv_ms"] / r["step_ms"] >= share else "MISS") if share is not None else "-")
-        print(f"{r['model']:<14}{r['quantization']:>5}{r['batch']:>3}{r['step_ms']:>9.3f}{r['gpu_ms']:>8.3f}{r['host_ms']:>8.3f}"
+        print(f"{r['model']:<14}{r['quantization']:>5}{r['batch']:>3}{r['step_ms']:>9.3f}{r['gpu_ms']:>8.3f}"
+              f"{r['host_ms']:>8.3f}"
               f"{r['replay_ms']:>8.3f}{r['eager_ms']:>8.2f}{r['floor_ms']:>7.3f}{r['floor_kv_ms']:>7.3f}"
               f"{100 * r['floor_ms'] / r['step_ms']:>6.0f}%{100 * r['floor_kv_ms'] / r['step_ms']:>5.1f}%{verdict:>7}"
               + (f"  prefill {r['prefill_tokens']}: {r['prefill_ms']:.2f} ms {r['prefill_tok_s']:,.0f} tok/s"

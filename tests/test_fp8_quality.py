@@ -1,6 +1,6 @@
 """FP8 weights on the real default model (SmolLM2-135M), against the same model unquantized: the perplexity of a
-fixed text (tests/data/fp8_perplexity.txt) and greedy answers to chat prompts, through the executor's own
-worker (prefill W8A8, decode as the batch size decides: :mod:`kernels.fp8`).
+fixed text (tests/data/fp8_perplexity.txt) and greedy answers to chat prompts, and the perplexity with an FP8 KV
+cache, through the executor's own worker (prefill W8A8, decode as the batch size decides: :mod:`kernels.fp8`).
 
 On the CPU the torch backend runs the kernels' arithmetic in torch (:func:`kernels.fp8.fp8_linear_ref`), in the
 GPU's dtype (bfloat16).  It takes about 7 minutes on 2 cores, so it runs only when asked:
@@ -31,11 +31,11 @@ MORE_PROMPTS = [
 BLOCK = 16
 
 
-def _worker(model_dir: str, quantization: str, slots: int, device: str):
+def _worker(model_dir: str, quantization: str, slots: int, device: str, kv_cache_dtype: str = "auto"):
     from executor_proc.build import build_worker
 
     cfg = ExecutorConfig(model=model_dir, device=device, dtype="bfloat16", num_slots=slots, num_kv_blocks=256,
-                         block_size=BLOCK, quantization=quantization, cuda_graphs=False)
+                         block_size=BLOCK, quantization=quantization, kv_cache_dtype=kv_cache_dtype, cuda_graphs=False)
     return build_worker(cfg).worker
 
 
@@ -70,17 +70,20 @@ def measure(model_dir: str, prompts: list[list[int]], text_ids: list[int], new_t
         worker = _worker(model_dir, q, len(prompts), device)
         out[q] = dict(ppl=perplexity(worker, text_ids), tokens=greedy(worker, prompts, new_tokens))
         del worker
+    kv_fp8 = perplexity(_worker(model_dir, "none", 1, device, kv_cache_dtype="fp8"), text_ids)
     pairs = list(zip(out["none"]["tokens"], out["fp8"]["tokens"]))
     first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in pairs]
     return dict(ppl_bf16=out["none"]["ppl"], ppl_fp8=out["fp8"]["ppl"],
-                ppl_ratio=out["fp8"]["ppl"] / out["none"]["ppl"], prompts=len(prompts), new_tokens=new_tokens,
+                ppl_ratio=out["fp8"]["ppl"] / out["none"]["ppl"], ppl_kv_fp8=kv_fp8,
+                ppl_kv_ratio=kv_fp8 / out["none"]["ppl"], prompts=len(prompts), new_tokens=new_tokens,
                 identical=sum(f is None for f in first), first_divergence=first, text_tokens=len(text_ids))
 
 
 @pytest.mark.skipif(not ASKED, reason="about 7 minutes on 2 cores: set FORERUN_FP8_QUALITY=1")
 def test_fp8_quality_default_model(default_model_dir, tokenizer):
-    """Perplexity within 3% of the unquantized model's; the greedy answers are reported (a 135M model's argmax
-    flips easily: bfloat16 itself differs from float32 on half of them)."""
+    """FP8 weights: perplexity within 3% of the unquantized model's; the greedy answers and the FP8 KV cache's
+    perplexity are reported (a 135M model's argmax flips easily: bfloat16 itself differs from float32 on half of
+    them; the KV cache's scale-1 e4m3 costs 1.9%, above the 1% aimed at: per-layer scales are the next step)."""
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False))
                for t in CHAT_PROMPTS + MORE_PROMPTS]
