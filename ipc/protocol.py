@@ -313,9 +313,9 @@ class SlotSampling(msgspec.Struct, array_like=True, omit_defaults=True):
     @property
     def verifiable(self) -> bool:
         """Whether a speculative row verifies this slot's drafts exactly: the plain sampler's token at each drafted
-        position (no penalty, bias or mask that would depend on the tokens before it in the row; logprobs are the
-        raw logits', per position)."""
-        return self.prompt_logprobs < 0 and not self.reads_tokens and not self.logit_bias_ids
+        position, penalised as if the drafts before it were sampled (a grammar's mask would need its matcher there;
+        prompt logprobs keep their prefill path)."""
+        return self.prompt_logprobs < 0 and not self.grammar
 
 
 class Admit(msgspec.Struct, array_like=True):

@@ -4,7 +4,8 @@ One server per pipeline depth with ``--speculative-method ngram``, one at a time
 twice at once: as itself (it speculates) and with ``prompt_logprobs=0`` (a row that does not speculate, in the same steps),
 the reference of every depth.  The prompts ask to copy or edit
 a given text (drafts found in the prompt get accepted) or for something new (little is), one stop string falls
-inside an accepted run, one asks for logprobs (each token's own, accepted runs included) and one is sampled with a
+inside an accepted run, one asks for logprobs (each token's own, accepted runs included), one has penalties,
+logit_bias and min_tokens, and one is sampled with a
 seed (a sampled row accepts a draft when the sampler's keyed draw at that position is the draft: the plain sampler's
 output).
 """
@@ -30,6 +31,9 @@ PROMPTS = [
      {"stop": ["library"]}),
     ([{"role": "user", "content": "Tell me a short joke about cats."}], {}),
     ([{"role": "user", "content": f"Repeat this text: {PASSAGE}"}], {"temperature": 0.8, "top_p": 0.95, "seed": 7}),
+    ([{"role": "user", "content": f"Copy this text: {PASSAGE}"}],  # penalties see the drafts before each position
+     {"repetition_penalty": 1.2, "frequency_penalty": 0.3, "presence_penalty": 0.1, "min_tokens": 20,
+      "logit_bias": {13: -2.0}}),
 ]
 
 SERVER = ("--speculative-method", "ngram", "--max-num-seqs", "8", "--num-kv-blocks", "128", "--max-model-len", "512",
@@ -69,6 +73,7 @@ async def test_greedy_identical_with_and_without_speculation_at_every_depth(modu
         # per request, in timings (the server also counts rows that ran past a finish)
         assert 0 < sum(r.timings.accepted_tokens for r in results[:len(PROMPTS)]) <= accepted
         assert results[0].timings.accepted_tokens >= 10  # the copy
+        assert all(r.timings.draft_tokens > 0 for r in results[:len(PROMPTS)])  # every one of them speculated
         assert all(r.timings.draft_tokens == 0 for r in results[len(PROMPTS):])  # rows that cannot speculate
         srv.stop()  # one real-model server at a time
 

@@ -36,6 +36,8 @@ def finishes(max_tokens):
         yield {"tokens_at": {0: {i: STOP}}}, {"stop": (STOP,)}
     yield {}, {"stop_strings": ("cd",)}
     yield {"eos_at": {0: 1}}, {"min_tokens": 3, "ignore_eos": True}
+    for i in range(5):  # EOS masked while fewer than min_tokens outputs exist, then a stop inside a run
+        yield {"eos_at": {0: i}, "tokens_at": {0: {i + 2: STOP}}}, {"min_tokens": 3, "stop": (STOP,)}
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])

@@ -42,6 +42,7 @@ import torch
 from executor_proc.step.batch import ForwardBatch
 from executor_proc.step.plan_rows import PlanRows
 from executor_proc.step.slot_tables import SlotTables
+from executor_proc.step.spec_penalties import penalise_positions, recount
 from ipc.config import SpeculativeConfig
 from ipc.protocol import StepPlan
 from kernels.ngram_ref import ngram_drafts_ref
@@ -89,6 +90,7 @@ class SpecStep:
     greedy: bool = True  # every speculative row is greedy (host mirrors): the verify is an argmax
     filtered: bool = False  # some sampled speculative row has top-k or top-p
     extra_logprobs: Optional[list[int]] = None  # top-n of each further token's row, when some row asked (else None)
+    penalised: bool = False  # some speculative row has penalties, logit_bias or min_tokens
 
     def split(self, host: list[int]) -> tuple[list[int], dict]:
         """``token_ids`` and the StepResult's speculative fields from the step's one host list."""
@@ -150,6 +152,7 @@ class Speculator:
         infos = [info[s] for s in slots.tolist()] if info is not None else []
         step.greedy = all(i.greedy for i in infos)
         step.filtered = any(i.filtered for i in infos)
+        step.penalised = any(i.penalised for i in infos)
         if any(i.num_logprobs >= 0 for i in infos):
             step.extra_logprobs = [infos[r].num_logprobs for r in tok_row[extra_tok].tolist()]
         return step
@@ -181,15 +184,24 @@ class Speculator:
         step.state = (slots, ks, base, drafts)
 
     def verify(self, step: SpecStep, logits: torch.Tensor, tokens: torch.Tensor, tables: SlotTables,
-               backend, outputs=None) -> torch.Tensor:
+               backend, outputs=None, counted: bool = False) -> torch.Tensor:
         """Accept each row's drafts from its positions' ``logits [num_tokens, vocab]``; update the tables; the
         step's one output tensor: ``tokens`` (the first token of each speculative row in its place), the rows'
         further tokens, their accepted counts.  With logprobs asked, ``outputs.logprobs`` (the sampled rows') get
-        each speculative row's first token's in its row and every further token's after them."""
+        each speculative row's first token's in its row and every further token's after them.  ``counted``: the
+        step's sampling counted each sampled row's draw for the penalties; a speculative row's is replaced by the
+        tokens it emits (:mod:`executor_proc.step.spec_penalties`)."""
         slots, ks, base, drafts = step.state
         _, _, _, _, sampled_at, tok_row, tok_j, _, extra, first_tok, extra_tok = step.parts
+        pen, slot_tok = tables.penalties, slots[tok_row]
+        if counted:
+            recount(pen, slots, tokens[sampled_at], torch.full_like(slots, -1))
+        x = logits
+        if step.penalised:  # each position as if the drafts before it were sampled
+            x = penalise_positions(backend.apply_penalties(logits, pen, slot_tok, in_place=False), logits, pen,
+                                   slot_tok, drafts[tok_row], tok_j)
         target = torch.zeros(step.rows, self.k + 1, dtype=torch.int64, device=logits.device)
-        chosen = self._targets(step, logits, slots[tok_row], base[tok_row] + tok_j + 1, tables, backend)
+        chosen = self._targets(step, x, slot_tok, base[tok_row] + tok_j + 1, tables, backend)
         target[tok_row, tok_j] = chosen
         if step.extra_logprobs is not None and outputs is not None and outputs.logprobs is not None:
             ids, lps = backend.token_logprobs(logits, chosen, tables.num_logprobs[slots[tok_row]])
@@ -197,6 +209,8 @@ class Speculator:
             outputs.logprobs = (torch.cat([row_ids.index_put((sampled_at,), ids[first_tok]), ids[extra_tok]]),
                                 torch.cat([row_lps.index_put((sampled_at,), lps[first_tok]), lps[extra_tok]]))
         accepted = accept_prefix(drafts, target, ks)
+        if counted:
+            recount(pen, slot_tok, chosen, tok_j <= accepted[tok_row])
 
         tables.last_token[slots] = target.gather(1, accepted[:, None])[:, 0]
         self.tokens[slots[tok_row], base[tok_row] + 1 + tok_j] = target[tok_row, tok_j]

@@ -344,7 +344,8 @@ class Worker:
                               step.sample_positions, step.mode)
         tokens = self._keep(step, sampled)
         if nt:  # after sample_rows: the speculative rows' last_token is the verify's
-            tokens = self.spec.verify(step.spec, spec_logits, tokens, self.tables, self.model.backend, step.outputs)
+            tokens = self.spec.verify(step.spec, spec_logits, tokens, self.tables, self.model.backend, step.outputs,
+                                      counted=step.mode.penalised)
         return tokens
 
     def _binder(self, step: Step) -> Optional[Callable[[], None]]:
