@@ -85,3 +85,38 @@ def test_length_near_the_context():
                                  max_len=20, num_speculative_tokens=K, accept=constant(accepted))
         check(trace, planner, ex, max_len=20)
         assert len(trace.tokens["r0"]) == 10
+
+
+@pytest.mark.parametrize("accepted", [0, K])
+def test_executor_restart_with_drafts_in_flight(accepted):
+    """A restart at every step, with speculative rows two steps ahead: every request is recomputed from its tokens
+    (its drafts in flight forgotten), the new executor's slots start over, and every stream is still exact."""
+    from executor_proc.testing.scripted import ScriptedRunner, expected_output
+    from scheduler_proc.limits import Limits
+    from scheduler_proc.planner import Planner
+    from tests.planner_harness import make_request
+
+    def runner():
+        return ScriptedRunner(3, 40, 2, num_speculative_tokens=K, accept=constant(accepted))
+
+    for restart_at in range(1, 16):
+        planner = Planner(Limits(3, 40, 2, 512, 16, frozenset({2}), num_speculative_tokens=K), prefix_cache_id="m")
+        reqs = [make_request(i, prompt_len=5 + i, max_tokens=9, ignore_eos=True) for i in range(4)]
+        for r in reqs:
+            planner.add(r)
+        ex, inflight, step = runner(), [], 0
+        while planner.has_work or inflight:
+            while len(inflight) < 3 and (plan := planner.plan()) is not None:
+                inflight.append(plan)
+            if step == restart_at:
+                planner.restart()
+                ex, inflight = runner(), []
+            elif inflight:
+                planner.reconcile(ex.execute(inflight.pop(0)))
+            planner.check_integrity()
+            step += 1
+        for r in reqs:
+            want, _ = expected_output(ex.token_at, seed=r.seed, prompt_len=len(r.prompt), max_tokens=9,
+                                      max_model_len=512, eos_token_ids=())
+            assert r.output == want and r.status.value == "finished", (restart_at, r.rid)
+        assert planner.blocks.num_free == 40 and planner.slots.num_free == 3
