@@ -75,6 +75,7 @@ class Planner(Reconciler, Speculation):
         self._prefilling: dict[int, Request] = {}
         self._decoding: dict[int, Request] = {}
         self._speculating: dict[int, Request] = {}  # past their prompt, speculative rows (scheduler_proc/speculation)
+        self._paused: dict[int, Request] = {}  # speculating requests that kept rejecting: plain rows for a while
         self.spec_drafts = DraftCounts()
         # Blocks held by draining requests: they will come back (a shared one may not; then the wait
         # ends when its holder has drained, and the next plan preempts).
@@ -165,6 +166,8 @@ class Planner(Reconciler, Speculation):
         admissions, within the step's token budget.
         """
         draft = StepDraft(self.limits.max_num_batched_tokens, self._next_step)
+        if self._paused:
+            self._move_paused(draft.step_id)
         self._plan_decodes(draft)
         if self._speculating:
             self._plan_speculative(draft)
@@ -262,7 +265,7 @@ class Planner(Reconciler, Speculation):
             self._running[req.rid] = req
             self._prefilling[req.rid] = req
             sampling = slot_sampling(req, self.limits.eos_token_ids)
-            req.spec_k = self.spec_drafts_for(sampling)
+            req.spec_k, req.spec_misses = self.spec_drafts_for(sampling), 0
             # The slot's penalty state (and a speculating slot's token table) is built from every token the request
             # has, not from the chunks this admission computes: a prefix hit, an onload or a swap resume computes fewer.
             tokens = req.known_tokens(0, req.num_known) if sampling.reads_tokens or req.spec_k else []

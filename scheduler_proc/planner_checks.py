@@ -75,15 +75,19 @@ def check_planner(pl) -> None:
             assert r.num_computed == total - 1, f"request {r.rid}: decode invariant"
         assert (r.rid in pl._prefilling) == r.is_prefilling, f"request {r.rid}: prefilling set"
         if r.spec_k:  # speculating: in the set from its prompt's end (if it wanted a token) to its finish
-            assert r.rid not in pl._decoding and not (r.is_prefilling and r.rid in pl._speculating)
+            paused = r.rid in pl._paused  # or, pausing, in the decoding set once its drafts are back
+            assert not (r.rid in pl._decoding and r.rid in pl._speculating) and not (paused and r.is_prefilling)
+            assert r.rid not in pl._decoding or (paused and not r.spec_lag), f"request {r.rid}: decoding set"
+            assert not (r.is_prefilling and r.rid in pl._speculating)
             wants = not r.is_prefilling and r.num_computed + 1 - r.spec_lag < r.max_total
-            assert r.rid in pl._speculating or not wants, f"request {r.rid}: speculating set"
+            assert r.rid in pl._speculating or not wants or (paused and r.rid in pl._decoding), \
+                f"request {r.rid}: speculating set"
         else:
             wants_decode = not r.is_prefilling and r.num_computed + 1 < r.max_total
             assert (r.rid in pl._decoding) == wants_decode, f"request {r.rid}: decoding set"
             assert r.rid not in pl._speculating and not r.spec_lag, f"request {r.rid}: speculating set"
     assert pl._prefilling.keys() <= pl._running.keys() and pl._decoding.keys() <= pl._running.keys()
-    assert pl._speculating.keys() <= pl._running.keys()
+    assert pl._speculating.keys() <= pl._running.keys() and pl._paused.keys() <= pl._running.keys()
     live = running + list(pl.waiting) + [r for r in pl.draining.values() if r.status is not _FINISHED]
     assert {t for r in live for t in r.stop_ids} <= pl._stop_tokens, "a live request's stop token is missed"
     assert pl.limits.eos_token_ids <= pl._stop_tokens

@@ -159,6 +159,7 @@ class Reconciler:
         self._prefilling.pop(req.rid, None)
         self._decoding.pop(req.rid, None)
         self._speculating.pop(req.rid, None)
+        self._paused.pop(req.rid, None)
 
     def _leave(self, req: Request) -> None:
         """Out of future plans; resources return now or when the last in-flight step does."""

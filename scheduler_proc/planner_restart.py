@@ -31,7 +31,7 @@ def restart_planner(pl) -> None:
         req.num_computed = req.num_prefill = req.spec_lag = 0
     pl.waiting.extendleft(reversed(requeue))
     pl.num_preemptions += len(requeue)
-    for group in (pl._running, pl._prefilling, pl._decoding, pl._speculating, pl.draining):
+    for group in (pl._running, pl._prefilling, pl._decoding, pl._speculating, pl._paused, pl.draining):
         group.clear()
     pl.inflight.clear()
     pl._returned = pl._next_step - 1  # the steps in flight are void: none of them will come back

@@ -25,8 +25,12 @@ follow through the same finish rules, one token at a time, so a stop token, a st
 preemption and restarts need nothing more: a request that left still has its bounds tightened until its last
 step is back, so its drain publishes exactly the KV that was written.
 
+Adaptive: a request whose last ``PAUSE_AFTER`` rows with drafts accepted none pauses (``_paused``): once its
+drafts in flight are back (its length exact again) it runs plain decode rows, which the executor's graphs run,
+for ``PAUSE_STEPS`` steps, then speculates again from its exact position.
+
 A mixin of :class:`~scheduler_proc.planner.Planner`, which owns the state (``_speculating``: the speculating
-requests past their prompt).
+requests past their prompt; ``_paused``: those pausing).
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ __all__ = ["DraftCounts", "Speculation"]
 
 _RUNNING = Status.RUNNING
 _FINISHED = Status.FINISHED
+
+PAUSE_AFTER = 4  # rows with drafts, none accepted, in a row: the request stops speculating for a while
+PAUSE_STEPS = 32  # plain decode steps before it speculates again
 
 
 class DraftCounts:
@@ -57,6 +64,19 @@ class Speculation:
         """Drafts per row for a request admitted with ``sampling`` (0: it runs without speculation)."""
         return self.limits.num_speculative_tokens if sampling.verifiable else 0
 
+    def _move_paused(self, step_id: int) -> None:
+        """Paused requests whose drafts are all back run plain decode rows; those whose pause is over speculate."""
+        for req in list(self._paused.values()):
+            rid = req.rid
+            if rid in self._speculating and not req.spec_lag:
+                del self._speculating[rid]
+                req.spec_resume = step_id + PAUSE_STEPS
+                if req.num_computed + 1 < req.max_total:
+                    self._decoding[rid] = req
+            elif rid in self._decoding and step_id >= req.spec_resume:
+                del self._decoding[rid], self._paused[rid]
+                self._speculating[rid] = req
+
     def _plan_speculative(self, draft: StepDraft) -> None:
         """One row of ``k + 1`` tokens per speculating request that may still need tokens (module docstring)."""
         max_len = self.limits.max_model_len
@@ -66,7 +86,8 @@ class Speculation:
             if req.status is not _RUNNING:
                 continue  # preempted by an earlier row of this plan
             low = req.num_computed + 1 - req.spec_lag  # fewest tokens it will have once its steps are back
-            k = min(req.spec_k, req.max_total - low - 1, max_len - req.num_computed - 1, draft.budget - 1)
+            k = 0 if req.rid in self._paused else req.spec_k  # paused: no drafts while its last ones come back
+            k = min(k, req.max_total - low - 1, max_len - req.num_computed - 1, draft.budget - 1)
             if low >= req.max_total or k < 0:
                 continue  # a length finish in flight, or its bound must come back first
             if not self._reserve(req, req.num_computed + k + 1, draft):
@@ -105,6 +126,11 @@ class Speculation:
             req.spec_accepted += accepted
             req.spec_lag -= k
             req.num_computed -= k - accepted
+            if k:
+                req.spec_misses = 0 if accepted else req.spec_misses + 1
+                if req.spec_misses >= PAUSE_AFTER and req.status is _RUNNING and req.rid in self._speculating:
+                    self._paused[req.rid] = req
+                    req.spec_misses = 0
             out = by_rid.get(req.rid)
             if out is not None and out.finish_reason is None and req.status is not _FINISHED:
                 self._spec_tokens(req, run, out, run_logprobs)
@@ -115,7 +141,7 @@ class Speculation:
         stop_tokens = self._stop_tokens
         extras = req.extras
         wants = extras is not None and extras.logprobs
-        if wants and (logprobs is None or len(logprobs) != len(tokens)):
+        if wants and tokens and (logprobs is None or len(logprobs) != len(tokens)):
             raise RuntimeError(f"request {req.rid}: speculative tokens asked for logprobs, none came back")
         for i, token in enumerate(tokens):
             req.output.append(token)

@@ -116,6 +116,9 @@ class Speculator:
         admits = [a for a in plan.admits if a.tokens]
         for a in plan.admits:
             self.live.discard(a.slot)
+        if self.live:  # a plain row starts where the plan says: the device length is stale after it
+            drafts = plan.num_drafts
+            self.live.difference_update(s for i, s in enumerate(plan.slots) if not drafts or drafts[i] < 0)
         if admits:
             step = SpecStep()
             n = sum(len(a.tokens) for a in admits)
