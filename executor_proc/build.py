@@ -23,6 +23,7 @@ from executor_proc.backends.select import graph_max_batch, mixed_max_tokens, sel
 from executor_proc.memory_plan import MemoryPlan, MemoryPlanError, check_fits, gc_threshold, plan_memory
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.kv_cache import KVCache, kv_cache_bytes_per_block
+from executor_proc.model.kv_scales import calibrate_kv_scales
 from executor_proc.model.loader import load_model
 from executor_proc.step.grammar import build_grammar_slots
 from executor_proc.step.host_kv import HostKV, num_host_blocks
@@ -105,6 +106,7 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     # after the backend: FP8 weights are quantized there
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else dtype
+    kv_scales = calibrate_kv_scales(model, device, cfg.block_size) if cfg.kv_cache_dtype == "fp8" else None
     per_block = kv_cache_bytes_per_block(model.config, cfg.block_size, kv_dtype)  # the rank's KV heads
     # A host pool costs per_block on every rank: its budget is the whole group's.
     host_blocks = num_host_blocks(cfg, device, per_block * tp_size)
@@ -114,7 +116,8 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     # A provisional KV cache, as large as the profile step needs: the activations and the graphs are
     # measured against it, then it makes way for the planned one.
     probe = ProfileStep.of(cfg, max_len, mcfg.vocab_size) if cuda else None
-    kv = KVCache(model.config, probe.num_blocks if probe else 1, cfg.block_size, device=device, dtype=kv_dtype)
+    kv = KVCache(model.config, probe.num_blocks if probe else 1, cfg.block_size, device=device, dtype=kv_dtype,
+                 scales=kv_scales)
     worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=max_batch, capture_graphs=capture,
                     mixed_max_tokens=mixed_max_tokens(cfg, backend))
     worker.enable_speculation(build_speculator(cfg.speculative, cfg.num_slots, max_len, device))
@@ -140,7 +143,8 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     host_blocks = tp.agree_min(host_blocks) if tp is not None else host_blocks
     for attempt in range(2):
         progress("kv_cache", 0, 1)
-        worker.kv_cache = kv = KVCache(model.config, plan.kv_blocks, cfg.block_size, device=device, dtype=kv_dtype)
+        worker.kv_cache = kv = KVCache(model.config, plan.kv_blocks, cfg.block_size, device=device, dtype=kv_dtype,
+                                       scales=kv_scales)
         progress("kv_cache", 1, 1)
         num_graphs, capture_s, graph_bytes = _capture_graphs(
             worker, device, graph_progress, compile_progress, compile_first=measured is None or not measured.graphs)

@@ -75,8 +75,8 @@ class ExecutorConfig(_Config):
     # fp8: every layer's linear weights in float8 e4m3 with per-output-channel scales, quantized at load
     # (executor_proc/model/quantization.py); the embedding and the LM head stay in dtype.
     quantization: Quantization = "none"
-    # fp8: the paged KV cache in float8 e4m3 (scale 1: values stored as they are, clamped to +-448); half the
-    # bytes per token. auto: the model dtype.
+    # fp8: the paged KV cache in float8 e4m3 with per-layer K and V scales measured at start-up
+    # (executor_proc/model/kv_scales.py); half the bytes per token. auto: the model dtype.
     kv_cache_dtype: KVCacheDtype = "auto"
     cuda_graph_max_batch: Optional[int] = None  # largest graph bucket; None: num_slots
     mixed_graphs: MixedGraphs = "auto"  # graphs of steps with prefill chunks (see MixedGraphs above)

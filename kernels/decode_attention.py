@@ -47,7 +47,8 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr, arrivals_ptr,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (* an FP8 cache's K scale)
+    v_scale,  # an FP8 cache's V scale (1 otherwise)
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -105,6 +106,7 @@ def _split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)  # FP8 widened
         m_i = m_new
     pdl_launch(USE_PDL)
+    acc = acc * v_scale  # exact at 1
 
     st_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -232,8 +234,9 @@ def decode_attention(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    kv_scale: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
-    """Paged decode attention.
+    """Paged decode attention (``kv_scale``: an FP8 cache's (K, V) scales: values = stored * scale).
 
     q ``[B, H, D]`` (last dim contiguous), k_cache/v_cache ``[num_blocks, block_size, Hkv, D]``
     (last dim contiguous), block_tables ``[B, max_blocks]`` int32, context_lens ``[B]`` int32
@@ -271,7 +274,7 @@ def decode_attention(
     d_pad = triton.next_power_of_2(D)
     _split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, po, pm, pl, arrivals,
-        scale * _LOG2E,
+        scale * _LOG2E * kv_scale[0], kv_scale[1],
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

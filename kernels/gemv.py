@@ -82,7 +82,8 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, P, 
                  NORM_FIRST: tl.constexpr = False, W_SCALED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """The "dot" form (``SWAP``: "dotT").  ``W_SCALED``: w is FP8 with per-row scales at ``ws``
     (:mod:`kernels.fp8`), widened to x's dtype for the MMA, the sums scaled after the loop.  ``SILU``: w is gate|up
-    ``[2N, K]``; the program also streams the up rows of its N features and stores ``silu(gate) * up`` (each rounded as the unfused ops round).
+    ``[2N, K]``; the program also streams the up rows of its N features and stores ``silu(gate) * up`` (each
+    rounded as the unfused ops round).
     ``RESIDUAL``: see :func:`_store_rows`.  ``NORM_ROWS`` (> 0: the rows padded to a power of two): x is
     the residual stream before an RMSNorm folded into w, and each row's accumulators are scaled by the
     norm's ``rsqrt`` from the ``P`` partial sums at ``ss`` after the loop.  The sums are loaded right after
@@ -304,7 +305,8 @@ def _launch_dot(x, weight, bias, out, config, n, residual, ss_out, norm, silu: b
     weight, ws, scaled = weight_args(weight)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, ws, bias if bias is not None else weight, out, r, ss, M, n, K, ss.shape[0] if norm else 0,
-        x.stride(0), weight.stride(0), out.stride(0), r.stride(0), eps, HAS_BIAS=bias is not None, M_PAD=16, BLOCK_N=block_n,
+        x.stride(0), weight.stride(0), out.stride(0), r.stride(0), eps, HAS_BIAS=bias is not None, M_PAD=16,
+        BLOCK_N=block_n,
         BLOCK_K=block_k, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SWAP=config[0] == "dotT",
         SILU=silu, RESIDUAL=residual is not None, NORM_ROWS=_rows_pad(M) if norm is not None else 0,
         P_PAD=triton.next_power_of_2(ss.shape[0]) if norm is not None else 1,

@@ -28,7 +28,7 @@ from .fp8 import weight_args
 from .gemv import MAX_M, _rows_pad, _rows_products, config_fits
 from .gemv_partials import _load_partials, _partials_rstd, _to_mma_rows, loads_at_once
 from .gemv_row import _norm_rstd, _prologue_row
-from .kv_write import to_cache
+from .kv_write import inverse_scales, to_cache
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
 __all__ = ["qkv_rope", "rope_pairs"]
@@ -59,7 +59,7 @@ def _pair_scales(ws_ptr, lo, D: tl.constexpr, W_SCALED: tl.constexpr):
 
 @triton.jit
 def _rope_store(y_lo, y_hi, head, j, lo, token, ok, x_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr,
-                stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs, H, HKV,
+                stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs, H, HKV, k_inv, v_inv,
                 D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Both kernels' epilogue, for the float32 sums ``[tokens, pairs]`` of tokens ``token [tokens, 1]`` (stored
     where ``ok``): bias, the matmul's rounding, rotary for q and k heads, then q to ``q_out`` and k, v to the
@@ -93,15 +93,16 @@ def _rope_store(y_lo, y_hi, head, j, lo, token, ok, x_ptr, b_ptr, qo_ptr, kc_ptr
         else:
             dst = vc_ptr + blk * stride_vcb + off * stride_vct + (head - H - HKV) * stride_vch + j[None, :]
         ok = ok & (kv_index >= 0)
-        tl.store(dst, to_cache(r_lo, kc_ptr), mask=ok)
-        tl.store(dst + HALF, to_cache(r_hi, kc_ptr), mask=ok)
+        inv = k_inv if head < H + HKV else v_inv
+        tl.store(dst, to_cache(r_lo, kc_ptr, inv), mask=ok)
+        tl.store(dst + HALF, to_cache(r_hi, kc_ptr, inv), mask=ok)
 
 
 @triton.jit
 def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, w_ptr, ws_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr,
                      index_ptr, pos_ptr, cs_ptr, K, stride_wn, eps,
                      stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
-                     H, HKV, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
+                     H, HKV, k_inv, v_inv, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
                      BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD: tl.constexpr, W_SCALED: tl.constexpr = False,
                      USE_PDL: tl.constexpr = False):
     head, j, lo, w_lo, w_hi = _pair_tile(w_ptr, stride_wn, D, PAIRS)
@@ -127,14 +128,15 @@ def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, w_ptr, ws_ptr, b_ptr, qo_pt
     _rope_store(tl.sum(acc_lo, axis=1)[None, :] * s_lo, tl.sum(acc_hi, axis=1)[None, :] * s_hi, head, j, lo, token,
                 token == 0,
                 x_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, stride_kcb, stride_kct, stride_kch,
-                stride_vcb, stride_vct, stride_vch, stride_cs, H, HKV, D, BLOCK_SIZE, HAS_BIAS)
+                stride_vcb, stride_vct, stride_vch, stride_cs, H, HKV, k_inv, v_inv, D, BLOCK_SIZE, HAS_BIAS)
 
 
 @triton.jit
 def _qkv_rope_rows_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, ss_ptr, M,
-                          K, P,                          stride_wn, stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
-                          H, HKV, eps, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
-                          BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, P_PAD: tl.constexpr = 0,
+                          K, P, stride_wn, stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+                          stride_cs, H, HKV, k_inv, v_inv, eps, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                          PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          P_PAD: tl.constexpr = 0,
                           W_SCALED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """The matmul, rotary and cache write of :func:`_qkv_rope_kernel` for 1..M_PAD tokens of an already normed
     x (contiguous rows; padding rows re-read the last token and store nothing): each weight chunk is
@@ -171,14 +173,14 @@ def _qkv_rope_rows_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, i
         y_lo, y_hi = y_lo * rstd, y_hi * rstd
     _rope_store(y_lo, y_hi, head, j, lo, token, (offs_m < M)[:, None],
                 x_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, stride_kcb, stride_kct, stride_kch,
-                stride_vcb, stride_vct, stride_vch, stride_cs, H, HKV, D, BLOCK_SIZE, HAS_BIAS)
+                stride_vcb, stride_vct, stride_vch, stride_cs, H, HKV, k_inv, v_inv, D, BLOCK_SIZE, HAS_BIAS)
 
 
 @triton.jit
 def _qkv_rope_dot_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, ss_ptr, M,
-                         K, P,                         stride_wn, stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
-                         H, HKV, eps, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
-                         BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         K, P, stride_wn, stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+                         stride_cs, H, HKV, k_inv, v_inv, eps, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
                          NORM_ROWS: tl.constexpr = 0, P_PAD: tl.constexpr = 1, W_SCALED: tl.constexpr = False,
                          USE_PDL: tl.constexpr = False):
     """:func:`_qkv_rope_rows_kernel` in :mod:`kernels.gemv`'s "dot" form, for 2 to 16 tokens: the tokens are the
@@ -211,7 +213,7 @@ def _qkv_rope_dot_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, in
         acc_lo, acc_hi = acc_lo * rstd, acc_hi * rstd
     _rope_store(acc_lo, acc_hi, head, j, lo, tl.minimum(offs_m, M - 1)[:, None], m_mask[:, None],
                 x_ptr, b_ptr, qo_ptr, kc_ptr, vc_ptr, index_ptr, pos_ptr, cs_ptr, stride_kcb, stride_kct, stride_kch,
-                stride_vcb, stride_vct, stride_vch, stride_cs, H, HKV, D, BLOCK_SIZE, HAS_BIAS)
+                stride_vcb, stride_vct, stride_vch, stride_cs, H, HKV, k_inv, v_inv, D, BLOCK_SIZE, HAS_BIAS)
 
 
 def rope_pairs(config: tuple, head_dim: int) -> Optional[int]:
@@ -226,8 +228,8 @@ def rope_pairs(config: tuple, head_dim: int) -> Optional[int]:
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *, config: tuple,
              norm: Optional[tuple[torch.Tensor, float]], residual: Optional[torch.Tensor], positions: torch.Tensor,
              cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             kv_index: torch.Tensor,
-             sumsq: Optional[tuple[torch.Tensor, float]] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+             kv_index: torch.Tensor, sumsq: Optional[tuple[torch.Tensor, float]] = None,
+             kv_scale: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``rope_kv_write(split(linear(rms_norm(x + residual)))))``: one token with the norm (``norm=(w, eps)``),
     or 1 to ``ROW_MAX_M`` tokens of an already normed x (``norm=None``, no residual), or of the residual
     stream before a norm folded into the weight (``sumsq=(partial sums, eps)`` from
@@ -237,6 +239,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     ``[num_blocks, block_size, Hkv, D]``; positions, kv_index ``[M]`` on the device; cos_sin_cache as
     :func:`kernels.kv_write.rope_kv_write` takes it; a "row" ``config`` that fits M rows
     (:func:`kernels.gemv.config_fits`), or without the norm a "dot" one (:func:`_qkv_rope_dot_kernel`).
+    ``kv_scale``: an FP8 cache's (K, V) scales (stored = value / scale).
     Returns (rotated q ``[M, H, D]``, the residual sum as :func:`kernels.gemv_row.gemv_prologue` returns it,
     None without the norm).
     """
@@ -256,7 +259,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     weight, ws, scaled = weight_args(weight)
     b = bias if bias is not None else weight
     caches = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-              v_cache.stride(2), cos_sin_cache.stride(0), heads - 2 * hkv, hkv)
+              v_cache.stride(2), cos_sin_cache.stride(0), heads - 2 * hkv, hkv, *inverse_scales(kv_scale))
     meta = dict(D=d, BLOCK_SIZE=block_size, PAIRS=pairs, BLOCK_K=block_k, HAS_BIAS=bias is not None, W_SCALED=scaled,
                 num_warps=num_warps, num_stages=num_stages, **pdl_args(x))
     if norm is None:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_args, pdl_launch, pdl_wait
-from .reference import kv_write_ref, rope_cos_sin_cache, rope_kv_write_ref  # noqa: F401
+from .reference import inverse_scales, kv_write_ref, rope_cos_sin_cache, rope_kv_write_ref  # noqa: F401
 
 __all__ = ["kv_write", "rope_kv_write", "rope_cos_sin_cache", "kv_write_ref", "rope_kv_write_ref"]
 
@@ -36,7 +36,7 @@ def _rope_kv_write_kernel(
     stride_qot, stride_qoh,
     stride_kcb, stride_kct, stride_kch,
     stride_vcb, stride_vct, stride_vch,
-    stride_cs,
+    stride_cs, k_inv, v_inv,
     H: tl.constexpr, H_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ROPE: tl.constexpr, USE_PDL: tl.constexpr = False,
@@ -79,19 +79,19 @@ def _rope_kv_write_kernel(
         v2 = tl.load(v_lo + HALF, mask=kv_mask, other=0.0)
         kc = kc_ptr + blk * stride_kcb + off * stride_kct + offs_kh[:, None] * stride_kch + offs_d[None, :]
         vc = vc_ptr + blk * stride_vcb + off * stride_vct + offs_kh[:, None] * stride_vch + offs_d[None, :]
-        tl.store(kc, to_cache(k1, kc_ptr), mask=kv_mask)
-        tl.store(kc + HALF, to_cache(k2, kc_ptr), mask=kv_mask)
-        tl.store(vc, to_cache(v1, vc_ptr), mask=kv_mask)
-        tl.store(vc + HALF, to_cache(v2, vc_ptr), mask=kv_mask)
+        tl.store(kc, to_cache(k1, kc_ptr, k_inv), mask=kv_mask)
+        tl.store(kc + HALF, to_cache(k2, kc_ptr, k_inv), mask=kv_mask)
+        tl.store(vc, to_cache(v1, vc_ptr, v_inv), mask=kv_mask)
+        tl.store(vc + HALF, to_cache(v2, vc_ptr, v_inv), mask=kv_mask)
 
 
 @triton.jit
-def to_cache(x, cache_ptr):
-    """``x`` as the cache at ``cache_ptr`` stores it: an FP8 cache (``--kv-cache-dtype fp8``, scale 1) gets x
-    clamped to e4m3's +-448 in float32, then rounded to nearest even; any other cache x cast."""
+def to_cache(x, cache_ptr, inv_scale):
+    """``x`` as the cache at ``cache_ptr`` stores it: an FP8 cache (``--kv-cache-dtype fp8``) gets ``x * inv_scale``
+    (1 / its layer's scale) in float32, clamped to e4m3's +-448, rounded to nearest even; any other cache x cast."""
     dt = cache_ptr.dtype.element_ty
     if dt == tl.float8e4nv:
-        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -448.0), 448.0)
     return x.to(dt)
 
 
@@ -108,7 +108,7 @@ def _check_cache(k, v, k_cache, v_cache, kv_index):
     return T, Hkv, D, bs
 
 
-def _launch(q, k, v, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, rope):
+def _launch(q, k, v, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, rope, kv_scale=(1.0, 1.0)):
     T, Hkv, D, bs = _check_cache(k, v, k_cache, v_cache, kv_index)
     if T == 0:
         return
@@ -120,7 +120,7 @@ def _launch(q, k, v, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache
         q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        cos_sin_cache.stride(0),
+        cos_sin_cache.stride(0), *inverse_scales(kv_scale),
         H=H, H_PAD=triton.next_power_of_2(H), HKV=Hkv, HKV_PAD=triton.next_power_of_2(Hkv),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=bs, ROPE=rope,
         num_warps=4 if (H * D) >= 2048 else 2, **pdl_args(k),
@@ -139,8 +139,10 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  kv_index: torch.Tensor, *, q_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  kv_index: torch.Tensor, *, q_out: Optional[torch.Tensor] = None,
+                  kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Rotate q and k at ``positions``, write rotated k and v into the cache; return rotated q.
+    ``kv_scale``: an FP8 cache's (K, V) scales (stored = value / scale).
 
     q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (last dim contiguous; views of a fused QKV
     output are fine), positions ``[T]`` int, cos_sin_cache ``[max_pos, D]`` float32.
@@ -155,5 +157,5 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     if q_out is None:
         q_out = torch.empty_like(q)
     assert q_out.shape == q.shape and q_out.stride(2) == 1
-    _launch(q, k, v, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, True)
+    _launch(q, k, v, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, True, kv_scale)
     return q_out

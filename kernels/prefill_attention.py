@@ -110,7 +110,7 @@ def _attend_tiles(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh, lo, hi, ctx, pos,
 @triton.jit
 def _attend_block(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cl_ptr, r, qb, kvh, q_start, q_len,
-    qk_scale,
+    qk_scale, v_scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_ot, stride_oh,
@@ -146,7 +146,7 @@ def _attend_block(
     m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh, band, end, ctx, pos, offs_d,
                                   qk_scale, stride_kb, stride_kt, stride_kh,
                                   HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, DOT_PREC)
-    o = acc / l_i[:, None]
+    o = (acc * v_scale) / l_i[:, None]  # an FP8 cache's V scale (1 otherwise: exact)
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -154,7 +154,7 @@ def _attend_block(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qs_ptr, cl_ptr,
-    qk_scale,
+    qk_scale, v_scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_ot, stride_oh,
@@ -169,7 +169,7 @@ def _prefill_kernel(
     q_start = tl.load(qs_ptr + r)
     q_len = tl.load(qs_ptr + r + 1) - q_start
     if qb * BQ < q_len:
-        _attend_block(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cl_ptr, r, qb, kvh, q_start, q_len, qk_scale,
+        _attend_block(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cl_ptr, r, qb, kvh, q_start, q_len, qk_scale, v_scale,
                       stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ot, stride_oh, stride_btb,
                       GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BQ, BLOCK_N, DOT_PREC)
 
@@ -177,7 +177,7 @@ def _prefill_kernel(
 @triton.jit
 def _prefill_tiles_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qs_ptr, cl_ptr, tiles_ptr,
-    qk_scale,
+    qk_scale, v_scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_ot, stride_oh,
@@ -193,7 +193,7 @@ def _prefill_tiles_kernel(
         qb = tl.load(tiles_ptr + 2 + 2 * i)
         q_start = tl.load(qs_ptr + r)
         q_len = tl.load(qs_ptr + r + 1) - q_start
-        _attend_block(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cl_ptr, r, qb, kvh, q_start, q_len, qk_scale,
+        _attend_block(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cl_ptr, r, qb, kvh, q_start, q_len, qk_scale, v_scale,
                       stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ot, stride_oh, stride_btb,
                       GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BQ, BLOCK_N, DOT_PREC)
 
@@ -232,8 +232,9 @@ def prefill_attention(
     num_stages: Optional[int] = None,
     tiles: Optional[torch.Tensor] = None,
     num_programs: Optional[int] = None,
+    kv_scale: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
-    """Varlen causal attention over the paged cache.
+    """Varlen causal attention over the paged cache (``kv_scale``: an FP8 cache's (K, V) scales).
 
     q ``[T, H, D]`` (last dim contiguous; may be a view of a fused QKV output),
     k_cache/v_cache ``[num_blocks, block_size, Hkv, D]`` with the same strides, block_tables
@@ -277,7 +278,7 @@ def prefill_attention(
         kernel, grid, extra = _prefill_tiles_kernel, (num_programs, Hkv), (tiles,)
     kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start, context_lens, *extra,
-        scale * _LOG2E,
+        scale * _LOG2E * kv_scale[0], kv_scale[1],
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1),

@@ -117,22 +117,28 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             kv_index: torch.Tensor) -> None:
-    """In place: store keys and values ``[T, Hkv, D]`` at their flat cache indices (all valid)."""
+             kv_index: torch.Tensor, kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
+    """In place: store keys and values ``[T, Hkv, D]`` at their flat cache indices (all valid); an FP8 cache
+    stores ``value / scale`` (``kv_scale``: its (K, V) scales)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    for x, cache in ((k, k_cache), (v, v_cache)):
-        x = to_cache_dtype(x, cache.dtype)
+    for x, cache, inv in ((k, k_cache, inverse_scales(kv_scale)[0]), (v, v_cache, inverse_scales(kv_scale)[1])):
+        x = to_cache_dtype(x, cache.dtype, inv)
         if cache.dtype == torch.float8_e4m3fn:  # no index_copy_ for FP8 on the CPU: the same bytes as uint8
             x, cache = x.view(torch.uint8), cache.view(torch.uint8)
         cache.view(-1, num_kv_heads, head_dim).index_copy_(0, kv_index, x)
 
 
-def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as the KV cache stores it: cast, and for an FP8 cache clamped to e4m3's +-448 first (as
-    :func:`kernels.kv_write.to_cache` does; a cast alone would make larger values NaN)."""
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, inv_scale: float = 1.0) -> torch.Tensor:
+    """``x`` as the KV cache stores it: cast, and for an FP8 cache ``x * inv_scale`` in float32 clamped to e4m3's
+    +-448 first (as :func:`kernels.kv_write.to_cache` does; a cast alone would make larger values NaN)."""
     if dtype == torch.float8_e4m3fn:
-        return x.float().clamp(-448.0, 448.0).to(dtype)
+        return (x.float() * inv_scale).clamp(-448.0, 448.0).to(dtype)
     return x.to(dtype)
+
+
+def inverse_scales(kv_scale: tuple[float, float]) -> tuple[float, float]:
+    """``(1 / k_scale, 1 / v_scale)`` rounded to float32: what the cache-writing kernels multiply by."""
+    return tuple(float(torch.tensor(1.0 / s, dtype=torch.float32)) for s in kv_scale)
 
 
 def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -39,13 +39,15 @@ def test_attention_reads_fp8_cache(dtype):
     lens = torch.tensor([37, 19], dtype=torch.int32, device=DEV)
     q = torch.randn(2, H, D, generator=g).to(dtype).to(DEV)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    out = decode_attention(q, kc, vc, bt, lens, D ** -0.5, num_splits=2)
-    ref = R.decode_attention_ref(q.float(), kc.float(), vc.float(), bt, lens, D ** -0.5)
+    ks, vs = 0.05, 0.2  # stored = value / scale: the reference reads the dequantized cache
+    kd, vd = kc.float() * ks, vc.float() * vs
+    out = decode_attention(q, kc, vc, bt, lens, D ** -0.5, num_splits=2, kv_scale=(ks, vs))
+    ref = R.decode_attention_ref(q.float(), kd, vd, bt, lens, D ** -0.5)
     assert torch.allclose(out.float(), ref, atol=tol, rtol=tol)
     qp = torch.randn(7, H, D, generator=g).to(dtype).to(DEV)  # 3 + 4 new tokens of the two rows
     qs = torch.tensor([0, 3, 7], dtype=torch.int32, device=DEV)
-    out = prefill_attention(qp, kc, vc, bt, qs, lens, 7, D ** -0.5)
-    ref = R.prefill_attention_ref(qp.float(), kc.float(), vc.float(), bt, qs, lens, D ** -0.5)
+    out = prefill_attention(qp, kc, vc, bt, qs, lens, 7, D ** -0.5, kv_scale=(ks, vs))
+    ref = R.prefill_attention_ref(qp.float(), kd, vd, bt, qs, lens, D ** -0.5)
     assert torch.allclose(out.float(), ref, atol=tol, rtol=tol)
 
 
@@ -59,27 +61,33 @@ def test_rope_kv_write_into_fp8_cache():
     pos, idx = torch.tensor([3, 9, 20], device=DEV), torch.tensor([1, 6, -1], device=DEV)
     kc, vc = torch.zeros(2, 4, Hkv, D, dtype=FP8, device=DEV), torch.zeros(2, 4, Hkv, D, dtype=FP8, device=DEV)
     rk, rv = torch.zeros(2, 4, Hkv, D, device=DEV), torch.zeros(2, 4, Hkv, D, device=DEV)
-    rope_kv_write(q.clone(), k, v, pos, cs, kc, vc, idx)
+    rope_kv_write(q.clone(), k, v, pos, cs, kc, vc, idx, kv_scale=(1.0, 0.25))
     R.rope_kv_write_ref(q.clone(), k, v, pos, cs, rk, rv, idx)
-    for got, want in ((kc, rk), (vc, rv)):
-        same = got.float() == R.to_cache_dtype(want, FP8).float()
+    for got, want, inv in ((kc, rk, 1.0), (vc, rv, 4.0)):
+        same = got.float() == R.to_cache_dtype(want, FP8, inv).float()
         # the GPU rounds as torch; Triton's interpreter drops the carry when a mantissa rounds up to the next power
         # of two (31.4 -> 16, not 32): a few values on the CPU
         assert same.all() if CUDA else same.float().mean() > 0.9, same.float().mean()
     assert kc.float().abs().max() == 448  # clamped, not NaN
 
 
-def test_model_on_fp8_kv_cache(tmp_path):
+def test_model_on_fp8_kv_cache(tmp_path, monkeypatch):
     """The memory plan's block bytes shrink with the element size, and a model's logits on an FP8 cache stay near the
     float32 cache's, on the torch path and on the Triton kernels (equal to the torch path's on a GPU)."""
     from tests.forward_batch import all_logits, build_forward_batch
     from tests.test_gpu_fastpath import built, write_config
 
+    import executor_proc.model.kv_scales as kv_scales
+
+    monkeypatch.setattr(kv_scales, "CALIBRATION_TOKENS", 24)  # a short calibration prefill (the interpreter is slow)
     model_dir = write_config(tmp_path)
     ref = built(model_dir, DEV, kernels="torch", num_blocks=16)
     fp8 = built(model_dir, DEV, kernels="torch", num_blocks=16, kv_cache_dtype="fp8")
     tri = built(model_dir, DEV, kernels="triton", num_blocks=16, kv_cache_dtype="fp8", cuda_graphs=False)
     assert fp8.worker.kv_cache.k[0].dtype == FP8 and fp8.plan.block_bytes * 4 == ref.plan.block_bytes  # vs float32
+    scales = fp8.worker.kv_cache.scales  # calibrated per layer at start-up (executor_proc/model/kv_scales.py)
+    assert len(scales) == 2 and all(0 < s < 1 for pair in scales for s in pair)
+    assert torch.allclose(torch.tensor(scales), torch.tensor(tri.worker.kv_cache.scales), rtol=1e-3)
     for rows in ([(0, list(range(3, 12)), 0, True)], [(0, [5], 9, True)]):  # a prefill, then a decode row on it
         batch = build_forward_batch(rows, [[1, 2, 3, 4]], 4, DEV)
         batch = dataclasses.replace(batch, query_start=batch.query_start.int(), context_lens=batch.context_lens.int(),
@@ -89,7 +97,7 @@ def test_model_on_fp8_kv_cache(tmp_path):
         if CUDA:  # the same cache bytes (the interpreter's FP8 stores miss some carries: test_rope_kv_write_...)
             assert torch.allclose(b, c, atol=2e-3 * b.abs().max().item(), rtol=1e-3)
         else:
-            assert (a - c).abs().max() < 0.05 * a.abs().max()
+            assert (a - c).abs().max() < 0.1 * a.abs().max()
 
 
 def test_fused_qkv_epilogue_writes_fp8_cache():
@@ -105,11 +113,11 @@ def test_fused_qkv_epilogue_writes_fp8_cache():
         kc, vc = torch.zeros(2, 4, hkv, d, dtype=dtype, device=DEV), torch.zeros(2, 4, hkv, d, dtype=dtype, device=DEV)
         qkv_rope(x, w, None, config=("row", 16, 64, 4, 2), norm=(torch.ones(k, device=DEV), 1e-5), residual=None,
                  positions=torch.tensor([3], device=DEV), cos_sin_cache=cs, k_cache=kc, v_cache=vc,
-                 kv_index=torch.tensor([5], device=DEV))
+                 kv_index=torch.tensor([5], device=DEV), kv_scale=(0.5, 0.125) if dtype == FP8 else (1.0, 1.0))
         caches.append((kc, vc))
-    for want, got in zip(*caches):
+    for want, got, inv in zip(*caches, (2.0, 8.0)):
         assert want.abs().max() > 0
-        same = got.float() == R.to_cache_dtype(want, FP8).float()
+        same = got.float() == R.to_cache_dtype(want, FP8, inv).float()
         assert same.all() if CUDA else same.float().mean() > 0.9
 
 

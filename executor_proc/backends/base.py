@@ -5,7 +5,7 @@ A backend is everything a step launches besides the model's own weights:
 - attention: ``plan(batch)`` once per step (views and host numbers only, no device
   reads, so a plan is the same inside and outside a CUDA graph), then per layer
   ``rotate_and_store`` (rotary on q and k, k and v into the paged cache; returns
-  the rotated q) and ``attend``;
+  the rotated q) and ``attend``, each with the layer's ``kv_scale`` for an FP8 cache;
 - decode rows: ``decode_rows`` (a graph decode step's per-row inputs from the slot
   tables: input tokens, KV write indices, block tables; :mod:`kernels.decode_rows`);
 - ops: ``linear``, ``rms_norm``, ``add_rms_norm`` (residual add fused into the
@@ -43,6 +43,9 @@ from kernels.penalties_ref import PenaltyTables
 from kernels.reference import DecodeRows
 
 PlanT = TypeVar("PlanT")
+# An FP8 KV cache layer's (K, V) scales (stored = value / scale): executor_proc/model/kv_scales.py
+KVScale = tuple[float, float]
+NO_SCALE: KVScale = (1.0, 1.0)
 
 
 @dataclass
@@ -111,12 +114,13 @@ def unfused_norm_linear(backend: "Backend", pre: NormInput, weight: torch.Tensor
 
 
 def unfused_qkv_rotate_store(backend: "Backend", pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                             k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
+                             k_cache: torch.Tensor, v_cache: torch.Tensor, plan,
+                             kv_scale: KVScale = NO_SCALE) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rotated q [T, H, D], the residual stream)``: the q|k|v matmul of the normed input, then rotary
     on q and k and k, v into the cache (head counts from the cache's shape and the weight's)."""
     qkv, residual = backend.norm_linear(pre, weight, bias)
     q, k, v = split_heads(qkv, k_cache.shape[2], k_cache.shape[3])
-    return backend.rotate_and_store(q, k, v, k_cache, v_cache, plan), residual
+    return backend.rotate_and_store(q, k, v, k_cache, v_cache, plan, kv_scale), residual
 
 
 def split_heads(qkv: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
@@ -166,10 +170,10 @@ class Backend(Protocol[PlanT]):
                     block_size: int) -> DecodeRows: ...
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, plan: PlanT) -> torch.Tensor: ...
+                         v_cache: torch.Tensor, plan: PlanT, kv_scale: KVScale = NO_SCALE) -> torch.Tensor: ...
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PlanT,
-               scale: float) -> torch.Tensor: ...
+               scale: float, kv_scale: KVScale = NO_SCALE) -> torch.Tensor: ...
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor: ...
 
@@ -194,7 +198,8 @@ class Backend(Protocol[PlanT]):
         ...
 
     def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PlanT) -> tuple[torch.Tensor, torch.Tensor]: ...
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PlanT,
+                         kv_scale: KVScale = NO_SCALE) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``linear(hidden, weight).float()``: the LM head's float32 logits, rounded as the model's dtype."""

@@ -29,8 +29,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import (NormInput, SamplingRows, Stream, argmax_store, unfused_mlp,
-                                         unfused_norm_linear, unfused_project_out, unfused_qkv_rotate_store)
+from executor_proc.backends.base import (NO_SCALE, KVScale, NormInput, SamplingRows, Stream, argmax_store,
+                                         unfused_mlp, unfused_norm_linear, unfused_project_out,
+                                         unfused_qkv_rotate_store)
 from executor_proc.step.batch import ForwardBatch
 from kernels import reference as ops
 from kernels.fp8 import Fp8Weight, fp8_linear_ref
@@ -166,14 +167,16 @@ class TorchBackend:
         return TorchPlan(plan_attention(batch), ops.rope_cos_sin(batch.positions, self.inv_freq), batch.kv_index[:n])
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, plan: TorchPlan) -> torch.Tensor:
+                         v_cache: torch.Tensor, plan: TorchPlan, kv_scale: KVScale = NO_SCALE) -> torch.Tensor:
         n = plan.kv_index.shape[0]  # padded tokens write no KV
-        ops.kv_store(ops.apply_rope(k[:n], plan.cos_sin[:n]), v[:n], k_cache, v_cache, plan.kv_index)
+        ops.kv_store(ops.apply_rope(k[:n], plan.cos_sin[:n]), v[:n], k_cache, v_cache, plan.kv_index, kv_scale)
         return ops.apply_rope(q, plan.cos_sin)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchPlan,
-               scale: float) -> torch.Tensor:
-        out = attend(q, k_cache, v_cache, plan.attention, scale)
+               scale: float, kv_scale: KVScale = NO_SCALE) -> torch.Tensor:
+        out = attend(q, k_cache, v_cache, plan.attention, scale * kv_scale[0])  # an FP8 cache's K scale in the scores
+        if kv_scale[1] != 1.0:
+            out = out * kv_scale[1]
         out[plan.kv_index.shape[0]:] = 0  # padded tokens: no rows attend for them
         return out
 
@@ -216,8 +219,9 @@ class TorchBackend:
         return unfused_project_out(self, x, weight, bias, residual)
 
     def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
-        return unfused_qkv_rotate_store(self, pre, weight, bias, k_cache, v_cache, plan)
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, plan,
+                         kv_scale: KVScale = NO_SCALE) -> tuple[torch.Tensor, torch.Tensor]:
+        return unfused_qkv_rotate_store(self, pre, weight, bias, k_cache, v_cache, plan, kv_scale)
 
     @staticmethod
     def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:

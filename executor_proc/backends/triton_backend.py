@@ -47,8 +47,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import (NormInput, SamplingRows, Stream, argmax_store, normed, unfused_norm_linear,
-                                         unfused_project_out, unfused_qkv_rotate_store, unfused_silu_linear)
+from executor_proc.backends.base import (NO_SCALE, KVScale, NormInput, SamplingRows, Stream, argmax_store, normed,
+                                         unfused_norm_linear, unfused_project_out, unfused_qkv_rotate_store,
+                                         unfused_silu_linear)
 from executor_proc.step.batch import ForwardBatch
 from kernels import argmax, gemv as skinny
 from kernels.fp8 import W8A16_MAX_ROWS, Fp8Weight
@@ -172,24 +173,25 @@ class TritonBackend:
         return default_num_splits(rows, self.num_kv_heads, self.device, self.workspace.max_splits, self.head_dim)
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, plan: TritonPlan) -> torch.Tensor:
-        return rope_kv_write(q, k, v, plan.positions, self.cos_sin, k_cache, v_cache, plan.kv_index, q_out=q)
+                         v_cache: torch.Tensor, plan: TritonPlan, kv_scale: KVScale = NO_SCALE) -> torch.Tensor:
+        return rope_kv_write(q, k, v, plan.positions, self.cos_sin, k_cache, v_cache, plan.kv_index, q_out=q,
+                             kv_scale=kv_scale)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonPlan,
-               scale: float) -> torch.Tensor:
+               scale: float, kv_scale: KVScale = NO_SCALE) -> torch.Tensor:
         if plan.pure_decode:
             return decode_attention(q, k_cache, v_cache, plan.block_tables, plan.context_lens, scale,
-                                    workspace=self.workspace, num_splits=plan.num_splits)
+                                    workspace=self.workspace, num_splits=plan.num_splits, kv_scale=kv_scale)
         if plan.prefill_tiles is not None:
             out = torch.empty_like(q)
             rows = plan.decode_context_lens.shape[0]  # decode rows are the first rows and tokens
             decode_attention(q[:rows], k_cache, v_cache, plan.block_tables, plan.decode_context_lens, scale,
-                             out=out[:rows], workspace=self.workspace, num_splits=plan.num_splits)
+                             out=out[:rows], workspace=self.workspace, num_splits=plan.num_splits, kv_scale=kv_scale)
             return prefill_attention(q, k_cache, v_cache, plan.block_tables, plan.query_start, plan.context_lens,
                                      plan.max_query_len, scale, out=out, block_m=plan.tile_m,
-                                     tiles=plan.prefill_tiles, num_programs=plan.tile_programs)
+                                     tiles=plan.prefill_tiles, num_programs=plan.tile_programs, kv_scale=kv_scale)
         return prefill_attention(q, k_cache, v_cache, plan.block_tables, plan.query_start, plan.context_lens,
-                                 plan.max_query_len, scale)
+                                 plan.max_query_len, scale, kv_scale=kv_scale)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if isinstance(weight, Fp8Weight):
@@ -255,11 +257,12 @@ class TritonBackend:
         return gemv_prologue(pre.x, weight, bias, config=config, norm=(pre.weight, pre.eps), residual=pre.residual)
 
     def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonPlan) -> tuple[torch.Tensor, torch.Tensor]:
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonPlan,
+                         kv_scale: KVScale = NO_SCALE) -> tuple[torch.Tensor, torch.Tensor]:
         """Where the tuner chose it: at one token norm, matmul, rotary and cache write in one launch, at 2-8
         the norm and then the rest in one launch (:func:`kernels.gemv_qkv.qkv_rope`)."""
         rope = dict(positions=plan.positions, cos_sin_cache=self.cos_sin, k_cache=k_cache, v_cache=v_cache,
-                    kv_index=plan.kv_index)
+                    kv_index=plan.kv_index, kv_scale=kv_scale)
         head_dim = k_cache.shape[3]
         config = self._fused_config("qkv", pre.x, weight)
         if config is not None and rope_pairs(config, head_dim):
@@ -267,7 +270,7 @@ class TritonBackend:
                             **rope)
         config = self._fused_config("rope", pre.x, weight)
         if config is None or not rope_pairs(config, head_dim):
-            return unfused_qkv_rotate_store(self, pre, weight, bias, k_cache, v_cache, plan)
+            return unfused_qkv_rotate_store(self, pre, weight, bias, k_cache, v_cache, plan, kv_scale)
         if pre.sumsq is not None:  # the norm from the partial sums (its weight is folded into q|k|v)
             return qkv_rope(pre.x, weight, bias, config=config, norm=None, residual=None, sumsq=(pre.sumsq, pre.eps),
                             **rope)[0], pre.x

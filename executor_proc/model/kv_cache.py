@@ -12,6 +12,8 @@ Block ids are shared by all layers: block b of a request holds its tokens
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -34,14 +36,21 @@ class KVCache:
         block_size: int,
         device: torch.device | str,
         dtype: torch.dtype,
+        scales: Optional[list[tuple[float, float]]] = None,
     ) -> None:
         self.num_blocks = num_blocks
+        # An FP8 cache's (K, V) scale per layer (stored = value / scale; executor_proc/model/kv_scales.py)
+        self.scales = scales
         self.block_size = block_size
         # Zeros, not empty: masked-out keys still multiply their V by 0 in SDPA, and 0 * NaN = NaN.
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.storage = _zeros(shape, dtype, torch.device(device))
         self.k = [self.storage[layer, 0] for layer in range(config.num_layers)]
         self.v = [self.storage[layer, 1] for layer in range(config.num_layers)]
+
+    def layer_scale(self, layer: int) -> tuple[float, float]:
+        """The layer's (K, V) scales: what attention multiplies the stored values by."""
+        return self.scales[layer] if self.scales is not None else (1.0, 1.0)
 
     @property
     def num_tokens(self) -> int:

@@ -96,13 +96,15 @@ class Attention(nn.Module):
         """The attention output and the residual stream, for the layer's un-normalised input."""
         t, backend = pre.x.shape[0], step.backend
         k_cache, v_cache = step.kv_cache.k[self.layer_id], step.kv_cache.v[self.layer_id]
+        kv_scale = step.kv_cache.layer_scale(self.layer_id)  # an FP8 cache's (K, V) scales
         if self.q_norm is None:
-            q, residual = backend.qkv_rotate_store(pre, self.qkv.weight, self.qkv.bias, k_cache, v_cache, step.plan)
+            q, residual = backend.qkv_rotate_store(pre, self.qkv.weight, self.qkv.bias, k_cache, v_cache, step.plan,
+                                                   kv_scale)
         else:  # q/k norms sit between the matmul and the rotary
             qkv, residual = backend.norm_linear(pre, self.qkv.weight, self.qkv.bias)
             q, k, v = split_heads(qkv, self.num_kv_heads, self.head_dim)
-            q = backend.rotate_and_store(self.q_norm(q), self.k_norm(k), v, k_cache, v_cache, step.plan)
-        out = backend.attend(q, k_cache, v_cache, step.plan, self.scale)
+            q = backend.rotate_and_store(self.q_norm(q), self.k_norm(k), v, k_cache, v_cache, step.plan, kv_scale)
+        out = backend.attend(q, k_cache, v_cache, step.plan, self.scale, kv_scale)
         return backend.project_out(out.view(t, self.num_heads * self.head_dim), self.o.weight, self.o.bias, residual)
 
 
