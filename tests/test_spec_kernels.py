@@ -31,7 +31,7 @@ def rule(seq: list[int], k: int, nmin: int, nmax: int) -> list[int]:
 def test_ngram_drafts_match_the_rule(nmin, nmax, k):
     rng = random.Random(nmin * 10 + nmax)
     num_slots, width = 6, 300  # a row longer than the kernel's block of 256 ends
-    tokens = torch.tensor([[rng.randrange(5) for _ in range(width)] for _ in range(num_slots)], dtype=torch.int64)
+    tokens = torch.tensor([[rng.randrange(5) for _ in range(width)] for _ in range(num_slots)], dtype=torch.int32)
     slots = torch.tensor([3, 0, 5, 1, 2, 4])
     lengths = torch.tensor([1, 2, 7, 40, 299, 257])
     tokens[4, 280:299] = torch.arange(100, 119)  # a fresh tail: no match for nmin > 1

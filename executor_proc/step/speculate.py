@@ -5,7 +5,7 @@ the slot's previous row accepted: it sends only an upper bound of the row's posi
 and the row's draft count ``k`` (``StepPlan.num_drafts``), and reserves KV for the worst case.  Everything that
 depends on the accepted counts stays on the device, in two per-slot tables::
 
-    tokens   [num_slots + 1, max_len + K + 2]  the slot's tokens by position (admission: Admit.tokens)
+    tokens   [num_slots + 1, max_len + K + 2]  int32: the slot's tokens by position (admission: Admit.tokens)
     lengths  [num_slots + 1]                  position of the slot's newest token (the next row's first input)
 
 A speculative row starts at ``lengths[slot]`` (at the plan's position for the slot's first speculative row,
@@ -104,7 +104,7 @@ class Speculator:
     def __init__(self, num_slots: int, max_len: int, k: int, ngram_min: int, ngram_max: int, device: torch.device):
         self.k, self.ngram_min, self.ngram_max = k, ngram_min, ngram_max
         rows = num_slots + 1
-        self.tokens = torch.zeros(rows, max_len + k + 2, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(rows, max_len + k + 2, dtype=torch.int32, device=device)  # token ids fit 31 bits
         self.lengths = torch.zeros(rows, dtype=torch.int64, device=device)
         self.live: set[int] = set()
 
@@ -164,7 +164,7 @@ class Speculator:
         """Admitted slots' tokens into the table (after the slot tables' own admissions); the rows' arrays."""
         if step is not None and step.fill is not None:
             fill = sent[step.fill].view(3, -1)
-            self.tokens[fill[0], fill[1]] = fill[2]
+            self.tokens[fill[0], fill[1]] = fill[2].to(torch.int32)
         if step is not None and step.part is not None:
             step.parts = list(torch.split(sent[step.part], step.sizes))
 
@@ -173,7 +173,7 @@ class Speculator:
         spec, slots, ks, start, _, tok_row, tok_j, tok_index = step.parts[:8]
         last = tables.last_token[slots]
         base = torch.where(start >= 0, start, self.lengths[slots])
-        self.tokens[slots, base] = last
+        self.tokens[slots, base] = last.to(torch.int32)
         drafts = ngram_drafts(self.tokens, slots, base + 1, self.k, self.ngram_min, self.ngram_max)
         inputs = torch.cat([last[:, None], drafts], dim=1)  # [rows, K + 1]
         pos = base[tok_row] + tok_j
@@ -216,7 +216,7 @@ class Speculator:
             recount(pen, slot_tok, chosen, tok_j <= accepted[tok_row])
 
         tables.last_token[slots] = target.gather(1, accepted[:, None])[:, 0]
-        self.tokens[slots[tok_row], base[tok_row] + 1 + tok_j] = target[tok_row, tok_j]
+        self.tokens[slots[tok_row], base[tok_row] + 1 + tok_j] = chosen.to(torch.int32)
         self.lengths[slots] = base + accepted + 1
         tokens = tokens.index_put((sampled_at,), target[:, 0])
         return torch.cat([tokens, target.view(-1)[extra], accepted])
