@@ -78,6 +78,22 @@ def test_preemption_aborts_and_shared_prefixes(depth):
     assert preempted - {0} and aborted_running, (preempted, aborted_running)  # coverage
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_swap_resume_and_siblings(depth):
+    """Preempted speculating requests come back by copy from the host tier (their generated blocks published at
+    drain, exactly the KV that was written), and n > 1 siblings share the leader's prompt."""
+    swapped = 0
+    for accepted in (0, 2, K):
+        specs = [dict(prompt_len=9, max_tokens=30, ignore_eos=True) for _ in range(4)]
+        trace, planner, ex = run(specs, depth=depth, num_slots=3, num_blocks=26, block_size=2, num_host_blocks=64,
+                                 backup_lag=1, num_speculative_tokens=K, accept=constant(accepted),
+                                 leaders={3: 2}, prompts={3: [5 + (2 * 7 + i) % 90 for i in range(9)]},
+                                 arrivals={1: 2, 3: 1})
+        check(trace, planner, ex)
+        swapped += trace.swapped_in
+    assert swapped, "no preempted request came back from the host tier"
+
+
 def test_length_near_the_context():
     """Drafts are cut to what max_tokens and the context can still take; nothing is planned past either."""
     for accepted in range(K + 1):
