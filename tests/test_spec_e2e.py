@@ -19,7 +19,8 @@ import msgspec
 from ipc import protocol as p
 from ipc.client import AsyncClient
 from ipc.gateway.metrics import render
-from tests.server_proc import server_stats
+from executor_proc.testing.scripted import ScriptedRunner, expected_output
+from tests.server_proc import assert_no_leak, server_stats, wait_idle
 
 PASSAGE = ("The committee met on Tuesday to review the budget. It approved funding for the new library and asked "
            "the city to repair the bridge before winter.")
@@ -76,6 +77,29 @@ async def test_greedy_identical_with_and_without_speculation_at_every_depth(modu
         assert all(r.timings.draft_tokens > 0 for r in results[:len(PROMPTS)])  # every one of them speculated
         assert all(r.timings.draft_tokens == 0 for r in results[len(PROMPTS):])  # rows that cannot speculate
         srv.stop()  # one real-model server at a time
+
+
+async def test_scripted_executor_through_the_processes(module_servers):
+    """The scheduler and the scripted executor as processes, depth 2, a pool small enough to preempt: every stream
+    (logprobs included) is the script's, the script's accepted counts add up, nothing leaks."""
+    srv = module_servers("--load-format", "scripted", "--scripted-step-ms", "0.2", "--pipeline-depth", "2",
+                         "--speculative-method", "ngram", "--num-speculative-tokens", "3", "--max-num-seqs", "6",
+                         "--num-kv-blocks", "30", "--block-size", "4", "--max-model-len", "256",
+                         "--max-num-batched-tokens", "16", "--debug-checks")
+    prompt = lambda seed: [10 + (seed + i) % 50 for i in range(5)]  # noqa: E731
+    async with AsyncClient(srv.address, timeout=60) as c:
+        results = await asyncio.gather(*[
+            c.generate(prompt_token_ids=prompt(seed), max_tokens=10 + seed % 20, seed=seed, ignore_eos=True,
+                       logprobs=1 if seed % 3 == 0 else None, detokenize=False) for seed in range(16)])
+    script = ScriptedRunner(1, 1, 1)
+    for seed, r in enumerate(results):
+        want, reason = expected_output(script.token_at, seed=seed, prompt_len=5, max_tokens=10 + seed % 20,
+                                       max_model_len=256, eos_token_ids=(2,), ignore_eos=True)
+        assert (r.token_ids, r.finish_reason) == (want, reason), seed
+        assert len(r.logprobs) == (len(want) if seed % 3 == 0 else 0), seed
+    stats = await wait_idle(srv.address)
+    assert_no_leak(stats)
+    assert stats.spec_accepted_tokens > 0 and stats.preemptions > 0, stats
 
 
 def test_metrics_carry_the_draft_counts():
