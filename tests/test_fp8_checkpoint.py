@@ -123,3 +123,5 @@ def test_scales_shard_with_their_weights():
     assert torch.equal(shards.take("model.layers.0.mlp.down_proj.weight_scale", rows[:64]), rows[:64])
     assert torch.equal(shards.take("model.layers.0.self_attn.q_proj.weight_scale", torch.tensor(0.5)),
                        torch.tensor(0.5))
+    assert torch.equal(shards.take("model.layers.0.self_attn.o_proj.input_scale", torch.tensor([0.5])),
+                       torch.tensor([0.5]))

@@ -8,7 +8,7 @@ Rank ``r`` of ``N``, for HF parameter names::
     o_proj, down_proj            row-parallel: the matching input columns; the partial outputs are
                                  all-reduced, so a bias is added once: rank 0 holds it, the others zeros
     *.weight_scale (FP8)         with their weight's rows: column-parallel sliced, row-parallel and
-                                 per-tensor ones whole
+                                 per-tensor ones (and input_scale) whole
     embed_tokens, lm_head        vocabulary-parallel: rows r*Vp .. (r+1)*Vp, Vp = ceil(V/N), rows past V zero
     norms                        replicated
 
@@ -88,7 +88,7 @@ class Shards:
         """This rank's part of the full weight ``name`` (HF naming); ``t`` is a tensor or a safetensors slice."""
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
-        if kind == "weight_scale" and (module in _ROW or _numel(t) == 1):  # per output row, or one per tensor
+        if kind.endswith("_scale") and (module in _ROW or _numel(t) == 1):  # FP8 scales: per output row, or per tensor
             return t[...]
         if module in _COLUMN:
             a, b = self.rows[_COLUMN[module]]
