@@ -2,7 +2,7 @@
 
 The rule is :mod:`kernels.ngram_ref`'s: the longest suffix of ``NMAX`` down to ``NMIN`` tokens that also ends
 earlier in the slot's tokens (the most recent end wins among equal lengths) proposes the ``K`` tokens that
-followed.  A program walks the row's candidate ends ``BLOCK`` at a time; at each end the suffix lengths nest
+followed (the copy going on with itself past the newest token).  A program walks the row's candidate ends ``BLOCK`` at a time; at each end the suffix lengths nest
 (a match of ``m`` tokens is one of ``m - 1`` and one more token), so one pass over ``NMAX`` shifted loads scores
 every length: ``m * (W + 1) + end``, the largest score wins.  The row's length is read on the device (a loop
 bound), so the kernel replays in a CUDA graph whatever the slots' lengths.
@@ -39,9 +39,10 @@ def _ngram_kernel(tokens_ptr, stride_t, slots_ptr, lengths_ptr, out_ptr, W, K: t
     top = tl.max(best, axis=0)
     start = tl.where(top >= 0, top % (W + 1), 0)
     ks = tl.arange(0, KPAD)
-    offs = start + ks.to(tl.int64)
+    period = tl.maximum(n - start, 1)
+    offs = start + ks.to(tl.int64) % period
     found = tl.full([KPAD], 0, tl.int64) + top >= 0
-    inside = (ks < K) & (offs < n) & found
+    inside = (ks < K) & found
     drafts = tl.load(base + offs, mask=inside, other=0).to(tl.int64)
     tl.store(out_ptr + row * K + ks, drafts, mask=ks < K)
 

@@ -2,8 +2,9 @@
 
 For each row, its slot's tokens ``tokens[slot, :n]`` (prompt and outputs, the newest last): the longest suffix
 of ``m`` tokens (``ngram_max`` down to ``ngram_min``) that also ends earlier, at an end ``e < n`` (the most
-recent such end when there are several), proposes the ``k`` tokens that followed it, ``tokens[slot, e:e + k]``,
-cut at ``n`` (0 past it).  A row with no match proposes zeros: a wrong draft only costs its verification.
+recent such end when there are several), proposes the ``k`` tokens that followed it, ``tokens[slot, e:e + k]``;
+past the newest token the copy goes on with itself (draft ``i`` is ``tokens[e + i % (n - e)]``: a repeating run
+keeps repeating).  A row with no match proposes zeros: a wrong draft only costs its verification.
 No value is read on the host.
 """
 
@@ -33,6 +34,6 @@ def ngram_drafts_ref(tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.T
             score = torch.where(ok, m * (W + 1) + ends, torch.full_like(ends, -1)).amax(dim=1)
             best = torch.maximum(best, score)
     start = torch.where(best >= 0, best % (W + 1), torch.zeros_like(best))[:, None]  # [R, 1]
-    offs = start + torch.arange(k, device=tokens.device)[None, :]
-    inside = (best >= 0)[:, None] & (offs < n)
-    return torch.where(inside, rows.gather(1, offs.clamp(max=W - 1)), torch.zeros_like(offs))
+    period = (n - start).clamp(min=1)
+    offs = start + torch.arange(k, device=tokens.device)[None, :] % period
+    return torch.where((best >= 0)[:, None], rows.gather(1, offs.clamp(max=W - 1)), torch.zeros_like(offs))

@@ -18,12 +18,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rule(seq: list[int], k: int, nmin: int, nmax: int) -> list[int]:
-    """The longest suffix (nmax down to nmin) that ends earlier, the most recent end, proposes what followed."""
+    """The longest suffix (nmax down to nmin) that ends earlier, the most recent end, proposes what followed (the
+    copy repeating itself past the end)."""
     n = len(seq)
     for m in range(min(nmax, n), nmin - 1, -1):
         for e in range(n - 1, m - 1, -1):
             if seq[e - m:e] == seq[n - m:]:
-                return [seq[p] if p < n else 0 for p in range(e, e + k)]
+                return [seq[e + i % (n - e)] for i in range(k)]
     return [0] * k
 
 
