@@ -20,6 +20,8 @@
 #                  (--quick; the cells past its deadline are skipped)
 #   kernels        kernel benchmarks: transfer, sampling, sampling step, prefill attention
 #   tp             tensor parallelism on two GPUs: the tests on CUDA, then bench_tp.py --sizes 1 2
+#   fp8            FP8 weights and KV cache: their GPU tests, then bf16 against FP8 decode (1B, 8B batch 1 with a
+#                  2,048-token prefill; 8B batch 64 with FP8 KV; 1B, 8 rows of 16k context, bf16 against FP8 KV)
 #
 # Results (JSON, logs) go to $OUT (default /tmp/out).  Environment: PYTHON (default python3).
 set -uo pipefail
@@ -28,7 +30,7 @@ OUT=${OUT:-/tmp/out}
 PY=${PYTHON:-python3}
 DRY=0
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
-PARTS="tests tests-kernels decode serve idle gateway prefix swap chat startup memory kernels tp"
+PARTS="tests tests-kernels decode serve idle gateway prefix swap chat startup memory kernels tp fp8"
 CFG=scripts/configs
 
 run() {  # echo a command, then run it unless --dry-run; a failure is reported, the part goes on
@@ -162,6 +164,19 @@ part_kernels() {
 part_tp() {
   run timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py
   run timeout 280 $PY scripts/bench_tp.py --sizes 1 2 --json "$OUT/tp.json"
+}
+
+part_fp8() {
+  run timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_kv.py tests/test_fp8_checkpoint.py
+  run timeout 150 $PY scripts/bench_decode.py --models llama-3.2-1b,llama-3-8b --batch 1 --quantization none,fp8 \
+      --steps 100 --prefill 2048 --json "$OUT/fp8_b1.json"
+  run timeout 90 $PY scripts/bench_decode.py --models llama-3-8b --batch 64 --steps 50 --json "$OUT/fp8_b64_bf16.json"
+  run timeout 90 $PY scripts/bench_decode.py --models llama-3-8b --batch 64 --quantization fp8 --kv-cache-dtype fp8 \
+      --steps 50 --json "$OUT/fp8_b64_fp8.json"
+  for kv in auto fp8; do
+    run timeout 90 $PY scripts/bench_decode.py --models llama-3.2-1b --batch 8 --context 16384 --steps 50 \
+        --kv-cache-dtype $kv --json "$OUT/fp8_16k_kv_$kv.json"
+  done
 }
 
 if [ $# = 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
