@@ -71,16 +71,36 @@ def chat_prompt_ids(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def hf_model():
-    """HF transformers' model read from the default GGUF file, float32: the independent reference (loaded once:
-    transformers takes tens of seconds to parse and dequantize a GGUF file on 2 cores)."""
+    """HF transformers' model read from the default GGUF file, float32: the independent reference.
+
+    Transformers takes tens of seconds to parse and dequantize a GGUF file on 2 cores, so the first test process
+    to need it saves what HF made (its config and its own dequantized weights) beside the system's temporary
+    files; the other processes (pytest-xdist workers, later runs) load that, under a file lock."""
+    import fcntl
+
+    import transformers
     from transformers import AutoModelForCausalLM
 
     from executor_proc.model.default_model import default_gguf_path
 
     gguf = default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                 dtype=torch.float32)
-    return model.eval()
+    st = os.stat(gguf)
+    saved = os.path.join(tempfile.gettempdir(), f"forerun-hf-reference-{st.st_size}-{int(st.st_mtime)}-"
+                                                f"{transformers.__version__}")
+    with open(saved + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(saved, "config.json")):
+            model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                                         dtype=torch.float32)
+            # save_pretrained refuses a model read from GGUF: its config and weights (tied ones once) instead
+            from safetensors.torch import save_model
+
+            os.makedirs(saved + ".part", exist_ok=True)
+            model.config.save_pretrained(saved + ".part")
+            save_model(model, os.path.join(saved + ".part", "model.safetensors"))
+            os.replace(saved + ".part", saved)
+            return model.eval()
+    return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
@@ -133,16 +153,3 @@ def model_server(server_factory, default_model_dir):
         return cache[depth]
 
     return get
-
-
-HF_REFERENCE = {"hf_model", "hf_greedy"}
-
-
-def pytest_collection_modifyitems(config, items):
-    """For ``pytest -n 2 --dist loadgroup`` (pytest-xdist; the README's test command): a module's tests run on one
-    worker, so its module-scoped servers start once, and the modules that read HF's reference model share one
-    worker, so it loads once.  Without xdist the marks do nothing."""
-    hf_modules = {item.module.__name__ for item in items if HF_REFERENCE & set(item.fixturenames)}
-    for item in items:
-        module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("hf_reference" if module in hf_modules else module))
