@@ -1412,8 +1412,9 @@ on the cpu wall time, a check that it runs):
 - ``decode``: one token per row, the decode graph of bucket B (what a step without speculation costs);
 - ``verify graph``: the rows as K + 1-token chunks through the mixed-step graphs (body and head): what a verify
   step costs once it is captured;
-- ``verify eager``: the speculative rows as the executor runs them now (``StepPlan.num_drafts``: drafts by the
-  n-gram kernel, the eager forward, acceptance and table updates on the device).
+- ``verify step``: the speculative rows as the executor runs them (``StepPlan.num_drafts``: drafts by the n-gram
+  kernel, the forward through the mixed-step graphs when the sampled rows and the drafted positions fit its
+  row buckets, else eagerly, then the LM head of every position, acceptance and table updates on the device).
 
 The ratios to ``decode`` are the verification's price; speculation pays when a row gains more accepted tokens.
 
@@ -1515,18 +1516,19 @@ The ratios to ``decode`` are the verification's price; speculation pays when a r
             assert isinstance(mixed, MixedStep), type(mixed).__name__
             t_graph = timed(lambda: worker.launch(mixed), args.reps, cuda)
             spec = worker.prepare(plan(live, k + 1, False, True, vocab))
-            assert isinstance(spec, EagerStep) and spec.spec is not None, type(spec).__name__
-            t_eager = timed(lambda: worker.launch(spec), args.reps, cuda)
+            assert isinstance(spec, (EagerStep, MixedStep)) and spec.spec is not None, type(spec).__name__
+            t_spec = timed(lambda: worker.launch(spec), args.reps, cuda)
             rows.append(dict(batch=b, k=k, context=args.context, decode_ms=t_decode * 1e3,
-                             verify_graph_ms=t_graph * 1e3, verify_eager_ms=t_eager * 1e3,
-                             graph_ratio=t_graph / t_decode, eager_ratio=t_eager / t_decode))
+                             verify_graph_ms=t_graph * 1e3, verify_step_ms=t_spec * 1e3,
+                             verify_step_kind="graphs" if isinstance(spec, MixedStep) else "eager",
+                             graph_ratio=t_graph / t_decode, step_ratio=t_spec / t_decode))
         meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, model=args.model, setup_s=setup_s,
                     command=" ".join(sys.argv))
         print(f"{meta['device']}  {args.model}  K={k}  context {args.context}  (setup {setup_s:.0f} s)")
-        print(f"{'batch':>6}{'decode ms':>11}{'verify graph':>14}{'x':>7}{'verify eager':>14}{'x':>7}")
+        print(f"{'batch':>6}{'decode ms':>11}{'verify graph':>14}{'x':>7}{'verify step':>13}{'x':>7}  kind")
         for r in rows:
             print(f"{r['batch']:>6}{r['decode_ms']:>11.3f}{r['verify_graph_ms']:>14.3f}{r['graph_ratio']:>7.2f}"
-                  f"{r['verify_eager_ms']:>14.3f}{r['eager_ratio']:>7.2f}")
+                  f"{r['verify_step_ms']:>13.3f}{r['step_ratio']:>7.2f}  {r['verify_step_kind']}")
         if args.json:
             write_json(args.json, dict(meta=meta, rows=rows))
         return 0

@@ -55,7 +55,9 @@ async def test_greedy_identical_with_and_without_speculation_at_every_depth(modu
     """Depth 1 runs the reference beside the speculating rows; depths 0 and 2 must give the same tokens."""
     reference = None
     for depth in (1, 0, 2):
-        srv = module_servers("--pipeline-depth", str(depth), *SERVER)
+        # depth 2 through the mixed-step runner (uncaptured on the cpu: the code path of the graphs' replays)
+        mixed = ("--mixed-graphs", "on", "--max-num-seqs", "64") if depth == 2 else ()
+        srv = module_servers("--pipeline-depth", str(depth), *SERVER, *mixed)
         before = await server_stats(srv.address)
         results = await _run(srv, plain=reference is None)
         if reference is None:

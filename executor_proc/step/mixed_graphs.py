@@ -62,14 +62,17 @@ class MixedGraphs:
     def _rows_for(self, tokens: int) -> list[int]:
         return sorted({min(r, tokens) for r in self.row_buckets})
 
-    def shape_for(self, rows: PlanRows) -> Optional[MixedShape]:
-        """The smallest bucket holding the step, or None if it is too large for one."""
+    def shape_for(self, rows: PlanRows, min_rows: int = 0) -> Optional[MixedShape]:
+        """The smallest bucket holding the step (and ``min_rows`` sampled hidden rows), or None if too large."""
+        need = max(rows.num_rows, min_rows)
         i = bisect.bisect_left(self.token_buckets, rows.num_tokens)
-        if i == len(self.token_buckets) or rows.num_rows > self.max_rows:
+        if i == len(self.token_buckets) or need > self.max_rows:
             return None
         tokens = self.token_buckets[i]
         fitting = self._rows_for(tokens)
-        return MixedShape(tokens, fitting[bisect.bisect_left(fitting, rows.num_rows)], self.max_rows, self.group)
+        if need > fitting[-1]:
+            return None
+        return MixedShape(tokens, fitting[bisect.bisect_left(fitting, need)], self.max_rows, self.group)
 
     def pack(self, rows: PlanRows, shape: MixedShape) -> np.ndarray:
         """The step's packed inputs (for the step's upload; :meth:`load` puts them in place)."""

@@ -9,10 +9,12 @@ depends on the accepted counts stays on the device, in two per-slot tables::
     lengths  [num_slots + 1]                  position of the slot's newest token (the next row's first input)
 
 A speculative row starts at ``lengths[slot]`` (at the plan's position for the slot's first speculative row,
-whose position the scheduler knows exactly; the host remembers which slots have run one, ``live``).  The step
-(inside the eager step, before the forward) writes ``last_token`` at that position, proposes ``K`` drafts by
-prompt lookup over ``tokens[slot, :length + 1]`` (:mod:`kernels.ngram`), and makes the row's ``k + 1`` input
-ids (the last token, then the drafts), positions, KV indices and context length from the device length.  After
+whose position the scheduler knows exactly; the host remembers which slots have run one, ``live``).  Before the
+forward the step writes ``last_token`` at that position, proposes ``K`` drafts by prompt lookup over
+``tokens[slot, :length + 1]`` (:mod:`kernels.ngram`), and makes the row's ``k + 1`` input ids (the last token,
+then the drafts), positions and context length from the device length: into the mixed-step runner's static inputs
+(its body graph replays them; the rows pack as chunks, and the sampled rows' and every drafted position's hidden
+states come out) when the step fits its buckets, else into an eager step's batch.  After
 the forward, the logits of every position of the row give the target ``g[0..k]``: the token the plain sampler
 draws there (the argmax for a greedy row; else :func:`kernels.sampling_ref.sample`'s keyed Gumbel race at the
 token's position).  The row accepts the longest prefix of drafts equal to it (``d[j] == g[j - 1]``) and emits
@@ -26,7 +28,7 @@ hold rejected drafts' KV, which the next row overwrites (its positions start rig
 
 The result carries each row's first token in ``token_ids`` and its ``k`` further tokens and accepted count in
 ``StepResult.spec_tokens`` / ``num_accepted``: one device tensor, cut on the host by :meth:`SpecStep.split`.
-Only verifiable slots (``SlotSampling.verifiable``: no penalty, bias, mask or logprobs) speculate;
+Only verifiable slots (``SlotSampling.verifiable``: no grammar or prompt logprobs) speculate;
 the planner decides that.  The torch backend (the CPU's) attends a row over its host upper bound and masks the
 keys past each query's device position.
 """
@@ -39,7 +41,10 @@ from typing import Optional
 import numpy as np
 import torch
 
+import dataclasses
+
 from executor_proc.step.batch import ForwardBatch
+from executor_proc.step.mixed_step import MixedInputs, MixedShape
 from executor_proc.step.plan_rows import PlanRows
 from executor_proc.step.slot_tables import SlotTables
 from executor_proc.step.spec_penalties import penalise_positions, recount
@@ -84,6 +89,7 @@ class SpecStep:
     part: Optional[int] = None  # upload index of the rows' and tokens' arrays
     num_tokens: int = 0  # speculative rows' tokens (logits rows at the end of the sample index)
     logits_index: Optional[np.ndarray] = None  # their token indices (host)
+    spec_rows: Optional[np.ndarray] = None  # their row indices (host)
     sizes: tuple[int, ...] = ()  # the lengths of the arrays at ``part``
     parts: Optional[list] = None  # those arrays on the device (bind)
     state: Optional[tuple] = None  # slots, drafts per row, first positions, drafts (bind -> verify)
@@ -151,7 +157,7 @@ class Speculator:
         step.part = upload.add(np.concatenate(parts), torch.int64)
         step.rows, step.extra, step.num_tokens = len(spec), len(extra), len(tok_row)
         step.num_sampled = len(rows.sampled)
-        step.sizes, step.logits_index = tuple(len(p) for p in parts), tok_index
+        step.sizes, step.logits_index, step.spec_rows = tuple(len(p) for p in parts), tok_index, spec
         infos = [info[s] for s in slots.tolist()] if info is not None else []
         step.greedy = all(i.greedy for i in infos)
         step.filtered = any(i.filtered for i in infos)
@@ -168,23 +174,53 @@ class Speculator:
         if step is not None and step.part is not None:
             step.parts = list(torch.split(sent[step.part], step.sizes))
 
-    def bind(self, step: SpecStep, batch: ForwardBatch, tables: SlotTables) -> None:
-        """The rows' drafts, input ids, positions, KV indices and context lengths, from the device lengths."""
-        spec, slots, ks, start, _, tok_row, tok_j, tok_index = step.parts[:8]
+    def _inputs(self, step: SpecStep, tables: SlotTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' drafts (kept for the verify), then each token's input id and position and each row's context
+        length, from the device lengths."""
+        _, slots, ks, start, _, tok_row, tok_j = step.parts[:7]
         last = tables.last_token[slots]
         base = torch.where(start >= 0, start, self.lengths[slots])
         self.tokens[slots, base] = last.to(torch.int32)
         drafts = ngram_drafts(self.tokens, slots, base + 1, self.k, self.ngram_min, self.ngram_max)
+        step.state = (slots, ks, base, drafts)
         inputs = torch.cat([last[:, None], drafts], dim=1)  # [rows, K + 1]
-        pos = base[tok_row] + tok_j
+        return inputs[tok_row, tok_j], base[tok_row] + tok_j, base + ks + 1
+
+    def bind(self, step: SpecStep, batch: ForwardBatch, tables: SlotTables) -> None:
+        """An eager step's batch: the rows' input ids, positions, KV indices and context lengths."""
+        spec, slots, tok_row, tok_index = step.parts[0], step.parts[1], step.parts[5], step.parts[7]
+        ids, pos, lens = self._inputs(step, tables)
         bs = batch.block_size
-        batch.input_ids = batch.input_ids.index_put((tok_index,), inputs[tok_row, tok_j])
+        batch.input_ids = batch.input_ids.index_put((tok_index,), ids)
         batch.positions = batch.positions.clone().index_put_((tok_index,), pos)
         blocks = tables.block_table[slots[tok_row], pos // bs].to(torch.int64)
         batch.kv_index = batch.kv_index.clone().index_put_((tok_index,), blocks * bs + pos % bs)
-        lens = (base + ks + 1).to(batch.context_lens.dtype)
-        batch.context_lens = batch.context_lens.clone().index_put_((spec,), lens)
-        step.state = (slots, ks, base, drafts)
+        batch.context_lens = batch.context_lens.clone().index_put_((spec,), lens.to(batch.context_lens.dtype))
+
+    def bind_mixed(self, step: SpecStep, inputs: MixedInputs, tables: SlotTables) -> None:
+        """A mixed-runner step: the same, written into the runner's static inputs (its graphs read them)."""
+        ids, pos, lens = self._inputs(step, tables)
+        inputs.ids.index_put_((step.parts[7],), ids)
+        inputs.positions.index_put_((step.parts[7],), pos)
+        inputs.context_lens.index_put_((step.parts[0],), lens)
+
+    @staticmethod
+    def mixed_rows(rows: PlanRows, step: SpecStep) -> PlanRows:
+        """``rows`` as the mixed runner packs them: speculative rows as chunks (after the decode rows)."""
+        chunk = rows.is_prefill.copy()
+        chunk[step.spec_rows] = True
+        return dataclasses.replace(rows, is_prefill=chunk)
+
+    @staticmethod
+    def mixed_pack(packed: np.ndarray, shape: MixedShape, step: SpecStep) -> np.ndarray:
+        """The speculative positions' token indices after the sampled rows' in the packed ``sample_index``."""
+        at = 2 * shape.max_rows
+        for name, n in shape.lengths().items():  # the buffer's order (mixed_step.pack)
+            if name == "sample_index":
+                break
+            at += n
+        packed[at + step.num_sampled:at + step.num_sampled + step.num_tokens] = step.logits_index
+        return packed
 
     def verify(self, step: SpecStep, logits: torch.Tensor, tokens: torch.Tensor, tables: SlotTables,
                backend, outputs=None, counted: bool = False) -> torch.Tensor:

@@ -31,7 +31,7 @@ from executor_proc.step.grammar import GrammarSlots
 from executor_proc.step.graphs import DecodeGraphs, GraphCapture, run_captures
 from executor_proc.step.host_kv import HostKV
 from executor_proc.step.mixed_graphs import MixedGraphs
-from executor_proc.step.mixed_step import MixedShape, mixed_body, mixed_head
+from executor_proc.step.mixed_step import MixedShape, mixed_body, mixed_head, mixed_inputs
 from executor_proc.step.plan_rows import PlanRows, plan_rows
 from executor_proc.step.prompt_logprobs import (PromptLogprobPlan, SavedLogits, compute_prompt_logprobs,
                                                 plan_prompt_logprobs)
@@ -63,6 +63,7 @@ class MixedStep:
     mode: SamplingMode
     rows: PlanRows  # the real rows (an eager call of the runner on the torch backend attends them)
     outputs: StepOutputs = field(default_factory=StepOutputs)
+    spec: Optional[SpecStep] = None  # speculative rows: their positions' hidden states follow the sampled rows'
 
 
 @dataclass
@@ -180,7 +181,7 @@ class Worker:
         if grammar is not None:  # the mask binds between forward and sampling: no whole-step graph
             mode, outputs.grammar = mode._replace(masked=True), grammar
         spec = self.spec.stage_admits(plan, upload) if self.spec is not None else None
-        speculative = bool(plan.num_drafts)  # its rows' positions are the device's: an eager step
+        speculative = bool(plan.num_drafts)  # its rows' positions are the device's: no decode graph
         bucket = self._graph_bucket(plan) if (grammar is None or self.split is not None) and not speculative else None
         if bucket is not None:
             part = upload.add(self._decode_rows(plan, bucket), torch.int64)
@@ -194,12 +195,14 @@ class Worker:
         featured = bool(self.tables.featured)
         outputs.prompt = plan_prompt_logprobs(plan, self.tables.info, self.saved_logits) if featured else None
         rows = plan_rows(plan)
-        shape = self._mixed_shape(rows, outputs.prompt) if not speculative else None
+        if speculative:
+            spec = outputs.spec = self.spec.stage_rows(plan, rows, upload, spec, self.tables.info)
+        packed_rows = self.spec.mixed_rows(rows, spec) if speculative else rows
+        shape = self._mixed_shape(packed_rows, outputs.prompt, spec.num_sampled + spec.num_tokens if speculative else 0)
         if shape is not None:
-            part = upload.add(self.mixed.pack(rows, shape), torch.int64)
+            packed = self.mixed.pack(packed_rows, shape)
+            part = upload.add(self.spec.mixed_pack(packed, shape, spec) if speculative else packed, torch.int64)
         else:
-            if speculative:
-                spec = outputs.spec = self.spec.stage_rows(plan, rows, upload, spec, self.tables.info)
             parts = self._eager_rows(rows, upload, outputs.prompt, spec.logits_index if speculative else None)
         sent = upload.send()
         self._host_copies(plan, host, sent)
@@ -208,7 +211,9 @@ class Worker:
             self.spec.apply(spec, sent)
         if shape is not None:
             self.mixed.load(sent[part])
-            return MixedStep(shape, len(sampled_slots), mode, rows, outputs)
+            if speculative:
+                self.spec.bind_mixed(spec, mixed_inputs(self.mixed.inputs, shape), self.tables)
+            return MixedStep(shape, len(sampled_slots), mode, packed_rows, outputs, spec if speculative else None)
         step = self._eager_batch(plan, sent, parts, mode)
         step.num_sampled, step.outputs = len(sampled_slots), outputs
         if speculative:
@@ -232,12 +237,13 @@ class Worker:
         pure_decode = bool(plan.slots) and not any(plan.is_prefill) and all(plan.sample)
         return self.graphs.bucket_for(len(plan.slots)) if self.graphs is not None and pure_decode else None
 
-    def _mixed_shape(self, rows: PlanRows, prompt: Optional[PromptLogprobPlan]) -> Optional[MixedShape]:
+    def _mixed_shape(self, rows: PlanRows, prompt: Optional[PromptLogprobPlan],
+                     min_rows: int = 0) -> Optional[MixedShape]:
         """The mixed runner's bucket for the step, or None: eager (prompt logprobs need every chunk's
-        logits, a table-only plan has no rows)."""
+        logits, a table-only plan has no rows); ``min_rows``: hidden rows the step reads (speculative positions)."""
         if self.mixed is None or prompt is not None or rows.num_rows == 0 or not rows.decode_rows_first():
             return None
-        return self.mixed.shape_for(rows)
+        return self.mixed.shape_for(rows, min_rows)
 
     def _decode_rows(self, plan: StepPlan, bucket: int) -> np.ndarray:
         """``[3, bucket]`` slots, positions, context lengths; padded rows: padding slot, 0, 1."""
@@ -318,8 +324,14 @@ class Worker:
                 return self._keep(step, self.split.run(step.bucket, step.rows, step.mode, self._binder(step)))
             return self._keep(step, self.graphs.run(step.bucket, step.mode).head(step.rows))
         if isinstance(step, MixedStep):
-            return self._keep(step, self.mixed.run(step.shape, step.num_sampled, step.mode, step.rows,
-                                                   before_head=self._binder(step)))
+            tokens = self._keep(step, self.mixed.run(step.shape, step.num_sampled, step.mode, step.rows,
+                                                     before_head=self._binder(step)))
+            if step.spec is None:
+                return tokens
+            s = step.num_sampled  # the speculative positions' hidden states follow the sampled rows'
+            logits = self.model.logits(self.mixed.hidden[s:s + step.spec.num_tokens])
+            return self.spec.verify(step.spec, logits, tokens, self.tables, self.model.backend, step.outputs,
+                                    counted=step.mode.penalised)
         batch = step.batch
         if batch.num_rows == 0:  # a plan of table diffs only
             return batch.sample_slots
