@@ -29,11 +29,11 @@ PROMPTS = [
      {"logprobs": 2}),  # each token's own logprobs, accepted runs included
     ([{"role": "user", "content": "Correct the spelling in this text and write it out again: The commitee met on "
                                   "Tuesday to reveiw the budget. It aproved funding for the new library."}],
-     {"stop": ["library"]}),
+     {"stop": ["budget"]}),
     ([{"role": "user", "content": "Tell me a short joke about cats."}], {}),
     ([{"role": "user", "content": f"Repeat this text: {PASSAGE}"}], {"temperature": 0.8, "top_p": 0.95, "seed": 7}),
     ([{"role": "user", "content": f"Copy this text: {PASSAGE}"}],  # penalties see the drafts before each position
-     {"repetition_penalty": 1.2, "frequency_penalty": 0.3, "presence_penalty": 0.1, "min_tokens": 20,
+     {"repetition_penalty": 1.2, "frequency_penalty": 0.3, "presence_penalty": 0.1, "min_tokens": 12,
       "logit_bias": {13: -2.0}}),
 ]
 
@@ -44,7 +44,7 @@ SERVER = ("--speculative-method", "ngram", "--max-num-seqs", "8", "--num-kv-bloc
 async def _run(srv, plain: bool):
     """Every prompt as itself (it speculates), and with ``plain`` also as a row that cannot speculate."""
     async with AsyncClient(srv.address, timeout=300) as c:
-        options = [{"max_tokens": 24, "temperature": 0.0, **kw} for _, kw in PROMPTS]
+        options = [{"max_tokens": 16, "temperature": 0.0, **kw} for _, kw in PROMPTS]
         runs = [c.generate(messages=m, **o) for (m, _), o in zip(PROMPTS, options)]
         if plain:  # prompt logprobs: a row that cannot speculate
             runs += [c.generate(messages=m, prompt_logprobs=0, **o) for (m, _), o in zip(PROMPTS, options)]
@@ -72,10 +72,10 @@ async def test_greedy_identical_with_and_without_speculation_at_every_depth(modu
         after = await server_stats(srv.address)
         drafted = after.spec_draft_tokens - before.spec_draft_tokens
         accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-        assert accepted >= 15 and drafted > accepted, (depth, drafted, accepted)  # the copy is accepted, the joke not
+        assert accepted >= 10 and drafted > accepted, (depth, drafted, accepted)  # the copy is accepted, the joke not
         # per request, in timings (the server also counts rows that ran past a finish)
         assert 0 < sum(r.timings.accepted_tokens for r in results[:len(PROMPTS)]) <= accepted
-        assert results[0].timings.accepted_tokens >= 10  # the copy
+        assert results[0].timings.accepted_tokens >= 8  # the copy
         assert all(r.timings.draft_tokens > 0 for r in results[:len(PROMPTS)])  # every one of them speculated
         assert all(r.timings.draft_tokens == 0 for r in results[len(PROMPTS):])  # rows that cannot speculate
         srv.stop()  # one real-model server at a time
