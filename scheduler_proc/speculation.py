@@ -103,8 +103,8 @@ class Speculation:
             req.last_step = draft.step_id
 
     def _reconcile_spec(self, step: InflightStep, result: StepResult, outputs: list[Output]) -> None:
-        """The speculative rows' accepted counts: bounds tightened, blocks past them freed, accepted tokens applied
-        (each row's first token was applied with the other rows')."""
+        """The speculative rows' accepted counts: bounds tightened (the blocks past them stay for the next rows),
+        accepted tokens applied (each row's first token was applied with the other rows'), rejecting rows paused."""
         if len(result.num_accepted) != len(step.spec) or len(result.spec_tokens) != sum(k for _, k in step.spec):
             raise RuntimeError(f"step {step.step_id}: {len(result.num_accepted)} accepted counts and "
                                f"{len(result.spec_tokens)} drafted tokens for speculative rows "
