@@ -44,8 +44,7 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_de
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """How to pick tokens.  ``temperature`` below 1e-5 (0, say) means greedy (``kernels.sampling_ref.is_greedy``).
 
-    Ranges are checked by :func:`scheduler_proc.validate.validate_generate` so
-    that each violation names the field and its limit.
+    Ranges are checked by :func:`scheduler_proc.validate.validate_generate`: each error names the field, its limit.
     """
 
     max_tokens: int = 128
@@ -187,8 +186,7 @@ class ServerStats(_Msg, tag="server_stats"):
     grammar_steps: int = 0
     grammar_wait_steps: int = 0
     grammar_wait_s_total: float = 0.0
-    # Speculative decoding: rows, drafts verified, and those accepted (each row also emits one token of its own).
-    spec_rows: int = 0
+    spec_rows: int = 0  # speculative decoding: rows verified, their drafts, the drafts accepted
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
 
@@ -213,10 +211,9 @@ class TokenDelta(_Msg, tag="token_delta"):
 class TokenDeltas(_Msg, tag="token_deltas"):
     """New tokens of several requests of one client, from one step: ``request_ids[i]`` got ``token_ids[i]``.
 
-    Sent instead of one TokenDelta per request to a client whose Hello set
-    ``batch_deltas``: at hundreds of running requests, one message per request
-    per step costs the server (and the client) more than the step itself.
-    Each request appears once; its Finished never rides in a batch.
+    Sent instead of one TokenDelta per request to a client whose Hello set ``batch_deltas``: at hundreds of
+    running requests, one message per request per step costs the server (and the client) more than the step
+    itself.  Each request appears once; its Finished never rides in a batch.
     """
 
     request_ids: list[str]
@@ -234,16 +231,14 @@ class Finished(_Msg, tag="finished"):
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
-    # Tokens not yet sent in a TokenDelta (the last ones), so that a finish
-    # never needs a separate delta message.
+    # Tokens not yet sent in a TokenDelta (the last ones), so that a finish never needs a separate delta message.
     token_ids: list[int] = []
     message: str = ""
     logprobs: list[TokenLogprobs] = []  # for token_ids, when the request asked
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None  # if not sent in a delta before
     stop_str: Optional[str] = None  # the stop string that finished the request (reason "stop")
     index: int = 0  # which completion of an n > 1 request (each completion has its own Finished)
-    # Speculative decoding: draft tokens verified for this request, and those accepted (0: it did not speculate).
-    draft_tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding: its drafts verified, and those accepted
     accepted_tokens: int = 0
 
 
@@ -310,18 +305,10 @@ class SlotSampling(msgspec.Struct, array_like=True, omit_defaults=True):
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
                 or (self.min_tokens > 0 and bool(self.min_tokens_stop_ids)) or bool(self.grammar))
 
-    @property
-    def verifiable(self) -> bool:
-        """Whether a speculative row verifies this slot's drafts exactly: the plain sampler's token at each drafted
-        position, penalised as if the drafts before it were sampled (a grammar's mask would need its matcher there;
-        prompt logprobs keep their prefill path)."""
-        return self.prompt_logprobs < 0 and not self.grammar
-
 
 class Admit(msgspec.Struct, array_like=True):
     """A slot's new request.  ``tokens``: every token it has (prompt, then outputs received before a
-    preemption or restart) when its sampling reads them or it speculates, whatever part of its KV is cached or
-    copied."""
+    preemption or restart) when its sampling reads them (or it speculates), whatever part of its KV is cached."""
 
     slot: int
     sampling: SlotSampling
@@ -356,20 +343,18 @@ class ExecutorReady(_Msg, tag="executor_ready"):
 class StepPlan(_Msg, tag="step_plan"):
     """One forward step, as a diff against the executor's slot tables.
 
-    Row ``i`` is ``slots[i]`` with ``num_tokens[i]`` query tokens starting at
-    position ``positions[i]``.  Rows with ``num_tokens == 1`` and no prompt
-    tokens are decode rows: their input is ``last_token[slot]`` on the device.
-    Prefill-chunk rows take their tokens, in row order, from ``prefill_tokens``
-    (``is_prefill[i]`` says which rows those are).  ``sample[i]`` says whether
-    the row's last position is sampled (false for a prompt chunk that does not
-    reach the end of the prompt).
+    Row ``i`` is ``slots[i]`` with ``num_tokens[i]`` query tokens starting at position ``positions[i]``.  Rows
+    with ``num_tokens == 1`` and no prompt tokens are decode rows: their input is ``last_token[slot]`` on the
+    device.  Prefill-chunk rows take their tokens, in row order, from ``prefill_tokens`` (``is_prefill[i]`` says
+    which rows those are).  ``sample[i]`` says whether the row's last position is sampled (false for a prompt
+    chunk that does not reach the end of the prompt).  Speculative rows (``num_drafts[i] >= 0``) start at the
+    slot's length on the device, ``positions[i]`` being only its upper bound (executor_proc/step/speculate.py).
 
     Block-table appends are flat triples ``(slot, index, block_id)``.
 
-    Host KV tier (flat pairs): ``onloads`` ``(host_block, device_block)`` are copied to the device
-    before this step's rows run (after the previous step, so after its appends and writes);
-    ``backups`` ``(device_block, host_block)`` are copied to the host once every earlier step has
-    run, without delaying this one.  See docs/architecture.md, "Host KV tier".
+    Host KV tier (docs/architecture.md), flat pairs: ``onloads`` ``(host_block, device_block)`` are copied to the
+    device before this step's rows run (after the previous step, its appends and writes); ``backups``
+    ``(device_block, host_block)`` to the host once every earlier step has run, without delaying this one.
     """
 
     step_id: int
@@ -384,18 +369,14 @@ class StepPlan(_Msg, tag="step_plan"):
     releases: list[int] = []
     onloads: list[int] = []
     backups: list[int] = []
-    # Speculative decoding (empty: no speculative row): per row, -1 for a plain row, else the drafts K the
-    # executor proposes and verifies for it (num_tokens is K + 1); such a row starts at the slot's length on the
-    # device, ``positions[i]`` being only its upper bound (executor_proc/step/speculate.py).
-    num_drafts: list[int] = []
+    num_drafts: list[int] = []  # per row (empty: none speculative): -1 plain, else its K drafts (num_tokens K + 1)
 
 
 class StepResult(_Msg, tag="step_result"):
     """Sampled tokens of a step, one per row with ``sample[i]`` true, in row order.
 
-    Timestamps are ``time.perf_counter()`` of the executor process (seconds):
-    ``t_start``/``t_end`` bracket the step's work, ``idle_s`` is how long the
-    executor waited for this step's plan after finishing the previous one.
+    Timestamps are ``time.perf_counter()`` of the executor process (seconds): ``t_start``/``t_end`` bracket the
+    step's work, ``idle_s`` is how long the executor waited for this step's plan after finishing the previous one.
     """
 
     step_id: int
@@ -432,10 +413,8 @@ class StepResult(_Msg, tag="step_result"):
     # (executor_proc/step/grammar.py: the output thread advancing the previous step's matchers).
     grammar_rows: int = 0
     grammar_wait_s: float = 0.0
-    # Speculative rows, in row order (their first token is in token_ids): each row's K further tokens (flat;
-    # only the first num_accepted count), and how many of its K drafts the model accepted.
-    spec_tokens: list[int] = []
-    num_accepted: list[int] = []
+    spec_tokens: list[int] = []  # speculative rows' K further tokens, flat (the first in token_ids)
+    num_accepted: list[int] = []  # per speculative row: its first num_accepted further tokens count
     spec_logprobs: list[TokenLogprobs] = []  # parallel to spec_tokens when a speculative row asked for logprobs
 
 

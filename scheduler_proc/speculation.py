@@ -1,7 +1,7 @@
 """Speculative rows in the plans, and their accepted counts in reconcile: the scheduler's half of speculation.
 
-A request whose sampling a verify step reproduces exactly (``SlotSampling.verifiable``: nothing that depends on
-the tokens before a position, like penalties, or asks for logprobs) speculates once speculative decoding is on.
+A request whose sampling a verify step reproduces exactly (:func:`verifiable`: no grammar or prompt logprobs;
+penalties see the drafts before each position) speculates once speculative decoding is on.
 After its prompt every row of it is a *speculative row* of ``k + 1`` tokens (``k <= K`` drafts): the executor
 proposes the drafts on the device (n-gram lookup in the slot's tokens), runs the row, keeps the longest prefix of
 drafts the model's sampler agrees with (its argmax, or its keyed draw: rejection sampling of a point-mass draft)
@@ -39,13 +39,20 @@ from ipc.protocol import SlotSampling, StepResult
 from scheduler_proc.request import Request, Status
 from scheduler_proc.steps import InflightStep, Output, StepDraft
 
-__all__ = ["DraftCounts", "Speculation"]
+__all__ = ["DraftCounts", "Speculation", "verifiable"]
 
 _RUNNING = Status.RUNNING
 _FINISHED = Status.FINISHED
 
 PAUSE_AFTER = 4  # rows with drafts, none accepted, in a row: the request stops speculating for a while
 PAUSE_STEPS = 32  # plain decode steps before it speculates again
+
+
+def verifiable(s: SlotSampling) -> bool:
+    """Whether a speculative row verifies this slot's drafts exactly: the plain sampler's token at each drafted
+    position, penalised as if the drafts before it were sampled (a grammar's mask would need its matcher there;
+    prompt logprobs keep their prefill path)."""
+    return s.prompt_logprobs < 0 and not s.grammar
 
 
 class DraftCounts:
@@ -62,7 +69,7 @@ class Speculation:
 
     def spec_drafts_for(self, sampling: SlotSampling) -> int:
         """Drafts per row for a request admitted with ``sampling`` (0: it runs without speculation)."""
-        return self.limits.num_speculative_tokens if sampling.verifiable else 0
+        return self.limits.num_speculative_tokens if verifiable(sampling) else 0
 
     def _move_paused(self, step_id: int) -> None:
         """Paused requests whose drafts are all back run plain decode rows; those whose pause is over speculate."""

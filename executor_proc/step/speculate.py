@@ -28,7 +28,7 @@ hold rejected drafts' KV, which the next row overwrites (its positions start rig
 
 The result carries each row's first token in ``token_ids`` and its ``k`` further tokens and accepted count in
 ``StepResult.spec_tokens`` / ``num_accepted``: one device tensor, cut on the host by :meth:`SpecStep.split`.
-Only verifiable slots (``SlotSampling.verifiable``: no grammar or prompt logprobs) speculate;
+Only verifiable slots (``scheduler_proc.speculation.verifiable``: no grammar or prompt logprobs) speculate;
 the planner decides that.  The torch backend (the CPU's) attends a row over its host upper bound and masks the
 keys past each query's device position.
 """

@@ -165,7 +165,7 @@ class ScriptedRunner:
         accepted drafts are the script's tokens, a rejected one a wrong guess whose KV the next row overwrites.
         Returns the row's first token; its further tokens and accepted count go into ``result``."""
         seq, sp, seed = self.seqs[slot], self.sampling[slot], self.seed[slot]
-        assert 0 <= k <= self.num_speculative_tokens and sp.verifiable, f"slot {slot}: a speculative row of {k} drafts"
+        assert 0 <= k <= self.num_speculative_tokens and _speculates(sp), f"slot {slot}: a row of {k} drafts"
         last = len(seq) - 1  # the input token's position: the slot's length on the device
         assert last <= bound, f"slot {slot}: speculative row at {last}, above the planner's bound {bound}"
         assert len(self.tables[slot]) * self.block_size >= last + k + 1, f"slot {slot}: KV beyond its blocks"
@@ -271,7 +271,7 @@ class ScriptedRunner:
             self.seed[admit.slot] = admit.sampling.seed
             self.sampling[admit.slot] = admit.sampling
             # the request's every token when its penalties read them: the prompt and any earlier outputs
-            speculates = self.num_speculative_tokens > 0 and admit.sampling.verifiable
+            speculates = self.num_speculative_tokens > 0 and _speculates(admit.sampling)
             assert bool(admit.tokens) == (admit.sampling.reads_tokens or speculates), \
                 f"slot {admit.slot}: admission tokens"
             assert len(admit.tokens) >= admit.sampling.num_prompt_tokens or not admit.tokens
@@ -285,6 +285,11 @@ class ScriptedRunner:
             assert slot not in holders, f"block {block} twice in the table of slot {slot}"
             holders.add(slot)
             self.tables[slot].append(block)
+
+
+def _speculates(s: SlotSampling) -> bool:
+    """The planner's rule for who speculates (``scheduler_proc.speculation.verifiable``), checked from the plans."""
+    return s.prompt_logprobs < 0 and not s.grammar
 
 
 def _hash_accept(seed: int, position: int, k: int) -> int:
@@ -384,8 +389,9 @@ class ScriptedOutputs:
             if r.num_accepted else {}
         if not (r.logprob_rows or r.prompt_logprob_rows):
             return {"backups_done_step_id": r.backups_done_step_id, **spec}
-        return {**spec, "logprob_rows": r.logprob_rows, "logprobs": r.logprobs, "backups_done_step_id": r.backups_done_step_id,
-                "prompt_logprob_rows": r.prompt_logprob_rows, "prompt_logprobs": r.prompt_logprobs}
+        return {**spec, "logprob_rows": r.logprob_rows, "logprobs": r.logprobs,
+                "backups_done_step_id": r.backups_done_step_id, "prompt_logprob_rows": r.prompt_logprob_rows,
+                "prompt_logprobs": r.prompt_logprobs}
 
 
 class ScriptedStep:
