@@ -52,6 +52,12 @@ ROPE_SIG = dict({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "kc_p
                 pos_ptr="*i64", cs_ptr="*fp32",
                 **{f"stride_{n}": "i32" for n in ("qt", "qh", "kt", "kh", "vt", "vh", "qot", "qoh", "kcb", "kct", "kch",
                                                  "vcb", "vct", "vch", "cs")})
+# The FP8 operands' scales: per-row weight scales (bf16 weights: unused), an FP8 KV cache's inverse scales.
+for _sig in (ROW_SIG, ROWS_SIG, DOT_SIG, QKV_SIG, QKV_ROWS_SIG):
+    _sig["ws_ptr"] = "*fp32"
+for _sig in (QKV_SIG, QKV_ROWS_SIG, ROPE_SIG):
+    _sig.update(k_inv="fp32", v_inv="fp32")
+DECODE_SIG["v_scale"] = "fp32"
 # Kernels launched with PDL that wait before their first load (no weight prefetch to check).
 NO_PREFETCH = (decode_attention._split_kernel, matmul._matmul_kernel, activation._silu_and_mul_kernel,
                kv_write._rope_kv_write_kernel, gemv._gemv_kernel, gemv_qkv._qkv_rope_dot_kernel)
@@ -149,6 +155,9 @@ def arrival_problem(ptx: str) -> str:
 def main() -> int:
     failed = 0
     for name, kernel, sig, consts, config in variants():
+        # a constexpr left at its default (W_SCALED: bf16 weights) is bound like the launches bind it
+        consts = dict({p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default
+                       and p.name not in consts}, **consts)
         signature = dict(sig, **{k: "constexpr" for k in consts})
         try:
             compiled = triton.compile(ASTSource(kernel, signature, constexprs=consts), target=HOPPER,
