@@ -180,13 +180,12 @@ class PrefixTree(BlockAllocator):
             return {}
         return parent.children.get(run.at, {})  # (another run's if the parent block was reused: not run's)
 
-    def _check_index(self) -> None:
+    def _check_index(self, published: set[int]) -> None:
         """Every published block is in its run once; every linked run's first block is valid and its key."""
         w, keys = self.width, self._keys
-        runs = {id(run): run for run in keys if run is not None}
-        for b, run in enumerate(keys):
-            if run is not None:
-                assert run.blocks.count(b) == 1, f"KV block {b}: not once in its run"
+        runs = {id(keys[b]): keys[b] for b in published}
+        for b in published:
+            assert keys[b].blocks.count(b) == 1, f"KV block {b}: not once in its run"
         for run in runs.values():
             assert len(run.data) == len(run.blocks) * w, "KV block: a run's bytes and blocks differ"
             for pos in run.children or ():
