@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from itertools import compress, repeat
-from operator import is_not
+from operator import eq, is_not
 from typing import Optional
 
 
@@ -350,13 +350,16 @@ class BlockAllocator:
         free = set(self._free)
         entries = Counter(self._lru.entries())
         stale = self._lru.stale
-        # Each block's entries less its stale ones is 0 or 1 (a block with neither passes: 0 - 0).
-        with_stale = compress(range(self.size), stale)
-        assert all(entries[b] - stale[b] in (0, 1) for b in entries.keys() | set(with_stale)), "KV block: LRU entries"
+        # Each block's entries less its stale ones is 0 or 1: a block with stale entries (few) is checked alone;
+        # every other block in the LRU has exactly one entry (sum == count: each has at least one).
+        with_stale = set(compress(range(self.size), stale))
+        assert all(entries[b] - stale[b] in (0, 1) for b in with_stale), "KV block: LRU entries"
+        rest = entries.keys() - with_stale
+        assert sum(entries.values()) - sum(entries[b] for b in with_stale) == len(rest), "KV block: LRU entries"
         assert sum(stale) == self._lru.num_stale, "KV block: stale LRU entries"
-        lru = {b for b, n in entries.items() if n > stale[b]}
+        lru = rest | {b for b in with_stale if entries[b] > stale[b]}
         assert len(lru) == self._num_cached, "KV block: cached count"
-        assert not any(self._refs[b] for b in lru), "KV block: a block in the LRU is held"
+        assert not any(map(self._refs.__getitem__, lru)), "KV block: a block in the LRU is held"
         assert len(free) == len(self._free), "KV block: a block is free twice"
         assert not free & lru, "KV block: a block is both free and cached"
         held = self.held()
@@ -371,6 +374,7 @@ class BlockAllocator:
 
     def _check_index(self, published: set[int]) -> None:
         """Keys and blocks map one to one."""
-        keys = self._keys
-        assert len(published) == len(self._block_of), "KV block: key maps differ in size"
-        assert all(self._block_of.get(keys[b]) == b for b in published), "KV block: key maps disagree"
+        blocks = list(published)
+        assert len(blocks) == len(self._block_of), "KV block: key maps differ in size"
+        mapped = map(self._block_of.get, map(self._keys.__getitem__, blocks))
+        assert all(map(eq, mapped, blocks)), "KV block: key maps disagree"
