@@ -157,19 +157,38 @@ class PrefixTree(BlockAllocator):
 
     # ---------------------------------------------------------- invariants
 
-    def path(self, block: int) -> Optional[bytes]:
-        """The token bytes from the root to a published ``block``, or None if a walk cannot reach it."""
-        keys, parts, b = self._keys, [], block
+    def path(self, block: int, memo: Optional[dict[int, Optional[bytes]]] = None) -> Optional[bytes]:
+        """The token bytes from the root to a published ``block``, or None if a walk cannot reach it.
+
+        ``memo``: paths already found during one check (the tree unchanged since), by block; filled in."""
+        keys, walked, parts, b = self._keys, [], [], block
+        head: Optional[bytes] = b""
         while b >= 0:
+            if memo is not None and b in memo:
+                head = memo[b]
+                break
+            walked.append(b)
             run = keys[b]
             if run is None:
-                return None
+                head = None
+                break
             pos = run.blocks.index(b)
             if any(keys[x] is not run for x in run.blocks[:pos]) or self._siblings(run).get(run.head) is not run:
-                return None
+                head = None
+                break
             parts.append(bytes(run.data[: (pos + 1) * self.width]))
             b = run.parent
-        return b"".join(reversed(parts))
+        if head is None:
+            paths = [None] * len(walked)
+        else:  # walked[i]'s path: the head, then the parts of the blocks walked after it, nearest the root first
+            paths, acc = [], head
+            for part in reversed(parts):
+                acc += part
+                paths.append(acc)
+            paths.reverse()
+        if memo is not None:
+            memo.update(zip(walked, paths))
+        return paths[0] if walked else head
 
     def _siblings(self, run: Run) -> dict[bytes, Run]:
         """The dict ``run`` is (or was) linked in: its parent's children at its place, or the roots."""
