@@ -130,7 +130,6 @@ class PrefixCache:
         reaches stands for that holder's tokens up to it; so does the place each holder publishes after."""
         refs = self.blocks.held()
         bs, w = self.block_size, self.blocks.width
-        memo: dict = {}  # the tree's paths, found once for every holder
         for r in holders:
             assert r.num_published <= len(r.blocks), f"request {r.rid}: published beyond its blocks"
             tokens = array("I", r.known_tokens(0, r.num_known)).tobytes()
@@ -140,9 +139,9 @@ class PrefixCache:
                 if not published and refs[b] == 1:
                     continue
                 assert (i + 1) * bs <= r.num_computed, f"request {r.rid}: shared/published block {b} not complete"
-                path = self.blocks.path(b, memo) if published else None
+                path = self.blocks.path(b) if published else None
                 assert path in (None, tokens[: (i + 1) * w]), f"request {r.rid}: block {b}: another prefix"
             run, pos = r.cache_node
             if run is not None and self.blocks.valid(r.cache_node):
-                path = self.blocks.path(run.blocks[pos], memo)
+                path = self.blocks.path(run.blocks[pos])
                 assert path in (None, tokens[: r.num_published * w]), f"request {r.rid}: its tree node"

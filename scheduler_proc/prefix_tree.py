@@ -157,38 +157,19 @@ class PrefixTree(BlockAllocator):
 
     # ---------------------------------------------------------- invariants
 
-    def path(self, block: int, memo: Optional[dict[int, Optional[bytes]]] = None) -> Optional[bytes]:
-        """The token bytes from the root to a published ``block``, or None if a walk cannot reach it.
-
-        ``memo``: paths already found during one check (the tree unchanged since), by block; filled in."""
-        keys, walked, parts, b = self._keys, [], [], block
-        head: Optional[bytes] = b""
+    def path(self, block: int) -> Optional[bytes]:
+        """The token bytes from the root to a published ``block``, or None if a walk cannot reach it."""
+        keys, parts, b = self._keys, [], block
         while b >= 0:
-            if memo is not None and b in memo:
-                head = memo[b]
-                break
-            walked.append(b)
             run = keys[b]
             if run is None:
-                head = None
-                break
+                return None
             pos = run.blocks.index(b)
             if any(keys[x] is not run for x in run.blocks[:pos]) or self._siblings(run).get(run.head) is not run:
-                head = None
-                break
+                return None
             parts.append(bytes(run.data[: (pos + 1) * self.width]))
             b = run.parent
-        if head is None:
-            paths = [None] * len(walked)
-        else:  # walked[i]'s path: the head, then the parts of the blocks walked after it, nearest the root first
-            paths, acc = [], head
-            for part in reversed(parts):
-                acc += part
-                paths.append(acc)
-            paths.reverse()
-        if memo is not None:
-            memo.update(zip(walked, paths))
-        return paths[0] if walked else head
+        return b"".join(reversed(parts))
 
     def _siblings(self, run: Run) -> dict[bytes, Run]:
         """The dict ``run`` is (or was) linked in: its parent's children at its place, or the roots."""
