@@ -28,6 +28,32 @@ sys.path[:0] = [SCRIPTS, os.path.dirname(SCRIPTS)]
 
 
 
+def timed(fn, reps: int, cuda: bool) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls (each waited for: CUDA events on the GPU), after two warm-up
+    calls."""
+    import statistics
+    import time
+
+    import torch
+
+    times = []
+    for i in range(reps + 2):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            t = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            fn()
+            t = time.perf_counter() - t0
+        if i >= 2:
+            times.append(t)
+    return statistics.median(times)
+
+
 def _check(argv: list[str]) -> int:
     """Check and time the Triton kernels on a CUDA GPU.
 
@@ -810,7 +836,6 @@ device time in ``PREFIX.txt``.
     sys.argv = ["bench_kernels.py mixed-step", *argv]
 
     import argparse
-    import statistics
     import time
 
     import torch
@@ -824,26 +849,6 @@ device time in ``PREFIX.txt``.
 
     CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
     BLOCK_SIZE = 16
-
-
-    def timed(fn, reps: int, cuda: bool) -> float:
-        """Median seconds of ``fn`` over ``reps`` calls (each waited for), after two warm-up calls."""
-        times = []
-        for i in range(reps + 2):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                t = start.elapsed_time(end) / 1e3
-            else:
-                t0 = time.perf_counter()
-                fn()
-                t = time.perf_counter() - t0
-            if i >= 2:
-                times.append(t)
-        return statistics.median(times)
 
 
     def step_flops(mcfg, decode: int, context: int, prefill: int, sampled: int) -> float:
@@ -1424,7 +1429,6 @@ The ratios to ``decode`` are the verification's price; speculation pays when a r
     sys.argv = ["bench_kernels.py spec", *argv]
 
     import argparse
-    import statistics
     import time
 
     import torch
@@ -1438,26 +1442,6 @@ The ratios to ``decode`` are the verification's price; speculation pays when a r
 
     CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
     BLOCK_SIZE = 16
-
-
-    def timed(fn, reps: int, cuda: bool) -> float:
-        """Median seconds of ``fn`` over ``reps`` calls, after two warm-up calls."""
-        times = []
-        for i in range(reps + 2):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                t = start.elapsed_time(end) / 1e3
-            else:
-                t0 = time.perf_counter()
-                fn()
-                t = time.perf_counter() - t0
-            if i >= 2:
-                times.append(t)
-        return statistics.median(times)
 
 
     def plan(rows, n: int, prefill: bool, drafts: bool, vocab: int) -> StepPlan:
