@@ -969,7 +969,6 @@ checked bit-exact against the torch reference. ``--sweep`` also times a grid of 
 
     import argparse
     import datetime
-    import statistics
 
     import torch
 
@@ -1005,29 +1004,10 @@ checked bit-exact against the torch reference. ``--sweep`` also times a grid of 
         return item, dev_off, host_off, n * slot, n * item + 16
 
 
-    def timed(fn, reps: int) -> float:
-        """Median seconds of ``fn`` over ``reps`` runs after one warm-up (events on the GPU)."""
-        fn()
-        times = []
-        for _ in range(reps):
-            if DRY:
-                t0 = datetime.datetime.now()
-                fn()
-                times.append((datetime.datetime.now() - t0).total_seconds())
-                continue
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
-
-
     def contiguous_bw(total: int, dev: torch.Tensor, host: torch.Tensor, reps: int) -> dict:
         """GB/s of one big pinned copy in each direction."""
-        d2h = timed(lambda: host[:total].copy_(dev[:total], non_blocking=True), reps)
-        h2d = timed(lambda: dev[:total].copy_(host[:total], non_blocking=True), reps)
+        d2h = timed(lambda: host[:total].copy_(dev[:total], non_blocking=True), reps, not DRY)
+        h2d = timed(lambda: dev[:total].copy_(host[:total], non_blocking=True), reps, not DRY)
         return {"d2h": total / d2h / 1e9, "h2d": total / h2d / 1e9}
 
 
@@ -1050,12 +1030,12 @@ checked bit-exact against the torch reference. ``--sweep`` also times a grid of 
             for s, d in pairs:
                 dst[d:d + item].copy_(src[s:s + item], non_blocking=True)
 
-        loop_s = timed(loop, reps)
+        loop_s = timed(loop, reps, not DRY)
         row = {"item_bytes": item, "layout": lay, "direction": direction, "items": n, "bytes": moved,
                "loop_items": m, "loop_gbps": m * item / loop_s / 1e9, "configs": []}
         for cfg in configs:
             dst.copy_(orig)
-            secs = timed(lambda: copy_items_triton(src, dst, so_d, do_d, item, config=cfg), reps)
+            secs = timed(lambda: copy_items_triton(src, dst, so_d, do_d, item, config=cfg), reps, not DRY)
             ok = torch.equal(dst.to(device), want)
             row["configs"].append({"block": cfg.block, "chunk": cfg.chunk, "num_warps": cfg.num_warps,
                                    "shifted": cfg.shifted, "gbps": moved / secs / 1e9, "bit_exact": ok})
