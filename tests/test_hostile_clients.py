@@ -34,10 +34,20 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = [5, 6, 7]  # token ids: the scripted executor's vocabulary is 1000
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` different free ports (all bound at once: one closed before the next is asked for may come back)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 class Serve:
@@ -80,7 +90,7 @@ class Serve:
 def server(default_model_dir, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("key") / "api_key"
     key_file.write_text(KEY + "\n")
-    port, sdk_port = free_port(), free_port()
+    port, sdk_port = free_ports(2)
     srv = Serve("--load-format", "scripted", "--scripted-step-ms", "10", "--tokenizer", default_model_dir,
                 "--max-num-seqs", "16", "--port", str(port), "--host", "127.0.0.1",
                 "--address", f"tcp://127.0.0.1:{sdk_port}", "--api-key-file", str(key_file),
