@@ -16,6 +16,8 @@ A backend is everything a step launches besides the model's own weights:
   attention input: norm -> q|k|v -> ``rotate_and_store``) and ``project_out``
   (attention's output projection, and the residual stream after it: a :class:`Stream`);
   the ``unfused_*`` functions here are those chains op by op;
+- mixture of experts: ``moe(x, router_logits, w13, w2, top_k, renormalize)`` (routing, then each token's
+  top-k experts weighted and summed: :mod:`kernels.moe_ref`, :mod:`kernels.moe`);
 - LM head and sampler: ``logits(hidden, weight)`` (float32 logits), then
   ``argmax(logits, last_token, slots)`` when every row is greedy (it also writes the
   tokens to ``last_token[slots]``), else ``sample(logits, rows)`` (the caller is
@@ -189,6 +191,13 @@ class Backend(Protocol[PlanT]):
 
     def mlp(self, pre: NormInput, gate_up: tuple, down: tuple) -> Stream:
         """``down(silu_and_mul(gate_up(norm(pre))))`` and the residual stream; (weight, bias) pairs."""
+        ...
+
+    def moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+            renormalize: bool) -> torch.Tensor:
+        """``[T, H]`` in x's dtype: softmax of the router logits in float32, the top-k experts (weights divided by
+        their sum if ``renormalize``), and the sum of their SiLU-gated MLPs (``w13 [E, 2I, H]`` gate|up, ``w2
+        [E, H, I]``) weighted by them (:func:`kernels.moe_ref.route_ref`, :func:`kernels.moe_ref.moe_ref`)."""
         ...
 
     def project_out(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -58,11 +58,17 @@ def _weight_groups(model) -> dict[tuple[int, int], list[torch.Tensor]]:
     """The model's decode-time weights by shape (each group is streamed layer after layer, as in a step)."""
     groups: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(list)
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for w in (attn.qkv.weight, attn.o.weight, mlp.gate_up.weight, mlp.down.weight):
+        for w in (layer.self_attn.qkv.weight, layer.self_attn.o.weight, *_mlp_weights(layer)):
             groups[tuple(w.shape)].append(w)
     groups[tuple(model.lm_head.weight.shape)].append(model.lm_head.weight)
     return groups
+
+
+def _mlp_weights(layer) -> tuple:
+    """A dense layer's (gate|up, down) weights; () for a mixture-of-experts layer (its experts run
+    :mod:`kernels.moe`, not these kernels)."""
+    mlp = layer.mlp
+    return (mlp.gate_up.weight, mlp.down.weight) if getattr(mlp, "gate_up", None) is not None else ()
 
 
 ProgressCallback = Callable[[str, int, int], None]  # (stage, done, total), as the executor reports its load
@@ -160,10 +166,13 @@ def prologue_jobs(backend, model, ms: tuple[int, ...] = (1,), margin: float = 0.
     cfg, layers = model.config, model.model.layers
     groups: dict[tuple[str, int, int], list[torch.Tensor]] = defaultdict(list)
     for layer in layers:
-        qkv, gate_up, down = layer.self_attn.qkv.weight, layer.mlp.gate_up.weight, layer.mlp.down.weight
+        qkv = layer.self_attn.qkv.weight
         if layer.self_attn.q_norm is None:  # q/k norms sit between the matmul and the rotary: no fusion
             groups[("qkv", *qkv.shape)].append(qkv)
             groups[("rope", *qkv.shape)].append(qkv)
+        if not _mlp_weights(layer):
+            continue
+        gate_up, down = _mlp_weights(layer)
         groups[("norm", *gate_up.shape)].append(gate_up)
         groups[("gate_silu", *gate_up.shape)].append(gate_up)
         groups[("silu", *down.shape)].append(down)

@@ -2,9 +2,10 @@
 
 Only the Llama family is supported: Llama, Mistral, Qwen2 and Qwen3 share one
 decoder (RMSNorm, rotary attention with GQA, SiLU-gated MLP) and differ only in
-biases, the Qwen3 per-head q/k norms and the rope variant.  Anything else is
-refused here, naming the field, so that a model never runs with silently wrong
-numerics.
+biases, the Qwen3 per-head q/k norms and the rope variant; their mixture-of-experts
+versions (Qwen2-MoE, Qwen3-MoE, Mixtral) replace the MLP of some or all layers by
+an MoE layer (:mod:`executor_proc.model.moe_config`).  Anything else is refused
+here, naming the field, so that a model never runs with silently wrong numerics.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from executor_proc.model.moe_config import MOE_MODEL_TYPES, MoEConfig, parse_moe
+
 logger = logging.getLogger(__name__)
 
 # HF architecture name -> model_type written back into config.json.
@@ -23,6 +26,9 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 _ARCHITECTURE_BY_MODEL_TYPE = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -61,10 +67,14 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     # Sliding-window attention is not implemented; max_model_len is capped to it instead.
     sliding_window: Optional[int] = None
+    moe: Optional[MoEConfig] = None  # the MoE families' experts (None: every layer a dense MLP)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(_unsupported_architecture(self.architecture))
+        if (self.moe is not None) != (self.model_type in MOE_MODEL_TYPES):
+            raise ValueError(f"{self.architecture} {'needs' if self.moe is None else 'has no'} mixture-of-experts "
+                             f"fields")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -100,7 +110,9 @@ class ModelConfig:
         attention_bias = bool(d.get("attention_bias", False))
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False  # Qwen2 always has q/k/v biases and no o_proj bias
-        elif model_type == "mistral":
+        elif model_type == "qwen2_moe":
+            qkv_bias, o_bias = bool(d.get("qkv_bias", True)), False
+        elif model_type in ("mistral", "mixtral"):
             qkv_bias = o_bias = False
         else:
             qkv_bias = o_bias = attention_bias
@@ -122,10 +134,11 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=model_type == "llama" and bool(d.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             eos_token_ids=_token_ids(d.get("eos_token_id")),
             bos_token_id=d.get("bos_token_id"),
             sliding_window=sliding_window,
+            moe=parse_moe(d, model_type),
         )
 
     @classmethod
@@ -177,12 +190,16 @@ class ModelConfig:
             rope_parameters.update(scaling)
             d["rope_scaling"] = scaling  # transformers 4.x reads this one
         d["rope_parameters"] = rope_parameters
-        if self.model_type in ("llama", "qwen3"):
+        if self.model_type in ("llama", "qwen3", "qwen3_moe"):
             d["attention_bias"] = self.qkv_bias
+        if self.model_type == "qwen2_moe":
+            d["qkv_bias"] = self.qkv_bias
         if self.model_type == "llama":
             d["mlp_bias"] = self.mlp_bias
-        if self.model_type == "mistral":
+        if self.model_type in ("mistral", "mixtral"):
             d["sliding_window"] = self.sliding_window
+        if self.moe is not None:
+            d.update(self.moe.to_hf_fields(self.model_type))
         return d
 
 
@@ -243,13 +260,13 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, Optional[Llama3RopeScaling]]:
 
 def _sliding_window(d: dict[str, Any], model_type: str, max_pos: int) -> Optional[int]:
     window = d.get("sliding_window")
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         layer_types = d.get("layer_types") or []
         uses_window = d.get("use_sliding_window", False) and (
             not layer_types or "sliding_attention" in layer_types
         )
         window = window if uses_window else None
-    elif model_type != "mistral":
+    elif model_type not in ("mistral", "mixtral"):
         window = None
     if window is not None and window < max_pos:
         logger.warning(

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from executor_proc.model.quantization import refuse_moe
 from kernels.fp8 import FP8, Fp8Weight
 
 _SUPPORTED = "compressed-tensors float-quantized or fp8 (per-tensor or per-channel scales)"
@@ -79,6 +80,7 @@ def prepare_fp8(model) -> None:
     """Make ``model``'s layer projections FP8 (values and per-row scales, uninitialised) before the checkpoint's
     tensors are copied in: each fused weight an :class:`Fp8Weight`, its parts' weights views with a
     ``weight_scale`` buffer, as :func:`executor_proc.model.quantization.quantize_model` leaves them."""
+    refuse_moe(model, "an FP8 checkpoint")
     for layer in model.model.layers:
         for fused in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
             w = fused.weight

@@ -24,6 +24,8 @@ from executor_proc.step.batch import ForwardBatch
 from executor_proc.model.kv_cache import KVCache
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.fp8_checkpoint import row_scales
+from executor_proc.model.mlp import MLP, FusedLinear
+from executor_proc.model.moe import MoEBlock, checkpoint_name
 from kernels.fp8 import FP8
 from kernels.reference import rms_norm_ref
 
@@ -108,28 +110,14 @@ class Attention(nn.Module):
         return backend.project_out(out.view(t, self.num_heads * self.head_dim), self.o.weight, self.o.bias, residual)
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias, dtype=dtype)
-        self.up_proj = nn.Linear(h, i, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(i, h, bias=bias, dtype=dtype)
-        self.gate_up: Optional[FusedLinear] = None  # set by CausalLM.fuse_projections
-        self.down: Optional[FusedLinear] = None  # down_proj alone (its weight may become FP8)
-
-    def forward(self, pre: NormInput, backend: Backend) -> Stream:
-        """The MLP output and the residual stream, for the un-normalised input."""
-        return backend.mlp(pre, (self.gate_up.weight, self.gate_up.bias), (self.down.weight, self.down.bias))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, layer_id, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        sparse = config.moe is not None and config.moe.is_sparse(layer_id)
+        self.mlp = MoEBlock(config, dtype) if sparse else MLP(config, dtype)
 
     def forward(self, stream: Stream, step: StepContext) -> Stream:
         """Residual-stream form: the stream after this layer (its MLP output, the residual before it is added).
@@ -151,26 +139,6 @@ class Decoder(nn.Module):
                                          _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-
-class FusedLinear:
-    """Several ``nn.Linear`` of one input as one matmul (or one alone); the originals become views of its weight
-    (``sizes`` splits the fused output back into the projections).  ``weight`` is what the backend receives: a
-    tensor, or an FP8 weight with its scales (:mod:`executor_proc.model.quantization`)."""
-
-    def __init__(self, linears: list[nn.Linear]) -> None:
-        self.linears = linears
-        self.sizes = [lin.out_features for lin in linears]
-        self.weight = torch.cat([lin.weight for lin in linears]) if len(linears) > 1 else linears[0].weight.data
-        has_bias = linears[0].bias is not None
-        self.bias = torch.cat([lin.bias for lin in linears]) if has_bias else None
-        for lin, w, b in zip(linears, self.weight.split(self.sizes), self._bias_parts()):
-            lin.weight = nn.Parameter(w, requires_grad=False)  # frees the separate copy
-            if b is not None:
-                lin.bias = nn.Parameter(b, requires_grad=False)
-
-    def _bias_parts(self) -> list[Optional[torch.Tensor]]:
-        return list(self.bias.split(self.sizes)) if self.bias is not None else [None] * len(self.sizes)
 
 
 class CausalLM(nn.Module):
@@ -202,11 +170,10 @@ class CausalLM(nn.Module):
         """q|k|v and gate|up become one matmul each; the separate linears become views of it (o and down stand
         alone, in the same holder)."""
         for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             attn.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
             attn.o = FusedLinear([attn.o_proj])
-            mlp.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj])
-            mlp.down = FusedLinear([mlp.down_proj])
+            layer.mlp.fuse()
 
     @torch.no_grad()
     def fold_norms(self) -> None:
@@ -214,10 +181,13 @@ class CausalLM(nn.Module):
         weight dtype: the input norm into q|k|v, the post-attention norm into gate|up) and the norms keep
         weights of ones: the same function, and a matmul can then take the un-normalised residual stream and
         scale its sums by the norm's ``rsqrt(mean + eps)`` (:meth:`Backend.project_out`). The final norm
-        stays (the LM head may be the embedding)."""
+        stays (the LM head may be the embedding), and so does an MoE layer's (its router, experts and shared
+        expert all read the normalised input)."""
         for layer in self.model.layers:
-            for norm, linear in ((layer.input_layernorm, layer.self_attn.qkv),
-                                 (layer.post_attention_layernorm, layer.mlp.gate_up)):
+            folds = [(layer.input_layernorm, layer.self_attn.qkv)]
+            if isinstance(layer.mlp, MLP):
+                folds.append((layer.post_attention_layernorm, layer.mlp.gate_up))
+            for norm, linear in folds:
                 linear.weight.copy_((linear.weight.float() * norm.weight.float()[None, :]).to(linear.weight.dtype))
                 norm.weight.fill_(1.0)
 
@@ -258,6 +228,11 @@ class CausalLM(nn.Module):
         ``progress_cb(n_seen)`` is called after each tensor read from ``weights``.  Returns the number copied.
         """
         params = dict(self.named_parameters())  # a tied lm_head is listed once, as embed_tokens
+        for i, layer in enumerate(self.model.layers):  # stacked experts load expert by expert
+            if isinstance(layer.mlp, MoEBlock):
+                prefix = f"model.layers.{i}.mlp."
+                del params[prefix + "w13"], params[prefix + "w2"]
+                params.update(layer.mlp.expert_views(prefix))
         params.update((n, b) for n, b in self.named_buffers() if n.endswith(_SCALE))
         loaded: set[str] = set()
         unexpected: list[str] = []
@@ -265,6 +240,7 @@ class CausalLM(nn.Module):
         for seen, (name, tensor) in enumerate(weights, 1):
             if progress_cb is not None:
                 progress_cb(seen)
+            name = checkpoint_name(name)
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             param = params.get(name)

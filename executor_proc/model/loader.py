@@ -226,6 +226,10 @@ def gguf_config(gguf) -> ModelConfig:
     """
     reader = open_gguf(gguf) if isinstance(gguf, str) else gguf
     arch = _field(reader, "general.architecture")
+    experts = _field(reader, f"{arch}.expert_count")
+    if experts or arch in ("qwen2moe", "qwen3moe"):  # Mixtral's GGUFs say "llama" with an expert count
+        raise ValueError(f"GGUF mixture-of-experts models are not supported ({arch!r}, {arch}.expert_count = "
+                         f"{experts}): serve the Hugging Face safetensors folder instead")
     if arch not in _GGUF_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; forerun supports {', '.join(_GGUF_ARCHITECTURES)}"

@@ -35,6 +35,7 @@ def quantize_model(model) -> int:
     the bytes of weights saved.  Each fused projection's weight becomes an :class:`Fp8Weight` (what the backend
     receives), and its parts' ``nn.Linear`` weights FP8 views of it, each with a ``weight_scale`` buffer, so that
     the model's parameters and buffers count what the device holds."""
+    refuse_moe(model, "quantization 'fp8'")
     saved = 0
     for layer in model.model.layers:
         for fused in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
@@ -52,3 +53,11 @@ def quantize_model(model) -> int:
 def is_quantized(model) -> bool:
     """Whether :func:`quantize_model` ran on ``model``."""
     return isinstance(model.model.layers[0].self_attn.qkv.weight, Fp8Weight)
+
+
+def refuse_moe(model, what: str) -> None:
+    """Raise ValueError for a mixture-of-experts model: FP8 covers the dense projections, not stacked experts."""
+    moe = model.config.moe
+    if moe is not None:
+        raise ValueError(f"{what} does not cover the mixture-of-experts layers of {model.config.architecture} "
+                         f"({moe.num_experts} experts) yet: serve it unquantized")

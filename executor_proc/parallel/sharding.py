@@ -39,6 +39,9 @@ def divides(config: ModelConfig, size: int) -> bool:
 
 def check_divisible(config: ModelConfig, size: int) -> None:
     """Raise ValueError naming the counts ``size`` does not divide and the sizes that would work."""
+    if config.moe is not None and size > 1:
+        raise ValueError(f"tensor_parallel_size {size}: the mixture-of-experts layers of {config.architecture} "
+                         f"({config.moe.num_experts} experts) are not split across ranks yet; use 1")
     if divides(config, size):
         return
     counts = [f"{config.num_heads} attention heads", f"{config.num_kv_heads} KV heads (it must divide them "

@@ -1,0 +1,80 @@
+"""The mixture-of-experts layer that takes the MLP's place in Qwen2-MoE, Qwen3-MoE and Mixtral decoder layers.
+
+Per token: the router (``gate``, a linear in the model dtype) scores the E experts, the backend routes
+(softmax in float32, top-k, renormalised where the config says) and runs the k selected experts'
+SiLU-gated MLPs, summing their outputs weighted by the routing weights (:meth:`Backend.moe`).  Qwen2-MoE
+adds a shared expert on every token, scaled by ``sigmoid(shared_expert_gate(x))``.
+
+The experts' weights are stacked, ``w13 [E, 2I, H]`` (each expert's gate rows, then its up rows) and
+``w2 [E, H, I]``, so that one kernel reaches any expert by index.  Checkpoints keep one tensor per expert
+and projection (``mlp.experts.N.gate_proj.weight``; Mixtral's ``block_sparse_moe.experts.N.w1/w3/w2`` and
+``block_sparse_moe.gate``, renamed by :func:`checkpoint_name`): :meth:`MoEBlock.expert_views` names the
+slices of the stacks they load into.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+from torch import nn
+
+from executor_proc.backends.base import Backend, NormInput, Stream, normed
+from executor_proc.model.config import ModelConfig
+from executor_proc.model.mlp import MLP
+
+_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def checkpoint_name(name: str) -> str:
+    """A checkpoint tensor's name in this model: Mixtral's MoE names become the Qwen-MoE ones (the rest as is)."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m[1]}.{_MIXTRAL_PROJ[m[2]]}.", name)
+    return name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        moe = config.moe
+        h, i, e = config.hidden_size, moe.intermediate_size, moe.num_experts
+        self.num_experts, self.top_k, self.renormalize = e, moe.top_k, moe.renormalize
+        self.intermediate_size = i
+        self.gate = nn.Linear(h, e, bias=False, dtype=dtype)  # the router
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype))
+        self.shared_expert: Optional[MLP] = None
+        self.shared_expert_gate: Optional[nn.Linear] = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = MLP(config, dtype, moe.shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False, dtype=dtype)
+
+    def fuse(self) -> None:
+        """The shared expert's gate|up as one matmul (the routed experts are stacked already)."""
+        if self.shared_expert is not None:
+            self.shared_expert.fuse()
+
+    def forward(self, pre: NormInput, backend: Backend) -> Stream:
+        """The layer's output and the residual stream, for the un-normalised input."""
+        h, residual = normed(backend, pre)
+        router_logits = backend.linear(h, self.gate.weight, None)
+        out = backend.moe(h, router_logits, self.w13, self.w2, self.top_k, self.renormalize)
+        if self.shared_expert is not None:
+            scale = torch.sigmoid(backend.linear(h, self.shared_expert_gate.weight, None))
+            out = out + scale * self.shared_expert.normed_forward(h, backend)
+        return Stream(out, residual)
+
+    def expert_views(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> the slice of ``w13`` / ``w2`` it loads into, for every expert (``prefix``: this
+        block's name with its trailing dot, e.g. ``model.layers.3.mlp.``)."""
+        i = self.intermediate_size
+        views = {}
+        for e in range(self.num_experts):
+            at = f"{prefix}experts.{e}."
+            views[at + "gate_proj.weight"] = self.w13.data[e, :i]
+            views[at + "up_proj.weight"] = self.w13.data[e, i:]
+            views[at + "down_proj.weight"] = self.w2.data[e]
+        return views
