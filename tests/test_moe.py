@@ -1,0 +1,363 @@
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral) against HF transformers,
+the routing by hand, and the fused MoE kernels (Triton's interpreter on the CPU) against the torch reference.
+
+Kept small: every test here runs on the CPU in a few seconds altogether.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import transformers
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from executor_proc.backends.torch_backend import TorchBackend  # noqa: E402
+from executor_proc.backends.triton_backend import TritonBackend  # noqa: E402
+from executor_proc.model.config import ModelConfig  # noqa: E402
+from executor_proc.model.llama import CausalLM  # noqa: E402
+from executor_proc.model.loader import load_model  # noqa: E402
+from executor_proc.model.moe import MoEBlock, checkpoint_name  # noqa: E402
+from kernels.moe import MoEConfig, align_by_expert, fused_moe_grouped, fused_moe_small  # noqa: E402
+from kernels.moe_ref import moe_ref, route_ref  # noqa: E402
+from tests.test_model_parity import RTOL, SHAPE, VOCAB, PagedRun, hf_logits, random_tokens, rel_err  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+FAMILIES = {
+    # layer 1 dense (mlp_only_layers): a model of MoE and MLP layers
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(MOE, num_experts=4, norm_topk_prob=True, mlp_only_layers=[1], head_dim=32)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                  dict(MOE, num_experts=4, norm_topk_prob=False, shared_expert_intermediate_size=48)),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """name -> (name, HF model, our model, our config, folder): random weights saved as safetensors, read back
+    (each family built once per module)."""
+    cache = {}
+
+    def build(name: str):
+        if name not in cache:
+            config_cls, model_cls, extra = FAMILIES[name]
+            torch.manual_seed(0)
+            hf = model_cls(config_cls(**(SHAPE | extra))).float().eval()
+            with torch.no_grad():
+                for param_name, p in hf.named_parameters():
+                    if "norm" in param_name:
+                        p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                    else:
+                        p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+            folder = tmp_path_factory.mktemp(name)
+            hf.save_pretrained(folder)
+            model, config = load_model(str(folder), "hf", "cpu", torch.float32)
+            cache[name] = (name, hf, model, config, str(folder))
+        return cache[name]
+
+    return build
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, built):
+    return built(request.param)[:4]
+
+
+def test_logits_match_hf(family):
+    """A prefill step of three rows, then a decode step: every token's logits within 1e-4 of HF's."""
+    name, hf, model, config = family
+    assert config.moe is not None and config.moe.num_experts == 4 and config.moe.top_k == 2
+    sparse = [isinstance(layer.mlp, MoEBlock) for layer in model.model.layers]
+    assert sparse == ([True, False] if name == "qwen3_moe" else [True, True])
+    assert (model.model.layers[0].mlp.shared_expert is not None) == (name == "qwen2_moe")
+    prompts = {0: random_tokens(7, 1), 1: random_tokens(1, 2), 2: random_tokens(12, 3)}
+    run = PagedRun(model, config, num_rows=3, block_size=4, max_len=16)
+    first = run.step(prompts)
+    second = run.step({r: random_tokens(1, 20 + r) for r in prompts})
+    for r in prompts:
+        assert rel_err(torch.cat([first[r], second[r]]), hf_logits(hf, run.tokens[r])) < RTOL
+    assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
+
+
+class FusedMoETorchBackend(TorchBackend):
+    """The torch backend with the Triton backend's MoE op (the fused kernels): the rest stays torch."""
+
+    moe = staticmethod(TritonBackend.moe)
+
+
+def test_fused_kernels_in_the_model_match_hf(built):
+    """The Triton MoE op in the model (Qwen2-MoE: routed and shared experts): 21 tokens (42 pairs: grouped by
+    expert), then 3 (the per-pair form)."""
+    _, hf, model, config, _ = built("qwen2_moe")
+    model.use_backend(FusedMoETorchBackend(model.rope_inv_freq))
+    try:
+        prompts = {0: random_tokens(7, 4), 1: random_tokens(12, 5), 2: random_tokens(2, 6)}
+        run = PagedRun(model, config, num_rows=3, block_size=4, max_len=16)
+        first = run.step(prompts)
+        second = run.step({r: random_tokens(1, 30 + r) for r in prompts})
+    finally:
+        model.use_backend(TorchBackend(model.rope_inv_freq))
+    for r in prompts:
+        assert rel_err(torch.cat([first[r], second[r]]), hf_logits(hf, run.tokens[r])) < RTOL
+
+
+# --------------------------------------------------------------------------- routing by hand
+
+PLANTED_PROBS = torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.05, 0.05, 0.6, 0.3], [0.25, 0.25, 0.25, 0.25]])
+
+
+def test_planted_routing():
+    """Router logits ``log p`` give softmax ``p``: the top-2 experts and their weights are read off ``p``."""
+    logits = PLANTED_PROBS.log()
+    weights, ids = route_ref(logits, 2, renormalize=False)
+    assert ids[:2].tolist() == [[1, 3], [2, 3]]
+    assert torch.allclose(weights[:2], torch.tensor([[0.4, 0.3], [0.6, 0.3]]), atol=1e-6)
+    weights, ids = route_ref(logits, 2, renormalize=True)  # norm_topk_prob, Mixtral
+    assert torch.allclose(weights[:2], torch.tensor([[4 / 7, 3 / 7], [2 / 3, 1 / 3]]), atol=1e-6)
+    assert torch.allclose(weights[2], torch.tensor([0.5, 0.5])) and len(set(ids[2].tolist())) == 2
+    # the router's logits come in the model dtype; the softmax is float32 whatever they are
+    w16, ids16 = route_ref(logits.to(torch.bfloat16), 2, renormalize=True)
+    assert w16.dtype == torch.float32 and ids16[:2].tolist() == [[1, 3], [2, 3]]
+
+
+def test_planted_experts_weighted_sum():
+    """Expert e computes ``silu(g_e x) * (u_e x)`` then ``d_e``; each token's output is its two experts' outputs
+    times the planted weights, on the torch reference and the fused kernels' both forms."""
+    g = torch.Generator().manual_seed(3)
+    E, H, I = 4, 16, 16
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) / 4, torch.randn(E, H, I, generator=g) / 4
+    x = torch.randn(3, H, generator=g)
+    weights, ids = route_ref(PLANTED_PROBS.log(), 2, renormalize=True)
+
+    def expert(e: int, v: torch.Tensor) -> torch.Tensor:
+        gate, up = w13[e, :I] @ v, w13[e, I:] @ v
+        return w2[e] @ (gate * torch.sigmoid(gate) * up)
+
+    want = torch.stack([4 / 7 * expert(1, x[0]) + 3 / 7 * expert(3, x[0]),
+                        2 / 3 * expert(2, x[1]) + 1 / 3 * expert(3, x[1]),
+                        0.5 * expert(ids[2, 0].item(), x[2]) + 0.5 * expert(ids[2, 1].item(), x[2])])
+    for out in (moe_ref(x, w13, w2, weights, ids), fused_moe_small(x, w13, w2, weights, ids),
+                fused_moe_grouped(x, w13, w2, weights, ids, MoEConfig(16, 16, 16))):
+        assert torch.allclose(out, want, atol=1e-5), (out - want).abs().max()
+
+
+# --------------------------------------------------------------------------- the kernels (interpreter on the CPU)
+
+
+def test_align_by_expert_groups_and_pads():
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2]])  # pairs 0..5 = (token, slot) in order
+    pairs, block_expert = align_by_expert(ids, num_experts=5, block_m=4)
+    pad = 6
+    assert pairs.tolist()[:12] == [1, 4, pad, pad, 0, 2, 5, pad, 3, pad, pad, pad]
+    assert block_expert.tolist() == [0, 2, 3, 5, 5, 5]  # blocks past the last group: expert id E
+    # sized from the shapes alone: 6 pairs + up to 3 of padding for each of (at most) 5 experts, in blocks of 4
+    assert pairs.shape[0] == 6 * 4 and (pairs[12:] == pad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_fused_moe_matches_reference(tokens, dtype):
+    """Both forms at 1, 7 and 64 tokens, 6 experts of top-3 (an expert at 1 token used by no pair), against
+    the torch reference; float32 exactly up to summation order, bfloat16 within rounding."""
+    g = torch.Generator().manual_seed(tokens)
+    E, H, I, k = 6, 48, 40, 3  # H, I not multiples of the blocks: masked edges
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype).to(DEV)
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype).to(DEV)
+    x = torch.randn(tokens, H, generator=g).to(dtype).to(DEV)
+    weights, ids = route_ref(torch.randn(tokens, E, generator=g).to(DEV), k, renormalize=dtype == torch.float32)
+    want = moe_ref(x, w13, w2, weights, ids).double()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    forms = [lambda: fused_moe_grouped(x, w13, w2, weights, ids, MoEConfig(16, 32, 32))]
+    if tokens < 64 or dtype == torch.float32:  # the per-pair form's 192 programs are slow in the interpreter
+        forms.append(lambda: fused_moe_small(x, w13, w2, weights, ids, MoEConfig(16, 64, 32)))
+    for form in forms:
+        out = form()
+        assert out.dtype == dtype and out.shape == (tokens, H)
+        assert rel_err(out.double(), want) < tol
+
+
+def test_triton_backend_moe_picks_a_form_by_size():
+    """``TritonBackend.moe`` routes and runs the fused op: 4 tokens x top-2 (per pair) and 40 tokens (grouped)."""
+    g = torch.Generator().manual_seed(1)
+    E, H, I = 4, 32, 16
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) / 6, torch.randn(E, H, I, generator=g) / 4
+    for tokens in (4, 40):
+        x, logits = torch.randn(tokens, H, generator=g), torch.randn(tokens, E, generator=g)
+        ours = TritonBackend.moe(x.to(DEV), logits.to(DEV), w13.to(DEV), w2.to(DEV), 2, True).cpu()
+        assert rel_err(ours, TorchBackend.moe(x, logits, w13, w2, 2, True)) < 1e-5
+
+
+def test_long_steps_run_in_chunks(monkeypatch):
+    """Past CHUNK_TOKENS tokens the op runs chunk by chunk (here 16, 16, 8 tokens: two grouped, one per-pair)."""
+    import kernels.moe as moe
+
+    monkeypatch.setattr(moe, "CHUNK_TOKENS", 16)
+    g = torch.Generator().manual_seed(2)
+    E, H, I, k = 4, 32, 16, 3
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) / 6, torch.randn(E, H, I, generator=g) / 4
+    x = torch.randn(40, H, generator=g)
+    weights, ids = route_ref(torch.randn(40, E, generator=g), k, False)
+    ours = moe.fused_moe(x.to(DEV), w13.to(DEV), w2.to(DEV), weights.to(DEV), ids.to(DEV)).cpu()
+    assert rel_err(ours, moe_ref(x, w13, w2, weights, ids)) < 1e-5
+
+
+# --------------------------------------------------------------------------- configs, names, errors
+
+REAL_CONFIGS = {  # folder: (architecture, experts, top-k, renormalised, shared expert, total parameters)
+    "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", 128, 8, True, 0, 30.53e9),
+    "qwen1.5-moe-a2.7b": ("Qwen2MoeForCausalLM", 60, 4, False, 5632, 14.32e9),
+    "mixtral-8x7b": ("MixtralForCausalLM", 8, 2, True, 0, 46.70e9),
+}
+
+
+@pytest.mark.parametrize("folder", list(REAL_CONFIGS))
+def test_real_configs_parse_and_count_their_parameters(folder):
+    """The shipped configs of the real models parse, and a model built on the meta device (no memory) holds
+    the published parameter count (within 0.5%): every expert, shared expert and router has its shape."""
+    arch, experts, top_k, renorm, shared, total = REAL_CONFIGS[folder]
+    config = ModelConfig.from_pretrained(os.path.join(ROOT, "scripts", "configs", folder))
+    moe = config.moe
+    assert (config.architecture, moe.num_experts, moe.top_k, moe.renormalize) == (arch, experts, top_k, renorm)
+    assert moe.shared_intermediate_size == shared
+    with torch.device("meta"):
+        model = CausalLM(config, torch.bfloat16)
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count - total) / total < 5e-3, count
+
+
+def test_dummy_weights_of_each_family(tmp_path):
+    """``--load-format dummy``: every family's stacked experts, routers and shared expert drawn, logits finite."""
+    for name, (config_cls, _, extra) in FAMILIES.items():
+        folder = tmp_path / name
+        hf_config = config_cls(**(SHAPE | extra))
+        hf_config.architectures = [FAMILIES[name][1].__name__]
+        hf_config.save_pretrained(folder)
+        model, config = load_model(str(folder), "dummy", "cpu", "float32")
+        block = model.model.layers[0].mlp
+        assert block.w13.std() > 0.01 and block.w2.std() > 0.01 and block.gate.weight.std() > 0.01
+        logits = PagedRun(model, config, num_rows=1, block_size=4, max_len=8).step({0: random_tokens(8, 0)})[0]
+        assert logits.shape == (8, VOCAB) and torch.isfinite(logits).all()
+
+
+def test_mixtral_names_map_to_the_stacked_experts():
+    assert checkpoint_name("model.layers.3.block_sparse_moe.experts.7.w1.weight") == \
+        "model.layers.3.mlp.experts.7.gate_proj.weight"
+    assert checkpoint_name("model.layers.3.block_sparse_moe.experts.7.w3.weight") == \
+        "model.layers.3.mlp.experts.7.up_proj.weight"
+    assert checkpoint_name("model.layers.0.block_sparse_moe.experts.12.w2.weight") == \
+        "model.layers.0.mlp.experts.12.down_proj.weight"
+    assert checkpoint_name("model.layers.0.block_sparse_moe.gate.weight") == "model.layers.0.mlp.gate.weight"
+    assert checkpoint_name("model.layers.0.mlp.gate_proj.weight") == "model.layers.0.mlp.gate_proj.weight"
+
+
+def test_missing_expert_is_named():
+    config = ModelConfig.from_hf_dict({"architectures": ["Qwen3MoeForCausalLM"], **SHAPE, **MOE, "num_experts": 4})
+    model = CausalLM(config)
+    model.fuse_projections()
+    views = model.model.layers[1].mlp.expert_views("model.layers.1.mlp.")
+    weights = [(n, torch.zeros(p.shape)) for n, p in model.named_parameters() if not n.endswith(("w13", "w2"))]
+    weights += [(n, torch.zeros(v.shape)) for n, v in views.items() if ".experts.2.up_proj" not in n]
+    with pytest.raises(ValueError, match=r"missing \d+ weights: .*model\.layers\.0\.mlp\.experts\.0\.down_proj"):
+        model.load_weights(weights)  # layer 0's experts absent, and layer 1's expert 2 up_proj
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight"):
+        model.load_weights(weights + [(n, torch.zeros(v.shape)) for n, v in
+                                      model.model.layers[0].mlp.expert_views("model.layers.0.mlp.").items()])
+
+
+BASE = {"architectures": ["Qwen2MoeForCausalLM"], **SHAPE, **MOE, "num_experts": 4,
+        "shared_expert_intermediate_size": 48}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_experts": None}, "'num_experts'"),
+    ({"num_experts": 0}, "'num_experts' must be a positive integer"),
+    ({"num_experts_per_tok": 5}, r"num_experts_per_tok \(5\) is more than the model's 4 experts"),
+    ({"moe_intermediate_size": None}, "'moe_intermediate_size'"),
+    ({"shared_expert_intermediate_size": 0}, "'shared_expert_intermediate_size'"),
+    ({"decoder_sparse_step": 0}, "'decoder_sparse_step'"),
+    ({"norm_topk_prob": "yes"}, "'norm_topk_prob' must be true or false"),
+    ({"mlp_only_layers": "1"}, "'mlp_only_layers' must be a list"),
+    ({"architectures": ["MixtralForCausalLM"], "num_experts": None}, "'num_local_experts'"),
+])
+def test_config_errors_name_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(BASE | change)
+
+
+def test_unsupported_paths_say_so(tmp_path, monkeypatch):
+    """Tensor parallelism, FP8 and GGUF stop with a clear error for an MoE model (not a crash mid-load)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from executor_proc.model.loader import gguf_config
+    from executor_proc.model.quantization import quantize_model
+    from executor_proc.parallel.sharding import check_divisible
+
+    config = ModelConfig.from_hf_dict(BASE)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2: the mixture-of-experts layers .*\(4 experts\)"):
+        check_divisible(config, 2)
+    check_divisible(config, 1)
+    model = CausalLM(config)
+    model.fuse_projections()
+    with pytest.raises(ValueError, match=r"quantization 'fp8' does not cover the mixture-of-experts layers"):
+        quantize_model(model)
+    path = str(tmp_path / "mixtral.gguf")
+    w = GGUFWriter(path, "llama")  # Mixtral's GGUFs: the llama architecture with an expert count
+    w.add_block_count(2)
+    w.add_expert_count(8)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"GGUF mixture-of-experts models are not supported .*expert_count = 8"):
+        gguf_config(path)
+
+
+def test_sparse_step_and_dense_layers():
+    config = ModelConfig.from_hf_dict(BASE | {"num_hidden_layers": 6, "decoder_sparse_step": 2,
+                                              "mlp_only_layers": [3]})
+    assert [config.moe.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
+
+
+# --------------------------------------------------------------------------- a real server
+
+
+def test_server_greedy_tokens_match_hf(built):
+    """``forerun serve`` on the tiny Mixtral (CPU, float32): greedy tokens of two prompts as HF generates them."""
+    import asyncio
+    import shutil
+    import tempfile
+
+    from ipc.client import AsyncClient
+    from tests.server_proc import ServerProcess
+
+    _, hf, _, _, folder = built("mixtral")
+    prompts = [random_tokens(6, 40), random_tokens(9, 41)]
+    want = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+            want.append(out[0, len(ids):].tolist())
+    tmp = tempfile.mkdtemp(prefix="fr", dir="/tmp")  # short: ipc paths are limited to 107 bytes
+    srv = ServerProcess("--model", folder, "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "4",
+                        "--num-kv-blocks", "32", "--block-size", "4", tmpdir=tmp, timeout=120)
+    try:
+        async def run():
+            async with AsyncClient(srv.address, timeout=60) as c:
+                return await asyncio.gather(*[c.generate(prompt_token_ids=ids, max_tokens=8, temperature=0.0,
+                                                         detokenize=False, ignore_eos=True) for ids in prompts])
+        got = asyncio.run(run())
+    finally:
+        srv.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert [r.token_ids for r in got] == want
