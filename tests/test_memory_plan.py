@@ -102,6 +102,8 @@ def test_serve_refuses_a_context_the_kv_budget_cannot_hold(tmp_path):
 def test_prompt_logprobs_in_slices_equal_one_pass(monkeypatch):
     """The eager step's prompt logprobs, computed LOGITS_ROWS positions at a time (so that a full token budget's
     logits never sit in memory at once), equal one pass over every position, saved logits included."""
+    import weakref
+
     import torch
 
     from executor_proc.backends.torch_backend import TorchBackend
@@ -114,14 +116,22 @@ def test_prompt_logprobs_in_slices_equal_one_pass(monkeypatch):
     targets, nums = torch.randint(0, vocab, (m,)), torch.full((m,), 4, dtype=torch.int32)
     plan = PromptLogprobPlan(pieces=[("saved", 3), ("extra", 0, 9), ("extra", 9, 13)], saves=[(5, 40, 22)],
                              targets=targets.tolist())
-    calls = []
+    calls, live = [], [0, 0]  # rows of logits alive now, and the most alive at once
+
+    def logits(a: int, b: int) -> torch.Tensor:
+        calls.append(b - a)
+        out = extra[a:b].clone()
+        live[0] += b - a
+        live[1] = max(live)
+        weakref.finalize(out, lambda n=b - a: live.__setitem__(0, live[0] - n))
+        return out
 
     def run(rows: int):
         monkeypatch.setattr(pl_mod, "LOGITS_ROWS", rows)
+        live[:] = [0, 0]
         saved = SavedLogits()
         saved.by_slot[3] = (7, torch.randn(vocab, generator=torch.Generator().manual_seed(1)))
-        out = compute_prompt_logprobs(TorchBackend, lambda a, b: calls.append(b - a) or extra[a:b], plan, saved,
-                                      targets, nums)
+        out = compute_prompt_logprobs(TorchBackend, logits, plan, saved, targets, nums)
         return out, saved.by_slot[5]
 
     (ids, lps), kept = run(1024)
@@ -130,6 +140,9 @@ def test_prompt_logprobs_in_slices_equal_one_pass(monkeypatch):
         (ids2, lps2), kept2 = run(rows)
         assert torch.equal(ids, ids2) and torch.equal(lps, lps2) and torch.equal(kept[1], kept2[1])
         assert max(calls) <= rows and kept2[0] == 40
+        # a group is flushed once it holds `rows` positions: never a whole piece's logits at once (the kept
+        # last logits of the chunk and the saved row of slot 3 aside)
+        assert live[1] <= 2 * rows + 1, (rows, live)
     assert ids.shape == (m, 21)
 
 

@@ -140,11 +140,11 @@ def compute_prompt_logprobs(backend, extra_logits: Callable[[int, int], torch.Te
         rows = 0
         for piece in pl.pieces:
             if piece[0] == "saved":
-                parts = [saved.by_slot[piece[1]][1][None]]
-            else:
+                parts = iter([saved.by_slot[piece[1]][1][None]])
+            else:  # lazily: a slice's logits are computed once the group before it is flushed
                 start, count = piece[1], piece[2]
-                parts = [extra_logits(a, min(a + LOGITS_ROWS, start + count))
-                         for a in range(start, start + count, LOGITS_ROWS)]
+                parts = (extra_logits(a, min(a + LOGITS_ROWS, start + count))
+                         for a in range(start, start + count, LOGITS_ROWS))
             for part in parts:
                 group.append(part)
                 rows += len(part)
