@@ -211,17 +211,21 @@ def run_cell(model: str, seqs: int, tokens: int, args: argparse.Namespace) -> di
 
 
 def wait_for_free_device(device: str, timeout_s: float = 60.0) -> None:
-    """Until the stopped server's executor has let go of the GPU (it dies with the scheduler, a moment later)."""
+    """Until the stopped server's executors have let go of their GPUs (they die with the scheduler, a moment
+    later): the GPUs ``CUDA_VISIBLE_DEVICES`` names (all of them when it is unset), so that two matrices can run
+    side by side on two GPUs of one machine."""
     if not device.startswith("cuda"):
         return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").replace(" ", "")
+    ids = ["--id=" + visible] if visible and all(x.isdigit() for x in visible.split(",")) else []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            out = subprocess.run(["nvidia-smi", *ids, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True, timeout=10).stdout.split()
         except (OSError, subprocess.TimeoutExpired):
             return
-        if not out or int(out[0]) < 1024:
+        if not out or all(int(x) < 1024 for x in out):
             return
         time.sleep(0.5)
 
