@@ -6,6 +6,7 @@ Kept small: every test here runs on the CPU in a few seconds altogether.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 
@@ -87,10 +88,26 @@ def test_logits_match_hf(family):
     assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
 
 
+def test_folded_norms_match_hf(family):
+    """``fold_norms`` (as the CUDA path runs it) folds the input norms and the dense layers' post-attention
+    norms; an MoE layer keeps its own (router, experts and shared expert all read the normalised input)."""
+    _, hf, model, config = family
+    folded = copy.deepcopy(model)
+    folded.fold_norms()
+    for layer in folded.model.layers:
+        assert torch.all(layer.input_layernorm.weight == 1)
+        assert torch.all(layer.post_attention_layernorm.weight == 1) != isinstance(layer.mlp, MoEBlock)
+    prompts = {0: random_tokens(9, 7), 1: random_tokens(4, 8)}
+    out = PagedRun(folded, config, num_rows=2, block_size=4, max_len=12).step(prompts)
+    for r, toks in prompts.items():
+        assert rel_err(out[r], hf_logits(hf, toks)) < RTOL
+
+
 class FusedMoETorchBackend(TorchBackend):
     """The torch backend with the Triton backend's MoE op (the fused kernels): the rest stays torch."""
 
-    moe = staticmethod(TritonBackend.moe)
+    batch_invariant = False
+    moe = TritonBackend.moe
 
 
 def test_fused_kernels_in_the_model_match_hf(built):
@@ -185,14 +202,23 @@ def test_fused_moe_matches_reference(tokens, dtype):
 
 
 def test_triton_backend_moe_picks_a_form_by_size():
-    """``TritonBackend.moe`` routes and runs the fused op: 4 tokens x top-2 (per pair) and 40 tokens (grouped)."""
+    """``TritonBackend.moe`` routes and runs the fused op: 4 tokens x top-2 (per pair) and 40 tokens (grouped);
+    batch-invariant, the per-pair form at 40 too."""
     g = torch.Generator().manual_seed(1)
     E, H, I = 4, 32, 16
     w13, w2 = torch.randn(E, 2 * I, H, generator=g) / 6, torch.randn(E, H, I, generator=g) / 4
+    w13, w2 = w13.to(DEV), w2.to(DEV)
+    x, logits = torch.randn(40, H, generator=g).to(DEV), torch.randn(40, E, generator=g).to(DEV)
+    default, invariant = FusedMoETorchBackend(torch.ones(1)), FusedMoETorchBackend(torch.ones(1))
+    invariant.batch_invariant = True
     for tokens in (4, 40):
-        x, logits = torch.randn(tokens, H, generator=g), torch.randn(tokens, E, generator=g)
-        ours = TritonBackend.moe(x.to(DEV), logits.to(DEV), w13.to(DEV), w2.to(DEV), 2, True).cpu()
-        assert rel_err(ours, TorchBackend.moe(x, logits, w13, w2, 2, True)) < 1e-5
+        ours = default.moe(x[:tokens], logits[:tokens], w13, w2, 2, True).cpu()
+        want = TorchBackend.moe(x[:tokens].cpu(), logits[:tokens].cpu(), w13.cpu(), w2.cpu(), 2, True)
+        assert rel_err(ours, want) < 1e-5
+    # batch-invariant: a token's output is the same bits alone and among 40 (the per-pair form at every size)
+    alone, among = invariant.moe(x[:1], logits[:1], w13, w2, 2, True), invariant.moe(x, logits, w13, w2, 2, True)
+    assert torch.equal(alone[0], among[0]) and rel_err(among.cpu(), TorchBackend.moe(
+        x.cpu(), logits.cpu(), w13.cpu(), w2.cpu(), 2, True)) < 1e-5
 
 
 def test_long_steps_run_in_chunks(monkeypatch):

@@ -37,7 +37,8 @@ fused kernels on their e4m3 values (widened in registers, the per-channel scales
 the number of rows) and decode attention always uses ``INVARIANT_ATTENTION_SPLITS``, so a row's
 result does not depend on the rows beside it.  ``moe`` routes with torch ops
 (:func:`kernels.moe_ref.route_ref`) and runs :func:`kernels.moe.fused_moe`: per (token, expert) pair
-up to a few dozen pairs, a grouped GEMM over the experts' blocks above.  The sampler is
+up to a few dozen pairs (at every size when batch-invariant), a grouped GEMM over the experts' blocks
+above.  The sampler is
 :func:`kernels.sampling.sample`; penalties and logprobs are :mod:`kernels.penalties` and :mod:`kernels.logprobs`.
 """
 
@@ -65,7 +66,7 @@ from kernels.kv_write import rope_cos_sin_cache, rope_kv_write
 from kernels.logprobs import token_logprobs
 from kernels.matmul import MatmulConfig, choose_config, invariant_matmul
 from kernels.matmul_fp8 import Fp8MatmulConfig, w8a8_linear
-from kernels.moe import fused_moe
+from kernels.moe import fused_moe, fused_moe_small
 from kernels.moe_ref import route_ref
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.penalties import PenaltyTables, apply_penalties, count_sampled
@@ -309,10 +310,14 @@ class TritonBackend:
         h, sumsq = skinny.gemv_residual(x, weight, bias, residual, config=config)
         return Stream(h, sumsq=sumsq)
 
-    @staticmethod
-    def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+    def moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
             renormalize: bool) -> torch.Tensor:
-        return fused_moe(x.contiguous(), w13, w2, *route_ref(router_logits, top_k, renormalize))
+        """Batch-invariant: the per-pair form at every size (each pair and each token's sum computed alone, in
+        one order, whatever else the step holds)."""
+        weights, ids = route_ref(router_logits, top_k, renormalize)
+        if self.batch_invariant:
+            return fused_moe_small(x.contiguous(), w13, w2, weights, ids)
+        return fused_moe(x.contiguous(), w13, w2, weights, ids)
 
     def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         config = self._fused_config("silu", gate_up, weight)
