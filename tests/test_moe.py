@@ -110,6 +110,7 @@ class FusedMoETorchBackend(TorchBackend):
     moe = TritonBackend.moe
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU model's kernels need the interpreter")
 def test_fused_kernels_in_the_model_match_hf(built):
     """The Triton MoE op in the model (Qwen2-MoE: routed and shared experts): 21 tokens (42 pairs: grouped by
     expert), then 3 (the per-pair form)."""
@@ -161,9 +162,10 @@ def test_planted_experts_weighted_sum():
     want = torch.stack([4 / 7 * expert(1, x[0]) + 3 / 7 * expert(3, x[0]),
                         2 / 3 * expert(2, x[1]) + 1 / 3 * expert(3, x[1]),
                         0.5 * expert(ids[2, 0].item(), x[2]) + 0.5 * expert(ids[2, 1].item(), x[2])])
-    for out in (moe_ref(x, w13, w2, weights, ids), fused_moe_small(x, w13, w2, weights, ids),
-                fused_moe_grouped(x, w13, w2, weights, ids, MoEConfig(16, 16, 16))):
-        assert torch.allclose(out, want, atol=1e-5), (out - want).abs().max()
+    on_dev = [t.to(DEV) for t in (x, w13, w2, weights, ids)]
+    for out in (moe_ref(x, w13, w2, weights, ids), fused_moe_small(*on_dev),
+                fused_moe_grouped(*on_dev, MoEConfig(16, 16, 16))):
+        assert torch.allclose(out.cpu(), want, atol=1e-5), (out.cpu() - want).abs().max()
 
 
 # --------------------------------------------------------------------------- the kernels (interpreter on the CPU)
@@ -219,6 +221,35 @@ def test_triton_backend_moe_picks_a_form_by_size():
     alone, among = invariant.moe(x[:1], logits[:1], w13, w2, 2, True), invariant.moe(x, logits, w13, w2, 2, True)
     assert torch.equal(alone[0], among[0]) and rel_err(among.cpu(), TorchBackend.moe(
         x.cpu(), logits.cpu(), w13.cpu(), w2.cpu(), 2, True)) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("tokens", [3, 96])
+def test_fused_moe_no_sync_and_cuda_graph(tokens):
+    """Routing and both forms (3 tokens x top-8: 24 pairs, per pair; 96 tokens: grouped) read nothing back to
+    the host, and one captured graph replays new inputs and new routings correctly."""
+    g = torch.Generator().manual_seed(tokens)
+    E, H, I, k = 64, 256, 128, 8
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16().to(DEV)
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16().to(DEV)
+    x = torch.randn(tokens, H, generator=g).bfloat16().to(DEV)
+    logits = torch.randn(tokens, E, generator=g).to(DEV)
+    backend = FusedMoETorchBackend(torch.ones(1))
+    backend.moe(x, logits, w13, w2, k, True)  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.moe(x, logits, w13, w2, k, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.moe(x, logits, w13, w2, k, True)
+    for _ in range(2):
+        x.copy_(torch.randn(tokens, H, generator=g).bfloat16())
+        logits.copy_(torch.randn(tokens, E, generator=g) * 4)
+        graph.replay()
+        assert rel_err(out.float(), TorchBackend.moe(x, logits, w13, w2, k, True).float()) < 1e-2
 
 
 def test_long_steps_run_in_chunks(monkeypatch):
