@@ -20,7 +20,8 @@ from typing import Callable, Optional
 import torch
 
 from executor_proc.backends.select import graph_max_batch, mixed_max_tokens, select_backend
-from executor_proc.memory_plan import MemoryPlan, MemoryPlanError, check_fits, gc_threshold, plan_memory
+from executor_proc.memory_plan import (MemoryPlan, MemoryPlanError, allocator_cap, check_fits, gc_threshold,
+                                      plan_memory)
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.kv_cache import KVCache, kv_cache_bytes_per_block
 from executor_proc.model.kv_scales import calibrate_kv_scales
@@ -181,15 +182,16 @@ def cap_allocator(worker: Worker, plan: MemoryPlan) -> None:
 
     The allocator keeps the blocks a step frees cached for later steps, and a request that no cached block fits
     gets a new segment while the device has any memory left: with steps of varied shapes its reserved memory grew
-    past the plan until the device was nearly full (1.1 GiB free at 1,024 slots and 16,384 tokens, on both
-    shapes).  Its garbage collection, at a threshold of the plan's share of the device, gives whole cached
-    segments back before it asks the device for more.  A soft cap: live memory beyond the plan would still be
-    served.  A collection cannot give memory back inside a capture: a graph captured while serving empties the
-    cache after its warm-up, before the capture.
+    past the plan (by 0.2-1.2 GiB on an H200 with live memory inside it).  Two limits hold it: its garbage
+    collection, at the plan's parts, gives old cached segments back before it asks the device for more; and its
+    memory fraction, at :func:`executor_proc.memory_plan.allocator_cap`, makes it give back every cached segment
+    and try again before it would go past the budget.  A collection cannot give memory back inside a capture: a
+    graph captured while serving empties the cache after its warm-up, before the capture.
     """
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return
-    torch.cuda.set_per_process_memory_fraction(1.0, worker.device)  # the threshold is a fraction of this
+    # the garbage collection's threshold is a fraction of this
+    torch.cuda.set_per_process_memory_fraction(min(1.0, allocator_cap(plan) / plan.total), worker.device)
     settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     settings(f"garbage_collection_threshold:{gc_threshold(plan):.6f}")
     worker.capturer.empty_cache_before_capture = True

@@ -11,7 +11,8 @@ the full budget (the eager path), logprobs and penalties as the batch drains (la
 sampling modes), and a prefix-cache reset followed by the same prompts (onloads from the host tier).
 Then it reads the executor's device memory from the server's stats: the allocator's peak reserved bytes
 while serving and the least free memory seen.  A cell passes when it started, served every request
-without an error, and the peak stayed within the plan (``planned``: weights + activations + graphs + KV).
+without an error, and the peak stayed within what the plan lets torch's allocator hold (``cap``: ``planned`` =
+weights + activations + graphs + KV, and the budget's rest where the KV cache was capped at what the slots use).
 
 ``--quick`` sends a short load (every slot decoding, one full-budget prefill and one prompt-logprob
 step) instead: the matrix's cheap form.  Prints a table; ``--json PATH`` writes every cell's figures.
@@ -235,10 +236,13 @@ def finish(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     plan = cell["plan"]
     planned_gib = sum(plan.get(k, 0.0) for k in ("weights", "activations", "graphs", "kv"))
     cell["planned_gib"] = round(planned_gib, 2)
+    # What the allocator may hold: the plan's parts, and the budget's rest where the KV cache did not take it
+    # (capped at what the slots can use): executor_proc.memory_plan.allocator_cap.
+    cell["cap_gib"] = round(planned_gib + max(0.0, plan.get("budget", 0.0) - plan.get("used", 0.0)), 2)
     cell["peak_gib"] = round(cell.get("peak", 0) / GIB, 2)
     cell["free_min_gib"] = round(cell.get("free_min", 0) / GIB, 2)
     # The plan's parts are printed to 0.01 GiB: four of them round by 0.02 GiB at most.
-    cell["within_plan"] = bool(cell.get("peak")) and cell["peak_gib"] <= planned_gib + 0.02
+    cell["within_plan"] = bool(cell.get("peak")) and cell["peak_gib"] <= cell["cap_gib"] + 0.02
     cell["ok"] = bool(cell["started"] and not cell.get("errors") and not cell.get("error")
                       and not cell.get("oom_in_log") and (cell["within_plan"] or args.device == "cpu"))
     return cell
@@ -271,7 +275,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
               f" | peak {cell['peak_gib']} GiB, free min {cell['free_min_gib']} GiB, {cell.get('requests', 0)} "
               f"requests, errors {len(cell.get('errors', []))} {cell.get('error', '')[:300]}", flush=True)
     rows = [("model / seqs / tokens", "weights | act | graphs (final) | other | KV GiB | KV tokens | planned | peak | "
-             "free min | start s | ok")]
+             "cap | free min | start s | ok")]
     for c in results:
         key = f"{os.path.basename(c['model'])} / {c['max_num_seqs']} / {c['max_num_batched_tokens']}"
         if c.get("skipped"):
@@ -282,7 +286,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                                       f"{p.get('graphs', 0):.2f} ({c.get('graphs_final_gib', 0):.2f})",
                                       f"{p.get('other', 0):.2f}", f"{p.get('kv', 0):.2f}",
                                       f"{int(p.get('kv_tokens', 0)):,}", f"{c['planned_gib']:.2f}",
-                                      f"{c['peak_gib']:.2f}", f"{c['free_min_gib']:.2f}", f"{c['start_s']:.0f}",
+                                      f"{c['peak_gib']:.2f}", f"{c['cap_gib']:.2f}", f"{c['free_min_gib']:.2f}",
+                                      f"{c['start_s']:.0f}",
                                       "ok" if c["ok"] else "FAILED"])))
     print(format_table(rows, title="memory plan vs serving (GiB)"))
     if args.json:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from executor_proc.memory_plan import GIB, MemoryPlan, MemoryPlanError, gc_threshold, plan_memory
+from executor_proc.memory_plan import GIB, MemoryPlan, MemoryPlanError, allocator_cap, gc_threshold, plan_memory
 from tests.server_proc import ROOT
 
 MIB = 1024**2
@@ -35,9 +35,12 @@ def test_the_kv_cache_gets_what_the_budget_leaves_in_whole_blocks():
 
 
 def test_the_allocator_is_held_to_the_plans_share_of_the_device():
-    p = plan()
-    assert abs(gc_threshold(p) * p.total - p.planned) < 1024
-    assert gc_threshold(plan(utilization=1.0, other=0)) < 1.0  # torch takes (0, 1) only
+    p = plan()  # the KV cache took what was left: the cap is the plan's parts (less than a block more)
+    assert p.planned <= allocator_cap(p) < p.planned + BLOCK and allocator_cap(p) == p.budget - p.other
+    assert gc_threshold(p) == 0.999  # torch takes (0, 1) only: the collection starts just under the cap
+    capped = plan(useful_blocks=1000)  # the KV cache at what the slots can use: the rest of the budget stays free
+    assert allocator_cap(capped) == capped.budget - capped.other > capped.planned + GIB
+    assert abs(gc_threshold(capped) * allocator_cap(capped) - capped.planned) < 1024
 
 
 def test_each_part_and_the_utilization_move_the_kv_cache():
