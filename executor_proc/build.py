@@ -20,8 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from executor_proc.backends.select import graph_max_batch, mixed_max_tokens, select_backend
-from executor_proc.memory_plan import (MemoryPlan, MemoryPlanError, allocator_cap, check_fits, gc_threshold,
-                                      plan_memory)
+from executor_proc.memory_plan import MemoryPlan, MemoryPlanError, check_fits, gc_threshold, plan_memory
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.kv_cache import KVCache, kv_cache_bytes_per_block
 from executor_proc.model.kv_scales import calibrate_kv_scales
@@ -116,9 +115,9 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     capture = cuda and max_batch > 0
     # A provisional KV cache, as large as the profile step needs: the activations and the graphs are
     # measured against it, then it makes way for the planned one.
-    probe = ProfileStep.of(cfg, max_len, mcfg.vocab_size) if cuda else None
-    kv = KVCache(model.config, probe.num_blocks if probe else 1, cfg.block_size, device=device, dtype=kv_dtype,
-                 scales=kv_scales)
+    probes = ProfileStep.layouts(cfg, max_len, mcfg.vocab_size) if cuda else []
+    kv = KVCache(model.config, max((p.num_blocks for p in probes), default=1), cfg.block_size, device=device,
+                 dtype=kv_dtype, scales=kv_scales)
     worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=max_batch, capture_graphs=capture,
                     mixed_max_tokens=mixed_max_tokens(cfg, backend))
     worker.enable_speculation(build_speculator(cfg.speculative, cfg.num_slots, max_len, device))
@@ -131,7 +130,7 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     measured = None
     if cuda:
         progress(PROFILE_STAGE, 0, 1)
-        transient = probe.run(worker)
+        transient = max(probe.run(worker, first_step_id=2 * i) for i, probe in enumerate(probes))
         progress(PROFILE_STAGE, 1, 1)
         graphs = 0
         if cfg.num_kv_blocks is None and capture:  # capture once to measure, again against the planned cache
@@ -182,16 +181,15 @@ def cap_allocator(worker: Worker, plan: MemoryPlan) -> None:
 
     The allocator keeps the blocks a step frees cached for later steps, and a request that no cached block fits
     gets a new segment while the device has any memory left: with steps of varied shapes its reserved memory grew
-    past the plan (by 0.2-1.2 GiB on an H200 with live memory inside it).  Two limits hold it: its garbage
-    collection, at the plan's parts, gives old cached segments back before it asks the device for more; and its
-    memory fraction, at :func:`executor_proc.memory_plan.allocator_cap`, makes it give back every cached segment
-    and try again before it would go past the budget.  A collection cannot give memory back inside a capture: a
-    graph captured while serving empties the cache after its warm-up, before the capture.
+    past the plan until the device was nearly full (1.1 GiB free at 1,024 slots and 16,384 tokens, on both
+    shapes).  Its garbage collection, at a threshold of the plan's share of the device, gives whole cached
+    segments back before it asks the device for more.  A soft cap: live memory beyond the plan would still be
+    served.  A collection cannot give memory back inside a capture: a graph captured while serving empties the
+    cache after its warm-up, before the capture.
     """
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return
-    # the garbage collection's threshold is a fraction of this
-    torch.cuda.set_per_process_memory_fraction(min(1.0, allocator_cap(plan) / plan.total), worker.device)
+    torch.cuda.set_per_process_memory_fraction(1.0, worker.device)  # the threshold is a fraction of this
     settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     settings(f"garbage_collection_threshold:{gc_threshold(plan):.6f}")
     worker.capturer.empty_cache_before_capture = True
@@ -249,19 +247,23 @@ class ProfileStep:
         self.vocab = vocab
 
     @classmethod
-    def of(cls, cfg: ExecutorConfig, max_len: int, vocab: int) -> "ProfileStep":
-        """``max_len``: the longest row (the context length)."""
+    def layouts(cls, cfg: ExecutorConfig, max_len: int, vocab: int) -> list["ProfileStep"]:
+        """The full token budget in as many short rows as there are slots, and in rows as long as they may be
+        (``max_len``: the context length): the peak depends on the layout (a long prompt's logprobs are sliced
+        into groups of its own positions, short ones are gathered into groups), so both are measured."""
         tokens = min(cfg.max_num_batched_tokens, cfg.num_slots * max_len)
         # Two tokens a row at least (one prompt logprob each), at most max_len.
-        n = min(cfg.num_slots, max(1, tokens // 2, -(-tokens // max_len)))
-        return cls([tokens // n + (i < tokens % n) for i in range(n)], cfg.block_size, vocab)
+        short = min(cfg.num_slots, max(1, tokens // 2, -(-tokens // max_len)))
+        long = min(cfg.num_slots, -(-tokens // max_len))
+        split = lambda n: cls([tokens // n + (i < tokens % n) for i in range(n)], cfg.block_size, vocab)  # noqa: E731
+        return [split(short)] if long == short else [split(short), split(long)]
 
     @property
     def num_blocks(self) -> int:
         """Blocks its rows write, and block 0 (the padding slot's)."""
         return 1 + sum(-(-t // self.block_size) for t in self.rows)
 
-    def plans(self) -> tuple[StepPlan, StepPlan]:
+    def plans(self, first_step_id: int = 0) -> tuple[StepPlan, StepPlan]:
         """The step, then a plan that releases its slots."""
         slots = list(range(len(self.rows)))
         appends, next_block = [], 1
@@ -275,18 +277,18 @@ class ProfileStep:
                   for s, t in zip(slots, self.rows)]
         tokens = [(7 * i + 1) % self.vocab for i in range(sum(self.rows))]
         n = len(slots)
-        step = StepPlan(0, slots, list(self.rows), [0] * n, [True] * n, [True] * n, prefill_tokens=tokens,
-                        block_appends=appends, admits=admits)
-        return step, StepPlan(1, [], [], [], [], [], releases=slots)
+        step = StepPlan(first_step_id, slots, list(self.rows), [0] * n, [True] * n, [True] * n,
+                        prefill_tokens=tokens, block_appends=appends, admits=admits)
+        return step, StepPlan(first_step_id + 1, [], [], [], [], [], releases=slots)
 
-    def run(self, worker: Worker) -> int:
+    def run(self, worker: Worker, first_step_id: int = 0) -> int:
         """Run it on ``worker``; the device memory it reserved beyond what was reserved before (bytes)."""
         device = worker.device
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
-        for plan in self.plans():
+        for plan in self.plans(first_step_id):
             step = worker.prepare(plan)
             worker.launch(step)
         torch.cuda.synchronize(device)

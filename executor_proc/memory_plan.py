@@ -99,16 +99,10 @@ def plan_memory(*, device: str, total: int, utilization: float, weights: int, ac
     return plan
 
 
-def allocator_cap(plan: MemoryPlan) -> int:
-    """What torch's allocator may hold while serving (bytes): the budget but ``other``; the plan's parts when the
-    KV cache took all that was left, more when the KV cache was capped at what the slots can use."""
-    return max(plan.planned, plan.budget - plan.other)
-
-
 def gc_threshold(plan: MemoryPlan) -> float:
-    """The allocator's garbage-collection threshold while serving, as a fraction of :func:`allocator_cap` (where
-    it starts giving back cached blocks: at the plan's parts), strictly between 0 and 1 as torch requires."""
-    return min(0.999, max(0.001, plan.planned / allocator_cap(plan)))
+    """The allocator's garbage-collection threshold while serving: the plan's share of the device (what torch's
+    allocator may hold), strictly between 0 and 1 as torch requires."""
+    return min(0.999, max(0.001, plan.planned / plan.total))
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from executor_proc.memory_plan import GIB, MemoryPlan, MemoryPlanError, allocator_cap, gc_threshold, plan_memory
+from executor_proc.memory_plan import GIB, MemoryPlan, MemoryPlanError, gc_threshold, plan_memory
 from tests.server_proc import ROOT
 
 MIB = 1024**2
@@ -35,12 +35,9 @@ def test_the_kv_cache_gets_what_the_budget_leaves_in_whole_blocks():
 
 
 def test_the_allocator_is_held_to_the_plans_share_of_the_device():
-    p = plan()  # the KV cache took what was left: the cap is the plan's parts (less than a block more)
-    assert p.planned <= allocator_cap(p) < p.planned + BLOCK and allocator_cap(p) == p.budget - p.other
-    assert gc_threshold(p) == 0.999  # torch takes (0, 1) only: the collection starts just under the cap
-    capped = plan(useful_blocks=1000)  # the KV cache at what the slots can use: the rest of the budget stays free
-    assert allocator_cap(capped) == capped.budget - capped.other > capped.planned + GIB
-    assert abs(gc_threshold(capped) * allocator_cap(capped) - capped.planned) < 1024
+    p = plan()
+    assert abs(gc_threshold(p) * p.total - p.planned) < 1024
+    assert gc_threshold(plan(utilization=1.0, other=0)) < 1.0  # torch takes (0, 1) only
 
 
 def test_each_part_and_the_utilization_move_the_kv_cache():
@@ -135,7 +132,7 @@ def test_prompt_logprobs_in_slices_equal_one_pass(monkeypatch):
         saved = SavedLogits()
         saved.by_slot[3] = (7, torch.randn(vocab, generator=torch.Generator().manual_seed(1)))
         out = compute_prompt_logprobs(TorchBackend, logits, plan, saved, targets, nums)
-        return out, saved.by_slot[5]
+        return out, saved.by_slot.get(5)
 
     (ids, lps), kept = run(1024)
     for rows in (1, 4, 8):
@@ -147,6 +144,10 @@ def test_prompt_logprobs_in_slices_equal_one_pass(monkeypatch):
         # last logits of the chunk and the saved row of slot 3 aside)
         assert live[1] <= 2 * rows + 1, (rows, live)
     assert ids.shape == (m, 21)
+    # one long piece: one slice of logits alive at a time
+    plan = PromptLogprobPlan(pieces=[("extra", 0, 22)], targets=targets[:22].tolist())
+    (ids3, _), _ = run(4)
+    assert torch.equal(ids3[:, 1:], ids[1:, 1:]) and live[1] == 4, live  # the same top-n of the same logits
 
 
 def test_kv_memory_fraction_is_a_deprecated_alias(capsys):
@@ -162,3 +163,25 @@ def test_kv_memory_fraction_is_a_deprecated_alias(capsys):
     assert utilization("--kv-memory-fraction", "0.7", "--gpu-memory-utilization", "0.85") == 0.85
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         utilization("--gpu-memory-utilization", "1.5")
+
+
+def test_the_profile_steps_run_the_full_budget_in_short_and_long_rows(tmp_path):
+    """The start-up profile (vLLM's profile run): the full token budget with prompt logprobs, sampling and penalties,
+    in as many short rows as there are slots and in rows as long as the context; both run on a real worker."""
+    from executor_proc.build import ProfileStep, build_worker
+    from ipc.config import ExecutorConfig
+    from tests.test_gpu_fastpath import write_config
+
+    cfg = ExecutorConfig(model=write_config(tmp_path), plan_addr="", result_addr="", load_format="dummy",
+                         device="cpu", dtype="float32", num_slots=8, num_kv_blocks=64, block_size=4,
+                         max_num_batched_tokens=150, kernels="torch")
+    short, long = ProfileStep.layouts(cfg, max_len=64, vocab=97)
+    assert short.rows == [19] * 6 + [18] * 2 and long.rows == [50] * 3  # 150 tokens both ways, rows <= 64
+    assert short.num_blocks == 1 + 8 * 5 and long.num_blocks == 1 + 3 * 13
+    worker = build_worker(cfg).worker
+    for i, probe in enumerate((short, long)):
+        for plan in probe.plans(first_step_id=2 * i):
+            worker.launch(worker.prepare(plan))
+        assert len(worker.saved_logits.by_slot) == 0  # whole prompts: no chunk's last logits kept
+    # a budget the slots cannot fill in long rows is one layout
+    assert len(ProfileStep.layouts(cfg, max_len=16, vocab=97)) == 1

@@ -148,6 +148,7 @@ def compute_prompt_logprobs(backend, extra_logits: Callable[[int, int], torch.Te
             for part in parts:
                 group.append(part)
                 rows += len(part)
+                del part  # else it holds a flushed slice while the next one is computed (a second [1024, vocab])
                 if rows >= LOGITS_ROWS:
                     flush()
                     rows = 0
