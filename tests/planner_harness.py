@@ -295,7 +295,8 @@ def run(
     last_event = max(due)
 
     def events(at: float) -> None:
-        for is_abort, i in due.pop(at, ()):
+        happening = due.pop(at, ())
+        for is_abort, i in happening:
             r = reqs[i]
             if not is_abort:
                 leader = (leaders or {}).get(i)
@@ -306,7 +307,7 @@ def run(
             out = planner.abort(r)
             if out:
                 emit([out])
-        if check:
+        if check and happening:  # nothing changed at a tick without arrivals or aborts
             planner.check_integrity()
 
     def record_preemptions() -> None:
