@@ -1,4 +1,4 @@
-"""Soak: thousands of random requests through a small KV pool, at pipeline depths 0, 1 and 2.
+"""Soak: a thousand random requests through a small KV pool, at pipeline depths 0, 1 and 2.
 
 Random prompt and output lengths, EOS and stop tokens at random positions,
 ignore_eos, staggered arrivals and random aborts, against the in-process
@@ -18,7 +18,7 @@ import pytest
 
 from tests.planner_harness import assert_client_view, assert_drained, expected, run
 
-NUM_REQUESTS = 2000
+NUM_REQUESTS = 1000
 STOP = 3
 
 
