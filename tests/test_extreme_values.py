@@ -200,10 +200,10 @@ def test_forerun_chat_prints_one_line_for_expected_failures(model_server, tmp_pa
         return subprocess.run([sys.executable, "-m", "scheduler_proc.launch", "chat", *args], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
 
-    nothing = chat("--address", f"ipc://{tmp_path}/nobody.sock", "hi")
+    nothing = chat("--address", f"ipc://{tmp_path}/nobody.sock", "--timeout", "1", "hi")
     assert nothing.returncode == 1 and "Traceback" not in nothing.stderr
     assert nothing.stderr.strip().splitlines() == [
-        f"forerun: [server_gone] no server answered at ipc://{tmp_path}/nobody.sock within 5 s"]
+        f"forerun: [server_gone] no server answered at ipc://{tmp_path}/nobody.sock within 1 s"]
     bad = chat("--address", model_server(1).address, "--max-tokens", "0", "hi")
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().startswith("forerun: [invalid_request] (field 'sampling.max_tokens')"), bad.stderr
