@@ -41,8 +41,9 @@ def all_pairs():
     return a.repeat_interleave(16), a.repeat(16)
 
 
-def round_trip(item_bytes, src_align, dst_align, seed, copy, device=DEVICE, host_pinned=CUDA):
-    """device pool -> host pool -> second device pool; checks both hops against the reference."""
+def round_trip(item_bytes, src_align, dst_align, seed, copy, device=DEVICE, host_pinned=CUDA, hop_back=True):
+    """device pool -> host pool -> second device pool; checks both hops against the reference
+    (``hop_back=False``: the first hop only)."""
     gen = torch.Generator().manual_seed(seed)
     n = src_align.numel()
     dev_off, dev_size = layout(n, item_bytes, src_align, gen)
@@ -59,11 +60,12 @@ def round_trip(item_bytes, src_align, dst_align, seed, copy, device=DEVICE, host
     if host_pinned:
         host = host.pin_memory()
     copy(pool, host, dev_off.to(device), host_off.to(device), item_bytes)
-    copy(host, back, host_off.to(device), back_off.to(device), item_bytes)
+    if hop_back:
+        copy(host, back, host_off.to(device), back_off.to(device), item_bytes)
     if device != "cpu":
         torch.cuda.synchronize()
     assert torch.equal(host.cpu(), want_host), f"device->host differs, item_bytes={item_bytes}"
-    assert torch.equal(back.cpu(), want_back), f"host->device differs, item_bytes={item_bytes}"
+    assert not hop_back or torch.equal(back.cpu(), want_back), f"host->device differs, item_bytes={item_bytes}"
 
 
 @pytest.mark.parametrize("item_bytes", SIZES)
@@ -76,7 +78,10 @@ def test_kernel_round_trip_every_alignment(item_bytes):
     def copy(src, dst, so, do, n):
         copy_items_triton(src, dst, so, do, n, config=config)
 
-    round_trip(item_bytes, src_align, dst_align, seed=item_bytes, copy=copy)
+    # On the CPU both hops are one copy between CPU tensors, and each hop alone meets every (source, destination)
+    # alignment pair (the way back starts where the first hop ended and ends at 7 * its source + 3 mod 16, a
+    # permutation): one hop suffices; the other kernel tests still make both hops.
+    round_trip(item_bytes, src_align, dst_align, seed=item_bytes, copy=copy, hop_back=CUDA)
 
 
 @pytest.mark.parametrize("seed", range(4))
