@@ -1,14 +1,16 @@
 """Prefix caching end to end: the default model (fp32, CPU) gives the same greedy tokens with and without it.
 
-12 prompts with one long system prompt go to a server started with
+Six prompts with one long system prompt go to a server started with
 ``--no-prefix-caching`` (the reference; its stats prove nothing was looked
 up) and to the shared real-model server (depth 1, prefix caching on by
-default), concurrently and one by one, sharing the system prompt's blocks.
+default), the two at the same time: first all together on an empty cache,
+then all together again (every prompt hits the blocks the first pass cached).
 """
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -21,13 +23,10 @@ SYSTEM = ("You are a careful assistant for a small museum of clocks and watches.
           "plainly, without lists. Visitors ask about opening hours, tickets, the collection, pendulums, "
           "escapements, sundials, water clocks, marine chronometers, wristwatches and how to wind a clock. "
           "If you do not know, say so. Never invent prices. ") * 3
-# Twelve requests already arrive together, share blocks still being computed and then hit them one by one:
-# more questions would repeat the same sharing pattern.
-QUESTIONS = [
-    "When do you open?", "How much is a ticket?", "What is an escapement?", "Do you have sundials?",
-    "Who invented the pendulum clock?", "What is a chronometer?", "Can I wind a clock myself?", "Is there a cafe?",
-    "What is a water clock?", "Are children welcome?", "How old is the oldest clock?", "What is GMT?",
-]
+# Six requests arriving together on an empty cache and then hitting it together: more questions would repeat the
+# same pattern.
+QUESTIONS = ["When do you open?", "What is an escapement?", "Who invented the pendulum clock?", "Is there a cafe?",
+             "Are children welcome?", "What is GMT?"]
 MAX_TOKENS = 6
 
 
@@ -44,25 +43,33 @@ def prompts(tokenizer) -> list[list[int]]:
 async def test_greedy_outputs_identical_with_and_without_prefix_caching(servers, model_server, prompts):
     assert min(len(x) for x in prompts) > 200
     kw = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    plain = servers("--pipeline-depth", "1", "--max-num-seqs", "32", "--num-kv-blocks", "512",
-                           "--no-prefix-caching")
-    async with AsyncClient(plain.address, timeout=300) as c:
-        reference = [r.token_ids for r in await asyncio.gather(*[c.generate(prompt_token_ids=ids, **kw)
-                                                                  for ids in prompts])]
-    off = await wait_idle(plain.address)
-    assert off.prefix_cache_query_tokens == 0 and off.prefix_cache_hit_tokens == 0
-    plain.stop()
+    with ThreadPoolExecutor(1) as pool:  # both servers start at once
+        started = pool.submit(servers, "--pipeline-depth", "1", "--max-num-seqs", "32", "--num-kv-blocks", "512",
+                              "--no-prefix-caching")
+        srv = model_server(1)
+        plain = started.result()
 
-    srv = model_server(1)
-    async with AsyncClient(srv.address, timeout=300) as c:
-        await reset_prefix_cache(srv.address)
-        concurrent = await asyncio.gather(*[c.generate(prompt_token_ids=ids, **kw) for ids in prompts])
-        cold = await wait_idle(srv.address)
-        one_by_one = [await c.generate(prompt_token_ids=ids, **kw) for ids in prompts]
-        warm = await wait_idle(srv.address)
-    assert [r.token_ids for r in concurrent] == reference
-    assert [r.token_ids for r in one_by_one] == reference
-    # Sent one by one after the concurrent pass, every prompt shares at least the system prompt's blocks.
+    async def reference():
+        async with AsyncClient(plain.address, timeout=300) as c:
+            out = [r.token_ids for r in await asyncio.gather(*[c.generate(prompt_token_ids=ids, **kw)
+                                                                for ids in prompts])]
+        return out, await wait_idle(plain.address)
+
+    async def cached():
+        async with AsyncClient(srv.address, timeout=300) as c:
+            await reset_prefix_cache(srv.address)
+            concurrent = await asyncio.gather(*[c.generate(prompt_token_ids=ids, **kw) for ids in prompts])
+            cold = await wait_idle(srv.address)
+            again = await asyncio.gather(*[c.generate(prompt_token_ids=ids, **kw) for ids in prompts])
+            warm = await wait_idle(srv.address)
+        return concurrent, cold, again, warm
+
+    (want, off), (concurrent, cold, again, warm) = await asyncio.gather(reference(), cached())
+    plain.stop()
+    assert off.prefix_cache_query_tokens == 0 and off.prefix_cache_hit_tokens == 0
+    assert [r.token_ids for r in concurrent] == want
+    assert [r.token_ids for r in again] == want
+    # Sent again after the first pass, every prompt shares at least the system prompt's blocks.
     assert warm.prefix_cache_hit_tokens - cold.prefix_cache_hit_tokens >= len(prompts) * (len(SYSTEM) // 8)
     assert_no_leak(warm)
 
