@@ -7,6 +7,7 @@ and seeded sampling, stop strings, a KV pool small enough to preempt, and an abo
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -47,18 +48,26 @@ async def _workload(address: str, prompts: list[list[int]]) -> dict:
 
 
 def test_outputs_equal_across_depths(servers, default_model_dir, chat_prompt_ids):
+    # 14 blocks of 16 tokens hold about 3 of these requests: the rest wait or are preempted.  The three servers
+    # start together and run the workload at the same time (each executor serves on one thread).
+    depths = (0, 1, 2)
+    with ThreadPoolExecutor(len(depths)) as pool:
+        started = [pool.submit(servers, "--pipeline-depth", str(depth), "--num-kv-blocks", "14", "--max-num-seqs",
+                               "8", "--debug-checks") for depth in depths]
+        srvs = dict(zip(depths, [f.result() for f in started]))
+
+    async def run(address: str):
+        return await _workload(address, chat_prompt_ids), await wait_idle(address)
+
+    async def everything():
+        return await asyncio.gather(*[run(srvs[depth].address) for depth in depths])
+
     outputs, preemptions = {}, 0
-    for depth in (0, 1, 2):
-        # 14 blocks of 16 tokens hold about 3 of these requests: the rest wait or are preempted.
-        srv = servers("--pipeline-depth", str(depth), "--num-kv-blocks", "14", "--max-num-seqs", "8",
-                             "--debug-checks")
-        try:
-            outputs[depth] = asyncio.run(_workload(srv.address, chat_prompt_ids))
-            stats = asyncio.run(wait_idle(srv.address))
-            assert_no_leak(stats)
-            preemptions += stats.preemptions
-        finally:
-            srv.stop()
+    for depth, (out, stats) in zip(depths, asyncio.run(everything())):
+        srvs[depth].stop()
+        outputs[depth] = out
+        assert_no_leak(stats)
+        preemptions += stats.preemptions
     assert preemptions > 0  # the pool really was small enough
     base = outputs[0]
     assert base[9][2] == "stop"  # a stop string ended it (it ignores EOS)
