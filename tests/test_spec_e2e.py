@@ -1,6 +1,6 @@
 """Speculative decoding (n-gram) on the default model on the CPU: output identical token for token, greedy and seeded.
 
-One server per pipeline depth with ``--speculative-method ngram``, one at a time.  At depth 1 each prompt runs
+One server per pipeline depth with ``--speculative-method ngram``, all three at once.  At depth 1 each prompt runs
 twice at once: as itself (it speculates) and with ``prompt_logprobs=0`` (a row that does not speculate, in the same steps),
 the reference of every depth.  The prompts ask to copy or edit
 a given text (drafts found in the prompt get accepted) or for something new (little is), one stop string falls
@@ -13,6 +13,7 @@ output).
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
@@ -52,16 +53,28 @@ async def _run(srv, plain: bool):
 
 
 async def test_greedy_identical_with_and_without_speculation_at_every_depth(module_servers):
-    """Depth 1 runs the reference beside the speculating rows; depths 0 and 2 must give the same tokens."""
-    reference = None
-    for depth in (1, 0, 2):
-        # depth 2 through the mixed-step runner (uncaptured on the cpu: the code path of the graphs' replays)
-        mixed = ("--mixed-graphs", "on", "--max-num-seqs", "64") if depth == 2 else ()
-        srv = module_servers("--pipeline-depth", str(depth), *SERVER, *mixed)
+    """Depth 1 runs the reference beside the speculating rows; depths 0 and 2 must give the same tokens.  The three
+    servers start together and run at the same time (each executor serves on one thread)."""
+    depths = (1, 0, 2)
+    # depth 2 through the mixed-step runner (uncaptured on the cpu: the code path of the graphs' replays)
+    mixed = {2: ("--mixed-graphs", "on", "--max-num-seqs", "64")}
+    with ThreadPoolExecutor(len(depths)) as pool:
+        started = [pool.submit(module_servers, "--pipeline-depth", str(depth), *SERVER, *mixed.get(depth, ()))
+                   for depth in depths]
+        srvs = dict(zip(depths, [f.result() for f in started]))
+
+    async def one(depth: int):
+        srv = srvs[depth]
         before = await server_stats(srv.address)
-        results = await _run(srv, plain=reference is None)
-        if reference is None:
-            reference = results[len(PROMPTS):]
+        results = await _run(srv, plain=depth == 1)
+        return before, results, await server_stats(srv.address)
+
+    runs = dict(zip(depths, await asyncio.gather(*[one(depth) for depth in depths])))
+    for srv in srvs.values():
+        srv.stop()
+    reference = runs[1][1][len(PROMPTS):]
+    for depth in depths:
+        before, results, after = runs[depth]
         for spec, ref in zip(results, reference):
             assert (spec.token_ids, spec.finish_reason) == (ref.token_ids, ref.finish_reason), depth
             if ref.logprobs:
@@ -69,7 +82,6 @@ async def test_greedy_identical_with_and_without_speculation_at_every_depth(modu
                 for a, b in zip(spec.logprobs, ref.logprobs):
                     assert abs(a.logprob - b.logprob) < 1e-3 and a.top_ids[:1] == b.top_ids[:1], depth
         assert results[1].finish_reason == "stop"  # its stop string, inside an accepted run
-        after = await server_stats(srv.address)
         drafted = after.spec_draft_tokens - before.spec_draft_tokens
         accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
         assert accepted >= 10 and drafted > accepted, (depth, drafted, accepted)  # the copy is accepted, the joke not
@@ -78,7 +90,6 @@ async def test_greedy_identical_with_and_without_speculation_at_every_depth(modu
         assert results[0].timings.accepted_tokens >= 8  # the copy
         assert all(r.timings.draft_tokens > 0 for r in results[:len(PROMPTS)])  # every one of them speculated
         assert all(r.timings.draft_tokens == 0 for r in results[len(PROMPTS):])  # rows that cannot speculate
-        srv.stop()  # one real-model server at a time
 
 
 async def test_scripted_executor_through_the_processes(module_servers):
