@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -31,9 +32,12 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def tier_server(module_servers, default_model_dir):
-    return module_servers("--pipeline-depth", "1", "--max-num-seqs", "8", "--num-kv-blocks", str(DEVICE_BLOCKS),
-                          "--num-host-kv-blocks", str(HOST_BLOCKS), "--debug-checks")
+def tier_server(module_servers, model_server, default_model_dir):
+    with ThreadPoolExecutor(1) as pool:  # the tier server and the shared reference server start at once
+        started = pool.submit(module_servers, "--pipeline-depth", "1", "--max-num-seqs", "8", "--num-kv-blocks",
+                              str(DEVICE_BLOCKS), "--num-host-kv-blocks", str(HOST_BLOCKS), "--debug-checks")
+        model_server(1)
+        return started.result()
 
 
 def assert_tiers_whole(s) -> None:
@@ -41,20 +45,44 @@ def assert_tiers_whole(s) -> None:
     assert s.num_host_kv_blocks == HOST_BLOCKS and s.num_free_host_kv_blocks == HOST_BLOCKS, s
 
 
-async def generate_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
-    kw = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+async def generate_all(address: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    kw = dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     async with AsyncClient(address, timeout=600) as c:
         results = await asyncio.gather(*[c.generate(prompt_token_ids=ids, **kw) for ids in prompts])
     return [r.token_ids for r in results]
 
 
+def swap_and_hit_prompts(chat_prompt_ids) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """Eight prompts of 50 to 70 tokens (4 to 5 blocks with the outputs: the 14-block device pool preempts them);
+    a long prompt of about 100 tokens (6 full blocks); three more as long, that push it out of the device pool."""
+    return ([ids + ids for ids in chat_prompt_ids[:8]], chat_prompt_ids[8] * 4,
+            [ids * 4 for ids in chat_prompt_ids[9:12]])
+
+
+async def push_out(address: str, others: list[list[int]]) -> None:
+    """One by one, each taking 7 of the 14 device blocks: the oldest cached blocks go.  Their own outputs are
+    not compared, so one token each."""
+    for ids in others:
+        await generate_all(address, [ids], max_tokens=1)
+
+
+_REFERENCE: dict[str, list[list[int]]] = {}  # the shared server's outputs, computed once for both tests
+
+
+async def reference_of(address: str, prompts: list[list[int]], long: list[int]) -> list[list[int]]:
+    """The reference server's outputs of ``prompts`` and then ``long``, in one batch."""
+    if "all" not in _REFERENCE:
+        _REFERENCE["all"] = await generate_all(address, prompts + [long])
+    return _REFERENCE["all"]
+
+
 async def test_swapped_requests_match_untouched_ones(model_server, tier_server, chat_prompt_ids):
-    prompts = [ids + ids for ids in chat_prompt_ids[:8]]  # 50 to 70 tokens: 4 to 5 blocks with the outputs
-    reference = await generate_all(model_server(1).address, prompts)
+    prompts, long, _ = swap_and_hit_prompts(chat_prompt_ids)
     before = await wait_idle(tier_server.address)
-    got = await generate_all(tier_server.address, prompts)
+    reference, got = await asyncio.gather(reference_of(model_server(1).address, prompts, long),
+                                          generate_all(tier_server.address, prompts))
     after = await wait_idle(tier_server.address)
-    assert got == reference
+    assert got == reference[:len(prompts)]
     assert after.preemptions > before.preemptions, "the device pool must force preemption"
     # Whether a resume finds its blocks still on the device or only on the host depends on when results
     # arrive (both are correct; the scripted tests cover every order); the next test forces a host hit.
@@ -63,12 +91,10 @@ async def test_swapped_requests_match_untouched_ones(model_server, tier_server, 
 
 
 async def test_host_prefix_hit_matches_a_cold_run(model_server, tier_server, chat_prompt_ids):
-    long = chat_prompt_ids[8] * 4  # about 100 tokens: 6 full blocks
-    others = [ids * 4 for ids in chat_prompt_ids[9:12]]
-    reference = await generate_all(model_server(1).address, [long])
+    prompts, long, others = swap_and_hit_prompts(chat_prompt_ids)
+    reference = (await reference_of(model_server(1).address, prompts, long))[-1:]
     first = await generate_all(tier_server.address, [long])
-    for ids in others:  # one by one: each pushes the long prompt's blocks out of the 14-block device pool
-        await generate_all(tier_server.address, [ids])
+    await push_out(tier_server.address, others)
     s1 = await wait_idle(tier_server.address)
     again = await generate_all(tier_server.address, [long])
     s2 = await wait_idle(tier_server.address)
