@@ -80,9 +80,9 @@ def run_plans(worker, plans) -> list[tuple[str, list[int]]]:
     return out
 
 
-def scenario(vocab: int, steps: int = 12, seed: int = 1, alone_from: int = 0):
-    """Plans with greedy, top-k/top-p and min-p rows, an admission mid-decode and a release
-    (and from step ``alone_from`` on, if given, the top-k/top-p row decoding alone: batch 1)."""
+def scenario(vocab: int, steps: int = 12, seed: int = 1, alone_from: int = 0, admit_at: int = 3, release_at: int = 6):
+    """Plans with greedy, top-k/top-p and min-p rows, an admission mid-decode (step ``admit_at``) and a release
+    (step ``release_at``) (and from step ``alone_from`` on, if given, the top-k/top-p row decoding alone: batch 1)."""
     planner = SyntheticPlanner(num_slots=6, block_size=4, num_blocks=256)
     g = torch.Generator().manual_seed(seed)
     prompt = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
@@ -90,9 +90,9 @@ def scenario(vocab: int, steps: int = 12, seed: int = 1, alone_from: int = 0):
     planner.add(prompt(9), TOP_K_P)
     plans = []
     for i in range(steps):
-        if i == 3:
+        if i == admit_at:
             planner.add(prompt(3), MIN_P)
-        if i == 6:
+        if i == release_at:
             planner.release(0)
         if i == alone_from and alone_from:
             planner.release(2)
@@ -465,7 +465,12 @@ def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
 
     model_dir = write_config(tmp_path)
     device = "cuda" if CUDA else "cpu"
-    plans = scenario(vocab=97, steps=14 if force_gemv == "prologue" else 12, alone_from=9)
+    if CUDA:
+        plans = scenario(vocab=97, steps=14 if force_gemv == "prologue" else 12, alone_from=9)
+    else:  # the interpreter: the prefill, batch 2, the admission's mixed step, 3 rows in bucket 4, batch 2 after
+        # the release, then batch 1 (the fused one-token kernels where forced) for 2-3 steps; more steps of a
+        # phase repeat the same kernels at the same shapes
+        plans = scenario(vocab=97, steps=8 if force_gemv == "prologue" else 7, alone_from=5, admit_at=2, release_at=4)
     import executor_proc.backends.triton_backend as tb
 
     fused = []
