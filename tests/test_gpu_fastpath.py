@@ -338,7 +338,10 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
     GPU (bash scripts/gpu_suite.sh tests)."""
     from executor_proc.backends import gemv_tuning
 
-    backend_model = built(write_config(tmp_path), "cuda" if CUDA else "cpu", kernels="triton").worker.model
+    # on the CPU one layer: every candidate still runs on each weight shape (q|k|v, o, gate|up, down, LM head)
+    layers = 2 if CUDA else 1
+    model_dir = write_config(tmp_path, layers=layers)
+    backend_model = built(model_dir, "cuda" if CUDA else "cpu", kernels="triton").worker.model
     backend = backend_model.backend
     calls = []
 
