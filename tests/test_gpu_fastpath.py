@@ -287,7 +287,17 @@ def test_residual_epilogue_and_norm_from_partial_sums(dtype):
         b = rnd(hidden) if bias else None
         producers = [c for c in CONFIGS if config_fits(c, m) and sumsq_fits(c, hidden, m)]
         assert {c[0] for c in producers} == {"row", "rowk", "dot", "dotT"} or m == 8
-        for config in producers[m % 2::2]:  # every other config, a different half per size
+        chosen = producers[m % 2::2]  # every other config, a different half per size
+        if not CUDA:  # the interpreter ignores num_warps and num_stages, so configs of one form with as many K steps
+            # (the last one masked or not) and N tiles masked or not run one program but for their tile widths:
+            # on the CPU the widest of each kind, and the last config, whose partial sums the checks below take
+            kind = {c: (c[0], -(-k // c[2]), k % c[2] == 0, hidden % c[1] == 0) for c in chosen}
+            widest = {}
+            for c in chosen:
+                if kind[c] not in widest or c[1] > widest[kind[c]][1]:
+                    widest[kind[c]] = c
+            chosen = [c for c in chosen if c in widest.values() or c == chosen[-1]]
+        for config in chosen:
             h, sumsq = gemv_residual(x, w, b, r, config=config)
             assert torch.equal(h, (gemv(x, w, b, config=config).float() + r.float()).to(dtype)), config
             assert sumsq.shape == (sumsq_programs(config, hidden), m)
