@@ -47,6 +47,20 @@ FORCED_FUSIONS = {"qkv": ("row", 16, 256, 4, 4), "norm": ("row", 16, 256, 4, 4),
                   "rope": ("row", 4, 256, 4, 6), "gate_silu": ("dot", 16, 256, 4, 4)}
 
 
+def interpreted_kinds(configs, n: int, k: int, keep=()) -> list:
+    """On the CPU, of matmul ``configs`` for an ``[n, k]`` weight, the widest of each kind (and those in ``keep``):
+    the interpreter ignores num_warps and num_stages, so configs of one form with as many K steps (the last one
+    masked or not) and N tiles masked or not run one program but for their tile widths.  On a GPU, all of them."""
+    if CUDA:
+        return list(configs)
+    kind = {c: (c[0], -(-k // c[2]), k % c[2] == 0, n % c[1] == 0) for c in configs}
+    widest = {}
+    for c in configs:
+        if kind[c] not in widest or c[1] > widest[kind[c]][1]:
+            widest[kind[c]] = c
+    return [c for c in configs if c in widest.values() or c in keep]
+
+
 def built(model_dir, device, dtype="float32", num_slots=6, max_batch=4, block_size=4, num_blocks=256,
            progress=None, **kw):
     cfg = ExecutorConfig(model=model_dir, plan_addr="", result_addr="", load_format="dummy", device=device,
@@ -133,7 +147,7 @@ def test_gemv_matches_linear(dtype):
         ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
         rows = [c for c in CONFIGS if c[0] in ("row", "rowk") and config_fits(c, m)]
         assert m > 8 or rows, m  # the "row" form serves 1 to 8 rows
-        for config in CONFIGS[:4:3] + tuple(rows if m > 1 else rows[::3]):
+        for config in interpreted_kinds(CONFIGS[:4:3] + tuple(rows if m > 1 else rows[::3]), n, k):
             out = gemv(x, w, b, config=config).double()
             err = ((out - ref).norm() / ref.norm()).item()
             assert err < (1e-6 if dtype == torch.float32 else 1e-2), (m, n, k, config, err)
@@ -157,7 +171,7 @@ def test_gemv_prologue_matches_two_ops(dtype):
         h, res_sum = R.fused_add_rms_norm_ref(x, res, nw, 1e-5)
         cases = [(dict(norm=(nw, 1e-5), residual=res), h, res_sum), (dict(norm=(nw, 1e-5)), R.rms_norm_ref(x, nw, 1e-5), x),
                  (dict(silu=True), R.silu_and_mul_ref(gu), None)]
-        for config in [c for c in CONFIGS if c[0] == "row"][::2]:
+        for config in interpreted_kinds([c for c in CONFIGS if c[0] == "row"][::2], n, k):
             for kw, h_ref, res_ref in cases:
                 y, res_out = gemv_prologue(gu if kw.get("silu") else x, w, b, config=config, **kw)
                 ref = torch.nn.functional.linear(h_ref.double(), w.double(), None if b is None else b.double())
@@ -181,7 +195,7 @@ def test_gemv_silu_matches_two_ops(dtype):
     for m, i, k, bias in ((1, 40, 96, False), (3, 70, 300, True), (8, 64, 128, False), (5, 33, 1100, True)):
         x, w, b = rnd(m, k), rnd(2 * i, k) / k**0.5, (rnd(2 * i) if bias else None)
         checked = 0
-        for config in [c for c in CONFIGS if c[0] == "dot"]:
+        for config in interpreted_kinds([c for c in CONFIGS if c[0] == "dot"], i, k):  # i: each program's features
             try:
                 fused = gemv_silu(x, w, b, config=config)
             except OutOfResources:  # float32's two weight tiles overflow an H100's shared memory in the deeper
@@ -288,16 +302,8 @@ def test_residual_epilogue_and_norm_from_partial_sums(dtype):
         producers = [c for c in CONFIGS if config_fits(c, m) and sumsq_fits(c, hidden, m)]
         assert {c[0] for c in producers} == {"row", "rowk", "dot", "dotT"} or m == 8
         chosen = producers[m % 2::2]  # every other config, a different half per size
-        if not CUDA:  # the interpreter ignores num_warps and num_stages, so configs of one form with as many K steps
-            # (the last one masked or not) and N tiles masked or not run one program but for their tile widths:
-            # on the CPU the widest of each kind, and the last config, whose partial sums the checks below take
-            kind = {c: (c[0], -(-k // c[2]), k % c[2] == 0, hidden % c[1] == 0) for c in chosen}
-            widest = {}
-            for c in chosen:
-                if kind[c] not in widest or c[1] > widest[kind[c]][1]:
-                    widest[kind[c]] = c
-            chosen = [c for c in chosen if c in widest.values() or c == chosen[-1]]
-        for config in chosen:
+        # (on the CPU one of each kind, and the last config, whose partial sums the checks below take)
+        for config in interpreted_kinds(chosen, hidden, k, keep=chosen[-1:]):
             h, sumsq = gemv_residual(x, w, b, r, config=config)
             assert torch.equal(h, (gemv(x, w, b, config=config).float() + r.float()).to(dtype)), config
             assert sumsq.shape == (sumsq_programs(config, hidden), m)
