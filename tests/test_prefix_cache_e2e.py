@@ -1,6 +1,6 @@
 """Prefix caching end to end: the default model (fp32, CPU) gives the same greedy tokens with and without it.
 
-Six prompts with one long system prompt go to a server started with
+Four prompts with one long system prompt go to a server started with
 ``--no-prefix-caching`` (the reference; its stats prove nothing was looked
 up) and to the shared real-model server (depth 1, prefix caching on by
 default), the two at the same time: first all together on an empty cache,
@@ -23,10 +23,9 @@ SYSTEM = ("You are a careful assistant for a small museum of clocks and watches.
           "plainly, without lists. Visitors ask about opening hours, tickets, the collection, pendulums, "
           "escapements, sundials, water clocks, marine chronometers, wristwatches and how to wind a clock. "
           "If you do not know, say so. Never invent prices. ") * 3
-# Six requests arriving together on an empty cache and then hitting it together: more questions would repeat the
+# Four requests arriving together on an empty cache and then hitting it together: more questions would repeat the
 # same pattern.
-QUESTIONS = ["When do you open?", "What is an escapement?", "Who invented the pendulum clock?", "Is there a cafe?",
-             "Are children welcome?", "What is GMT?"]
+QUESTIONS = ["When do you open?", "What is an escapement?", "Who invented the pendulum clock?", "What is GMT?"]
 MAX_TOKENS = 6
 
 
