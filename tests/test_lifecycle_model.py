@@ -24,7 +24,8 @@ async def _workload(address: str, prompts: list[list[int]]) -> dict:
 
         async def one(i: int):
             await asyncio.sleep(0.05 * i)  # staggered arrivals
-            kw = dict(max_tokens=8 + 6 * (i % 4), ignore_eos=i % 3 == 0)
+            # mixed lengths; the last stop-string request keeps room to reach its stop string
+            kw = dict(max_tokens=14 if i == 9 else 6 + 4 * (i % 4), ignore_eos=i % 3 == 0)
             if i % 2:
                 kw.update(temperature=0.8, top_k=40, top_p=0.9, seed=100 + i)
             else:
