@@ -53,9 +53,9 @@ async def generate_all(address: str, prompts: list[list[int]], max_tokens: int =
 
 
 def swap_and_hit_prompts(chat_prompt_ids) -> tuple[list[list[int]], list[int], list[list[int]]]:
-    """Eight prompts of 50 to 70 tokens (4 to 5 blocks with the outputs: the 14-block device pool preempts them);
-    a long prompt of about 100 tokens (6 full blocks); three more as long, that push it out of the device pool."""
-    return ([ids + ids for ids in chat_prompt_ids[:8]], chat_prompt_ids[8] * 4,
+    """Six prompts of 70 to 80 tokens (5 to 6 blocks with the outputs: the 14-block device pool preempts them);
+    a long prompt of about 145 tokens (9 full blocks); three more as long, that push it out of the device pool."""
+    return ([ids + ids for ids in chat_prompt_ids[:6]], chat_prompt_ids[8] * 4,
             [ids * 4 for ids in chat_prompt_ids[9:12]])
 
 
