@@ -66,9 +66,9 @@ def test_pack_layout():
     assert grouped.tile_m == 16 and tiles[:7].tolist() == [3, 2, 0, 1, 1, 1, 0]  # keys 35, 20, 16
 
 
-def scenario(vocab: int, chunk: int = 6, steps: int = 12):
-    """Chunked prompts, decode rows beside them, an admission mid-decode, a release (at step 8, so at least
-    9 steps); every sampling kind."""
+def scenario(vocab: int, chunk: int = 6, steps: int = 12, events: tuple[int, ...] = (2, 4, 6, 8)):
+    """Chunked prompts, decode rows beside them, admissions mid-decode (at the first three ``events``), a release
+    (at the last one); every sampling kind."""
     planner = SyntheticPlanner(num_slots=6, block_size=4, num_blocks=256, chunk_size=chunk)
     g = torch.Generator().manual_seed(3)
     prompt = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
@@ -77,13 +77,13 @@ def scenario(vocab: int, chunk: int = 6, steps: int = 12):
     planner.add(prompt(9), features(1))  # penalties, logit_bias, min_tokens, logprobs
     plans = []
     for i in range(steps):
-        if i == 2:
+        if i == events[0]:
             planner.add(prompt(13), MIN_P)
-        if i == 4:
+        if i == events[1]:
             planner.add(prompt(8), features(2))
-        if i == 6:
+        if i == events[2]:
             planner.add(prompt(7), SlotSampling(0.0, 0, 1.0, 0.0, 0, prompt_logprobs=2, num_prompt_tokens=7))
-        if i == 8:
+        if i == events[3]:
             planner.release(0)
         plans.append(planner.step())
     return plans
@@ -92,7 +92,9 @@ def scenario(vocab: int, chunk: int = 6, steps: int = 12):
 def test_mixed_runner_matches_eager_path(tmp_path):
     """The runner (captured on CUDA, called eagerly on the CPU) vs today's eager path vs torch, float32."""
     model_dir = write_config(tmp_path)
-    plans = scenario(vocab=97, steps=12 if CUDA else 9)  # on the CPU: the step after the release, not three
+    # on the CPU the admissions at steps 1-3 and the release at 5: every kind of step (chunks beside decode rows,
+    # prompt logprobs, pure decode after the release) once or twice, not repeated for 12 steps
+    plans = scenario(vocab=97) if CUDA else scenario(vocab=97, steps=6, events=(1, 2, 3, 5))
     runs = {name: run_feature_plans(built(model_dir, DEVICE, max_batch=6, **kw).worker, plans, kinds=True)
             for name, kw in (("torch", dict(kernels="torch")), ("eager", dict(kernels="triton", mixed_graphs="off")),
                              ("mixed", dict(kernels="triton")))}
@@ -116,10 +118,12 @@ def test_mixed_runner_matches_eager_path(tmp_path):
 def test_mixed_runner_prefill_only_and_no_sample(tmp_path):
     """Prefill-only steps, a step whose chunks sample nothing, 1 to 6 rows: the runner equals the eager path."""
     model_dir = write_config(tmp_path)
-    planner = SyntheticPlanner(num_slots=6, block_size=4, num_blocks=256, chunk_size=11)
+    # on the CPU half the tokens: the same steps (3 chunks, 2 chunks then the last token, ...), rows and samples
+    chunk, lengths = (11, (30, 12, 23, 16)) if CUDA else (5, (14, 6, 11, 8))
+    planner = SyntheticPlanner(num_slots=6, block_size=4, num_blocks=256, chunk_size=chunk)
     g = torch.Generator().manual_seed(5)
     prompt = lambda n: torch.randint(0, 97, (n,), generator=g).tolist()  # noqa: E731
-    for n in (30, 12, 23, 16):
+    for n in lengths:
         planner.add(prompt(n), GREEDY, max_new_tokens=3)
     plans = [planner.step()]
     assert len(plans[0].slots) == 4 and not any(plans[0].sample)
