@@ -60,8 +60,8 @@ def swap_and_hit_prompts(chat_prompt_ids) -> tuple[list[list[int]], list[int], l
 
 
 async def push_out(address: str, others: list[list[int]]) -> None:
-    """One by one, each taking 7 of the 14 device blocks: the oldest cached blocks go.  Their own outputs are
-    not compared, so one token each."""
+    """One by one, each taking most of the 14 device blocks: the oldest cached blocks go.  Their own outputs
+    are not compared, so one token each (the prompt's blocks are what pushes)."""
     for ids in others:
         await generate_all(address, [ids], max_tokens=1)
 
