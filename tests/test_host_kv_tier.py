@@ -194,7 +194,7 @@ def test_random_small_cases_with_a_host_tier(depth):
     """1 to 5 requests on two prefixes, random finishes, aborts, lags, tight device pools, host pools tiny to ample."""
     rng = random.Random(100 + depth)
     onloads, onload_offsets = 0, set()
-    for _ in range(500):
+    for _ in range(300):
         n = rng.randint(1, 5)
         bs = rng.choice((1, 2, 4))
         bases = [[4 + rng.randrange(90) for _ in range(12)] for _ in range(2)]  # they evict each other

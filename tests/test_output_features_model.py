@@ -76,14 +76,14 @@ def detok(default_model_dir):
 async def test_stop_strings_end_the_stream_exactly(depth, model_server, chat_prompt_ids, detok):
     srv = model_server(depth)
     a, b = chat_prompt_ids[0], chat_prompt_ids[2]
-    base = await run(srv.address, [greedy(a, 24, ignore_eos=True), p.Generate("h", b, greedy(b, 24).sampling)])
+    base = await run(srv.address, [greedy(a, 16, ignore_eos=True), p.Generate("h", b, greedy(b, 16).sampling)])
     out_a, out_b = base[("g", 0)][0], base[("h", 0)][0]
     stop2, k2 = spanning_stop(detok, out_a, 2, 3)
     stop3, k3 = spanning_stop(detok, out_b, 3, 5)
     prompt_word = next(w for w in detok(a).split() if w.isalpha() and w not in detok(out_a))
-    gens = [p.Generate("two", a, greedy(a, 24, stop=[stop2], ignore_eos=True).sampling),
-            p.Generate("three", b, greedy(b, 24, stop=["\u2603never", stop3]).sampling),
-            p.Generate("prompt-only", a, greedy(a, 24, stop=[prompt_word], ignore_eos=True).sampling)]
+    gens = [p.Generate("two", a, greedy(a, 16, stop=[stop2], ignore_eos=True).sampling),
+            p.Generate("three", b, greedy(b, 16, stop=["\u2603never", stop3]).sampling),
+            p.Generate("prompt-only", a, greedy(a, 16, stop=[prompt_word], ignore_eos=True).sampling)]
     got = await run(srv.address, gens)  # one batch: different stop strings side by side
     tokens, fin = got[("two", 0)]
     assert tokens == out_a[:k2 + 1] and (fin.reason, fin.stop_str) == ("stop", stop2)
