@@ -97,12 +97,13 @@ async def test_max_tokens_and_eos_finishes(model_server, chat_prompt_ids, hf_gre
 
 @pytest.fixture(scope="module")
 def small_pool_server(module_servers):
-    """A KV pool of 24 blocks of 16 (the preemption and executor-restart tests share it)."""
-    return module_servers("--num-kv-blocks", "24", "--max-num-seqs", "12", "--debug-checks")
+    """A KV pool of 16 blocks of 16 (the preemption and executor-restart tests share it)."""
+    return module_servers("--num-kv-blocks", "16", "--max-num-seqs", "12", "--debug-checks")
 
 
 async def test_preemption_small_kv_pool_same_greedy_output(small_pool_server, chat_prompt_ids, hf_greedy):
-    # 8 requests of ~40 + 32 tokens need ~40 blocks of 16; 24 blocks force preemption.
+    # 8 requests of ~40 + 32 tokens need ~40 blocks of 16; 16 blocks force preemption (their prompts alone fill
+    # them: the running requests' decode blocks must come from preempted ones, whatever the arrival times).
     srv = small_pool_server
     before = (await server_stats(srv.address)).preemptions
     async with AsyncClient(srv.address, timeout=300) as c:
