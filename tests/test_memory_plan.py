@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from executor_proc.memory_plan import GIB, MemoryPlan, MemoryPlanError, gc_threshold, plan_memory
+from ipc.protocol import StepPlan
 from tests.server_proc import ROOT
 
 MIB = 1024**2
@@ -100,22 +101,34 @@ def test_serve_refuses_a_context_the_kv_budget_cannot_hold(tmp_path):
 
 
 def test_prompt_logprobs_in_slices_equal_one_pass(monkeypatch):
-    """The eager step's prompt logprobs, computed LOGITS_ROWS positions at a time (so that a full token budget's
-    logits never sit in memory at once), equal one pass over every position, saved logits included."""
+    """The eager step's prompt logprobs, computed LOGITS_ROWS positions at a time, equal one pass over every
+    position, saved logits included; one slice of logits is alive at a time, whatever the rows' lengths (a
+    short row after a long one is not joined to its last slice: the start-up profile's one long row bounds it)."""
     import weakref
 
     import torch
 
     from executor_proc.backends.torch_backend import TorchBackend
     from executor_proc.step import prompt_logprobs as pl_mod
-    from executor_proc.step.prompt_logprobs import PromptLogprobPlan, SavedLogits, compute_prompt_logprobs
+    from executor_proc.step.prompt_logprobs import SavedLogits, compute_prompt_logprobs, plan_prompt_logprobs
+    from executor_proc.step.slot_tables import SlotInfo
 
     torch.manual_seed(0)
     vocab, extra = 50, torch.randn(23, 50)
-    m = 1 + 9 + 13
-    targets, nums = torch.randint(0, vocab, (m,)), torch.full((m,), 4, dtype=torch.int32)
-    plan = PromptLogprobPlan(pieces=[("saved", 3), ("extra", 0, 9), ("extra", 9, 13)], saves=[(5, 40, 22)],
-                             targets=targets.tolist())
+    kept3 = torch.randn(vocab)
+    # slot 3 continues its prompt at 7 (its kept logits report position 7); slot 5's first chunk keeps its last
+    info = {3: SlotInfo(prompt_logprobs=4, num_prompt_tokens=17), 5: SlotInfo(prompt_logprobs=2, num_prompt_tokens=40)}
+    chunk3, chunk5 = list(range(30, 40)), list(range(10, 24))
+    step = StepPlan(0, [3, 5], [10, 14], [7, 0], [True, True], [True, False], prefill_tokens=chunk3 + chunk5)
+    saved = SavedLogits()
+    saved.by_slot[3] = (7, kept3)
+    plan = plan_prompt_logprobs(step, info, saved)
+    assert [(r.row, r.first, r.count, r.n) for r in plan.rows] == [(0, 7, 10, 4), (1, 1, 13, 2)]
+    assert plan.saved == [3] and plan.saves == [(5, 14, 22)] and len(plan.targets) == 1 + 23
+    targets, nums = torch.tensor(plan.targets), torch.tensor(plan.nums, dtype=torch.int32)
+    # the reference: one pass over the reported positions' logits, in order
+    want = TorchBackend.token_logprobs(torch.cat([kept3[None], extra[:22]]), torch.tensor(chunk3 + chunk5[1:]),
+                                       torch.tensor([4] * 10 + [2] * 13, dtype=torch.int32))
     calls, live = [], [0, 0]  # rows of logits alive now, and the most alive at once
 
     def logits(a: int, b: int) -> torch.Tensor:
@@ -126,28 +139,15 @@ def test_prompt_logprobs_in_slices_equal_one_pass(monkeypatch):
         weakref.finalize(out, lambda n=b - a: live.__setitem__(0, live[0] - n))
         return out
 
-    def run(rows: int):
+    for rows in (1, 4, 8, 1024):
         monkeypatch.setattr(pl_mod, "LOGITS_ROWS", rows)
-        live[:] = [0, 0]
-        saved = SavedLogits()
-        saved.by_slot[3] = (7, torch.randn(vocab, generator=torch.Generator().manual_seed(1)))
-        out = compute_prompt_logprobs(TorchBackend, logits, plan, saved, targets, nums)
-        return out, saved.by_slot.get(5)
-
-    (ids, lps), kept = run(1024)
-    for rows in (1, 4, 8):
         calls.clear()
-        (ids2, lps2), kept2 = run(rows)
-        assert torch.equal(ids, ids2) and torch.equal(lps, lps2) and torch.equal(kept[1], kept2[1])
-        assert max(calls) <= rows and kept2[0] == 40
-        # a group is flushed once it holds `rows` positions: never a whole piece's logits at once (the kept
-        # last logits of the chunk and the saved row of slot 3 aside)
-        assert live[1] <= 2 * rows + 1, (rows, live)
-    assert ids.shape == (m, 21)
-    # one long piece: one slice of logits alive at a time
-    plan = PromptLogprobPlan(pieces=[("extra", 0, 22)], targets=targets[:22].tolist())
-    (ids3, _), _ = run(4)
-    assert torch.equal(ids3[:, 1:], ids[1:, 1:]) and live[1] == 4, live  # the same top-n of the same logits
+        live[:] = [0, 0]
+        saved.by_slot = {3: (7, kept3)}
+        ids, lps = compute_prompt_logprobs(TorchBackend, logits, plan, saved, targets, nums)
+        assert torch.equal(ids[plan.order], want[0]) and torch.equal(lps[plan.order], want[1]), rows
+        assert saved.by_slot[5][0] == 14 and torch.equal(saved.by_slot[5][1], extra[22])
+        assert max(calls) <= rows and live[1] <= rows, (rows, calls, live)
 
 
 def test_kv_memory_fraction_is_a_deprecated_alias(capsys):

@@ -44,21 +44,38 @@ class PromptRow:
 class PromptLogprobPlan:
     """Host layout of one step's prompt logprobs (see the module docstring).
 
-    ``logits_index``: token indices whose logits the step computes after its sampled
-    rows' ones (``extra`` below is that block of logits).  ``pieces``: the rows of the
-    ``token_logprobs`` input in order, ``("saved", slot)`` or ``("extra", start, count)``;
-    ``targets``/``nums``: per input row, the prompt token and top-n; ``saves``:
-    ``(slot, position, extra index)`` logits kept for the slot's next chunk.
+    ``logits_index``: token indices whose logits the step computes after its sampled rows' ones (the "extra"
+    block).  The input rows of ``token_logprobs`` are the kept logits of the ``saved`` slots, then every row of
+    the extra block in order, so that the block is read in slices straight from the LM head (no copy joining
+    rows' pieces); ``targets``/``nums`` give each input row's prompt token and top-n (0 and 0 for the rows
+    that only predict a next chunk's first token: computed, not reported).  ``order``: the input row of each
+    reported position, in ``rows`` order (None: the same rows).  ``saves``: ``(slot, position, extra index)``
+    logits kept for the slot's next chunk.
     """
 
     rows: list[PromptRow] = field(default_factory=list)
     logits_index: list[int] = field(default_factory=list)
-    pieces: list[tuple] = field(default_factory=list)
+    saved: list[int] = field(default_factory=list)
     targets: list[int] = field(default_factory=list)
     nums: list[int] = field(default_factory=list)
+    order: Optional[list[int]] = None
     saves: list[tuple[int, int, int]] = field(default_factory=list)
     targets_part: Optional[int] = None  # indices into the step's upload
     nums_part: Optional[int] = None
+    # while planning: the saved and extra rows' targets and top-n, and each reported position's input row
+    # (``~k``: the k-th saved row; ``e``: extra row e)
+    _saved: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    _extra: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    _reported: list[int] = field(default_factory=list, repr=False)
+
+    def finish(self) -> "PromptLogprobPlan":
+        """Lay the input rows out: saved rows first, then the extra block."""
+        k = len(self.saved)
+        inputs = self._saved + self._extra
+        self.targets, self.nums = [t for t, _ in inputs], [n for _, n in inputs]
+        order = [~r if r < 0 else k + r for r in self._reported]
+        self.order = None if order == list(range(len(inputs))) else order
+        return self
 
 
 class SavedLogits:
@@ -90,7 +107,7 @@ def plan_prompt_logprobs(plan: StepPlan, info, saved: SavedLogits) -> Optional[P
             _plan_row(out, i, slot, p, n, si, plan.prefill_tokens[cursor:cursor + n], token_start, saved)
         token_start += n
         cursor += n if prefill else 0
-    return out
+    return out.finish() if out is not None else None
 
 
 def _plan_row(out: PromptLogprobPlan, row: int, slot: int, p: int, n: int, si, chunk: list[int],
@@ -100,16 +117,16 @@ def _plan_row(out: PromptLogprobPlan, row: int, slot: int, p: int, n: int, si, c
     extra = len(out.logits_index)
     inside = end - 1 - p  # positions p + 1 .. end - 1, predicted by the chunk's own logits
     out.logits_index += range(token_start, token_start + inside + keep)
+    top = si.prompt_logprobs
     first = p if p >= 1 and saved.position(slot) == p else p + 1
     if first == p:
-        out.pieces.append(("saved", slot))
-    if inside > 0:
-        out.pieces.append(("extra", extra, inside))
-    count = end - first
-    if count > 0:
-        out.rows.append(PromptRow(row, first, count, si.prompt_logprobs))
-        out.targets += chunk[first - p:end - p]
-        out.nums += [si.prompt_logprobs] * count
+        out.saved.append(slot)
+        out._saved.append((chunk[0], top))
+        out._reported.append(~(len(out.saved) - 1))
+    out._extra += [(t, top) for t in chunk[1:end - p]] + [(0, 0)] * keep
+    out._reported += range(extra, extra + inside)
+    if end > first:
+        out.rows.append(PromptRow(row, first, end - first, top))
     if keep:
         out.saves.append((slot, p + n, extra + inside))
 
@@ -117,43 +134,29 @@ def _plan_row(out: PromptLogprobPlan, row: int, slot: int, p: int, n: int, si, c
 def compute_prompt_logprobs(backend, extra_logits: Callable[[int, int], torch.Tensor], pl: PromptLogprobPlan,
                             saved: SavedLogits, targets: torch.Tensor,
                             nums: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """``(ids, logprobs) [M, 21]`` for every reported position; keeps the chunks' last logits.
+    """``(ids, logprobs) [M, 21]`` for the step's input rows (``pl.order`` picks the reported ones); keeps the
+    chunks' last logits.
 
     ``extra_logits(a, b)``: the float32 logits of rows ``a .. b - 1`` of the step's extra block (the LM head
-    of those rows).  They are computed and consumed :data:`LOGITS_ROWS` rows at a time, so a step's peak
-    memory does not grow with its prompt tokens (a full token budget's logits are gigabytes).
+    of those rows).  They are computed and consumed :data:`LOGITS_ROWS` rows at a time, one slice alive at
+    once whatever the rows' lengths, so a step's peak memory does not grow with its prompt tokens (a full
+    token budget's logits are gigabytes) and the start-up profile's one long row is its largest case.
     """
     saves = [(slot, position, extra_logits(index, index + 1)[0].clone()) for slot, position, index in pl.saves]
     result = None
-    if pl.targets:
-        ids, values, group, done = [], [], [], 0
+    if pl.rows:
+        ids, values = [], []
 
-        def flush() -> None:
-            nonlocal group, done
-            x = group[0] if len(group) == 1 else torch.cat(group)
-            out = backend.token_logprobs(x.contiguous(), targets[done:done + len(x)], nums[done:done + len(x)])
+        def logprobs(x: torch.Tensor, a: int) -> None:  # x: the logits of input rows a .. a + len(x) - 1
+            out = backend.token_logprobs(x, targets[a:a + len(x)], nums[a:a + len(x)])
             ids.append(out[0])
             values.append(out[1])
-            done += len(x)
-            group = []
 
-        rows = 0
-        for piece in pl.pieces:
-            if piece[0] == "saved":
-                parts = iter([saved.by_slot[piece[1]][1][None]])
-            else:  # lazily: a slice's logits are computed once the group before it is flushed
-                start, count = piece[1], piece[2]
-                parts = (extra_logits(a, min(a + LOGITS_ROWS, start + count))
-                         for a in range(start, start + count, LOGITS_ROWS))
-            for part in parts:
-                group.append(part)
-                rows += len(part)
-                del part  # else it holds a flushed slice while the next one is computed (a second [1024, vocab])
-                if rows >= LOGITS_ROWS:
-                    flush()
-                    rows = 0
-        if group:
-            flush()
+        k, rows = len(pl.saved), len(pl.logits_index)
+        for a in range(0, k, LOGITS_ROWS):
+            logprobs(torch.stack([saved.by_slot[s][1] for s in pl.saved[a:a + LOGITS_ROWS]]), a)
+        for a in range(0, rows, LOGITS_ROWS):
+            logprobs(extra_logits(a, min(a + LOGITS_ROWS, rows)), k + a)
         result = (ids[0], values[0]) if len(ids) == 1 else (torch.cat(ids), torch.cat(values))
     for slot, position, logits in saves:
         saved.by_slot[slot] = (position, logits)

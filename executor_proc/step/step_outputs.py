@@ -52,10 +52,11 @@ class StepOutputs:
                                            for i, n in enumerate(extra)]
         if self.prompt is not None and self.prompt.rows and self.prompt_logprobs is not None:
             ids, lps = self.prompt_logprobs[0].tolist(), self.prompt_logprobs[1].tolist()
+            order = self.prompt.order or range(len(ids))  # the input row of each reported position
             rows, values, k = [], [], 0
             for r in self.prompt.rows:
                 rows.append((r.row, r.first))
-                values.append([_token_logprobs(ids[j], lps[j], r.n) for j in range(k, k + r.count)])
+                values.append([_token_logprobs(ids[j], lps[j], r.n) for j in order[k:k + r.count]])
                 k += r.count
             fields["prompt_logprob_rows"] = rows
             fields["prompt_logprobs"] = values
