@@ -97,7 +97,7 @@ async def test_scripted_executor_through_the_processes(module_servers):
     (logprobs included) is the script's, the script's accepted counts add up, nothing leaks."""
     srv = module_servers("--load-format", "scripted", "--scripted-step-ms", "0.2", "--pipeline-depth", "2",
                          "--speculative-method", "ngram", "--num-speculative-tokens", "3", "--max-num-seqs", "6",
-                         "--num-kv-blocks", "30", "--block-size", "4", "--max-model-len", "256",
+                         "--num-kv-blocks", "20", "--block-size", "4", "--max-model-len", "256",
                          "--max-num-batched-tokens", "16", "--debug-checks")
     prompt = lambda seed: [10 + (seed + i) % 50 for i in range(5)]  # noqa: E731
     async with AsyncClient(srv.address, timeout=60) as c:
