@@ -24,7 +24,7 @@ async def test_greedy_parity_with_hf_concurrent(depth, model_server, chat_prompt
     srv = model_server(depth)
     async with AsyncClient(srv.address, timeout=300) as c:
         results = await asyncio.gather(*[
-            c.generate(prompt_token_ids=ids, max_tokens=48, temperature=0.0) for ids in chat_prompt_ids])
+            c.generate(prompt_token_ids=ids, max_tokens=32, temperature=0.0) for ids in chat_prompt_ids])
         for i, (r, ref) in enumerate(zip(results, hf_greedy)):
             assert r.token_ids == ref, f"prompt {i} {CHAT_PROMPTS[i]!r}: {r.text!r}"
             assert r.finish_reason == ("stop" if ref[-1] == 2 else "length")
@@ -67,7 +67,7 @@ async def test_abort_mid_stream_others_unaffected(depth, model_server, chat_prom
     srv = model_server(depth)
     async with AsyncClient(srv.address, timeout=300) as c:
         victim = c.stream(prompt_token_ids=chat_prompt_ids[1], max_tokens=200, temperature=0.0, ignore_eos=True)
-        others = [asyncio.create_task(c.generate(prompt_token_ids=chat_prompt_ids[i], max_tokens=48, temperature=0.0))
+        others = [asyncio.create_task(c.generate(prompt_token_ids=chat_prompt_ids[i], max_tokens=32, temperature=0.0))
                   for i in (2, 3, 4)]
         n = 0
         async for _ in victim:
