@@ -70,12 +70,20 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 10) 
     return 2 * nbytes / sorted(times[2:])[reps // 2]
 
 
-def weight_bytes_per_step(model) -> int:
-    """Bytes of weights one decode step reads: every parameter, except an untied embedding (one row read)."""
+def weight_bytes_per_step(model, batch: int = 1) -> int:
+    """Bytes of weights one decode step reads: every parameter, except an untied embedding (one row read) and,
+    in a mixture-of-experts layer, the experts no row chose: of E experts with top-k routing, a step of B rows
+    reads E * (1 - (1 - k/E)^B) of them on average (uniform routing; k at batch 1)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if not model.config.tie_word_embeddings:
         emb = model.model.embed_tokens.weight
         total -= emb.numel() * emb.element_size()
+    for module in model.modules():
+        experts = [getattr(module, name, None) for name in ("w13", "w2")]
+        if getattr(module, "top_k", None) and all(isinstance(w, torch.nn.Parameter) for w in experts):
+            e, k = experts[0].shape[0], module.top_k
+            idle = (1 - k / e) ** batch  # the share of experts no row chose
+            total -= int(sum(w.numel() * w.element_size() for w in experts) * idle)
     return total
 
 
@@ -198,7 +206,7 @@ def bench_model(name: str, args, bandwidth: Optional[float], quantization: str =
     if args.prefill and args.profile:
         profile_prefill(worker, args.prefill, f"{args.profile}.{name}.{quantization}.prefill.txt")
     linears = tuner_report(worker.model.backend)
-    w_bytes = weight_bytes_per_step(worker.model)
+    w_bytes = weight_bytes_per_step(worker.model, batch)
     kv = kv_bytes(mcfg, context + warmup + steps // 2, batch, worker.kv_cache.k[0].element_size())
     floor = w_bytes / bandwidth
     fp8 = quantization == "fp8"
