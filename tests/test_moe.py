@@ -389,32 +389,47 @@ def test_sparse_step_and_dense_layers():
 
 
 def test_server_greedy_tokens_match_hf(built):
-    """``forerun serve`` on the tiny Mixtral (CPU, float32): greedy tokens of two prompts as HF generates them."""
+    """``forerun serve`` on each family's tiny model (CPU, float32) at pipeline depths 0 and 1: greedy tokens of
+    two prompts as HF generates them.  The six servers start together."""
     import asyncio
     import shutil
     import tempfile
+    from concurrent.futures import ThreadPoolExecutor
 
     from ipc.client import AsyncClient
     from tests.server_proc import ServerProcess
 
-    _, hf, _, _, folder = built("mixtral")
     prompts = [random_tokens(6, 40), random_tokens(9, 41)]
-    want = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)
-            want.append(out[0, len(ids):].tolist())
+    want = {}
+    for name in FAMILIES:
+        hf = built(name)[1]
+        with torch.no_grad():
+            want[name] = [hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]
+    cases = [(name, depth) for name in FAMILIES for depth in (0, 1)]
     tmp = tempfile.mkdtemp(prefix="fr", dir="/tmp")  # short: ipc paths are limited to 107 bytes
-    srv = ServerProcess("--model", folder, "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "4",
-                        "--num-kv-blocks", "32", "--block-size", "4", tmpdir=tmp, timeout=120)
+
+    def start(case):
+        name, depth = case
+        return ServerProcess("--model", built(name)[4], "--device", "cpu", "--dtype", "float32", "--max-num-seqs",
+                             "4", "--num-kv-blocks", "32", "--block-size", "4", "--pipeline-depth", str(depth),
+                             tmpdir=tmp, timeout=120)
+
+    async def run(srv):
+        async with AsyncClient(srv.address, timeout=60) as c:
+            return [r.token_ids for r in await asyncio.gather(*[
+                c.generate(prompt_token_ids=ids, max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True)
+                for ids in prompts])]
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        started = [pool.submit(start, case) for case in cases]
+    servers = [f.result() for f in started if f.exception() is None]
     try:
-        async def run():
-            async with AsyncClient(srv.address, timeout=60) as c:
-                return await asyncio.gather(*[c.generate(prompt_token_ids=ids, max_tokens=8, temperature=0.0,
-                                                         detokenize=False, ignore_eos=True) for ids in prompts])
-        got = asyncio.run(run())
+        assert len(servers) == len(cases), [f.exception() for f in started]
+        got = {case: asyncio.run(run(srv)) for case, srv in zip(cases, servers)}
     finally:
-        srv.stop()
+        for srv in servers:
+            srv.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    assert [r.token_ids for r in got] == want
+    for name, depth in cases:
+        assert got[name, depth] == want[name], (name, depth)
