@@ -292,7 +292,7 @@ class ProfileStep:
             step = worker.prepare(plan)
             worker.launch(step)
         torch.cuda.synchronize(device)
-        worker.saved_logits.forget(range(len(self.rows)))
+        worker.saved_hidden.forget(range(len(self.rows)))
         return max(0, torch.cuda.max_memory_reserved(device) - before)
 
 

@@ -102,41 +102,44 @@ def test_serve_refuses_a_context_the_kv_budget_cannot_hold(tmp_path):
 
 def test_prompt_logprobs_in_slices_equal_one_pass(monkeypatch):
     """The eager step's prompt logprobs, computed LOGITS_ROWS positions at a time, equal one pass over every
-    position, saved logits included; one slice of logits is alive at a time, whatever the rows' lengths (a
-    short row after a long one is not joined to its last slice: the start-up profile's one long row bounds it)."""
+    position, the kept hidden row of a slot's previous chunk included; one slice of logits is alive at a time,
+    whatever the rows' lengths (a short row after a long one is not joined to its last slice: the start-up
+    profile's one long row bounds it), and a chunk keeps its last hidden row, not its logits."""
     import weakref
 
     import torch
 
     from executor_proc.backends.torch_backend import TorchBackend
     from executor_proc.step import prompt_logprobs as pl_mod
-    from executor_proc.step.prompt_logprobs import SavedLogits, compute_prompt_logprobs, plan_prompt_logprobs
+    from executor_proc.step.prompt_logprobs import SavedHidden, compute_prompt_logprobs, plan_prompt_logprobs
     from executor_proc.step.slot_tables import SlotInfo
 
     torch.manual_seed(0)
-    vocab, extra = 50, torch.randn(23, 50)
-    kept3 = torch.randn(vocab)
-    # slot 3 continues its prompt at 7 (its kept logits report position 7); slot 5's first chunk keeps its last
+    # small integers: the LM head's sums are exact, whatever rows a matrix product groups
+    weight = torch.randint(-3, 4, (8, 50)).float()
+    extra, kept3 = torch.randint(-3, 4, (23, 8)).float(), torch.randint(-3, 4, (8,)).float()
+    # slot 3 continues its prompt at 7 (its kept row reports position 7); slot 5's first chunk keeps its last
     info = {3: SlotInfo(prompt_logprobs=4, num_prompt_tokens=17), 5: SlotInfo(prompt_logprobs=2, num_prompt_tokens=40)}
     chunk3, chunk5 = list(range(30, 40)), list(range(10, 24))
     step = StepPlan(0, [3, 5], [10, 14], [7, 0], [True, True], [True, False], prefill_tokens=chunk3 + chunk5)
-    saved = SavedLogits()
+    saved = SavedHidden()
     saved.by_slot[3] = (7, kept3)
     plan = plan_prompt_logprobs(step, info, saved)
     assert [(r.row, r.first, r.count, r.n) for r in plan.rows] == [(0, 7, 10, 4), (1, 1, 13, 2)]
     assert plan.saved == [3] and plan.saves == [(5, 14, 22)] and len(plan.targets) == 1 + 23
     targets, nums = torch.tensor(plan.targets), torch.tensor(plan.nums, dtype=torch.int32)
     # the reference: one pass over the reported positions' logits, in order
-    want = TorchBackend.token_logprobs(torch.cat([kept3[None], extra[:22]]), torch.tensor(chunk3 + chunk5[1:]),
+    want = TorchBackend.token_logprobs(torch.cat([kept3[None], extra[:22]]) @ weight,
+                                       torch.tensor(chunk3 + chunk5[1:]),
                                        torch.tensor([4] * 10 + [2] * 13, dtype=torch.int32))
     calls, live = [], [0, 0]  # rows of logits alive now, and the most alive at once
 
-    def logits(a: int, b: int) -> torch.Tensor:
-        calls.append(b - a)
-        out = extra[a:b].clone()
-        live[0] += b - a
+    def head(x: torch.Tensor) -> torch.Tensor:
+        calls.append(len(x))
+        out = x @ weight
+        live[0] += len(x)
         live[1] = max(live)
-        weakref.finalize(out, lambda n=b - a: live.__setitem__(0, live[0] - n))
+        weakref.finalize(out, lambda n=len(x): live.__setitem__(0, live[0] - n))
         return out
 
     for rows in (1, 4, 8, 1024):
@@ -144,7 +147,7 @@ def test_prompt_logprobs_in_slices_equal_one_pass(monkeypatch):
         calls.clear()
         live[:] = [0, 0]
         saved.by_slot = {3: (7, kept3)}
-        ids, lps = compute_prompt_logprobs(TorchBackend, logits, plan, saved, targets, nums)
+        ids, lps = compute_prompt_logprobs(TorchBackend, lambda a, b: extra[a:b], head, plan, saved, targets, nums)
         assert torch.equal(ids[plan.order], want[0]) and torch.equal(lps[plan.order], want[1]), rows
         assert saved.by_slot[5][0] == 14 and torch.equal(saved.by_slot[5][1], extra[22])
         assert max(calls) <= rows and live[1] <= rows, (rows, calls, live)
@@ -182,6 +185,6 @@ def test_the_profile_steps_run_the_full_budget_in_short_and_long_rows(tmp_path):
     for i, probe in enumerate((short, long)):
         for plan in probe.plans(first_step_id=2 * i):
             worker.launch(worker.prepare(plan))
-        assert len(worker.saved_logits.by_slot) == 0  # whole prompts: no chunk's last logits kept
+        assert len(worker.saved_hidden.by_slot) == 0  # whole prompts: no chunk's last hidden row kept
     # a budget the slots cannot fill in long rows is one layout
     assert len(ProfileStep.layouts(cfg, max_len=16, vocab=97)) == 1

@@ -205,18 +205,18 @@ def test_seeded_penalised_sampling_is_batch_independent(worker, chat_prompt_ids)
 
 
 def test_prompt_logprob_layout_without_kept_logits():
-    """A chunk with no kept logits before it (a prefix-cache hit) reports from its second position;
+    """A chunk with no kept row before it (a prefix-cache hit) reports from its second position;
     positions past the prompt (a resumed request's outputs) are never reported."""
-    from executor_proc.step.prompt_logprobs import SavedLogits, plan_prompt_logprobs
+    from executor_proc.step.prompt_logprobs import SavedHidden, plan_prompt_logprobs
     from executor_proc.step.slot_tables import SlotInfo
 
     info = {3: SlotInfo(prompt_logprobs=2, num_prompt_tokens=10)}
     chunk = list(range(100, 106))
-    pl = plan_prompt_logprobs(StepPlan(0, [3], [6], [4], [True], [True], prefill_tokens=chunk), info, SavedLogits())
+    pl = plan_prompt_logprobs(StepPlan(0, [3], [6], [4], [True], [True], prefill_tokens=chunk), info, SavedHidden())
     assert [(r.row, r.first, r.count, r.n) for r in pl.rows] == [(0, 5, 5, 2)]
     assert pl.targets == chunk[1:] and pl.logits_index == [0, 1, 2, 3, 4] and not pl.saves
-    pl = plan_prompt_logprobs(StepPlan(0, [3], [6], [8], [True], [True], prefill_tokens=chunk), info, SavedLogits())
+    pl = plan_prompt_logprobs(StepPlan(0, [3], [6], [8], [True], [True], prefill_tokens=chunk), info, SavedHidden())
     assert [(r.first, r.count) for r in pl.rows] == [(9, 1)] and pl.targets == [101] and pl.logits_index == [0]
     pl = plan_prompt_logprobs(StepPlan(0, [3], [4], [0], [True], [False], prefill_tokens=chunk[:4]), info,
-                              SavedLogits())
+                              SavedHidden())
     assert [(r.first, r.count) for r in pl.rows] == [(1, 3)] and pl.saves == [(3, 4, 3)]

@@ -6,10 +6,12 @@ For a prefill row of a slot that asked (``prompt_logprobs >= 0``) covering posit
 the same distribution (float32, the model's raw logits, like sampled-token logprobs).
 So the chunk needs the logits of its positions ``p .. min(p + n, P) - 2`` (the model
 then computes the LM head for those tokens too, not only for the sampled ones), and
-the token at ``p`` needs the *previous* chunk's last logits: they are kept per slot,
-on the device, from the chunk that ended at ``p`` (only for slots that asked, and
-dropped at release or re-admission).  Position 0 has no logprob.  A chunk that starts
-where no previous logits were kept (a prefix-cache hit; a chunk of a request admitted
+the token at ``p`` needs the *previous* chunk's last logits: that chunk's last final
+hidden state is kept per slot, on the device (one ``[hidden]`` row, not the ``[vocab]``
+float32 logits: 64 times smaller for Llama-3, so slots mid-prompt hold next to nothing
+between steps), and the LM head runs on it again in the next chunk's step (only for
+slots that asked; dropped at release or re-admission).  Position 0 has no logprob.  A chunk that starts
+where no previous row was kept (a prefix-cache hit; a chunk of a request admitted
 past its start) reports from ``p + 1``: the ``first`` position in the result says so.
 Positions ``>= P`` (outputs re-prefilled after a preemption) are never reported.
 
@@ -45,12 +47,12 @@ class PromptLogprobPlan:
     """Host layout of one step's prompt logprobs (see the module docstring).
 
     ``logits_index``: token indices whose logits the step computes after its sampled rows' ones (the "extra"
-    block).  The input rows of ``token_logprobs`` are the kept logits of the ``saved`` slots, then every row of
+    block).  The input rows of ``token_logprobs`` are the kept rows' logits of the ``saved`` slots, then every row of
     the extra block in order, so that the block is read in slices straight from the LM head (no copy joining
     rows' pieces); ``targets``/``nums`` give each input row's prompt token and top-n (0 and 0 for the rows
     that only predict a next chunk's first token: computed, not reported).  ``order``: the input row of each
     reported position, in ``rows`` order (None: the same rows).  ``saves``: ``(slot, position, extra index)``
-    logits kept for the slot's next chunk.
+    hidden rows kept for the slot's next chunk.
     """
 
     rows: list[PromptRow] = field(default_factory=list)
@@ -78,8 +80,8 @@ class PromptLogprobPlan:
         return self
 
 
-class SavedLogits:
-    """Per slot: the last logits of its previous prompt chunk and the position they predict."""
+class SavedHidden:
+    """Per slot: the last final hidden state of its previous prompt chunk and the position its logits predict."""
 
     def __init__(self):
         self.by_slot: dict[int, tuple[int, torch.Tensor]] = {}
@@ -95,7 +97,7 @@ class SavedLogits:
         return -1 if entry is None else entry[0]
 
 
-def plan_prompt_logprobs(plan: StepPlan, info, saved: SavedLogits) -> Optional[PromptLogprobPlan]:
+def plan_prompt_logprobs(plan: StepPlan, info, saved: SavedHidden) -> Optional[PromptLogprobPlan]:
     """The step's prompt-logprob layout, or None when no prefill row asks (``info``: the slot mirrors)."""
     out: Optional[PromptLogprobPlan] = None
     token_start = 0  # first token index of the row
@@ -111,7 +113,7 @@ def plan_prompt_logprobs(plan: StepPlan, info, saved: SavedLogits) -> Optional[P
 
 
 def _plan_row(out: PromptLogprobPlan, row: int, slot: int, p: int, n: int, si, chunk: list[int],
-              token_start: int, saved: SavedLogits) -> None:
+              token_start: int, saved: SavedHidden) -> None:
     end = min(p + n, si.num_prompt_tokens)  # prompt positions of the chunk: [p, end)
     keep = p + n < si.num_prompt_tokens  # the last logits predict the next chunk's first token
     extra = len(out.logits_index)
@@ -131,18 +133,18 @@ def _plan_row(out: PromptLogprobPlan, row: int, slot: int, p: int, n: int, si, c
         out.saves.append((slot, p + n, extra + inside))
 
 
-def compute_prompt_logprobs(backend, extra_logits: Callable[[int, int], torch.Tensor], pl: PromptLogprobPlan,
-                            saved: SavedLogits, targets: torch.Tensor,
-                            nums: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def compute_prompt_logprobs(backend, extra_hidden: Callable[[int, int], torch.Tensor],
+                            head: Callable[[torch.Tensor], torch.Tensor], pl: PromptLogprobPlan, saved: SavedHidden,
+                            targets: torch.Tensor, nums: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """``(ids, logprobs) [M, 21]`` for the step's input rows (``pl.order`` picks the reported ones); keeps the
-    chunks' last logits.
+    chunks' last hidden rows.
 
-    ``extra_logits(a, b)``: the float32 logits of rows ``a .. b - 1`` of the step's extra block (the LM head
-    of those rows).  They are computed and consumed :data:`LOGITS_ROWS` rows at a time, one slice alive at
-    once whatever the rows' lengths, so a step's peak memory does not grow with its prompt tokens (a full
-    token budget's logits are gigabytes) and the start-up profile's one long row is its largest case.
+    ``extra_hidden(a, b)``: the final hidden states of rows ``a .. b - 1`` of the step's extra block; ``head``:
+    the LM head (float32 logits).  Logits are computed and consumed :data:`LOGITS_ROWS` rows at a time, one
+    slice alive at once whatever the rows' lengths, so a step's peak memory does not grow with its prompt tokens
+    (a full token budget's logits are gigabytes) and the start-up profile's one long row is its largest case.
     """
-    saves = [(slot, position, extra_logits(index, index + 1)[0].clone()) for slot, position, index in pl.saves]
+    saves = [(slot, position, extra_hidden(index, index + 1)[0].clone()) for slot, position, index in pl.saves]
     result = None
     if pl.rows:
         ids, values = [], []
@@ -154,10 +156,10 @@ def compute_prompt_logprobs(backend, extra_logits: Callable[[int, int], torch.Te
 
         k, rows = len(pl.saved), len(pl.logits_index)
         for a in range(0, k, LOGITS_ROWS):
-            logprobs(torch.stack([saved.by_slot[s][1] for s in pl.saved[a:a + LOGITS_ROWS]]), a)
+            logprobs(head(torch.stack([saved.by_slot[s][1] for s in pl.saved[a:a + LOGITS_ROWS]])), a)
         for a in range(0, rows, LOGITS_ROWS):
-            logprobs(extra_logits(a, min(a + LOGITS_ROWS, rows)), k + a)
+            logprobs(head(extra_hidden(a, min(a + LOGITS_ROWS, rows))), k + a)
         result = (ids[0], values[0]) if len(ids) == 1 else (torch.cat(ids), torch.cat(values))
-    for slot, position, logits in saves:
-        saved.by_slot[slot] = (position, logits)
+    for slot, position, row in saves:
+        saved.by_slot[slot] = (position, row)
     return result

@@ -33,7 +33,7 @@ from executor_proc.step.host_kv import HostKV
 from executor_proc.step.mixed_graphs import MixedGraphs
 from executor_proc.step.mixed_step import MixedShape, mixed_body, mixed_head, mixed_inputs
 from executor_proc.step.plan_rows import PlanRows, plan_rows
-from executor_proc.step.prompt_logprobs import (PromptLogprobPlan, SavedLogits, compute_prompt_logprobs,
+from executor_proc.step.prompt_logprobs import (PromptLogprobPlan, SavedHidden, compute_prompt_logprobs,
                                                 plan_prompt_logprobs)
 from executor_proc.step.sample import Sampled, SamplingMode, sample_rows, sampling_mode
 from executor_proc.step.slot_tables import SlotTables
@@ -96,7 +96,7 @@ class Worker:
         self.device = device
         self.staging = PinnedStaging(device)
         self.tokens_out = TokenRing(device, tables.num_slots + 1) if device.type == "cuda" else None
-        self.saved_logits = SavedLogits()
+        self.saved_hidden = SavedHidden()
         self.host_kv = host_kv
         self.capturer = GraphCapture(device)  # one memory pool for every graph
         self.graphs = None
@@ -166,8 +166,8 @@ class Worker:
     def prepare(self, plan: StepPlan) -> Step:
         """Apply the plan's diffs to the slot tables and put the step's inputs on the device."""
         upload = self.staging.upload()
-        self.saved_logits.forget(plan.releases)
-        self.saved_logits.forget(a.slot for a in plan.admits)
+        self.saved_hidden.forget(plan.releases)
+        self.saved_hidden.forget(a.slot for a in plan.admits)
         diff = self.tables.stage(plan, upload)
         sampled_slots = [s for s, sampled in zip(plan.slots, plan.sample) if sampled]
         mode = sampling_mode(self.tables, sampled_slots)
@@ -193,7 +193,7 @@ class Worker:
             self.graphs.inputs[:, :bucket].copy_(sent[part].view(3, bucket))
             return GraphStep(bucket, len(plan.slots), mode, outputs)
         featured = bool(self.tables.featured)
-        outputs.prompt = plan_prompt_logprobs(plan, self.tables.info, self.saved_logits) if featured else None
+        outputs.prompt = plan_prompt_logprobs(plan, self.tables.info, self.saved_hidden) if featured else None
         rows = plan_rows(plan)
         if speculative:
             spec = outputs.spec = self.spec.stage_rows(plan, rows, upload, spec, self.tables.info)
@@ -346,7 +346,7 @@ class Worker:
             logits = self.model.logits(hidden[:s]) if s else None
             spec_logits = self.model.logits(hidden[hidden.shape[0] - nt:]) if nt else None
             step.outputs.prompt_logprobs = compute_prompt_logprobs(
-                self.model.backend, lambda a, b: self.model.logits(hidden[s + a:s + b]), prompt, self.saved_logits,
+                self.model.backend, lambda a, b: hidden[s + a:s + b], self.model.logits, prompt, self.saved_hidden,
                 *(step.prompt_parts or (None, None)))
         if s == 0:
             return batch.sample_slots
