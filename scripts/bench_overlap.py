@@ -71,6 +71,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--executor", choices=["scripted", "model", "both", "cuda"], default="both",
                     help="scripted steps, the default model on the CPU, both, or random weights on the GPU")
     ap.add_argument("--client", choices=["sdk", "raw"], default="sdk")
+    ap.add_argument("--serve-args", default="",
+                    help="more `forerun serve` flags for every server (one string), e.g. "
+                         "'--speculative-method ngram'")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per configuration; the run with the median idle fraction is reported "
                          "(a shared 2-core machine stalls processes for milliseconds now and then)")
@@ -183,7 +186,8 @@ def drive_niced(client: str, address: str, n: int, max_tokens: int, nice: int) -
 
 
 def run_one(executor: str, step_ms: Optional[float], depth: int, running: int, max_tokens: int,
-            client: str, nice: int, tmp: str, model: str = "", throughput: bool = False) -> dict[str, Any]:
+            client: str, nice: int, tmp: str, model: str = "", throughput: bool = False,
+            serve_args: str = "") -> dict[str, Any]:
     log = os.path.join(tmp, f"steps-{executor}-{step_ms}-{depth}-{time.monotonic_ns()}.jsonl")
     args = ["--pipeline-depth", str(depth), "--max-num-seqs", str(running), "--step-log", log,
             "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", str(max(2048, running * len(PROMPT)))]
@@ -195,6 +199,7 @@ def run_one(executor: str, step_ms: Optional[float], depth: int, running: int, m
         args += ["--device", "cuda", "--load-format", "dummy", "--model", model, "--max-num-seqs", "256"]
     else:
         args += ["--max-model-len", "1024"]
+    args += serve_args.split()
     address = f"ipc://{tmp}/c-{time.monotonic_ns()}.sock"
     server = start_server(address, *args, run_dir=tmp, echo=False)
     try:
@@ -212,7 +217,7 @@ def run_one(executor: str, step_ms: Optional[float], depth: int, running: int, m
         stop_server(server)
     assert received == running * max_tokens, (received, running * max_tokens)
     row = {"executor": executor, "step_ms": step_ms, "depth": depth, "running": running, "client": client,
-           "client_nice": nice, "max_tokens": max_tokens, "client_s": elapsed}
+           "client_nice": nice, "max_tokens": max_tokens, "client_s": elapsed, "serve_args": serve_args}
     row.update(summarize(read_steps(log), running))
     row.update(usage)
     if serve:
@@ -271,7 +276,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for _ in range(args.repeat):
                     try:
                         runs.append(run_one(executor, step_ms, depth, running, max_tokens, args.client,
-                                            args.client_nice, tmp, args.model, args.throughput))
+                                            args.client_nice, tmp, args.model, args.throughput,
+                                            args.serve_args))
                     except Exception as e:  # the default model may be missing: report it, keep the other rows
                         print(f"{executor:>8} {step_ms or '-':>7} {depth:>5}: failed: {type(e).__name__}: {e}"[:400],
                               flush=True)
