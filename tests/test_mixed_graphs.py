@@ -40,6 +40,20 @@ def test_buckets():
     assert row_buckets(6) == [6] and row_buckets(64) == [8, 32, 64] and row_buckets(256) == [8, 32, 128, 256]
 
 
+def test_a_step_reading_more_hidden_rows_than_tokens_takes_a_larger_bucket():
+    """16 speculative rows of 5 tokens read 96 hidden rows (each row's sampled position and its 5 drafted ones):
+    more than the 80-token bucket's rows, so the step runs in the 96-token bucket rather than eagerly."""
+    from executor_proc.step.mixed_graphs import MixedGraphs
+
+    graphs = MixedGraphs(None, None, max_tokens=2048, max_rows=256, pad_slot=256, hidden_size=8,
+                         dtype=torch.float32, device=torch.device("cpu"), capture=False)
+    rows = plan_rows(StepPlan(0, list(range(16)), [5] * 16, [40] * 16, [True] * 16, [True] * 16,
+                              prefill_tokens=[1] * 80))
+    assert graphs.shape_for(rows) == MixedShape(96, 32, 256, 1)
+    assert graphs.shape_for(rows, min_rows=96) == MixedShape(96, 96, 256, 1)
+    assert graphs.shape_for(rows, min_rows=257) is None
+
+
 def test_pack_layout():
     """Decode rows first, padding after the real tokens and rows, tiles only for prefill rows."""
     plan = StepPlan(0, slots=[3, 1, 4], num_tokens=[1, 20, 5], positions=[9, 0, 30], is_prefill=[False, True, True],

@@ -63,9 +63,12 @@ class MixedGraphs:
         return sorted({min(r, tokens) for r in self.row_buckets})
 
     def shape_for(self, rows: PlanRows, min_rows: int = 0) -> Optional[MixedShape]:
-        """The smallest bucket holding the step (and ``min_rows`` sampled hidden rows), or None if too large."""
+        """The smallest bucket holding the step (and ``min_rows`` sampled hidden rows), or None if too large.
+
+        A bucket has at most as many rows as tokens, so a step that reads more hidden rows than it has tokens
+        (speculative rows: each row's sampled position and every drafted one) takes a larger token bucket."""
         need = max(rows.num_rows, min_rows)
-        i = bisect.bisect_left(self.token_buckets, rows.num_tokens)
+        i = bisect.bisect_left(self.token_buckets, max(rows.num_tokens, need))
         if i == len(self.token_buckets) or need > self.max_rows:
             return None
         tokens = self.token_buckets[i]
