@@ -33,7 +33,7 @@ import msgspec
 import torch
 import zmq
 
-from executor_proc.memory_plan import MemoryPlanError
+from executor_proc.memory_plan import StartupRefused
 from ipc.config import ExecutorConfig
 from ipc import protocol as p
 from ipc.sockets import make_socket
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         ex.run()
         if ex.tp is not None:
             ex.tp.exit_process(0)
-    except MemoryPlanError as e:  # the configuration does not fit the device: one line, no traceback
+    except StartupRefused as e:  # a configuration the executor will not run (it does not fit): one line
         try:
             ex.send(p.ExecutorFatal(str(e), refused=True))
             time.sleep(0.2)  # let the message leave before the context is torn down

@@ -4,13 +4,14 @@ Pure arithmetic, no torch: :mod:`executor_proc.build` measures the parts on the 
 :func:`plan_memory`.  The budget is ``gpu_memory_utilization x total`` device memory (vLLM's rule),
 and it holds, in the order they are measured::
 
-    weights       the model's parameters (this rank's shard)
+    weights       the model's parameters (this rank's shard), and a draft model's (speculative decoding)
     activations   the largest eager step's transient peak (a profile run of a full token budget with
                   prompt logprobs, the heaviest step kind) plus the step machinery's fixed buffers
     graphs        every CUDA graph's memory pool (measured by capturing them)
     other         what is on the device outside torch's allocator: the CUDA context, NCCL's buffers,
                   kernel modules, other processes' memory
-    kv            the rest, in whole blocks (at most what the slots can use)
+    kv            the rest, in whole blocks (at most what the slots can use); with a draft model a block id
+                  holds the model's KV and the draft's (its cache has one more block: scratch)
 
 A plan that cannot hold the KV of one request of ``max_model_len`` tokens is refused with
 :class:`MemoryPlanError`, whose message names the numbers and the flags that would fit.
@@ -25,8 +26,12 @@ GIB = 1024**3
 MAX_UTILIZATION = 0.98  # what a refusal may suggest: the last 2% is the driver's and the other processes'
 
 
-class MemoryPlanError(Exception):
-    """The configuration does not fit the device: a one-line message for the user, no traceback."""
+class StartupRefused(Exception):
+    """A configuration the executor will not run: a one-line message for the user, no traceback."""
+
+
+class MemoryPlanError(StartupRefused):
+    """The configuration does not fit the device."""
 
 
 @dataclass(frozen=True)
@@ -44,14 +49,22 @@ class MemoryPlan:
     kv_blocks: int
     block_bytes: int
     block_size: int
+    draft_weights: int = 0  # the draft model's parameters (0: no draft model)
+    draft_block_bytes: int = 0  # its KV bytes per block id, beside block_bytes
 
     @property
     def budget(self) -> int:
         return int(self.total * self.utilization)
 
     @property
+    def draft_kv(self) -> int:
+        """The draft model's KV cache: a block per block id, and its scratch block."""
+        return (self.kv_blocks + 1) * self.draft_block_bytes if self.draft_block_bytes else 0
+
+    @property
     def kv(self) -> int:
-        return self.kv_blocks * self.block_bytes
+        """The KV caches: the model's, and the draft model's."""
+        return self.kv_blocks * self.block_bytes + self.draft_kv
 
     @property
     def kv_tokens(self) -> int:
@@ -60,41 +73,46 @@ class MemoryPlan:
     @property
     def planned(self) -> int:
         """What the plan gives this process's own allocations: all but ``other``."""
-        return self.weights + self.activations + self.graphs + self.kv
+        return self.weights + self.draft_weights + self.activations + self.graphs + self.kv
 
     def as_dict(self) -> dict[str, float]:
         """The numbers (bytes, blocks, tokens), for ``ExecutorReady.memory_plan_bytes``."""
         d = {k: v for k, v in asdict(self).items() if k != "device"}
-        d.update(budget=self.budget, kv=self.kv, kv_tokens=self.kv_tokens, planned=self.planned)
+        d.update(budget=self.budget, kv=self.kv, draft_kv=self.draft_kv, kv_tokens=self.kv_tokens,
+                 planned=self.planned)
         return d
 
     def line(self) -> str:
         """The plan in one line (what ``forerun serve`` prints at start-up)."""
+        draft = self.draft_block_bytes > 0
+        tokens = f"{self.kv_tokens:,} tokens" + (" (the model's and the draft's KV)" if draft else "")
+        kv = f"KV {_gib(self.kv)}" + (f" (draft {_gib(self.draft_kv)})" if draft else "")
         if self.device == "cpu":
+            weights = f"weights {_gib(self.weights)}" + (f" + draft {_gib(self.draft_weights)}" if draft else "")
             return (f"memory plan (cpu: host memory is not planned like a GPU's; the KV cache gets at most a "
-                    f"fixed {_gib(self.total)} GiB): weights {_gib(self.weights)} GiB, KV {_gib(self.kv)} GiB = "
-                    f"{self.kv_tokens:,} tokens")
+                    f"fixed {_gib(self.total)} GiB): {weights} GiB, {kv} GiB = {tokens}")
         used = self.planned + self.other
-        return (f"memory plan: weights {_gib(self.weights)} + activations {_gib(self.activations)} + graphs "
-                f"{_gib(self.graphs)} + other {_gib(self.other)} + KV {_gib(self.kv)} = {_gib(used)} GiB of "
-                f"{_gib(self.budget)} ({self.utilization:g} x {_gib(self.total)} GiB); KV {self.kv_tokens:,} "
-                f"tokens")
+        weights = f"weights {_gib(self.weights)}" + (f" + draft weights {_gib(self.draft_weights)}" if draft else "")
+        return (f"memory plan: {weights} + activations {_gib(self.activations)} + graphs {_gib(self.graphs)} + "
+                f"other {_gib(self.other)} + {kv} = {_gib(used)} GiB of {_gib(self.budget)} ({self.utilization:g} "
+                f"x {_gib(self.total)} GiB); KV {tokens}")
 
 
 def plan_memory(*, device: str, total: int, utilization: float, weights: int, activations: int, graphs: int,
                 other: int, block_bytes: int, block_size: int, max_model_len: int,
-                useful_blocks: Optional[int] = None) -> MemoryPlan:
+                useful_blocks: Optional[int] = None, draft_weights: int = 0, draft_block_bytes: int = 0) -> MemoryPlan:
     """The KV cache gets what the budget leaves after the measured parts, in whole blocks, at most
     ``useful_blocks`` (what the slots can fill); :class:`MemoryPlanError` if that cannot hold one request
-    of ``max_model_len`` tokens."""
+    of ``max_model_len`` tokens.  A draft model (``draft_weights``, ``draft_block_bytes``) adds its weights to the
+    parts and its KV bytes to every block (and its scratch block)."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    free = int(total * utilization) - weights - activations - graphs - other
-    blocks = max(0, free) // block_bytes
+    free = int(total * utilization) - weights - draft_weights - activations - graphs - other - draft_block_bytes
+    blocks = max(0, free) // (block_bytes + draft_block_bytes)
     if useful_blocks is not None:
         blocks = min(blocks, useful_blocks)
     plan = MemoryPlan(device, total, utilization, weights, activations, graphs, other, blocks, block_bytes,
-                      block_size)
+                      block_size, draft_weights, draft_block_bytes)
     check_fits(plan, max_model_len)
     return plan
 
@@ -119,17 +137,19 @@ def check_fits(plan: MemoryPlan, max_model_len: int) -> None:
 
 def refusal(plan: MemoryPlan, max_model_len: int) -> str:
     """Why the server will not start, with the numbers and the flags that would make it fit."""
-    need = blocks_for(max_model_len, plan.block_size) * plan.block_bytes
+    blocks = blocks_for(max_model_len, plan.block_size)
+    need = blocks * plan.block_bytes + ((blocks + 1) * plan.draft_block_bytes if plan.draft_block_bytes else 0)
     fits_len = plan.kv_tokens
     if plan.device == "cpu":
         return (f"the KV cache cannot hold one request of --max-model-len {max_model_len:,} tokens "
                 f"({_gib(need)} GiB): on the cpu it gets a fixed {_gib(plan.total)} GiB ({fits_len:,} tokens); "
                 f"lower --max-model-len to {fits_len:,} or less")
     short = need - plan.kv
-    parts = (f"weights {_gib(plan.weights)} + activations {_gib(plan.activations)} + graphs {_gib(plan.graphs)} "
+    weights = plan.weights + plan.draft_weights
+    parts = (f"weights {_gib(weights)} + activations {_gib(plan.activations)} + graphs {_gib(plan.graphs)} "
              f"+ other {_gib(plan.other)} GiB")
     fixes = []
-    util = (plan.weights + plan.activations + plan.graphs + plan.other + need) / plan.total
+    util = (weights + plan.activations + plan.graphs + plan.other + need) / plan.total
     if util <= MAX_UTILIZATION:
         fixes.append(f"raise --gpu-memory-utilization to {_ceil2(util):.2f}")
     if fits_len > 0:

@@ -188,3 +188,24 @@ def test_the_profile_steps_run_the_full_budget_in_short_and_long_rows(tmp_path):
         assert len(worker.saved_hidden.by_slot) == 0  # whole prompts: no chunk's last hidden row kept
     # a budget the slots cannot fill in long rows is one layout
     assert len(ProfileStep.layouts(cfg, max_len=16, vocab=97)) == 1
+
+
+def test_a_draft_model_adds_its_weights_and_its_kv_bytes_to_every_block():
+    draft_block = BLOCK // 8  # a draft of a quarter of the layers and half the KV heads
+    p = plan(draft_weights=GIB, draft_block_bytes=draft_block)
+    left = int(80 * GIB * 0.9) - 15 * GIB - GIB - 2 * GIB - 1 * GIB - GIB // 2
+    assert p.kv_blocks == (left - draft_block) // (BLOCK + draft_block)  # and the draft's scratch block
+    assert p.draft_kv == (p.kv_blocks + 1) * draft_block and p.kv == p.kv_blocks * BLOCK + p.draft_kv
+    assert p.planned == 15 * GIB + GIB + 2 * GIB + GIB + p.kv and p.planned + p.other <= p.budget
+    assert "weights 15.00 + draft weights 1.00 + activations 2.00" in p.line()
+    assert f"(draft {p.draft_kv / GIB:.2f})" in p.line() and "the model's and the draft's KV" in p.line()
+    assert p.as_dict()["draft_kv"] == p.draft_kv
+    # one request of 8,192 tokens fits exactly without a draft; with one, it is refused, the draft counted
+    fits = dict(total=20 * GIB, utilization=0.775, weights=12 * GIB, activations=GIB, graphs=GIB, other=GIB // 2)
+    assert plan(**fits).kv_tokens == 8192
+    with pytest.raises(MemoryPlanError) as e:
+        plan(**fits, draft_weights=GIB // 4, draft_block_bytes=draft_block)
+    assert "weights 12.25 + activations" in str(e.value) and "needs 1.13 GiB" in str(e.value)
+    cpu = MemoryPlan("cpu", 2 * GIB, 1.0, 10 * MIB, 0, 0, 0, 8, BLOCK, 16, draft_weights=5 * MIB,
+                     draft_block_bytes=BLOCK)
+    assert "weights 0.01 + draft 0.00 GiB, KV 0.03 (draft 0.02) GiB = 128 tokens" in cpu.line()
