@@ -20,11 +20,13 @@ from typing import Callable, Optional
 import torch
 
 from executor_proc.backends.select import graph_max_batch, mixed_max_tokens, select_backend
-from executor_proc.memory_plan import MemoryPlan, MemoryPlanError, check_fits, gc_threshold, plan_memory
+from executor_proc.memory_plan import (MemoryPlan, MemoryPlanError, StartupRefused, check_fits, gc_threshold,
+                                      plan_memory)
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.kv_cache import KVCache, kv_cache_bytes_per_block
 from executor_proc.model.kv_scales import calibrate_kv_scales
 from executor_proc.model.loader import load_model
+from executor_proc.step.draft import DraftModel
 from executor_proc.step.grammar import build_grammar_slots
 from executor_proc.step.host_kv import HostKV, num_host_blocks
 from executor_proc.step.slot_tables import SlotTables
@@ -105,6 +107,7 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     model.use_backend(backend)
     # after the backend: FP8 weights are quantized there
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    draft = load_draft(cfg, device, dtype, max_len, mcfg.vocab_size, progress)
     kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else dtype
     kv_scales = calibrate_kv_scales(model, device, cfg.block_size) if cfg.kv_cache_dtype == "fp8" else None
     per_block = kv_cache_bytes_per_block(model.config, cfg.block_size, kv_dtype)  # the rank's KV heads
@@ -116,11 +119,14 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     # A provisional KV cache, as large as the profile step needs: the activations and the graphs are
     # measured against it, then it makes way for the planned one.
     probes = ProfileStep.layouts(cfg, max_len, mcfg.vocab_size) if cuda else []
-    kv = KVCache(model.config, max((p.num_blocks for p in probes), default=1), cfg.block_size, device=device,
-                 dtype=kv_dtype, scales=kv_scales)
+    provisional = max((p.num_blocks for p in probes), default=1)
+    kv = KVCache(model.config, provisional, cfg.block_size, device=device, dtype=kv_dtype, scales=kv_scales)
+    # a draft model's steps with prefill chunks run eagerly (executor_proc/step/draft.py): no mixed-step graphs
     worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=max_batch, capture_graphs=capture,
-                    mixed_max_tokens=mixed_max_tokens(cfg, backend))
-    worker.enable_speculation(build_speculator(cfg.speculative, cfg.num_slots, max_len, device))
+                    mixed_max_tokens=0 if draft is not None else mixed_max_tokens(cfg, backend))
+    worker.enable_speculation(build_speculator(cfg.speculative, cfg.num_slots, max_len, device, draft))
+    if draft is not None:
+        draft.allocate(provisional)
     if tp_size == 1:  # structured outputs (the scheduler refuses them under tensor parallelism)
         worker.grammar = build_grammar_slots(cfg.tokenizer, mcfg.vocab_size, list(mcfg.eos_token_ids),
                                              cfg.num_slots, device)
@@ -137,14 +143,18 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
             _, _, graphs = _capture_graphs(worker, device, graph_progress, compile_progress)
             worker.drop_graphs()
         worker.kv_cache = kv = None
-        measured = _measure(device, weights, transient, graphs)
+        if draft is not None:
+            draft.allocate(None)
+        measured = _measure(device, weights + (draft.weight_bytes if draft is not None else 0), transient, graphs)
     useful = cfg.num_slots * max_blocks
-    plan = _plan(cfg, device, measured, weights, per_block, max_len, useful, tp)
+    plan = _plan(cfg, device, measured, weights, per_block, max_len, useful, tp, draft)
     host_blocks = tp.agree_min(host_blocks) if tp is not None else host_blocks
     for attempt in range(2):
         progress("kv_cache", 0, 1)
         worker.kv_cache = kv = KVCache(model.config, plan.kv_blocks, cfg.block_size, device=device, dtype=kv_dtype,
                                        scales=kv_scales)
+        if draft is not None:
+            draft.allocate(plan.kv_blocks)
         progress("kv_cache", 1, 1)
         num_graphs, capture_s, graph_bytes = _capture_graphs(
             worker, device, graph_progress, compile_progress, compile_first=measured is None or not measured.graphs)
@@ -160,8 +170,10 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
             break
         worker.drop_graphs()
         worker.kv_cache = kv = None
+        if draft is not None:
+            draft.allocate(None)
         measured = dataclasses.replace(measured, graphs=max(graph_bytes, measured.graphs))
-        plan = _plan(cfg, device, measured, weights, per_block, max_len, useful, tp)
+        plan = _plan(cfg, device, measured, weights, per_block, max_len, useful, tp, draft)
         gc.collect()
         torch.cuda.empty_cache()
     if cuda:
@@ -216,19 +228,24 @@ def _measure(device: torch.device, weights: int, transient: int, graphs: int) ->
 
 
 def _plan(cfg: ExecutorConfig, device: torch.device, measured: Optional[Measured], weights: int, per_block: int,
-          max_len: int, useful: int, tp) -> MemoryPlan:
-    """The rank's plan, agreed with the group (the smallest KV block count), or MemoryPlanError."""
+          max_len: int, useful: int, tp, draft: Optional[DraftModel] = None) -> MemoryPlan:
+    """The rank's plan, agreed with the group (the smallest KV block count), or MemoryPlanError; ``draft``: a draft
+    model, whose weights and KV bytes per block the plan counts."""
+    draft_weights, draft_block = (draft.weight_bytes, draft.block_bytes) if draft is not None else (0, 0)
     if measured is None:  # the cpu: a fixed budget (host memory is not planned like a device's)
-        blocks = cfg.num_kv_blocks or min(useful, CPU_KV_BUDGET_BYTES // per_block)
-        plan = MemoryPlan("cpu", CPU_KV_BUDGET_BYTES, 1.0, weights, 0, 0, 0, blocks, per_block, cfg.block_size)
+        blocks = cfg.num_kv_blocks or min(useful, (CPU_KV_BUDGET_BYTES - draft_block) // (per_block + draft_block))
+        plan = MemoryPlan("cpu", CPU_KV_BUDGET_BYTES, 1.0, weights, 0, 0, 0, blocks, per_block, cfg.block_size,
+                          draft_weights, draft_block)
     elif cfg.num_kv_blocks is not None:
         plan = MemoryPlan(str(device), measured.total, cfg.gpu_memory_utilization, weights, measured.activations,
-                          measured.graphs, measured.other, cfg.num_kv_blocks, per_block, cfg.block_size)
+                          measured.graphs, measured.other, cfg.num_kv_blocks, per_block, cfg.block_size,
+                          draft_weights, draft_block)
     else:
         plan = plan_memory(device=str(device), total=measured.total, utilization=cfg.gpu_memory_utilization,
                            weights=weights, activations=measured.activations, graphs=measured.graphs,
                            other=measured.other, block_bytes=per_block, block_size=cfg.block_size,
-                           max_model_len=0, useful_blocks=useful)  # checked once the group agrees
+                           max_model_len=0, useful_blocks=useful,  # checked once the group agrees
+                           draft_weights=draft_weights, draft_block_bytes=draft_block)
     if tp is not None:
         plan = dataclasses.replace(plan, kv_blocks=tp.agree_min(plan.kv_blocks))
     if cfg.num_kv_blocks is None:  # a given block count is the caller's (tests, restarts of the same server)
@@ -311,6 +328,28 @@ def _capture_graphs(worker: Worker, device: torch.device, progress, compile_prog
         torch.cuda.empty_cache()  # the compile pass's scratch graphs are gone: their memory goes back
     taken = free - torch.cuda.mem_get_info(device)[0] if cuda else 0
     return worker.num_graphs, seconds, max(0, taken)
+
+
+def load_draft(cfg: ExecutorConfig, device: torch.device, dtype: torch.dtype, max_len: int, vocab_size: int,
+               progress: ProgressCallback) -> Optional[DraftModel]:
+    """The draft model of ``--speculative-method draft`` on its backend (None: another method or none); its KV
+    cache in ``dtype`` (an FP8 cache's scales are the model's own).  A vocabulary other than the model's is
+    refused (:class:`StartupRefused`)."""
+    sc = cfg.speculative
+    if sc.method != "draft":
+        return None
+    fmt = sc.draft_load_format or cfg.load_format
+    draft_progress = lambda stage, done, total: progress(f"draft model: {stage}", done, total)  # noqa: E731
+    try:
+        model, dcfg = load_model(sc.draft_model, fmt, device, dtype, progress_cb=draft_progress)
+    except (ValueError, OSError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise StartupRefused(f"--draft-model {sc.draft_model}: {first}") from None
+    if dcfg.vocab_size != vocab_size:
+        raise StartupRefused(f"--draft-model {sc.draft_model} has a vocabulary of {dcfg.vocab_size:,} tokens, the "
+                             f"model {vocab_size:,}: the draft must share the model's tokenizer and vocabulary")
+    model.use_backend(select_backend(cfg, device, model, max_len, draft_progress))
+    return DraftModel(model, sc.num_tokens, cfg.block_size, dtype, device)
 
 
 def model_path(cfg: ExecutorConfig, progress: ProgressCallback) -> str:

@@ -46,7 +46,8 @@ class ScriptedOptions(_Config):
 # Speculative decoding: drafts per speculative row, and the n-gram (prompt lookup) match lengths.
 MAX_SPECULATIVE_TOKENS = 8
 MAX_NGRAM = 16
-SpeculativeMethod = Literal["ngram"]
+# ngram: drafts by prompt lookup; draft: a smaller model's greedy tokens (executor_proc/step/draft.py).
+SpeculativeMethod = Literal["ngram", "draft"]
 
 
 class SpeculativeConfig(_Config):
@@ -56,6 +57,8 @@ class SpeculativeConfig(_Config):
     num_tokens: int = 4  # drafts proposed (and verified) per speculative row per step
     ngram_min: int = 1  # shortest suffix matched against the slot's earlier tokens
     ngram_max: int = 4  # longest (tried first)
+    draft_model: str = ""  # method "draft": the draft model (HF folder, .gguf file, config.json for dummy weights)
+    draft_load_format: Optional[LoadFormat] = None  # how to read it; None: the model's load_format
 
 
 class ExecutorConfig(_Config):
@@ -149,6 +152,10 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
         raise ValueError("batch_invariant needs the Triton kernels: kernels='triton' (the default on cuda), "
                          f"got kernels={cfg.kernels!r} on device {cfg.device!r}")
     _check_speculative(cfg.speculative)
+    if cfg.speculative.method == "draft" and tp > 1:
+        raise ValueError(f"--speculative-method draft runs with --tensor-parallel-size 1, got {tp}")
+    if cfg.speculative.method == "draft" and cfg.load_format == "scripted":
+        raise ValueError("--speculative-method draft needs a model: not with --load-format scripted")
     if cfg.quantization == "fp8" and cfg.batch_invariant:
         raise ValueError("quantization 'fp8' cannot run batch_invariant: its linears change kernel (and "
                          "activation rounding) between 8 and 9 rows")
@@ -160,6 +167,14 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
 
 
 def _check_speculative(sc: SpeculativeConfig) -> None:
+    if sc.method == "draft" and not sc.draft_model:
+        raise ValueError("--speculative-method draft needs --draft-model PATH (a smaller model with the same "
+                         "vocabulary)")
+    if sc.method != "draft" and (sc.draft_model or sc.draft_load_format is not None):
+        flag = "--draft-model" if sc.draft_model else "--draft-load-format"
+        raise ValueError(f"{flag} needs --speculative-method draft (got --speculative-method {sc.method or 'off'})")
+    if sc.draft_load_format == "scripted":
+        raise ValueError("--draft-load-format must be auto, hf, gguf or dummy, got 'scripted'")
     if not 1 <= sc.num_tokens <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {sc.num_tokens}")
     if not 1 <= sc.ngram_min <= MAX_NGRAM:

@@ -96,9 +96,16 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                    help="at depth 1 or 2, send a plan that carries a prefill chunk one step further ahead, so that "
                         "the executor prepares that larger step while two steps run on the GPU (default: on)")
     s.add_argument("--speculative-method", default=None, choices=list(get_args(SpeculativeMethod)),
-                   help="speculative decoding: each step verifies drafted tokens per greedy row and keeps the longest "
-                        "prefix the model agrees with (ngram: drafts are what followed the last tokens' earlier "
-                        "occurrence in the prompt or output, found on the device); default: off")
+                   help="speculative decoding: each step verifies drafted tokens per row and keeps the longest "
+                        "prefix the model's own sampler agrees with, so outputs are those without it (ngram: drafts "
+                        "are what followed the last tokens' earlier occurrence in the prompt or output, found on "
+                        "the device; draft: the greedy tokens of --draft-model); default: off")
+    s.add_argument("--draft-model", default=SP("draft_model") or None, metavar="PATH",
+                   help="with --speculative-method draft: the draft model, a smaller model with the same vocabulary "
+                        "(HF folder, .gguf file, or with --draft-load-format dummy a config.json or folder); it runs "
+                        "on the same device with its own KV cache, indexed by the model's block tables")
+    s.add_argument("--draft-load-format", default=None, choices=[f for f in get_args(LoadFormat) if f != "scripted"],
+                   help="how to read --draft-model (default: --load-format)")
     s.add_argument("--num-speculative-tokens", type=int, default=SP("num_tokens"), metavar="K",
                    help=f"with --speculative-method: tokens drafted and verified per row per step (1 to "
                         f"{MAX_SPECULATIVE_TOKENS}; KV for K + 1 tokens is reserved per row in flight)")

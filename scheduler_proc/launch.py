@@ -53,7 +53,9 @@ def server_config(args) -> ServerConfig:
         host_kv_backup_stream=not args.host_kv_backup_on_compute_stream,
         scripted=ScriptedOptions(step_latency_s=args.scripted_step_ms / 1000, eos_at=dict(args.scripted_eos_at)),
         speculative=SpeculativeConfig(method=args.speculative_method, num_tokens=args.num_speculative_tokens,
-                                      ngram_min=args.ngram_min, ngram_max=args.ngram_max),
+                                      ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                                      draft_model=_draft_path(args.draft_model),
+                                      draft_load_format=args.draft_load_format),
     )
     return ServerConfig(model=args.model, tokenizer=args.tokenizer, pipeline_depth=args.pipeline_depth,
                         prefill_ahead=args.prefill_ahead,
@@ -64,6 +66,15 @@ def server_config(args) -> ServerConfig:
                         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                         shutdown_timeout_s=args.shutdown_timeout, max_waiting=args.max_waiting,
                         client_send_hwm=args.client_send_hwm, grammar_compile_timeout_s=args.grammar_compile_timeout)
+
+
+def _draft_path(path: Optional[str]) -> str:
+    """--draft-model as an absolute path ("" when not given); ValueError when it does not exist."""
+    if not path:
+        return ""
+    if not os.path.exists(path):
+        raise ValueError(f"--draft-model {path!r} does not exist")
+    return os.path.abspath(path)
 
 
 def _memory_utilization(args) -> float:

@@ -19,6 +19,9 @@ class Limits:
     vocab_size: int = 2**31 - 1
     num_host_blocks: int = 0  # the host KV tier's pool (0: no tier)
     num_speculative_tokens: int = 0  # drafts per speculative row (0: no speculative decoding)
+    # A request whose drafts keep being rejected pauses (n-gram drafts); a draft model's never do: its KV cache
+    # must follow every position, and a plain row does not run it (scheduler_proc/speculation.py).
+    spec_pauses: bool = True
 
     def __post_init__(self):
         for name in ("num_slots", "num_kv_blocks", "block_size", "max_model_len", "max_num_batched_tokens"):
@@ -32,4 +35,5 @@ class Limits:
                    max_model_len=ready.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
                    eos_token_ids=frozenset(ready.eos_token_ids), vocab_size=ready.vocab_size,
                    num_host_blocks=ready.num_host_blocks,
-                   num_speculative_tokens=cfg.speculative.num_tokens if cfg.speculative.method else 0)
+                   num_speculative_tokens=cfg.speculative.num_tokens if cfg.speculative.method else 0,
+                   spec_pauses=cfg.speculative.method != "draft")

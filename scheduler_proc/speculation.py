@@ -3,9 +3,9 @@
 A request whose sampling a verify step reproduces exactly (:func:`verifiable`: no grammar or prompt logprobs;
 penalties see the drafts before each position) speculates once speculative decoding is on.
 After its prompt every row of it is a *speculative row* of ``k + 1`` tokens (``k <= K`` drafts): the executor
-proposes the drafts on the device (n-gram lookup in the slot's tokens), runs the row, keeps the longest prefix of
-drafts the model's sampler agrees with (its argmax, or its keyed draw: rejection sampling of a point-mass draft)
-plus one token of its own, and moves the slot's length on the device.  So a row emits 1 to ``k + 1`` tokens, and
+proposes the drafts on the device (n-gram lookup in the slot's tokens, or a draft model's greedy tokens), runs
+the row, keeps the longest prefix of drafts the model's sampler agrees with (its argmax, or its keyed draw:
+rejection sampling of a point-mass draft) plus one token of its own, and moves the slot's length on the device.  So a row emits 1 to ``k + 1`` tokens, and
 the scheduler learns how many one step late, after it has planned the next rows.
 
 It plans for the worst case and reconciles the outcome::
@@ -25,9 +25,11 @@ follow through the same finish rules, one token at a time, so a stop token, a st
 preemption and restarts need nothing more: a request that left still has its bounds tightened until its last
 step is back, so its drain publishes exactly the KV that was written.
 
-Adaptive: a request whose last ``PAUSE_AFTER`` rows with drafts accepted none pauses (``_paused``): once its
-drafts in flight are back (its length exact again) it runs plain decode rows, which the executor's graphs run,
-for ``PAUSE_STEPS`` steps, then speculates again from its exact position.
+Adaptive (n-gram drafts): a request whose last ``PAUSE_AFTER`` rows with drafts accepted none pauses
+(``_paused``): once its drafts in flight are back (its length exact again) it runs plain decode rows, which the
+executor's graphs run, for ``PAUSE_STEPS`` steps, then speculates again from its exact position.  A draft model's
+requests never pause (``Limits.spec_pauses``): the draft's KV cache is written by speculative rows and prefill
+chunks only, so plain rows would leave it behind.
 
 A mixin of :class:`~scheduler_proc.planner.Planner`, which owns the state (``_speculating``: the speculating
 requests past their prompt; ``_paused``: those pausing).
@@ -133,7 +135,7 @@ class Speculation:
             req.spec_accepted += accepted
             req.spec_lag -= k
             req.num_computed -= k - accepted
-            if k:
+            if k and self.limits.spec_pauses:
                 req.spec_misses = 0 if accepted else req.spec_misses + 1
                 if req.spec_misses >= PAUSE_AFTER and req.status is _RUNNING and req.rid in self._speculating:
                     self._paused[req.rid] = req

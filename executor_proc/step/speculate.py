@@ -10,8 +10,9 @@ depends on the accepted counts stays on the device, in two per-slot tables::
 
 A speculative row starts at ``lengths[slot]`` (at the plan's position for the slot's first speculative row,
 whose position the scheduler knows exactly; the host remembers which slots have run one, ``live``).  Before the
-forward the step writes ``last_token`` at that position, proposes ``K`` drafts by prompt lookup over
-``tokens[slot, :length + 1]`` (:mod:`kernels.ngram`), and makes the row's ``k + 1`` input ids (the last token,
+forward the step writes ``last_token`` at that position, proposes ``K`` drafts (by prompt lookup over
+``tokens[slot, :length + 1]``, :mod:`kernels.ngram`, or as a draft model's greedy tokens, eager steps only:
+:mod:`executor_proc.step.draft`), and makes the row's ``k + 1`` input ids (the last token,
 then the drafts), positions and context length from the device length: into the mixed-step runner's static inputs
 (its body graph replays them; the rows pack as chunks, and the sampled rows' and every drafted position's hidden
 states come out) when the step fits its buckets, else into an eager step's batch.  After
@@ -44,6 +45,7 @@ import torch
 import dataclasses
 
 from executor_proc.step.batch import ForwardBatch
+from executor_proc.step.draft import DraftModel, DraftStep
 from executor_proc.step.mixed_step import MixedInputs, MixedShape
 from executor_proc.step.plan_rows import PlanRows
 from executor_proc.step.slot_tables import SlotTables
@@ -53,12 +55,13 @@ from ipc.protocol import StepPlan
 from kernels.ngram_ref import ngram_drafts_ref
 
 
-def build_speculator(sc: SpeculativeConfig, num_slots: int, max_len: int, device: torch.device
-                     ) -> Optional["Speculator"]:
-    """The executor's speculative state for ``--speculative-method`` (None: off)."""
+def build_speculator(sc: SpeculativeConfig, num_slots: int, max_len: int, device: torch.device,
+                     draft: Optional[DraftModel] = None) -> Optional["Speculator"]:
+    """The executor's speculative state for ``--speculative-method`` (None: off); ``draft``: the draft model of
+    method ``draft`` (:mod:`executor_proc.step.draft`)."""
     if sc.method is None:
         return None
-    return Speculator(num_slots, max_len, sc.num_tokens, sc.ngram_min, sc.ngram_max, device)
+    return Speculator(num_slots, max_len, sc.num_tokens, sc.ngram_min, sc.ngram_max, device, draft)
 
 
 def ngram_drafts(tokens, slots, lengths, k, ngram_min, ngram_max) -> torch.Tensor:
@@ -93,6 +96,7 @@ class SpecStep:
     sizes: tuple[int, ...] = ()  # the lengths of the arrays at ``part``
     parts: Optional[list] = None  # those arrays on the device (bind)
     state: Optional[tuple] = None  # slots, drafts per row, first positions, drafts (bind -> verify)
+    draft: Optional[DraftStep] = None  # the draft model's passes (method "draft")
     greedy: bool = True  # every speculative row is greedy (host mirrors): the verify is an argmax
     filtered: bool = False  # some sampled speculative row has top-k or top-p
     extra_logprobs: Optional[list[int]] = None  # top-n of each further token's row, when some row asked (else None)
@@ -107,8 +111,10 @@ class SpecStep:
 class Speculator:
     """The per-slot tables and the step's speculative work (module docstring)."""
 
-    def __init__(self, num_slots: int, max_len: int, k: int, ngram_min: int, ngram_max: int, device: torch.device):
+    def __init__(self, num_slots: int, max_len: int, k: int, ngram_min: int, ngram_max: int, device: torch.device,
+                 draft: Optional[DraftModel] = None):
         self.k, self.ngram_min, self.ngram_max = k, ngram_min, ngram_max
+        self.draft = draft  # None: drafts by prompt lookup
         rows = num_slots + 1
         self.tokens = torch.zeros(rows, max_len + k + 2, dtype=torch.int32, device=device)  # token ids fit 31 bits
         self.lengths = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -181,7 +187,10 @@ class Speculator:
         last = tables.last_token[slots]
         base = torch.where(start >= 0, start, self.lengths[slots])
         self.tokens[slots, base] = last.to(torch.int32)
-        drafts = ngram_drafts(self.tokens, slots, base + 1, self.k, self.ngram_min, self.ngram_max)
+        if self.draft is None:
+            drafts = ngram_drafts(self.tokens, slots, base + 1, self.k, self.ngram_min, self.ngram_max)
+        else:  # the draft model's passes (the step's prefill chunks ride in its first)
+            drafts = self.draft.run(step.draft, tables, self.tokens, (slots, ks, base))
         step.state = (slots, ks, base, drafts)
         inputs = torch.cat([last[:, None], drafts], dim=1)  # [rows, K + 1]
         return inputs[tok_row, tok_j], base[tok_row] + tok_j, base + ks + 1

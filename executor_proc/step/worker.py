@@ -198,12 +198,19 @@ class Worker:
         if speculative:
             spec = outputs.spec = self.spec.stage_rows(plan, rows, upload, spec, self.tables.info)
         packed_rows = self.spec.mixed_rows(rows, spec) if speculative else rows
-        shape = self._mixed_shape(packed_rows, outputs.prompt, spec.num_sampled + spec.num_tokens if speculative else 0)
+        draft = self.spec.draft if self.spec is not None else None
+        drafting = None
+        # a draft model's passes run eagerly beside an eager step (its prefill chunks and speculative rows)
+        shape = None if draft is not None else self._mixed_shape(
+            packed_rows, outputs.prompt, spec.num_sampled + spec.num_tokens if speculative else 0)
         if shape is not None:
             packed = self.mixed.pack(packed_rows, shape)
             part = upload.add(self.spec.mixed_pack(packed, shape, spec) if speculative else packed, torch.int64)
         else:
             parts = self._eager_rows(rows, upload, outputs.prompt, spec.logits_index if speculative else None)
+            if draft is not None:
+                drafting = draft.stage(rows, spec.spec_rows if speculative else None,
+                                       self.tables.max_blocks * self.block_size, upload)
         sent = upload.send()
         self._host_copies(plan, host, sent)
         self.tables.apply(diff, sent)
@@ -216,9 +223,13 @@ class Worker:
             return MixedStep(shape, len(sampled_slots), mode, packed_rows, outputs, spec if speculative else None)
         step = self._eager_batch(plan, sent, parts, mode)
         step.num_sampled, step.outputs = len(sampled_slots), outputs
+        if drafting is not None:
+            draft.apply(drafting, sent, step.batch)
         if speculative:
-            step.spec = spec
-            self.spec.bind(spec, step.batch, self.tables)
+            step.spec, spec.draft = spec, drafting
+            self.spec.bind(spec, step.batch, self.tables)  # with a draft model: its passes give the drafts
+        elif drafting is not None:  # prefill chunks only: the draft's KV takes the prompts
+            draft.run(drafting, self.tables)
         if outputs.prompt is not None and outputs.prompt.targets:
             step.prompt_parts = (sent[outputs.prompt.targets_part], sent[outputs.prompt.nums_part])
         return step
