@@ -32,10 +32,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter
 
 
 def test_buckets():
-    assert token_buckets(16) == [16]
-    assert token_buckets(100) == [16, 32, 48, 64, 96, 100]
+    assert token_buckets(16) == [8, 16]
+    assert token_buckets(100) == [8, 16, 32, 48, 64, 96, 100]
     t = token_buckets(2048)
-    assert t[:8] == [16, 32, 48, 64, 96, 128, 192, 256] and t[-3:] == [1792, 1920, 2048]
+    assert t[:9] == [8, 16, 32, 48, 64, 96, 128, 192, 256] and t[-3:] == [1792, 1920, 2048]
     assert all(b - a <= 128 for a, b in zip(t, t[1:]))
     assert row_buckets(6) == [6] and row_buckets(64) == [8, 32, 64] and row_buckets(256) == [8, 32, 128, 256]
 

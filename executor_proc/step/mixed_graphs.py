@@ -3,7 +3,7 @@
 A thin layer over :mod:`executor_proc.step.mixed_step`.  A step that carries a
 prefill chunk (with or without decode rows) of ``T`` tokens in ``R`` rows takes the
 smallest token bucket ``Tb >= T`` (:func:`executor_proc.step.mixed_step.token_buckets`:
-16 to 128 by 16 and 32, then every 64 or 128 tokens, up to the step's token budget)
+8, 16 to 128 by 16 and 32, then every 64 or 128 tokens, up to the step's token budget)
 and the smallest row bucket ``Rb >= R`` (8, 32, 128, ... up to the slots; at most
 ``Tb``).  It copies its packed inputs into the runner's flat buffer (one device copy),
 replays the body of ``(Tb, Rb)``, then the head of ``(Sb, mode)`` where ``Sb`` is the

@@ -51,8 +51,11 @@ from executor_proc.step.slot_tables import SlotTables
 from kernels.prefill_attention import tile_tokens
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """16, 32, 48, 64, 96, 128, then every 64 to 1024, every 128 to 2048, every 256 beyond; ``max_tokens`` last."""
-    sizes = [16, 32, 48, 64, 96] + list(range(128, 1024, 64)) + list(range(1024, 2048, 128))
+    """8, 16, 32, 48, 64, 96, 128, then every 64 to 1024, every 128 to 2048, every 256 beyond; ``max_tokens`` last.
+
+    The 8-token bucket keeps a step of up to 8 tokens (one speculative row of K <= 7 drafts, a short chunk) on
+    the skinny matmuls of decode, which read each weight once at bandwidth."""
+    sizes = [8, 16, 32, 48, 64, 96] + list(range(128, 1024, 64)) + list(range(1024, 2048, 128))
     sizes += list(range(2048, max_tokens, 256))
     return [t for t in sizes if t < max_tokens] + [max_tokens]
 
