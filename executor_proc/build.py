@@ -121,9 +121,8 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     probes = ProfileStep.layouts(cfg, max_len, mcfg.vocab_size) if cuda else []
     provisional = max((p.num_blocks for p in probes), default=1)
     kv = KVCache(model.config, provisional, cfg.block_size, device=device, dtype=kv_dtype, scales=kv_scales)
-    # a draft model's steps with prefill chunks run eagerly (executor_proc/step/draft.py): no mixed-step graphs
     worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=max_batch, capture_graphs=capture,
-                    mixed_max_tokens=0 if draft is not None else mixed_max_tokens(cfg, backend))
+                    mixed_max_tokens=mixed_max_tokens(cfg, backend))
     worker.enable_speculation(build_speculator(cfg.speculative, cfg.num_slots, max_len, device, draft))
     if draft is not None:
         draft.allocate(provisional)

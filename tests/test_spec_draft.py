@@ -30,19 +30,24 @@ def test_chunk_positions_and_tokens_at_the_start_of_a_context():
     scratch = 64 * BS
     slots = torch.zeros(6, dtype=torch.int64)
     base = torch.arange(6)  # 0 .. K + 2: every short context, then a full chunk
-    ids, pos, kv = chunk_inputs(tokens, block_table, slots, base, K, BS, scratch)
+    ks = torch.tensor([0, 1, 2, 3, 3, 3])
+    ids, pos, kv = chunk_inputs(tokens, block_table, slots, ks, base, K, BS, scratch)
     for b in range(6):
         want = [p for p in range(b - K, b + 1)]
         assert pos[b].tolist() == [max(0, p) for p in want]
         assert ids[b].tolist() == [100 + max(0, p) for p in want]
         blocks = block_table[0].tolist()
         assert kv[b].tolist() == [blocks[p // BS] * BS + p % BS if p >= 0 else scratch for p in want]
-    ks = torch.tensor([0, 1, 2, 3, 3, 3])
     for j in range(1, K):
         p, kv_j = decode_inputs(block_table, slots, ks, base, j, BS, scratch)
         assert p.tolist() == [b + min(j, k) for b, k in zip(range(6), ks.tolist())]
         assert kv_j.tolist() == [block_table[0, q // BS].item() * BS + q % BS if j <= k else scratch
                                  for q, k in zip(p.tolist(), ks.tolist())]
+    # a graph bucket's padded row (k = -1): position 0 everywhere, every KV write to the scratch block
+    pad = torch.tensor([1]), torch.tensor([-1]), torch.tensor([0])
+    ids, pos, kv = chunk_inputs(tokens, block_table, *pad, K, BS, scratch)
+    assert pos.tolist() == [[0] * (K + 1)] and kv.tolist() == [[scratch] * (K + 1)]
+    assert all(decode_inputs(block_table, *pad, j, BS, scratch)[1].tolist() == [scratch] for j in range(1, K))
     # a context as long as the chunk gets a host bound one larger (the torch backend then masks by position)
     assert chunk_context_lens(np.array([0, K - 1, K, K + 1]), K, 40).tolist() == [1, K, K + 2, K + 2]
     assert chunk_context_lens(np.array([K]), K, K + 1).tolist() == [K + 1]  # no room in the block table
@@ -77,7 +82,8 @@ def draft_step(draft: DraftModel, tables: SlotTables, token_table: torch.Tensor,
     qlens = [k + 1 for _, _, k in spec] + ([len(prefill[1])] if prefill else [])
     plan = StepPlan(0, slots, qlens, [b for _, b, _ in spec] + ([0] if prefill else []),
                     [False] * len(spec) + [True] * bool(prefill), [True] * len(slots),
-                    prefill_tokens=prefill[1] if prefill else [], num_drafts=[k for _, _, k in spec] + [-1] * bool(prefill))
+                    prefill_tokens=prefill[1] if prefill else [],
+                    num_drafts=[k for _, _, k in spec] + [-1] * bool(prefill))
     upload = PinnedStaging(CPU).upload()
     step = draft.stage(plan_rows(plan), np.arange(len(spec)), tables.max_blocks * BS, upload)
     batch = prefill_batch(tables, *prefill) if prefill else None
@@ -228,3 +234,30 @@ def test_a_draft_models_rows_never_pause(depth):
     want, _ = expected_output(ex.token_at, seed=req.seed, prompt_len=6, max_tokens=100, max_model_len=512,
                               eos_token_ids=())
     assert req.output == want and kinds == {"spec"} and planner.blocks.num_free == 80
+
+
+def test_graph_buckets_pad_rows_into_the_scratch_block(tiny_draft):
+    """The graphs' function on a bucket of 4 for 3 rows (run uncaptured, as on the CPU): the real rows' drafts are
+    those of the rows alone, and the padded row (the padding slot, whose block table is all block 0) writes nothing
+    but the scratch block."""
+    from executor_proc.step.draft import DraftStep
+    from executor_proc.step.draft_graphs import DraftGraphs
+
+    draft = tiny_draft
+    tables = SlotTables(4, 16, CPU, 97)
+    for slot in range(3):
+        tables.block_table[slot, :10] = torch.arange(1 + 10 * slot, 11 + 10 * slot)  # never block 0
+    table = torch.randint(0, 97, (5, 64 + K + 2), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    draft.kv.storage.normal_(generator=torch.Generator().manual_seed(2))
+    slots, ks, base = torch.tensor([2, 0, 1]), torch.tensor([K, 1, 2]), torch.tensor([9, 1, 30])
+    step = DraftStep(3, 0, [K + 1] * 3, (base + 2).tolist(),
+                     [(base + 1 + ks.clamp(max=j)).tolist() for j in range(1, K)])
+    want = draft.spec_passes(tables, table, slots, ks, base, step.context_lens, step.decode_context_lens)
+    block0, kept = draft.kv.storage[:, :, 0].clone(), draft.kv.storage[:, :, :32].clone()
+    graphs = DraftGraphs(draft, tables, table, 4, CPU, capture=False, capturer=None)
+    assert graphs.buckets == [1, 2, 4] and graphs.bucket_for(3) == 4
+    got = graphs.run(step, slots, ks, base)
+    assert torch.equal(got, want)
+    assert torch.equal(draft.kv.storage[:, :, 0], block0)  # the padded row's block
+    torch.testing.assert_close(draft.kv.storage[:, :, :32], kept)  # the real rows rewrote what they wrote before
+    assert graphs.rows[:, 3].tolist() == [4, -1, 0]

@@ -1,10 +1,11 @@
 """Speculative decoding with the default model as its own draft (CPU, float32): output identical token for token.
 
-Three servers start together, at pipeline depths 0, 1 and 2, with ``--speculative-method draft --draft-model`` the
-default model itself: every greedy draft is the model's own token, so every one is accepted and each row ends
-with the bonus token.  Each server runs a copy prompt and a question greedily and one seeded sampled request; the
-depth-1 server also runs each with ``prompt_logprobs=0`` (a row that does not speculate, in the same steps): the
-reference of every depth.  ``tests/test_spec_draft_random_e2e.py`` runs the same with a random-weight draft.
+Three servers start together, at pipeline depths 0, 1 and 2 (2 through the mixed-step runner and the draft's graph
+buckets, uncaptured), with ``--speculative-method draft --draft-model`` the default model itself: every greedy draft
+is the model's own token, so every one is accepted and each row ends with the bonus token.  Each server runs a copy
+prompt and a question greedily and one seeded sampled request; the depth-1 server also runs each with
+``prompt_logprobs=0`` (a row that does not speculate, in the same steps): the reference of every depth.
+``tests/test_spec_draft_random_e2e.py`` runs the same with a random-weight draft.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ GREEDY = 2  # the first prompts are greedy
 SERVER = ("--speculative-method", "draft", "--max-num-seqs", "8", "--num-kv-blocks", "128", "--max-model-len", "512",
           "--debug-checks")
 DEPTHS = (1, 0, 2)  # the first runs the reference beside its speculating rows
+# depth 2 through the mixed-step runner and the draft's graph buckets (uncaptured on the cpu: the replays' code path)
+MIXED = {2: ("--mixed-graphs", "on")}
 
 
 async def _run(srv, plain: bool):
@@ -42,7 +45,8 @@ async def identical_at_every_depth(module_servers, *draft: str) -> dict[int, tup
     """Serve with the ``draft`` flags at every depth at once; check every output against the reference, the
     pools and the counters; the greedy requests' (drafted, accepted) per depth."""
     with ThreadPoolExecutor(len(DEPTHS)) as pool:
-        started = [pool.submit(module_servers, "--pipeline-depth", str(depth), *SERVER, *draft) for depth in DEPTHS]
+        started = [pool.submit(module_servers, "--pipeline-depth", str(depth), *SERVER, *draft, *MIXED.get(depth, ()))
+                   for depth in DEPTHS]
         srvs = dict(zip(DEPTHS, [f.result() for f in started]))
     assert any("(the model's and the draft's KV)" in line for line in srvs[1].log)  # the memory plan counts it
 

@@ -21,9 +21,11 @@ Everything depending on accepted counts stays on the device, as for the model.  
   blocks end there).
 
 The shapes depend only on the plan's rows (``R`` rows, ``K``), never on device values.  The host's context lengths
-are upper bounds (the plan's positions); the device's are exact, and attention masks by position.  Plain decode
-rows do not run the draft: a slot that speculates runs speculative rows from its prompt's end to its finish (its
-requests never pause: :mod:`scheduler_proc.speculation`).
+are upper bounds (the plan's positions); the device's are exact, and attention masks by position.  A step without
+prefill chunks runs :meth:`DraftModel.spec_passes`, a function of ``(slots, ks, base)`` alone: on CUDA a graph per
+bucket of rows replays it (:mod:`executor_proc.step.draft_graphs`; padded rows have ``k = -1``, every KV write to
+the scratch block).  Plain decode rows do not run the draft: a slot that speculates runs speculative rows from its
+prompt's end to its finish (its requests never pause: :mod:`scheduler_proc.speculation`).
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ class DraftStep:
     """One step's draft passes, laid out on the host: pass 0's rows (speculative chunks, then prefill chunks)."""
 
     num_spec: int  # speculative rows
+    num_prefill: int  # prefill chunks
     query_lens: list[int]  # pass 0's rows
     context_lens: list[int]  # their host upper bounds
     decode_context_lens: list[list[int]]  # passes 1 .. K - 1: each speculative row's host upper bound
-    part: int = -1  # upload index: prefill rows, prefill tokens (the model's batch), pass 0's sample index
+    # with prefill chunks: upload index of their rows, their tokens (in the model's batch), pass 0's sample index
+    part: int = -1
     starts: int = -1  # upload index: pass 0's query_start (int32)
     sizes: tuple[int, ...] = ()
     parts: list = field(default_factory=list)  # the device arrays at ``part`` (apply), then query_start
@@ -62,23 +66,24 @@ def chunk_context_lens(starts: np.ndarray, k: int, max_tokens: int) -> np.ndarra
     return np.where((ctx == k + 1) & (ctx + 1 <= max_tokens), ctx + 1, ctx)
 
 
-def chunk_inputs(tokens: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor, base: torch.Tensor, k: int,
-                 block_size: int, scratch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunk_inputs(tokens: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor, ks: torch.Tensor,
+                 base: torch.Tensor, k: int, block_size: int, scratch: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pass 0's speculative chunks: ``[R, K + 1]`` token ids, positions and KV indices for positions
-    ``base - K .. base`` (below 0: position 0's token, KV to ``scratch``)."""
+    ``base - K .. base`` (below 0, or a padded row's, ``ks < 0``: position 0's token, KV to ``scratch``)."""
     want = base[:, None] - k + torch.arange(k + 1, device=base.device)
     pos = want.clamp(min=0)
     ids = tokens[slots[:, None], pos].to(torch.int64)
     blocks = block_table[slots].gather(1, pos // block_size).to(torch.int64)
-    kv = torch.where(want >= 0, blocks * block_size + pos % block_size, scratch)
+    kv = torch.where((want >= 0) & (ks[:, None] >= 0), blocks * block_size + pos % block_size, scratch)
     return ids, pos, kv
 
 
 def decode_inputs(block_table: torch.Tensor, slots: torch.Tensor, ks: torch.Tensor, base: torch.Tensor, j: int,
                   block_size: int, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass ``j``'s positions and KV indices: draft ``j`` at ``base + j``; past a row's ``k`` drafts, position
-    ``base + k`` again with its KV to ``scratch``."""
-    pos = base + torch.clamp(ks, max=j)
+    ``base + k`` again with its KV to ``scratch`` (a padded row: ``base``)."""
+    pos = base + torch.clamp(ks, min=0, max=j)
     blocks = block_table[slots].gather(1, (pos // block_size)[:, None])[:, 0].to(torch.int64)
     return pos, torch.where(ks >= j, blocks * block_size + pos % block_size, scratch)
 
@@ -95,6 +100,7 @@ class DraftModel:
         self.device = device
         self.kv: Optional[KVCache] = None
         self.scratch = 0  # flat KV index of the scratch block
+        self.graphs = None  # executor_proc.step.draft_graphs.DraftGraphs, where the mixed-step graphs run
 
     @property
     def vocab_size(self) -> int:
@@ -129,9 +135,11 @@ class DraftModel:
         qlens = [k + 1] * len(spec) + rows.qlens[prefill].tolist()
         ctx = chunk_context_lens(starts, k, max_tokens).tolist() + rows.context_lens[prefill].tolist()
         ks = rows.qlens[spec] - 1  # a speculative row's query: its last token and its drafts
-        step = DraftStep(len(spec), qlens, ctx, [(starts + 1 + np.minimum(ks, j)).tolist() for j in range(1, k)])
-        tok = np.concatenate([np.arange(rows.query_start[r], rows.query_start[r + 1]) for r in prefill]) \
-            if len(prefill) else np.zeros(0, dtype=np.int64)
+        step = DraftStep(len(spec), len(prefill), qlens, ctx,
+                         [(starts + 1 + np.minimum(ks, j)).tolist() for j in range(1, k)])
+        if not len(prefill):  # the speculative chunks alone: laid out on the device (spec_passes)
+            return step
+        tok = np.concatenate([np.arange(rows.query_start[r], rows.query_start[r + 1]) for r in prefill])
         query_start = np.concatenate([[0], np.cumsum(qlens)])
         # pass 0's logits: each chunk's last token (a step without speculative rows reads one row, unused)
         sample = (np.arange(len(spec)) * (k + 1) + k) if len(spec) else query_start[-1:] - 1
@@ -142,9 +150,10 @@ class DraftModel:
         return step
 
     @staticmethod
-    def apply(step: DraftStep, sent: list[torch.Tensor], batch: ForwardBatch) -> None:
+    def apply(step: DraftStep, sent: list[torch.Tensor], batch: Optional[ForwardBatch]) -> None:
         """The step's device arrays, and the model's eager batch its prefill chunks are read from."""
-        step.parts = [*torch.split(sent[step.part], step.sizes), sent[step.starts]]
+        if step.num_prefill:
+            step.parts = [*torch.split(sent[step.part], step.sizes), sent[step.starts]]
         step.batch = batch
 
     @torch.inference_mode()
@@ -153,23 +162,26 @@ class DraftModel:
         """Run the passes; ``[R, K]`` drafts, or None without speculative rows.  ``tokens``: the slots' token
         table (:class:`executor_proc.step.speculate.Speculator`); ``rows``: the speculative rows' slots, draft
         counts and device positions ``base``, in row order."""
+        if not step.num_prefill:
+            if self.graphs is not None and self.graphs.bucket_for(step.num_spec) is not None:
+                return self.graphs.run(step, *rows)
+            return self.spec_passes(tables, tokens, *rows, step.context_lens, step.decode_context_lens)
         k, bs, batch = self.k, self.block_size, step.batch
         prefill, tok, sample, query_start = step.parts
         ids, pos, kv, ctx, tables_of = [], [], [], [], []
         if step.num_spec:
             slots, ks, base = rows
-            c_ids, c_pos, c_kv = chunk_inputs(tokens, tables.block_table, slots, base, k, bs, self.scratch)
+            c_ids, c_pos, c_kv = chunk_inputs(tokens, tables.block_table, slots, ks, base, k, bs, self.scratch)
             ids.append(c_ids.view(-1))
             pos.append(c_pos.view(-1))
             kv.append(c_kv.view(-1))
             ctx.append((base + 1).to(torch.int32))
             tables_of.append(tables.block_table[slots])
-        if len(prefill):
-            ids.append(batch.input_ids[tok])
-            pos.append(batch.positions[tok])
-            kv.append(batch.kv_index[tok])
-            ctx.append(batch.context_lens[prefill].to(torch.int32))
-            tables_of.append(batch.block_tables[prefill])
+        ids.append(batch.input_ids[tok])
+        pos.append(batch.positions[tok])
+        kv.append(batch.kv_index[tok])
+        ctx.append(batch.context_lens[prefill].to(torch.int32))
+        tables_of.append(batch.block_tables[prefill])
         first = ForwardBatch(
             input_ids=torch.cat(ids), positions=torch.cat(pos), kv_index=torch.cat(kv), query_start=query_start,
             context_lens=torch.cat(ctx), block_tables=torch.cat(tables_of), sample_index=sample,
@@ -178,17 +190,39 @@ class DraftModel:
         hidden = self.model.final_hidden(first, self.kv)
         if not step.num_spec:
             return None
-        draft = self.model.logits(hidden).argmax(dim=-1)
+        return self._token_passes(tables, slots, ks, base, self.model.logits(hidden).argmax(dim=-1),
+                                  step.decode_context_lens)
+
+    @torch.inference_mode()
+    def spec_passes(self, tables, tokens: torch.Tensor, slots: torch.Tensor, ks: torch.Tensor, base: torch.Tensor,
+                    context_lens: list[int], decode_context_lens: list[list[int]]) -> torch.Tensor:
+        """A step's draft without prefill chunks, from device tensors of fixed shapes (what a graph captures):
+        ``[R, K]`` drafts of the rows ``(slots, ks, base)``; the host lists are upper bounds (module docstring)."""
+        k, bs, n = self.k, self.block_size, slots.shape[0]
+        ids, pos, kv = chunk_inputs(tokens, tables.block_table, slots, ks, base, k, bs, self.scratch)
+        starts = torch.arange(n + 1, device=slots.device) * (k + 1)
+        first = ForwardBatch(
+            input_ids=ids.view(-1), positions=pos.view(-1), kv_index=kv.view(-1),
+            query_start=starts.to(torch.int32), context_lens=(base + 1).to(torch.int32),
+            block_tables=tables.block_table[slots], sample_index=starts[1:] - 1, sample_slots=slots,
+            host_query_lens=[k + 1] * n, host_context_lens=context_lens, block_size=bs)
+        return self._token_passes(tables, slots, ks, base, self.model(first, self.kv).argmax(dim=-1),
+                                  decode_context_lens)
+
+    def _token_passes(self, tables, slots: torch.Tensor, ks: torch.Tensor, base: torch.Tensor, draft: torch.Tensor,
+                      decode_context_lens: list[list[int]]) -> torch.Tensor:
+        """Passes 1 .. K - 1 from draft 1; ``[R, K]`` drafts."""
+        n, bs = slots.shape[0], self.block_size
         drafts = [draft]
-        block_table = tables_of[0]
-        row_starts = torch.arange(step.num_spec + 1, device=base.device, dtype=torch.int32)
-        for j in range(1, k):
+        block_table = tables.block_table[slots]
+        row_starts = torch.arange(n + 1, device=slots.device, dtype=torch.int32)
+        for j in range(1, self.k):
             p, kv_j = decode_inputs(tables.block_table, slots, ks, base, j, bs, self.scratch)
             one = ForwardBatch(
                 input_ids=draft, positions=p, kv_index=kv_j, query_start=row_starts,
                 context_lens=(p + 1).to(torch.int32), block_tables=block_table, sample_index=None,
-                sample_slots=slots, host_query_lens=[1] * step.num_spec,
-                host_context_lens=step.decode_context_lens[j - 1], block_size=bs)
+                sample_slots=slots, host_query_lens=[1] * n, host_context_lens=decode_context_lens[j - 1],
+                block_size=bs)
             draft = self.model(one, self.kv).argmax(dim=-1)
             drafts.append(draft)
         return torch.stack(drafts, dim=1)

@@ -11,7 +11,7 @@ depends on the accepted counts stays on the device, in two per-slot tables::
 A speculative row starts at ``lengths[slot]`` (at the plan's position for the slot's first speculative row,
 whose position the scheduler knows exactly; the host remembers which slots have run one, ``live``).  Before the
 forward the step writes ``last_token`` at that position, proposes ``K`` drafts (by prompt lookup over
-``tokens[slot, :length + 1]``, :mod:`kernels.ngram`, or as a draft model's greedy tokens, eager steps only:
+``tokens[slot, :length + 1]``, :mod:`kernels.ngram`, or as a draft model's greedy tokens,
 :mod:`executor_proc.step.draft`), and makes the row's ``k + 1`` input ids (the last token,
 then the drafts), positions and context length from the device length: into the mixed-step runner's static inputs
 (its body graph replays them; the rows pack as chunks, and the sampled rows' and every drafted position's hidden

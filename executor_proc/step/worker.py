@@ -27,6 +27,7 @@ import torch
 
 from executor_proc.step.batch import ForwardBatch
 from executor_proc.step.decode_step import decode_step
+from executor_proc.step.draft_graphs import DraftGraphs
 from executor_proc.step.grammar import GrammarSlots
 from executor_proc.step.graphs import DecodeGraphs, GraphCapture, run_captures
 from executor_proc.step.host_kv import HostKV
@@ -94,6 +95,7 @@ class Worker:
         self.tables = tables
         self.block_size = block_size
         self.device = device
+        self.capture = capture_graphs
         self.staging = PinnedStaging(device)
         self.tokens_out = TokenRing(device, tables.num_slots + 1) if device.type == "cuda" else None
         self.saved_hidden = SavedHidden()
@@ -128,10 +130,14 @@ class Worker:
             return mixed_head(self.model, self.tables, hidden, slots, positions, mode)
 
     def enable_speculation(self, spec: Optional[Speculator]) -> None:
-        """Run plans' speculative rows (eager steps); a step then returns up to K + 2 values per row."""
+        """Run plans' speculative rows; a step then returns up to K + 2 values per row.  A draft model's passes
+        get graphs wherever the mixed-step graphs run (:mod:`executor_proc.step.draft_graphs`)."""
         self.spec = spec
         if spec is not None and self.tokens_out is not None:
             self.tokens_out = TokenRing(self.device, (self.tables.num_slots + 1) * (spec.k + 2))
+        if spec is not None and spec.draft is not None and self.mixed is not None:
+            spec.draft.graphs = DraftGraphs(spec.draft, self.tables, spec.tokens, self.tables.num_slots, self.device,
+                                            self.capture, self.capturer)
 
     def capture_graphs(self, progress: Optional[Callable[[int, int], None]] = None, modes=None,
                        compile_progress: Optional[Callable[[int, int], None]] = None, compile_first: bool = True,
@@ -146,6 +152,8 @@ class Worker:
         jobs = [job for runner in runners for job in runner.capture_jobs(*extra)]
         if heaviest:
             jobs += [job for runner in runners for job in runner.heaviest_jobs()]
+        if self._draft_graphs is not None:
+            jobs += self._draft_graphs.capture_jobs()
         # A rank's steps hold collectives: not captured into scratch graphs (not yet run on several GPUs).
         run_captures(jobs, self.capturer, progress, compile_first=compile_first and not self.model.tensor_parallel,
                      compile_progress=compile_progress)
@@ -153,10 +161,14 @@ class Worker:
     def drop_graphs(self) -> None:
         """Forget every captured graph and their pool (start-up measures them, then captures them again
         against the final KV cache)."""
-        for runner in (self.mixed, self.graphs, self.split):
+        for runner in (self.mixed, self.graphs, self.split, self._draft_graphs):
             if runner is not None:
                 runner.drop()
         self.capturer.reset()
+
+    @property
+    def _draft_graphs(self) -> Optional[DraftGraphs]:
+        return self.spec.draft.graphs if self.spec is not None and self.spec.draft is not None else None
 
     @property
     def num_graphs(self) -> int:
@@ -200,17 +212,17 @@ class Worker:
         packed_rows = self.spec.mixed_rows(rows, spec) if speculative else rows
         draft = self.spec.draft if self.spec is not None else None
         drafting = None
-        # a draft model's passes run eagerly beside an eager step (its prefill chunks and speculative rows)
-        shape = None if draft is not None else self._mixed_shape(
+        if draft is not None:
+            drafting = draft.stage(rows, spec.spec_rows if speculative else None,
+                                   self.tables.max_blocks * self.block_size, upload)
+        # a draft model's pass over prefill chunks reads them from an eager step's batch
+        shape = None if drafting is not None and drafting.num_prefill else self._mixed_shape(
             packed_rows, outputs.prompt, spec.num_sampled + spec.num_tokens if speculative else 0)
         if shape is not None:
             packed = self.mixed.pack(packed_rows, shape)
             part = upload.add(self.spec.mixed_pack(packed, shape, spec) if speculative else packed, torch.int64)
         else:
             parts = self._eager_rows(rows, upload, outputs.prompt, spec.logits_index if speculative else None)
-            if draft is not None:
-                drafting = draft.stage(rows, spec.spec_rows if speculative else None,
-                                       self.tables.max_blocks * self.block_size, upload)
         sent = upload.send()
         self._host_copies(plan, host, sent)
         self.tables.apply(diff, sent)
@@ -219,6 +231,9 @@ class Worker:
         if shape is not None:
             self.mixed.load(sent[part])
             if speculative:
+                if drafting is not None:
+                    draft.apply(drafting, sent, None)
+                    spec.draft = drafting
                 self.spec.bind_mixed(spec, mixed_inputs(self.mixed.inputs, shape), self.tables)
             return MixedStep(shape, len(sampled_slots), mode, packed_rows, outputs, spec if speculative else None)
         step = self._eager_batch(plan, sent, parts, mode)
