@@ -5,7 +5,7 @@ buckets, uncaptured), with ``--speculative-method draft --draft-model`` the defa
 is the model's own token, so every one is accepted and each row ends with the bonus token.  Each server runs a copy
 prompt and a question greedily and one seeded sampled request; the depth-1 server also runs each with
 ``prompt_logprobs=0`` (a row that does not speculate, in the same steps): the reference of every depth.
-``tests/test_spec_draft_random_e2e.py`` runs the same with a random-weight draft.
+A random-weight draft (next to no draft accepted: the rejection path) runs the same checks on one server, at depth 2.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ipc.client import AsyncClient
 from tests.server_proc import assert_no_leak, server_stats, wait_idle
+from tests.test_gpu_fastpath import write_config
 
 PASSAGE = ("The committee met on Tuesday to review the budget. It approved funding for the new library and asked "
            "the city to repair the bridge before winter.")
@@ -41,25 +42,25 @@ async def _run(srv, plain: bool):
         return await asyncio.gather(*runs)
 
 
-async def identical_at_every_depth(module_servers, *draft: str) -> dict[int, tuple[int, int]]:
-    """Serve with the ``draft`` flags at every depth at once; check every output against the reference, the
-    pools and the counters; the greedy requests' (drafted, accepted) per depth."""
-    with ThreadPoolExecutor(len(DEPTHS)) as pool:
+async def identical_at_every_depth(module_servers, *draft: str, depths=DEPTHS) -> dict[int, tuple[int, int]]:
+    """Serve with the ``draft`` flags at ``depths`` at once (the first also runs the reference); check every output
+    against the reference, the pools and the counters; the greedy requests' (drafted, accepted) per depth."""
+    with ThreadPoolExecutor(len(depths)) as pool:
         started = [pool.submit(module_servers, "--pipeline-depth", str(depth), *SERVER, *draft, *MIXED.get(depth, ()))
-                   for depth in DEPTHS]
-        srvs = dict(zip(DEPTHS, [f.result() for f in started]))
-    assert any("(the model's and the draft's KV)" in line for line in srvs[1].log)  # the memory plan counts it
+                   for depth in depths]
+        srvs = dict(zip(depths, [f.result() for f in started]))
+    assert any("(the model's and the draft's KV)" in line for line in srvs[depths[0]].log)  # the plan counts it
 
     async def one(depth: int):
         srv = srvs[depth]
         before = await server_stats(srv.address)
-        results = await _run(srv, plain=depth == DEPTHS[0])
+        results = await _run(srv, plain=depth == depths[0])
         return before, results, await wait_idle(srv.address)
 
-    runs = dict(zip(DEPTHS, await asyncio.gather(*[one(depth) for depth in DEPTHS])))
+    runs = dict(zip(depths, await asyncio.gather(*[one(depth) for depth in depths])))
     for srv in srvs.values():
         srv.stop()
-    reference = runs[DEPTHS[0]][1][len(PROMPTS):]
+    reference = runs[depths[0]][1][len(PROMPTS):]
     assert all(r.timings.draft_tokens == 0 for r in reference)  # rows that cannot speculate
     counts = {}
     for depth, (before, results, after) in runs.items():
@@ -80,3 +81,11 @@ async def test_the_model_as_its_own_draft_accepts_every_greedy_draft(module_serv
     counts = await identical_at_every_depth(module_servers, "--draft-model", default_model_dir)
     for depth, (drafted, accepted) in counts.items():
         assert accepted >= 0.95 * drafted, (depth, drafted, accepted)
+
+
+async def test_a_random_draft_changes_no_output(module_servers, tmp_path_factory):
+    tiny = write_config(tmp_path_factory.mktemp("draft"), vocab=49152)  # 2 layers, the default model's vocabulary
+    counts = await identical_at_every_depth(module_servers, "--draft-model", tiny, "--draft-load-format", "dummy",
+                                            depths=(2,))
+    for depth, (drafted, accepted) in counts.items():
+        assert accepted <= 0.1 * drafted, (depth, drafted, accepted)
