@@ -174,3 +174,10 @@ def test_gpu_suite_names_only_scripts_and_tests_that_exist(tmp_path):
     assert {"scripts/bench_decode.py", "scripts/bench_serve.py", "tests/test_gpu_fastpath.py"} <= named
     assert all(os.path.exists(os.path.join(ROOT, w)) for w in named), sorted(
         w for w in named if not os.path.exists(os.path.join(ROOT, w)))
+
+
+def test_the_longest_first_order_names_test_files_that_exist():
+    from tests.conftest import LONGEST_FIRST
+
+    missing = [name for name in LONGEST_FIRST if not os.path.exists(os.path.join(ROOT, "tests", name))]
+    assert not missing and len(set(LONGEST_FIRST)) == len(LONGEST_FIRST), missing
