@@ -23,8 +23,8 @@ Everything depending on accepted counts stays on the device, as for the model.  
 The shapes depend only on the plan's rows (``R`` rows, ``K``), never on device values.  The host's context lengths
 are upper bounds (the plan's positions); the device's are exact, and attention masks by position.  A step without
 prefill chunks runs :meth:`DraftModel.spec_passes`, a function of ``(slots, ks, base)`` alone, on a bucket of rows
-(:mod:`executor_proc.step.draft_graphs`; padded rows have ``k = -1``, every KV write to the scratch block), ready
-for a graph per bucket (not captured yet: see ``Worker.enable_speculation``).  Plain decode rows do not run the draft: a slot that speculates runs speculative rows from its
+(:mod:`executor_proc.step.draft_graphs`: on CUDA a graph per bucket; padded rows have ``k = -1``, every KV write
+to the scratch block).  Plain decode rows do not run the draft: a slot that speculates runs speculative rows from its
 prompt's end to its finish (its requests never pause: :mod:`scheduler_proc.speculation`).
 """
 

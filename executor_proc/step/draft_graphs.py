@@ -68,7 +68,7 @@ class DraftGraphs:
                           lambda graph, out: self.graphs.__setitem__(bucket, (graph, out)))
 
     def run(self, step: DraftStep, slots: torch.Tensor, ks: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        """The drafts ``[R, K]`` of the step's ``R`` speculative rows (a view of the graph's output)."""
+        """The drafts ``[R, K]`` of the step's ``R`` speculative rows."""
         n = step.num_spec
         bucket = self.bucket_for(n)
         self.rows[:, :n] = torch.stack([slots, ks, base])
@@ -83,4 +83,7 @@ class DraftGraphs:
             self.rows[:, :bucket].copy_(saved)
         graph, out = self.graphs[bucket]
         graph.replay()
-        return out[:n]
+        # Copied out of the pool at once: the step's mixed-step graphs replay next, and they share the pool's
+        # intermediate memory with this graph (captured before it, they may write where its output lies), while
+        # the verify reads the drafts after them.
+        return out[:n].clone()

@@ -136,10 +136,8 @@ class Worker:
         if spec is not None and self.tokens_out is not None:
             self.tokens_out = TokenRing(self.device, (self.tables.num_slots + 1) * (spec.k + 2))
         if spec is not None and spec.draft is not None and self.mixed is not None:
-            # uncaptured for now: on an H200 the captured passes' drafts were never accepted (a model as its own
-            # draft, batch-invariant: 0 of 3,486) while the same passes run eagerly accepted 79%
             spec.draft.graphs = DraftGraphs(spec.draft, self.tables, spec.tokens, self.tables.num_slots, self.device,
-                                            False, self.capturer)
+                                            self.capture, self.capturer)
 
     def capture_graphs(self, progress: Optional[Callable[[int, int], None]] = None, modes=None,
                        compile_progress: Optional[Callable[[int, int], None]] = None, compile_first: bool = True,
