@@ -213,27 +213,10 @@ def test_a_draft_of_another_vocabulary_is_refused_in_one_line(tmp_path):
 def test_a_draft_models_rows_never_pause(depth):
     """Nothing accepted for 60 positions: with a draft model (``Limits.spec_pauses`` off: its KV cache follows the
     speculative rows only) the request keeps running speculative rows, and its output is the script's."""
-    from executor_proc.testing.scripted import ScriptedRunner, expected_output
-    from scheduler_proc.limits import Limits
-    from scheduler_proc.planner import Planner
-    from tests.planner_harness import make_request
+    from tests.test_spec_planner import run_rejecting_then_accepting
 
-    ex = ScriptedRunner(2, 80, 4, num_speculative_tokens=K, accept=lambda s, p, k: 0 if p < 60 else k)
-    planner = Planner(Limits(2, 80, 4, 512, 16, frozenset({2}), num_speculative_tokens=K, spec_pauses=False),
-                      prefix_cache_id="m")
-    req = make_request(0, prompt_len=6, max_tokens=100, ignore_eos=True)
-    planner.add(req)
-    kinds, inflight = set(), []
-    while planner.has_work or inflight:
-        while len(inflight) <= depth and (plan := planner.plan()) is not None:
-            inflight.append(plan)
-            if not plan.is_prefill[0]:
-                kinds.add("spec" if plan.num_drafts else "plain")
-        planner.reconcile(ex.execute(inflight.pop(0)))
-        planner.check_integrity()
-    want, _ = expected_output(ex.token_at, seed=req.seed, prompt_len=6, max_tokens=100, max_model_len=512,
-                              eos_token_ids=())
-    assert req.output == want and kinds == {"spec"} and planner.blocks.num_free == 80
+    kinds, free = run_rejecting_then_accepting(depth, K, spec_pauses=False)
+    assert set(kinds) == {"spec"} and free == 80
 
 
 def test_graph_buckets_pad_rows_into_the_scratch_block(tiny_draft):

@@ -138,18 +138,18 @@ def test_executor_restart_with_drafts_in_flight(accepted):
         assert planner.blocks.num_free == 40 and planner.slots.num_free == 3
 
 
-@pytest.mark.parametrize("depth", [0, 2])
-def test_rows_that_keep_rejecting_pause_then_speculate_again(depth):
-    """Nothing accepted for a while: the request runs plain decode rows (from its exact position, once its drafts
-    in flight are back) for PAUSE_STEPS steps, then speculates again; then everything is accepted."""
+def run_rejecting_then_accepting(depth: int, k: int, spec_pauses: bool = True) -> tuple[list[str], int]:
+    """One request whose drafts are all rejected below position 60 and all accepted above, through a planner at
+    ``depth``; its output checked against the script's; the kind of each of its decode steps ("spec" or "plain")
+    and the free blocks at the end."""
     from executor_proc.testing.scripted import ScriptedRunner, expected_output
     from scheduler_proc.limits import Limits
     from scheduler_proc.planner import Planner
-    from scheduler_proc.speculation import PAUSE_AFTER, PAUSE_STEPS
     from tests.planner_harness import make_request
 
-    ex = ScriptedRunner(2, 80, 4, num_speculative_tokens=K, accept=lambda s, p, k: 0 if p < 60 else k)
-    planner = Planner(Limits(2, 80, 4, 512, 16, frozenset({2}), num_speculative_tokens=K), prefix_cache_id="m")
+    ex = ScriptedRunner(2, 80, 4, num_speculative_tokens=k, accept=lambda s, p, n: 0 if p < 60 else n)
+    planner = Planner(Limits(2, 80, 4, 512, 16, frozenset({2}), num_speculative_tokens=k, spec_pauses=spec_pauses),
+                      prefix_cache_id="m")
     req = make_request(0, prompt_len=6, max_tokens=100, ignore_eos=True)
     planner.add(req)
     kinds, inflight = [], []
@@ -163,7 +163,17 @@ def test_rows_that_keep_rejecting_pause_then_speculate_again(depth):
     want, _ = expected_output(ex.token_at, seed=req.seed, prompt_len=6, max_tokens=100, max_model_len=512,
                               eos_token_ids=())
     assert req.output == want
+    return kinds, planner.blocks.num_free
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_rows_that_keep_rejecting_pause_then_speculate_again(depth):
+    """Nothing accepted for a while: the request runs plain decode rows (from its exact position, once its drafts
+    in flight are back) for PAUSE_STEPS steps, then speculates again; then everything is accepted."""
+    from scheduler_proc.speculation import PAUSE_AFTER, PAUSE_STEPS
+
+    kinds, free = run_rejecting_then_accepting(depth, K)
     runs = [(k, sum(1 for _ in g)) for k, g in __import__("itertools").groupby(kinds)]
     assert runs[0][0] == "spec" and runs[0][1] >= PAUSE_AFTER and runs[1] == ("plain", PAUSE_STEPS), runs
     assert runs[-1][0] == "spec" and len(kinds) < 100 - 10  # speculating again, and accepted: fewer steps
-    assert planner.blocks.num_free == 80
+    assert free == 80
