@@ -3,6 +3,7 @@
     python3 scripts/bench_spec.py --json out.json                  # every part, about 8 minutes on an H200
     python3 scripts/bench_spec.py --parts verify,draft --k 4       # some parts
     python3 scripts/bench_spec.py --dry-run                        # print the commands, run nothing
+    python3 scripts/bench_spec.py --parts verify --device cpu --model DIR --batches 1,2 --context 32   # it runs
 
 Parts (each reuses the benchmark that owns the measurement):
 
@@ -46,6 +47,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
     ap.add_argument("--k", type=int, default=4, help="drafts per row (--num-speculative-tokens, default 4)")
+    ap.add_argument("--model", default="llama-3-8b",
+                    help="verify part: a folder of scripts/configs or a config path (default llama-3-8b)")
+    ap.add_argument("--batches", default="1,8,32,64", help="verify part: batch sizes (default 1,8,32,64)")
+    ap.add_argument("--context", type=int, default=512, help="verify part: tokens of context a row (default 512)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu runs the verify part only, on tiny shapes: a check that it runs")
     ap.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default 128)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write every run's figures here")
     ap.add_argument("--dry-run", action="store_true", help="print the servers and commands, run nothing")
@@ -53,6 +60,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
         ap.error(f"--parts: unknown {', '.join(sorted(unknown))} (choose from {', '.join(PARTS)})")
+    if args.device == "cpu" and args.parts != "verify":
+        ap.error("--device cpu runs --parts verify only (the other parts serve on a GPU)")
     return args
 
 
@@ -93,8 +102,8 @@ def served(args: argparse.Namespace, name: str, flags: list[str], loads: dict[st
 
 
 def part_verify(args: argparse.Namespace) -> dict[str, Any]:
-    return {"verify": run_script(args, "bench_kernels.py", "spec", "--model", "llama-3-8b", "--batches", "1,8,32,64",
-                                 "--k", str(args.k))}
+    return {"verify": run_script(args, "bench_kernels.py", "spec", "--model", args.model, "--batches", args.batches,
+                                 "--k", str(args.k), "--context", str(args.context), "--device", args.device)}
 
 
 def part_serve(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,13 +120,12 @@ def part_draft(args: argparse.Namespace) -> dict[str, Any]:
     model = ["--load-format", "dummy", "--model", os.path.join(CONFIGS, "llama-3-8b"), "--max-num-seqs", "64"]
     load = {"random_c1": ["--input-len", "512", "--seed", "1", "--num-requests", "6", "--concurrency", "1"]}
     spec = ["--speculative-method", "draft", "--num-speculative-tokens", str(args.k), "--draft-load-format", "dummy"]
+    small, itself = ["--draft-model", os.path.join(CONFIGS, "llama-3.2-1b")], ["--draft-model", model[3]]
+    invariant = model + ["--batch-invariant"]
     return {"draft_off": served(args, "8B", model, load),
-            "draft_1b": served(args, "8B, 1B random draft", model + spec + ["--draft-model",
-                                                                           os.path.join(CONFIGS, "llama-3.2-1b")], load),
-            "draft_off_invariant": served(args, "8B, batch-invariant", model + ["--batch-invariant"], load),
-            "draft_self_invariant": served(args, "8B as its own draft, batch-invariant",
-                                           model + ["--batch-invariant"] + spec + ["--draft-model",
-                                                                                   os.path.join(CONFIGS, "llama-3-8b")],
+            "draft_1b": served(args, "8B, 1B random draft", model + spec + small, load),
+            "draft_off_invariant": served(args, "8B, batch-invariant", invariant, load),
+            "draft_self_invariant": served(args, "8B as its own draft, batch-invariant", invariant + spec + itself,
                                            load)}
 
 
@@ -136,7 +144,7 @@ def summary(res: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """(what, without, with, ratio or note) rows of the table."""
     rows = []
     for row in (res.get("verify") or {}).get("rows", []):
-        rows.append((f"verify, 8B, batch {row['batch']}, K = {row['k']}: decode / verify step ms",
+        rows.append((f"verify, batch {row['batch']}, K = {row['k']}: decode / verify step ms",
                      f"{row['decode_ms']:.3f}", f"{row['verify_step_ms']:.3f}", f"{row['step_ratio']:.2f}x"))
     pairs = [("serve_off", "serve_ngram", ("edits_c1", "edits_c16", "chat_c1"), "default model, n-gram"),
              ("draft_off", "draft_1b", ("random_c1",), "8B, 1B random draft"),

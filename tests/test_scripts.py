@@ -46,6 +46,8 @@ def _tiny_cases(model: str, out: str) -> dict[str, list[str]]:
         "bench_scheduler.py": ["--running", "16", "--modes", "decode", "mixed", "--steps", "60",
                                "--prefix-caching", "both", "--json", out],
         "bench_structured.py": ["--batches", "2", "--new-tokens", "4", "--repeats", "1", "--json", out],
+        "bench_spec.py": ["--parts", "verify", "--device", "cpu", "--model", model, "--batches", "1,2",
+                          "--context", "32", "--json", out],
     }
 
 
@@ -77,6 +79,9 @@ def _check_output(script: str, result: dict) -> None:
         (case,) = result["cases"]
         stages = [stage for stage, _ in case["stages"]]
         assert stages[:2] == ["importing", "building"] and "initialising weights" in stages, stages
+    elif script == "bench_spec.py":
+        rows = result["runs"]["verify"]["rows"]
+        assert [r["batch"] for r in rows] == [1, 2] and all(r["verify_step_ms"] > 0 for r in rows), result
     elif script == "bench_hf_baseline.py":
         (row,) = result["rows"]
         assert row["engine"] == "forerun" and row["tokens"] == 16
