@@ -106,7 +106,7 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     backend = select_backend(cfg, device, model, max_len, progress)
     model.use_backend(backend)
     # after the backend: FP8 weights are quantized there
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    weights = model.weight_bytes()
     draft = load_draft(cfg, device, dtype, max_len, mcfg.vocab_size, progress)
     kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else dtype
     kv_scales = calibrate_kv_scales(model, device, cfg.block_size) if cfg.kv_cache_dtype == "fp8" else None

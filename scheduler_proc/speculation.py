@@ -5,8 +5,9 @@ penalties see the drafts before each position) speculates once speculative decod
 After its prompt every row of it is a *speculative row* of ``k + 1`` tokens (``k <= K`` drafts): the executor
 proposes the drafts on the device (n-gram lookup in the slot's tokens, or a draft model's greedy tokens), runs
 the row, keeps the longest prefix of drafts the model's sampler agrees with (its argmax, or its keyed draw:
-rejection sampling of a point-mass draft) plus one token of its own, and moves the slot's length on the device.  So a row emits 1 to ``k + 1`` tokens, and
-the scheduler learns how many one step late, after it has planned the next rows.
+rejection sampling of a point-mass draft) plus one token of its own, and moves the slot's length on the device.
+So a row emits 1 to ``k + 1`` tokens, and the scheduler learns how many one step late, after it has planned the
+next rows.
 
 It plans for the worst case and reconciles the outcome::
 

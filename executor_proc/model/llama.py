@@ -209,6 +209,10 @@ class CausalLM(nn.Module):
         norm = self.model.norm
         return normed(backend, stream.before(norm.weight, norm.eps))[0]
 
+    def weight_bytes(self) -> int:
+        """Bytes of the parameters and buffers as they lie on the device (a rank's shard; FP8 weights quantized)."""
+        return sum(t.numel() * t.element_size() for t in (*self.parameters(), *self.buffers()))
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: float32 logits ``[S, vocab]`` of :meth:`final_hidden`'s rows."""
         return self.backend.logits(hidden, self.lm_head.weight)

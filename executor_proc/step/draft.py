@@ -113,7 +113,7 @@ class DraftModel:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        return self.model.weight_bytes()
 
     def allocate(self, num_blocks: Optional[int]) -> None:
         """A KV cache for the model's ``num_blocks`` block ids and the scratch block (None: drop it)."""
