@@ -1409,6 +1409,7 @@ The ratios to ``decode`` are the verification's price; speculation pays when a r
     sys.argv = ["bench_kernels.py spec", *argv]
 
     import argparse
+    import json
     import time
 
     import torch
@@ -1449,6 +1450,10 @@ The ratios to ``decode`` are the verification's price; speculation pays when a r
         slots, k = max(batches), args.k
         model = args.model if os.path.exists(args.model) else os.path.join(CONFIGS, args.model)
         max_len = args.context + 64
+        with open(os.path.join(model, "config.json")) as f:
+            limit = json.load(f).get("max_position_embeddings", max_len)
+        if max_len > limit:
+            ap.error(f"--context {args.context}: the rows need {max_len} positions, the model has {limit}")
         blocks = slots * -(-max_len // BLOCK_SIZE)
         budget = max(2048, slots * (k + 1))
         cfg = ExecutorConfig(model=model, load_format="dummy", device=args.device,
