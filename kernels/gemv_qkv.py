@@ -81,9 +81,9 @@ def _rope_store(y_lo, y_hi, head, j, lo, token, ok, x_ptr, b_ptr, qo_ptr, kc_ptr
         r_lo = y_lo
         r_hi = y_hi
     if head < H:
-        dst = qo_ptr + token * (H * D) + lo[None, :]
-        tl.store(dst, r_lo.to(qo_ptr.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, r_hi.to(qo_ptr.dtype.element_ty), mask=ok)
+        q_dst = qo_ptr + token * (H * D) + lo[None, :]  # named apart from dst below: the two differ in dtype
+        tl.store(q_dst, r_lo.to(qo_ptr.dtype.element_ty), mask=ok)
+        tl.store(q_dst + HALF, r_hi.to(qo_ptr.dtype.element_ty), mask=ok)
     else:
         kv_index = tl.load(index_ptr + token).to(tl.int64)
         blk = kv_index // BLOCK_SIZE

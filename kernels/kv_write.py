@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .e4m3 import to_e4m3
 from .pdl import pdl_args, pdl_launch, pdl_wait
 from .reference import inverse_scales, kv_write_ref, rope_cos_sin_cache, rope_kv_write_ref  # noqa: F401
 
@@ -91,7 +92,7 @@ def to_cache(x, cache_ptr, inv_scale):
     (1 / its layer's scale) in float32, clamped to e4m3's +-448, rounded to nearest even; any other cache x cast."""
     dt = cache_ptr.dtype.element_ty
     if dt == tl.float8e4nv:
-        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -448.0), 448.0)
+        return to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -448.0), 448.0))
     return x.to(dt)
 
 

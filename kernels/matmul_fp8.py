@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .e4m3 import to_e4m3
 from .fp8 import FP8, FP8_MAX, MIN_SCALE, Fp8Weight
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
@@ -58,7 +59,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K:
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), _MAX), _MIN)
         tl.store(s_ptr + row, scale)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_MAX), _MAX)
-        tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+        tl.store(q_ptr + row * stride_qm + offs, to_e4m3(q), mask=offs < K)
     else:
         amax = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -71,7 +72,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K:
             offs = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
             q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_MAX), _MAX)
-            tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+            tl.store(q_ptr + row * stride_qm + offs, to_e4m3(q), mask=offs < K)
     pdl_launch(USE_PDL)
 
 

@@ -7,8 +7,11 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from ipc.config import ExecutorConfig
+from kernels.e4m3 import to_e4m3
 from kernels.fp8 import FP8, FP8_MAX, Fp8Weight, fp8_linear_ref, quantize_rows_ref, quantize_weight
 from tests.test_gpu_fastpath import built, write_config
 
@@ -51,6 +54,27 @@ def test_quantize_rows_and_linear_reference():
     xd = xq.double() * xs.double()[:, None]
     assert torch.allclose(big.double(), xd @ wd.T + b.double(), rtol=1e-5, atol=1e-5)
     assert fp8_linear_ref(x.bfloat16(), Fp8Weight(w.data, w.scale, torch.bfloat16)).dtype == torch.bfloat16
+
+
+@triton.jit
+def _cast_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, to_e4m3(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
+
+
+def test_to_e4m3_rounds_as_torch_casts():
+    """Every e4m3 value, every midpoint of two neighbours (ties go to the even one) and values of five magnitudes
+    through :func:`kernels.e4m3.to_e4m3`: torch's cast, bit for bit (on the GPU, where Triton's own narrowing
+    through float16 rounds twice; in the interpreter, which rounds ties away from zero and has no subnormals)."""
+    g = torch.Generator().manual_seed(0)
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[grid.isfinite()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([grid, mids, -mids, *(torch.randn(2000, generator=g) * s for s in (1e-3, 0.02, 1, 30, 200))])
+    x = x.clamp(-FP8_MAX, FP8_MAX).to(DEVICE)
+    y = torch.empty(x.numel(), dtype=FP8, device=DEVICE)
+    _cast_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    assert torch.equal(y.float(), x.to(FP8).float())
 
 
 def _plain(w: Fp8Weight) -> torch.Tensor:
@@ -119,7 +143,7 @@ def test_w8a8_matches_reference_gpu():
         xq, xs = quantize_rows(x)
         xq_ref, xs_ref = quantize_rows_ref(x)
         assert torch.allclose(xs, xs_ref, rtol=1e-6, atol=0)  # the same scales, up to the last bit of a division
-        assert (xq.float() != xq_ref.float()).float().mean() < 1e-3  # a value on a rounding tie may go either way
+        assert torch.equal(xq.float(), xq_ref.float())
         ref = (xq_ref.double() * xs_ref.double()[:, None]) @ w.dequantize().double().T + b.double()
         for config in (None, *FP8_MATMUL_CONFIGS):
             y = w8a8_linear(x, w, b, config=config)
@@ -154,13 +178,9 @@ def test_quantized_model_runs_and_counts_fp8_bytes(tmp_path):
         a = all_logits(ref.worker.model, batch, ref.worker.kv_cache)
         b = all_logits(model, batch, fp8.worker.kv_cache)
         c = all_logits(tri.worker.model, batch, tri.worker.kv_cache)
-        assert (a - b).abs().max() < 0.05 * a.abs().max()  # quantization error, small
-        # decode rows: the same arithmetic; a prefill's activations are rounded to e4m3 by Triton's interpreter with
-        # ties away from zero and no subnormals (the GPU rounds to nearest even, as torch: test_w8a8_... checks it)
-        if len(rows) > 1 or CUDA:
-            assert torch.allclose(b, c, rtol=1e-3, atol=2e-3 * b.abs().max().item())
-        else:
-            assert (a - c).abs().max() < 0.1 * a.abs().max()
+        # quantization error, small (a 2-layer random model of hidden 64: 4% on the CPU's weights, 6% on a GPU's)
+        assert (a - b).abs().max() < 0.1 * a.abs().max()
+        assert torch.allclose(b, c, rtol=1e-3, atol=2e-3 * b.abs().max().item())  # the same arithmetic
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs")
