@@ -66,14 +66,15 @@ async def reset_prefix_cache(address: str) -> p.ServerStats:
     return await server_stats(address, p.ResetPrefixCache())
 
 
-async def wait_idle(address: str) -> p.ServerStats:
-    """Stats once nothing is running, waiting, draining or in flight (or the last seen after 5 s)."""
-    for _ in range(100):
+async def wait_idle(address: str, timeout: float = 120.0) -> p.ServerStats:
+    """Stats once nothing is running, waiting, draining or in flight (or the last seen after ``timeout`` s: a step
+    launched ahead on a GPU may first compile its kernels)."""
+    deadline = time.monotonic() + timeout
+    while True:
         s = await server_stats(address)
-        if not (s.num_running or s.num_waiting or s.num_draining or s.num_inflight_steps):
+        if not (s.num_running or s.num_waiting or s.num_draining or s.num_inflight_steps) or time.monotonic() > deadline:
             return s
         await asyncio.sleep(0.05)
-    return s
 
 
 def assert_no_leak(s: p.ServerStats) -> None:
