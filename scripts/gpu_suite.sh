@@ -5,7 +5,8 @@
 #   bash scripts/gpu_suite.sh --dry-run PART|all   print the commands, run nothing
 #
 # Parts:
-#   tests          GPU tests: fast path against the torch path, CUDA graphs, mixed-step graphs, batch invariance
+#   tests          GPU tests: fast path against the torch path, CUDA graphs, mixed-step graphs, batch invariance;
+#                  every fused kernel variant compiled for sm_90
 #   tests-kernels  kernel tests on the GPU (attention, GEMV, sampling, transfer), host KV tier, compile ahead
 #   decode         batch-1 decode (1B, 8B), 2 and 4 rows (1B), batch 64 (8B, default and --batch-invariant),
 #                  prefill MFU (8B)
@@ -73,6 +74,7 @@ versions() {
 part_tests() {
   run timeout 560 $PY -m pytest -q -p no:cacheprovider tests/test_gpu_fastpath.py tests/test_mixed_graphs.py \
       tests/test_batch_invariance.py
+  run timeout 300 $PY -m tests.compile_sm90 --all  # every launch variant for sm_90 (CI compiles a covering quarter)
 }
 
 part_tests_kernels() {

@@ -1,13 +1,19 @@
 """Compile kernels for Hopper (sm_90) offline, without a GPU: Triton's real compiler and ptxas, not the interpreter.
 
-``python -m tests.compile_sm90`` (TRITON_INTERPRET unset) compiles every variant the batch-1 fused kernels are
-launched with (:mod:`kernels.gemv`'s row kernel with each prologue, its 2-8-row form, the "dot" form with and without the SiLU
-epilogue and the "dotT" form, :mod:`kernels.gemv_qkv` with the norm and at 1-8 rows without, in both forms) for the tuner's "row" configs, head dims 64 and 128, as the H100 runs them (with programmatic dependent launch, :mod:`kernels.pdl`),
-the split-KV decode attention kernel whose last split merges, and the tiled matmul, SiLU-mul and rotary/KV-write
-kernels (PDL, no weight prefetch), and prints one line per variant: its size and
-whether anything spilled to local memory.  Exits 1 if a variant fails to compile, spills, or breaks PDL's rule in
-its PTX (a store before ``griddepcontrol.wait``, or no wait), or if the decode kernel's arrival is not a CTA
-barrier followed by a GPU-scope acquire-release atomic.  ``tests/test_gpu_fastpath.py`` runs it in CI.
+:func:`variants` lists every variant the batch-1 fused kernels are launched with (:mod:`kernels.gemv`'s row kernel
+with each prologue, its 2-8-row form, the "dot" form with and without the SiLU epilogue and the "dotT" form,
+:mod:`kernels.gemv_qkv` with the norm and at 1-8 rows without, in both forms) for the tuner's configs, head dims 64
+and 128, as the H100 runs them (with programmatic dependent launch, :mod:`kernels.pdl`), the split-KV decode
+attention kernel whose last split merges, and the tiled matmul, SiLU-mul and rotary/KV-write kernels (PDL, no
+weight prefetch); :func:`fp8_variants` the same kernels on FP8 weights and an FP8 KV cache.  Each compiled variant
+prints one line: its size and whether anything spilled to local memory.  Exits 1 if a variant fails to compile,
+spills, or breaks PDL's rule in its PTX (a store before ``griddepcontrol.wait``, or no wait), or if the decode
+kernel's arrival is not a CTA barrier followed by a GPU-scope acquire-release atomic.
+
+``python -m tests.compile_sm90`` (TRITON_INTERPRET unset) compiles :func:`covering`: every kernel at every config
+in its heaviest variant (largest head dim, most rows, every epilogue on), plus one variant of each other flag set:
+a quarter of the 222, the CI test's run (``tests/test_gpu_fastpath.py``).  ``--all`` compiles every variant
+(``scripts/gpu_suite.sh tests``).
 """
 
 from __future__ import annotations
@@ -127,6 +133,54 @@ def variants():
     yield "rope_kv_write D=128", kv_write._rope_kv_write_kernel, ROPE_SIG, consts, (None,) * 3 + (4, 1)
 
 
+FP8_W = {"w_ptr": "*fp8e4nv"}
+FP8_KV = {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}
+
+
+def fp8_variants():
+    """The fused kernels on FP8 weights (``W_SCALED``) and writing an FP8 KV cache, at the first config of each
+    form."""
+    row = next(c for c in gemv.CONFIGS if c[0] == "row")
+    dot = next(c for c in gemv.CONFIGS if c[0] == "dot")
+    for config, forms in ((row, ("gemv_row", "qkv_rope", "qkv_rope_rows", "gemv_rows")), (dot, ("gemv_dot", "qkv_rope_dot"))):
+        for name, kernel, sig, consts, cfg in variants():
+            if tuple(cfg) == tuple(config) and name.split()[0] in forms and "D=64" not in name:
+                fp8 = dict(sig, **FP8_W, **(FP8_KV if "kc_ptr" in sig else {}))
+                yield f"fp8 {name}", kernel, fp8, dict(consts, W_SCALED=True), cfg
+                forms = tuple(f for f in forms if f != name.split()[0])
+
+
+def _weight(consts: dict) -> tuple:
+    """How heavy a variant is for the register allocator: head dim, rows, partial sums, then epilogues on."""
+    flags = sum(bool(consts.get(k)) for k in ("ADD", "HAS_BIAS", "SILU", "RESIDUAL", "NORM_FIRST", "PROLOGUE"))
+    return (consts.get("D", 0), consts.get("M_PAD", 1), consts.get("NORM_ROWS", 0), consts.get("P_PAD", 0), flags,
+            consts.get("PROLOGUE", 0))
+
+
+def covering() -> list:
+    """Every (kernel, config) in its heaviest variant, then variants until each kernel has compiled each of its
+    epilogue flag sets and each value of each of its dimensions, then :func:`fp8_variants`."""
+    every = list(variants())
+    by_config: dict = {}
+    for v in every:
+        key = (v[1], tuple(v[4]))
+        if key not in by_config or _weight(v[3]) > _weight(by_config[key][3]):
+            by_config[key] = v
+    chosen = list(by_config.values())
+    dims = ("D", "M_PAD", "P_PAD", "NORM_ROWS")
+
+    def keys(v):  # the kernel's epilogue flags, and each of its dimensions' values
+        flags = tuple(sorted((k, x) for k, x in v[3].items() if k not in dims + ("BLOCK_N", "BLOCK_K", "PAIRS")))
+        return {(v[1], flags)} | {(v[1], k, v[3][k]) for k in dims if k in v[3]}
+
+    seen = set().union(*map(keys, chosen))
+    for v in every:
+        if not keys(v) <= seen:
+            seen |= keys(v)
+            chosen.append(v)
+    return chosen + list(fp8_variants())
+
+
 def pdl_problem(ptx: str, prefetch: bool = True) -> str:
     """'' if the kernel waits for its predecessor once, before any store, and (``prefetch``) prefetches a weight
     tile before that; else what is wrong."""
@@ -152,9 +206,10 @@ def arrival_problem(ptx: str) -> str:
     return ""
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     failed = 0
-    for name, kernel, sig, consts, config in variants():
+    for name, kernel, sig, consts, config in (list(variants()) + list(fp8_variants())
+                                              if "--all" in argv else covering()):
         # a constexpr left at its default (W_SCALED: bf16 weights) is bound like the launches bind it
         consts = dict({p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default
                        and p.name not in consts}, **consts)
@@ -177,4 +232,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
