@@ -41,9 +41,10 @@ def serve_flags(sub) -> argparse.ArgumentParser:
     s.add_argument("--device", default=E("device"), help="cpu, cuda or cuda:N")
     s.add_argument("--tensor-parallel-size", "-tp", type=int, default=E("tensor_parallel_size"), metavar="N",
                    help="split the model over N executor processes (Megatron tensor parallelism: attention "
-                        "heads and MLP columns sharded, an all-reduce per layer half): on cuda:i one GPU each, "
-                        "cuda:i..cuda:i+N-1, over NCCL; on the cpu N processes over gloo. N must divide the "
-                        "attention heads and MLP size, and divide or be a multiple of the KV heads")
+                        "heads and MLP columns sharded, each expert's too, an all-reduce per layer half): on "
+                        "cuda:i one GPU each, cuda:i..cuda:i+N-1, over NCCL; on the cpu N processes over gloo. N "
+                        "must divide the attention heads and the MLP and expert sizes, and divide or be a multiple "
+                        "of the KV heads")
     s.add_argument("--kernels", default=E("kernels"), choices=list(get_args(Kernels)),
                    help="attention/norm/sampling kernels (auto: Triton on cuda, torch on cpu)")
     s.add_argument("--no-cuda-graphs", action="store_true",

@@ -1,7 +1,8 @@
 """Run the model directly as tensor-parallel ranks (gloo on the CPU) and compare its logits with one process.
 
-Tests start ``python -m tests.tp_forward RANK SIZE FORMAT MODEL OUT`` once per rank; rank 0 writes the
-logits of a fixed workload (a mixed prefill of two rows, then a decode step of both) to ``OUT`` (.npy).
+Tests start ``python -m tests.tp_forward RANK SIZE FORMAT MODELS OUT`` once per rank; rank 0 writes the
+logits of a fixed workload (a mixed prefill of two rows, then a decode step of both) to ``OUT`` (.npz, one
+array per model: MODELS is one path, or several joined by ``os.pathsep``, run in turn by the one group).
 :func:`logits` runs the same workload in one process (``tp=None``).
 """
 
@@ -72,8 +73,15 @@ def write_gguf(hf_folder: str, path: str) -> str:
 
 def run_ranks(size: int, load_format: str, model_path: str, out: str, timeout: float = 300) -> np.ndarray:
     """Start ``size`` rank processes, wait for all, return rank 0's logits (raise with their output if one fails)."""
+    return run_ranks_each(size, load_format, [model_path], out, timeout)[0]
+
+
+def run_ranks_each(size: int, load_format: str, model_paths: list[str], out: str,
+                   timeout: float = 300) -> list[np.ndarray]:
+    """:func:`run_ranks` for several models in turn, in one group (its processes start once): their logits."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_forward", str(r), str(size), load_format, model_path,
+    models = os.pathsep.join(model_paths)
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_forward", str(r), str(size), load_format, models,
                                out], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(size)]
     try:
@@ -85,18 +93,20 @@ def run_ranks(size: int, load_format: str, model_path: str, out: str, timeout: f
                 proc.wait()
     if any(proc.returncode for proc in procs):
         raise RuntimeError("a rank failed:\n" + "\n".join(outputs))
-    return np.load(out)
+    with np.load(out) as saved:
+        return [saved[f"arr_{i}"] for i in range(len(model_paths))]
 
 
 def main(argv: list[str]) -> None:
-    rank, size, load_format, model_path, out = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4]
+    rank, size, load_format, models, out = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4]
     from executor_proc.parallel.group import init_group
 
     torch.set_num_threads(1)
     tp = init_group(f"file://{os.path.abspath(out)}.store", rank, size, torch.device("cpu"))
-    result = logits(model_path, load_format, tp)
+    results = [logits(path, load_format, tp) for path in models.split(os.pathsep)]
     if rank == 0:
-        np.save(out, result)
+        with open(out, "wb") as f:  # np.savez would add .npz to the name
+            np.savez(f, *results)
     tp.barrier()
     tp.exit_process(0)
 

@@ -5,6 +5,9 @@ Per layer, in the residual stream of :class:`executor_proc.model.llama.DecoderLa
     attention:  fused q|k|v (column-parallel: the rank's heads) -> attention on the rank's heads
                 -> o_proj (row-parallel: a partial sum) -> all-reduce
     MLP:        fused gate|up (column-parallel) -> SiLU-mul -> down_proj (row-parallel) -> all-reduce
+    MoE:        the router, replicated (every rank routes alike) -> each chosen expert on the rank's slice
+                of its intermediate columns, weighted and summed (+ the shared expert's slice, scaled by
+                its replicated gate) -> all-reduce: one per layer, as for the MLP
 
 Norms and the residual stream are replicated: every rank holds the whole ``[T, hidden]`` after each
 all-reduce.  The embedding and the LM head are vocabulary-parallel: a token's embedding is looked up on
@@ -26,6 +29,7 @@ import torch
 from executor_proc.backends.base import NormInput, Stream
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.llama import MLP, Attention, CausalLM, StepContext
+from executor_proc.model.moe import MoEBlock
 from executor_proc.parallel.group import TPGroup
 from executor_proc.parallel.sharding import Shards
 
@@ -56,6 +60,19 @@ class ParallelMLP(MLP):
         return Stream(self.group.all_reduce(out.x), out.residual)
 
 
+class ParallelMoEBlock(MoEBlock):
+    """The rank's slice of every expert (and of the shared expert); the partial sums, routed and shared added
+    together, are all-reduced once."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, group: TPGroup):
+        super().__init__(config, dtype)
+        self.group = group
+
+    def forward(self, pre: NormInput, backend) -> Stream:
+        out = super().forward(pre, backend)
+        return Stream(self.group.all_reduce(out.x), out.residual)
+
+
 class ParallelCausalLM(CausalLM):
     """A rank's sharded model: ``config`` is the rank's shape, ``full_config`` the model's."""
 
@@ -68,7 +85,8 @@ class ParallelCausalLM(CausalLM):
         self.vocab_start, self.vocab_per_rank = shards.vocab_start, shards.vocab_per_rank
         for i, layer in enumerate(self.model.layers):  # same names and shapes: weights load as before
             layer.self_attn = ParallelAttention(shards.config, i, dtype, group)
-            layer.mlp = ParallelMLP(shards.config, dtype, group)
+            sparse = isinstance(layer.mlp, MoEBlock)
+            layer.mlp = (ParallelMoEBlock if sparse else ParallelMLP)(shards.config, dtype, group)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.vocab_start

@@ -3,6 +3,7 @@
 Rank ``r`` of ``N``, for HF parameter names::
 
     q_proj, gate_proj, up_proj   column-parallel: output rows of heads / MLP columns r*n/N .. (r+1)*n/N
+                                 (an expert's and the shared expert's by their own intermediate sizes)
     k_proj, v_proj               the rank's KV heads: a split when N divides them, else (N a multiple of
                                  them) the one KV head its query heads read, replicated on N/KV ranks
     o_proj, down_proj            row-parallel: the matching input columns; the partial outputs are
@@ -10,10 +11,13 @@ Rank ``r`` of ``N``, for HF parameter names::
     *.weight_scale (FP8)         with their weight's rows: column-parallel sliced, row-parallel and
                                  per-tensor ones (and input_scale) whole
     embed_tokens, lm_head        vocabulary-parallel: rows r*Vp .. (r+1)*Vp, Vp = ceil(V/N), rows past V zero
-    norms                        replicated
+    norms, the MoE router        replicated (every rank routes every token the same way, in float32),
+    and shared_expert_gate       so each rank runs every chosen expert on its slice of that expert
+    w13 [E, 2I, H], w2 [E, H, I] the stacked experts (dummy weights are drawn stacked): each expert's gate
+                                 and up rows, and its down columns, of the rank's slice of I
 
 Fused q|k|v and gate|up are built from the sliced parts, so each rank's fused matmul is its own
-column slice.  A model whose head or MLP counts ``N`` does not divide is refused at start-up
+column slice.  A model whose head, MLP or expert sizes ``N`` does not divide is refused at start-up
 (:func:`check_divisible`), naming the counts and the sizes that would work.
 """
 
@@ -23,32 +27,58 @@ from dataclasses import replace
 
 import torch
 
+from executor_proc.memory_plan import StartupRefused
 from executor_proc.model.config import ModelConfig
+from executor_proc.model.moe import checkpoint_name
 from ipc.config import MAX_TENSOR_PARALLEL
 
 _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
 _ROW = {"o_proj": "q", "down_proj": "mlp"}
 _VOCAB = ("embed_tokens", "lm_head")
+_STACKED = ("w13", "w2")  # an MoE layer's stacked experts (executor_proc.model.moe.MoEBlock)
+
+
+class NotDivisible(StartupRefused, ValueError):
+    """A tensor-parallel size that does not split the model evenly: one line for the user."""
+
+
+def _has_dense_mlp(config: ModelConfig) -> bool:
+    return config.moe is None or not all(config.moe.is_sparse(i) for i in range(config.num_layers))
+
+
+def _split_sizes(config: ModelConfig) -> list[int]:
+    """Every intermediate size the ranks split: the dense MLP's (where a layer has one), the experts', the
+    shared expert's."""
+    moe = config.moe
+    sizes = [config.intermediate_size] if _has_dense_mlp(config) else []
+    if moe is not None:
+        sizes += [moe.intermediate_size] + ([moe.shared_intermediate_size] if moe.shared_intermediate_size else [])
+    return sizes
 
 
 def divides(config: ModelConfig, size: int) -> bool:
-    """Whether ``size`` ranks can split the model's heads and MLP columns evenly."""
-    heads, kv, inter = config.num_heads, config.num_kv_heads, config.intermediate_size
-    return heads % size == 0 and inter % size == 0 and (kv % size == 0 or size % kv == 0)
+    """Whether ``size`` ranks can split the model's heads, MLP columns and experts' columns evenly."""
+    heads, kv = config.num_heads, config.num_kv_heads
+    return heads % size == 0 and all(n % size == 0 for n in _split_sizes(config)) and (
+        kv % size == 0 or size % kv == 0)
 
 
 def check_divisible(config: ModelConfig, size: int) -> None:
-    """Raise ValueError naming the counts ``size`` does not divide and the sizes that would work."""
-    if config.moe is not None and size > 1:
-        raise ValueError(f"tensor_parallel_size {size}: the mixture-of-experts layers of {config.architecture} "
-                         f"({config.moe.num_experts} experts) are not split across ranks yet; use 1")
+    """Raise :class:`NotDivisible` naming the counts ``size`` does not divide and the sizes that would work."""
     if divides(config, size):
         return
     counts = [f"{config.num_heads} attention heads", f"{config.num_kv_heads} KV heads (it must divide them "
-              f"or be a multiple of them)", f"an MLP of {config.intermediate_size}"]
+              f"or be a multiple of them)"]
+    if _has_dense_mlp(config):
+        counts.append(f"an MLP of {config.intermediate_size}")
+    moe = config.moe
+    if moe is not None:
+        counts.append(f"{moe.num_experts} experts of an MLP of {moe.intermediate_size}")
+        if moe.shared_intermediate_size:
+            counts.append(f"a shared expert of {moe.shared_intermediate_size}")
     good = [n for n in range(1, MAX_TENSOR_PARALLEL + 1) if divides(config, n)]
-    raise ValueError(f"tensor_parallel_size {size} does not divide the model ({', '.join(counts)}); "
-                     f"sizes that do: {', '.join(map(str, good))}")
+    raise NotDivisible(f"tensor_parallel_size {size} does not divide the model ({', '.join(counts)}); "
+                       f"sizes that do: {', '.join(map(str, good))}")
 
 
 def _numel(t) -> int:
@@ -83,28 +113,54 @@ class Shards:
         self.rows = {"q": (rank * heads * d, (rank + 1) * heads * d),
                      "kv": (kv_first * d, (kv_first + kv) * d),
                      "mlp": (rank * inter, (rank + 1) * inter)}
+        moe = full.moe
+        if moe is not None:
+            expert, shared = moe.intermediate_size // size, moe.shared_intermediate_size // size
+            self.rows["expert"] = (rank * expert, (rank + 1) * expert)
+            self.rows["shared"] = (rank * shared, (rank + 1) * shared)
+            moe = replace(moe, intermediate_size=expert, shared_intermediate_size=shared)
         self.vocab_start = rank * self.vocab_per_rank
         self.config = replace(full, num_heads=heads, num_kv_heads=kv, intermediate_size=inter,
-                              vocab_size=self.vocab_per_rank)
+                              vocab_size=self.vocab_per_rank, moe=moe)
 
     def take(self, name: str, t) -> torch.Tensor:
-        """This rank's part of the full weight ``name`` (HF naming); ``t`` is a tensor or a safetensors slice."""
+        """This rank's part of the full weight ``name`` (HF naming, Mixtral's expert names too); ``t`` is a tensor
+        or a safetensors slice."""
+        name = checkpoint_name(name)
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+        if kind in _STACKED:
+            return self._stacked_experts(kind, t)
         if kind.endswith("_scale") and (module in _ROW or _numel(t) == 1):  # FP8 scales: per output row, or per tensor
             return t[...]
         if module in _COLUMN:
-            a, b = self.rows[_COLUMN[module]]
+            a, b = self.rows[self._split(name, _COLUMN[module])]
             return t[a:b]
         if module in _ROW:
             if kind == "bias":  # added once, after the all-reduce
                 full = t[:]
                 return full if self.rank == 0 else torch.zeros_like(full)
-            a, b = self.rows[_ROW[module]]
+            a, b = self.rows[self._split(name, _ROW[module])]
             return t[:, a:b]
         if module in _VOCAB:
             return self._vocab_rows(t)
         return t[:]
+
+    @staticmethod
+    def _split(name: str, split: str) -> str:
+        """Which slice an MLP projection takes: a routed expert's, the shared expert's or the dense MLP's."""
+        if split != "mlp":
+            return split
+        return "expert" if ".mlp.experts." in name else "shared" if ".mlp.shared_expert." in name else "mlp"
+
+    def _stacked_experts(self, kind: str, t: torch.Tensor) -> torch.Tensor:
+        """``w13 [E, 2I, H]``: each expert's gate rows and up rows of the rank's slice; ``w2 [E, H, I]``: its
+        down columns."""
+        a, b = self.rows["expert"]
+        if kind == "w2":
+            return t[:, :, a:b]
+        inter = t.shape[1] // 2
+        return torch.cat([t[:, a:b], t[:, inter + a:inter + b]], dim=1)
 
     def _vocab_rows(self, t) -> torch.Tensor:
         vocab = _shape(t)[0]
