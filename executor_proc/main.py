@@ -149,6 +149,7 @@ class ExecutorProcess:
         self.results = make_socket(self.ctx, zmq.PUSH, cfg.result_addr, bind=False)
         self.output = OutputThread(self.results)
         self.tp = None  # the tensor-parallel group, once built
+        self.expert_counts = None  # --moe-expert-counts (rank 0): executor_proc.model.expert_counts
         self.last_step_id: Optional[int] = None
         self._stream = None  # the compute stream, for the step timing events
         self.gc_clock = GcClock()
@@ -171,6 +172,10 @@ class ExecutorProcess:
         self.worker, mcfg, self.tp = built.worker, built.model_config, built.tp
         self.output.backups_done = self.worker.backups_done_through
         self.output.grammar = self.worker.grammar
+        if cfg.moe_expert_counts and lead:  # after the start-up passes: the totals are the served steps' only
+            from executor_proc.model.expert_counts import ExpertCounts
+
+            self.expert_counts = ExpertCounts(self.worker.model, built.device)
         if built.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(built.device)  # the peak the results report is the serving one
             self.output.memory_device = built.device
@@ -259,6 +264,8 @@ class ExecutorProcess:
                                                getattr(step, "outputs", None)))
         self.output.steps.put(None)
         self.output.join(timeout=5)
+        if self.expert_counts is not None:
+            print("\n".join(self.expert_counts.report()), file=sys.stderr, flush=True)
 
     def run_follower(self) -> None:
         """A rank other than 0: run every plan as rank 0 does (its collectives need ours); report nothing."""

@@ -105,6 +105,9 @@ class ExecutorConfig(_Config):
     # Executor processes sharing the model (Megatron tensor parallelism): rank r on cuda:(i + r) for
     # --device cuda:i, or N ranks on the CPU (gloo); they run the same plans, rank 0 reports.
     tensor_parallel_size: int = 1
+    # Debug: tally the tokens each MoE layer routes to each expert and print the totals at shutdown
+    # (executor_proc/model/expert_counts.py); steps run without CUDA graphs.
+    moe_expert_counts: bool = False
     scripted: ScriptedOptions = ScriptedOptions()
     speculative: SpeculativeConfig = SpeculativeConfig()
     # Filled in by the scheduler when it starts the executor.
@@ -154,6 +157,8 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
     _check_speculative(cfg.speculative)
     if cfg.speculative.method == "draft" and tp > 1:
         raise ValueError(f"--speculative-method draft runs with --tensor-parallel-size 1, got {tp}")
+    if cfg.moe_expert_counts and cfg.load_format == "scripted":
+        raise ValueError("--moe-expert-counts needs a model: not with --load-format scripted")
     if cfg.speculative.method == "draft" and cfg.load_format == "scripted":
         raise ValueError("--speculative-method draft needs a model: not with --load-format scripted")
     if cfg.quantization == "fp8" and cfg.batch_invariant:

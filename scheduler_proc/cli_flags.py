@@ -56,6 +56,10 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                    help="compute every row the same way whatever else is in its step (one matmul tile and split "
                         "of K, one attention split count), so greedy outputs do not depend on the batch; slower, "
                         "Triton kernels only")
+    s.add_argument("--moe-expert-counts", action="store_true",
+                   help="debug: count the tokens each mixture-of-experts layer routes to each expert and print "
+                        "the totals (a line per layer) when the server shuts down; steps run without CUDA graphs. "
+                        "MoE models only")
     s.add_argument("--quantization", default=E("quantization"), choices=list(get_args(Quantization)),
                    help="fp8: every layer's linear weights in float8 e4m3 with per-output-channel scales, "
                         "quantized at load (the embedding and LM head stay in --dtype); decode reads half the "

@@ -47,6 +47,7 @@ def server_config(args) -> ServerConfig:
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=_memory_utilization(args),
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.executor_threads, tensor_parallel_size=args.tensor_parallel_size,
+        moe_expert_counts=args.moe_expert_counts,
         # The host tier keys its blocks with the prefix cache's keys: without prefix caching it is off.
         host_kv_gib=0.0 if args.no_prefix_caching else args.host_kv_gib,
         num_host_kv_blocks=None if args.no_prefix_caching else args.num_host_kv_blocks,

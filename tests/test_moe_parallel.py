@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers under tensor parallelism (CPU, gloo).
+"""Mixture-of-experts layers under tensor parallelism (CPU, gloo), and ``--moe-expert-counts``.
 
 - each expert's slices (stacked as dummy weights draw them, or per checkpoint tensor, Mixtral's names too)
   reassemble the whole, and agree with each other; the router and the shared expert's gate are replicated;
@@ -6,7 +6,8 @@
 - two ranks' logits of each family (tests/test_moe.py's tiny random models, read by slice from safetensors)
   within 1e-4 of one process, the three models run by one group;
 - ``forerun serve --tensor-parallel-size 2 --load-format dummy`` of a tiny Qwen2-MoE (shared expert) gives one
-  process's greedy tokens.
+  process's greedy tokens, and its ``--moe-expert-counts`` totals, printed at shutdown, add up to the tokens
+  run times top-k times the MoE layers.
 """
 
 from __future__ import annotations
@@ -17,14 +18,22 @@ import re
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from executor_proc.backends.select import graph_max_batch, mixed_max_tokens
 from executor_proc.memory_plan import StartupRefused
 from executor_proc.model.config import ModelConfig
+from executor_proc.model.expert_counts import ExpertCounts
+from executor_proc.model.kv_cache import KVCache
+from executor_proc.model.llama import CausalLM
+from executor_proc.model.loader import load_model
 from executor_proc.parallel.sharding import NotDivisible, Shards, check_divisible
+from ipc.config import ExecutorConfig
+from tests.forward_batch import build_forward_batch
 from tests.test_moe import BASE, FAMILIES, built  # noqa: F401  (built: the families' tiny models, a fixture)
 from tests.tp_forward import logits, run_ranks_each
 
@@ -89,6 +98,30 @@ def test_two_ranks_logits_of_each_family_match_one_process(built, tmp_path):  # 
         _assert_close(got, logits(folder, "hf"))
 
 
+def test_expert_counts_add_up_and_need_experts(tmp_path):
+    """One step of 12 tokens through Qwen3-MoE's one MoE layer (top-2): 24 routings, each to an expert."""
+    folder = tmp_path / "qwen3_moe"
+    folder.mkdir()
+    config = ModelConfig.from_hf_dict({**BASE, "architectures": ["Qwen3MoeForCausalLM"], "mlp_only_layers": [1]})
+    (folder / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    model, config = load_model(str(folder), "dummy", "cpu", torch.float32)
+    counts = ExpertCounts(model, torch.device("cpu"))
+    kv = KVCache(model.config, 8, 4, "cpu", torch.float32)
+    model(build_forward_batch([(0, list(range(7)), 0, True), (1, list(range(50, 55)), 0, True)], [[0, 1], [2, 3]],
+                              4, "cpu"), kv)
+    assert counts.counts.shape == (1, 4) and counts.counts.sum().item() == 12 * 2
+    assert counts.report()[1].startswith("moe expert counts layer 0: ")
+    with torch.device("meta"):
+        dense = CausalLM(ModelConfig.from_hf_dict({**BASE, "architectures": ["Qwen2ForCausalLM"]}))
+    with pytest.raises(StartupRefused, match="--moe-expert-counts needs a mixture-of-experts model; "
+                                             "Qwen2ForCausalLM has none"):
+        ExpertCounts(dense, torch.device("cpu"))
+    cfg, backend = ExecutorConfig(moe_expert_counts=True, mixed_graphs="on"), SimpleNamespace(supports_graphs=True)
+    assert graph_max_batch(cfg, backend) == 0 and mixed_max_tokens(cfg, backend) == 0  # padded rows would count
+    with pytest.raises(ValueError, match="--moe-expert-counts needs a model"):
+        ExecutorConfig(moe_expert_counts=True, load_format="scripted")
+
+
 PROMPTS = [[5, 17, 29, 41, 53, 65], [88, 3, 14, 15, 92, 65, 35, 89, 79]]
 MAX_TOKENS = 6
 
@@ -101,7 +134,7 @@ def test_two_ranks_serve_a_moe_model_as_one_process_does(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(ModelConfig.from_hf_dict(BASE).to_hf_dict()))
     flags = ("--model", str(tmp_path), "--load-format", "dummy", "--device", "cpu", "--dtype", "float32",
              "--max-num-seqs", "4", "--num-kv-blocks", "32", "--block-size", "4")
-    sizes = {1: (), 2: ("--tensor-parallel-size", "2")}
+    sizes = {1: (), 2: ("--tensor-parallel-size", "2", "--moe-expert-counts")}
     tmp = tempfile.mkdtemp(prefix="fr", dir="/tmp")  # short: ipc paths are limited to 107 bytes
 
     async def greedy(srv):
@@ -121,3 +154,8 @@ def test_two_ranks_serve_a_moe_model_as_one_process_does(tmp_path):
             srv.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     assert got[2] == got[1] and all(len(t) == MAX_TOKENS for t in got[1])
+    log = servers[2].proc.stdout.read()
+    rows = [list(map(int, m[1].split())) for m in re.finditer(r"moe expert counts layer \d+: ([\d ]+)", log)]
+    tokens_run = sum(map(len, PROMPTS)) + len(PROMPTS) * (MAX_TOKENS - 1)  # the last token is sampled, not run
+    assert len(rows) == 2 and all(len(r) == 4 for r in rows), log
+    assert [sum(r) for r in rows] == [tokens_run * 2] * 2, log  # top-2, in each of the 2 MoE layers

@@ -77,14 +77,16 @@ def folds_norms(cfg: ExecutorConfig) -> bool:
 
 
 def graph_max_batch(cfg: ExecutorConfig, backend: Backend) -> int:
-    """The largest pure-decode step run through the decode graphs (0: none)."""
-    if not (backend.supports_graphs and cfg.cuda_graphs):
+    """The largest pure-decode step run through the decode graphs (0: none; none under ``moe_expert_counts``,
+    whose tally would count a graph's padding rows)."""
+    if not (backend.supports_graphs and cfg.cuda_graphs) or cfg.moe_expert_counts:
         return 0
     return cfg.cuda_graph_max_batch or cfg.num_slots
 
 
 def mixed_max_tokens(cfg: ExecutorConfig, backend: Backend) -> int:
     """The largest step with prefill chunks run through the mixed-step runner (0: none; see ``mixed_graphs``)."""
-    if cfg.mixed_graphs == "off" or (cfg.mixed_graphs == "auto" and not graph_max_batch(cfg, backend)):
+    if cfg.mixed_graphs == "off" or cfg.moe_expert_counts or (
+            cfg.mixed_graphs == "auto" and not graph_max_batch(cfg, backend)):
         return 0
     return min(cfg.cuda_graph_max_tokens or cfg.max_num_batched_tokens, cfg.max_num_batched_tokens)

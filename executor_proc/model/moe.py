@@ -3,7 +3,9 @@
 Per token: the router (``gate``, a linear in the model dtype) scores the E experts, the backend routes
 (softmax in float32, top-k, renormalised where the config says) and runs the k selected experts'
 SiLU-gated MLPs, summing their outputs weighted by the routing weights (:meth:`Backend.moe`).  Qwen2-MoE
-adds a shared expert on every token, scaled by ``sigmoid(shared_expert_gate(x))``.
+adds a shared expert on every token, scaled by ``sigmoid(shared_expert_gate(x))``.  With
+``--moe-expert-counts`` a block also adds its routed tokens to a per-expert tally
+(:mod:`executor_proc.model.expert_counts`).
 
 The experts' weights are stacked, ``w13 [E, 2I, H]`` (each expert's gate rows, then its up rows) and
 ``w2 [E, H, I]``, so that one kernel reaches any expert by index.  Checkpoints keep one tensor per expert
@@ -23,6 +25,7 @@ from torch import nn
 from executor_proc.backends.base import Backend, NormInput, Stream, normed
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.mlp import MLP
+from kernels.moe_ref import route_ref
 
 _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -51,6 +54,7 @@ class MoEBlock(nn.Module):
         if moe.shared_intermediate_size:
             self.shared_expert = MLP(config, dtype, moe.shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False, dtype=dtype)
+        self.expert_counts: Optional[torch.Tensor] = None  # [E] int64 on the device: --moe-expert-counts only
 
     def fuse(self) -> None:
         """The shared expert's gate|up as one matmul (the routed experts are stacked already)."""
@@ -62,6 +66,9 @@ class MoEBlock(nn.Module):
         h, residual = normed(backend, pre)
         router_logits = backend.linear(h, self.gate.weight, None)
         out = backend.moe(h, router_logits, self.w13, self.w2, self.top_k, self.renormalize)
+        if self.expert_counts is not None:  # --moe-expert-counts: the routing again and a device add, no host read
+            ids = route_ref(router_logits, self.top_k, self.renormalize)[1].flatten()
+            self.expert_counts.index_add_(0, ids, torch.ones_like(ids))
         if self.shared_expert is not None:
             scale = torch.sigmoid(backend.linear(h, self.shared_expert_gate.weight, None))
             out = out + scale * self.shared_expert.normed_forward(h, backend)
