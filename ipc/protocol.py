@@ -113,6 +113,13 @@ class Generate(_Msg, tag="generate"):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    # A resumed request (a data-parallel router re-sends one whose replica died): the output tokens the client
+    # already has.  The request continues after them as if it had produced them (max_tokens, min_tokens,
+    # penalties, stop strings and seeded sampling count them); only later tokens are sent.  Needs n == 1.
+    resume_output_ids: list[int] = []
+    # Which completion of an n > 1 request this one is (needs n == 1): seeded seed + completion_index, and its
+    # replies carry this index.
+    completion_index: int = 0
 
 
 class Abort(_Msg, tag="abort"):

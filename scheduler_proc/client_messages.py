@@ -150,11 +150,13 @@ class ClientMessages:
         s = msg.sampling
         base = s.seed if s.seed is not None else random.getrandbits(63)
         leader = None
-        for index in range(s.n):
+        first = msg.completion_index  # a resumed completion (n == 1) keeps its index, seed and outputs
+        for index in range(first, first + s.n):
             req = Request(
                 rid=next(self._rids), client=client, request_id=msg.request_id, prompt=msg.prompt_token_ids,
                 sampling=s, seed=(base + index) % 2**63, max_tokens=s.max_tokens, stop_ids=frozenset(s.stop_token_ids),
-                index=index, grammar=grammar)
+                index=index, grammar=grammar, output=list(msg.resume_output_ids),
+                num_sent=len(msg.resume_output_ids))
             try:
                 self.planner.add(req, leader)
             except ValueError as e:  # e.g. stop strings on a server without a tokenizer

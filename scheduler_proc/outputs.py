@@ -26,16 +26,21 @@ from scheduler_proc.extras import Detokenize, PromptLogprobs, RequestExtras, Sto
 __all__ = ["Detokenize", "PromptLogprobs", "RequestExtras", "StopMatcher", "load_detokenizer", "request_extras",
            "slot_sampling"]
 
-def request_extras(sampling, num_prompt_tokens: int, detokenize: Optional[Detokenize]) -> Optional[RequestExtras]:
-    """The extras a request needs, or None when it asked for nothing the scheduler must track."""
+def request_extras(sampling, num_prompt_tokens: int, detokenize: Optional[Detokenize],
+                   resumed: list[int] = ()) -> Optional[RequestExtras]:
+    """The extras a request needs, or None when it asked for nothing the scheduler must track.  ``resumed``: the
+    outputs a resumed request already has; the stop-string matcher reads them (a match there is not a finish: the
+    client has those tokens, so a stop string completed in them would have ended the request already)."""
     stop = sampling.stop
     if not (stop or sampling.min_tokens or sampling.logprobs is not None or sampling.prompt_logprobs is not None):
         return None
     if stop and detokenize is None:
         raise ValueError("stop strings need a tokenizer; this server has none")
-    return RequestExtras(
-        StopMatcher(list(stop), detokenize) if stop else None, sampling.min_tokens, sampling.logprobs is not None,
-        PromptLogprobs(num_prompt_tokens) if sampling.prompt_logprobs is not None else None)
+    matcher = StopMatcher(list(stop), detokenize) if stop else None
+    for token in resumed if matcher is not None else ():
+        matcher.feed(token)
+    return RequestExtras(matcher, sampling.min_tokens, sampling.logprobs is not None,
+                         PromptLogprobs(num_prompt_tokens) if sampling.prompt_logprobs is not None else None)
 
 
 def slot_sampling(req, eos_token_ids) -> SlotSampling:

@@ -106,7 +106,7 @@ class Planner(Reconciler, Speculation):
         leader has sampled its first token: the prompt's blocks are published then, so
         ``req`` finds them in the prefix cache instead of computing its own copy.
         """
-        req.extras = request_extras(req.sampling, len(req.prompt), self.detokenize)
+        req.extras = request_extras(req.sampling, len(req.prompt), self.detokenize, req.output)
         self.num_with_extras += req.extras is not None
         req.status = Status.WAITING
         req.max_output = min(req.max_tokens, self.limits.max_model_len - len(req.prompt))

@@ -130,6 +130,29 @@ def validate_generate(msg: p.Generate, limits: Limits) -> None:
         )
     _check_token_ids("prompt_token_ids", prompt, limits.vocab_size)
     _validate_sampling(msg.sampling, len(prompt), limits)
+    _validate_resume(msg, limits)
+
+
+def check_completions(msg: p.Generate) -> None:
+    """n, and a resumed request's ``completion_index``: which completions a Generate makes (no model limits)."""
+    resumed, index, s = msg.resume_output_ids, msg.completion_index, msg.sampling
+    if not 1 <= s.n <= p.MAX_N:
+        raise InvalidRequest("sampling.n", f"n must be in [1, {p.MAX_N}], got {s.n}")
+    if not 0 <= index < p.MAX_N:
+        raise InvalidRequest("completion_index", f"completion_index must be in [0, {p.MAX_N}), got {index}")
+    if (resumed or index) and s.n != 1:
+        raise InvalidRequest("sampling.n", f"a resumed request (resume_output_ids or completion_index) is one "
+                                           f"completion: n must be 1, got {s.n}")
+
+
+def _validate_resume(msg: p.Generate, limits: Limits) -> None:
+    """A resumed request's outputs so far: tokens of the vocabulary, with room left for at least one more."""
+    check_completions(msg)
+    resumed, s = msg.resume_output_ids, msg.sampling
+    if len(resumed) >= s.max_tokens:
+        raise InvalidRequest("resume_output_ids", f"resume_output_ids holds {len(resumed)} tokens and max_tokens "
+                                                  f"is {s.max_tokens}: nothing is left to generate")
+    _check_token_ids("resume_output_ids", resumed, limits.vocab_size)
 
 
 def _validate_sampling(s: p.SamplingParams, prompt_len: int, limits: Limits) -> None:
