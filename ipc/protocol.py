@@ -196,6 +196,10 @@ class ServerStats(_Msg, tag="server_stats"):
     spec_rows: int = 0  # speculative decoding: rows verified, their drafts, the drafts accepted
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Data-parallel replicas (scheduler_proc/replica_router.py): a replica's index in its own stats; the router's
+    # answer holds the sums and, in ``replicas``, each replica's own stats (a replica that is down has none).
+    replica: Optional[int] = None
+    replicas: list[ServerStats] = []
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):

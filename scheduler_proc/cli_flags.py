@@ -45,6 +45,12 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                         "cuda:i one GPU each, cuda:i..cuda:i+N-1, over NCCL; on the cpu N processes over gloo. N "
                         "must divide the attention heads and the MLP and expert sizes, and divide or be a multiple "
                         "of the KV heads")
+    s.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="serve N replicas of the model (each a scheduler and its executor group of "
+                        "--tensor-parallel-size ranks) behind one address: a router sends each request to the "
+                        "replica holding its longest cached prefix, else the least loaded one, and re-sends a dead "
+                        "replica's requests to another. On cuda:i replica r takes GPUs i+r*TP..i+(r+1)*TP-1; on the "
+                        "cpu the replicas share the cores")
     s.add_argument("--kernels", default=E("kernels"), choices=list(get_args(Kernels)),
                    help="attention/norm/sampling kernels (auto: Triton on cuda, torch on cpu)")
     s.add_argument("--no-cuda-graphs", action="store_true",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import random
 import time
 from typing import Optional
@@ -12,7 +11,7 @@ from ipc import protocol as p
 from ipc.sockets import MAX_CLIENT_MESSAGE_BYTES
 from scheduler_proc.grammar import CONSTRAINT_FIELDS, admit_constrained
 from scheduler_proc.request import Request
-from scheduler_proc.validate import InvalidRequest, decode_client_frame, validate_generate
+from scheduler_proc.validate import InvalidRequest, decode_client_frame, hello_refusal, validate_generate
 
 
 class ClientMessages:
@@ -84,24 +83,14 @@ class ClientMessages:
             grammar_steps=totals.grammar_steps, grammar_wait_steps=totals.grammar_wait_steps,
             grammar_wait_s_total=totals.grammar_wait_s,
             spec_rows=pl.spec_drafts.rows, spec_draft_tokens=pl.spec_drafts.drafted,
-            spec_accepted_tokens=pl.spec_drafts.accepted)
+            spec_accepted_tokens=pl.spec_drafts.accepted, replica=self.cfg.replica)
 
     def _on_hello(self, client: bytes, msg: p.Hello) -> None:
-        if msg.protocol_version != p.PROTOCOL_VERSION:
-            self.frontend.send(client, p.Error(
-                code="protocol", field="protocol_version",
-                message=f"client speaks protocol {msg.protocol_version}, server speaks {p.PROTOCOL_VERSION}"))
+        refusal, keyed = hello_refusal(msg, self.cfg.api_key, self.frontend.tcp)
+        if refusal is not None:
+            self.frontend.send(client, refusal)
             return
-        key = self.cfg.api_key
-        # Constant time: how much of a guess matches must not show in how long the answer takes.
-        keyed = bool(key) and hmac.compare_digest(msg.api_key.encode(), key.encode())
-        if key and not keyed and (msg.api_key or self.frontend.tcp):
-            self.frontend.send(client, p.Error(
-                code="unauthorized", field="api_key",
-                message="wrong API key" if msg.api_key else
-                        "this server needs its API key in Hello (the SDK's api_key=, or FORERUN_API_KEY)"))
-            return
-        self.frontend.hello(client, msg.heartbeat_s, msg.batch_deltas, admin=keyed or not key)
+        self.frontend.hello(client, msg.heartbeat_s, msg.batch_deltas, admin=keyed or not self.cfg.api_key)
         r = self.ready
         self.frontend.send(client, p.ServerInfo(
             protocol_version=p.PROTOCOL_VERSION, model_name=self.model.name, max_model_len=r.max_model_len,
@@ -121,6 +110,8 @@ class ClientMessages:
         return None
 
     def _on_generate(self, client: bytes, msg: p.Generate) -> None:
+        if self.failure and self.cfg.replica is not None:
+            return  # this replica is about to exit: its router re-sends the request to another one then
         refusal = self._refusal()
         if refusal is not None:
             refusal.request_id = msg.request_id

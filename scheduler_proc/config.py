@@ -47,6 +47,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     # Structured outputs (scheduler_proc/grammar.py): a constraint whose grammar takes longer than this to
     # compile is refused as an invalid request.
     grammar_compile_timeout_s: float = 10.0
+    # This server's index among data-parallel replicas (scheduler_proc/replica.py), None when it serves alone.  A
+    # replica that fails for good exits without failing its requests: its router re-sends them to another one.
+    replica: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.pipeline_depth not in (0, 1, 2):

@@ -23,10 +23,11 @@ PR_SET_PDEATHSIG = 1
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: the kernel kills it when the scheduler dies.  SIGINT is ignored (and
-    stays ignored across exec): a Ctrl-C reaches the whole process group, and the scheduler, which drains
-    and then sends Shutdown, is the one to act on it; a KeyboardInterrupt here would look like a crash."""
+def die_with_parent() -> None:
+    """Runs in the child before exec: the kernel kills it when its parent (the scheduler; a replica's router)
+    dies.  SIGINT is ignored (and stays ignored across exec): a Ctrl-C reaches the whole process group, and the
+    parent, which drains and then stops its children, is the one to act on it; a KeyboardInterrupt here would
+    look like a crash."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -39,7 +40,7 @@ def spawn_executor(cfg: ExecutorConfig) -> subprocess.Popen:
     env = dict(os.environ, **NO_MULTICAST_ENV)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PROJECT_ROOT, env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "executor_proc.main", msgspec.json.encode(cfg).decode()]
-    return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+    return subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
 
 
 def describe_exit(returncode: Optional[int]) -> str:

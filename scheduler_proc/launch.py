@@ -137,6 +137,7 @@ def serve(args) -> int:
     try:
         cfg = server_config(args)
         model = resolve_model(cfg.model, cfg.executor.load_format, cfg.tokenizer)
+        gpus = _replica_gpus(args, cfg)
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"forerun: {e}")
     import uvloop
@@ -148,7 +149,12 @@ def serve(args) -> int:
     # Until the event loop handles them, SIGTERM unwinds like Ctrl-C, so the cleanup below runs.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        server = Server(cfg, model)
+        if gpus is None:
+            server = Server(cfg, model)
+        else:  # data-parallel replicas behind a router, which launch runs like a server
+            from scheduler_proc.replica_router import Router
+
+            server = Router(cfg, model, gpus)
     except ValueError as e:  # e.g. a run directory whose socket paths are too long
         raise SystemExit(f"forerun: {e}")
     progress = _Progress(args.quiet)
@@ -199,10 +205,25 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _replica_gpus(args, cfg):
+    """Each data-parallel replica's CUDA_VISIBLE_DEVICES (None: a single server); ValueError with one line."""
+    if args.data_parallel_size == 1:
+        return None
+    from scheduler_proc.replica import replica_gpus, visible_gpus
+
+    device = cfg.executor.device
+    return replica_gpus(args.data_parallel_size, cfg.executor.tensor_parallel_size, device,
+                        visible_gpus() if device.startswith("cuda") else None)
+
+
 def _announce(server, model, ready, cfg) -> None:
     os.makedirs(os.path.dirname(ADDRESS_FILE), exist_ok=True)
     with open(ADDRESS_FILE, "w") as f:
         f.write(server.client_address)
+    if ready is None:  # a router: each replica said what it serves
+        print(f"forerun: serving {model.name} on {len(server.replicas)} data-parallel replicas", flush=True)
+        print(f"forerun: ready at {server.client_address}", flush=True)
+        return
     tp = cfg.executor.tensor_parallel_size
     device = f"{ready.device} x {tp} ranks (tensor parallel)" if tp > 1 else ready.device
     print(f"forerun: serving {model.name} on {device} ({ready.dtype}), "

@@ -303,8 +303,9 @@ class Server(ClientMessages, OutputStream):
             return
         self.failure = f"{cause}; the server is shutting down"
         say(self.failure)
-        for req in list(self.requests.values()):
-            self.fail_request(req, "executor_failed", self.failure)
+        if self.cfg.replica is None:  # a replica's router re-sends its requests to another replica instead
+            for req in list(self.requests.values()):
+                self.fail_request(req, "executor_failed", self.failure)
         self.stop()
 
     def close(self) -> None:
@@ -317,10 +318,13 @@ class Server(ClientMessages, OutputStream):
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
+SPEAKER = "forerun"  # who says it: a data-parallel replica names itself (scheduler_proc/replica.py)
+
+
 def say(message: str) -> None:
     """One line on stderr for the operator.  A closed or broken stderr (the launching shell or supervisor
     is gone) never stops the server: the line is dropped."""
     try:
-        print(f"forerun: {message}", file=sys.stderr, flush=True)
+        print(f"{SPEAKER}: {message}", file=sys.stderr, flush=True)
     except (OSError, ValueError):  # BrokenPipeError, EIO; ValueError: the stream was closed
         pass

@@ -8,6 +8,7 @@ float32 (the executor's sampling tables are float32), strings within a length.
 
 from __future__ import annotations
 
+import hmac
 import math
 import re
 import struct
@@ -64,7 +65,7 @@ def decode_client_frame(data: bytes) -> ClientMessage:
         if isinstance(msg, p.Hello):
             validate_hello(msg)
         elif isinstance(msg, p.Abort):
-            _check_request_id(msg.request_id)
+            check_request_id(msg.request_id)
     except InvalidRequest as e:
         rid = msg.request_id if isinstance(msg, p.Abort) and len(msg.request_id) <= p.MAX_REQUEST_ID_LEN else None
         return p.Error(code="invalid_request", message=e.message, request_id=rid or None, field=e.field)
@@ -91,7 +92,7 @@ def _float32(field: str, value: float) -> float:
         raise InvalidRequest(field, f"{field} = {value} is outside float32's range (about ±3.4e38)") from None
 
 
-def _check_request_id(request_id: str) -> None:
+def check_request_id(request_id: str) -> None:
     if not request_id or len(request_id) > p.MAX_REQUEST_ID_LEN:
         raise InvalidRequest("request_id", f"request_id must be 1 to {p.MAX_REQUEST_ID_LEN} characters, "
                                            f"got {len(request_id)}")
@@ -116,9 +117,23 @@ def validate_hello(msg: p.Hello) -> None:
                                             f"{MAX_HEARTBEAT_S}] seconds, got {hb}")
 
 
+def hello_refusal(msg: p.Hello, api_key: Optional[str], tcp: bool) -> tuple[Optional[p.Error], bool]:
+    """Why a server (or a data-parallel router) with ``api_key`` on a tcp:// address or not refuses ``msg``
+    (None: it does not), and whether the Hello gave the key (admin messages need it when there is one)."""
+    if msg.protocol_version != p.PROTOCOL_VERSION:
+        return p.Error(code="protocol", field="protocol_version", message=f"client speaks protocol "
+                       f"{msg.protocol_version}, server speaks {p.PROTOCOL_VERSION}"), False
+    # Constant time: how much of a guess matches must not show in how long the answer takes.
+    keyed = bool(api_key) and hmac.compare_digest(msg.api_key.encode(), api_key.encode())
+    if api_key and not keyed and (msg.api_key or tcp):
+        return p.Error(code="unauthorized", field="api_key", message="wrong API key" if msg.api_key else
+                       "this server needs its API key in Hello (the SDK's api_key=, or FORERUN_API_KEY)"), False
+    return None, keyed
+
+
 def validate_generate(msg: p.Generate, limits: Limits) -> None:
     """Raise InvalidRequest for the first field that breaks a limit."""
-    _check_request_id(msg.request_id)
+    check_request_id(msg.request_id)
     prompt = msg.prompt_token_ids
     if not prompt:
         raise InvalidRequest("prompt_token_ids", "the prompt is empty; it must hold at least 1 token")

@@ -8,7 +8,8 @@ Two sources:
   ``ipc/gateway/process.py`` before a worker imports this module) keeps them in
   files that any worker's ``/metrics`` adds up;
 * the scheduler's state (running, waiting, KV blocks, preemptions, step
-  times), read from ``ServerStats`` at scrape time: nothing runs between scrapes.
+  times), read from ``ServerStats`` at scrape time: nothing runs between scrapes;
+  behind a data-parallel router, one sample per replica (label ``replica``).
 
 The series (labelled ``model_name``):
 
@@ -154,63 +155,72 @@ def request_metrics(model_name: str) -> RequestMetrics:
 
 
 class SchedulerCollector:
-    """The scheduler's gauges and counters from one ``ServerStats`` (read just before the scrape)."""
+    """The scheduler's gauges and counters from one ``ServerStats`` (read just before the scrape).
+
+    Behind a data-parallel router (``ServerStats.replicas``) every series has one sample per replica, labelled
+    ``replica`` (``sum by (model_name)`` gives the server's figure); a replica that is down has none.
+    """
 
     def __init__(self, stats: Optional[ServerStats], model_name: str) -> None:
         self.stats = stats
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats
-        if s is None:  # the scheduler did not answer: per-request metrics only
+        if self.stats is None:  # the scheduler did not answer: per-request metrics only
             return
-        m = [self.model_name]
-        used = s.num_kv_blocks - s.num_free_kv_blocks
-        gauges = (
-            ("forerun:num_requests_running", "Requests running (holding a slot).", s.num_running),
-            ("forerun:num_requests_waiting", "Requests waiting to be admitted.", s.num_waiting),
-            ("forerun:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
-             used / s.num_kv_blocks if s.num_kv_blocks else 0.0),
-            ("forerun:num_kv_blocks_used", "KV cache blocks in use.", used),
-            ("forerun:num_kv_blocks_free", "KV cache blocks free.", s.num_free_kv_blocks),
-            ("forerun:num_host_kv_blocks_free", "Host KV tier blocks free or cached (0 without the tier).",
-             s.num_free_host_kv_blocks),
-            ("forerun:gpu_idle_fraction", "Fraction of the device's time spent idle since start "
-             "(GPU gaps on CUDA, else the executor's wait for plans).", idle_fraction(s)),
-            ("forerun:spec_decode_mean_accepted_length", "Tokens a speculative row emitted on average (accepted "
-             "drafts plus the model's own; 0 before any).", (s.spec_rows + s.spec_accepted_tokens) / s.spec_rows
-             if s.spec_rows else 0.0),
-        )
-        for name, doc, value in gauges:
-            g = GaugeMetricFamily(name, doc, labels=LABELS)
-            g.add_metric(m, value)
-            yield g
-        counters = (
-            ("forerun:num_preemptions", "Preemptions (requests sent back to waiting).", s.preemptions),
-            ("forerun:steps", "Steps run by the executor.", s.steps),
-            ("forerun:step_time_seconds", "Executor time inside steps, in seconds.", s.step_time_s_total),
-            ("forerun:gpu_busy_seconds", "GPU busy time (CUDA timing events), in seconds.", s.gpu_busy_s_total),
-            ("forerun:gpu_idle_seconds", "GPU idle gaps between steps (CUDA timing events), in seconds.",
-             s.gpu_gap_s_total),
-            ("forerun:executor_idle_seconds", "Time the executor waited for plans, in seconds.",
-             s.executor_idle_s_total),
-            ("forerun:executor_restarts", "Times the scheduler replaced a dead or hung executor.",
-             s.executor_restarts),
-            ("forerun:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             s.prefix_cache_query_tokens),
-            ("forerun:prefix_cache_hits", "Prompt tokens found in the prefix cache (both tiers).",
-             s.prefix_cache_hit_tokens),
-            ("forerun:prefix_cache_host_hits", "Prompt tokens found in the host KV tier (and copied back).",
-             s.prefix_cache_host_hit_tokens),
-            ("forerun:spec_decode_num_drafts", "Speculative rows verified.", s.spec_rows),
-            ("forerun:spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_draft_tokens),
-            ("forerun:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted_tokens),
-        )
-        for name, doc, value in counters:
-            c = CounterMetricFamily(name, doc, labels=LABELS)
-            c.add_metric(m, value)
-            yield c
-        yield from grammar_metrics(s, m, LABELS)
+        if self.stats.replicas:
+            names = LABELS + ("replica",)
+            samples = [([self.model_name, str(r.replica)], r) for r in self.stats.replicas]
+        else:
+            names, samples = LABELS, [([self.model_name], self.stats)]
+        for kind, name, doc, value in SCHEDULER_SERIES:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=names)
+            for labels, s in samples:
+                family.add_metric(labels, value(s))
+            yield family
+        yield from grammar_metrics(samples, names)
+
+
+def _kv_used(s: ServerStats) -> int:
+    return s.num_kv_blocks - s.num_free_kv_blocks
+
+
+# (kind, name, help, value of a ServerStats): the scheduler's series.
+SCHEDULER_SERIES = (
+    ("gauge", "forerun:num_requests_running", "Requests running (holding a slot).", lambda s: s.num_running),
+    ("gauge", "forerun:num_requests_waiting", "Requests waiting to be admitted.", lambda s: s.num_waiting),
+    ("gauge", "forerun:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+     lambda s: _kv_used(s) / s.num_kv_blocks if s.num_kv_blocks else 0.0),
+    ("gauge", "forerun:num_kv_blocks_used", "KV cache blocks in use.", _kv_used),
+    ("gauge", "forerun:num_kv_blocks_free", "KV cache blocks free.", lambda s: s.num_free_kv_blocks),
+    ("gauge", "forerun:num_host_kv_blocks_free", "Host KV tier blocks free or cached (0 without the tier).",
+     lambda s: s.num_free_host_kv_blocks),
+    ("gauge", "forerun:gpu_idle_fraction", "Fraction of the device's time spent idle since start "
+     "(GPU gaps on CUDA, else the executor's wait for plans).", lambda s: idle_fraction(s)),
+    ("gauge", "forerun:spec_decode_mean_accepted_length", "Tokens a speculative row emitted on average (accepted "
+     "drafts plus the model's own; 0 before any).",
+     lambda s: (s.spec_rows + s.spec_accepted_tokens) / s.spec_rows if s.spec_rows else 0.0),
+    ("counter", "forerun:num_preemptions", "Preemptions (requests sent back to waiting).", lambda s: s.preemptions),
+    ("counter", "forerun:steps", "Steps run by the executor.", lambda s: s.steps),
+    ("counter", "forerun:step_time_seconds", "Executor time inside steps, in seconds.", lambda s: s.step_time_s_total),
+    ("counter", "forerun:gpu_busy_seconds", "GPU busy time (CUDA timing events), in seconds.",
+     lambda s: s.gpu_busy_s_total),
+    ("counter", "forerun:gpu_idle_seconds", "GPU idle gaps between steps (CUDA timing events), in seconds.",
+     lambda s: s.gpu_gap_s_total),
+    ("counter", "forerun:executor_idle_seconds", "Time the executor waited for plans, in seconds.",
+     lambda s: s.executor_idle_s_total),
+    ("counter", "forerun:executor_restarts", "Times the scheduler replaced a dead or hung executor.",
+     lambda s: s.executor_restarts),
+    ("counter", "forerun:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     lambda s: s.prefix_cache_query_tokens),
+    ("counter", "forerun:prefix_cache_hits", "Prompt tokens found in the prefix cache (both tiers).",
+     lambda s: s.prefix_cache_hit_tokens),
+    ("counter", "forerun:prefix_cache_host_hits", "Prompt tokens found in the host KV tier (and copied back).",
+     lambda s: s.prefix_cache_host_hit_tokens),
+    ("counter", "forerun:spec_decode_num_drafts", "Speculative rows verified.", lambda s: s.spec_rows),
+    ("counter", "forerun:spec_decode_num_draft_tokens", "Draft tokens verified.", lambda s: s.spec_draft_tokens),
+    ("counter", "forerun:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda s: s.spec_accepted_tokens),
+)
 
 
 def idle_fraction(s: ServerStats) -> float:

@@ -77,28 +77,29 @@ def constraint_kwargs(req: Any) -> dict[str, Any]:
     return {found[0][1]: found[0][2]} if found else {}
 
 
-def grammar_metrics(st: ServerStats, labels: list[str], label_names: list[str]) -> Iterator[Metric]:
+def grammar_metrics(samples: list[tuple[list[str], ServerStats]], label_names: list[str]) -> Iterator[Metric]:
     """``forerun:structured_requests_total``, ``forerun:grammar_cache_hits_total``, the mask waits
     (``grammar_steps_total``, ``grammar_wait_steps_total``, ``grammar_wait_seconds_total``) and the
-    ``forerun:grammar_compile_seconds`` histogram, from the scheduler's ServerStats."""
-    for name, doc, value in (
-            ("forerun:structured_requests", "Requests with a structured-output constraint.", st.structured_requests),
+    ``forerun:grammar_compile_seconds`` histogram, one sample per (label values, the scheduler's ServerStats)."""
+    for name, doc, field in (
+            ("forerun:structured_requests", "Requests with a structured-output constraint.", "structured_requests"),
             ("forerun:grammar_cache_hits", "Constraints found compiled in the scheduler's cache.",
-             st.grammar_cache_hits),
-            ("forerun:grammar_steps", "Steps with a constrained row.", st.grammar_steps),
-            ("forerun:grammar_wait_steps", "Steps whose sampling waited for the grammar masks.",
-             st.grammar_wait_steps),
+             "grammar_cache_hits"),
+            ("forerun:grammar_steps", "Steps with a constrained row.", "grammar_steps"),
+            ("forerun:grammar_wait_steps", "Steps whose sampling waited for the grammar masks.", "grammar_wait_steps"),
             ("forerun:grammar_wait_seconds", "Seconds the executor waited for grammar masks before sampling.",
-             st.grammar_wait_s_total)):
+             "grammar_wait_s_total")):
         c = CounterMetricFamily(name, doc, labels=label_names)
-        c.add_metric(labels, value)
+        for labels, st in samples:
+            c.add_metric(labels, getattr(st, field))
         yield c
-    counts = st.grammar_compile_buckets or [0] * (len(COMPILE_BUCKETS) + 1)
-    cumulative, buckets = 0, []
-    for bound, n in zip([str(b) for b in COMPILE_BUCKETS] + ["+Inf"], counts):
-        cumulative += n
-        buckets.append((bound, cumulative))
     h = HistogramMetricFamily("forerun:grammar_compile_seconds", "Seconds to compile a constraint (cache misses).",
                               labels=label_names)
-    h.add_metric(labels, buckets, st.grammar_compile_s_total)
+    for labels, st in samples:
+        counts = st.grammar_compile_buckets or [0] * (len(COMPILE_BUCKETS) + 1)
+        cumulative, buckets = 0, []
+        for bound, n in zip([str(b) for b in COMPILE_BUCKETS] + ["+Inf"], counts):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        h.add_metric(labels, buckets, st.grammar_compile_s_total)
     yield h

@@ -1,0 +1,126 @@
+"""A data-parallel replica: one scheduler (and its executor group) behind the router, as its own process.
+
+``python -m scheduler_proc.replica CONFIG_JSON`` runs a :class:`~scheduler_proc.server.Server` on an ipc://
+address in the router's run directory; the router (``scheduler_proc/replica_router.py``) spawns it with
+:func:`spawn_replica`, is its only client, and restarts it when it dies.  It differs from ``forerun serve`` in
+three things: it names itself on stderr, writes no address file, and, when its executor fails for good, exits
+without failing its requests (``ServerConfig.replica``): the router sends them to another replica.
+
+On CUDA replica ``i`` of ``N``, each ``T`` ranks of tensor parallelism, sees GPUs ``first + i*T .. first +
+(i+1)*T - 1`` of those the router sees (``--device cuda:first``), through ``CUDA_VISIBLE_DEVICES``, and runs
+on its ``cuda:0``: :func:`replica_gpus`.  On the CPU the replicas share the cores.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+import msgspec
+
+from scheduler_proc.config import ServerConfig
+from scheduler_proc.executor_process import PROJECT_ROOT, die_with_parent
+
+
+def replica_gpus(num_replicas: int, tensor_parallel_size: int, device: str,
+                 visible: Optional[Sequence[str]]) -> list[Optional[str]]:
+    """Each replica's ``CUDA_VISIBLE_DEVICES`` (None on the cpu), from the GPUs this process sees (``visible``,
+    None when they cannot be counted); ValueError with one line when they do not suffice."""
+    if num_replicas < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {num_replicas}")
+    if not device.startswith("cuda"):
+        return [None] * num_replicas
+    kind, _, index = device.partition(":")
+    if not (device == "cuda" or (kind == "cuda" and index.isdigit())):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    first, tp = int(index or 0), tensor_parallel_size
+    if visible is None:
+        raise ValueError("cannot count this machine's GPUs (no nvidia-smi): set CUDA_VISIBLE_DEVICES for "
+                         f"--data-parallel-size {num_replicas}")
+    if first + num_replicas * tp > len(visible):
+        raise ValueError(f"--data-parallel-size {num_replicas} x --tensor-parallel-size {tp} needs "
+                         f"{num_replicas * tp} GPUs from cuda:{first}; {len(visible)} are visible")
+    return [",".join(visible[first + i * tp: first + (i + 1) * tp]) for i in range(num_replicas)]
+
+
+def visible_gpus() -> Optional[list[str]]:
+    """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` if set, else nvidia-smi's list (None: unknown)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def replica_config(cfg: ServerConfig, index: int, address: str, gpus: Optional[str]) -> ServerConfig:
+    """Replica ``index``'s configuration: the router's, on its own address (and GPUs, seen as cuda:0...)."""
+    executor = cfg.executor
+    if gpus is not None:
+        executor = msgspec.structs.replace(executor, device="cuda:0")
+    return msgspec.structs.replace(cfg, client_address=address, replica=index, run_dir=None, executor=executor,
+                                   step_log=f"{cfg.step_log}.{index}" if cfg.step_log else None)
+
+
+def spawn_replica(cfg: ServerConfig, gpus: Optional[str]) -> subprocess.Popen:
+    """``python -m scheduler_proc.replica CONFIG_JSON``, killed by the kernel when this process dies."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PROJECT_ROOT, env.get("PYTHONPATH")]))
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    cmd = [sys.executable, "-m", "scheduler_proc.replica", msgspec.json.encode(cfg).decode()]
+    return subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+
+
+def main(argv: list[str]) -> int:
+    import uvloop
+
+    from ipc.models import resolve_model
+    from scheduler_proc import server as server_module
+    from scheduler_proc.frontend import StartupError
+    from scheduler_proc.server import Server, say
+
+    cfg = msgspec.json.decode(argv[0], type=ServerConfig)
+    server_module.SPEAKER = f"forerun: replica {cfg.replica}"
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # until the event loop handles it
+    server = None
+    try:
+        model = resolve_model(cfg.model, cfg.executor.load_format, cfg.tokenizer)
+        server = Server(cfg, model)
+        server.bind()
+        ready = server.start_executor()
+    except (StartupError, ValueError, RuntimeError, TimeoutError, KeyboardInterrupt) as e:
+        say(str(e) or "interrupted while starting")
+        if server is not None:
+            server.close()
+        return 1
+    say(f"serving on {ready.device} ({ready.dtype}), {ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}")
+
+    async def run() -> int:
+        import asyncio
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, server.begin_shutdown)
+        return await server.serve()
+
+    gc.freeze()
+    try:
+        return uvloop.run(run())
+    except KeyboardInterrupt:
+        return 1
+    finally:
+        server.close()
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
