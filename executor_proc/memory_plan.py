@@ -5,16 +5,27 @@ Pure arithmetic, no torch: :mod:`executor_proc.build` measures the parts on the 
 and it holds, in the order they are measured::
 
     weights       the model's parameters (this rank's shard), and a draft model's (speculative decoding)
-    activations   the largest eager step's transient peak (a profile run of a full token budget with
-                  prompt logprobs, the heaviest step kind) plus the step machinery's fixed buffers
-    graphs        every CUDA graph's memory pool (measured by capturing them)
+    activations   the step machinery's fixed buffers (slot and penalty tables, workspaces, rings) plus the
+                  transient peak of the profile steps: the full token budget in short rows and in
+                  context-long rows, sampled with penalties and logprobs, prompt logprobs for every token
+                  (the heaviest step kind)
+    graphs        every CUDA graph's memory pool (and the largest of the heaviest sampling mode), captured
+                  against a provisional KV cache just large enough for the profile step, measured, dropped
     other         what is on the device outside torch's allocator: the CUDA context, NCCL's buffers,
                   kernel modules, other processes' memory
     kv            the rest, in whole blocks (at most what the slots can use); with a draft model a block id
                   holds the model's KV and the draft's (its cache has one more block: scratch)
 
-A plan that cannot hold the KV of one request of ``max_model_len`` tokens is refused with
-:class:`MemoryPlanError`, whose message names the numbers and the flags that would fit.
+The KV cache is then allocated and the graphs captured again against it (a capture 256 MiB over the
+measured one plans the KV cache again, once).  A plan that cannot hold the KV of one request of
+``max_model_len`` tokens is refused with :class:`MemoryPlanError`, whose message names the numbers and
+the flags that would fit.
+
+While serving nothing outgrows the plan: the allocator gives cached segments back once it holds more
+than the plan (``cap_allocator``, a soft cap), lazy captures empty its cache before they capture,
+prompt logprobs run the LM head over the step's rows as one block, 1,024 positions at a time (one slice
+alive, as in the profile's long row), and a prompt split across steps keeps its chunk's last hidden row
+(not its float32 logits) for the next chunk.
 """
 
 from __future__ import annotations

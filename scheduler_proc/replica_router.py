@@ -23,7 +23,9 @@ Main loop (asyncio + uvloop)::
   failing its requests) is read to the end, then each unfinished completion it held goes to another replica
   with the tokens already relayed (``scheduler_proc/replica_messages.py``): its client sees a delay and the
   same tokens.  The router restarts the replica (at most ``--max-restarts`` within ``--restart-window``); it
-  rejoins once it answers Hello.  With every replica down for good the router fails its requests and exits.
+  rejoins once it answers Hello.  With every replica down for good the router fails its requests and exits.  A
+  replica's death is its process's exit: a scheduler that hangs with its process alive is not noticed here (its
+  executor's hangs are its own supervisor's).
 * **Shutdown**: SIGTERM goes on to every replica, which drains as a lone server does; the router exits when
   they all have.
 """
