@@ -220,14 +220,13 @@ class Router(RouterClients, RouterRelay):
 
     def begin_shutdown(self) -> None:
         """SIGTERM / Ctrl-C: no new requests; every replica drains as a lone server does (a second signal: at once)."""
-        again = self.shutdown_at is not None
+        if self.shutdown_at is None:
+            say(f"shutting down: {len(self.jobs)} requests get up to {self.cfg.shutdown_timeout_s:g} s to finish")
         self.shutdown_at = time.monotonic()
         for replica in self.replicas:
             if replica.proc is not None and replica.proc.poll() is None:
                 replica.proc.send_signal(signal.SIGTERM)
         self.wake.set()
-        if not again:
-            say(f"shutting down: {len(self.jobs)} requests get up to {self.cfg.shutdown_timeout_s:g} s to finish")
 
     # ------------------------------------------------------------- replicas
 
