@@ -82,7 +82,10 @@ def quantize_weight(w: torch.Tensor, dtype: Optional[torch.dtype] = None) -> Fp8
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row dynamic FP8 of activations ``x [M, K]``: ``(fp8(x / xs[:, None]), xs [M] float32)``."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=1) / FP8_MAX).clamp_min(MIN_SCALE)
+    amax = xf.abs().amax(dim=1)
+    # divided by a tensor: torch on CUDA multiplies by the reciprocal of a Python number (a last bit off the
+    # kernels' division, and so values on the other side of a rounding midpoint)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE)
     return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
