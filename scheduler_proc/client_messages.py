@@ -14,51 +14,71 @@ from scheduler_proc.request import Request
 from scheduler_proc.validate import InvalidRequest, decode_client_frame, hello_refusal, validate_generate
 
 
+def read_client_message(owner, client: bytes, payload: list[bytes]):
+    """The rules every client message passes first, at a server and at the data-parallel router (``owner``, with
+    its ``frontend``, ``server_id``, ``cfg`` and ``_on_hello``): one frame within the size limit; Ping answered here
+    (``hello=False`` tells a forgotten client to fail its requests and say Hello again); Hello to ``owner._on_hello``;
+    anything else only after a Hello, and ResetPrefixCache only from a client whose Hello gave the API key.
+    Returns ``(state, message)`` for the owner to act on, or None once answered here."""
+    frontend = owner.frontend
+    state = frontend.clients.get(client)
+    if state is not None:
+        state.last_seen = time.monotonic()
+    if len(payload) != 1:
+        frontend.send(client, p.Error(code="bad_frame", message=f"expected 1 frame per message, got {len(payload)}"))
+        return None
+    if len(payload[0]) > MAX_CLIENT_MESSAGE_BYTES:
+        frontend.send(client, p.Error(code="bad_frame", message=f"message of {len(payload[0])} bytes exceeds the limit "
+                                                                 f"of {MAX_CLIENT_MESSAGE_BYTES} bytes"))
+        return None
+    msg = decode_client_frame(payload[0])
+    if isinstance(msg, p.Error):
+        frontend.send(client, msg)
+    elif isinstance(msg, p.Ping):
+        frontend.send(client, p.Pong(owner.server_id, hello=state is not None))
+    elif isinstance(msg, p.Hello):
+        owner._on_hello(client, msg)
+    elif state is None:
+        frontend.send(client, p.Error(code="hello_first", request_id=getattr(msg, "request_id", None),
+                                      message="send Hello first (none yet, or silent past its heartbeat)"))
+    elif isinstance(msg, p.ResetPrefixCache) and owner.cfg.api_key and not state.admin:
+        frontend.send(client, p.Error(code="unauthorized", field="api_key",
+                                      message="resetting the prefix cache needs the server's API key in Hello"))
+    else:
+        return state, msg
+    return None
+
+
+def tokenizer_not_sent(frontend, client: bytes, state) -> bool:
+    """True the first time a connection asks for the tokenizer files; after that an error is sent instead (a client
+    that asks again and never reads would pile megabytes up in the server)."""
+    if state.tokenizer_sent:
+        frontend.send(client, p.Error(code="invalid_request", field="get_tokenizer",
+                                      message="the tokenizer files were sent on this connection already"))
+        return False
+    state.tokenizer_sent = True
+    return True
+
+
 class ClientMessages:
     """What the server does with each client message (``self`` is the Server)."""
 
     def _on_client_frames(self, frames: list[bytes]) -> None:
         client = frames[0]
-        state = self.frontend.clients.get(client)
-        if state is not None:
-            state.last_seen = time.monotonic()
-        if len(frames) != 2:
-            self.frontend.send(client, p.Error(code="bad_frame", message=f"expected 1 frame per message, got {len(frames) - 1}"))
+        got = read_client_message(self, client, frames[1:])
+        if got is None:
             return
-        data = frames[1]
-        if len(data) > MAX_CLIENT_MESSAGE_BYTES:
-            self.frontend.send(client, p.Error(
-                code="bad_frame", message=f"message of {len(data)} bytes exceeds the limit of {MAX_CLIENT_MESSAGE_BYTES} bytes"))
-            return
-        msg = decode_client_frame(data)
-        if isinstance(msg, p.Error):
-            self.frontend.send(client, msg)
-        elif isinstance(msg, p.Ping):  # hello=False tells a forgotten client to fail its requests and say Hello again
-            self.frontend.send(client, p.Pong(self.server_id, hello=state is not None))
-        elif isinstance(msg, p.Hello):
-            self._on_hello(client, msg)
-        elif state is None:
-            self.frontend.send(client, p.Error(code="hello_first", request_id=getattr(msg, "request_id", None),
-                                               message="send Hello first (none yet, or silent past its heartbeat)"))
-        elif isinstance(msg, p.Generate):
+        state, msg = got
+        if isinstance(msg, p.Generate):
             self._on_generate(client, msg)
         elif isinstance(msg, p.Abort):
             self._on_abort(client, msg)
         elif isinstance(msg, p.GetStats):
             self.frontend.send(client, self.server_stats())
         elif isinstance(msg, p.ResetPrefixCache):
-            if self.cfg.api_key and not state.admin:
-                self.frontend.send(client, p.Error(code="unauthorized", field="api_key",
-                                                   message="resetting the prefix cache needs the server's API key in Hello"))
-                return
             self.planner.reset_prefix_cache()
             self.frontend.send(client, self.server_stats())
-        elif isinstance(msg, p.GetTokenizer):
-            if state.tokenizer_sent:  # a client that asks again and never reads would pile megabytes up here
-                self.frontend.send(client, p.Error(code="invalid_request", field="get_tokenizer",
-                                                   message="the tokenizer files were sent on this connection already"))
-                return
-            state.tokenizer_sent = True
+        elif isinstance(msg, p.GetTokenizer) and tokenizer_not_sent(self.frontend, client, state):
             self.frontend.send(client, p.TokenizerFiles(self.tokenizer_files))
 
     def server_stats(self) -> p.ServerStats:

@@ -8,17 +8,15 @@ is up for GetStats and ResetPrefixCache, answering with the sums once each has a
 from __future__ import annotations
 
 import random
-import time
 from typing import Optional
 
 import msgspec
 
 from ipc import protocol as p
-from ipc.sockets import MAX_CLIENT_MESSAGE_BYTES
+from scheduler_proc.client_messages import read_client_message, tokenizer_not_sent
 from scheduler_proc.replica_messages import Job, sum_stats
 from scheduler_proc.routing import prefix_hashes
-from scheduler_proc.validate import (InvalidRequest, check_completions, check_request_id, decode_client_frame,
-                                     hello_refusal)
+from scheduler_proc.validate import InvalidRequest, check_completions, check_request_id, hello_refusal
 
 
 class StatsAsk:
@@ -45,38 +43,17 @@ class RouterClients:
             self.wake.set()
 
     def _on_client_frames(self, client: bytes, frames: list[bytes]) -> None:
-        state = self.frontend.clients.get(client)
-        if state is not None:
-            state.last_seen = time.monotonic()
-        if len(frames) != 1 or len(frames[0]) > MAX_CLIENT_MESSAGE_BYTES:
-            self.frontend.send(client, p.Error(code="bad_frame", message=f"expected 1 frame of at most "
-                                               f"{MAX_CLIENT_MESSAGE_BYTES} bytes per message"))
+        got = read_client_message(self, client, frames)
+        if got is None:
             return
-        msg = decode_client_frame(frames[0])
-        if isinstance(msg, p.Error):
-            self.frontend.send(client, msg)
-        elif isinstance(msg, p.Ping):
-            self.frontend.send(client, p.Pong(self.server_id, hello=state is not None))
-        elif isinstance(msg, p.Hello):
-            self._on_hello(client, msg)
-        elif state is None:
-            self.frontend.send(client, p.Error(code="hello_first", request_id=getattr(msg, "request_id", None),
-                                               message="send Hello first (none yet, or silent past its heartbeat)"))
-        elif isinstance(msg, p.Generate):
+        state, msg = got
+        if isinstance(msg, p.Generate):
             self._on_generate(client, msg)
         elif isinstance(msg, p.Abort):
             self._on_abort(client, msg)
-        elif isinstance(msg, p.ResetPrefixCache) and self.cfg.api_key and not state.admin:
-            self.frontend.send(client, p.Error(code="unauthorized", field="api_key", message="resetting the prefix "
-                                               "cache needs the server's API key in Hello"))
         elif isinstance(msg, (p.GetStats, p.ResetPrefixCache)):
             self._ask_replicas(client, msg)
-        elif isinstance(msg, p.GetTokenizer):
-            if state.tokenizer_sent:
-                self.frontend.send(client, p.Error(code="invalid_request", field="get_tokenizer",
-                                                   message="the tokenizer files were sent on this connection already"))
-                return
-            state.tokenizer_sent = True
+        elif isinstance(msg, p.GetTokenizer) and tokenizer_not_sent(self.frontend, client, state):
             self.frontend.send_data(client, self.tokenizer)
 
     def _on_hello(self, client: bytes, msg: p.Hello) -> None:
