@@ -20,7 +20,9 @@
 #   memory         the memory plan's GPU test (1B, 256 slots, every step kind), then bench_memory.py's matrix
 #                  (--quick; the cells past its deadline are skipped)
 #   kernels        kernel benchmarks: transfer, sampling, sampling step, prefill attention
-#   tp             tensor parallelism on two GPUs: the tests on CUDA, then bench_tp.py --sizes 1 2
+#   tp             tensor and data parallelism on the GPUs present: the tests on CUDA, then bench_tp.py with its
+#                  defaults (two GPUs: 8B at TP 1 and 2, 1B replicas at DP 1 and 2 and shared prefixes at DP 2;
+#                  four: also 8B at TP 4 and the 70B shape at TP 4, which with the tests may pass 10 minutes)
 #   fp8            FP8 weights and KV cache: their GPU tests, then bf16 against FP8 decode (1B, 8B batch 1 with a
 #                  2,048-token prefill; 8B batch 64 with FP8 KV; 1B, 8 rows of 16k context, bf16 against FP8 KV)
 #   spec           speculative decoding: bench_spec.py (verification's cost, the default model with n-gram drafts,
@@ -167,7 +169,7 @@ part_kernels() {
 
 part_tp() {
   run timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py
-  run timeout 280 $PY scripts/bench_tp.py --sizes 1 2 --json "$OUT/tp.json"
+  run timeout 540 $PY scripts/bench_tp.py --json "$OUT/tp.json"
 }
 
 part_fp8() {
