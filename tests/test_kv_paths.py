@@ -19,7 +19,8 @@ about; tokens, finish reasons, stop strings and logprobs must be the reference's
     restart     prefix, depth 1                         the executor killed mid-request: recomputed with the
                                                         outputs received so far
     recompute   plain, depth 0: 36 blocks, no cache     preempted, resumed by prefilling prompt and outputs
-    swap        tier, depth 2: 20 blocks, host tier     preempted, resumed from device or host copies
+    swap        tier, depth 2: 20 blocks, host tier     queued behind a holder of 16 blocks, admitted
+                                                        together: preempted, resumed from device or host copies
     host_hit    tier, depth 2: 20 blocks, host tier     sent again: evicted on the device, onloaded from the host
 
 The reference is the plain server running five requests at a time (no preemption).  The
@@ -208,9 +209,32 @@ async def prefix_paths(srv, prompts) -> dict[str, PathRun]:
     return {"cold": cold, "shared_hit": shared, "repeat_hit": repeat, "n3": n3, "restart": restart}
 
 
+# 16 of the tier server's 20 blocks, sharing none with a case: 24 more tokens take it to 19.
+HOLDER = list(range(1000, 1000 + 16 * BLOCK))
+
+
+async def queued_behind_holder(address: str, client: AsyncClient, prompts) -> PathRun:
+    """Every case sent while a holder keeps all but four blocks (a cold case needs five): they wait, and are
+    admitted together when it ends, four of them filling the pool; the first to cross into a new block (the
+    repetition case at its third token) preempts the last admitted.  Sent together instead, the cases would
+    preempt only if enough of them arrived in one step, which a busy machine does not promise."""
+    before = await wait_idle(address)
+    holder = client.stream(prompt_token_ids=HOLDER, max_tokens=3 * BLOCK, temperature=0.0, ignore_eos=True,
+                           detokenize=False)
+    chunks = aiter(holder)
+    await anext(chunks)  # admitted and prefilled: it holds its blocks until its last token
+
+    async def drain() -> None:
+        async for _ in chunks:
+            pass
+
+    outputs, _ = await asyncio.gather(generate(client, prompts, CASES), drain())
+    return PathRun(outputs, before, await wait_idle(address))
+
+
 async def tier_paths(address: str, prompts) -> dict[str, PathRun]:
     async with AsyncClient(address, timeout=600) as client:
-        swap = await run_path(address, client, prompts, CASES)
+        swap = await queued_behind_holder(address, client, prompts)
         host = await run_path(address, client, prompts, CASES)
     return {"swap": swap, "host_hit": host}
 
