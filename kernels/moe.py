@@ -20,6 +20,12 @@ Every shape is a function of ``T``, ``k``, ``E`` and the block sizes, and nothin
 host (the grouping is torch ops: a scatter-add, a cumsum, a stable argsort and a searchsorted), so both
 forms can be captured in a CUDA graph.  Blocks past the last expert's pairs find the expert id ``E``
 and return at once.
+
+**A rank's experts** (expert parallelism): ``w13``/``w2`` may stack only the ``E`` experts a rank holds, with
+``ids`` made local by :func:`kernels.moe_ref.route_held`; a pair whose expert is held elsewhere has the id
+``E``.  The per-pair form skips it (neither launch reads a weight for it: only the held selected experts'
+weights are read), the grouping puts it in no group, and with ``partial`` the grouped form's per-pair rows
+start at zero, so the pair adds nothing to its token's sum.
 """
 
 from __future__ import annotations
@@ -60,31 +66,32 @@ def _silu_mul(g, u, out_ptr):
 
 
 @triton.jit
-def _up_small_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, H, I, stride_xm, stride_we, stride_wn, stride_im,
-                     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _up_small_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, num_experts, H, I, stride_xm, stride_we, stride_wn,
+                     stride_im, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
-    gate_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-    up_rows = gate_rows + I * stride_wn
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < H
-        x = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        acc_g += tl.load(gate_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x
-        acc_u += tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x
-    y = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), inter_ptr)
-    tl.store(inter_ptr + pair.to(tl.int64) * stride_im + offs_n, y, mask=n_mask)
+    if expert < num_experts:  # else held by another rank: its row of inter is never read
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
+        gate_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        up_rows = gate_rows + I * stride_wn
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < H
+            x = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            acc_g += tl.load(gate_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x
+            acc_u += tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x
+        y = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), inter_ptr)
+        tl.store(inter_ptr + pair.to(tl.int64) * stride_im + offs_n, y, mask=n_mask)
 
 
 @triton.jit
-def _down_small_kernel(inter_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, H, I, stride_im, stride_we, stride_wn,
-                       stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_small_kernel(inter_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, num_experts, H, I, stride_im, stride_we,
+                       stride_wn, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -92,16 +99,17 @@ def _down_small_kernel(inter_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, H, I, stride
     for j in range(TOP_K):  # the token's experts in routing order
         pair = token * TOP_K + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-        rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-        a_row = inter_ptr + pair.to(tl.int64) * stride_im
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < I
-            a = tl.load(a_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            acc += tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(
-                tl.float32) * a
-        total += tl.load(wts_ptr + pair) * tl.sum(acc, axis=1)
+        if expert < num_experts:  # else held by another rank: it adds nothing here
+            rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+            a_row = inter_ptr + pair.to(tl.int64) * stride_im
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < I
+                a = tl.load(a_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+                acc += tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(
+                    tl.float32) * a
+            total += tl.load(wts_ptr + pair) * tl.sum(acc, axis=1)
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -169,23 +177,26 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     each block's expert or num_experts past the last group)``.  Within a group, pairs keep their order.
 
     ``num_blocks`` covers the worst case (every used expert's group one short of a block), from the shapes
-    alone; torch ops on the device, no host read.
+    alone; torch ops on the device, no host read.  An id of ``num_experts`` (a pair whose expert another rank
+    holds) joins no group.
     """
     flat = ids.reshape(-1)
     n = flat.numel()
     num_blocks = triton.cdiv(n + min(n, num_experts) * (block_m - 1), block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    size = num_blocks * block_m
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)  # the last: pairs held elsewhere
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
-    group_start = ends - padded
+    group_start = torch.cat([ends - padded, ends.new_full((1,), size)])
     order = torch.argsort(flat, stable=True)  # pair indices sorted by expert
     sorted_experts = flat.index_select(0, order)
     first_sorted = torch.cumsum(counts, 0) - counts  # each expert's first position among the sorted pairs
     rank = torch.arange(n, device=ids.device) - first_sorted.index_select(0, sorted_experts)
-    dest = group_start.index_select(0, sorted_experts) + rank
-    pairs = torch.full((num_blocks * block_m,), n, dtype=torch.int32, device=ids.device)
+    dest = (group_start.index_select(0, sorted_experts) + rank).clamp_(max=size)  # held elsewhere: one spare slot
+    pairs = torch.full((size + 1,), n, dtype=torch.int32, device=ids.device)
     pairs.scatter_(0, dest, order.to(torch.int32))
+    pairs = pairs[:size]
     block_starts = torch.arange(num_blocks, device=ids.device, dtype=torch.int64) * block_m
     block_expert = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)
     return pairs, block_expert
@@ -206,7 +217,8 @@ def _dot_prec(x: torch.Tensor) -> str:
 
 def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     config: MoEConfig = SMALL_CONFIG) -> torch.Tensor:
-    """The per-pair form: ``[T, H]`` in x's dtype, reading only the selected experts' weights."""
+    """The per-pair form: ``[T, H]`` in x's dtype, reading only the selected experts' weights (of those held:
+    a pair whose id is E adds nothing)."""
     _check(x, w13, w2, weights, ids)
     T, k = ids.shape
     E, H, I = w2.shape
@@ -216,18 +228,19 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     ids, weights = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
     inter = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     bn, bk = config.block_n, config.block_k
-    _up_small_kernel[(T * k, triton.cdiv(I, bn))](x, w13, ids, inter, H, I, x.stride(0), w13.stride(0),
-                                                  w13.stride(1), inter.stride(0), TOP_K=k, BLOCK_N=bn, BLOCK_K=bk,
-                                                  num_warps=config.num_warps, num_stages=config.num_stages)
-    _down_small_kernel[(T, triton.cdiv(H, bn))](inter, w2, ids, weights, out, H, I, inter.stride(0), w2.stride(0),
-                                                w2.stride(1), out.stride(0), TOP_K=k, BLOCK_N=bn, BLOCK_K=bk,
-                                                num_warps=config.num_warps, num_stages=config.num_stages)
+    launch = dict(TOP_K=k, BLOCK_N=bn, BLOCK_K=bk, num_warps=config.num_warps, num_stages=config.num_stages)
+    _up_small_kernel[(T * k, triton.cdiv(I, bn))](x, w13, ids, inter, E, H, I, x.stride(0), w13.stride(0),
+                                                  w13.stride(1), inter.stride(0), **launch)
+    _down_small_kernel[(T, triton.cdiv(H, bn))](inter, w2, ids, weights, out, E, H, I, inter.stride(0),
+                                                w2.stride(0), w2.stride(1), out.stride(0), **launch)
     return out
 
 
 def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor, config: MoEConfig = MoEConfig()) -> torch.Tensor:
-    """The grouped form: pairs grouped by expert (:func:`align_by_expert`), a grouped GEMM per projection."""
+                      ids: torch.Tensor, config: MoEConfig = MoEConfig(), partial: bool = False) -> torch.Tensor:
+    """The grouped form: pairs grouped by expert (:func:`align_by_expert`), a grouped GEMM per projection.
+    ``partial``: ``ids`` may hold E (experts held elsewhere), whose per-pair rows no program writes: they start
+    at zero (a memset the whole-model path skips)."""
     _check(x, w13, w2, weights, ids)
     T, k = ids.shape
     E, H, I = w2.shape
@@ -244,7 +257,7 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     _up_grouped_kernel[(blocks, triton.cdiv(I, bn))](x, w13, pairs, block_expert, inter, n, E, H, I, x.stride(0),
                                                      w13.stride(0), w13.stride(1), inter.stride(0), TOP_K=k,
                                                      **launch)
-    out_pairs = torch.empty(n, H, dtype=torch.float32, device=x.device)
+    out_pairs = (torch.zeros if partial else torch.empty)(n, H, dtype=torch.float32, device=x.device)
     _down_grouped_kernel[(blocks, triton.cdiv(H, bn))](inter, w2, pairs, block_expert, weights, out_pairs, n, E, H, I,
                                                        inter.stride(0), w2.stride(0), w2.stride(1),
                                                        out_pairs.stride(0), **launch)
@@ -252,19 +265,19 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
+              ids: torch.Tensor, partial: bool = False) -> torch.Tensor:
     """``[T, H]``: the per-pair form up to ``SMALL_MAX_PAIRS`` pairs, the grouped form above (block_m 16 while
     an expert averages fewer than 32 pairs, else 64), ``CHUNK_TOKENS`` tokens at a time (the grouped form's
     float32 rows per pair, ``T * k * H * 4`` bytes, stay bounded on long prefills).  A function of T's value
-    only: one plan per graph."""
+    only: one plan per graph.  ``partial``: a rank's experts, ``ids`` E for a pair held elsewhere."""
     T = x.shape[0]
     if T > CHUNK_TOKENS:
         out = torch.empty(T, w2.shape[1], dtype=x.dtype, device=x.device)
         for s in range(0, T, CHUNK_TOKENS):
             out[s:s + CHUNK_TOKENS] = fused_moe(x[s:s + CHUNK_TOKENS], w13, w2, weights[s:s + CHUNK_TOKENS],
-                                                ids[s:s + CHUNK_TOKENS])
+                                                ids[s:s + CHUNK_TOKENS], partial)
         return out
     n, E = ids.numel(), w13.shape[0]
     if n <= SMALL_MAX_PAIRS:
         return fused_moe_small(x, w13, w2, weights, ids)
-    return fused_moe_grouped(x, w13, w2, weights, ids, MoEConfig(block_m=16 if n < 32 * E else 64))
+    return fused_moe_grouped(x, w13, w2, weights, ids, MoEConfig(block_m=16 if n < 32 * E else 64), partial)

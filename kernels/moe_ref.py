@@ -7,6 +7,11 @@ Routing is HF's: softmax over the experts in float32, the top-k (``torch.topk``)
 config says so (``norm_topk_prob``, Mixtral always), those k weights divided by their sum.  The
 experts' outputs are weighted in float32 and summed in float32, rounded once at the end (HF rounds
 the weights, each weighted output and the running sum to the model dtype: the same in float32).
+
+Under expert parallelism a rank holds a contiguous range of the experts (``w13``/``w2`` stack only those):
+:func:`route_held` routes over all E experts as usual, then makes the chosen ids local and gives every pair
+whose expert another rank holds the id ``len(w13)`` (one past the stack) and weight 0: no expert's loop
+or group takes it, so it adds nothing here, and the ranks' partial sums add up to the whole layer.
 """
 
 from __future__ import annotations
@@ -29,10 +34,24 @@ def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     return weights, ids
 
 
+def route_held(router_logits: torch.Tensor, top_k: int, renormalize: bool, first_expert: int,
+               num_held: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route_ref` for a holder of experts ``first_expert .. first_expert + num_held - 1`` of the router's E:
+    ids local to it, and ``num_held`` (weight 0) for a pair whose expert is held elsewhere.  Holding all E, the
+    routing as it is; torch ops only, no host read (its shapes are the same whatever the routing)."""
+    weights, ids = route_ref(router_logits, top_k, renormalize)
+    if num_held == router_logits.shape[-1]:
+        return weights, ids
+    local = ids - first_expert
+    here = (local >= 0) & (local < num_held)
+    return torch.where(here, weights, 0.0), torch.where(here, local, num_held)
+
+
 def moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
             ids: torch.Tensor) -> torch.Tensor:
     """``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` over each token's experts ``e = ids[t, j]``,
-    in x's dtype: one expert at a time over the tokens routed to it (data-dependent shapes: not for graphs)."""
+    in x's dtype: one expert at a time over the tokens routed to it (data-dependent shapes: not for graphs).
+    A pair whose id is ``len(w13)`` (its expert held elsewhere: :func:`route_held`) is taken by no expert."""
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for e in range(w13.shape[0]):
         rows, slot = torch.where(ids == e)

@@ -225,31 +225,34 @@ def test_triton_backend_moe_picks_a_form_by_size():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 @pytest.mark.parametrize("tokens", [3, 96])
-def test_fused_moe_no_sync_and_cuda_graph(tokens):
+@pytest.mark.parametrize("held", [range(64), range(16, 40)], ids=["all", "a-rank's"])
+def test_fused_moe_no_sync_and_cuda_graph(tokens, held):
     """Routing and both forms (3 tokens x top-8: 24 pairs, per pair; 96 tokens: grouped) read nothing back to
-    the host, and one captured graph replays new inputs and new routings correctly."""
+    the host, and one captured graph replays new inputs and new routings correctly; also when the weights are
+    one rank's experts (expert parallelism: 24 of the 64)."""
     g = torch.Generator().manual_seed(tokens)
     E, H, I, k = 64, 256, 128, 8
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16().to(DEV)
-    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16().to(DEV)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16().to(DEV)[held.start:held.stop]
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16().to(DEV)[held.start:held.stop]
     x = torch.randn(tokens, H, generator=g).bfloat16().to(DEV)
     logits = torch.randn(tokens, E, generator=g).to(DEV)
     backend = FusedMoETorchBackend(torch.ones(1))
-    backend.moe(x, logits, w13, w2, k, True)  # compile
+    backend.moe(x, logits, w13, w2, k, True, held.start)  # compile
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        backend.moe(x, logits, w13, w2, k, True)
+        backend.moe(x, logits, w13, w2, k, True, held.start)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.moe(x, logits, w13, w2, k, True)
+        out = backend.moe(x, logits, w13, w2, k, True, held.start)
     for _ in range(2):
         x.copy_(torch.randn(tokens, H, generator=g).bfloat16())
         logits.copy_(torch.randn(tokens, E, generator=g) * 4)
         graph.replay()
-        assert rel_err(out.float(), TorchBackend.moe(x, logits, w13, w2, k, True).float()) < 1e-2
+        want = TorchBackend.moe(x, logits, w13, w2, k, True, held.start).float()
+        assert rel_err(out.float(), want) < 1e-2
 
 
 def test_long_steps_run_in_chunks(monkeypatch):
@@ -264,6 +267,38 @@ def test_long_steps_run_in_chunks(monkeypatch):
     weights, ids = route_ref(torch.randn(40, E, generator=g), k, False)
     ours = moe.fused_moe(x.to(DEV), w13.to(DEV), w2.to(DEV), weights.to(DEV), ids.to(DEV)).cpu()
     assert rel_err(ours, moe_ref(x, w13, w2, weights, ids)) < 1e-5
+
+
+def test_align_by_expert_leaves_out_pairs_held_elsewhere():
+    """Id E (here 3) marks a pair whose expert another rank holds: it joins no group and takes no block."""
+    ids = torch.tensor([[2, 3], [3, 0], [0, 2]])
+    pairs, block_expert = align_by_expert(ids, num_experts=3, block_m=4)
+    pad = 6
+    assert pairs.tolist() == [3, 4, pad, pad, 0, 5, pad, pad] + [pad] * 8  # sized as if every pair were here
+    assert block_expert.tolist() == [0, 2, 3, 3]
+
+
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_fused_moe_on_a_ranks_experts(tokens):
+    """Expert parallelism: 6 experts (top-3) held by 4 ranks as 0-1, 2-3, 4, 5.  Each rank's output, through the
+    Triton backend's op (3 tokens: per pair; 40: grouped, and per pair when batch-invariant), equals the torch
+    reference on the same experts, and the ranks' outputs add up to the whole layer's."""
+    g = torch.Generator().manual_seed(tokens)
+    E, H, I, k = 6, 32, 16, 3
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) / 6, torch.randn(E, H, I, generator=g) / 4
+    x, logits = torch.randn(tokens, H, generator=g), torch.randn(tokens, E, generator=g)
+    fused, invariant = FusedMoETorchBackend(torch.ones(1)), FusedMoETorchBackend(torch.ones(1))
+    invariant.batch_invariant = True
+    total = torch.zeros(tokens, H)
+    for rank, held in enumerate([range(0, 2), range(2, 4), range(4, 5), range(5, 6)]):
+        part = (w13[held.start:held.stop], w2[held.start:held.stop])
+        want = TorchBackend.moe(x, logits, *part, k, True, held.start)
+        backends = (fused, invariant) if tokens < 40 or rank == 3 else (fused,)  # the interpreter is slow per pair
+        for backend in backends:
+            ours = backend.moe(x.to(DEV), logits.to(DEV), part[0].to(DEV), part[1].to(DEV), k, True, held.start)
+            assert rel_err(ours.cpu(), want) < 1e-5
+        total += want
+    assert rel_err(total, TorchBackend.moe(x, logits, w13, w2, k, True)) < 1e-5
 
 
 # --------------------------------------------------------------------------- configs, names, errors

@@ -194,10 +194,12 @@ class Backend(Protocol[PlanT]):
         ...
 
     def moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-            renormalize: bool) -> torch.Tensor:
+            renormalize: bool, first_expert: int = 0) -> torch.Tensor:
         """``[T, H]`` in x's dtype: softmax of the router logits in float32, the top-k experts (weights divided by
         their sum if ``renormalize``), and the sum of their SiLU-gated MLPs (``w13 [E, 2I, H]`` gate|up, ``w2
-        [E, H, I]``) weighted by them (:func:`kernels.moe_ref.route_ref`, :func:`kernels.moe_ref.moe_ref`)."""
+        [E, H, I]``) weighted by them (:func:`kernels.moe_ref.route_ref`, :func:`kernels.moe_ref.moe_ref`).
+        Expert parallelism: ``w13``/``w2`` may hold fewer experts than the router scores, experts
+        ``first_expert ..``; the pairs routed to the others add nothing (:func:`kernels.moe_ref.route_held`)."""
         ...
 
     def project_out(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -36,7 +36,7 @@ from executor_proc.step.batch import ForwardBatch
 from kernels import reference as ops
 from kernels.fp8 import Fp8Weight, fp8_linear_ref
 from kernels.logprobs_ref import token_logprobs_ref
-from kernels.moe_ref import moe_ref, route_ref
+from kernels.moe_ref import moe_ref, route_held
 from kernels.penalties_ref import PenaltyTables, apply_penalties_ref, count_sampled
 from kernels.sampling_ref import sample
 
@@ -221,8 +221,8 @@ class TorchBackend:
 
     @staticmethod
     def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-            renormalize: bool) -> torch.Tensor:
-        return moe_ref(x, w13, w2, *route_ref(router_logits, top_k, renormalize))
+            renormalize: bool, first_expert: int = 0) -> torch.Tensor:
+        return moe_ref(x, w13, w2, *route_held(router_logits, top_k, renormalize, first_expert, w13.shape[0]))
 
     def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          k_cache: torch.Tensor, v_cache: torch.Tensor, plan,

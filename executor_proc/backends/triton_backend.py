@@ -67,7 +67,7 @@ from kernels.logprobs import token_logprobs
 from kernels.matmul import MatmulConfig, choose_config, invariant_matmul
 from kernels.matmul_fp8 import Fp8MatmulConfig, w8a8_linear
 from kernels.moe import fused_moe, fused_moe_small
-from kernels.moe_ref import route_ref
+from kernels.moe_ref import route_held
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.penalties import PenaltyTables, apply_penalties, count_sampled
 from kernels.prefill_attention import prefill_attention
@@ -311,13 +311,14 @@ class TritonBackend:
         return Stream(h, sumsq=sumsq)
 
     def moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-            renormalize: bool) -> torch.Tensor:
+            renormalize: bool, first_expert: int = 0) -> torch.Tensor:
         """Batch-invariant: the per-pair form at every size (each pair and each token's sum computed alone, in
         one order, whatever else the step holds)."""
-        weights, ids = route_ref(router_logits, top_k, renormalize)
+        held = w13.shape[0]
+        weights, ids = route_held(router_logits, top_k, renormalize, first_expert, held)
         if self.batch_invariant:
             return fused_moe_small(x.contiguous(), w13, w2, weights, ids)
-        return fused_moe(x.contiguous(), w13, w2, weights, ids)
+        return fused_moe(x.contiguous(), w13, w2, weights, ids, partial=held < router_logits.shape[-1])
 
     def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         config = self._fused_config("silu", gate_up, weight)
