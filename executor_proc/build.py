@@ -100,7 +100,8 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
         device = resolve_device(cfg.device)
     cuda = device.type == "cuda"
     dtype = getattr(torch, cfg.resolved_dtype())
-    model, mcfg = load_model(model_path(cfg, progress), cfg.load_format, device, dtype, progress_cb=progress, tp=tp)
+    model, mcfg = load_model(model_path(cfg, progress), cfg.load_format, device, dtype, progress_cb=progress, tp=tp,
+                             expert_parallel=cfg.enable_expert_parallel)
     max_len = min(cfg.max_model_len or mcfg.max_model_len, mcfg.max_model_len)
     max_blocks = -(-max_len // cfg.block_size)
     backend = select_backend(cfg, device, model, max_len, progress)

@@ -105,6 +105,9 @@ class ExecutorConfig(_Config):
     # Executor processes sharing the model (Megatron tensor parallelism): rank r on cuda:(i + r) for
     # --device cuda:i, or N ranks on the CPU (gloo); they run the same plans, rank 0 reports.
     tensor_parallel_size: int = 1
+    # Mixture-of-experts layers under tensor parallelism: each rank holds whole experts, a contiguous range,
+    # instead of a slice of every expert (executor_proc/parallel/sharding.py); attention stays split by heads.
+    enable_expert_parallel: bool = False
     # Debug: tally the tokens each MoE layer routes to each expert and print the totals at shutdown
     # (executor_proc/model/expert_counts.py); steps run without CUDA graphs.
     moe_expert_counts: bool = False
@@ -139,6 +142,9 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
         raise ValueError(f"tp_rank must be in [0, {tp - 1}], got {cfg.tp_rank}")
     if tp > 1 and cfg.load_format == "scripted":
         raise ValueError("tensor_parallel_size must be 1 with load_format 'scripted' (it has no model to shard)")
+    if cfg.enable_expert_parallel and tp == 1:
+        raise ValueError("--enable-expert-parallel needs --tensor-parallel-size 2 or more: it spreads the experts "
+                         "over the tensor-parallel ranks")
     _at_least("max_num_batched_tokens", cfg.max_num_batched_tokens, 1)
     for name in ("num_kv_blocks", "max_model_len", "threads", "cuda_graph_max_batch", "cuda_graph_max_tokens"):
         value = getattr(cfg, name)

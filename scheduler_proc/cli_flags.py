@@ -45,6 +45,14 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                         "cuda:i one GPU each, cuda:i..cuda:i+N-1, over NCCL; on the cpu N processes over gloo. N "
                         "must divide the attention heads and the MLP and expert sizes, and divide or be a multiple "
                         "of the KV heads")
+    s.add_argument("--enable-expert-parallel", action="store_true", default=E("enable_expert_parallel"),
+                   help="with --tensor-parallel-size N > 1 and a mixture-of-experts model (N at most its E experts): "
+                        "each rank holds whole experts, a contiguous range (the first E mod N ranks one more), "
+                        "instead of a slice of every expert; attention stays tensor parallel. No all-to-all: "
+                        "attention's all-reduce leaves every token on every rank, so each rank routes all tokens, "
+                        "runs those routed to its experts, and the MoE layer's all-reduce sums the ranks' shares "
+                        "(vLLM's expert parallelism without data-parallel attention, which would need one; forerun "
+                        "has none)")
     s.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                    help="serve N replicas of the model (each a scheduler and its executor group of "
                         "--tensor-parallel-size ranks) behind one address: a router sends each request to the "

@@ -47,7 +47,7 @@ def server_config(args) -> ServerConfig:
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=_memory_utilization(args),
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.executor_threads, tensor_parallel_size=args.tensor_parallel_size,
-        moe_expert_counts=args.moe_expert_counts,
+        enable_expert_parallel=args.enable_expert_parallel, moe_expert_counts=args.moe_expert_counts,
         # The host tier keys its blocks with the prefix cache's keys: without prefix caching it is off.
         host_kv_gib=0.0 if args.no_prefix_caching else args.host_kv_gib,
         num_host_kv_blocks=None if args.no_prefix_caching else args.num_host_kv_blocks,
@@ -225,7 +225,8 @@ def _announce(server, model, ready, cfg) -> None:
         print(f"forerun: ready at {server.client_address}", flush=True)
         return
     tp = cfg.executor.tensor_parallel_size
-    device = f"{ready.device} x {tp} ranks (tensor parallel)" if tp > 1 else ready.device
+    layout = "tensor parallel, expert parallel" if cfg.executor.enable_expert_parallel else "tensor parallel"
+    device = f"{ready.device} x {tp} ranks ({layout})" if tp > 1 else ready.device
     print(f"forerun: serving {model.name} on {device} ({ready.dtype}), "
           f"{ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}"
           f"{f' (+{ready.num_host_blocks} on the host)' if ready.num_host_blocks else ''}, depth {cfg.pipeline_depth}",

@@ -41,6 +41,22 @@ FAMILIES = {
 }
 
 
+def save_family(name: str, folder, **changes) -> torch.nn.Module:
+    """The family's tiny HF model (``changes``: config fields over SHAPE and its own), random weights scaled to
+    keep activations O(1), saved as safetensors in ``folder``."""
+    config_cls, model_cls, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    hf = model_cls(config_cls(**(SHAPE | extra | changes))).float().eval()
+    with torch.no_grad():
+        for param_name, p in hf.named_parameters():
+            if "norm" in param_name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+    hf.save_pretrained(folder)
+    return hf
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """name -> (name, HF model, our model, our config, folder): random weights saved as safetensors, read back
@@ -49,17 +65,8 @@ def built(tmp_path_factory):
 
     def build(name: str):
         if name not in cache:
-            config_cls, model_cls, extra = FAMILIES[name]
-            torch.manual_seed(0)
-            hf = model_cls(config_cls(**(SHAPE | extra))).float().eval()
-            with torch.no_grad():
-                for param_name, p in hf.named_parameters():
-                    if "norm" in param_name:
-                        p.copy_(1.0 + 0.1 * torch.randn_like(p))
-                    else:
-                        p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
             folder = tmp_path_factory.mktemp(name)
-            hf.save_pretrained(folder)
+            hf = save_family(name, folder)
             model, config = load_model(str(folder), "hf", "cpu", torch.float32)
             cache[name] = (name, hf, model, config, str(folder))
         return cache[name]

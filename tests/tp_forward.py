@@ -1,8 +1,9 @@
 """Run the model directly as tensor-parallel ranks (gloo on the CPU) and compare its logits with one process.
 
-Tests start ``python -m tests.tp_forward RANK SIZE FORMAT MODELS OUT`` once per rank; rank 0 writes the
+Tests start ``python -m tests.tp_forward RANK SIZE FORMAT MODELS OUT [ep]`` once per rank; rank 0 writes the
 logits of a fixed workload (a mixed prefill of two rows, then a decode step of both) to ``OUT`` (.npz, one
-array per model: MODELS is one path, or several joined by ``os.pathsep``, run in turn by the one group).
+array per model: MODELS is one path, or several joined by ``os.pathsep``, run in turn by the one group);
+``ep``: the MoE layers expert-parallel (whole experts per rank).
 :func:`logits` runs the same workload in one process (``tp=None``).
 """
 
@@ -23,9 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK_SIZE = 4
 
 
-def logits(model_path: str, load_format: str, tp=None) -> np.ndarray:
+def logits(model_path: str, load_format: str, tp=None, expert_parallel: bool = False) -> np.ndarray:
     """Float32 logits ``[T, vocab]``: every token of a two-row prefill, then both rows' decode step."""
-    model, _ = load_model(model_path, load_format, "cpu", torch.float32, tp=tp)
+    model, _ = load_model(model_path, load_format, "cpu", torch.float32, tp=tp, expert_parallel=expert_parallel)
     vocab = model.full_config.vocab_size if tp is not None else model.config.vocab_size
     kv = KVCache(model.config, 16, BLOCK_SIZE, "cpu", torch.float32)
     tables = [[3, 0, 5], [1, 2]]
@@ -77,12 +78,14 @@ def run_ranks(size: int, load_format: str, model_path: str, out: str, timeout: f
 
 
 def run_ranks_each(size: int, load_format: str, model_paths: list[str], out: str,
-                   timeout: float = 300) -> list[np.ndarray]:
+                   timeout: float = 300, expert_parallel: bool = False) -> list[np.ndarray]:
     """:func:`run_ranks` for several models in turn, in one group (its processes start once): their logits."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     models = os.pathsep.join(model_paths)
+    ep = ["ep"] if expert_parallel else []
     procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_forward", str(r), str(size), load_format, models,
-                               out], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               out, *ep], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
              for r in range(size)]
     try:
         outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
@@ -99,11 +102,12 @@ def run_ranks_each(size: int, load_format: str, model_paths: list[str], out: str
 
 def main(argv: list[str]) -> None:
     rank, size, load_format, models, out = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4]
+    expert_parallel = argv[5:] == ["ep"]
     from executor_proc.parallel.group import init_group
 
     torch.set_num_threads(1)
     tp = init_group(f"file://{os.path.abspath(out)}.store", rank, size, torch.device("cpu"))
-    results = [logits(path, load_format, tp) for path in models.split(os.pathsep)]
+    results = [logits(path, load_format, tp, expert_parallel) for path in models.split(os.pathsep)]
     if rank == 0:
         with open(out, "wb") as f:  # np.savez would add .npz to the name
             np.savez(f, *results)

@@ -5,7 +5,8 @@ of a ``[MoE layers, E]`` int64 tensor on the device (an ``index_add_``, no host 
 the totals when it shuts down.  Every routed token counts, prefill and decode alike, speculative drafts that are
 later rejected too; CUDA graphs are off under the flag (:func:`executor_proc.backends.select.graph_max_batch`),
 since a graph's padding rows would be routed and counted.  The totals cover one executor's life: a restart
-starts them again.
+starts them again.  With several ranks, rank 0 counts and reports: every rank routes every token (the router
+is replicated, under tensor and expert parallelism alike), so its totals are the whole model's.
 """
 
 from __future__ import annotations

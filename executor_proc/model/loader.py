@@ -75,13 +75,15 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     progress_cb: Optional[ProgressCallback] = None,
     tp: Optional["TPGroup"] = None,
+    expert_parallel: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
     """Load a model for serving; ``progress_cb(stage, done, total)`` is called as tensors load.
 
     With ``tp`` (a tensor-parallel group), the model is this rank's shard
     (:class:`executor_proc.parallel.model.ParallelCausalLM`) and only its slices are read: safetensors
     by slice, GGUF dequantised whole and then sliced, dummy weights drawn whole (the same values as one
-    process draws) and then sliced.  The config returned is the whole model's.
+    process draws) and then sliced.  With ``expert_parallel`` too, the rank holds whole experts, its range of
+    them, and reads no other expert's tensors.  The config returned is the whole model's.
     """
     dtype = resolve_dtype(dtype)
     if load_format == "auto":
@@ -90,7 +92,7 @@ def load_model(
         raise ValueError(f"unknown load_format {load_format!r} (auto, hf, gguf, dummy)")
     reader = open_gguf(path) if load_format == "gguf" else None
     config = gguf_config(reader) if reader is not None else ModelConfig.from_pretrained(path)
-    shards, make = _rank_model(config, tp)
+    shards, make = _rank_model(config, tp, expert_parallel)
     if load_format == "dummy":
         model = build_model(config, device, dtype, make)
         init_dummy_weights(model, DUMMY_SEED, progress_cb, shards)
@@ -98,7 +100,7 @@ def load_model(
     if reader is not None:
         total, weights = gguf_weights(reader, config)
         if shards is not None:  # a quantised block does not slice: dequantise whole, keep the rank's part
-            weights = ((name, shards.take(name, w)) for name, w in weights)
+            weights = ((name, shards.take(name, w)) for name, w in weights if shards.holds(name))
         stage = "dequantizing weights"
     else:
         total, weights = hf_weights(path, shards)
@@ -123,20 +125,22 @@ def _safetensors_files(folder: str) -> list[str]:
     return sorted(glob.glob(os.path.join(folder, "*.safetensors")))
 
 
-def _rank_model(config: ModelConfig, tp: Optional["TPGroup"]) -> tuple[Optional["Shards"], Callable]:
+def _rank_model(config: ModelConfig, tp: Optional["TPGroup"],
+                expert_parallel: bool) -> tuple[Optional["Shards"], Callable]:
     """(this rank's shards, the model class to build) for ``tp``; (None, CausalLM) without one."""
     if tp is None:
         return None, CausalLM
     from executor_proc.parallel.model import ParallelCausalLM
     from executor_proc.parallel.sharding import Shards
 
-    shards = Shards(config, tp.rank, tp.size)
+    shards = Shards(config, tp.rank, tp.size, expert_parallel)
     return shards, lambda _config, dtype: ParallelCausalLM(shards, tp, dtype)
 
 
 def hf_weights(folder: str, shards: Optional["Shards"] = None) -> tuple[int, WeightStream]:
     """(number of tensors, stream of (name, CPU tensor)) over a folder's safetensors shards; with
-    ``shards``, each tensor is the rank's slice, read as a slice (the rest is never read)."""
+    ``shards``, each tensor is the rank's slice, read as a slice (the rest, and the tensors of experts
+    another rank holds, are never read)."""
     from safetensors import safe_open
 
     files = _safetensors_files(folder)
@@ -147,13 +151,16 @@ def hf_weights(folder: str, shards: Optional["Shards"] = None) -> tuple[int, Wei
     total = 0
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
-            total += len(list(f.keys()))
+            total += sum(1 for name in f.keys() if shards is None or shards.holds(name))
 
     def stream() -> WeightStream:
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, (f.get_tensor(name) if shards is None else shards.take(name, f.get_slice(name)))
+                    if shards is None:
+                        yield name, f.get_tensor(name)
+                    elif shards.holds(name):
+                        yield name, shards.take(name, f.get_slice(name))
 
     return total, stream()
 

@@ -12,6 +12,10 @@ The experts' weights are stacked, ``w13 [E, 2I, H]`` (each expert's gate rows, t
 and projection (``mlp.experts.N.gate_proj.weight``; Mixtral's ``block_sparse_moe.experts.N.w1/w3/w2`` and
 ``block_sparse_moe.gate``, renamed by :func:`checkpoint_name`): :meth:`MoEBlock.expert_views` names the
 slices of the stacks they load into.
+
+Under expert parallelism (:mod:`executor_proc.parallel.sharding`) a block holds a contiguous range of the
+experts, ``experts``: the stacks are that range's, the router still scores all E (every rank routes every
+token alike), and the backend skips the pairs routed elsewhere; the ranks' outputs are partial sums.
 """
 
 from __future__ import annotations
@@ -40,15 +44,17 @@ def checkpoint_name(name: str) -> str:
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, experts: Optional[range] = None) -> None:
+        """``experts``: the (global) ids of the experts this block holds; None: all of them."""
         super().__init__()
         moe = config.moe
         h, i, e = config.hidden_size, moe.intermediate_size, moe.num_experts
         self.num_experts, self.top_k, self.renormalize = e, moe.top_k, moe.renormalize
+        self.experts = range(e) if experts is None else experts
         self.intermediate_size = i
-        self.gate = nn.Linear(h, e, bias=False, dtype=dtype)  # the router
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype))
+        self.gate = nn.Linear(h, e, bias=False, dtype=dtype)  # the router, over all E experts
+        self.w13 = nn.Parameter(torch.empty(len(self.experts), 2 * i, h, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(len(self.experts), h, i, dtype=dtype))
         self.shared_expert: Optional[MLP] = None
         self.shared_expert_gate: Optional[nn.Linear] = None
         if moe.shared_intermediate_size:
@@ -65,7 +71,7 @@ class MoEBlock(nn.Module):
         """The layer's output and the residual stream, for the un-normalised input."""
         h, residual = normed(backend, pre)
         router_logits = backend.linear(h, self.gate.weight, None)
-        out = backend.moe(h, router_logits, self.w13, self.w2, self.top_k, self.renormalize)
+        out = backend.moe(h, router_logits, self.w13, self.w2, self.top_k, self.renormalize, self.experts.start)
         if self.expert_counts is not None:  # --moe-expert-counts: the routing again and a device add, no host read
             ids = route_ref(router_logits, self.top_k, self.renormalize)[1].flatten()
             self.expert_counts.index_add_(0, ids, torch.ones_like(ids))
@@ -75,13 +81,13 @@ class MoEBlock(nn.Module):
         return Stream(out, residual)
 
     def expert_views(self, prefix: str) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> the slice of ``w13`` / ``w2`` it loads into, for every expert (``prefix``: this
-        block's name with its trailing dot, e.g. ``model.layers.3.mlp.``)."""
+        """Checkpoint name -> the slice of ``w13`` / ``w2`` it loads into, for every expert the block holds
+        (``prefix``: this block's name with its trailing dot, e.g. ``model.layers.3.mlp.``)."""
         i = self.intermediate_size
         views = {}
-        for e in range(self.num_experts):
+        for local, e in enumerate(self.experts):
             at = f"{prefix}experts.{e}."
-            views[at + "gate_proj.weight"] = self.w13.data[e, :i]
-            views[at + "up_proj.weight"] = self.w13.data[e, i:]
-            views[at + "down_proj.weight"] = self.w2.data[e]
+            views[at + "gate_proj.weight"] = self.w13.data[local, :i]
+            views[at + "up_proj.weight"] = self.w13.data[local, i:]
+            views[at + "down_proj.weight"] = self.w2.data[local]
         return views

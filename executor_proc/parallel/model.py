@@ -8,10 +8,14 @@ Per layer, in the residual stream of :class:`executor_proc.model.llama.DecoderLa
     MoE:        the router, replicated (every rank routes alike) -> each chosen expert on the rank's slice
                 of its intermediate columns, weighted and summed (+ the shared expert's slice, scaled by
                 its replicated gate) -> all-reduce: one per layer, as for the MLP
+    MoE, expert parallel: the same, but each rank runs whole experts, its own range, on the (token, expert)
+                pairs routed to them (the others add zero): the all-reduce sums every expert's share
 
 Norms and the residual stream are replicated: every rank holds the whole ``[T, hidden]`` after each
-all-reduce.  The embedding and the LM head are vocabulary-parallel: a token's embedding is looked up on
-the rank that holds its row (zeros elsewhere) and all-reduced; each rank computes the logits of its
+all-reduce, which is why expert parallelism needs no all-to-all here: every rank already has every token
+(an all-to-all dispatch pays off only when ranks hold different tokens, as with data-parallel attention).
+The embedding and the LM head are vocabulary-parallel: a token's embedding is looked up on the rank that
+holds its row (zeros elsewhere) and all-reduced; each rank computes the logits of its
 vocabulary rows, and an all-gather gives every rank the whole ``[S, vocab]`` row, on which the usual
 sampler runs.  We gather rather than sample over shards (a distributed argmax or top-k) because every
 sampling feature (penalties, logit_bias, min_tokens masks, top-k/top-p, logprobs) then runs unchanged
@@ -23,6 +27,8 @@ The KV cache of a rank holds its KV heads only (``Shards.config.num_kv_heads``).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -61,11 +67,11 @@ class ParallelMLP(MLP):
 
 
 class ParallelMoEBlock(MoEBlock):
-    """The rank's slice of every expert (and of the shared expert); the partial sums, routed and shared added
-    together, are all-reduced once."""
+    """The rank's slice of every expert, or its whole experts (``experts``, expert parallelism), and its slice
+    of the shared expert; the partial sums, routed and shared added together, are all-reduced once."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, group: TPGroup):
-        super().__init__(config, dtype)
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, group: TPGroup, experts: Optional[range] = None):
+        super().__init__(config, dtype, experts)
         self.group = group
 
     def forward(self, pre: NormInput, backend) -> Stream:
@@ -85,8 +91,10 @@ class ParallelCausalLM(CausalLM):
         self.vocab_start, self.vocab_per_rank = shards.vocab_start, shards.vocab_per_rank
         for i, layer in enumerate(self.model.layers):  # same names and shapes: weights load as before
             layer.self_attn = ParallelAttention(shards.config, i, dtype, group)
-            sparse = isinstance(layer.mlp, MoEBlock)
-            layer.mlp = (ParallelMoEBlock if sparse else ParallelMLP)(shards.config, dtype, group)
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp = ParallelMoEBlock(shards.config, dtype, group, shards.experts)
+            else:
+                layer.mlp = ParallelMLP(shards.config, dtype, group)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.vocab_start

@@ -16,6 +16,10 @@ Rank ``r`` of ``N``, for HF parameter names::
     w13 [E, 2I, H], w2 [E, H, I] the stacked experts (dummy weights are drawn stacked): each expert's gate
                                  and up rows, and its down columns, of the rank's slice of I
 
+With expert parallelism (``--enable-expert-parallel``) the routed experts are not split: rank r holds whole
+experts, a contiguous range of them (:func:`expert_range`), and never reads the others' tensors
+(:meth:`Shards.holds`); everything else, the shared expert included, is split as above.
+
 Fused q|k|v and gate|up are built from the sliced parts, so each rank's fused matmul is its own
 column slice.  A model whose head, MLP or expert sizes ``N`` does not divide is refused at start-up
 (:func:`check_divisible`), naming the counts and the sizes that would work.
@@ -23,7 +27,9 @@ column slice.  A model whose head, MLP or expert sizes ``N`` does not divide is 
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from typing import Optional
 
 import torch
 
@@ -36,6 +42,7 @@ _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "u
 _ROW = {"o_proj": "q", "down_proj": "mlp"}
 _VOCAB = ("embed_tokens", "lm_head")
 _STACKED = ("w13", "w2")  # an MoE layer's stacked experts (executor_proc.model.moe.MoEBlock)
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")  # a routed expert's checkpoint tensor (Qwen-MoE naming)
 
 
 class NotDivisible(StartupRefused, ValueError):
@@ -46,26 +53,51 @@ def _has_dense_mlp(config: ModelConfig) -> bool:
     return config.moe is None or not all(config.moe.is_sparse(i) for i in range(config.num_layers))
 
 
-def _split_sizes(config: ModelConfig) -> list[int]:
-    """Every intermediate size the ranks split: the dense MLP's (where a layer has one), the experts', the
-    shared expert's."""
+def _split_sizes(config: ModelConfig, expert_parallel: bool = False) -> list[int]:
+    """Every intermediate size the ranks split: the dense MLP's (where a layer has one), the experts' (not
+    under expert parallelism: whole experts), the shared expert's."""
     moe = config.moe
     sizes = [config.intermediate_size] if _has_dense_mlp(config) else []
     if moe is not None:
-        sizes += [moe.intermediate_size] + ([moe.shared_intermediate_size] if moe.shared_intermediate_size else [])
+        sizes += [] if expert_parallel else [moe.intermediate_size]
+        sizes += [moe.shared_intermediate_size] if moe.shared_intermediate_size else []
     return sizes
 
 
-def divides(config: ModelConfig, size: int) -> bool:
-    """Whether ``size`` ranks can split the model's heads, MLP columns and experts' columns evenly."""
+def divides(config: ModelConfig, size: int, expert_parallel: bool = False) -> bool:
+    """Whether ``size`` ranks can split the model's heads, MLP columns and experts' columns evenly (with
+    ``expert_parallel``: hold at least one whole expert each instead of splitting the experts)."""
     heads, kv = config.num_heads, config.num_kv_heads
-    return heads % size == 0 and all(n % size == 0 for n in _split_sizes(config)) and (
+    if expert_parallel and (config.moe is None or size > config.moe.num_experts):
+        return False
+    return heads % size == 0 and all(n % size == 0 for n in _split_sizes(config, expert_parallel)) and (
         kv % size == 0 or size % kv == 0)
 
 
-def check_divisible(config: ModelConfig, size: int) -> None:
+def expert_range(num_experts: int, rank: int, size: int) -> range:
+    """The experts rank ``rank`` of ``size`` holds under expert parallelism: contiguous ranges in rank order,
+    the first ``num_experts % size`` ranks one more than the rest (8 over 3: 0-2, 3-5, 6-7), as vLLM places
+    them."""
+    base, extra = divmod(num_experts, size)
+    first = rank * base + min(rank, extra)
+    return range(first, first + base + (rank < extra))
+
+
+def check_expert_parallel(config: ModelConfig, size: int) -> None:
+    """Refuse ``--enable-expert-parallel`` in one line for a dense model, or more ranks than experts."""
+    if config.moe is None:
+        raise StartupRefused(f"--enable-expert-parallel needs a mixture-of-experts model; "
+                             f"{config.architecture} has none")
+    experts = config.moe.num_experts
+    if size > experts:
+        raise StartupRefused(f"--enable-expert-parallel gives each of the {size} tensor-parallel ranks whole "
+                             f"experts, but the model has {experts}: use --tensor-parallel-size {experts} or "
+                             f"fewer, or leave the flag off (tensor parallelism splits every expert)")
+
+
+def check_divisible(config: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     """Raise :class:`NotDivisible` naming the counts ``size`` does not divide and the sizes that would work."""
-    if divides(config, size):
+    if divides(config, size, expert_parallel):
         return
     counts = [f"{config.num_heads} attention heads", f"{config.num_kv_heads} KV heads (it must divide them "
               f"or be a multiple of them)"]
@@ -73,10 +105,11 @@ def check_divisible(config: ModelConfig, size: int) -> None:
         counts.append(f"an MLP of {config.intermediate_size}")
     moe = config.moe
     if moe is not None:
-        counts.append(f"{moe.num_experts} experts of an MLP of {moe.intermediate_size}")
+        if not expert_parallel:
+            counts.append(f"{moe.num_experts} experts of an MLP of {moe.intermediate_size}")
         if moe.shared_intermediate_size:
             counts.append(f"a shared expert of {moe.shared_intermediate_size}")
-    good = [n for n in range(1, MAX_TENSOR_PARALLEL + 1) if divides(config, n)]
+    good = [n for n in range(1, MAX_TENSOR_PARALLEL + 1) if divides(config, n, expert_parallel)]
     raise NotDivisible(f"tensor_parallel_size {size} does not divide the model ({', '.join(counts)}); "
                        f"sizes that do: {', '.join(map(str, good))}")
 
@@ -94,12 +127,15 @@ def _shape(t) -> tuple[int, ...]:
 
 
 class Shards:
-    """Rank ``rank`` of ``size``: its model shape (:attr:`config`) and its slice of each full weight (:meth:`take`)."""
+    """Rank ``rank`` of ``size``: its model shape (:attr:`config`), its slice of each full weight (:meth:`take`)
+    and, with ``expert_parallel``, the whole experts it holds (:attr:`experts`; None: a slice of every one)."""
 
-    def __init__(self, full: ModelConfig, rank: int, size: int):
+    def __init__(self, full: ModelConfig, rank: int, size: int, expert_parallel: bool = False):
         if not 0 <= rank < size:
             raise ValueError(f"tensor parallel rank {rank} is outside 0..{size - 1}")
-        check_divisible(full, size)
+        if expert_parallel:
+            check_expert_parallel(full, size)
+        check_divisible(full, size, expert_parallel)
         self.full, self.rank, self.size = full, rank, size
         d = full.head_dim
         heads = full.num_heads // size
@@ -114,23 +150,39 @@ class Shards:
                      "kv": (kv_first * d, (kv_first + kv) * d),
                      "mlp": (rank * inter, (rank + 1) * inter)}
         moe = full.moe
+        self.experts: Optional[range] = None
         if moe is not None:
-            expert, shared = moe.intermediate_size // size, moe.shared_intermediate_size // size
-            self.rows["expert"] = (rank * expert, (rank + 1) * expert)
+            shared = moe.shared_intermediate_size // size
             self.rows["shared"] = (rank * shared, (rank + 1) * shared)
-            moe = replace(moe, intermediate_size=expert, shared_intermediate_size=shared)
+            if expert_parallel:
+                self.experts = expert_range(moe.num_experts, rank, size)
+                moe = replace(moe, shared_intermediate_size=shared)
+            else:
+                expert = moe.intermediate_size // size
+                self.rows["expert"] = (rank * expert, (rank + 1) * expert)
+                moe = replace(moe, intermediate_size=expert, shared_intermediate_size=shared)
         self.vocab_start = rank * self.vocab_per_rank
         self.config = replace(full, num_heads=heads, num_kv_heads=kv, intermediate_size=inter,
                               vocab_size=self.vocab_per_rank, moe=moe)
 
+    def holds(self, name: str) -> bool:
+        """Whether this rank keeps any of the full weight ``name``: under expert parallelism another rank's
+        experts are skipped, never read."""
+        if self.experts is None:
+            return True
+        expert = _EXPERT.search(checkpoint_name(name))
+        return expert is None or int(expert[1]) in self.experts
+
     def take(self, name: str, t) -> torch.Tensor:
-        """This rank's part of the full weight ``name`` (HF naming, Mixtral's expert names too); ``t`` is a tensor
-        or a safetensors slice."""
+        """This rank's part of the full weight ``name`` (HF naming, Mixtral's expert names too; one it
+        :meth:`holds`); ``t`` is a tensor or a safetensors slice."""
         name = checkpoint_name(name)
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
         if kind in _STACKED:
             return self._stacked_experts(kind, t)
+        if self.experts is not None and _EXPERT.search(name):  # a whole expert of the rank's
+            return t[:]
         if kind.endswith("_scale") and (module in _ROW or _numel(t) == 1):  # FP8 scales: per output row, or per tensor
             return t[...]
         if module in _COLUMN:
@@ -155,7 +207,9 @@ class Shards:
 
     def _stacked_experts(self, kind: str, t: torch.Tensor) -> torch.Tensor:
         """``w13 [E, 2I, H]``: each expert's gate rows and up rows of the rank's slice; ``w2 [E, H, I]``: its
-        down columns."""
+        down columns (expert parallelism: the rank's experts whole)."""
+        if self.experts is not None:
+            return t[self.experts.start:self.experts.stop]
         a, b = self.rows["expert"]
         if kind == "w2":
             return t[:, :, a:b]
