@@ -141,7 +141,8 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                         "loaded)")
     s.add_argument("--executor-hang-timeout", type=float, default=S("executor_hang_timeout_s"), metavar="S",
                    help="restart the executor when no step returns for this long (at least; the timeout is "
-                        "also 50 x the p99 step time seen)")
+                        "also 50 x the p99 step time seen); with --data-parallel-size, also restart a replica "
+                        "that answers nothing, not even a ping, for this long")
     s.add_argument("--max-restarts", type=int, default=S("max_restarts"),
                    help="more executor restarts than this within --restart-window: stop with an error to every client")
     s.add_argument("--restart-window", type=float, default=S("restart_window_s"), metavar="S",

@@ -24,8 +24,9 @@ Main loop (asyncio + uvloop)::
   with the tokens already relayed (``scheduler_proc/replica_messages.py``): its client sees a delay and the
   same tokens.  The router restarts the replica (at most ``--max-restarts`` within ``--restart-window``); it
   rejoins once it answers Hello.  With every replica down for good the router fails its requests and exits.  A
-  replica's death is its process's exit: a scheduler that hangs with its process alive is not noticed here (its
-  executor's hangs are its own supervisor's).
+  replica that is up but silent (no message for PING_S: it is sent a Ping) for ``--executor-hang-timeout``
+  seconds has a stuck loop: the router kills it, and it fails over as a dead one (its executor's hangs are its own
+  supervisor's).
 * **Shutdown**: SIGTERM goes on to every replica, which drains as a lone server does; the router exits when
   they all have.
 """
@@ -60,6 +61,7 @@ from scheduler_proc.routing import PrefixIndex
 from scheduler_proc.server import TRANSPORT_MAX_MESSAGE_BYTES, say
 
 TICK_S = 0.05  # replica deaths, restarts
+PING_S = 1.0  # a replica silent this long is sent a Ping (any message it sends shows its loop runs)
 CLIENT_CHECK_S = 0.25  # heartbeat expiry and owed-error retries
 REPLICA_FRAMES_PER_ITERATION = 256
 
@@ -78,6 +80,8 @@ class Replica:
         self.prefixes = PrefixIndex()
         self.asks: deque[StatsAsk] = deque()
         self.starts: deque[float] = deque()  # when it was (re)started, within the restart window
+        self.last_heard = 0.0  # when its last message came (it joined, at the latest)
+        self.pinged = False  # a Ping went since then
 
     def start(self, ctx: zmq.asyncio.Context, hello: p.Hello) -> None:
         self.starts.append(time.monotonic())
@@ -243,6 +247,8 @@ class Router(RouterClients, RouterRelay):
         if replica.sock is None:
             return
         frames = replica.recv_batch(limit)
+        if frames:
+            replica.last_heard, replica.pinged = time.monotonic(), False
         for data in frames:
             try:
                 msg = p.server_reply_decoder.decode(data)
@@ -277,7 +283,7 @@ class Router(RouterClients, RouterRelay):
             self._answer(ask)
 
     def _on_joined(self, replica: Replica, info: p.ServerInfo) -> None:
-        replica.up = True
+        replica.up, replica.last_heard = True, time.monotonic()
         if self.info is None:
             self.info = msgspec.structs.replace(info, server_id=self.server_id)
         if not self.tokenizer_asked:  # once, of the first replica up (it holds the files the others hold)
@@ -291,7 +297,8 @@ class Router(RouterClients, RouterRelay):
     # ---------------------------------------------------------- supervision
 
     def supervise(self) -> None:
-        """Every TICK_S: replicas that died (their requests re-sent) and restarts; every CLIENT_CHECK_S: clients."""
+        """Every TICK_S: replicas that died (their requests re-sent) and restarts, silent ones pinged or killed;
+        every CLIENT_CHECK_S: clients."""
         now = time.monotonic()
         if now < self.next_tick:
             return
@@ -299,6 +306,8 @@ class Router(RouterClients, RouterRelay):
         for replica in self.replicas:
             if replica.proc is not None and replica.proc.poll() is not None:
                 self._replica_died(replica, now)
+            elif replica.up:
+                self._check_alive(replica, now)
         if self.shutdown_at is not None and all(r.proc is None for r in self.replicas):
             self.stop()
         if now >= self.next_client_check:
@@ -306,6 +315,19 @@ class Router(RouterClients, RouterRelay):
             for client in self.frontend.expired(now):
                 self._drop_client(client)
             self.frontend.flush_owed()
+
+    def _check_alive(self, replica: Replica, now: float) -> None:
+        """Ping a replica silent for PING_S; kill one silent past the hang timeout (a live process whose loop is
+        stuck): the next tick sees it dead, and its requests fail over."""
+        silent = now - replica.last_heard
+        if silent > self.cfg.executor_hang_timeout_s:
+            say(f"replica {replica.index} answered nothing for {silent:.0f} s (--executor-hang-timeout "
+                f"{self.cfg.executor_hang_timeout_s:g}): killing it")
+            replica.up = False  # no new request goes there meanwhile
+            replica.proc.kill()
+        elif silent > PING_S and not replica.pinged:
+            replica.pinged = True
+            replica.send(p.Ping())
 
     def _replica_died(self, replica: Replica, now: float) -> None:
         """Read what it sent before dying, re-send its requests' unfinished completions, restart it."""

@@ -6,7 +6,7 @@ the router, one server shared by the file's tests.  A replica is a DP=1 server o
 router's run directory: the tests also talk to replica 0 directly, as to a server serving alone.  A resumed
 Generate continues exactly, DP=2 gives DP=1's greedy tokens from both replicas, a shared prefix stays on its
 replica, stats and metrics show both replicas, and SIGKILL of a replica's scheduler mid-stream loses no token
-(and the replica rejoins).
+(and the replica rejoins), nor does SIGSTOP (the router kills a replica silent past the hang timeout).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from tests.test_gpu_fastpath import write_config
 
 BLOCK = 4
 MAX_TOKENS = 40
+HANG_S = 5  # --executor-hang-timeout: a replica silent this long is killed
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -109,7 +110,8 @@ def dp(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp")
     srv = ServerProcess("--load-format", "dummy", "--model", write_config(tmp), "--tokenizer", default_model_dir(),
                         "--max-model-len", "256", "--block-size", str(BLOCK), "--max-num-seqs", "4", "--debug-checks",
-                        "--executor-threads", "1", "--data-parallel-size", "2", tmpdir=str(tmp), timeout=120)
+                        "--executor-threads", "1", "--data-parallel-size", "2", "--executor-hang-timeout", str(HANG_S),
+                        tmpdir=str(tmp), timeout=120)
     srv.single = "ipc://" + glob.glob(f"{tmp}/forerun-*/replica0.sock")[0]
     yield srv
     srv.stop()
@@ -265,11 +267,32 @@ def test_a_killed_replica_loses_no_token_and_rejoins(dp):
     got, at_kill = asyncio.run(_streams(dp.address, requests, kill=lambda: os.kill(victim, signal.SIGKILL)))
     assert got == want
     assert any(0 < n < MAX_TOKENS for n in at_kill), at_kill  # some were mid-stream
+    _assert_rejoins(dp, 0, victim, requests[:4], want[:4])
+
+
+def _assert_rejoins(dp, index: int, victim: int, requests: list[list[int]], want: list[list[int]]) -> None:
+    """Replica ``index`` comes back (a new process), answers stats again, and serves ``requests`` as before."""
     deadline = time.monotonic() + 60
-    while True:  # replica 0 comes back (a new process) and answers stats again
+    while True:
         stats = asyncio.run(server_stats(dp.address))
         if [s.replica for s in stats.replicas] == [0, 1] or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert [s.replica for s in stats.replicas] == [0, 1] and _replica_pid(dp, 0) != victim
-    assert asyncio.run(_generate(dp.address, requests[:4], max_tokens=MAX_TOKENS, temperature=0.0)) == want[:4]
+    assert [s.replica for s in stats.replicas] == [0, 1] and _replica_pid(dp, index) != victim
+    assert asyncio.run(_generate(dp.address, requests, max_tokens=MAX_TOKENS, temperature=0.0)) == want
+
+
+def test_a_stuck_replica_is_killed_and_its_streams_go_on(dp):
+    """SIGSTOP of replica 1's scheduler mid-stream: its process lives but answers nothing, not even the router's
+    pings; after --executor-hang-timeout the router kills it, every stream ends with the tokens of an undisturbed
+    run, and the replica rejoins."""
+    requests = prompts(12)
+    want, _ = asyncio.run(_streams(dp.address, requests))
+    victim = _replica_pid(dp, 1)
+    t0 = time.monotonic()
+    got, at_stop = asyncio.run(_streams(dp.address, requests, kill=lambda: os.kill(victim, signal.SIGSTOP)))
+    waited = time.monotonic() - t0
+    assert got == want
+    assert any(0 < n < MAX_TOKENS for n in at_stop), at_stop  # some were mid-stream
+    assert waited >= HANG_S, waited  # its streams waited for the timeout
+    _assert_rejoins(dp, 1, victim, requests[:4], want[:4])
