@@ -17,8 +17,8 @@ def load_tokenizer(tokenizer_path: str, vocab_size: int, eos_token_ids: list[int
     logits and not hold the model's EOS ids: then its own EOS ends a constrained output (one the
     scheduler does not stop at: such an output finishes with ``length``), or its own size when it is
     the larger one."""
-    path = os.path.join(tokenizer_path, "tokenizer.json") if os.path.isdir(tokenizer_path or "") else tokenizer_path
-    if not path or not os.path.isfile(path):
+    path = tokenizer_file(tokenizer_path)
+    if path is None:
         return None
     import llguidance
 
@@ -31,3 +31,9 @@ def load_tokenizer(tokenizer_path: str, vocab_size: int, eos_token_ids: list[int
         except (ValueError, RuntimeError):
             continue
     return llguidance.LLTokenizer(text)
+
+
+def tokenizer_file(tokenizer_path: str):
+    """The tokenizer.json that ``tokenizer_path`` names (a folder holding it, or the file), or None."""
+    path = os.path.join(tokenizer_path, "tokenizer.json") if os.path.isdir(tokenizer_path or "") else tokenizer_path
+    return path if path and os.path.isfile(path) else None

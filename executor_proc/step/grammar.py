@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ipc.protocol import StepPlan
-from ipc.structured import load_tokenizer
+from ipc.structured import load_tokenizer, tokenizer_file
 
 PROTOTYPES = 256  # compiled matchers kept by grammar text: a new slot of a known grammar copies one
 WAIT_TIMEOUT_S = 120.0
@@ -72,14 +72,19 @@ class GrammarRows:
 class GrammarSlots:
     """The matchers of the constrained slots, the device bitmask table and the late binding of masks."""
 
-    def __init__(self, tokenizer, vocab_size: int, num_slots: int, device: torch.device):
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int], num_slots: int,
+                 device: torch.device):
         import llguidance
 
         self._llg = llguidance
-        self.tokenizer = tokenizer
+        # Loaded by the first grammar's build (off the main thread): parsing tokenizer.json takes ~0.3 s of CPU,
+        # which a server that never sees a constraint does not pay at start-up.
+        self._tokenizer_args = (tokenizer_path, vocab_size, eos_token_ids)
+        self._tokenizer = None
+        self._tokenizer_lock = threading.Lock()
+        self.llg_words = 0  # llguidance's mask width, once the tokenizer is loaded
         self.device = device
         self.words = -(-vocab_size // 32)  # the table's width: the logits'
-        self.llg_words = -(-tokenizer.vocab_size // 32)  # llguidance's mask width
         self.table = torch.full((num_slots + 1, self.words), -1, dtype=torch.int32, device=device)
         self.states: dict[int, SlotGrammar] = {}
         self._reset: set[int] = set()  # slots whose table row must go back to all ones
@@ -94,6 +99,15 @@ class GrammarSlots:
                           torch.empty(num_slots + 1, dtype=torch.int64, pin_memory=cuda)) for _ in range(_STAGING_BUFFERS)]
         self._staged_events: list[Optional[torch.cuda.Event]] = [None] * _STAGING_BUFFERS
         self._next = 0
+
+    @property
+    def tokenizer(self):
+        """The llguidance tokenizer, loaded on first use (the first grammar's build, on the grammar thread)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(*self._tokenizer_args)
+                self.llg_words = -(-self._tokenizer.vocab_size // 32)
+            return self._tokenizer
 
     # ------------------------------------------------------------- main thread: prepare
 
@@ -230,7 +244,6 @@ class GrammarSlots:
 def build_grammar_slots(tokenizer_path: str, vocab_size: int, eos_token_ids: list[int], num_slots: int,
                         device: torch.device) -> Optional[GrammarSlots]:
     """The executor's grammar state, or None when the model has no tokenizer (no constraint is admitted then)."""
-    tokenizer = load_tokenizer(tokenizer_path, vocab_size, eos_token_ids) if tokenizer_path else None
-    if tokenizer is None:
+    if not tokenizer_path or tokenizer_file(tokenizer_path) is None:
         return None
-    return GrammarSlots(tokenizer, vocab_size, num_slots, device)
+    return GrammarSlots(tokenizer_path, vocab_size, eos_token_ids, num_slots, device)
