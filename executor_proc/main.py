@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import msgspec
-import torch
 import zmq
 
 from executor_proc.memory_plan import StartupRefused
@@ -121,6 +120,8 @@ class OutputThread(threading.Thread):
             if "backups_done_step_id" not in extra:  # polled after the step's copy: never waits
                 extra["backups_done_step_id"] = self.backups_done(step.step_id)
             if self.memory_device is not None and time.monotonic() >= self._next_memory_sample:
+                import torch
+
                 self._next_memory_sample = time.monotonic() + MEMORY_SAMPLE_S
                 extra["device_peak_bytes"] = torch.cuda.max_memory_reserved(self.memory_device)
                 extra["device_free_bytes"] = torch.cuda.mem_get_info(self.memory_device)[0]
@@ -177,6 +178,8 @@ class ExecutorProcess:
 
             self.expert_counts = ExpertCounts(self.worker.model, built.device)
         if built.device.type == "cuda":
+            import torch
+
             torch.cuda.reset_peak_memory_stats(built.device)  # the peak the results report is the serving one
             self.output.memory_device = built.device
         if self.tp is not None:
@@ -207,7 +210,8 @@ class ExecutorProcess:
         self.send(p.ExecutorReady(
             num_kv_blocks=num_blocks, max_model_len=cfg.max_model_len or 4096, vocab_size=script.vocab_size,
             eos_token_ids=[2], device="cpu", dtype="none", num_host_blocks=cfg.num_host_kv_blocks or 0))
-        # torch's ~170k start-up objects make a full GC pass ~90 ms; frozen, they are never scanned again.
+        # Start-up objects (torch's ~170k, where it is loaded) make a full GC pass slow; frozen, they are never
+        # scanned again.
         gc.freeze()
 
     def receive(self):
@@ -227,6 +231,8 @@ class ExecutorProcess:
         """A timing event on the compute stream (CUDA only): where the GPU is in the step stream."""
         if not self.cfg.device.startswith("cuda"):
             return None
+        import torch
+
         if self._stream is None:
             self._stream = torch.cuda.current_stream()  # the compute stream: looked up once, not per step
         event = torch.cuda.Event(enable_timing=True)
@@ -282,13 +288,18 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m executor_proc.main CONFIG_JSON", file=sys.stderr)
         return 2
     cfg = msgspec.json.decode(argv[0], type=ExecutorConfig)
+    # torch is imported here, not at the top: the scripted test double never needs it (~1.6 s of CPU a start).
     # One core is left to the scheduler and clients: OpenMP matmuls that share a core slow down tenfold.
     # Tensor-parallel ranks on the CPU share the rest.
-    torch.set_num_threads(cfg.threads or max(1, ((os.cpu_count() or 2) - 1) // cfg.tensor_parallel_size))
+    real = cfg.load_format != "scripted"
+    if real:
+        import torch
+
+        torch.set_num_threads(cfg.threads or max(1, ((os.cpu_count() or 2) - 1) // cfg.tensor_parallel_size))
     ex = ExecutorProcess(cfg)
     try:
         ex.setup()
-        if cfg.threads is None and cfg.device.startswith("cuda"):
+        if real and cfg.threads is None and cfg.device.startswith("cuda"):
             torch.set_num_threads(1)  # loading may use every core; serving on a GPU needs none (see ExecutorConfig)
         ex.run()
         if ex.tp is not None:
