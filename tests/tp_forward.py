@@ -1,9 +1,9 @@
 """Run the model directly as tensor-parallel ranks (gloo on the CPU) and compare its logits with one process.
 
-Tests start ``python -m tests.tp_forward RANK SIZE FORMAT MODELS OUT [ep]`` once per rank; rank 0 writes the
-logits of a fixed workload (a mixed prefill of two rows, then a decode step of both) to ``OUT`` (.npz, one
+Tests start ``python -m tests.tp_forward RANK SIZE FORMAT MODELS OUT [LAYOUTS]`` once per rank; rank 0 writes
+the logits of a fixed workload (a mixed prefill of two rows, then a decode step of both) to ``OUT`` (.npz, one
 array per model: MODELS is one path, or several joined by ``os.pathsep``, run in turn by the one group);
-``ep``: the MoE layers expert-parallel (whole experts per rank).
+LAYOUTS has a letter per model: ``t`` tensor parallel (the default), ``e`` its MoE layers expert parallel.
 :func:`logits` runs the same workload in one process (``tp=None``).
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -78,13 +79,14 @@ def run_ranks(size: int, load_format: str, model_path: str, out: str, timeout: f
 
 
 def run_ranks_each(size: int, load_format: str, model_paths: list[str], out: str,
-                   timeout: float = 300, expert_parallel: bool = False) -> list[np.ndarray]:
-    """:func:`run_ranks` for several models in turn, in one group (its processes start once): their logits."""
+                   timeout: float = 300, expert_parallel: Sequence[bool] = ()) -> list[np.ndarray]:
+    """:func:`run_ranks` for several models in turn, in one group (its processes start once): their logits;
+    ``expert_parallel[i]``: model i's MoE layers hold whole experts per rank (none when empty)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     models = os.pathsep.join(model_paths)
-    ep = ["ep"] if expert_parallel else []
+    layouts = "".join("e" if ep else "t" for ep in expert_parallel) or "t" * len(model_paths)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_forward", str(r), str(size), load_format, models,
-                               out, *ep], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               out, layouts], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
              for r in range(size)]
     try:
@@ -102,12 +104,13 @@ def run_ranks_each(size: int, load_format: str, model_paths: list[str], out: str
 
 def main(argv: list[str]) -> None:
     rank, size, load_format, models, out = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4]
-    expert_parallel = argv[5:] == ["ep"]
+    paths = models.split(os.pathsep)
+    layouts = argv[5] if len(argv) > 5 else "t" * len(paths)
     from executor_proc.parallel.group import init_group
 
     torch.set_num_threads(1)
     tp = init_group(f"file://{os.path.abspath(out)}.store", rank, size, torch.device("cpu"))
-    results = [logits(path, load_format, tp, expert_parallel) for path in models.split(os.pathsep)]
+    results = [logits(path, load_format, tp, layout == "e") for path, layout in zip(paths, layouts, strict=True)]
     if rank == 0:
         with open(out, "wb") as f:  # np.savez would add .npz to the name
             np.savez(f, *results)
