@@ -95,7 +95,7 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
         from executor_proc.parallel.group import init_group, rank_device
 
         device = resolve_device(rank_device(cfg.device, cfg.tp_rank))
-        tp = init_group(cfg.tp_init_method, cfg.tp_rank, tp_size, device)
+        tp = init_group(cfg.tp_init_method, cfg.tp_rank, tp_size, device, cfg.all_reduce)
     else:
         device = resolve_device(cfg.device)
     cuda = device.type == "cuda"

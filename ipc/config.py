@@ -16,6 +16,14 @@ Kernels = Literal["auto", "triton", "torch"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "fp8"]
 KVCacheDtype = Literal["auto", "fp8"]
+# How tensor-parallel ranks sum their partial results (executor_proc/parallel/one_shot.py): NCCL's ring, a
+# one-shot kernel over peer-to-peer buffers (small tensors, CUDA, 2, 4 or 8 ranks), or auto (one-shot below a
+# size crossover, NCCL above).
+AllReduce = Literal["nccl", "one-shot", "auto"]
+# Tensor-parallel sizes the one-shot all-reduce runs at (torch's kernel is specialised for them), and the largest
+# tensor it takes (its buffer on every rank; larger ones go to NCCL).
+ONE_SHOT_RANKS = (2, 4, 8)
+ONE_SHOT_MAX_BYTES = 2 * 1024**2
 # Steps with prefill chunks through the bucketed mixed-step runner: auto = where decode graphs are
 # captured (CUDA, Triton kernels, graphs on); on = also where it runs uncaptured (tests); off = eager.
 MixedGraphs = Literal["auto", "on", "off"]
@@ -108,6 +116,8 @@ class ExecutorConfig(_Config):
     # Mixture-of-experts layers under tensor parallelism: each rank holds whole experts, a contiguous range,
     # instead of a slice of every expert (executor_proc/parallel/sharding.py); attention stays split by heads.
     enable_expert_parallel: bool = False
+    # The ranks' all-reduce (see AllReduce above); nccl until the one-shot path is measured on the GPUs.
+    all_reduce: AllReduce = "nccl"
     # Debug: tally the tokens each MoE layer routes to each expert and print the totals at shutdown
     # (executor_proc/model/expert_counts.py); steps run without CUDA graphs.
     moe_expert_counts: bool = False
@@ -145,6 +155,7 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
     if cfg.enable_expert_parallel and tp == 1:
         raise ValueError("--enable-expert-parallel needs --tensor-parallel-size 2 or more: it spreads the experts "
                          "over the tensor-parallel ranks")
+    _check_all_reduce(cfg)
     _at_least("max_num_batched_tokens", cfg.max_num_batched_tokens, 1)
     for name in ("num_kv_blocks", "max_model_len", "threads", "cuda_graph_max_batch", "cuda_graph_max_tokens"):
         value = getattr(cfg, name)
@@ -175,6 +186,21 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
     _at_least("scripted.backup_lag_steps", cfg.scripted.backup_lag_steps, 0)
     if cfg.scripted.step_latency_s < 0:
         raise ValueError(f"scripted.step_latency_s must be >= 0, got {cfg.scripted.step_latency_s}")
+
+
+def _check_all_reduce(cfg: ExecutorConfig) -> None:
+    """``one-shot`` needs GPUs (its buffers are device memory every rank maps) and 2, 4 or 8 ranks; ``auto`` falls
+    back to NCCL (gloo on the cpu) where one-shot cannot run."""
+    if cfg.all_reduce != "one-shot":
+        return
+    if not cfg.device.startswith("cuda"):
+        raise ValueError(f"--all-reduce one-shot needs CUDA devices (peer-to-peer GPU buffers), got --device "
+                         f"{cfg.device}: on the cpu the ranks all-reduce over gloo (--all-reduce nccl or auto)")
+    tp = cfg.tensor_parallel_size
+    if tp > 1 and tp not in ONE_SHOT_RANKS:
+        sizes = f"{', '.join(map(str, ONE_SHOT_RANKS[:-1]))} or {ONE_SHOT_RANKS[-1]}"
+        raise ValueError(f"--all-reduce one-shot runs on {sizes} ranks, got --tensor-parallel-size {tp}: use "
+                         "--all-reduce nccl or auto")
 
 
 def _check_speculative(sc: SpeculativeConfig) -> None:

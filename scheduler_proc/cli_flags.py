@@ -10,9 +10,9 @@ import argparse
 import os
 from typing import get_args
 
-from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, MAX_NGRAM, MAX_SPECULATIVE_TOKENS, Dtype, ExecutorConfig,
-                        KVCacheDtype, Kernels, LoadFormat, MixedGraphs, Quantization, ScriptedOptions,
-                        SpeculativeConfig, SpeculativeMethod, default_of)
+from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, MAX_NGRAM, MAX_SPECULATIVE_TOKENS, ONE_SHOT_MAX_BYTES,
+                        AllReduce, Dtype, ExecutorConfig, KVCacheDtype, Kernels, LoadFormat, MixedGraphs,
+                        Quantization, ScriptedOptions, SpeculativeConfig, SpeculativeMethod, default_of)
 from ipc.gateway.limits import DEFAULT_MAX_REQUEST_BYTES as GATEWAY_MAX_REQUEST_BYTES
 from ipc.gateway.limits import DEFAULT_TOKENIZER_THREADS as GATEWAY_TOKENIZER_THREADS
 from scheduler_proc.config import ServerConfig
@@ -45,6 +45,13 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                         "cuda:i one GPU each, cuda:i..cuda:i+N-1, over NCCL; on the cpu N processes over gloo. N "
                         "must divide the attention heads and the MLP and expert sizes, and divide or be a multiple "
                         "of the KV heads")
+    s.add_argument("--all-reduce", default=E("all_reduce"), choices=list(get_args(AllReduce)),
+                   help="how tensor-parallel ranks sum their partial results: nccl (NCCL's ring); one-shot (cuda, "
+                        "2, 4 or 8 ranks: each rank writes its tensor into its own buffer of a set that every rank "
+                        "maps peer to peer, the ranks meet at a barrier of flags in that memory, then each sums the "
+                        "N tensors in rank order; one kernel, inside the CUDA graphs; tensors over "
+                        f"{ONE_SHOT_MAX_BYTES // 2**20} MiB go to NCCL); auto (one-shot below a size crossover, NCCL "
+                        "above, NCCL alone where one-shot cannot run). one-shot is refused on the cpu (gloo)")
     s.add_argument("--enable-expert-parallel", action="store_true", default=E("enable_expert_parallel"),
                    help="with --tensor-parallel-size N > 1 and a mixture-of-experts model (N at most its E experts): "
                         "each rank holds whole experts, a contiguous range (the first E mod N ranks one more), "

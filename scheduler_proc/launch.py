@@ -46,7 +46,7 @@ def server_config(args) -> ServerConfig:
         num_slots=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=_memory_utilization(args),
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        threads=args.executor_threads, tensor_parallel_size=args.tensor_parallel_size,
+        threads=args.executor_threads, tensor_parallel_size=args.tensor_parallel_size, all_reduce=args.all_reduce,
         enable_expert_parallel=args.enable_expert_parallel, moe_expert_counts=args.moe_expert_counts,
         # The host tier keys its blocks with the prefix cache's keys: without prefix caching it is off.
         host_kv_gib=0.0 if args.no_prefix_caching else args.host_kv_gib,

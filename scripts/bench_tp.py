@@ -17,7 +17,14 @@ shape, depth 1, ``--step-log``), then, through the SDK:
    all at once, EOS ignored.
 
 ``--big-model`` at each ``--big-sizes`` N: phases 1 and 2.  Phases are told apart in the step log by step ids
-(``ServerStats.steps`` before and after each).
+(``ServerStats.steps`` before and after each).  ``--all-reduce nccl one-shot`` starts every server of N > 1 ranks
+once per mode (``forerun serve --all-reduce``): the decode step over NCCL against the one-shot all-reduce.
+
+**allreduce** (CUDA only; on the CPU a one-line note): for each ``--ar-ranks`` N, N rank processes time one
+all-reduce of each ``--ar-bytes`` size of bfloat16 (1 KiB to 1 MiB), over NCCL and one shot
+(``executor_proc/parallel/one_shot.py``, its copy into the buffer included), launched one by one (eager) and inside
+a replayed CUDA graph (as decode steps run): a table, the size from which NCCL is as fast in a graph (the crossover
+that ``AUTO_CROSSOVER_BYTES`` should hold), and the rows in the JSON.
 
 **dp**: for each ``--dp-sizes`` N, ``forerun serve --data-parallel-size N`` (random weights of ``--dp-model``'s
 shape, one GPU a replica), then ``bench_serve.py`` with ``--dp-requests`` x ``--input-len`` in / ``--output-len``
@@ -32,6 +39,8 @@ the prefix).
 
     python3 scripts/bench_tp.py --json out.json          # every figure the GPUs present allow
     python3 scripts/bench_tp.py --dry-run --gpus 4       # the servers and commands on four GPUs
+    python3 scripts/bench_tp.py --parts allreduce,tp --sizes 2 --all-reduce nccl one-shot --requests 0 \
+        --json ar.json                                   # the crossover, and the decode step both ways
 
 On the CPU (gloo), with a tiny config, it checks that the script runs (GPU figures are then zero).
 """
@@ -41,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import shlex
@@ -58,7 +68,11 @@ from ipc.client.raw import RawConnection
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(SCRIPTS, "configs")
-PARTS = ("tp", "dp")
+PARTS = ("tp", "dp", "allreduce")
+ALL_REDUCES = ("nccl", "one-shot", "auto")  # forerun serve --all-reduce
+AR_BYTES = [1024 << i for i in range(11)]  # 1 KiB .. 1 MiB
+AR_GRAPH_CALLS = 20  # all-reduces captured in one graph
+AR_CPU_NOTE = "allreduce: skipped (the one-shot all-reduce runs on CUDA only)"
 
 
 @dataclass
@@ -71,6 +85,7 @@ class Run:
     flags: list[str]  # `forerun serve` flags, less --address
     throughput: bool  # tp: the throughput phase too
     shared_prefix: bool = False  # dp: the shared-prefix workload after the throughput
+    all_reduce: str = "nccl"  # tp: forerun serve --all-reduce
 
 
 def plan(args) -> list[Run]:
@@ -81,8 +96,9 @@ def plan(args) -> list[Run]:
         for model, sizes, throughput in ((args.model, args.sizes, args.requests > 0), (args.big_model,
                                                                                         args.big_sizes, False)):
             runs += [Run("tp", model, n, [*common, "--model", model, "--tensor-parallel-size", str(n),
-                                          "--pipeline-depth", "1", *args.server_flag], throughput)
-                     for n in sizes]
+                                          "--pipeline-depth", "1", *(["--all-reduce", mode] if n > 1 else []),
+                                          *args.server_flag], throughput, all_reduce=mode)
+                     for n in sizes for mode in (args.all_reduce if n > 1 else ["-"])]  # one rank: none
     if "dp" in args.parts:
         runs += [Run("dp", args.dp_model, n, [*common, "--model", args.dp_model, "--data-parallel-size", str(n),
                                               *args.server_flag], True, n == max(args.dp_sizes))
@@ -227,6 +243,134 @@ def measure_dp(run: Run, address: str, tmp: str, args) -> dict:
     return row
 
 
+# ------------------------------------------------------------------------------------------------ allreduce
+
+
+def time_all_reduces(rank: int, size: int, store: str, sizes: list[int], iters: int, out: str) -> None:
+    """One rank of the all-reduce timing (a process of its own, on cuda:rank): every size of bfloat16 over NCCL and
+    one shot, eager and in a graph; rank 0 writes the rows (microseconds a call) to ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    from executor_proc.parallel.group import init_group
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    group = init_group(f"file://{store}", rank, size, device, all_reduce="one-shot")
+    rows = []
+    for nbytes in sizes:
+        x = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=device)  # zeros: repeated sums stay finite
+        ways = {"nccl": lambda: dist.all_reduce(x)}
+        if group.one_shot.takes(x):
+            ways["one_shot"] = lambda: group.one_shot(x)
+        row = {"tp": size, "bytes": nbytes}
+        for name, call in ways.items():
+            row[f"{name}_eager_us"] = _eager_us(call, iters, device)
+            row[f"{name}_graph_us"] = _graph_us(call, iters, device)
+        rows.append(row)
+    torch.cuda.synchronize(device)
+    if rank == 0:
+        write_json(out, {"rows": rows})
+    group.barrier()
+    group.exit_process(0)
+
+
+def _eager_us(call, iters: int, device) -> float:
+    """One call launched after another: microseconds each (host launch included)."""
+    import torch
+
+    for _ in range(5):
+        call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    for _ in range(iters):
+        call()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def _graph_us(call, iters: int, device) -> float:
+    """AR_GRAPH_CALLS calls captured in one graph, replayed: microseconds each (no host work, as in a decode step)."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(AR_GRAPH_CALLS):
+            call()
+    graph.replay()
+    replays = max(1, iters // AR_GRAPH_CALLS)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) * 1e3 / (replays * AR_GRAPH_CALLS)
+
+
+def measure_all_reduces(size: int, args) -> list[dict]:
+    """Start ``size`` rank processes (multicast off, as a server's), wait for them, return rank 0's rows."""
+    from scheduler_proc.executor_process import NO_MULTICAST_ENV
+
+    os.environ.update(NO_MULTICAST_ENV)  # the ranks inherit it
+    tmp = tempfile.mkdtemp(prefix="frar", dir="/tmp")
+    out = os.path.join(tmp, "rows.json")
+    spawn = multiprocessing.get_context("spawn")
+    procs = [spawn.Process(target=time_all_reduces, args=(r, size, os.path.join(tmp, "store"), args.ar_bytes,
+                                                          args.ar_iters, out)) for r in range(size)]
+    try:
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + args.start_timeout
+        # A rank that fails leaves the others waiting for it: stop waiting at the first failure.
+        while any(p.is_alive() for p in procs) and not any(p.exitcode for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        codes = [proc.exitcode for proc in procs]
+        if any(code != 0 for code in codes):
+            raise RuntimeError(f"all-reduce timing at TP={size} failed: the ranks' exit codes {codes} (None: still "
+                               "running, stopped; a rank's traceback is above)")
+        with open(out) as f:
+            return json.load(f)["rows"]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def one_shot_faster_below(rows: list[dict], size: int) -> int | None:
+    """The first size (bytes) at which one shot is no faster than NCCL in a graph at ``size`` ranks (None: faster
+    at every size timed): where ``AUTO_CROSSOVER_BYTES[size]`` should be."""
+    for r in sorted((r for r in rows if r["tp"] == size), key=lambda r: r["bytes"]):
+        if r.get("one_shot_graph_us") is None or r["one_shot_graph_us"] >= r["nccl_graph_us"]:
+            return r["bytes"]
+    return None
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // 2**20} MiB" if nbytes >= 2**20 and nbytes % 2**20 == 0 else f"{nbytes / 1024:g} KiB"
+
+
+def print_all_reduces(rows: list[dict], crossovers: dict[int, int | None]) -> None:
+    print("\nall-reduce of bfloat16, microseconds a call (eager: launched one by one; graph: "
+          f"{AR_GRAPH_CALLS} in a replayed CUDA graph)")
+    print(f"{'TP':>3} {'size':>9} {'NCCL eager':>11} {'one-shot eager':>15} {'NCCL graph':>11} "
+          f"{'one-shot graph':>15} {'graph speed-up':>15}")
+    for r in rows:
+        one = r.get("one_shot_graph_us")
+        speed_up = f"{r['nccl_graph_us'] / one:.2f}x" if one else "-"
+        print(f"{r['tp']:>3} {_size(r['bytes']):>9} {r['nccl_eager_us']:>11.1f} "
+              f"{_fmt(r.get('one_shot_eager_us')):>15} {r['nccl_graph_us']:>11.1f} {_fmt(one):>15} {speed_up:>15}")
+    for size, nbytes in crossovers.items():
+        where = f"below {_size(nbytes)}" if nbytes is not None else "at every size timed"
+        print(f"TP={size}: one shot faster than NCCL in a graph {where} "
+              "(executor_proc/parallel/one_shot.py AUTO_CROSSOVER_BYTES)")
+
+
 # ------------------------------------------------------------------------------------------------ driver
 
 
@@ -238,6 +382,8 @@ def measure(run: Run, args) -> dict:
     t0 = time.monotonic()
     proc = start_server(address, *flags, timeout=args.start_timeout)
     row = {"model": os.path.basename(run.model.rstrip("/")), run.part: run.size, "start_s": time.monotonic() - t0}
+    if run.part == "tp":
+        row["all_reduce"] = run.all_reduce
     try:
         if run.part == "tp":
             figures, steps = measure_tp(run, address, tmp, args)
@@ -255,6 +401,13 @@ def measure(run: Run, args) -> dict:
 def dry_run(runs: list[Run], args) -> None:
     """Every server and command, nothing started."""
     address, out = "ipc://TMP/c.sock", "TMP/serve.json"
+    on_gpu = args.device.startswith("cuda")
+    if "allreduce" in args.parts and not on_gpu:
+        print(AR_CPU_NOTE)
+    for size in args.ar_ranks if "allreduce" in args.parts and on_gpu else []:
+        print(f"all-reduce timing at TP={size}: {size} rank processes, bfloat16 of "
+              f"{', '.join(map(_size, args.ar_bytes))}, NCCL and one shot, eager and in a graph "
+              f"({args.ar_iters} calls each)")
     for run in runs:
         step_log = ["--step-log", "TMP/steps.jsonl"] if run.part == "tp" else []
         print(f"forerun serve --address {address} --quiet {shlex.join(run.flags + step_log)}")
@@ -278,14 +431,15 @@ def _fmt(value, scale=1.0, digits=1) -> str:
 
 def print_tables(tp_rows: list[dict], dp_rows: list[dict]) -> None:
     if tp_rows:
-        print(f"\n{'model':>13} {'TP':>3} {'start s':>8} {'decode GPU us':>14} {'period us':>10} {'vs first':>8} "
-              f"{'TPOT ms':>8} {'idle %':>7} {'idle steps':>10} {'out tok/s':>10}")
+        print(f"\n{'model':>13} {'TP':>3} {'all-reduce':>10} {'start s':>8} {'decode GPU us':>14} {'period us':>10} "
+              f"{'vs first':>8} {'TPOT ms':>8} {'idle %':>7} {'idle steps':>10} {'out tok/s':>10}")
     for r in tp_rows:
         base = next((b for b in tp_rows if b["model"] == r["model"]), r)
         ratio = (r["decode_period_us_p50"] / base["decode_period_us_p50"]
                  if r["decode_period_us_p50"] and base["decode_period_us_p50"] else None)
-        print(f"{r['model']:>13} {r['tp']:>3} {r['start_s']:>8.1f} {_fmt(r['decode_gpu_us_p50']):>14} "
-              f"{_fmt(r['decode_period_us_p50']):>10} {_fmt(ratio, 100):>7}% {_fmt(r['client_tpot_ms'], 1, 2):>8} "
+        print(f"{r['model']:>13} {r['tp']:>3} {r['all_reduce']:>10} {r['start_s']:>8.1f} "
+              f"{_fmt(r['decode_gpu_us_p50']):>14} {_fmt(r['decode_period_us_p50']):>10} {_fmt(ratio, 100):>7}% "
+              f"{_fmt(r['client_tpot_ms'], 1, 2):>8} "
               f"{_fmt(r['idle_gpu_idle_fraction'], 100, 2):>7} {r['idle_steps']:>10} "
               f"{_fmt(r.get('output_tokens_per_s'), 1, 0):>10}")
     if dp_rows:
@@ -317,7 +471,8 @@ def count_gpus(args) -> int:
 def parse_args(argv=None) -> tuple[argparse.Namespace, int]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=None, metavar="LIST",
-                    help="comma-separated parts: tp, dp (default: tp, and dp with 2 or more GPUs)")
+                    help="comma-separated parts: tp, dp, allreduce (default: tp, and dp with 2 or more GPUs; "
+                         "allreduce times NCCL against the one-shot all-reduce, CUDA only)")
     ap.add_argument("--device", default="cuda", help="cuda or cpu (default: %(default)s)")
     ap.add_argument("--gpus", type=int, default=None, metavar="G",
                     help="GPUs to plan the defaults for (default: those visible: CUDA_VISIBLE_DEVICES, else "
@@ -333,6 +488,15 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, int]:
                          "Llama-3-70B shape)")
     ap.add_argument("--big-sizes", type=int, nargs="*", metavar="N", default=None,
                     help="tp: tensor-parallel sizes of --big-model (default: 4 with 4 or more GPUs, else none)")
+    ap.add_argument("--all-reduce", nargs="+", choices=ALL_REDUCES, default=["nccl"], metavar="MODE",
+                    help="tp: forerun serve --all-reduce of every server of 2 or more ranks, a server per mode "
+                         f"({', '.join(ALL_REDUCES)}; e.g. nccl one-shot) (default: nccl)")
+    ap.add_argument("--ar-ranks", type=int, nargs="+", metavar="N", default=None,
+                    help="allreduce: group sizes timed (2, 4 or 8) (default: the --sizes among them)")
+    ap.add_argument("--ar-bytes", type=int, nargs="+", metavar="B", default=AR_BYTES,
+                    help="allreduce: all-reduce sizes in bytes, bfloat16 (default: 1 KiB, 2 KiB, ... 1 MiB)")
+    ap.add_argument("--ar-iters", type=int, default=200, help="allreduce: calls timed per size and way (default: "
+                                                              "200)")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="every server's --max-num-seqs (default: 256)")
     ap.add_argument("--input-len", type=int, default=128,
                     help="prompt tokens of every request (shared-prefix prompts: after the prefix) (default: 128)")
@@ -385,7 +549,17 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, int]:
         args.big_sizes = [4] if on_gpu and gpus >= 4 else []
     parts = args.parts.split(",") if args.parts is not None else ["tp", *(["dp"] if on_gpu and gpus >= 2 else [])]
     args.parts = parts
-    for name in ("max_num_seqs", "input_len", "decode_tokens", "idle_batch", "idle_tokens", "output_len",
+    if not on_gpu and any(mode != "nccl" for mode in args.all_reduce):
+        ap.error("--all-reduce one-shot and auto need --device cuda (on the cpu the ranks all-reduce over gloo)")
+    if args.ar_ranks is None:
+        args.ar_ranks = [n for n in args.sizes if n in (2, 4, 8)]
+    if on_gpu and "allreduce" in parts and (not args.ar_ranks or max(args.ar_ranks) > gpus):
+        ap.error(f"--parts allreduce needs --ar-ranks (or --sizes) of 2, 4 or 8, at most the {gpus} GPUs visible")
+    if any(n not in (2, 4, 8) for n in args.ar_ranks):
+        ap.error("--ar-ranks takes 2, 4 or 8 (the one-shot all-reduce's group sizes)")
+    if any(b < 4 or b % 4 for b in args.ar_bytes):
+        ap.error("--ar-bytes must be positive multiples of 4")
+    for name in ("ar_iters", "max_num_seqs", "input_len", "decode_tokens", "idle_batch", "idle_tokens", "output_len",
                  "dp_requests", "client_procs", "prefixes", "prefix_len", "prefix_requests", "prefix_waves",
                  "prefix_output_len"):
         if getattr(args, name) < 1:
@@ -414,6 +588,15 @@ def main(argv=None) -> None:
     if args.dry_run:
         dry_run(runs, args)
         return
+    ar_rows, crossovers = [], {}
+    if "allreduce" in args.parts and not args.device.startswith("cuda"):
+        print(AR_CPU_NOTE)
+    elif "allreduce" in args.parts:
+        for size in args.ar_ranks:
+            rows = measure_all_reduces(size, args)
+            ar_rows += rows
+            crossovers[size] = one_shot_faster_below(rows, size)
+            print(json.dumps({"tp": size, "all_reduce_rows": rows}), flush=True)
     tp_rows, dp_rows = [], []
     for run in runs:
         row = measure(run, args)
@@ -421,9 +604,12 @@ def main(argv=None) -> None:
         print(json.dumps(row), flush=True)
     for r in dp_rows:
         r["vs_first"] = r["output_tokens_per_s"] / (dp_rows[0]["output_tokens_per_s"] or 1)
+    if ar_rows:
+        print_all_reduces(ar_rows, crossovers)
     print_tables(tp_rows, dp_rows)
     if args.json:
-        write_json(args.json, {"args": vars(args), "gpus": gpus, "rows": tp_rows, "dp_rows": dp_rows})
+        write_json(args.json, {"args": vars(args), "gpus": gpus, "rows": tp_rows, "dp_rows": dp_rows,
+                               "allreduce_rows": ar_rows, "one_shot_faster_below": crossovers})
 
 
 if __name__ == "__main__":

@@ -31,12 +31,12 @@ def _tiny_cases(model: str, out: str) -> dict[str, list[str]]:
     """script -> the arguments of its tiny CPU run (``{out}``: a JSON path the test reads back)."""
     return {  # the slowest first: they start first
         "bench_host_kv.py": ["--device", "cpu", "--model", model, "--tiny", "--mode", "prefix", "--json", out],
-        "bench_tp.py": ["--device", "cpu", "--parts", "tp,dp", "--model", model, "--sizes", "2", "--max-num-seqs", "4",
-                        "--input-len", "8", "--decode-tokens", "12", "--idle-batch", "2", "--idle-tokens", "12",
-                        "--requests", "4", "--output-len", "4", "--dp-model", model, "--dp-sizes", "1", "2",
-                        "--dp-requests", "4", "--dp-warmup", "1", "--prefixes", "2", "--prefix-len", "32",
-                        "--prefix-requests", "3", "--prefix-waves", "1", "--prefix-output-len", "2",
-                        "--server-flag=--num-kv-blocks=64", "--json", out],
+        "bench_tp.py": ["--device", "cpu", "--parts", "tp,dp,allreduce", "--model", model, "--sizes", "2",
+                        "--max-num-seqs", "4", "--input-len", "8", "--decode-tokens", "12", "--idle-batch", "2",
+                        "--idle-tokens", "12", "--requests", "4", "--output-len", "4", "--dp-model", model,
+                        "--dp-sizes", "1", "2", "--dp-requests", "4", "--dp-warmup", "1", "--prefixes", "2",
+                        "--prefix-len", "32", "--prefix-requests", "3", "--prefix-waves", "1",
+                        "--prefix-output-len", "2", "--server-flag=--num-kv-blocks=64", "--json", out],
         "bench_startup.py": ["--device", "cpu", "--model", model, "--num-slots", "4", "--cases", "off=0",
                              "--json", out],
         "bench_decode.py": ["--device", "cpu", "--models", model, "--steps", "4", "--warmup", "1", "--context", "16",
@@ -78,6 +78,7 @@ def _check_output(script: str, result: dict) -> None:
     elif script == "bench_tp.py":
         (row,) = result["rows"]
         assert row["tp"] == 2 and row["decode_steps"] >= 10 and row["decode_period_us_p50"] > 0
+        assert row["all_reduce"] == "nccl" and result["allreduce_rows"] == []  # the all-reduce timing: CUDA only
         dp1, dp2 = result["dp_rows"]
         assert (dp1["dp"], dp2["dp"]) == (1, 2) and dp1["output_tokens_per_s"] > 0 and dp2["vs_first"] > 0, result
         prefix = dp2["prefix"]  # 2 prefixes x 3 requests: the 4 after each prefix's first can find it

@@ -5,6 +5,8 @@ plans through the same code: that is what keeps the group in step without any ot
 Nothing here reads a device value on the host, so the collectives can sit inside a captured CUDA
 graph on NCCL (torch's ProcessGroupNCCL supports capture since NCCL 2.9.6; the communicator is
 created and used once eagerly in :func:`init_group`, before any capture).  Not yet run on GPUs.
+With ``--all-reduce one-shot`` or ``auto``, small all-reduces on CUDA take the one-shot path of
+:mod:`executor_proc.parallel.one_shot` instead (not yet run on GPUs either).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import datetime
 import os
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
+
+from executor_proc.parallel.one_shot import OneShotAllReduce, setup_one_shot
 
 # A rank that is gone makes gloo fail at once; a stopped one is the supervisor's hang timeout's to find.
 INIT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -29,9 +33,13 @@ class TPGroup:
     rank: int
     size: int
     backend: str
+    one_shot: Optional[OneShotAllReduce] = None  # the one-shot path (--all-reduce one-shot or auto on CUDA)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place (every rank gets the same bits); returns ``x``."""
+        """Sum ``x`` over the ranks, in place (every rank gets the same bits); returns ``x``.  One shot when it
+        is on and takes ``x`` (shape and dtype decide, alike on every rank), else NCCL or gloo."""
+        if self.one_shot is not None and self.one_shot.takes(x):
+            return self.one_shot(x)
         dist.all_reduce(x)
         return x
 
@@ -85,8 +93,10 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{(d.index or 0) + rank}"
 
 
-def init_group(init_method: str, rank: int, size: int, device: torch.device) -> TPGroup:
-    """Join the group (a ``file://`` rendezvous in the server's run directory) and warm its collectives up."""
+def init_group(init_method: str, rank: int, size: int, device: torch.device, all_reduce: str = "nccl") -> TPGroup:
+    """Join the group (a ``file://`` rendezvous in the server's run directory) and warm its collectives up;
+    ``all_reduce``: ``--all-reduce`` (on CUDA, ``one-shot`` or ``auto`` also map the one-shot path's buffers;
+    :class:`executor_proc.parallel.one_shot.OneShotRefused` where ``one-shot`` cannot run)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and torch.cuda.device_count() <= device.index:
         raise ValueError(f"tensor parallel rank {rank} needs {device}, but only {torch.cuda.device_count()} "
@@ -95,9 +105,13 @@ def init_group(init_method: str, rank: int, size: int, device: torch.device) -> 
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=INIT_TIMEOUT, **kwargs)
     group = TPGroup(rank, size, backend)
+    if backend == "nccl":
+        group.one_shot = setup_one_shot(all_reduce, rank, size, device, dist.group.WORLD.group_name)
     x = torch.ones(2, 3, device=device)
     group.all_reduce(x)
-    group.all_gather_columns(x)  # both collectives once, eagerly: nothing is first created inside a capture
+    if group.one_shot is not None:
+        dist.all_reduce(x)  # NCCL's all-reduce too (it takes what one shot does not)
+    group.all_gather_columns(x)  # every collective once, eagerly: nothing is first created inside a capture
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return group
