@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 
-from _bench_util import write_json
+from benchlib import write_json
 from ipc.config import ExecutorConfig
 from executor_proc.backends.gemv_tuning import tuner_report
 from executor_proc.build import build_worker

@@ -24,7 +24,7 @@ import time
 import torch
 
 
-from _bench_util import write_json
+from benchlib import write_json
 from ipc.config import ExecutorConfig
 from executor_proc.build import build_worker
 from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner

@@ -67,7 +67,7 @@ from typing import Any, Optional
 from ipc import protocol as p
 from ipc.client import AsyncClient
 from ipc.client.raw import RawConnection
-from _bench_util import format_table, ipc_address, percentile, start_server, stop_server, write_json
+from benchlib import format_table, ipc_address, percentile, start_server, stop_server, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("prefix", "tpot", "swap", "chat")

@@ -460,7 +460,7 @@ first.  ``--all`` prints every config's time, not only the best of each form.
     import torch
     import torch.nn.functional as F
 
-    from _bench_util import shapes_of, write_json  # noqa: E402
+    from benchlib import shapes_of, write_json  # noqa: E402
     from executor_proc.backends.gemv_tuning import _time_pass  # noqa: E402  (the tuner's graph timing)
     from kernels import gemv as skinny  # noqa: E402
 
@@ -531,7 +531,7 @@ read rate as a fraction of the device copy bandwidth measured in the same run.
 
     import torch
 
-    from _bench_util import write_json
+    from benchlib import write_json
     from executor_proc.backends.gemv_tuning import _time_pass
     from kernels.decode_attention import DecodeWorkspace, _default_config, decode_attention, default_num_splits
     from kernels.reference import decode_attention_ref
@@ -840,7 +840,7 @@ device time in ``PREFIX.txt``.
 
     import torch
 
-    from _bench_util import write_json
+    from benchlib import write_json
     from bench_decode import profile_kernels
     from executor_proc.build import build_worker
     from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner
@@ -983,7 +983,7 @@ checked bit-exact against the torch reference. ``--sweep`` also times a grid of 
 
     import triton  # noqa: E402
 
-    from _bench_util import write_json  # noqa: E402
+    from benchlib import write_json  # noqa: E402
     from kernels.transfer import TransferConfig, copy_items_ref, copy_items_triton, default_config  # noqa: E402
 
     SIZES = [2048, 16384, 65536, 1 << 20]
@@ -1291,7 +1291,7 @@ for "same as before".
 
     import torch
 
-    from _bench_util import write_json
+    from benchlib import write_json
     from executor_proc.build import build_worker
     from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner
     from ipc.config import ExecutorConfig
@@ -1414,7 +1414,7 @@ The ratios to ``decode`` are the verification's price; speculation pays when a r
 
     import torch
 
-    from _bench_util import write_json
+    from benchlib import write_json
     from executor_proc.build import build_worker
     from executor_proc.step.worker import EagerStep, GraphStep, MixedStep
     from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner

@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from _bench_util import format_table, ipc_address, write_json
+from benchlib import format_table, ipc_address, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "scripts", "configs")

@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 from ipc import protocol as p
 from ipc.client.raw import RawConnection
-from _bench_util import executor_pid, percentile, start_server, stop_server, write_json
+from benchlib import executor_pid, percentile, start_server, stop_server, write_json
 
 PROMPT = list(range(10, 18))  # 8 tokens: one prefill step for everyone, then pure decode
 BLOCK_SIZE = 16

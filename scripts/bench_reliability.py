@@ -23,7 +23,7 @@ from subprocess import Popen
 from executor_proc.testing.scripted import ScriptedRunner, expected_output
 from ipc import protocol as p
 from ipc.client.raw import RawConnection
-from _bench_util import executor_pid, format_table, ipc_address, percentile, start_server, stop_server, write_json
+from benchlib import executor_pid, format_table, ipc_address, percentile, start_server, stop_server, write_json
 
 FLOOD_DOC = """Front-door fairness and overload, against a real server with the scripted executor.
 

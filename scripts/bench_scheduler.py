@@ -42,7 +42,7 @@ from ipc import protocol as p
 from scheduler_proc.limits import Limits
 from scheduler_proc.planner import Planner
 from scheduler_proc.request import Request
-from _bench_util import percentile, write_json
+from benchlib import percentile, write_json
 
 BLOCK_SIZE = 16
 BUDGET = 2048

@@ -42,7 +42,7 @@ import msgspec
 from tqdm import tqdm
 
 from ipc.client import AsyncClient, ForerunError
-from _bench_util import (CHAT_PROMPTS, Connections, Gate, HTTPError, format_table, latency_rows, run_processes,
+from benchlib import (CHAT_PROMPTS, Connections, Gate, HTTPError, format_table, latency_rows, run_processes,
                          sse_post, summarize, write_json)
 
 # Seconds to wait for the server's answer to Hello (requests themselves have no limit by default).

@@ -35,7 +35,7 @@ from typing import Any, Optional
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [SCRIPTS, os.path.dirname(SCRIPTS)]
 
-from _bench_util import ipc_address, start_server, stop_server, write_json  # noqa: E402
+from benchlib import ipc_address, start_server, stop_server, write_json  # noqa: E402
 
 CONFIGS = os.path.join(SCRIPTS, "configs")
 PROMPTS = os.path.join(SCRIPTS, "data", "spec_prompts.jsonl")

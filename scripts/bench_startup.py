@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from _bench_util import format_table, write_json
+from benchlib import format_table, write_json
 
 RESULT = "STARTUP-RESULT "  # the line a child prints its measurements on
 

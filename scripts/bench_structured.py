@@ -38,7 +38,7 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _bench_util import format_table, gpu_idle_of, ipc_address, start_server, stop_server, write_json  # noqa: E402
+from benchlib import format_table, gpu_idle_of, ipc_address, start_server, stop_server, write_json  # noqa: E402
 
 # Schemas whose compile time is reported: the kinds of constraint agents send.
 SCHEMA_SET = {
@@ -181,7 +181,7 @@ def masks_only(args) -> dict:
     import numpy as np
     import torch
 
-    from _bench_util import summarize
+    from benchlib import summarize
     from executor_proc.step.grammar import build_grammar_slots
     from ipc.models import resolve_model
     from ipc.protocol import Admit, SlotSampling, StepPlan

@@ -62,7 +62,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from _bench_util import gpu_idle_of, lockstep_decode, percentile, start_server, stop_server, write_json
+from benchlib import gpu_idle_of, lockstep_decode, percentile, start_server, stop_server, write_json
 from ipc.client import AsyncClient
 from ipc.client.raw import RawConnection
 

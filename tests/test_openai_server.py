@@ -413,7 +413,7 @@ def scripts_path(monkeypatch):
 
 
 async def test_keep_alive_connections_carry_one_stream_after_another(http_server, scripts_path):
-    from _bench_util import Connections, HTTPError
+    from benchlib import Connections, HTTPError
 
     conns = Connections(http_server.url, API_KEY)
     await conns.open(2)

@@ -1,7 +1,7 @@
 """Helpers shared by the benchmark scripts: percentiles, summaries, tables, JSON, a server process, a
 benchmark client spread over several processes, and a lean streaming HTTP client.
 
-Scripts import it as a sibling module (``from _bench_util import ...``): Python puts the
+Scripts import it as a package beside them (``from benchlib import ...``): Python puts the
 script's own folder first on ``sys.path``.
 """
 
