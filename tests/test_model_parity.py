@@ -42,12 +42,14 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 32,  # small, so the scaling bites at head_dim 16
 }
 
+# HF's config and model classes by name: looked up when a test runs, since touching one imports its modeling
+# module (seconds of CPU that every pytest-xdist worker would pay at collection, using it or not).
 ARCHS = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(attention_bias=True, mlp_bias=True)),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1e6)),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32, tie_word_embeddings=True)),
-    "llama3_rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_parameters=LLAMA3_ROPE)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
+    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE)),
 }
 
 
@@ -58,7 +60,8 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture(scope="module", params=list(ARCHS))
 def models(request, tmp_path_factory):
     """(HF reference model, our model, our config) for one architecture."""
-    config_cls, model_cls, extra = ARCHS[request.param]
+    config_name, model_name, extra = ARCHS[request.param]
+    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
     hf_config = config_cls(**SHAPE, **extra)
     torch.manual_seed(0)
     hf = model_cls(hf_config).float().eval()
