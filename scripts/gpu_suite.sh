@@ -23,6 +23,10 @@
 #   tp             tensor and data parallelism on the GPUs present: the tests on CUDA, then bench_tp.py with its
 #                  defaults (two GPUs: 8B at TP 1 and 2, 1B replicas at DP 1 and 2 and shared prefixes at DP 2;
 #                  four: also 8B at TP 4 and the 70B shape at TP 4, which with the tests may pass 10 minutes)
+#   allreduce      (two GPUs or more) the one-shot all-reduce: its tests (against NCCL, in replayed graphs, a
+#                  TP=2 server), then one all-reduce of 1 KiB .. 1 MiB both ways and the TP=2 8B step with each
+#   moe            the MoE kernels' GPU tests, the Qwen3-30B-A3B shape at batch 1 and 64; on two GPUs tensor
+#                  against expert parallelism (TP=2 and EP=2)
 #   fp8            FP8 weights and KV cache: their GPU tests, then bf16 against FP8 decode (1B, 8B batch 1 with a
 #                  2,048-token prefill; 8B batch 64 with FP8 KV; 1B, 8 rows of 16k context, bf16 against FP8 KV)
 #   spec           speculative decoding: bench_spec.py (verification's cost, the default model with n-gram drafts,
@@ -35,7 +39,7 @@ OUT=${OUT:-/tmp/out}
 PY=${PYTHON:-python3}
 DRY=0
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
-PARTS="tests tests-kernels decode serve idle gateway prefix swap chat startup memory kernels tp fp8 spec"
+PARTS="tests tests-kernels decode serve idle gateway prefix swap chat startup memory kernels tp allreduce moe fp8 spec"
 CFG=scripts/configs
 
 run() {  # echo a command, then run it unless --dry-run; a failure is reported, the part goes on
@@ -170,6 +174,25 @@ part_kernels() {
 part_tp() {
   run timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py
   run timeout 540 $PY scripts/bench_tp.py --json "$OUT/tp.json"
+}
+
+part_allreduce() {
+  run timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_one_shot_all_reduce.py
+  run timeout 330 $PY scripts/bench_tp.py --parts allreduce,tp --sizes 2 --all-reduce nccl one-shot --requests 0 \
+      --json "$OUT/allreduce.json"
+}
+
+part_moe() {
+  run timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_moe.py
+  for b in 1 64; do
+    run timeout 90 $PY scripts/bench_decode.py --models qwen3-30b-a3b --batch $b --json "$OUT/moe_b$b.json"
+  done
+  if [ "$DRY" = 1 ] || [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    run timeout 150 $PY scripts/bench_tp.py --parts tp --model $CFG/qwen3-30b-a3b --sizes 2 --requests 0 \
+        --json "$OUT/moe_tp2.json"
+    run timeout 150 $PY scripts/bench_tp.py --parts tp --model $CFG/qwen3-30b-a3b --sizes 2 --requests 0 \
+        --server-flag=--enable-expert-parallel --json "$OUT/moe_ep2.json"
+  fi
 }
 
 part_fp8() {
