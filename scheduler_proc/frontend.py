@@ -65,6 +65,15 @@ def is_remote(address: str) -> bool:
     return host is not None and host not in LOOPBACK_HOSTS and not host.startswith("127.")
 
 
+def bind_frontend(ctx: zmq.Context, address: str, cfg, max_msg_bytes: int) -> "Frontend":
+    """The client socket of a server or a data-parallel router (``cfg``: its ServerConfig), bound before any model
+    loads so that address errors show at once; a reachable address without an API key is refused (StartupError)."""
+    if is_remote(address) and not cfg.api_key and not cfg.allow_unauthenticated:
+        raise StartupError(f"{address} is reachable from other machines and no API key is set: anyone could send "
+                           "requests; set --api-key-file (or FORERUN_API_KEY), or pass --allow-unauthenticated")
+    return Frontend(ctx, address, send_hwm=cfg.client_send_hwm, max_msg_bytes=max_msg_bytes)
+
+
 def claim_ipc_path(path: str) -> None:
     """Refuse a path a live server listens on; remove a stale socket file (connection refused)."""
     try:

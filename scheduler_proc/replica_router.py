@@ -52,7 +52,7 @@ from ipc.models import ModelSource
 from ipc.sockets import configure, ipc_address, new_run_dir
 from scheduler_proc.config import ServerConfig
 from scheduler_proc.executor_process import describe_exit
-from scheduler_proc.frontend import Frontend, StartupError, is_remote
+from scheduler_proc.frontend import Frontend, bind_frontend
 from scheduler_proc.replica import replica_config, spawn_replica
 from scheduler_proc.replica_messages import Job, Leg
 from scheduler_proc.router_clients import RouterClients, StatsAsk
@@ -154,12 +154,7 @@ class Router(RouterClients, RouterRelay):
 
     def bind(self) -> None:
         """Listen for clients (before any replica loads: address errors show at once); raises StartupError."""
-        if is_remote(self.client_address) and not self.cfg.api_key and not self.cfg.allow_unauthenticated:
-            raise StartupError(f"{self.client_address} is reachable from other machines and no API key is set: anyone "
-                               "could send requests; set --api-key-file (or FORERUN_API_KEY), or pass "
-                               "--allow-unauthenticated")
-        self.frontend = Frontend(self.ctx, self.client_address, send_hwm=self.cfg.client_send_hwm,
-                                 max_msg_bytes=TRANSPORT_MAX_MESSAGE_BYTES)
+        self.frontend = bind_frontend(self.ctx, self.client_address, self.cfg, TRANSPORT_MAX_MESSAGE_BYTES)
 
     def start_executor(self, on_progress=None) -> None:
         """Start every replica and block until each has answered Hello (and one sent the tokenizer files)."""

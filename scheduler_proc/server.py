@@ -34,7 +34,7 @@ from ipc.models import ModelSource, read_tokenizer_files
 from ipc.sockets import MAX_CLIENT_MESSAGE_BYTES, ipc_address, new_run_dir
 from scheduler_proc.client_messages import ClientMessages
 from scheduler_proc.config import ServerConfig
-from scheduler_proc.frontend import Frontend, StartupError, is_remote
+from scheduler_proc.frontend import Frontend, bind_frontend
 from scheduler_proc.limits import Limits
 from scheduler_proc.grammar import GrammarCompiler
 from scheduler_proc.outputs import load_detokenizer
@@ -82,12 +82,7 @@ class Server(ClientMessages, OutputStream):
 
     def bind(self) -> None:
         """Listen for clients (before the model loads: address errors show at once); raises StartupError."""
-        if is_remote(self.client_address) and not self.cfg.api_key and not self.cfg.allow_unauthenticated:
-            raise StartupError(f"{self.client_address} is reachable from other machines and no API key is set: anyone "
-                               "could send requests; set --api-key-file (or FORERUN_API_KEY), or pass "
-                               "--allow-unauthenticated")
-        self.frontend = Frontend(self.ctx, self.client_address, send_hwm=self.cfg.client_send_hwm,
-                                 max_msg_bytes=TRANSPORT_MAX_MESSAGE_BYTES)
+        self.frontend = bind_frontend(self.ctx, self.client_address, self.cfg, TRANSPORT_MAX_MESSAGE_BYTES)
 
     def start_executor(self, on_progress=lambda m: None) -> p.ExecutorReady:
         """Spawn the executor and block until it has loaded the model."""
