@@ -153,6 +153,7 @@ class ExecutorProcess:
         self.expert_counts = None  # --moe-expert-counts (rank 0): executor_proc.model.expert_counts
         self.last_step_id: Optional[int] = None
         self._stream = None  # the compute stream, for the step timing events
+        self._event = None  # torch.cuda.Event
         self.gc_clock = GcClock()
         self.gc_ready = 0.0  # the collector's seconds when the last plan was there to read
 
@@ -231,11 +232,11 @@ class ExecutorProcess:
         """A timing event on the compute stream (CUDA only): where the GPU is in the step stream."""
         if not self.cfg.device.startswith("cuda"):
             return None
-        import torch
+        if self._stream is None:  # looked up once, not per step (torch too: the scripted executor never loads it)
+            import torch
 
-        if self._stream is None:
-            self._stream = torch.cuda.current_stream()  # the compute stream: looked up once, not per step
-        event = torch.cuda.Event(enable_timing=True)
+            self._stream, self._event = torch.cuda.current_stream(), torch.cuda.Event
+        event = self._event(enable_timing=True)
         event.record(self._stream)
         return event
 
