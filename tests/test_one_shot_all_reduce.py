@@ -85,7 +85,8 @@ def test_one_shot_is_refused_on_the_cpu_and_at_three_ranks_in_one_line():
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_one_shot_against_nccl_eager_and_in_a_replayed_graph(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT, **NO_MULTICAST_ENV)
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)  # keeps a --target site
+    env = dict(os.environ, PYTHONPATH=path, **NO_MULTICAST_ENV)
     store = str(tmp_path / "store")
     procs = [subprocess.Popen([sys.executable, "-m", "tests.all_reduce_ranks", str(r), "2", store], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -358,7 +358,8 @@ def test_default_model_over_three_ranks_matches_one_process(model_server, server
 @pytest.mark.slow
 def test_default_model_refuses_two_ranks_at_start_up():
     tmp = _tmpdir()
-    env = dict(os.environ, PYTHONPATH=ROOT, FORERUN_RUN_DIR=tmp)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p),
+               FORERUN_RUN_DIR=tmp)
     run = subprocess.run([sys.executable, "-m", "scheduler_proc.launch", "serve", "--quiet", "--tensor-parallel-size",
                           "2", "--address", f"ipc://{tmp}/c.sock"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
