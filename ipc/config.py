@@ -17,8 +17,8 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "fp8"]
 KVCacheDtype = Literal["auto", "fp8"]
 # How tensor-parallel ranks sum their partial results (executor_proc/parallel/one_shot.py): NCCL's ring, a
-# one-shot kernel over peer-to-peer buffers (small tensors, CUDA, 2, 4 or 8 ranks), or auto (one-shot below a
-# size crossover, NCCL above).
+# one-shot kernel over peer-to-peer buffers (small tensors, CUDA, 2, 4 or 8 ranks), or auto (one-shot up to a
+# measured size, NCCL above).
 AllReduce = Literal["nccl", "one-shot", "auto"]
 # Tensor-parallel sizes the one-shot all-reduce runs at (torch's kernel is specialised for them), and the largest
 # tensor it takes (its buffer on every rank; larger ones go to NCCL).
@@ -116,8 +116,9 @@ class ExecutorConfig(_Config):
     # Mixture-of-experts layers under tensor parallelism: each rank holds whole experts, a contiguous range,
     # instead of a slice of every expert (executor_proc/parallel/sharding.py); attention stays split by heads.
     enable_expert_parallel: bool = False
-    # The ranks' all-reduce (see AllReduce above); nccl until the one-shot path is measured on the GPUs.
-    all_reduce: AllReduce = "nccl"
+    # The ranks' all-reduce (see AllReduce above): auto, one shot for the small tensors of decode steps where it
+    # can run (executor_proc/parallel/one_shot.py AUTO_MAX_BYTES), NCCL (gloo on the cpu) for the rest.
+    all_reduce: AllReduce = "auto"
     # Debug: tally the tokens each MoE layer routes to each expert and print the totals at shutdown
     # (executor_proc/model/expert_counts.py); steps run without CUDA graphs.
     moe_expert_counts: bool = False

@@ -24,7 +24,7 @@ once per mode (``forerun serve --all-reduce``): the decode step over NCCL agains
 all-reduce of each ``--ar-bytes`` size of bfloat16 (1 KiB to 1 MiB), over NCCL and one shot
 (``executor_proc/parallel/one_shot.py``, its copy into the buffer included), launched one by one (eager) and inside
 a replayed CUDA graph (as decode steps run): a table, the size from which NCCL is as fast in a graph (the crossover
-that ``AUTO_CROSSOVER_BYTES`` should hold), and the rows in the JSON.
+below which ``AUTO_MAX_BYTES`` should stay), and the rows in the JSON.
 
 **dp**: for each ``--dp-sizes`` N, ``forerun serve --data-parallel-size N`` (random weights of ``--dp-model``'s
 shape, one GPU a replica), then ``bench_serve.py`` with ``--dp-requests`` x ``--input-len`` in / ``--output-len``
@@ -85,7 +85,7 @@ class Run:
     flags: list[str]  # `forerun serve` flags, less --address
     throughput: bool  # tp: the throughput phase too
     shared_prefix: bool = False  # dp: the shared-prefix workload after the throughput
-    all_reduce: str = "nccl"  # tp: forerun serve --all-reduce
+    all_reduce: str = "auto"  # tp: forerun serve --all-reduce
 
 
 def plan(args) -> list[Run]:
@@ -344,7 +344,7 @@ def measure_all_reduces(size: int, args) -> list[dict]:
 
 def one_shot_faster_below(rows: list[dict], size: int) -> int | None:
     """The first size (bytes) at which one shot is no faster than NCCL in a graph at ``size`` ranks (None: faster
-    at every size timed): where ``AUTO_CROSSOVER_BYTES[size]`` should be."""
+    at every size timed): ``AUTO_MAX_BYTES[size]`` should stay below it."""
     for r in sorted((r for r in rows if r["tp"] == size), key=lambda r: r["bytes"]):
         if r.get("one_shot_graph_us") is None or r["one_shot_graph_us"] >= r["nccl_graph_us"]:
             return r["bytes"]
@@ -368,7 +368,7 @@ def print_all_reduces(rows: list[dict], crossovers: dict[int, int | None]) -> No
     for size, nbytes in crossovers.items():
         where = f"below {_size(nbytes)}" if nbytes is not None else "at every size timed"
         print(f"TP={size}: one shot faster than NCCL in a graph {where} "
-              "(executor_proc/parallel/one_shot.py AUTO_CROSSOVER_BYTES)")
+              "(executor_proc/parallel/one_shot.py AUTO_MAX_BYTES)")
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -488,9 +488,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, int]:
                          "Llama-3-70B shape)")
     ap.add_argument("--big-sizes", type=int, nargs="*", metavar="N", default=None,
                     help="tp: tensor-parallel sizes of --big-model (default: 4 with 4 or more GPUs, else none)")
-    ap.add_argument("--all-reduce", nargs="+", choices=ALL_REDUCES, default=["nccl"], metavar="MODE",
+    ap.add_argument("--all-reduce", nargs="+", choices=ALL_REDUCES, default=["auto"], metavar="MODE",
                     help="tp: forerun serve --all-reduce of every server of 2 or more ranks, a server per mode "
-                         f"({', '.join(ALL_REDUCES)}; e.g. nccl one-shot) (default: nccl)")
+                         f"({', '.join(ALL_REDUCES)}; e.g. nccl one-shot) (default: auto, the server's)")
     ap.add_argument("--ar-ranks", type=int, nargs="+", metavar="N", default=None,
                     help="allreduce: group sizes timed (2, 4 or 8) (default: the --sizes among them)")
     ap.add_argument("--ar-bytes", type=int, nargs="+", metavar="B", default=AR_BYTES,
@@ -549,8 +549,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, int]:
         args.big_sizes = [4] if on_gpu and gpus >= 4 else []
     parts = args.parts.split(",") if args.parts is not None else ["tp", *(["dp"] if on_gpu and gpus >= 2 else [])]
     args.parts = parts
-    if not on_gpu and any(mode != "nccl" for mode in args.all_reduce):
-        ap.error("--all-reduce one-shot and auto need --device cuda (on the cpu the ranks all-reduce over gloo)")
+    if not on_gpu and "one-shot" in args.all_reduce:
+        ap.error("--all-reduce one-shot needs --device cuda (on the cpu the ranks all-reduce over gloo)")
     if args.ar_ranks is None:
         args.ar_ranks = [n for n in args.sizes if n in (2, 4, 8)]
     if on_gpu and "allreduce" in parts and (not args.ar_ranks or max(args.ar_ranks) > gpus):

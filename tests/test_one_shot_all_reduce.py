@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from executor_proc.parallel.one_shot import AUTO_CROSSOVER_BYTES, takes_one_shot
+from executor_proc.parallel.one_shot import AUTO_MAX_BYTES, takes_one_shot
 from ipc.config import ONE_SHOT_MAX_BYTES, ONE_SHOT_RANKS
 from scheduler_proc.executor_process import NO_MULTICAST_ENV
 from tests.server_proc import ROOT, ServerProcess
@@ -39,11 +39,11 @@ def test_nccl_takes_everything_and_one_shot_takes_what_fits_its_buffer():
     assert not takes_one_shot("one-shot", 2, 0, F32)  # nothing to sum
 
 
-def test_auto_goes_one_shot_below_the_crossover_only():
-    for n, crossover in AUTO_CROSSOVER_BYTES.items():
-        assert takes_one_shot("auto", n, crossover - 4, BF16) and not takes_one_shot("auto", n, crossover, BF16)
-        assert crossover <= ONE_SHOT_MAX_BYTES
-    assert sorted(AUTO_CROSSOVER_BYTES) == sorted(ONE_SHOT_RANKS)
+def test_auto_goes_one_shot_up_to_its_size_only():
+    for n, most in AUTO_MAX_BYTES.items():
+        assert takes_one_shot("auto", n, most, BF16) and not takes_one_shot("auto", n, most + 4, BF16)
+        assert most <= ONE_SHOT_MAX_BYTES
+    assert sorted(AUTO_MAX_BYTES) == sorted(ONE_SHOT_RANKS)
 
 
 @pytest.mark.parametrize("mode", ["one-shot", "auto"])
@@ -56,11 +56,12 @@ def test_what_torchs_kernel_cannot_do_goes_to_nccl(mode):
 # --------------------------------------------------------------------------- the flag
 
 
-def test_the_flag_parses_and_defaults_to_nccl():
+def test_the_flag_parses_and_defaults_to_auto():
     from scheduler_proc.launch import build_parser, server_config
 
     parse = lambda *flags: server_config(build_parser().parse_args(["serve", *flags])).executor  # noqa: E731
-    assert parse().all_reduce == "nccl"
+    assert parse().all_reduce == "auto"  # one shot for small tensors where it can run, NCCL (gloo) for the rest
+    assert parse("-tp", "2", "--all-reduce", "nccl").all_reduce == "nccl"
     assert parse("--device", "cuda", "-tp", "2", "--all-reduce", "one-shot").all_reduce == "one-shot"
     assert parse("-tp", "2", "--all-reduce", "auto").all_reduce == "auto"  # on the cpu: gloo, as with nccl
     with pytest.raises(SystemExit):

@@ -5,8 +5,8 @@ plans through the same code: that is what keeps the group in step without any ot
 Nothing here reads a device value on the host, so the collectives can sit inside a captured CUDA
 graph on NCCL (torch's ProcessGroupNCCL supports capture since NCCL 2.9.6; the communicator is
 created and used once eagerly in :func:`init_group`, before any capture; the CUDA tensor-parallel tests
-pass on two GPUs).  With ``--all-reduce one-shot`` or ``auto``, small all-reduces on CUDA take the
-one-shot path of :mod:`executor_proc.parallel.one_shot` instead (not yet run on GPUs).
+pass on two GPUs).  Under ``--all-reduce auto`` (the default) or ``one-shot``, small all-reduces on CUDA take the
+one-shot path of :mod:`executor_proc.parallel.one_shot` instead (faster than NCCL's in graphs on H200s).
 """
 
 from __future__ import annotations

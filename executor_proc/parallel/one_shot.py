@@ -51,11 +51,13 @@ from ipc.config import ONE_SHOT_MAX_BYTES, ONE_SHOT_RANKS
 
 KiB = 1024
 MiB = 1024 * KiB
-# --all-reduce auto: one-shot below these sizes (bytes, by number of ranks), NCCL from there up.  To be measured
-# on the H200s (scripts/bench_tp.py --parts allreduce); the starting point is vLLM's choice of its one-shot
-# kernel over its two-shot one (custom_all_reduce.cuh: always at 2 ranks, below 512 KiB at 4, below 256 KiB at
-# 8), with the 2-rank figure held to the largest size the benchmark times.
-AUTO_CROSSOVER_BYTES = {2: 1 * MiB, 4: 512 * KiB, 8: 256 * KiB}
+# --all-reduce auto (the default): one-shot up to these sizes (bytes, by number of ranks), NCCL past them.  Measured
+# on H200s over NVLink (scripts/bench_tp.py --parts allreduce): inside a replayed graph one shot beats NCCL at every
+# size timed, at 2 ranks from 1 KiB to 2 MiB, the buffer's size (7.0 against 11.2 us at 1 KiB, 20.5 against 31.2
+# at 2 MiB), and at 4 from 1 KiB to 1 MiB, the largest timed there (7.4 / 14.5, 19.9 / 23.0, the gap closing).
+# 8 ranks not measured: vLLM's choice of its one-shot kernel there (custom_all_reduce.cuh: below 256 KiB).  A decode
+# row of the 8B shape all-reduces 8 KiB: batches up to 128 rows (256 at 2 ranks) go one shot, prefill chunks NCCL.
+AUTO_MAX_BYTES = {2: ONE_SHOT_MAX_BYTES, 4: 1 * MiB, 8: 256 * KiB}
 DTYPES = (torch.float32, torch.bfloat16)  # what torch's kernel is built for
 WORD = 4  # the kernel moves 4, 8 or 16 bytes a thread: a tensor must be a whole number of 4-byte words
 
@@ -66,12 +68,12 @@ class OneShotRefused(StartupRefused):
 
 def takes_one_shot(mode: str, world_size: int, nbytes: int, dtype: torch.dtype) -> bool:
     """Whether an all-reduce of ``nbytes`` of ``dtype`` over ``world_size`` ranks runs one shot under
-    ``--all-reduce mode`` (else NCCL): ``one-shot`` up to the buffer's size, ``auto`` below the crossover."""
+    ``--all-reduce mode`` (else NCCL): ``one-shot`` up to the buffer's size, ``auto`` up to :data:`AUTO_MAX_BYTES`."""
     if mode == "nccl" or world_size not in ONE_SHOT_RANKS or dtype not in DTYPES:
         return False
     if not 0 < nbytes <= ONE_SHOT_MAX_BYTES or nbytes % WORD:
         return False
-    return mode == "one-shot" or nbytes < AUTO_CROSSOVER_BYTES[world_size]
+    return mode == "one-shot" or nbytes <= AUTO_MAX_BYTES[world_size]
 
 
 class OneShotAllReduce:
