@@ -1,7 +1,9 @@
 """Real-model lifecycle at every pipeline depth: the outputs at depth 1 and 2 equal depth 0's.
 
 One workload (default model, CPU, real processes): staggered arrivals, mixed max_tokens, greedy
-and seeded sampling, stop strings, a KV pool small enough to preempt, and an abort mid-stream.
+and seeded sampling, stop strings, a KV pool small enough to preempt, and an abort mid-stream.  The arrivals are
+paced by the engine, not the clock (each request once the one before has its first token), so that the same steps
+see the same requests on a fast machine and a slow one: the pool overflows on both.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ ABORT_AFTER = 4  # tokens the aborted request streams before its abort
 
 async def _workload(address: str, prompts: list[list[int]]) -> dict:
     async with AsyncClient(address, timeout=300) as c:
+        first_token = [asyncio.Event() for _ in range(10)]
 
         async def one(i: int):
-            await asyncio.sleep(0.05 * i)  # staggered arrivals
+            if i:
+                await first_token[i - 1].wait()  # staggered arrivals
             # mixed lengths; the last stop-string request keeps room to reach its stop string
             kw = dict(max_tokens=14 if i == 9 else 6 + 4 * (i % 4), ignore_eos=i % 3 == 0)
             if i % 2:
@@ -32,7 +36,11 @@ async def _workload(address: str, prompts: list[list[int]]) -> dict:
                 kw.update(temperature=0.0)
             if i % 5 == 4:  # stop strings: matched by the scheduler, with 0..depth steps in flight
                 kw.update(stop=[",", "."])
-            r = await c.generate(prompt_token_ids=prompts[i % len(prompts)], **kw)
+            stream = c.stream(prompt_token_ids=prompts[i % len(prompts)], **kw)
+            async for _ in stream:
+                first_token[i].set()
+            first_token[i].set()  # the next one goes even if this one ended with no token
+            r = stream.result
             return ("done", r.token_ids, r.finish_reason, r.completion_tokens)
 
         async def aborted():
@@ -49,12 +57,14 @@ async def _workload(address: str, prompts: list[list[int]]) -> dict:
 
 
 def test_outputs_equal_across_depths(servers, default_model_dir, chat_prompt_ids):
-    # 14 blocks of 16 tokens hold about 3 of these requests: the rest wait or are preempted.  The three servers
-    # start together and run the workload at the same time (each executor serves on one thread).
+    # 13 blocks of 8 tokens (104: the aborted request's prompt and 60 tokens fit) hold the chat opening's shared
+    # blocks and about three of these requests: the rest wait or are preempted (1-4 times a depth, fast machine or
+    # loaded).  The three servers start together and run the workload at the same time (each executor serves on
+    # one thread).
     depths = (0, 1, 2)
     with ThreadPoolExecutor(len(depths)) as pool:
-        started = [pool.submit(servers, "--pipeline-depth", str(depth), "--num-kv-blocks", "14", "--max-num-seqs",
-                               "8", "--debug-checks") for depth in depths]
+        started = [pool.submit(servers, "--pipeline-depth", str(depth), "--num-kv-blocks", "13", "--block-size", "8",
+                               "--max-num-seqs", "8", "--debug-checks") for depth in depths]
         srvs = dict(zip(depths, [f.result() for f in started]))
 
     async def run(address: str):
