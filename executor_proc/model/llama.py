@@ -168,7 +168,7 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def fuse_projections(self) -> None:
         """q|k|v and gate|up become one matmul each; the separate linears become views of it (o and down stand
-        alone, in the same holder)."""
+        alone, in the same holder).  Before the weights load: the fused storage starts uninitialised."""
         for layer in self.model.layers:
             attn = layer.self_attn
             attn.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])

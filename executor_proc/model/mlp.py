@@ -18,14 +18,17 @@ from executor_proc.model.config import ModelConfig
 class FusedLinear:
     """Several ``nn.Linear`` of one input as one matmul (or one alone); the originals become views of its weight
     (``sizes`` splits the fused output back into the projections).  ``weight`` is what the backend receives: a
-    tensor, or an FP8 weight with its scales (:mod:`executor_proc.model.quantization`)."""
+    tensor, or an FP8 weight with its scales (:mod:`executor_proc.model.quantization`).
+
+    A model is fused as it is built, before its weights load into the views (``build_model``): the fused storage
+    is new and uninitialised, not a copy of the linears' (a copy of every weight at each start, for nothing)."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         self.linears = linears
         self.sizes = [lin.out_features for lin in linears]
-        self.weight = torch.cat([lin.weight for lin in linears]) if len(linears) > 1 else linears[0].weight.data
+        self.weight = _joined([lin.weight for lin in linears])
         has_bias = linears[0].bias is not None
-        self.bias = torch.cat([lin.bias for lin in linears]) if has_bias else None
+        self.bias = _joined([lin.bias for lin in linears]) if has_bias else None
         for lin, w, b in zip(linears, self.weight.split(self.sizes), self._bias_parts()):
             lin.weight = nn.Parameter(w, requires_grad=False)  # frees the separate copy
             if b is not None:
@@ -33,6 +36,14 @@ class FusedLinear:
 
     def _bias_parts(self) -> list[Optional[torch.Tensor]]:
         return list(self.bias.split(self.sizes)) if self.bias is not None else [None] * len(self.sizes)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Storage for ``parts`` stacked along dim 0: the one part's own, or a new uninitialised tensor."""
+    if len(parts) == 1:
+        return parts[0].data
+    first = parts[0]
+    return torch.empty((sum(p.shape[0] for p in parts), *first.shape[1:]), dtype=first.dtype, device=first.device)
 
 
 class MLP(nn.Module):
