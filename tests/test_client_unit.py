@@ -672,3 +672,29 @@ def test_bench_serve_spreads_requests_over_client_processes(serve, address, benc
     assert len({g.request_id for g in server.generates}) == len(server.generates) == 9
     with pytest.raises(SystemExit):
         bench_serve.parse_args(["--address", address, "--num-requests", "2", "--client-procs", "3"])
+
+
+def test_the_sdk_loads_the_class_autotokenizer_picks_without_importing_it(default_model_dir, tmp_path):
+    """The SDK (and the API workers) load the tokenizer class named in tokenizer_config.json directly: the same
+    class, chat template and token ids as AutoTokenizer's, without its import of torch and every model family."""
+    import transformers
+
+    from ipc.client.prompt import load_tokenizer, tokenizer_class
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+    ours = load_tokenizer(default_model_dir)
+    assert type(ours) is type(tokenizer)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo, wörld! 1 + 1?"}]
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    for special in (True, False):
+        text = "Héllo wörld, 12345\n\t<|im_start|> tabs"
+        assert ours.encode(text, add_special_tokens=special) == tokenizer.encode(text, add_special_tokens=special)
+    assert (ours.eos_token_id, ours.bos_token, ours.pad_token) == (tokenizer.eos_token_id, tokenizer.bos_token,
+                                                                   tokenizer.pad_token)
+    config = tmp_path / "tokenizer_config.json"
+    for written, want in (('{"tokenizer_class": "NoSuchTokenizer"}', transformers.AutoTokenizer),
+                          ("{}", transformers.AutoTokenizer), ("[1]", transformers.AutoTokenizer),
+                          ('{"tokenizer_class": "GPT2Tokenizer"}', transformers.GPT2TokenizerFast)):  # fast first
+        config.write_text(written)
+        assert tokenizer_class(str(tmp_path)) is want, written
