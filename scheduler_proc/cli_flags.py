@@ -50,9 +50,9 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                         "2, 4 or 8 ranks: each rank writes its tensor into its own buffer of a set that every rank "
                         "maps peer to peer, the ranks meet at a barrier of flags in that memory, then each sums the "
                         "N tensors in rank order; one kernel, inside the CUDA graphs; tensors over "
-                        f"{ONE_SHOT_MAX_BYTES // 2**20} MiB go to NCCL); auto, the default (one-shot up to the size where "
-                        "it stops beating NCCL: 2 MiB at 2 ranks, 1 MiB at 4, on H200s; NCCL above, and alone where "
-                        "one-shot cannot run). one-shot is refused on the cpu (gloo)")
+                        f"{ONE_SHOT_MAX_BYTES // 2**20} MiB go to NCCL); auto, the default (one-shot up to the size "
+                        "where it stops beating NCCL: 2 MiB at 2 ranks, 1 MiB at 4, on H200s; NCCL above, and alone "
+                        "where one-shot cannot run). one-shot is refused on the cpu (gloo)")
     s.add_argument("--enable-expert-parallel", action="store_true", default=E("enable_expert_parallel"),
                    help="with --tensor-parallel-size N > 1 and a mixture-of-experts model (N at most its E experts): "
                         "each rank holds whole experts, a contiguous range (the first E mod N ranks one more), "
