@@ -30,14 +30,15 @@ start at zero, so the pair adds nothing to its token's sum.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import os
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fused_moe", "fused_moe_small", "fused_moe_grouped", "align_by_expert", "MoEConfig",
-           "SMALL_MAX_PAIRS"]
+__all__ = ["fused_moe", "fused_moe_small", "fused_moe_grouped", "moe_up_small", "moe_down_small", "align_by_expert",
+           "grouped_config", "MoEConfig", "SmallConfig", "SMALL_MAX_PAIRS"]
 
 SMALL_MAX_PAIRS = 32  # (token, expert) pairs up to which the per-pair form runs (untuned: a first guess)
 CHUNK_TOKENS = 1024  # tokens per grouped pass: its workspace is about CHUNK_TOKENS * k * (2 I + 4 H) bytes
@@ -45,16 +46,42 @@ CHUNK_TOKENS = 1024  # tokens per grouped pass: its workspace is about CHUNK_TOK
 
 class MoEConfig(NamedTuple):
     """Tile sizes: ``block_m`` pairs per grouped program (at least 16, ``tl.dot``'s minimum), ``block_n``
-    features per program, ``block_k`` of the reduction per step."""
+    features per program, ``block_k`` of the reduction per step; ``experts_at_once``: the per-pair form's down
+    launch streams its token's k experts side by side (k times the loads in flight per program) instead of one
+    after another."""
 
     block_m: int = 64
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    experts_at_once: bool = False  # the per-pair down launch: a token's k experts in one tile, not in turn
 
 
-SMALL_CONFIG = MoEConfig(16, 32, 128, 4, 3)
+class SmallConfig(NamedTuple):
+    """The per-pair form's two launches, each its own tile (``block_m`` unused): gate|up's and down's."""
+
+    up: MoEConfig
+    down: MoEConfig
+
+
+# Narrow tiles, as the dense skinny matmul's "row" form (kernels/gemv.py): a batch-1 step has 8 pairs, and
+# gate|up of 768 features in 4-row blocks is 192 programs a pair, down's 2,048 outputs 512 programs a token.
+SMALL_CONFIG = SmallConfig(MoEConfig(1, 2, 512, 4, 6), MoEConfig(1, 1, 1024, 4, 4))
+# Under Triton's interpreter (the CPU's tests) each program is a Python loop: wide tiles keep the programs few.
+INTERPRETER_SMALL_CONFIG = SmallConfig(MoEConfig(1, 32, 128, 4, 3), MoEConfig(1, 32, 128, 4, 3))
+# The start-up tuner's candidates (executor_proc/backends/moe_tuning.py), each launch on its own: the best of an
+# H200 sweep of wider lists (`scripts/bench_kernels.py moe`, three real shapes at 1, 2 and 4 tokens).
+UP_CANDIDATES = (MoEConfig(1, 2, 512, 4, 6), MoEConfig(1, 4, 1024, 4, 3), MoEConfig(1, 8, 512, 4, 3),
+                 MoEConfig(1, 1, 2048, 4, 4), MoEConfig(1, 2, 1024, 4, 6))
+DOWN_CANDIDATES = (MoEConfig(1, 1, 1024, 4, 4), MoEConfig(1, 2, 256, 2, 4), MoEConfig(1, 4, 512, 4, 4),
+                   MoEConfig(1, 2, 512, 4, 4), MoEConfig(1, 4, 256, 4, 4),
+                   MoEConfig(1, 1, 256, 4, 4, True), MoEConfig(1, 2, 256, 4, 4, True),
+                   MoEConfig(1, 1, 512, 4, 3, True), MoEConfig(1, 4, 128, 4, 4, True))
+# Grouped-form candidates (block_m is set by the rule in fused_moe, not tuned).
+GROUPED_CANDIDATES = (MoEConfig(64, 64, 64, 4, 3), MoEConfig(64, 64, 128, 4, 3), MoEConfig(64, 128, 64, 4, 3),
+                      MoEConfig(64, 32, 128, 4, 4), MoEConfig(64, 64, 64, 4, 5), MoEConfig(64, 128, 128, 8, 3),
+                      MoEConfig(64, 32, 64, 4, 5))
 
 
 @triton.jit
@@ -111,6 +138,33 @@ def _down_small_kernel(inter_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, num_experts,
                     tl.float32) * a
             total += tl.load(wts_ptr + pair) * tl.sum(acc, axis=1)
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _down_small_wide_kernel(inter_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, num_experts, H, I, stride_im, stride_we,
+                            stride_wn, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    """:func:`_down_small_kernel` with the token's k experts side by side: rows ``j * BLOCK_N + n`` of the tile
+    are output feature ``n`` of expert ``j``, each weighted, then the k rows of a feature summed."""
+    token = tl.program_id(0)
+    offs_r = tl.arange(0, TOP_K * BLOCK_N)
+    j, n = offs_r // BLOCK_N, offs_r % BLOCK_N
+    offs_n = tl.program_id(1) * BLOCK_N + n
+    pair = token * TOP_K + j
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    row_mask = (offs_n < H) & (expert < num_experts)  # an expert held by another rank adds nothing here
+    rows = w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn
+    a_rows = inter_ptr + pair.to(tl.int64) * stride_im
+    acc = tl.zeros([TOP_K * BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = row_mask[:, None] & (offs_k < I)[None, :]
+        a = tl.load(a_rows[:, None] + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(rows[:, None] + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * a
+    weighted = tl.sum(acc, axis=1) * tl.load(wts_ptr + pair, mask=row_mask, other=0.0)
+    total = tl.sum(tl.reshape(weighted, [TOP_K, BLOCK_N]), axis=0)
+    out_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + token.to(tl.int64) * stride_om + out_n, total.to(out_ptr.dtype.element_ty), mask=out_n < H)
 
 
 @triton.jit
@@ -215,25 +269,50 @@ def _dot_prec(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    config: MoEConfig = SMALL_CONFIG) -> torch.Tensor:
-    """The per-pair form: ``[T, H]`` in x's dtype, reading only the selected experts' weights (of those held:
-    a pair whose id is E adds nothing)."""
-    _check(x, w13, w2, weights, ids)
+def moe_up_small(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """The per-pair form's first launch: ``inter [T * k, I]``, each pair's SiLU-gated features (a pair held
+    elsewhere, id E: its row is left unwritten)."""
     T, k = ids.shape
-    E, H, I = w2.shape
-    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
-    if T == 0:
-        return out
-    ids, weights = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
+    E, two_i, H = w13.shape
+    I = two_i // 2
     inter = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     bn, bk = config.block_n, config.block_k
-    launch = dict(TOP_K=k, BLOCK_N=bn, BLOCK_K=bk, num_warps=config.num_warps, num_stages=config.num_stages)
     _up_small_kernel[(T * k, triton.cdiv(I, bn))](x, w13, ids, inter, E, H, I, x.stride(0), w13.stride(0),
-                                                  w13.stride(1), inter.stride(0), **launch)
-    _down_small_kernel[(T, triton.cdiv(H, bn))](inter, w2, ids, weights, out, E, H, I, inter.stride(0),
-                                                w2.stride(0), w2.stride(1), out.stride(0), **launch)
+                                                  w13.stride(1), inter.stride(0), TOP_K=k, BLOCK_N=bn, BLOCK_K=bk,
+                                                  num_warps=config.num_warps, num_stages=config.num_stages)
+    return inter
+
+
+def moe_down_small(inter: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   config: MoEConfig, dtype: torch.dtype) -> torch.Tensor:
+    """The per-pair form's second launch: ``[T, H]``, each token's k experts' down projections weighted and
+    summed in float32, rounded once."""
+    T, k = ids.shape
+    E, H, I = w2.shape
+    out = torch.empty(T, H, dtype=dtype, device=inter.device)
+    bn, bk = config.block_n, config.block_k
+    kernel = _down_small_wide_kernel if config.experts_at_once and k & (k - 1) == 0 else _down_small_kernel
+    kernel[(T, triton.cdiv(H, bn))](inter, w2, ids, weights, out, E, H, I, inter.stride(0), w2.stride(0),
+                                    w2.stride(1), out.stride(0), TOP_K=k, BLOCK_N=bn, BLOCK_K=bk,
+                                    num_warps=config.num_warps, num_stages=config.num_stages)
     return out
+
+
+def default_small_config() -> SmallConfig:
+    """:data:`SMALL_CONFIG`, or :data:`INTERPRETER_SMALL_CONFIG` under ``TRITON_INTERPRET=1``."""
+    return INTERPRETER_SMALL_CONFIG if os.environ.get("TRITON_INTERPRET") == "1" else SMALL_CONFIG
+
+
+def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    config: Optional[SmallConfig] = None) -> torch.Tensor:
+    """The per-pair form: ``[T, H]`` in x's dtype, reading only the selected experts' weights (of those held:
+    a pair whose id is E adds nothing); ``config`` None: :func:`default_small_config`."""
+    _check(x, w13, w2, weights, ids)
+    config = config or default_small_config()
+    if ids.shape[0] == 0:
+        return torch.empty(0, w2.shape[1], dtype=x.dtype, device=x.device)
+    ids, weights = ids.contiguous(), weights.contiguous()
+    return moe_down_small(moe_up_small(x, w13, ids, config.up), w2, ids, weights, config.down, x.dtype)
 
 
 def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -265,19 +344,27 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, partial: bool = False) -> torch.Tensor:
-    """``[T, H]``: the per-pair form up to ``SMALL_MAX_PAIRS`` pairs, the grouped form above (block_m 16 while
-    an expert averages fewer than 32 pairs, else 64), ``CHUNK_TOKENS`` tokens at a time (the grouped form's
-    float32 rows per pair, ``T * k * H * 4`` bytes, stay bounded on long prefills).  A function of T's value
-    only: one plan per graph.  ``partial``: a rank's experts, ``ids`` E for a pair held elsewhere."""
+              ids: torch.Tensor, partial: bool = False, small: Optional[SmallConfig] = None,
+              grouped: Optional[MoEConfig] = None) -> torch.Tensor:
+    """``[T, H]``: the per-pair form up to ``SMALL_MAX_PAIRS`` pairs (tiles ``small``, default
+    :func:`default_small_config`), the grouped form above
+    (tiles ``grouped``, default :class:`MoEConfig`; block_m 16 while an expert averages fewer than 32 pairs,
+    else 64), ``CHUNK_TOKENS`` tokens at a time (the grouped form's float32 rows per pair, ``T * k * H * 4``
+    bytes, stay bounded on long prefills).  A function of T's value only: one plan per graph.  ``partial``: a
+    rank's experts, ``ids`` E for a pair held elsewhere."""
     T = x.shape[0]
     if T > CHUNK_TOKENS:
         out = torch.empty(T, w2.shape[1], dtype=x.dtype, device=x.device)
         for s in range(0, T, CHUNK_TOKENS):
             out[s:s + CHUNK_TOKENS] = fused_moe(x[s:s + CHUNK_TOKENS], w13, w2, weights[s:s + CHUNK_TOKENS],
-                                                ids[s:s + CHUNK_TOKENS], partial)
+                                                ids[s:s + CHUNK_TOKENS], partial, small, grouped)
         return out
     n, E = ids.numel(), w13.shape[0]
     if n <= SMALL_MAX_PAIRS:
-        return fused_moe_small(x, w13, w2, weights, ids)
-    return fused_moe_grouped(x, w13, w2, weights, ids, MoEConfig(block_m=16 if n < 32 * E else 64), partial)
+        return fused_moe_small(x, w13, w2, weights, ids, small)
+    return fused_moe_grouped(x, w13, w2, weights, ids, grouped_config(grouped or MoEConfig(), n, E), partial)
+
+
+def grouped_config(config: MoEConfig, num_pairs: int, num_experts: int) -> MoEConfig:
+    """``config`` with its ``block_m``: 16 while an expert averages fewer than 32 pairs, else 64."""
+    return config._replace(block_m=16 if num_pairs < 32 * num_experts else 64)

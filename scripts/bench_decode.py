@@ -292,9 +292,11 @@ def main(argv=None) -> int:
                  if r.get("prefill_ms") else ""))
     for r in rows:
         for shape, t in r["linear_kernels"].items():
-            base, best = ("unfused", "fused") if "unfused_ms" in t else ("cublas", "gemv")
+            base, best = next((b, f) for b, f in (("unfused", "best_fused"), ("default", "best"), ("cublas", "best_gemv"))
+                              if b + "_ms" in t)
+            chosen = "chosen" in t or (base == "default" and (t["best_ms"] or 1e9) < (t["default_ms"] or 0))
             print(f"  {r['model']} {r['quantization']} {shape:<18} {base} {t[base + '_ms'] or 0:.3f} ms  "
-                  f"best {best} {t[f'best_{best}_ms'] or 0:.3f} ms  -> {best if 'chosen' in t else base}")
+                  f"{best} {t[best + '_ms'] or 0:.3f} ms  -> {t.get('best') or best if chosen else base}")
     if args.json:
         write_json(args.json, dict(meta=meta, rows=rows))
     return 0

@@ -12,6 +12,7 @@ Usage: bench_kernels.py SUB [flags]   (SUB --help: its flags)
     python3 scripts/bench_kernels.py sampling                    # the sampler and the sampling features at batch 64
     python3 scripts/bench_kernels.py sampling-step               # a decode step's cost with logprobs and penalties
     python3 scripts/bench_kernels.py spec                        # speculative verification: K + 1 tokens a row vs 1
+    python3 scripts/bench_kernels.py moe                         # the fused MoE kernels' tiles and the routing
 
 Each sub-command's code is a function below whose body reads as a script (its own imports, constants and
 ``main``); only the one asked for is imported and run, so each keeps its own import-time settings (the
@@ -1504,7 +1505,105 @@ The ratios to ``decode`` are the verification's price; speculation pays when a r
     return main(argv) or 0
 
 
-SUBCOMMANDS = {"check": _check, "gemv": _gemv, "decode-attention": _decode_attention, "prefill-attention": _prefill_attention, "mixed-step": _mixed_step, "transfer": _transfer, "sampling": _sampling, "sampling-step": _sampling_step, "spec": _spec}
+def _moe(argv: list[str]) -> int:
+    """The fused MoE kernels' tiles on this GPU: every candidate of the start-up tuner, per model shape and size.
+
+For each MoE config (random bf16 stacks, ``--layers`` copies so that L2 holds none, a fixed random routing of
+``k`` distinct experts a token) and each token count: the routing (torch ops against the one-launch kernel),
+then, while the pairs fit the per-pair form, its gate|up and down launches with every candidate tile, else the
+grouped form's; ms of one pass over the layers (:func:`executor_proc.backends.gemv_tuning._time_pass`) and
+the bandwidth of the experts' bytes the routing touches.  Each candidate is checked against the torch
+reference first.
+
+    python3 scripts/bench_kernels.py moe [--models qwen3-30b-a3b,qwen1.5-moe-a2.7b,mixtral-8x7b] [--ms 1,2,4,64]
+                                         [--layers 8] [--json OUT]
+    """
+    sys.argv = ["bench_kernels.py moe", *argv]
+
+    import argparse
+
+    import torch
+
+    from benchlib import write_json
+    from executor_proc.backends.gemv_tuning import _time_pass
+    from executor_proc.backends.moe_tuning import Experts, _routing
+    from executor_proc.model.config import ModelConfig
+    from kernels import moe as fused
+    from kernels.moe_ref import moe_ref, route_ref
+    from kernels.moe_route import route
+
+    def main() -> None:
+        ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+        ap.add_argument("--models", default="qwen3-30b-a3b,qwen1.5-moe-a2.7b,mixtral-8x7b",
+                        help="MoE config names under scripts/configs")
+        ap.add_argument("--ms", default="1,2,4,64", help="token counts to time")
+        ap.add_argument("--layers", type=int, default=8, help="stacks per pass (each its own copy)")
+        ap.add_argument("--reps", type=int, default=7, help="graph replays per candidate (median)")
+        ap.add_argument("--json", default=None, help="write every timing to this JSON file")
+        args = ap.parse_args()
+        device = torch.device("cuda")
+        rows, table = [], []
+        for model in args.models.split(","):
+            cfg = ModelConfig.from_pretrained(os.path.join(SCRIPTS, "configs", model))
+            moe = cfg.moe
+            E, k, I, H = moe.num_experts, moe.top_k, moe.intermediate_size, cfg.hidden_size
+            layers = [Experts(torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16) / H ** 0.5,
+                              torch.randn(E, H, I, device=device, dtype=torch.bfloat16) / I ** 0.5)
+                      for _ in range(args.layers)]
+            for m in (int(v) for v in args.ms.split(",")):
+                weights, ids = _routing(m, k, E, device)
+                x = torch.randn(m, H, device=device, dtype=torch.bfloat16)
+                touched = ids.unique().numel()
+                gb_up, gb_down = [touched * n * 2 * args.layers / 1e9 for n in (2 * I * H, H * I)]
+                logits = torch.randn(m, E, device=device, dtype=torch.bfloat16)
+                times = {"route torch": _time_pass(lambda e: route_ref(logits, k, moe.renormalize), layers, args.reps),
+                         "route kernel": _time_pass(lambda e: route(logits, k, moe.renormalize), layers, args.reps)}
+                want = moe_ref(x.float(), layers[0].w13.float(), layers[0].w2.float(), weights, ids)
+                small = m * k <= fused.SMALL_MAX_PAIRS
+                if small:
+                    inter = fused.moe_up_small(x, layers[0].w13, ids, fused.SMALL_CONFIG.up)
+                    for c in fused.UP_CANDIDATES:
+                        times[("up", *c)] = _time_pass(lambda e, c=c: fused.moe_up_small(x, e.w13, ids, c), layers,
+                                                       args.reps)
+                    for c in fused.DOWN_CANDIDATES:
+                        got = fused.fused_moe_small(x, *layers[0], weights, ids, fused.SmallConfig(c, c))
+                        assert ((got.float() - want).norm() / want.norm()).item() < 2e-2, (model, m, c)
+                        times[("down", *c)] = _time_pass(
+                            lambda e, c=c: fused.moe_down_small(inter, e.w2, ids, weights, c, x.dtype), layers,
+                            args.reps)
+                else:
+                    for c in fused.GROUPED_CANDIDATES:
+                        c = fused.grouped_config(c, m * k, E)
+                        got = fused.fused_moe_grouped(x, *layers[0], weights, ids, c)
+                        assert ((got.float() - want).norm() / want.norm()).item() < 2e-2, (model, m, c)
+                        times[("grouped", *c)] = _time_pass(
+                            lambda e, c=c: fused.fused_moe_grouped(x, *e, weights, ids, c), layers, args.reps)
+                for key, t in times.items():
+                    kind = key if isinstance(key, str) else key[0]
+                    gb = {"up": gb_up, "down": gb_down, "grouped": gb_up + gb_down}.get(kind)
+                    rows.append(dict(model=model, m=m, kind=kind, config=None if isinstance(key, str) else key[1:],
+                                     ms=t, tb_s=gb / t if gb else None))
+                table.append(f"{model:<18} m={m:<4} experts touched {touched}/{E}: route torch "
+                             f"{times['route torch'] / args.layers * 1e3:.1f} us, kernel "
+                             f"{times['route kernel'] / args.layers * 1e3:.1f} us a layer")
+                for kind, gb in (("up", gb_up), ("down", gb_down)) if small else (("grouped", gb_up + gb_down),):
+                    mine = {key: t for key, t in times.items() if not isinstance(key, str) and key[0] == kind}
+                    best = min(mine, key=mine.get)
+                    default = (kind, *(fused.SMALL_CONFIG.up if kind == "up" else fused.SMALL_CONFIG.down)) \
+                        if small else ("grouped", *fused.grouped_config(fused.MoEConfig(), m * k, E))
+                    table.append(f"{'':>20}{kind:<8} best {mine[best] / args.layers * 1e3:7.1f} us a layer "
+                                 f"({gb / mine[best]:.2f} TB/s) {best[1:]}; default "
+                                 f"{mine.get(default, float('nan')) / args.layers * 1e3:.1f} us")
+            del layers
+            torch.cuda.empty_cache()
+        print("\n".join(table))
+        if args.json:
+            write_json(args.json, dict(meta=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__),
+                                       rows=rows))
+    return main() or 0
+
+
+SUBCOMMANDS = {"check": _check, "gemv": _gemv, "decode-attention": _decode_attention, "prefill-attention": _prefill_attention, "mixed-step": _mixed_step, "transfer": _transfer, "sampling": _sampling, "sampling-step": _sampling_step, "spec": _spec, "moe": _moe}
 
 
 def main(argv: list[str]) -> int:

@@ -23,8 +23,9 @@ from executor_proc.model.config import ModelConfig  # noqa: E402
 from executor_proc.model.llama import CausalLM  # noqa: E402
 from executor_proc.model.loader import load_model  # noqa: E402
 from executor_proc.model.moe import MoEBlock, checkpoint_name  # noqa: E402
-from kernels.moe import MoEConfig, align_by_expert, fused_moe_grouped, fused_moe_small  # noqa: E402
-from kernels.moe_ref import moe_ref, route_ref  # noqa: E402
+from kernels.moe import SMALL_CONFIG, MoEConfig, SmallConfig, align_by_expert, fused_moe_grouped, fused_moe_small  # noqa: E402
+from kernels.moe_route import route  # noqa: E402
+from kernels.moe_ref import moe_ref, route_held, route_ref  # noqa: E402
 from tests.test_model_parity import RTOL, SHAPE, VOCAB, PagedRun, hf_logits, random_tokens, rel_err  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,6 +115,8 @@ class FusedMoETorchBackend(TorchBackend):
     """The torch backend with the Triton backend's MoE op (the fused kernels): the rest stays torch."""
 
     batch_invariant = False
+    moe_small_choice: dict = {}  # untuned: the default tiles
+    moe_grouped_choice: dict = {}
     moe = TritonBackend.moe
 
 
@@ -153,9 +156,35 @@ def test_planted_routing():
     assert w16.dtype == torch.float32 and ids16[:2].tolist() == [[1, 3], [2, 3]]
 
 
+@pytest.mark.parametrize("tokens,experts,k,renormalize,held", [
+    (3, 128, 8, True, None), (5, 60, 4, False, None), (4, 8, 2, True, None), (6, 128, 8, True, range(64, 128)),
+    (2, 5, 2, False, range(3, 5))])
+def test_route_kernel_matches_torch(tokens, experts, k, renormalize, held):
+    """The one-launch routing (:mod:`kernels.moe_route`) against the torch ops: the same experts in the same
+    order and the same weights (float32 logits; bfloat16 logits may tie, and then the order among equals is
+    the lower id first here and unspecified in torch: the same experts and weights as sets), ids made local
+    to a holder of some experts."""
+    g = torch.Generator().manual_seed(tokens)
+    first, num_held = (held.start, len(held)) if held else (0, experts)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(tokens, experts, generator=g) * 2).to(dtype)
+        if dtype == torch.bfloat16:
+            logits[0, :2] = logits[0].max() + 1  # two equal largest: both chosen, in either order
+        ours = route(logits.to(DEV), k, renormalize, first, num_held)
+        want = route_held(logits, k, renormalize, first, num_held)
+        (w, i), (w_ref, i_ref) = [(a.cpu(), b.cpu()) for a, b in (ours, want)]
+        if dtype == torch.float32:
+            assert torch.equal(i, i_ref)
+            assert torch.allclose(w, w_ref, rtol=1e-5, atol=1e-7)
+        so, sr = i.sort(dim=1), i_ref.sort(dim=1)
+        assert torch.equal(so.values, sr.values)
+        assert torch.allclose(w.gather(1, so.indices), w_ref.gather(1, sr.indices), rtol=1e-5, atol=1e-7)
+
+
 def test_planted_experts_weighted_sum():
     """Expert e computes ``silu(g_e x) * (u_e x)`` then ``d_e``; each token's output is its two experts' outputs
-    times the planted weights, on the torch reference and the fused kernels' both forms."""
+    times the planted weights, on the torch reference and the fused kernels' both forms (the per-pair form's down
+    launch both ways: a token's experts in turn and side by side)."""
     g = torch.Generator().manual_seed(3)
     E, H, I = 4, 16, 16
     w13, w2 = torch.randn(E, 2 * I, H, generator=g) / 4, torch.randn(E, H, I, generator=g) / 4
@@ -170,7 +199,8 @@ def test_planted_experts_weighted_sum():
                         2 / 3 * expert(2, x[1]) + 1 / 3 * expert(3, x[1]),
                         0.5 * expert(ids[2, 0].item(), x[2]) + 0.5 * expert(ids[2, 1].item(), x[2])])
     on_dev = [t.to(DEV) for t in (x, w13, w2, weights, ids)]
-    for out in (moe_ref(x, w13, w2, weights, ids), fused_moe_small(*on_dev),
+    at_once = SmallConfig(MoEConfig(1, 4, 16), MoEConfig(1, 4, 16, experts_at_once=True))  # k experts side by side
+    for out in (moe_ref(x, w13, w2, weights, ids), fused_moe_small(*on_dev), fused_moe_small(*on_dev, at_once),
                 fused_moe_grouped(*on_dev, MoEConfig(16, 16, 16))):
         assert torch.allclose(out.cpu(), want, atol=1e-5), (out.cpu() - want).abs().max()
 
@@ -202,8 +232,13 @@ def test_fused_moe_matches_reference(tokens, dtype):
     want = moe_ref(x, w13, w2, weights, ids).double()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     forms = [lambda: fused_moe_grouped(x, w13, w2, weights, ids, MoEConfig(16, 32, 32))]
-    if tokens < 64 or dtype == torch.float32:  # the per-pair form's 192 programs are slow in the interpreter
-        forms.append(lambda: fused_moe_small(x, w13, w2, weights, ids, MoEConfig(16, 64, 32)))
+    if tokens < 64:  # narrow tiles: many programs, slow in the interpreter at 64 tokens
+        forms.append(lambda: fused_moe_small(x, w13, w2, weights, ids, SmallConfig(MoEConfig(1, 16, 32),
+                                                                                   MoEConfig(1, 8, 64))))
+    elif dtype == torch.float32:  # the default tiles (the interpreter's wide ones on the CPU)
+        forms.append(lambda: fused_moe_small(x, w13, w2, weights, ids))
+    if tokens == 1:  # the GPU's default tiles
+        forms.append(lambda: fused_moe_small(x, w13, w2, weights, ids, SMALL_CONFIG))
     for form in forms:
         out = form()
         assert out.dtype == dtype and out.shape == (tokens, H)
@@ -211,20 +246,20 @@ def test_fused_moe_matches_reference(tokens, dtype):
 
 
 def test_triton_backend_moe_picks_a_form_by_size():
-    """``TritonBackend.moe`` routes and runs the fused op: 4 tokens x top-2 (per pair) and 40 tokens (grouped);
-    batch-invariant, the per-pair form at 40 too."""
+    """``TritonBackend.moe`` routes and runs the fused op: 4 tokens x top-2 (per pair) and 20 tokens (grouped);
+    batch-invariant, the per-pair form at 20 too."""
     g = torch.Generator().manual_seed(1)
     E, H, I = 4, 32, 16
     w13, w2 = torch.randn(E, 2 * I, H, generator=g) / 6, torch.randn(E, H, I, generator=g) / 4
     w13, w2 = w13.to(DEV), w2.to(DEV)
-    x, logits = torch.randn(40, H, generator=g).to(DEV), torch.randn(40, E, generator=g).to(DEV)
+    x, logits = torch.randn(20, H, generator=g).to(DEV), torch.randn(20, E, generator=g).to(DEV)
     default, invariant = FusedMoETorchBackend(torch.ones(1)), FusedMoETorchBackend(torch.ones(1))
     invariant.batch_invariant = True
-    for tokens in (4, 40):
+    for tokens in (4, 20):
         ours = default.moe(x[:tokens], logits[:tokens], w13, w2, 2, True).cpu()
         want = TorchBackend.moe(x[:tokens].cpu(), logits[:tokens].cpu(), w13.cpu(), w2.cpu(), 2, True)
         assert rel_err(ours, want) < 1e-5
-    # batch-invariant: a token's output is the same bits alone and among 40 (the per-pair form at every size)
+    # batch-invariant: a token's output is the same bits alone and among 20 (the per-pair form at every size)
     alone, among = invariant.moe(x[:1], logits[:1], w13, w2, 2, True), invariant.moe(x, logits, w13, w2, 2, True)
     assert torch.equal(alone[0], among[0]) and rel_err(among.cpu(), TorchBackend.moe(
         x.cpu(), logits.cpu(), w13.cpu(), w2.cpu(), 2, True)) < 1e-5
@@ -260,6 +295,31 @@ def test_fused_moe_no_sync_and_cuda_graph(tokens, held):
         graph.replay()
         want = TorchBackend.moe(x, logits, w13, w2, k, True, held.start).float()
         assert rel_err(out.float(), want) < 1e-2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU model's kernels need the interpreter")
+def test_moe_tuner_runs_and_picks(built):
+    """The start-up tuner's MoE runs (:mod:`executor_proc.backends.moe_tuning`) on a model's stacks: per size, the
+    per-pair form's two launches while the pairs fit it, else the grouped form; every candidate gives the
+    default tiles' result; the picks land in the keys ``TritonBackend.moe`` reads, the other launch's default
+    kept."""
+    from executor_proc.backends.moe_tuning import moe_choices, moe_runs
+    from kernels import moe as fused
+
+    _, _, model, _, _ = built("mixtral")  # both layers MoE: 4 experts of 64 x 32, top-2
+    runs = moe_runs(model, [1, 32])
+    kinds = sorted({key[0] for key, *_ in runs})
+    assert kinds == ["moe_down", "moe_grouped", "moe_up"]
+    for key, (_, default), candidates, layers in runs:
+        assert len(layers) == 2 and key[1:4] == (4, 32, 64)
+        assert (key[0] == "moe_grouped") == (key[4] == 32)
+        want = default(layers[0])
+        for config, fn in candidates[:2]:  # the interpreter is slow: two of each
+            assert rel_err(fn(layers[0]).double(), want.double()) < 1e-5, (key, config)
+    up, grouped = fused.UP_CANDIDATES[1], fused.GROUPED_CANDIDATES[1]
+    small, wide = moe_choices({("moe_up", 4, 32, 64, 1): up, ("moe_grouped", 4, 32, 64, 32): grouped})
+    assert small == {(4, 32, 64, 1): fused.SmallConfig(up, fused.SMALL_CONFIG.down)}
+    assert wide == {(4, 32, 64, 32): grouped}
 
 
 def test_long_steps_run_in_chunks(monkeypatch):

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from executor_proc.backends.base import NormInput, split_heads
+from executor_proc.backends.moe_tuning import moe_choices, moe_runs
 from executor_proc.backends.triton_backend import FP8_GEMV_DEFAULT, ONE_TOKEN_KINDS
 from kernels import gemv as skinny
 from kernels.gemv_partials import sumsq_fits, sumsq_programs
@@ -84,6 +85,7 @@ def _quiet(stage: str, done: int, total: int) -> None:
 SKINNY_MARGIN = 1.02
 # The start-up's progress stages, one per tuning phase.
 SKINNY_STAGE, TILED_STAGE, FUSED_STAGE = "tuning skinny matmuls", "tuning tiled matmuls", "tuning fused kernels"
+MOE_STAGE = "tuning expert kernels"
 
 
 def tune_linears(model, ms: list[int], reps: int = 5, margin: float = SKINNY_MARGIN,
@@ -284,24 +286,35 @@ def _tune_alone(jobs: list[TuneJob], stage: str, reps: int, progress: ProgressCa
 
 def tune_all(backend, model, small: list[int], wide: list[int], progress: ProgressCallback = _quiet) -> None:
     """The start-up's tuning, into ``backend``: :func:`tune_linears` at the ``small`` batch sizes,
-    :func:`tune_matmuls` at the ``wide`` ones, then :func:`tune_prologues` at the small ones.  One compile pool
-    for all three: the first two phases' kernels are recorded up front and the fused kernels' as soon as the
-    skinny picks are known (their candidates and unfused chains depend on them), so each phase's timing
-    overlaps the compiles of what comes after it."""
+    :func:`tune_matmuls` at the ``wide`` ones, then :func:`tune_prologues` at the small ones, then the MoE
+    layers' tiles at all (:func:`moe_jobs`; none for a dense model).  One compile pool for all: the skinny,
+    tiled and MoE phases' kernels are recorded up front and the fused kernels' as soon as the skinny picks are
+    known (their candidates and unfused chains depend on them), so each phase's timing overlaps the compiles of
+    what comes after it."""
     saved = backend.prologue_everywhere
     try:
         with _compiles(progress) as ahead:
             skinny_phase, tiled_phase = TunePhase(linear_jobs(model, small), ahead), TunePhase(
                 matmul_jobs(model, wide), ahead)
             backend.gemv_choice, backend.gemv_timings = skinny_phase.pick(SKINNY_STAGE, progress)
+            moe_phase = TunePhase(moe_jobs(model, small + wide), ahead)
             fused_phase = TunePhase(prologue_jobs(backend, model, tuple(small)), ahead)
             tiled, matmul_timings = tiled_phase.pick(TILED_STAGE, progress)
             backend.matmul_choice = {key: c for key, c in tiled.items() if not isinstance(c, Fp8MatmulConfig)}
             backend.fp8_matmul_choice = {key: c for key, c in tiled.items() if isinstance(c, Fp8MatmulConfig)}
             backend.gemv_timings.update(matmul_timings)
             backend.prologue_choice, backend.prologue_timings = fused_phase.pick(FUSED_STAGE, progress)
+            moe_choice, moe_timings = moe_phase.pick(MOE_STAGE, progress)
+            backend.moe_small_choice, backend.moe_grouped_choice = moe_choices(moe_choice)
+            backend.moe_timings = moe_timings
     finally:
         backend.prologue_everywhere = saved
+
+
+def moe_jobs(model, ms: list[int]) -> list[TuneJob]:
+    """The fused MoE kernels' tiles (:mod:`executor_proc.backends.moe_tuning`): any candidate faster than the
+    default tiles wins."""
+    return [TuneJob(key, baseline, candidates, layers, 1.0) for key, baseline, candidates, layers in moe_runs(model, ms)]
 
 
 def _pick(key: tuple, baseline: tuple, candidates: list, weights: list[torch.Tensor], reps: int, margin: float,
@@ -389,4 +402,10 @@ def tuner_report(backend) -> dict:
             row["best_fused_ms"], row["best_fused"] = ms, list(what)
     for (kind, n, k, m), config in getattr(backend, "prologue_choice", {}).items():
         report.setdefault(f"{kind}+{n}x{k} m={m}", {})["chosen"] = list(config)
+    for (kind, e, i, h, m, what), ms in getattr(backend, "moe_timings", {}).items():
+        row = report.setdefault(f"{kind} E={e} I={i} H={h} m={m}", {"default_ms": None, "best_ms": None})
+        if what == "default":
+            row["default_ms"] = ms
+        elif row["best_ms"] is None or ms < row["best_ms"]:
+            row["best_ms"], row["best"] = ms, list(what)
     return report

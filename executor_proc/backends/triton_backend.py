@@ -35,10 +35,10 @@ fused kernels on their e4m3 values (widened in registers, the per-channel scales
 8 rows, and W8A8 above (:mod:`kernels.matmul_fp8`).  With ``batch_invariant`` every linear is
 :func:`kernels.matmul.invariant_matmul` (one tile shape and one split of K per weight, whatever
 the number of rows) and decode attention always uses ``INVARIANT_ATTENTION_SPLITS``, so a row's
-result does not depend on the rows beside it.  ``moe`` routes with torch ops
-(:func:`kernels.moe_ref.route_ref`) and runs :func:`kernels.moe.fused_moe`: per (token, expert) pair
+result does not depend on the rows beside it.  ``moe`` routes in one launch
+(:mod:`kernels.moe_route`) and runs :func:`kernels.moe.fused_moe`: per (token, expert) pair
 up to a few dozen pairs (at every size when batch-invariant), a grouped GEMM over the experts' blocks
-above.  The sampler is
+above, on the start-up tuner's tiles (:mod:`executor_proc.backends.moe_tuning`).  The sampler is
 :func:`kernels.sampling.sample`; penalties and logprobs are :mod:`kernels.penalties` and :mod:`kernels.logprobs`.
 """
 
@@ -66,7 +66,8 @@ from kernels.kv_write import rope_cos_sin_cache, rope_kv_write
 from kernels.logprobs import token_logprobs
 from kernels.matmul import MatmulConfig, choose_config, invariant_matmul
 from kernels.matmul_fp8 import Fp8MatmulConfig, w8a8_linear
-from kernels.moe import fused_moe, fused_moe_small
+from kernels.moe import MoEConfig, SmallConfig, fused_moe, fused_moe_small
+from kernels.moe_route import route, routes_here
 from kernels.moe_ref import route_held
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.penalties import PenaltyTables, apply_penalties, count_sampled
@@ -135,6 +136,11 @@ class TritonBackend:
         self.prologue_everywhere: Optional[dict[str, GemvConfig]] = None
         self.prologue_timings: dict = {}
         self.gemv_timings: dict = {}  # what the tuner measured (benchmarks report it)
+        # MoE layers' tiles, (E, I, H, m_bucket) -> per-pair form's SmallConfig / grouped form's MoEConfig;
+        # absent: the defaults (executor_proc/backends/moe_tuning.py)
+        self.moe_small_choice: dict[tuple[int, int, int, int], SmallConfig] = {}
+        self.moe_grouped_choice: dict[tuple[int, int, int, int], MoEConfig] = {}
+        self.moe_timings: dict = {}
         self.batch_invariant = batch_invariant
         # Batch-invariant mode: one attention split count for every batch; each weight's kernel, by shape.
         self.invariant_splits = min(INVARIANT_ATTENTION_SPLITS, self.workspace.max_splits)
@@ -147,6 +153,7 @@ class TritonBackend:
         """Take ``other``'s tuned kernel choices (tests compare two workers on the same kernels)."""
         self.gemv_choice, self.prologue_choice = other.gemv_choice, other.prologue_choice
         self.matmul_choice, self.fp8_matmul_choice = other.matmul_choice, other.fp8_matmul_choice
+        self.moe_small_choice, self.moe_grouped_choice = other.moe_small_choice, other.moe_grouped_choice
 
     def plan(self, batch: ForwardBatch) -> TritonPlan:
         if batch.prefill_tiles is not None:
@@ -312,13 +319,20 @@ class TritonBackend:
 
     def moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
             renormalize: bool, first_expert: int = 0) -> torch.Tensor:
-        """Batch-invariant: the per-pair form at every size (each pair and each token's sum computed alone, in
-        one order, whatever else the step holds)."""
-        held = w13.shape[0]
-        weights, ids = route_held(router_logits, top_k, renormalize, first_expert, held)
+        """Routing in one launch (:mod:`kernels.moe_route`, where it takes the config), then the fused experts with
+        the tuner's tiles for this stack and size.  Batch-invariant: the per-pair form at every size, on the
+        default tiles (each pair and each token's sum computed alone, in one order, whatever else the step
+        holds)."""
+        held, num_experts = w13.shape[0], router_logits.shape[-1]
+        if routes_here(num_experts, top_k):
+            weights, ids = route(router_logits, top_k, renormalize, first_expert, held)
+        else:
+            weights, ids = route_held(router_logits, top_k, renormalize, first_expert, held)
         if self.batch_invariant:
             return fused_moe_small(x.contiguous(), w13, w2, weights, ids)
-        return fused_moe(x.contiguous(), w13, w2, weights, ids, partial=held < router_logits.shape[-1])
+        key = (held, w2.shape[2], w2.shape[1], m_bucket(x.shape[0]))
+        return fused_moe(x.contiguous(), w13, w2, weights, ids, partial=held < num_experts,
+                         small=self.moe_small_choice.get(key), grouped=self.moe_grouped_choice.get(key))
 
     def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         config = self._fused_config("silu", gate_up, weight)
