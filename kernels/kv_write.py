@@ -12,7 +12,8 @@ Rotary is the neox / HF-Llama "rotate half" form on the full head dim:
 output dtype once.
 
 One program per token: it reads all heads of the token's q, k and v (``[heads, D/2]``
-tiles) so every access is a contiguous head-dim run.
+tiles) so every access is a contiguous head-dim run.  Models with per-head q and k norms (Qwen3) have them
+applied here too, before the rotation (``qk_norm``), rounded as the unfused norm rounds.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ def _rope_kv_write_kernel(
     stride_qot, stride_qoh,
     stride_kcb, stride_kct, stride_kch,
     stride_vcb, stride_vct, stride_vch,
-    stride_cs, k_inv, v_inv,
+    stride_cs, k_inv, v_inv, qw_ptr, kw_ptr, eps,
     H: tl.constexpr, H_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    ROPE: tl.constexpr, USE_PDL: tl.constexpr = False,
+    ROPE: tl.constexpr, QK_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
@@ -55,6 +56,8 @@ def _rope_kv_write_kernel(
     k1 = tl.load(k_lo, mask=kv_mask, other=0.0)
     k2 = tl.load(k_lo + HALF, mask=kv_mask, other=0.0)
     pdl_launch(USE_PDL)  # the attention after it may start its prologue
+    if QK_NORM:
+        k1, k2 = _head_norm(k1, k2, kw_ptr, offs_d, d_mask, eps, HALF)
 
     if ROPE:
         pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -63,8 +66,12 @@ def _rope_kv_write_kernel(
         offs_h = tl.arange(0, H_PAD)
         q_mask = (offs_h < H)[:, None] & d_mask[None, :]
         q_lo = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-        q1 = tl.load(q_lo, mask=q_mask, other=0.0).to(tl.float32)
-        q2 = tl.load(q_lo + HALF, mask=q_mask, other=0.0).to(tl.float32)
+        q1 = tl.load(q_lo, mask=q_mask, other=0.0)
+        q2 = tl.load(q_lo + HALF, mask=q_mask, other=0.0)
+        if QK_NORM:
+            q1, q2 = _head_norm(q1, q2, qw_ptr, offs_d, d_mask, eps, HALF)
+        q1 = q1.to(tl.float32)
+        q2 = q2.to(tl.float32)
         qo_lo = qo_ptr + t * stride_qot + offs_h[:, None] * stride_qoh + offs_d[None, :]
         tl.store(qo_lo, (q1 * cos - q2 * sin).to(qo_ptr.dtype.element_ty), mask=q_mask)
         tl.store(qo_lo + HALF, (q2 * cos + q1 * sin).to(qo_ptr.dtype.element_ty), mask=q_mask)
@@ -84,6 +91,21 @@ def _rope_kv_write_kernel(
         tl.store(kc + HALF, to_cache(k2, kc_ptr, k_inv), mask=kv_mask)
         tl.store(vc, to_cache(v1, vc_ptr, v_inv), mask=kv_mask)
         tl.store(vc + HALF, to_cache(v2, vc_ptr, v_inv), mask=kv_mask)
+
+
+@triton.jit
+def _head_norm(x1, x2, w_ptr, offs_d, d_mask, eps, HALF: tl.constexpr):
+    """Each head's RMSNorm (Qwen3's q and k norms) on its two halves ``[heads, HALF]``, rounded as
+    :func:`kernels.reference.rms_norm_ref` rounds: the normalised value to x's dtype, then times the weight."""
+    dt = x1.dtype
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    var = (tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / (2 * HALF)
+    rstd = (1.0 / tl.sqrt(var + eps))[:, None]
+    w1 = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0)[None, :].to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + offs_d, mask=d_mask, other=0.0)[None, :].to(tl.float32)
+    y1 = (x1f * rstd).to(dt).to(tl.float32)
+    y2 = (x2f * rstd).to(dt).to(tl.float32)
+    return (w1 * y1).to(dt), (w2 * y2).to(dt)
 
 
 @triton.jit
@@ -109,7 +131,8 @@ def _check_cache(k, v, k_cache, v_cache, kv_index):
     return T, Hkv, D, bs
 
 
-def _launch(q, k, v, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, rope, kv_scale=(1.0, 1.0)):
+def _launch(q, k, v, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, rope, kv_scale=(1.0, 1.0),
+            qk_norm=None):
     T, Hkv, D, bs = _check_cache(k, v, k_cache, v_cache, kv_index)
     if T == 0:
         return
@@ -121,9 +144,9 @@ def _launch(q, k, v, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache
         q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        cos_sin_cache.stride(0), *inverse_scales(kv_scale),
+        cos_sin_cache.stride(0), *inverse_scales(kv_scale), *(qk_norm or (k, k, 0.0)),
         H=H, H_PAD=triton.next_power_of_2(H), HKV=Hkv, HKV_PAD=triton.next_power_of_2(Hkv),
-        HALF=half, HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=bs, ROPE=rope,
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=bs, ROPE=rope, QK_NORM=qk_norm is not None,
         num_warps=4 if (H * D) >= 2048 else 2, **pdl_args(k),
     )
 
@@ -141,9 +164,11 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   kv_index: torch.Tensor, *, q_out: Optional[torch.Tensor] = None,
-                  kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                  kv_scale: tuple[float, float] = (1.0, 1.0),
+                  qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
     """Rotate q and k at ``positions``, write rotated k and v into the cache; return rotated q.
-    ``kv_scale``: an FP8 cache's (K, V) scales (stored = value / scale).
+    ``kv_scale``: an FP8 cache's (K, V) scales (stored = value / scale).  ``qk_norm``: ``(q weight [D], k weight
+    [D], eps)``: each head of q and k RMS-normalised first (Qwen3), in the same launch.
 
     q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (last dim contiguous; views of a fused QKV
     output are fine), positions ``[T]`` int, cos_sin_cache ``[max_pos, D]`` float32.
@@ -158,5 +183,7 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     if q_out is None:
         q_out = torch.empty_like(q)
     assert q_out.shape == q.shape and q_out.stride(2) == 1
-    _launch(q, k, v, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, True, kv_scale)
+    if qk_norm is not None:
+        assert qk_norm[0].shape == (D,) and qk_norm[1].shape == (D,)
+    _launch(q, k, v, q_out, k_cache, v_cache, kv_index, positions, cos_sin_cache, True, kv_scale, qk_norm)
     return q_out

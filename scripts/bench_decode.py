@@ -292,8 +292,8 @@ def main(argv=None) -> int:
                  if r.get("prefill_ms") else ""))
     for r in rows:
         for shape, t in r["linear_kernels"].items():
-            base, best = next((b, f) for b, f in (("unfused", "best_fused"), ("default", "best"), ("cublas", "best_gemv"))
-                              if b + "_ms" in t)
+            forms = (("unfused", "best_fused"), ("default", "best"), ("cublas", "best_gemv"))
+            base, best = next((b, f) for b, f in forms if b + "_ms" in t)
             chosen = "chosen" in t or (base == "default" and (t["best_ms"] or 1e9) < (t["default_ms"] or 0))
             print(f"  {r['model']} {r['quantization']} {shape:<18} {base} {t[base + '_ms'] or 0:.3f} ms  "
                   f"{best} {t[best + '_ms'] or 0:.3f} ms  -> {t.get('best') or best if chosen else base}")

@@ -183,7 +183,16 @@ def test_rope_kv_write(dtype):
     q_ref = R.rope_kv_write_ref(q, k, v, pos, cs, kc2, vc2, kv_index)
     assert rel_err(q_out, q_ref) < tol(dtype)
     assert rel_err(kc, kc2) < tol(dtype) and torch.equal(vc, vc2)
+    # with Qwen3's per-head q and k norms first (the same launch), against the norms one by one
+    qw, kw = [(1 + 0.1 * torch.randn(D, generator=g)).to(dtype).to(DEV) for _ in range(2)]
+    kc3, vc3 = kc.clone(), vc.clone()
+    q_normed = rope_kv_write(q, k, v, pos, cs, kc, vc, kv_index, qk_norm=(qw, kw, 1e-6))
+    q_ref = R.rope_kv_write_ref(R.rms_norm_ref(q, qw, 1e-6), R.rms_norm_ref(k, kw, 1e-6), v, pos, cs, kc3, vc3,
+                                kv_index)
+    assert rel_err(q_normed, q_ref) < tol(dtype)
+    assert rel_err(kc, kc3) < tol(dtype) and torch.equal(vc, vc3)
     # in place on the fused buffer
+    q_ref = R.rope_kv_write_ref(q, k, v, pos, cs, kc2, vc2, kv_index)
     q_ip = rope_kv_write(q, k, v, pos, cs, kc, vc, kv_index, q_out=q)
     assert q_ip.data_ptr() == q.data_ptr() and rel_err(q, q_ref) < tol(dtype)
 

@@ -23,7 +23,8 @@ from executor_proc.model.config import ModelConfig  # noqa: E402
 from executor_proc.model.llama import CausalLM  # noqa: E402
 from executor_proc.model.loader import load_model  # noqa: E402
 from executor_proc.model.moe import MoEBlock, checkpoint_name  # noqa: E402
-from kernels.moe import SMALL_CONFIG, MoEConfig, SmallConfig, align_by_expert, fused_moe_grouped, fused_moe_small  # noqa: E402
+from kernels.moe import (SMALL_CONFIG, MoEConfig, SmallConfig, align_by_expert, fused_moe_grouped,  # noqa: E402
+                         fused_moe_small)
 from kernels.moe_route import route  # noqa: E402
 from kernels.moe_ref import moe_ref, route_held, route_ref  # noqa: E402
 from tests.test_model_parity import RTOL, SHAPE, VOCAB, PagedRun, hf_logits, random_tokens, rel_err  # noqa: E402

@@ -4,8 +4,8 @@ A backend is everything a step launches besides the model's own weights:
 
 - attention: ``plan(batch)`` once per step (views and host numbers only, no device
   reads, so a plan is the same inside and outside a CUDA graph), then per layer
-  ``rotate_and_store`` (rotary on q and k, k and v into the paged cache; returns
-  the rotated q) and ``attend``, each with the layer's ``kv_scale`` for an FP8 cache;
+  ``rotate_and_store`` (rotary on q and k, after their per-head norms where the model has them, k and v into
+  the paged cache; returns the rotated q) and ``attend``, each with the layer's ``kv_scale`` for an FP8 cache;
 - decode rows: ``decode_rows`` (a graph decode step's per-row inputs from the slot
   tables: input tokens, KV write indices, block tables; :mod:`kernels.decode_rows`);
 - ops: ``linear``, ``rms_norm``, ``add_rms_norm`` (residual add fused into the
@@ -48,6 +48,7 @@ PlanT = TypeVar("PlanT")
 # An FP8 KV cache layer's (K, V) scales (stored = value / scale): executor_proc/model/kv_scales.py
 KVScale = tuple[float, float]
 NO_SCALE: KVScale = (1.0, 1.0)
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]  # per-head q and k RMSNorm weights [D] and eps (Qwen3)
 
 
 @dataclass
@@ -172,7 +173,8 @@ class Backend(Protocol[PlanT]):
                     block_size: int) -> DecodeRows: ...
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, plan: PlanT, kv_scale: KVScale = NO_SCALE) -> torch.Tensor: ...
+                         v_cache: torch.Tensor, plan: PlanT, kv_scale: KVScale = NO_SCALE,
+                         qk_norm: Optional[QKNorm] = None) -> torch.Tensor: ...
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PlanT,
                scale: float, kv_scale: KVScale = NO_SCALE) -> torch.Tensor: ...

@@ -314,7 +314,8 @@ def tune_all(backend, model, small: list[int], wide: list[int], progress: Progre
 def moe_jobs(model, ms: list[int]) -> list[TuneJob]:
     """The fused MoE kernels' tiles (:mod:`executor_proc.backends.moe_tuning`): any candidate faster than the
     default tiles wins."""
-    return [TuneJob(key, baseline, candidates, layers, 1.0) for key, baseline, candidates, layers in moe_runs(model, ms)]
+    return [TuneJob(key, baseline, candidates, layers, 1.0)
+            for key, baseline, candidates, layers in moe_runs(model, ms)]
 
 
 def _pick(key: tuple, baseline: tuple, candidates: list, weights: list[torch.Tensor], reps: int, margin: float,

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import (NO_SCALE, KVScale, NormInput, SamplingRows, Stream, argmax_store,
+from executor_proc.backends.base import (NO_SCALE, KVScale, NormInput, QKNorm, SamplingRows, Stream, argmax_store,
                                          unfused_mlp, unfused_norm_linear, unfused_project_out,
                                          unfused_qkv_rotate_store)
 from executor_proc.step.batch import ForwardBatch
@@ -168,7 +168,10 @@ class TorchBackend:
         return TorchPlan(plan_attention(batch), ops.rope_cos_sin(batch.positions, self.inv_freq), batch.kv_index[:n])
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, plan: TorchPlan, kv_scale: KVScale = NO_SCALE) -> torch.Tensor:
+                         v_cache: torch.Tensor, plan: TorchPlan, kv_scale: KVScale = NO_SCALE,
+                         qk_norm: Optional[QKNorm] = None) -> torch.Tensor:
+        if qk_norm is not None:
+            q, k = ops.rms_norm_ref(q, qk_norm[0], qk_norm[2]), ops.rms_norm_ref(k, qk_norm[1], qk_norm[2])
         n = plan.kv_index.shape[0]  # padded tokens write no KV
         ops.kv_store(ops.apply_rope(k[:n], plan.cos_sin[:n]), v[:n], k_cache, v_cache, plan.kv_index, kv_scale)
         return ops.apply_rope(q, plan.cos_sin)

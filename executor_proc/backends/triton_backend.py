@@ -50,8 +50,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import (NO_SCALE, KVScale, NormInput, SamplingRows, Stream, argmax_store, normed,
-                                         unfused_norm_linear, unfused_project_out, unfused_qkv_rotate_store,
+from executor_proc.backends.base import (NO_SCALE, KVScale, NormInput, QKNorm, SamplingRows, Stream, argmax_store,
+                                         normed, unfused_norm_linear, unfused_project_out, unfused_qkv_rotate_store,
                                          unfused_silu_linear)
 from executor_proc.step.batch import ForwardBatch
 from kernels import argmax, gemv as skinny
@@ -185,9 +185,10 @@ class TritonBackend:
         return default_num_splits(rows, self.num_kv_heads, self.device, self.workspace.max_splits, self.head_dim)
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, plan: TritonPlan, kv_scale: KVScale = NO_SCALE) -> torch.Tensor:
+                         v_cache: torch.Tensor, plan: TritonPlan, kv_scale: KVScale = NO_SCALE,
+                         qk_norm: Optional[QKNorm] = None) -> torch.Tensor:
         return rope_kv_write(q, k, v, plan.positions, self.cos_sin, k_cache, v_cache, plan.kv_index, q_out=q,
-                             kv_scale=kv_scale)
+                             kv_scale=kv_scale, qk_norm=qk_norm)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonPlan,
                scale: float, kv_scale: KVScale = NO_SCALE) -> torch.Tensor:

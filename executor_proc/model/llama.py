@@ -105,7 +105,8 @@ class Attention(nn.Module):
         else:  # q/k norms sit between the matmul and the rotary
             qkv, residual = backend.norm_linear(pre, self.qkv.weight, self.qkv.bias)
             q, k, v = split_heads(qkv, self.num_kv_heads, self.head_dim)
-            q = backend.rotate_and_store(self.q_norm(q), self.k_norm(k), v, k_cache, v_cache, step.plan, kv_scale)
+            q = backend.rotate_and_store(q, k, v, k_cache, v_cache, step.plan, kv_scale,
+                                         (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
         out = backend.attend(q, k_cache, v_cache, step.plan, self.scale, kv_scale)
         return backend.project_out(out.view(t, self.num_heads * self.head_dim), self.o.weight, self.o.bias, residual)
 
