@@ -63,6 +63,7 @@ for _sig in (ROW_SIG, ROWS_SIG, DOT_SIG, QKV_SIG, QKV_ROWS_SIG):
     _sig["ws_ptr"] = "*fp32"
 for _sig in (QKV_SIG, QKV_ROWS_SIG, ROPE_SIG):
     _sig.update(k_inv="fp32", v_inv="fp32")
+ROPE_SIG.update(qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32")  # Qwen3's per-head q and k norm weights
 DECODE_SIG["v_scale"] = "fp32"
 # Kernels launched with PDL that wait before their first load (no weight prefetch to check).
 NO_PREFETCH = (decode_attention._split_kernel, matmul._matmul_kernel, activation._silu_and_mul_kernel,
@@ -129,7 +130,8 @@ def variants():
         yield f"matmul {tuple(cfg)}", matmul._matmul_kernel, MATMUL_SIG, consts, (None, None, None, cfg.num_warps,
                                                                                  cfg.num_stages)
     yield "silu_and_mul", activation._silu_and_mul_kernel, SILU_SIG, dict(BLOCK=2048, USE_PDL=True), (None,) * 3 + (4, 1)
-    consts = dict(H=32, H_PAD=32, HKV=8, HKV_PAD=8, HALF=64, HALF_PAD=64, BLOCK_SIZE=16, ROPE=True, USE_PDL=True)
+    consts = dict(H=32, H_PAD=32, HKV=8, HKV_PAD=8, HALF=64, HALF_PAD=64, BLOCK_SIZE=16, ROPE=True, QK_NORM=True,
+                  USE_PDL=True)
     yield "rope_kv_write D=128", kv_write._rope_kv_write_kernel, ROPE_SIG, consts, (None,) * 3 + (4, 1)
 
 
