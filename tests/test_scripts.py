@@ -19,7 +19,7 @@ from tests.server_proc import ROOT
 SCRIPTS = os.path.join(ROOT, "scripts")
 PY_SCRIPTS = sorted(f for f in os.listdir(SCRIPTS) if f.endswith(".py") and not f.startswith("_"))
 SUBCOMMANDS = {"bench_kernels.py": ["check", "gemv", "decode-attention", "prefill-attention", "mixed-step",
-                                    "transfer", "sampling", "sampling-step", "spec"],
+                                    "transfer", "sampling", "sampling-step", "spec", "moe"],
                "bench_reliability.py": ["flood", "restart"]}
 # Scripts whose CPU run lives in another test file.
 COVERED_ELSEWHERE = {"bench_memory.py": "tests/test_bench_memory.py",
