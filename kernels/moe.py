@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_launch, pdl_wait
+
 __all__ = ["fused_moe", "fused_moe_small", "fused_moe_grouped", "moe_up_small", "moe_down_small", "align_by_expert",
            "grouped_config", "MoEConfig", "SmallConfig", "SMALL_MAX_PAIRS"]
 
@@ -94,8 +96,10 @@ def _silu_mul(g, u, out_ptr):
 
 @triton.jit
 def _up_small_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, num_experts, H, I, stride_xm, stride_we, stride_wn,
-                     stride_im, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     stride_im, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
     pair = tl.program_id(0)
+    pdl_wait(USE_PDL)  # the routing before it wrote the ids
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     if expert < num_experts:  # else held by another rank: its row of inter is never read
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,17 +116,20 @@ def _up_small_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, num_experts, H, I, stride
             w_mask = n_mask[:, None] & k_mask[None, :]
             acc_g += tl.load(gate_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x
             acc_u += tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x
+        pdl_launch(USE_PDL)
         y = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), inter_ptr)
         tl.store(inter_ptr + pair.to(tl.int64) * stride_im + offs_n, y, mask=n_mask)
 
 
 @triton.jit
 def _down_small_kernel(inter_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, num_experts, H, I, stride_im, stride_we,
-                       stride_wn, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       stride_wn, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     total = tl.zeros([BLOCK_N], tl.float32)
+    pdl_wait(USE_PDL)  # gate|up before it wrote inter
     for j in range(TOP_K):  # the token's experts in routing order
         pair = token * TOP_K + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -137,13 +144,14 @@ def _down_small_kernel(inter_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, num_experts,
                 acc += tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(
                     tl.float32) * a
             total += tl.load(wts_ptr + pair) * tl.sum(acc, axis=1)
+    pdl_launch(USE_PDL)
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
 def _down_small_wide_kernel(inter_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, num_experts, H, I, stride_im, stride_we,
                             stride_wn, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+                            BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     """:func:`_down_small_kernel` with the token's k experts side by side: rows ``j * BLOCK_N + n`` of the tile
     are output feature ``n`` of expert ``j``, each weighted, then the k rows of a feature summed."""
     token = tl.program_id(0)
@@ -151,6 +159,7 @@ def _down_small_wide_kernel(inter_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, num_exp
     j, n = offs_r // BLOCK_N, offs_r % BLOCK_N
     offs_n = tl.program_id(1) * BLOCK_N + n
     pair = token * TOP_K + j
+    pdl_wait(USE_PDL)  # gate|up before it wrote inter (and the routing the ids)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     row_mask = (offs_n < H) & (expert < num_experts)  # an expert held by another rank adds nothing here
     rows = w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn
@@ -161,6 +170,7 @@ def _down_small_wide_kernel(inter_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, num_exp
         mask = row_mask[:, None] & (offs_k < I)[None, :]
         a = tl.load(a_rows[:, None] + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
         acc += tl.load(rows[:, None] + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * a
+    pdl_launch(USE_PDL)
     weighted = tl.sum(acc, axis=1) * tl.load(wts_ptr + pair, mask=row_mask, other=0.0)
     total = tl.sum(tl.reshape(weighted, [TOP_K, BLOCK_N]), axis=0)
     out_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -279,7 +289,8 @@ def moe_up_small(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, config: 
     bn, bk = config.block_n, config.block_k
     _up_small_kernel[(T * k, triton.cdiv(I, bn))](x, w13, ids, inter, E, H, I, x.stride(0), w13.stride(0),
                                                   w13.stride(1), inter.stride(0), TOP_K=k, BLOCK_N=bn, BLOCK_K=bk,
-                                                  num_warps=config.num_warps, num_stages=config.num_stages)
+                                                  num_warps=config.num_warps, num_stages=config.num_stages,
+                                                  **pdl_args(x))
     return inter
 
 
@@ -294,7 +305,7 @@ def moe_down_small(inter: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, wei
     kernel = _down_small_wide_kernel if config.experts_at_once and k & (k - 1) == 0 else _down_small_kernel
     kernel[(T, triton.cdiv(H, bn))](inter, w2, ids, weights, out, E, H, I, inter.stride(0), w2.stride(0),
                                     w2.stride(1), out.stride(0), TOP_K=k, BLOCK_N=bn, BLOCK_K=bk,
-                                    num_warps=config.num_warps, num_stages=config.num_stages)
+                                    num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(inter))
     return out
 
 

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_launch, pdl_wait
+
 __all__ = ["route", "MAX_EXPERTS"]
 
 MAX_EXPERTS = 1024  # one program holds a token's logits in registers
@@ -27,11 +29,13 @@ MAX_EXPERTS = 1024  # one program holds a token's logits in registers
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, first, num_held, TOP_K: tl.constexpr,
-                  BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
+                  BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr = False):
     token = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
+    pdl_wait(USE_PDL)  # the router's matmul before it wrote the logits
     logits = tl.load(logits_ptr + token.to(tl.int64) * stride_l + offs, mask=valid, other=float("-inf"))
+    pdl_launch(USE_PDL)
     logits = logits.to(tl.float32)
     top = tl.max(logits, axis=0)
     total = tl.sum(tl.where(valid, tl.exp(logits - top), 0.0), axis=0)
@@ -64,7 +68,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, first_expe
     if T:
         logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
         _route_kernel[(T,)](logits, weights, ids, E, logits.stride(0), first_expert, num_held, TOP_K=top_k,
-                            BLOCK_E=triton.next_power_of_2(E), RENORMALIZE=renormalize, num_warps=4)
+                            BLOCK_E=triton.next_power_of_2(E), RENORMALIZE=renormalize, num_warps=4,
+                            **pdl_args(logits))
     return weights, ids
 
 

@@ -25,7 +25,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import activation, decode_attention, gemv, gemv_partials, gemv_qkv, gemv_row, kv_write, matmul
+from kernels import (activation, decode_attention, gemv, gemv_partials, gemv_qkv, gemv_row, kv_write, matmul, moe,
+                     moe_route)
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ROW_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16",
@@ -54,6 +55,12 @@ MATMUL_SIG = dict({n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}, ws
                   **{n: "i32" for n in ("M", "N", "K", "tiles_per_split", "stride_xm", "stride_wn", "stride_ym",
                                         "stride_ws_split")})
 SILU_SIG = {"x_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32", "stride_o": "i32", "I": "i32"}
+MOE_UP_SIG = dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", inter_ptr="*bf16",
+                  **{n: "i32" for n in ("num_experts", "H", "I", "stride_xm", "stride_we", "stride_wn", "stride_im")})
+MOE_DOWN_SIG = dict(inter_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32", out_ptr="*bf16",
+                    **{n: "i32" for n in ("num_experts", "H", "I", "stride_im", "stride_we", "stride_wn", "stride_om")})
+ROUTE_SIG = dict(logits_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64",
+                 **{n: "i32" for n in ("E", "stride_l", "first", "num_held")})
 ROPE_SIG = dict({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "kc_ptr", "vc_ptr")}, index_ptr="*i64",
                 pos_ptr="*i64", cs_ptr="*fp32",
                 **{f"stride_{n}": "i32" for n in ("qt", "qh", "kt", "kh", "vt", "vh", "qot", "qoh", "kcb", "kct", "kch",
@@ -67,7 +74,8 @@ ROPE_SIG.update(qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32")  # Qwen3's per-head 
 DECODE_SIG["v_scale"] = "fp32"
 # Kernels launched with PDL that wait before their first load (no weight prefetch to check).
 NO_PREFETCH = (decode_attention._split_kernel, matmul._matmul_kernel, activation._silu_and_mul_kernel,
-               kv_write._rope_kv_write_kernel, gemv._gemv_kernel, gemv_qkv._qkv_rope_dot_kernel)
+               kv_write._rope_kv_write_kernel, gemv._gemv_kernel, gemv_qkv._qkv_rope_dot_kernel,
+               moe._up_small_kernel, moe._down_small_kernel, moe._down_small_wide_kernel, moe_route._route_kernel)
 
 
 def variants():
@@ -133,6 +141,17 @@ def variants():
     consts = dict(H=32, H_PAD=32, HKV=8, HKV_PAD=8, HALF=64, HALF_PAD=64, BLOCK_SIZE=16, ROPE=True, QK_NORM=True,
                   USE_PDL=True)
     yield "rope_kv_write D=128", kv_write._rope_kv_write_kernel, ROPE_SIG, consts, (None,) * 3 + (4, 1)
+    # MoE at one token (Qwen3-MoE's top-8): the per-pair form's default tiles, a down tile streaming the experts
+    # side by side, the routing
+    up, down = moe.SMALL_CONFIG
+    wide = next(c for c in moe.DOWN_CANDIDATES if c.experts_at_once)
+    for name, kernel, sig, c in (("moe_up", moe._up_small_kernel, MOE_UP_SIG, up),
+                                 ("moe_down", moe._down_small_kernel, MOE_DOWN_SIG, down),
+                                 ("moe_down_wide", moe._down_small_wide_kernel, MOE_DOWN_SIG, wide)):
+        consts = dict(TOP_K=8, BLOCK_N=c.block_n, BLOCK_K=c.block_k, USE_PDL=True)
+        yield f"{name} {tuple(c)}", kernel, sig, consts, ("moe", c.block_n, c.block_k, c.num_warps, c.num_stages)
+    consts = dict(TOP_K=8, BLOCK_E=128, RENORMALIZE=True, USE_PDL=True)
+    yield "moe_route E=128", moe_route._route_kernel, ROUTE_SIG, consts, (None,) * 3 + (4, 1)
 
 
 FP8_W = {"w_ptr": "*fp8e4nv"}
