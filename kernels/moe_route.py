@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
-__all__ = ["route", "MAX_EXPERTS"]
+__all__ = ["route", "routes_here", "MAX_EXPERTS"]
 
 MAX_EXPERTS = 1024  # one program holds a token's logits in registers
 
