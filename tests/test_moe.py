@@ -303,7 +303,7 @@ def test_moe_tuner_runs_and_picks(built):
     """The start-up tuner's MoE runs (:mod:`executor_proc.backends.moe_tuning`) on a model's stacks: per size, the
     per-pair form's two launches while the pairs fit it, else the grouped form; every candidate gives the
     default tiles' result; the picks land in the keys ``TritonBackend.moe`` reads, the other launch's default
-    kept."""
+    kept.  The router and the shared expert are tuned with the dense linears."""
     from executor_proc.backends.moe_tuning import moe_choices, moe_runs
     from kernels import moe as fused
 
@@ -317,6 +317,14 @@ def test_moe_tuner_runs_and_picks(built):
         want = default(layers[0])
         for config, fn in candidates[:2]:  # the interpreter is slow: two of each
             assert rel_err(fn(layers[0]).double(), want.double()) < 1e-5, (key, config)
+    # the dense linears' tuner takes the routers and the shared experts' matmuls (not the one-row shared gate)
+    from executor_proc.backends.gemv_tuning import _weight_groups
+
+    _, _, qwen2, config, _ = built("qwen2_moe")
+    groups = _weight_groups(qwen2)
+    h, shared = config.hidden_size, config.moe.shared_intermediate_size
+    assert len(groups[(4, h)]) == 2 and len(groups[(2 * shared, h)]) == 2 and len(groups[(h, shared)]) == 2
+    assert (1, h) not in groups
     up, grouped = fused.UP_CANDIDATES[1], fused.GROUPED_CANDIDATES[1]
     small, wide = moe_choices({("moe_up", 4, 32, 64, 1): up, ("moe_grouped", 4, 32, 64, 32): grouped})
     assert small == {(4, 32, 64, 1): fused.SmallConfig(up, fused.SMALL_CONFIG.down)}

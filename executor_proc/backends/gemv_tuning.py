@@ -59,7 +59,7 @@ def _weight_groups(model) -> dict[tuple[int, int], list[torch.Tensor]]:
     """The model's decode-time weights by shape (each group is streamed layer after layer, as in a step)."""
     groups: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(list)
     for layer in model.model.layers:
-        for w in (layer.self_attn.qkv.weight, layer.self_attn.o.weight, *_mlp_weights(layer)):
+        for w in (layer.self_attn.qkv.weight, layer.self_attn.o.weight, *_mlp_weights(layer), *_moe_linears(layer)):
             groups[tuple(w.shape)].append(w)
     groups[tuple(model.lm_head.weight.shape)].append(model.lm_head.weight)
     return groups
@@ -70,6 +70,16 @@ def _mlp_weights(layer) -> tuple:
     :mod:`kernels.moe`, not these kernels)."""
     mlp = layer.mlp
     return (mlp.gate_up.weight, mlp.down.weight) if getattr(mlp, "gate_up", None) is not None else ()
+
+
+def _moe_linears(layer) -> tuple:
+    """A mixture-of-experts layer's ordinary linears: the router, and a shared expert's gate|up and down (the
+    shared expert's one-row gate stays with cuBLAS)."""
+    block = layer.mlp
+    if getattr(block, "w13", None) is None:
+        return ()
+    shared = block.shared_expert
+    return (block.gate.weight, *((shared.gate_up.weight, shared.down.weight) if shared is not None else ()))
 
 
 ProgressCallback = Callable[[str, int, int], None]  # (stage, done, total), as the executor reports its load
