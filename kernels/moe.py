@@ -67,8 +67,8 @@ class SmallConfig(NamedTuple):
     down: MoEConfig
 
 
-# Narrow tiles, as the dense skinny matmul's "row" form (kernels/gemv.py): a batch-1 step has 8 pairs, and
-# gate|up of 768 features in 4-row blocks is 192 programs a pair, down's 2,048 outputs 512 programs a token.
+# Narrow tiles, as the dense skinny matmul's "row" form (kernels/gemv.py): a batch-1 step of Qwen3-MoE has 8 pairs;
+# gate|up's 768 features in 2-row blocks are 384 programs a pair, down's 2,048 outputs one program each.
 SMALL_CONFIG = SmallConfig(MoEConfig(1, 2, 512, 4, 6), MoEConfig(1, 1, 1024, 4, 4))
 # Under Triton's interpreter (the CPU's tests) each program is a Python loop: wide tiles keep the programs few.
 INTERPRETER_SMALL_CONFIG = SmallConfig(MoEConfig(1, 32, 128, 4, 3), MoEConfig(1, 32, 128, 4, 3))
