@@ -377,6 +377,92 @@ def test_fused_moe_on_a_ranks_experts(tokens):
     assert rel_err(total, TorchBackend.moe(x, logits, w13, w2, k, True)) < 1e-5
 
 
+# --------------------------------------------------------------------------- GGUF files
+
+
+def write_gguf(name: str, folder: str, path: str, quantize_experts: bool = False) -> None:
+    """The family's tiny model (its safetensors ``folder``) as llama.cpp's converter writes it: ``{arch}.expert_*``
+    keys, each layer's experts stacked in ``blk.N.ffn_{gate,up,down}_exps``, the router as ``ffn_gate_inp``, a
+    "llama" (Mixtral) file's q and k rows permuted; float32, or the expert stacks in Q8_0."""
+    import re
+    from collections import defaultdict
+
+    import gguf
+    import numpy as np
+
+    from executor_proc.model.loader import _GGUF_GLOBAL_NAMES, _GGUF_LAYER_PARTS, hf_weights
+
+    config = ModelConfig.from_pretrained(folder)
+    moe = config.moe
+    arch = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}[name]
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(config.num_layers)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(moe.intermediate_size if arch == "llama" else config.intermediate_size)
+    w.add_head_count(config.num_heads)
+    w.add_head_count_kv(config.num_kv_heads)
+    w.add_key_length(config.head_dim)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(config.rope_theta)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_vocab_size(config.vocab_size)
+    w.add_expert_count(moe.num_experts)
+    w.add_expert_used_count(moe.top_k)
+    if arch != "llama":
+        w.add_expert_feed_forward_length(moe.intermediate_size)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(moe.shared_intermediate_size)
+    names = {hf: g for g, hf in _GGUF_GLOBAL_NAMES.items()}
+    parts = {hf: g for g, hf in _GGUF_LAYER_PARTS.items()}
+    stacks: dict = defaultdict(dict)
+    for hf_name, t in hf_weights(folder)[1]:
+        hf_name, t = checkpoint_name(hf_name), t.numpy()
+        expert = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", hf_name)
+        if expert:
+            stacks[int(expert[1]), expert[3]][int(expert[2])] = t
+            continue
+        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_name)
+        gguf_name = f"blk.{layer[1]}.{parts[layer[2]]}.{layer[3]}" if layer else names[hf_name]
+        heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(gguf_name.split(".")[-2])
+        if arch == "llama" and heads:  # llama.cpp's rotary interleaving (loader.unpermute_qk undoes it)
+            t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        w.add_tensor(gguf_name, np.ascontiguousarray(t))
+    for (layer, proj), experts in sorted(stacks.items()):
+        stack = np.stack([experts[e] for e in range(moe.num_experts)])
+        gguf_name = f"blk.{layer}.ffn_{proj}_exps.weight"
+        if quantize_experts:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(gguf_name, gguf.quants.quantize(stack, q8), raw_dtype=q8)
+        else:
+            w.add_tensor(gguf_name, stack)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_gguf_file_loads_as_the_safetensors_folder(name, built, tmp_path):
+    """Each family written as a GGUF file (stacked experts, routers, Qwen2-MoE's shared expert, Qwen3-MoE's dense
+    layer, Mixtral's permuted q/k) reads back as the same config and, bit for bit, the same weights as its
+    safetensors folder; Q8_0 expert stacks within their quantisation error."""
+    _, _, want, want_config, folder = built(name)
+    path = str(tmp_path / f"{name}.gguf")
+    write_gguf(name, folder, path)
+    model, config = load_model(path, "gguf", "cpu", torch.float32)
+    fields = ("architecture", "moe", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+              "head_dim", "qk_norm", "qkv_bias")
+    assert {f: getattr(config, f) for f in fields} == {f: getattr(want_config, f) for f in fields}
+    ours, theirs = model.state_dict(), want.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours), [k for k in ours if not torch.equal(ours[k], theirs[k])]
+    if name == "qwen3_moe":
+        write_gguf(name, folder, path, quantize_experts=True)
+        q8 = load_model(path, "gguf", "cpu", torch.float32)[0].state_dict()
+        for k in (k for k in ours if k.endswith(("w13", "w2"))):
+            assert 0 < rel_err(q8[k], ours[k]) < 1e-2, k
+
+
 # --------------------------------------------------------------------------- configs, names, errors
 
 REAL_CONFIGS = {  # folder: (architecture, experts, top-k, renormalised, shared expert, total parameters)
@@ -461,8 +547,8 @@ def test_config_errors_name_the_field(change, message):
 
 
 def test_unsupported_paths_say_so(tmp_path, monkeypatch):
-    """FP8 and GGUF stop with a clear error for an MoE model (not a crash mid-load); tensor parallelism:
-    tests/test_moe_parallel.py."""
+    """FP8 stops with a clear error for an MoE model (not a crash mid-load), and so does a GGUF MoE file that lacks
+    a key its experts need, naming it; tensor parallelism: tests/test_moe_parallel.py."""
     import numpy as np
     from gguf import GGUFWriter
 
@@ -474,16 +560,19 @@ def test_unsupported_paths_say_so(tmp_path, monkeypatch):
     model.fuse_projections()
     with pytest.raises(ValueError, match=r"quantization 'fp8' does not cover the mixture-of-experts layers"):
         quantize_model(model)
-    path = str(tmp_path / "mixtral.gguf")
-    w = GGUFWriter(path, "llama")  # Mixtral's GGUFs: the llama architecture with an expert count
+    path = str(tmp_path / "qwen3moe.gguf")
+    w = GGUFWriter(path, "qwen3moe")
     w.add_block_count(2)
-    w.add_expert_count(8)
+    w.add_embedding_length(4)
+    w.add_head_count(1)
+    w.add_vocab_size(4)
+    w.add_expert_count(8)  # and no expert_used_count
     w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"GGUF mixture-of-experts models are not supported .*expert_count = 8"):
+    with pytest.raises(ValueError, match=r"GGUF file lacks the metadata key qwen3moe.expert_used_count"):
         gguf_config(path)
 
 

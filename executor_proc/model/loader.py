@@ -8,7 +8,9 @@ anything missing or unexpected.
 GGUF notes: llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` of
 ``llama`` models so that each head's rotary pairs are interleaved
 (``x0 y0 x1 y1 ...``) instead of HF's half split (``x0 x1 ... y0 y1 ...``);
-:func:`unpermute_qk` undoes it.  Qwen2/Qwen3 GGUFs are not permuted.
+:func:`unpermute_qk` undoes it.  Qwen2/Qwen3 GGUFs are not permuted.  Mixture-of-experts files (``qwen3moe``,
+``qwen2moe``, and Mixtral's ``llama`` with an expert count) stack each layer's experts in one tensor per
+projection; the stream gives one HF-named tensor per expert, as a safetensors checkpoint does (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from executor_proc.model.llama import CausalLM, build_model, rope_inv_freq
 from executor_proc.model.config import Llama3RopeScaling, ModelConfig
+from executor_proc.model.moe_config import MoEConfig, parse_moe
 from executor_proc.model.fp8_checkpoint import checkpoint_is_fp8, prepare_fp8
 
 if TYPE_CHECKING:
@@ -167,8 +170,13 @@ def hf_weights(folder: str, shards: Optional["Shards"] = None) -> tuple[int, Wei
 
 # --------------------------------------------------------------------------- GGUF
 
-# GGUF general.architecture -> HF architecture.  Mistral GGUFs say "llama" too.
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# GGUF general.architecture -> HF architecture.  Mistral GGUFs say "llama" too, and Mixtral's "llama" with an
+# expert count.
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# Whether the top-k routing weights are renormalised, where a file does not say ({arch}.expert_weights_norm):
+# llama.cpp's defaults for these architectures, which are HF's for the released models.
+_GGUF_MOE_RENORMALIZE = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -187,7 +195,16 @@ _GGUF_LAYER_PARTS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # an MoE layer's router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert and its gate
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# An MoE layer's experts, stacked [E, ...] in one tensor each (or one tensor per expert in older Mixtral files,
+# blk.N.ffn_gate.E.weight): their HF projection names.
+_GGUF_EXPERT_PARTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj",
+                      "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 _ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -228,7 +245,18 @@ def gguf_hf_name(gguf_name: str) -> str:
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_PARTS:
         return f"model.layers.{parts[1]}.{_GGUF_LAYER_PARTS[parts[2]]}.{parts[3]}"
+    if len(parts) == 5 and parts[0] == "blk" and parts[2] in _GGUF_EXPERT_PARTS:  # one expert's tensor
+        return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{_GGUF_EXPERT_PARTS[parts[2]]}.{parts[4]}"
     return gguf_name
+
+
+def _expert_stack(gguf_name: str) -> Optional[str]:
+    """For a stack of every expert's projection (``blk.N.ffn_gate_exps.weight``), the HF name of expert E's part
+    with ``{}`` for E; else None."""
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2].endswith("_exps") and parts[2] in _GGUF_EXPERT_PARTS:
+        return f"model.layers.{parts[1]}.mlp.experts.{{}}.{_GGUF_EXPERT_PARTS[parts[2]]}.{parts[3]}"
+    return None
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -244,10 +272,6 @@ def gguf_config(gguf) -> ModelConfig:
     """
     reader = open_gguf(gguf) if isinstance(gguf, str) else gguf
     arch = _field(reader, "general.architecture")
-    experts = _field(reader, f"{arch}.expert_count")
-    if experts or arch in ("qwen2moe", "qwen3moe"):  # Mixtral's GGUFs say "llama" with an expert count
-        raise ValueError(f"GGUF mixture-of-experts models are not supported ({arch!r}, {arch}.expert_count = "
-                         f"{experts}): serve the Hugging Face safetensors folder instead")
     if arch not in _GGUF_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; forerun supports {', '.join(_GGUF_ARCHITECTURES)}"
@@ -271,10 +295,12 @@ def gguf_config(gguf) -> ModelConfig:
     head_dim = key("attention.key_length", hidden // num_heads)
     vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     eos = [_field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    moe = _gguf_moe(reader, arch, key, tensors)
+    mixtral = moe is not None and arch == "llama"
     config = ModelConfig(
-        architecture=_GGUF_ARCHITECTURES[arch],
+        architecture="MixtralForCausalLM" if mixtral else _GGUF_ARCHITECTURES[arch],
         hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"),
+        intermediate_size=key("feed_forward_length"),  # Mixtral's: its experts'; Qwen-MoE's: the dense layers'
         num_layers=key("block_count"),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -290,11 +316,34 @@ def gguf_config(gguf) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        moe=moe,
     )
     if _ROPE_FREQS in tensors:
         factors = _dequantize(tensors[_ROPE_FREQS])
         config = with_llama3_scaling(config, factors)
     return config
+
+
+def _gguf_moe(reader, arch: str, key: Callable, tensors: dict) -> Optional[MoEConfig]:
+    """The experts of a mixture-of-experts GGUF (``{arch}.expert_*`` keys; None for a dense model).  A layer
+    without a router (``blk.N.ffn_gate_inp``) is a dense MLP of ``feed_forward_length``."""
+    experts = _field(reader, f"{arch}.expert_count")
+    if not experts:
+        if arch in ("qwen2moe", "qwen3moe"):
+            raise ValueError(f"GGUF file lacks the metadata key {arch}.expert_count")
+        return None
+    top_k = int(key("expert_used_count"))
+    layers = key("block_count")
+    dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors)
+    renormalize = _field(reader, f"{arch}.expert_weights_norm", _GGUF_MOE_RENORMALIZE[arch])
+    shared = key("expert_shared_feed_forward_length") if arch == "qwen2moe" else 0
+    size = key("feed_forward_length") if arch == "llama" else key("expert_feed_forward_length")
+    config = {"num_experts": int(experts), "num_experts_per_tok": top_k,
+              "moe_intermediate_size": size, "norm_topk_prob": bool(renormalize), "mlp_only_layers": list(dense),
+              "shared_expert_intermediate_size": shared, "num_local_experts": int(experts), "intermediate_size": size}
+    if arch == "llama" and dense:
+        raise ValueError(f"GGUF Mixtral file: layers {list(dense)[:4]} have no router (ffn_gate_inp)")
+    return parse_moe(config, {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}[arch])
 
 
 def with_llama3_scaling(config: ModelConfig, rope_factors: np.ndarray) -> ModelConfig:
@@ -323,6 +372,9 @@ def gguf_weights(gguf, config: ModelConfig) -> tuple[int, WeightStream]:
     tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS]
     permuted = _field(reader, "general.architecture") == "llama"
 
+    stacks = {t.name: _expert_stack(t.name) for t in tensors}
+    num_experts = config.moe.num_experts if config.moe is not None else 0
+
     def stream() -> WeightStream:
         for tensor in tensors:
             w = _dequantize(tensor)
@@ -330,9 +382,15 @@ def gguf_weights(gguf, config: ModelConfig) -> tuple[int, WeightStream]:
                 w = unpermute_qk(w, config.num_heads)
             elif permuted and ".attn_k." in tensor.name:
                 w = unpermute_qk(w, config.num_kv_heads)
-            yield gguf_hf_name(tensor.name), torch.from_numpy(w)
+            stack = stacks[tensor.name]
+            if stack is None:
+                yield gguf_hf_name(tensor.name), torch.from_numpy(w)
+                continue
+            for e in range(w.shape[0]):  # every expert's projection, as an HF checkpoint names it
+                yield stack.format(e), torch.from_numpy(w[e])
 
-    return len(tensors), stream()
+    total = sum(num_experts if stacks[t.name] else 1 for t in tensors)
+    return total, stream()
 
 
 # --------------------------------------------------------------------------- dummy
