@@ -64,7 +64,7 @@ def moe_runs(model, ms: list[int]) -> list[tuple]:
                 inter = fused.moe_up_small(x, first.w13, ids, fused.SMALL_CONFIG.up)
                 up = lambda c, x=x, ids=ids: lambda e: fused.moe_up_small(x, e.w13, ids, c)  # noqa: E731
                 down = lambda c, i=inter, ids=ids, w=weights: lambda e: fused.moe_down_small(  # noqa: E731
-                    i, e.w2, ids, w, c, x.dtype)
+                    i, e.w2, ids, w, c, i.dtype)
                 for kind, make, default, candidates in (("moe_up", up, fused.SMALL_CONFIG.up, fused.UP_CANDIDATES),
                                                          ("moe_down", down, fused.SMALL_CONFIG.down,
                                                           fused.DOWN_CANDIDATES)):
