@@ -43,9 +43,12 @@ def _expert_groups(model) -> dict[tuple[int, int, int, int], list[Experts]]:
 
 
 def _routing(m: int, k: int, E: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fixed routing of ``m`` tokens to ``k`` distinct experts each: (weights [m, k] float32, ids [m, k])."""
+    """A fixed routing of ``m`` tokens to ``k`` distinct experts each: (weights [m, k] float32, ids [m, k]).  A
+    rank holding fewer than k experts (expert parallelism) gets each of them and id ``E`` (held elsewhere) for
+    the rest, as the routing gives it."""
     g = torch.Generator().manual_seed(m)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(m)])
+    held = torch.full((max(0, k - E),), E, dtype=torch.int64)
+    ids = torch.stack([torch.cat([torch.randperm(E, generator=g)[:k], held]) for _ in range(m)])
     weights = torch.softmax(torch.randn(m, k, generator=g), dim=-1)
     return weights.to(device), ids.to(device)
 
@@ -73,7 +76,7 @@ def moe_runs(model, ms: list[int]) -> list[tuple]:
                 continue
             n = m * k
             grouped = lambda c, x=x, ids=ids, w=weights, n=n: lambda e: fused.fused_moe_grouped(  # noqa: E731
-                x, e.w13, e.w2, w, ids, fused.grouped_config(c, n, E))
+                x, e.w13, e.w2, w, ids, fused.grouped_config(c, n, E), partial=k > E)
             runs.append((("moe_grouped", E, I, H, m), ("default", grouped(fused.MoEConfig())),
                          [(c, grouped(c)) for c in fused.GROUPED_CANDIDATES if c != fused.MoEConfig()], layers))
     return runs
