@@ -90,15 +90,33 @@ def served(args: argparse.Namespace, name: str, flags: list[str], loads: dict[st
             print(f"+   bench_serve.py {' '.join(load_flags)}   [{load}]")
         return results
     with tempfile.TemporaryDirectory(prefix="fr-spec-") as tmp:
-        address = ipc_address(tmp)
-        server = start_server(address, "--device", "cuda", *flags, run_dir=tmp, echo=False)
+        address, log = ipc_address(tmp), os.path.join(tmp, "steps.jsonl")
+        server = start_server(address, "--device", "cuda", "--step-log", log, *flags, run_dir=tmp, echo=False)
         try:
             for load, load_flags in loads.items():
                 results[load] = run_script(args, "bench_serve.py", "--address", address, "--no-progress",
                                            "--output-len", str(args.output_len), *load_flags)
         finally:
             stop_server(server)
+        results["steps"] = step_medians(log)
     return results
+
+
+def step_medians(path: str) -> Optional[dict[str, float]]:
+    """Medians (ms) over the server's steps of one row and no prefill (``--step-log``): the period from one step's
+    end to the next's, the GPU's busy time, the executor's host time (prepare + launch) and the scheduler's plan."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        steps = [json.loads(line) for line in f if line.strip()]
+    one = [(a, b) for a, b in zip(steps, steps[1:]) if b["num_rows"] == 1 and not b["num_prefill"]]
+    if not one:
+        return None
+    median = lambda xs: 1e3 * sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"steps": len(one), "period_ms": median([b["t_end"] - a["t_end"] for a, b in one]),
+            "gpu_busy_ms": median([b["gpu_busy_s"] for _, b in one]),
+            "host_ms": median([b["prepare_s"] + b["launch_s"] for _, b in one]),
+            "plan_ms": median([b["plan_s"] for _, b in one])}
 
 
 def part_verify(args: argparse.Namespace) -> dict[str, Any]:
@@ -156,6 +174,11 @@ def summary(res: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 accepted = ((res.get(on) or {}).get(load) or {}).get("mean_accepted_length")
                 note = f"{b / a:.2f}x" + (f", {accepted:.2f} tokens a row" if accepted else "")
                 rows.append((f"{what}, {load}: output tok/s", f"{a:,.0f}", f"{b:,.0f}", note))
+    off, on = (res.get("serve_off") or {}).get("steps"), (res.get("serve_ngram") or {}).get("steps")
+    if off and on:  # what paces a step of one row: the GPU, the executor's host work or the scheduler's plan
+        cell = lambda s: f"{s['period_ms']:.3f}"  # noqa: E731
+        rows.append(("default model, n-gram, one-row steps: period ms", cell(off), cell(on),
+                     " / ".join(f"{k[:-3]} {off[k]:.3f}-{on[k]:.3f}" for k in ("gpu_busy_ms", "host_ms", "plan_ms"))))
     for key in ("idle_off", "idle_ngram"):
         for row in res.get(key) or []:
             rows.append((f"GPU idle, batch {row['running']}, depth {row['depth']} ({key[5:]})",

@@ -173,7 +173,11 @@ class TorchBackend:
         if qk_norm is not None:
             q, k = ops.rms_norm_ref(q, qk_norm[0], qk_norm[2]), ops.rms_norm_ref(k, qk_norm[1], qk_norm[2])
         n = plan.kv_index.shape[0]  # padded tokens write no KV
-        ops.kv_store(ops.apply_rope(k[:n], plan.cos_sin[:n]), v[:n], k_cache, v_cache, plan.kv_index, kv_scale)
+        k, v, index = ops.apply_rope(k[:n], plan.cos_sin[:n]), v[:n], plan.kv_index
+        keep = index >= 0  # decode rows of the padding slot (a speculative step's positions past a row's drafts)
+        if not bool(keep.all()):
+            k, v, index = k[keep], v[keep], index[keep]
+        ops.kv_store(k, v, k_cache, v_cache, index, kv_scale)
         return ops.apply_rope(q, plan.cos_sin)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchPlan,

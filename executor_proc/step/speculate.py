@@ -15,7 +15,9 @@ forward the step writes ``last_token`` at that position, proposes ``K`` drafts (
 :mod:`executor_proc.step.draft`), and makes the row's ``k + 1`` input ids (the last token,
 then the drafts), positions and context length from the device length: into the mixed-step runner's static inputs
 (its body graph replays them; the rows pack as chunks, and the sampled rows' and every drafted position's hidden
-states come out) when the step fits its buckets, else into an eager step's batch.  After
+states come out) when the step fits its buckets, else into an eager step's batch; a step whose every row
+speculates greedily runs each position as a decode row, the whole step one graph
+(:mod:`executor_proc.step.spec_graphs`).  After
 the forward, the logits of every position of the row give the target ``g[0..k]``: the token the plain sampler
 draws there (the argmax for a greedy row; else :func:`kernels.sampling_ref.sample`'s keyed Gumbel race at the
 token's position).  The row accepts the longest prefix of drafts equal to it (``d[j] == g[j - 1]``) and emits
@@ -81,6 +83,23 @@ def accept_prefix(drafts: torch.Tensor, target: torch.Tensor, num_drafts: torch.
     return ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
+def row_arrays(spec, slots, ks, start, query_start, sampled_at, k: int, widths=None) -> list[np.ndarray]:
+    """A step's speculative rows as the host arrays its device work reads (in this order, concatenated in the
+    upload): the rows' plan indices, slots, draft counts, first positions (-1: the device's length), places among
+    the sampled rows; each token's row, place in its row and token index (``query_start``: each row's first);
+    the further tokens' places in the ``[rows, k + 1]`` targets; the first and further tokens' indices.
+    ``widths``: the further tokens per row laid out (default ``ks``; more: positions past a row's drafts)."""
+    widths = ks if widths is None else widths
+    lens = widths + 1
+    tok_row = np.repeat(np.arange(len(spec)), lens)  # every token of the speculative rows, row by row
+    tok_j = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+    tok_index = query_start[tok_row] + tok_j
+    extra = np.concatenate([r * (k + 1) + np.arange(1, n + 1) for r, n in enumerate(widths)]) if widths.sum() \
+        else np.zeros(0, dtype=np.int64)
+    first_tok, extra_tok = np.flatnonzero(tok_j == 0), np.flatnonzero(tok_j > 0)  # in row order, like extra
+    return [spec, slots, ks, start, sampled_at, tok_row, tok_j, tok_index, extra, first_tok, extra_tok]
+
+
 @dataclass
 class SpecStep:
     """One step's speculative rows: where their host arrays sit in the upload, and how to cut the result."""
@@ -101,10 +120,16 @@ class SpecStep:
     filtered: bool = False  # some sampled speculative row has top-k or top-p
     extra_logprobs: Optional[list[int]] = None  # top-n of each further token's row, when some row asked (else None)
     penalised: bool = False  # some speculative row has penalties, logit_bias or min_tokens
+    host: Optional[list[np.ndarray]] = None  # the rows' plan indices, slots, draft counts, first positions, places
+    padded: Optional[list[int]] = None  # every row's further tokens laid out K wide: each row's draft count
 
     def split(self, host: list[int]) -> tuple[list[int], dict]:
         """``token_ids`` and the StepResult's speculative fields from the step's one host list."""
         s, e = self.num_sampled, self.num_sampled + self.extra
+        if self.padded is not None:  # K further tokens a row, the first ``k`` of each are the row's
+            width = self.extra // self.rows
+            spec = [t for r, k in enumerate(self.padded) for t in host[s + r * width:s + r * width + k]]
+            return host[:s], {"spec_tokens": spec, "num_accepted": host[e:e + self.rows]}
         return host[:s], {"spec_tokens": host[s:e], "num_accepted": host[e:e + self.rows]}
 
 
@@ -151,25 +176,19 @@ class Speculator:
         ks = drafts[spec]
         start = np.where([s in self.live for s in slots.tolist()], -1, rows.starts[spec])  # -1: the device's
         self.live.update(slots.tolist())
-        lens = ks + 1
-        tok_row = np.repeat(np.arange(len(spec)), lens)  # every token of the speculative rows, row by row
-        tok_j = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-        tok_index = rows.query_start[spec][tok_row] + tok_j
         sampled_at = np.searchsorted(rows.sampled, spec)  # each speculative row's place among the sampled rows
-        extra = np.concatenate([r * (self.k + 1) + np.arange(1, k + 1) for r, k in enumerate(ks)]) if ks.sum() \
-            else np.zeros(0, dtype=np.int64)
-        first_tok, extra_tok = np.flatnonzero(tok_j == 0), np.flatnonzero(tok_j > 0)  # in row order, like extra
-        parts = [spec, slots, ks, start, sampled_at, tok_row, tok_j, tok_index, extra, first_tok, extra_tok]
+        parts = row_arrays(spec, slots, ks, start, rows.query_start[spec], sampled_at, self.k)
         step.part = upload.add(np.concatenate(parts), torch.int64)
-        step.rows, step.extra, step.num_tokens = len(spec), len(extra), len(tok_row)
+        step.rows, step.extra, step.num_tokens = len(spec), len(parts[8]), len(parts[5])
         step.num_sampled = len(rows.sampled)
-        step.sizes, step.logits_index, step.spec_rows = tuple(len(p) for p in parts), tok_index, spec
+        step.sizes, step.logits_index, step.spec_rows = tuple(len(p) for p in parts), parts[7], spec
+        step.host = parts[:5]
         infos = [info[s] for s in slots.tolist()] if info is not None else []
         step.greedy = all(i.greedy for i in infos)
         step.filtered = any(i.filtered for i in infos)
         step.penalised = any(i.penalised for i in infos)
         if any(i.num_logprobs >= 0 for i in infos):
-            step.extra_logprobs = [infos[r].num_logprobs for r in tok_row[extra_tok].tolist()]
+            step.extra_logprobs = [infos[r].num_logprobs for r in parts[5][parts[10]].tolist()]
         return step
 
     def apply(self, step: Optional[SpecStep], sent: list[torch.Tensor]) -> None:
@@ -180,7 +199,7 @@ class Speculator:
         if step is not None and step.part is not None:
             step.parts = list(torch.split(sent[step.part], step.sizes))
 
-    def _inputs(self, step: SpecStep, tables: SlotTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def token_inputs(self, step: SpecStep, tables: SlotTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows' drafts (kept for the verify), then each token's input id and position and each row's context
         length, from the device lengths."""
         _, slots, ks, start, _, tok_row, tok_j = step.parts[:7]
@@ -198,7 +217,7 @@ class Speculator:
     def bind(self, step: SpecStep, batch: ForwardBatch, tables: SlotTables) -> None:
         """An eager step's batch: the rows' input ids, positions, KV indices and context lengths."""
         spec, slots, tok_row, tok_index = step.parts[0], step.parts[1], step.parts[5], step.parts[7]
-        ids, pos, lens = self._inputs(step, tables)
+        ids, pos, lens = self.token_inputs(step, tables)
         bs = batch.block_size
         batch.input_ids = batch.input_ids.index_put((tok_index,), ids)
         batch.positions = batch.positions.clone().index_put_((tok_index,), pos)
@@ -208,7 +227,7 @@ class Speculator:
 
     def bind_mixed(self, step: SpecStep, inputs: MixedInputs, tables: SlotTables) -> None:
         """A mixed-runner step: the same, written into the runner's static inputs (its graphs read them)."""
-        ids, pos, lens = self._inputs(step, tables)
+        ids, pos, lens = self.token_inputs(step, tables)
         inputs.ids.index_put_((step.parts[7],), ids)
         inputs.positions.index_put_((step.parts[7],), pos)
         inputs.context_lens.index_put_((step.parts[0],), lens)
@@ -240,7 +259,7 @@ class Speculator:
         step's sampling counted each sampled row's draw for the penalties; a speculative row's is replaced by the
         tokens it emits (:mod:`executor_proc.step.spec_penalties`)."""
         slots, ks, base, drafts = step.state
-        _, _, _, _, sampled_at, tok_row, tok_j, _, extra, first_tok, extra_tok = step.parts
+        _, _, _, _, sampled_at, tok_row, tok_j, _, _, first_tok, extra_tok = step.parts[:11]
         pen, slot_tok = tables.penalties, slots[tok_row]
         if counted:
             recount(pen, slots, tokens[sampled_at], torch.full_like(slots, -1))
@@ -248,18 +267,25 @@ class Speculator:
         if step.penalised:  # each position as if the drafts before it were sampled
             x = penalise_positions(backend.apply_penalties(logits, pen, slot_tok, in_place=False), logits, pen,
                                    slot_tok, drafts[tok_row], tok_j)
-        target = torch.zeros(step.rows, self.k + 1, dtype=torch.int64, device=logits.device)
         chosen = self._targets(step, x, slot_tok, base[tok_row] + tok_j + 1, tables, backend)
-        target[tok_row, tok_j] = chosen
         if step.extra_logprobs is not None and outputs is not None and outputs.logprobs is not None:
             ids, lps = backend.token_logprobs(logits, chosen, tables.num_logprobs[slots[tok_row]])
             row_ids, row_lps = outputs.logprobs
             outputs.logprobs = (torch.cat([row_ids.index_put((sampled_at,), ids[first_tok]), ids[extra_tok]]),
                                 torch.cat([row_lps.index_put((sampled_at,), lps[first_tok]), lps[extra_tok]]))
+        return self.accept(step, chosen, tokens, tables, counted)
+
+    def accept(self, step: SpecStep, chosen: torch.Tensor, tokens: torch.Tensor, tables: SlotTables,
+               counted: bool = False) -> torch.Tensor:
+        """Given the token the plain sampler gives at each of the rows' positions (``chosen``): accept the drafts,
+        update the tables, and make the step's one output tensor (:meth:`verify`)."""
+        slots, ks, base, drafts = step.state
+        _, _, _, _, sampled_at, tok_row, tok_j, _, extra, _, _ = step.parts[:11]
+        target = torch.zeros(step.rows, self.k + 1, dtype=torch.int64, device=chosen.device)
+        target[tok_row, tok_j] = chosen
         accepted = accept_prefix(drafts, target, ks)
         if counted:
-            recount(pen, slot_tok, chosen, tok_j <= accepted[tok_row])
-
+            recount(tables.penalties, slots[tok_row], chosen, tok_j <= accepted[tok_row])
         tables.last_token[slots] = target.gather(1, accepted[:, None])[:, 0]
         self.tokens[slots[tok_row], base[tok_row] + 1 + tok_j] = chosen.to(torch.int32)
         self.lengths[slots] = base + accepted + 1

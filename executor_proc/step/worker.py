@@ -12,7 +12,8 @@ pinned, non-blocking upload (:mod:`executor_proc.step.staging`).  A pure-decode 
 that fits a bucket runs as :func:`executor_proc.step.decode_step.decode_step`
 through :class:`executor_proc.step.graphs.DecodeGraphs`; a step with prefill
 chunks runs padded to a bucket through :class:`executor_proc.step.mixed_graphs.MixedGraphs`
-(:mod:`executor_proc.step.mixed_step`); both are replayed graphs on CUDA.  The
+(:mod:`executor_proc.step.mixed_step`); a step whose every row speculates greedily, as decode rows through
+:class:`executor_proc.step.spec_graphs.SpecGraphs`; all are replayed graphs on CUDA.  The
 rest run the model eagerly with the same kernels: steps that need prompt
 logprobs, plans with no rows, and everything when graphs are off.
 """
@@ -39,6 +40,7 @@ from executor_proc.step.prompt_logprobs import (PromptLogprobPlan, SavedHidden, 
 from executor_proc.step.sample import Sampled, SamplingMode, sample_rows, sampling_mode
 from executor_proc.step.slot_tables import SlotTables
 from executor_proc.step.split_decode import SplitDecode
+from executor_proc.step.spec_graphs import SpecGraph, SpecGraphs
 from executor_proc.step.speculate import SpecStep, Speculator
 from executor_proc.step.staging import PinnedStaging, TokenRing
 from executor_proc.step.step_outputs import StepOutputs
@@ -78,7 +80,15 @@ class EagerStep:
     spec: Optional[SpecStep] = None  # speculative rows (executor_proc/step/speculate.py)
 
 
-Step = Union[GraphStep, MixedStep, EagerStep]
+@dataclass
+class SpecDecodeStep:
+    """A step whose every row speculates, its positions run as decode rows in one graph (spec_graphs)."""
+
+    graph: SpecGraph
+    outputs: StepOutputs
+
+
+Step = Union[GraphStep, MixedStep, EagerStep, SpecDecodeStep]
 
 
 class Worker:
@@ -111,6 +121,7 @@ class Worker:
         self.mixed = None
         self.grammar: Optional[GrammarSlots] = None  # structured outputs' matchers (set by build_worker)
         self.spec: Optional[Speculator] = None  # speculative decoding (enable_speculation)
+        self.spec_graphs: Optional[SpecGraphs] = None  # pure speculative steps' drafting and acceptance
         if mixed_max_tokens > 0:
             self.mixed = MixedGraphs(self._mixed_body, self._mixed_head, mixed_max_tokens, tables.num_slots,
                                      tables.pad_slot, model.config.hidden_size, model.lm_head.weight.dtype, device,
@@ -133,6 +144,12 @@ class Worker:
         """Run plans' speculative rows; a step then returns up to K + 2 values per row.  A draft model's passes
         get graphs wherever the mixed-step graphs run (:mod:`executor_proc.step.draft_graphs`)."""
         self.spec = spec
+        # a rank's lazy captures would need every rank's at once: tensor-parallel steps keep the eager halves
+        if spec is not None and spec.draft is None and not self.model.tensor_parallel:
+            max_tokens = self.graphs.buckets[-1] if self.graphs is not None else self.tables.num_slots
+            self.spec_graphs = SpecGraphs(spec, lambda batch: self.model(batch, self.kv_cache), self.model.backend,
+                                          self.tables, self.block_size, max_tokens, self.capture, self.capturer,
+                                          self.device)
         if spec is not None and self.tokens_out is not None:
             self.tokens_out = TokenRing(self.device, (self.tables.num_slots + 1) * (spec.k + 2))
         if spec is not None and spec.draft is not None and self.mixed is not None:
@@ -161,7 +178,7 @@ class Worker:
     def drop_graphs(self) -> None:
         """Forget every captured graph and their pool (start-up measures them, then captures them again
         against the final KV cache)."""
-        for runner in (self.mixed, self.graphs, self.split, self._draft_graphs):
+        for runner in (self.mixed, self.graphs, self.split, self._draft_graphs, self.spec_graphs):
             if runner is not None:
                 runner.drop()
         self.capturer.reset()
@@ -209,6 +226,14 @@ class Worker:
         rows = plan_rows(plan)
         if speculative:
             spec = outputs.spec = self.spec.stage_rows(plan, rows, upload, spec, self.tables.info)
+            if (self.spec_graphs is not None and outputs.prompt is None
+                    and self.spec_graphs.takes(spec, len(plan.slots), mode)):
+                part = self.spec_graphs.stage(spec, upload)
+                sent = upload.send()
+                self._host_copies(plan, host, sent)
+                self.tables.apply(diff, sent)
+                self.spec.apply(spec, sent)
+                return SpecDecodeStep(self.spec_graphs.bind(spec, sent[part], rows.starts), outputs)
         packed_rows = self.spec.mixed_rows(rows, spec) if speculative else rows
         draft = self.spec.draft if self.spec is not None else None
         drafting = None
@@ -349,6 +374,8 @@ class Worker:
             if step.outputs.grammar is not None:  # the decode forward, the masks bound, then the sampling
                 return self._keep(step, self.split.run(step.bucket, step.rows, step.mode, self._binder(step)))
             return self._keep(step, self.graphs.run(step.bucket, step.mode).head(step.rows))
+        if isinstance(step, SpecDecodeStep):
+            return self.spec_graphs.run(step.graph)
         if isinstance(step, MixedStep):
             tokens = self._keep(step, self.mixed.run(step.shape, step.num_sampled, step.mode, step.rows,
                                                      before_head=self._binder(step)))

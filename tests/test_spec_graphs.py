@@ -1,0 +1,109 @@
+"""A pure speculative step as decode rows in one graph (executor_proc/step/spec_graphs.py) against the mixed runner.
+
+One worker on a tiny random model (captured on a GPU, called on the same static buffers on the CPU), the same
+hand-built plans with the path switched off (every speculative step then runs its rows as prefill chunks through
+the mixed-step runner), then on: three requests prefilled, then n-gram speculative rows at the planner's
+upper-bound positions.  Every step's result is the same token for token, and each step that should takes the
+path, rows of fewer than ``K`` drafts (a paused request's 0) included; a sampled row or a plain row beside them
+do not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_proc.build import build_worker
+from executor_proc.step.worker import SpecDecodeStep
+from ipc.config import ExecutorConfig, SpeculativeConfig
+from ipc.protocol import Admit, SlotSampling, StepPlan
+from tests.test_gpu_fastpath import write_config
+
+K = 3
+BLOCK = 16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    folder = write_config(tmp_path_factory.mktemp("spec_graphs"))
+    cfg = ExecutorConfig(model=folder, load_format="dummy", plan_addr="", result_addr="", device=DEVICE,
+                         dtype="float32", num_slots=16, num_kv_blocks=64, block_size=BLOCK, mixed_graphs="on",
+                         max_num_batched_tokens=64, speculative=SpeculativeConfig(method="ngram", num_tokens=K))
+    return build_worker(cfg).worker
+
+
+def greedy(**kw) -> SlotSampling:
+    return SlotSampling(**{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 3, **kw})
+
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9], [20, 21, 22, 23, 24, 20, 21]]
+
+
+def run(worker, schedule: list[tuple[list[int], list[int]]]) -> tuple[list[list[int]], list[bool]]:
+    """Admit :data:`PROMPTS` (slots 0-2: greedy, greedy, sampled), prefill them, then run ``schedule``: per step,
+    the rows' slots and their draft counts (-1: a plain row).  Each step's host tokens, and whether it took the
+    graphs' path."""
+    samplings = [greedy(), greedy(), greedy(temperature=0.7)]
+    appends = [x for slot in range(3) for i in range(5) for x in (slot, i, slot * 5 + i)]
+    admits = [Admit(slot, s, PROMPTS[slot]) for slot, s in enumerate(samplings)]
+    lens = [len(p) for p in PROMPTS]
+    plan = StepPlan(0, [0, 1, 2], lens, [0, 0, 0], [True] * 3, [True] * 3,
+                    prefill_tokens=[t for p in PROMPTS for t in p], block_appends=appends, admits=admits,
+                    releases=[0, 1, 2])
+    outs, paths = [], []
+    bound = list(lens)  # each slot's position upper bound: its next row's first
+    for step_id, (slots, drafts) in enumerate([([], [])] + schedule):
+        if step_id:
+            qlens = [k + 1 if k >= 0 else 1 for k in drafts]
+            plan = StepPlan(step_id, slots, qlens, [bound[s] for s in slots], [False] * len(slots),
+                            [True] * len(slots), num_drafts=drafts)
+            for s, n in zip(slots, qlens):
+                bound[s] += n
+        step = worker.prepare(plan)
+        paths.append(isinstance(step, SpecDecodeStep))
+        host, copy = worker.copy_out(worker.launch(step), step)
+        if copy is not None:  # the CUDA ring's pinned buffer
+            copy.synchronize()
+        out = host if isinstance(host, list) else host.tolist()
+        if step.outputs.spec is not None:  # as the StepResult carries them
+            tokens, fields = step.outputs.spec.split(out)
+            out = tokens + fields["spec_tokens"] + fields["num_accepted"]
+        outs.append(out)
+        if copy is not None:
+            copy.release()
+    return outs, paths
+
+
+def test_graphs_give_the_eager_steps_tokens(worker):
+    assert worker.spec_graphs is not None
+    schedule = [([0, 1], [K, K])] * 4 + [([0], [K])] * 2 + [([0, 1], [K, K - 1])] + [([0, 1], [K, K])] * 2 \
+        + [([2, 0, 1], [-1, K, K])] + [([0, 1, 2], [K, K, K])] + [([0, 1], [0, K]), ([0], [0])] \
+        + [([0, 1], [K, K])] * 3
+    graphs, worker.spec_graphs = worker.spec_graphs, None
+    want, eager_paths = run(worker, schedule)
+    worker.spec_graphs = graphs
+    got, paths = run(worker, schedule)
+    assert got == want
+    assert not any(eager_paths)
+    taken = [True] * 9 + [False, False] + [True] * 5  # rows of K - 1 and 0 drafts too; not a plain row, a sampled one
+    assert paths == [False] + taken
+    accepted = sum(sum(out[-len(slots):]) for out, (slots, _), t in zip(want[1:], schedule, taken) if t)
+    assert accepted > 0  # the random model's loops are found in its own tokens: acceptance is exercised
+
+
+def test_positions_past_a_rows_drafts_write_no_kv(worker):
+    """A row of 0 drafts runs ``K + 1`` positions: the ``K`` past its own write no KV (they may lie past the blocks
+    the planner reserved for the row)."""
+    run(worker, [([0, 1], [K, K])] * 2 + [([1], [0])])
+    base = int(worker.spec.lengths[1])  # slot 1's next row starts here; blocks 5.. are slot 1's
+    def kv(first: int, last: int) -> torch.Tensor:  # [layers, k|v, positions of slot 1, heads, dim]
+        return worker.kv_cache.storage[:, :, 5:10].flatten(2, 3)[:, :, first:last].cpu().clone()
+
+    worker.kv_cache.storage[:, :, 5 + base // BLOCK, base % BLOCK] = 0
+    own, before = kv(base, base + 1), kv(base + 1, base + K + 1)
+    step = worker.prepare(StepPlan(99, [1], [1], [base], [False], [True], num_drafts=[0]))
+    assert isinstance(step, SpecDecodeStep)
+    worker.launch(step)
+    assert not torch.equal(kv(base, base + 1), own)  # its own position is written
+    assert torch.equal(kv(base + 1, base + K + 1), before)
