@@ -121,7 +121,7 @@ class Worker:
         self.mixed = None
         self.grammar: Optional[GrammarSlots] = None  # structured outputs' matchers (set by build_worker)
         self.spec: Optional[Speculator] = None  # speculative decoding (enable_speculation)
-        self.spec_graphs: Optional[SpecGraphs] = None  # pure speculative steps' drafting and acceptance
+        self.spec_graphs: Optional[SpecGraphs] = None  # steps whose every row speculates: one graph of decode rows
         if mixed_max_tokens > 0:
             self.mixed = MixedGraphs(self._mixed_body, self._mixed_head, mixed_max_tokens, tables.num_slots,
                                      tables.pad_slot, model.config.hidden_size, model.lm_head.weight.dtype, device,
@@ -144,7 +144,7 @@ class Worker:
         """Run plans' speculative rows; a step then returns up to K + 2 values per row.  A draft model's passes
         get graphs wherever the mixed-step graphs run (:mod:`executor_proc.step.draft_graphs`)."""
         self.spec = spec
-        # a rank's lazy captures would need every rank's at once: tensor-parallel steps keep the eager halves
+        # a rank's lazy captures would need every rank's at once: tensor-parallel steps keep the mixed-step path
         if spec is not None and spec.draft is None and not self.model.tensor_parallel:
             max_tokens = self.graphs.buckets[-1] if self.graphs is not None else self.tables.num_slots
             self.spec_graphs = SpecGraphs(spec, lambda batch: self.model(batch, self.kv_cache), self.model.backend,
