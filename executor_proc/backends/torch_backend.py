@@ -152,6 +152,7 @@ class TorchPlan:
     attention: AttentionPlan
     cos_sin: torch.Tensor
     kv_index: torch.Tensor
+    kv_rows: Optional[torch.Tensor] = None  # the tokens that write KV, when some of the real ones do not
 
 
 class TorchBackend:
@@ -165,7 +166,10 @@ class TorchBackend:
     def plan(self, batch: ForwardBatch) -> TorchPlan:
         # A bucket-padded step (the mixed-step runner called eagerly) lists its real tokens first.
         n = sum(batch.host_query_lens)
-        return TorchPlan(plan_attention(batch), ops.rope_cos_sin(batch.positions, self.inv_freq), batch.kv_index[:n])
+        kv_index = batch.kv_index[:n]
+        writes = kv_index >= 0  # -1: a padding-slot decode row (a speculative step's position past its row's drafts)
+        kv_rows = None if bool(writes.all()) else writes.nonzero()[:, 0]
+        return TorchPlan(plan_attention(batch), ops.rope_cos_sin(batch.positions, self.inv_freq), kv_index, kv_rows)
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, plan: TorchPlan, kv_scale: KVScale = NO_SCALE,
@@ -174,9 +178,8 @@ class TorchBackend:
             q, k = ops.rms_norm_ref(q, qk_norm[0], qk_norm[2]), ops.rms_norm_ref(k, qk_norm[1], qk_norm[2])
         n = plan.kv_index.shape[0]  # padded tokens write no KV
         k, v, index = ops.apply_rope(k[:n], plan.cos_sin[:n]), v[:n], plan.kv_index
-        keep = index >= 0  # decode rows of the padding slot (a speculative step's positions past a row's drafts)
-        if not bool(keep.all()):
-            k, v, index = k[keep], v[keep], index[keep]
+        if plan.kv_rows is not None:
+            k, v, index = k[plan.kv_rows], v[plan.kv_rows], index[plan.kv_rows]
         ops.kv_store(k, v, k_cache, v_cache, index, kv_scale)
         return ops.apply_rope(q, plan.cos_sin)
 

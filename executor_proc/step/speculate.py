@@ -166,9 +166,10 @@ class Speculator:
             step.fill = upload.add(fill.reshape(-1), torch.int64)
         return step
 
-    def stage_rows(self, plan: StepPlan, rows: PlanRows, upload, step: Optional[SpecStep], info=None) -> SpecStep:
-        """Add the plan's speculative rows to the upload (their token indices in ``logits_index``; ``info``: the
-        slot tables' host mirrors, for the verify's sampling variant)."""
+    def stage_rows(self, plan: StepPlan, rows: PlanRows, step: Optional[SpecStep], info=None) -> SpecStep:
+        """The plan's speculative rows on the host (``step.host``) and how they sample (``info``: the slot tables'
+        host mirrors, for the verify's sampling variant); :meth:`stage_tokens` (or the speculative graphs) then
+        add their device arrays to the upload."""
         step = step or SpecStep()
         drafts = np.asarray(plan.num_drafts, dtype=np.int64)
         spec = np.flatnonzero(drafts >= 0)
@@ -177,19 +178,24 @@ class Speculator:
         start = np.where([s in self.live for s in slots.tolist()], -1, rows.starts[spec])  # -1: the device's
         self.live.update(slots.tolist())
         sampled_at = np.searchsorted(rows.sampled, spec)  # each speculative row's place among the sampled rows
-        parts = row_arrays(spec, slots, ks, start, rows.query_start[spec], sampled_at, self.k)
-        step.part = upload.add(np.concatenate(parts), torch.int64)
-        step.rows, step.extra, step.num_tokens = len(spec), len(parts[8]), len(parts[5])
-        step.num_sampled = len(rows.sampled)
-        step.sizes, step.logits_index, step.spec_rows = tuple(len(p) for p in parts), parts[7], spec
-        step.host = parts[:5]
+        step.host, step.spec_rows = [spec, slots, ks, start, sampled_at], spec
+        step.rows, step.num_sampled = len(spec), len(rows.sampled)
         infos = [info[s] for s in slots.tolist()] if info is not None else []
         step.greedy = all(i.greedy for i in infos)
         step.filtered = any(i.filtered for i in infos)
         step.penalised = any(i.penalised for i in infos)
-        if any(i.num_logprobs >= 0 for i in infos):
-            step.extra_logprobs = [infos[r].num_logprobs for r in parts[5][parts[10]].tolist()]
+        if any(i.num_logprobs >= 0 for i in infos):  # each further token's row's
+            step.extra_logprobs = [infos[r].num_logprobs for r in np.repeat(np.arange(len(spec)), ks).tolist()]
         return step
+
+    def stage_tokens(self, step: SpecStep, rows: PlanRows, upload) -> None:
+        """Add the rows' device arrays (:func:`row_arrays`) to the upload; their token indices in
+        ``logits_index``."""
+        spec, slots, ks, start, sampled_at = step.host
+        parts = row_arrays(spec, slots, ks, start, rows.query_start[spec], sampled_at, self.k)
+        step.part = upload.add(np.concatenate(parts), torch.int64)
+        step.extra, step.num_tokens = len(parts[8]), len(parts[5])
+        step.sizes, step.logits_index = tuple(len(p) for p in parts), parts[7]
 
     def apply(self, step: Optional[SpecStep], sent: list[torch.Tensor]) -> None:
         """Admitted slots' tokens into the table (after the slot tables' own admissions); the rows' arrays."""

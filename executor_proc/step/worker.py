@@ -225,7 +225,7 @@ class Worker:
         outputs.prompt = plan_prompt_logprobs(plan, self.tables.info, self.saved_hidden) if featured else None
         rows = plan_rows(plan)
         if speculative:
-            spec = outputs.spec = self.spec.stage_rows(plan, rows, upload, spec, self.tables.info)
+            spec = outputs.spec = self.spec.stage_rows(plan, rows, spec, self.tables.info)
             if (self.spec_graphs is not None and outputs.prompt is None
                     and self.spec_graphs.takes(spec, len(plan.slots), mode)):
                 part = self.spec_graphs.stage(spec, upload)
@@ -234,6 +234,7 @@ class Worker:
                 self.tables.apply(diff, sent)
                 self.spec.apply(spec, sent)
                 return SpecDecodeStep(self.spec_graphs.bind(spec, sent[part], rows.starts), outputs)
+            self.spec.stage_tokens(spec, rows, upload)
         packed_rows = self.spec.mixed_rows(rows, spec) if speculative else rows
         draft = self.spec.draft if self.spec is not None else None
         drafting = None
