@@ -161,16 +161,37 @@ class DecodeWorkspace:
 
     Allocate once (outside graph capture) and pass to every :func:`decode_attention`
     call; a call uses the first ``B`` rows and first ``num_splits`` splits.
+    A call of more rows, up to ``max_rows`` (a speculative step's positions as decode rows), takes fewer splits:
+    at most :meth:`splits_for` of its row count, its partials packed into the same memory (:meth:`partials`).
     """
 
     def __init__(self, max_batch: int, num_heads: int, head_dim: int, max_splits: int = 16,
-                 device: torch.device | str = "cuda"):
+                 device: torch.device | str = "cuda", max_rows: int = 0):
         self.max_batch, self.num_heads, self.head_dim, self.max_splits = max_batch, num_heads, head_dim, max_splits
+        self.max_rows = max(max_rows, max_batch)
         self.partial_out = torch.empty(max_batch, num_heads, max_splits, head_dim, dtype=torch.float32, device=device)
         self.partial_m = torch.empty(max_batch, num_heads, max_splits, dtype=torch.float32, device=device)
         self.partial_l = torch.empty(max_batch, num_heads, max_splits, dtype=torch.float32, device=device)
         # splits done per (row, KV head) of the call in progress; the merging split re-zeroes its entry
-        self.arrivals = torch.zeros(max_batch, num_heads, dtype=torch.int32, device=device)
+        self.arrivals = torch.zeros(self.max_rows, num_heads, dtype=torch.int32, device=device)
+
+    def splits_for(self, rows: int) -> int:
+        """The most splits (a power of two) a call of ``rows`` rows can keep its partials for."""
+        s = self.max_splits
+        while s > 1 and rows * s > self.max_batch * self.max_splits:
+            s //= 2
+        return s
+
+    def partials(self, rows: int, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(out, m, l) partials of a call: the whole buffers up to ``max_batch`` rows, else ``[rows, heads,
+        splits, ...]`` views packed into them."""
+        assert rows <= self.max_rows and splits <= self.splits_for(rows), (rows, splits, self.max_rows)
+        if rows <= self.max_batch:
+            return self.partial_out, self.partial_m, self.partial_l
+        shape = (rows, self.num_heads, splits)
+        n = rows * self.num_heads * splits
+        return (self.partial_out.view(-1)[:n * self.head_dim].view(*shape, self.head_dim),
+                self.partial_m.view(-1)[:n].view(shape), self.partial_l.view(-1)[:n].view(shape))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -263,9 +284,8 @@ def decode_attention(
     if num_splits > 1:
         if workspace is None:
             workspace = DecodeWorkspace(B, H, D, num_splits, q.device)
-        assert workspace.max_batch >= B and workspace.num_heads == H and workspace.head_dim == D
-        assert workspace.max_splits >= num_splits
-        po, pm, pl = workspace.partial_out, workspace.partial_m, workspace.partial_l
+        assert workspace.num_heads == H and workspace.head_dim == D
+        po, pm, pl = workspace.partials(B, num_splits)
         arrivals = workspace.arrivals
     else:
         po = pm = pl = out  # unused

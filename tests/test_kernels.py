@@ -96,6 +96,29 @@ def test_decode_attention(dtype, block_size, num_splits, H, Hkv, D):
         assert (ws.arrivals == 0).all()
 
 
+def test_decode_attention_more_rows_than_the_workspace_batch():
+    """A call of more rows than the workspace's batch (a speculative step's positions as decode rows) takes fewer
+    splits, its partials packed into the same buffers, and gives the reference's output."""
+    from kernels.decode_attention import DecodeWorkspace, decode_attention
+
+    g = torch.Generator().manual_seed(11)
+    lens = [1, 17, 75, 130, 40, 9]
+    H, Hkv, D = 8, 2, 32
+    kc, vc, bt = make_paged(lens, 16, Hkv, D, torch.float32, gen=g)
+    cl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    ws = DecodeWorkspace(2, H, D, max_splits=4, device=DEV, max_rows=len(lens))
+    assert ws.splits_for(2) == 4 and ws.splits_for(3) == 2 and ws.splits_for(6) == 1
+    poison(ws.partial_out), poison(ws.partial_m), poison(ws.partial_l)
+    for rows in (3, 4):  # 2 splits, packed into the 2-row buffers
+        q = torch.randn(rows, H, D, generator=g).to(DEV)
+        out = poison(torch.empty_like(q))
+        decode_attention(q, kc, vc, bt[:rows], cl[:rows], D ** -0.5, out=out, workspace=ws, num_splits=2, block_n=16)
+        assert rel_err(out, R.decode_attention_ref(q, kc, vc, bt[:rows], cl[:rows], D ** -0.5)) < tol(torch.float32)
+        assert (ws.arrivals == 0).all()
+    with pytest.raises(AssertionError):  # 6 rows keep 1 split's partials: 2 would overrun the buffers
+        decode_attention(q.new_zeros(6, H, D), kc, vc, bt, cl, 1.0, workspace=ws, num_splits=2)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="large shapes on CUDA only")
 @pytest.mark.parametrize("D", [64, 128])
 def test_decode_attention_large(D):

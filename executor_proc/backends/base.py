@@ -165,6 +165,8 @@ class Backend(Protocol[PlanT]):
     # Whether a pure-decode step may be captured in a CUDA graph: every shape the
     # backend needs comes from the device or from the batch size, none from host lists.
     supports_graphs: bool
+    # The most rows of one decode forward (a speculative step runs its positions as decode rows).
+    max_decode_rows: int
 
     def plan(self, batch: ForwardBatch) -> PlanT: ...
 

@@ -26,7 +26,8 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     """The backend for ``model`` (a :class:`executor_proc.model.llama.CausalLM` on ``device``).
 
     Triton on CUDA (``kernels: auto``) or when asked: its decode workspace holds
-    ``num_slots + 1`` rows (the padding slot), and on CUDA with graphs its linears
+    ``num_slots + 1`` rows (the padding slot; n-gram speculation's steps run ``K + 1`` times as many with fewer
+    splits), and on CUDA with graphs its linears
     are tuned for the graph batch sizes 1, 2, 4, 8 (skinny matmul and the fused norm / SiLU / rotary
     matmuls), 16, 32, ... up to the largest graph (tiled matmul), and the layers' norms are folded into
     the matmuls after them (:func:`folds_norms`) before the weights are quantized (:func:`quantize`), each
@@ -41,8 +42,11 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
 
     patch_interpreter()  # the CPU runs the kernels in Triton's interpreter (a no-op on a GPU)
     c = model.config
+    spec = cfg.speculative
+    positions = spec.num_tokens + 1 if spec.method == "ngram" else 1  # each row's, run as decode rows
     backend = TritonBackend(model.rope_inv_freq, max_positions, c.num_heads, c.num_kv_heads, c.head_dim,
-                            cfg.num_slots + 1, device, batch_invariant=cfg.batch_invariant)
+                            cfg.num_slots + 1, device, batch_invariant=cfg.batch_invariant,
+                            max_decode_rows=(cfg.num_slots + 1) * positions)
     if folds_norms(cfg) and not is_quantized(model):  # FP8 from the checkpoint: a fold would re-quantize
         model.fold_norms()
         backend.norms_folded = True

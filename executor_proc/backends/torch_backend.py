@@ -159,6 +159,7 @@ class TorchBackend:
     """:class:`executor_proc.backends.base.Backend` in plain torch (the CPU path, and the GPU's ``kernels: torch``)."""
 
     supports_graphs = False
+    max_decode_rows = 1 << 30  # no workspace: any number of one-token rows
 
     def __init__(self, inv_freq: torch.Tensor):
         self.inv_freq = inv_freq

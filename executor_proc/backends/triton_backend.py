@@ -117,11 +117,15 @@ class TritonBackend:
     supports_graphs = True
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, max_batch: int, device: torch.device, batch_invariant: bool = False):
+                 head_dim: int, max_batch: int, device: torch.device, batch_invariant: bool = False,
+                 max_decode_rows: int = 0):
+        """``max_batch``: the most rows of a decode step; ``max_decode_rows``: of any one-token-a-row forward (a
+        speculative step's positions), which takes fewer attention splits past ``max_batch``."""
         self.cos_sin = rope_cos_sin_cache(inv_freq.float().to(device), max_positions)
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.device = device
-        self.workspace = DecodeWorkspace(max_batch, num_heads, head_dim, device=device)
+        self.workspace = DecodeWorkspace(max_batch, num_heads, head_dim, device=device,
+                                         max_rows=0 if batch_invariant else max_decode_rows)
         # (N, K, m_bucket) -> skinny-matmul config; absent: cuBLAS.
         self.gemv_choice: dict[tuple[int, int, int], GemvConfig] = {}
         self.gemv_everywhere: Optional[GemvConfig] = None  # tests: force the Triton path
@@ -182,7 +186,14 @@ class TritonBackend:
         for every batch size when batch-invariant."""
         if self.batch_invariant:
             return self.invariant_splits
-        return default_num_splits(rows, self.num_kv_heads, self.device, self.workspace.max_splits, self.head_dim)
+        return min(default_num_splits(rows, self.num_kv_heads, self.device, self.workspace.max_splits, self.head_dim),
+                   self.workspace.splits_for(rows))
+
+    @property
+    def max_decode_rows(self) -> int:
+        """The most rows one decode forward may have (batch-invariant: the decode steps', whose split count every
+        call keeps)."""
+        return self.workspace.max_rows
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, plan: TritonPlan, kv_scale: KVScale = NO_SCALE,
