@@ -1398,9 +1398,10 @@ on the cpu wall time, a check that it runs):
 - ``decode``: one token per row, the decode graph of bucket B (what a step without speculation costs);
 - ``verify graph``: the rows as K + 1-token chunks through the mixed-step graphs (body and head): what a verify
   step costs once it is captured;
-- ``verify step``: the speculative rows as the executor runs them (``StepPlan.num_drafts``: drafts by the n-gram
-  kernel, the forward through the mixed-step graphs when the sampled rows and the drafted positions fit its
-  row buckets, else eagerly, then the LM head of every position, acceptance and table updates on the device).
+- ``verify step``: the speculative rows as the executor runs them (``StepPlan.num_drafts``): greedy rows as
+  decode rows in one graph (drafts by the n-gram kernel, the forward, argmax, acceptance and table updates:
+  :mod:`executor_proc.step.spec_graphs`), other rows through the mixed-step graphs then the LM head of every
+  position and acceptance, eagerly where they do not fit.
 
 The ratios to ``decode`` are the verification's price; speculation pays when a row gains more accepted tokens.
 
@@ -1417,7 +1418,7 @@ The ratios to ``decode`` are the verification's price; speculation pays when a r
 
     from benchlib import write_json
     from executor_proc.build import build_worker
-    from executor_proc.step.worker import EagerStep, GraphStep, MixedStep
+    from executor_proc.step.worker import EagerStep, GraphStep, MixedStep, SpecDecodeStep
     from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner
     from ipc.config import ExecutorConfig, SpeculativeConfig
     from ipc.protocol import StepPlan
@@ -1486,11 +1487,11 @@ The ratios to ``decode`` are the verification's price; speculation pays when a r
             assert isinstance(mixed, MixedStep), type(mixed).__name__
             t_graph = timed(lambda: worker.launch(mixed), args.reps, cuda)
             spec = worker.prepare(plan(live, k + 1, False, True, vocab))
-            assert isinstance(spec, (EagerStep, MixedStep)) and spec.spec is not None, type(spec).__name__
+            assert isinstance(spec, SpecDecodeStep) or spec.spec is not None, type(spec).__name__
             t_spec = timed(lambda: worker.launch(spec), args.reps, cuda)
+            kind = {SpecDecodeStep: "decode rows", MixedStep: "graphs", EagerStep: "eager"}[type(spec)]
             rows.append(dict(batch=b, k=k, context=args.context, decode_ms=t_decode * 1e3,
-                             verify_graph_ms=t_graph * 1e3, verify_step_ms=t_spec * 1e3,
-                             verify_step_kind="graphs" if isinstance(spec, MixedStep) else "eager",
+                             verify_graph_ms=t_graph * 1e3, verify_step_ms=t_spec * 1e3, verify_step_kind=kind,
                              graph_ratio=t_graph / t_decode, step_ratio=t_spec / t_decode))
         meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, model=args.model, setup_s=setup_s,
                     command=" ".join(sys.argv))

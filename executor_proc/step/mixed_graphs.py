@@ -39,13 +39,16 @@ _NO_ROWS = plan_rows(StepPlan(0, [], [], [], [], []))
 class MixedGraphs:
     def __init__(self, body_fn: BodyFn, head_fn: HeadFn, max_tokens: int, max_rows: int, pad_slot: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, capture: bool,
-                 capturer: Optional[GraphCapture] = None, group: int = 1):
+                 capturer: Optional[GraphCapture] = None, group: int = 1, max_sampled: int = 0):
         """``body_fn(inputs, hidden_out, host_rows)`` and ``head_fn(hidden, slots, positions, mode)``:
         :func:`executor_proc.step.mixed_step.mixed_body` and ``mixed_head`` bound to a model;
-        ``group``: its query heads per KV head (sets the prefill work tile)."""
+        ``group``: its query heads per KV head (sets the prefill work tile); ``max_rows``: the most rows (and
+        hidden rows out) of a body; ``max_sampled``: of a head (default ``max_rows``; fewer with speculation,
+        whose drafted positions are hidden rows the head does not sample)."""
         self.body_fn, self.head_fn = body_fn, head_fn
         self.token_buckets = token_buckets(max_tokens)
         self.row_buckets = row_buckets(max_rows)
+        self.head_buckets = row_buckets(min(max_sampled or max_rows, max_rows))
         self.max_rows = max_rows
         self.pad_slot = pad_slot
         self.device = device
@@ -101,7 +104,7 @@ class MixedGraphs:
             return Sampled(self.no_tokens)
         if before_head is not None:
             before_head()
-        rows = self.row_buckets[bisect.bisect_left(self.row_buckets, num_sampled)]
+        rows = self.head_buckets[bisect.bisect_left(self.head_buckets, num_sampled)]
         entry = self.heads.get((rows, mode))
         if entry is None:
             if not self.capture:
@@ -122,12 +125,12 @@ class MixedGraphs:
             return []
         bodies = sorted((s for s in self.shapes if s not in self.bodies), key=lambda s: (s.tokens, s.rows),
                         reverse=True)
-        heads = [(r, m) for r in reversed(self.row_buckets) for m in modes if (r, m) not in self.heads]
+        heads = [(r, m) for r in reversed(self.head_buckets) for m in modes if (r, m) not in self.heads]
         return [self._body_job(s) for s in bodies] + [self._head_job(r, m) for r, m in heads]
 
     def heaviest_jobs(self) -> list[CaptureJob]:
         """The widest head of :data:`HEAVIEST_MODE`, if not captured yet (none without capture)."""
-        key = (self.row_buckets[-1], HEAVIEST_MODE)
+        key = (self.head_buckets[-1], HEAVIEST_MODE)
         return [self._head_job(*key)] if self.capture and key not in self.heads else []
 
     def drop(self) -> None:

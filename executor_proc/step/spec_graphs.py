@@ -1,29 +1,33 @@
 """A pure speculative step as one CUDA graph: drafts, a decode forward over every drafted position, acceptance.
 
-A step whose every row speculates (n-gram drafts, ``K`` of them each, greedy, no penalties, logprobs or grammar:
-one user editing a text) is, on a small model, paced by its launches, not by the GPU.  Through the mixed-step
-runner it would run its ``R (K + 1)`` tokens as prefill chunks (the prefill attention, unfused norms) with some
-forty launches from Python around the body (drafting, the LM head over every position, acceptance).  Here each
-position is a *decode row* instead: token ``j`` of a row at position ``base + j`` attends over ``base + j + 1``
-keys, the ones its own row's earlier tokens wrote in the same layer (every row's KV is written before any row
-attends), so the step is a decode step of ``R (K + 1)`` rows on the fused one-token kernels, whose logits give
-each position's argmax.  The step, from the slot tables to its output tensor, is one function of static
-buffers, captured once per row count ``R``:
+A step whose every row speculates (n-gram drafts, ``K`` of them each, greedy, no penalties, logprobs or grammar: one
+user editing a text; plain decode rows of paused requests beside them are rows of no drafts) is, on a small model,
+paced by its launches, not by the GPU.  Through the mixed-step runner it would run its ``R (K + 1)`` tokens as
+prefill chunks (the prefill attention, unfused norms) with some forty launches from Python around the body
+(drafting, the LM head over every position, acceptance).  Here each position is a *decode row* instead: token ``j``
+of a row at position ``base + j`` attends over ``base + j + 1`` keys, the ones its own row's earlier tokens wrote in
+the same layer (every row's KV is written before any row attends), so the step is a decode step of ``R (K + 1)``
+rows on the fused one-token kernels, whose logits give each position's argmax.  The step, from the slot tables to
+its output tensor, is one function of static buffers, captured once per bucket of row counts:
 
 - :meth:`Speculator.token_inputs`: the last token written at the row's first position, the drafts (the n-gram
   kernel), each token's input id and position, from the device lengths;
 - the decode forward (:func:`executor_proc.step.decode_step.decode_batch` with those ids), the argmax;
 - :meth:`Speculator.accept`: the accepted counts, the tables' updates, the step's one output tensor.
 
-A step copies its speculative arrays (:func:`executor_proc.step.speculate.row_arrays`: their sizes depend on
-``R`` and ``K`` only) into one static buffer (one device copy) and replays.  Captures are lazy (a few
-milliseconds, once per row count), before the step's arrays are in place: the warm-up runs on padding rows.  The
-same function runs eagerly without capture (the CPU), which is how the CPU tests exercise it; there the torch
-backend attends from host lengths, the rows' upper bounds.
+A step's rows are padded to a bucket of row counts (the decode graphs', :func:`graph_buckets`): padding rows run
+on the padding slot at position 0 (no KV write, and their output is cut away).  A step copies its speculative
+arrays (:func:`executor_proc.step.speculate.row_arrays`: their sizes depend on the bucket and ``K`` only) into
+one static buffer (one device copy) and replays.  Every bucket is captured at start-up with the other graphs
+(:meth:`capture_jobs`), so the memory plan holds them and the first speculative step compiles nothing; a bucket
+missing there is captured when first used, on padding rows.  The same function runs eagerly without capture
+(the CPU), which is how the CPU tests exercise it; there the torch backend attends from host lengths, the rows'
+upper bounds.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -32,7 +36,8 @@ import numpy as np
 import torch
 
 from executor_proc.step.decode_step import DecodeInputs, decode_batch
-from executor_proc.step.graphs import GraphCapture
+from executor_proc.step.graphs import CaptureJob, GraphCapture, graph_buckets
+from executor_proc.step.plan_rows import PlanRows
 from executor_proc.step.sample import GREEDY, SamplingMode
 from executor_proc.step.slot_tables import SlotTables
 from executor_proc.step.speculate import SpecStep, Speculator, row_arrays
@@ -50,40 +55,55 @@ class SpecGraph:
 
 class SpecGraphs:
     def __init__(self, spec: Speculator, forward: Callable, backend, tables: SlotTables, block_size: int,
-                 max_tokens: int, capture: bool, capturer: GraphCapture, device: torch.device):
+                 max_rows: int, capture: bool, capturer: GraphCapture, device: torch.device):
         """``forward(batch)``: the model's logits over the KV cache (the worker's, read at each call: start-up
-        replaces it); ``backend``: the model's; ``max_tokens``: the most positions one step runs as decode rows (a
-        larger step takes the mixed runner)."""
+        replaces it); ``backend``: the model's; ``max_rows``: the most rows one step runs here (a larger step takes
+        the mixed runner)."""
         self.spec, self.forward, self.backend, self.tables = spec, forward, backend, tables
         self.block_size, self.capture, self.capturer = block_size, capture, capturer
         self.k = spec.k
-        self.max_rows = max(max_tokens // (self.k + 1), 0)
-        size = sum(len(a) for a in self._arrays(*self._padding(self.max_rows)))
+        self.buckets = graph_buckets(max_rows) if max_rows > 0 else []
+        self.max_rows = max_rows
+        size = sum(len(a) for a in self._arrays(*self._padding(max(self.max_rows, 1))))
         self.parts = torch.zeros(size, dtype=torch.int64, device=device)
         self.no_tokens = torch.zeros(max(self.max_rows, 1), dtype=torch.int64, device=device)
         self.graphs: dict[int, SpecGraph] = {}
 
-    def takes(self, step: SpecStep, num_rows: int, mode: SamplingMode) -> bool:
-        """Whether the step runs here: every row speculates (``k <= K`` drafts), greedy, nothing more to compute."""
-        return (self.spec.draft is None and step.rows == num_rows == step.num_sampled <= self.max_rows
-                and mode == GREEDY and step.greedy and not step.penalised and step.extra_logprobs is None)
+    def takes(self, rows: PlanRows, mode: SamplingMode) -> bool:
+        """Whether the step runs here: every row a decode row (speculative, ``k <= K`` drafts, or plain: a paused
+        request's), all greedy with nothing more to compute."""
+        return (self.spec.draft is None and len(rows.sampled) == rows.num_rows <= self.max_rows
+                and not rows.is_prefill.any() and mode == GREEDY)
 
-    def stage(self, step: SpecStep, upload) -> int:
-        """Add the step's arrays, every row ``K + 1`` positions wide, to the upload; its result's layout follows
-        (:meth:`SpecStep.split`).  Returns their upload index."""
-        _, slots, ks, start, sampled_at = step.host
-        step.padded, step.extra = ks.tolist(), step.rows * self.k
-        return upload.add(np.concatenate(self._arrays(slots, ks, start, sampled_at)), torch.int64)
+    def stage(self, step: SpecStep, rows: PlanRows, upload) -> int:
+        """Add the step's arrays, every row ``K + 1`` positions wide and padding rows up to the bucket, to the
+        upload; its result's layout follows (:meth:`SpecStep.split`).  A plain row is a row of 0 drafts at the
+        plan's position (exact: its request has no drafts in flight).  Returns their upload index."""
+        spec, _, ks, start, _ = step.host
+        n = rows.num_rows
+        all_ks, all_start = np.zeros(n, dtype=np.int64), rows.starts.copy()
+        all_ks[spec], all_start[spec] = ks, start
+        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        step.padded, step.bucket, step.extra = list(zip(spec.tolist(), ks.tolist())), bucket, bucket * self.k
+        ours = (rows.slots, all_ks, all_start, np.arange(n, dtype=np.int64))
+        arrays = self._arrays(*(np.concatenate([a, b]) for a, b in zip(ours, self._padding(bucket, first=n))))
+        return upload.add(np.concatenate(arrays), torch.int64)
 
     def bind(self, step: SpecStep, part: torch.Tensor, host_starts: np.ndarray) -> SpecGraph:
         """Put the step's arrays (``part``, from :meth:`stage`) in place; ``host_starts``: each row's first
         position's upper bound (the uncaptured torch backend attends from host lengths)."""
-        graph = self.graphs.get(step.rows) or self._new(step.rows)
+        graph = self.graphs.get(step.bucket) or self._new(step.bucket)
         self.parts[:part.numel()].copy_(part)
-        if graph.graph is None:
-            graph.host_lens = (np.repeat(host_starts, self.k + 1) + np.tile(np.arange(1, self.k + 2),
-                                                                             step.rows)).tolist()
+        if graph.graph is None:  # padding rows: one key each
+            lens = np.repeat(host_starts, self.k + 1) + np.tile(np.arange(1, self.k + 2), len(host_starts))
+            graph.host_lens = lens.tolist() + [1] * ((step.bucket - len(host_starts)) * (self.k + 1))
         return graph
+
+    def capture_jobs(self) -> list[CaptureJob]:
+        """A capture per bucket not captured yet, largest first (none without capture)."""
+        if not self.capture:
+            return []
+        return [self._job(rows) for rows in reversed(self.buckets) if rows not in self.graphs]
 
     def run(self, graph: SpecGraph) -> torch.Tensor:
         """The step's one output tensor: the rows' first tokens, ``K`` further tokens a row, the accepted counts."""
@@ -105,22 +125,42 @@ class SpecGraphs:
         tok_row, tok_j = arrays[5], arrays[6]
         return arrays + [np.where(tok_j <= ks[tok_row], slots[tok_row], self.tables.pad_slot)]
 
-    def _padding(self, rows: int) -> tuple[np.ndarray, ...]:
-        """``rows`` rows of the padding slot at position 0 with ``K`` drafts (what a capture's warm-up runs)."""
-        return (np.full(rows, self.tables.pad_slot, dtype=np.int64), np.full(rows, self.k, dtype=np.int64),
-                np.zeros(rows, dtype=np.int64), np.arange(rows, dtype=np.int64))
+    def _padding(self, rows: int, first: int = 0) -> tuple[np.ndarray, ...]:
+        """Rows ``first`` to ``rows`` of a step padded to ``rows``: the padding slot at position 0 with ``K``
+        drafts (what a capture's warm-up runs), sampled in their places."""
+        n = rows - first
+        return (np.full(n, self.tables.pad_slot, dtype=np.int64), np.full(n, self.k, dtype=np.int64),
+                np.zeros(n, dtype=np.int64), np.arange(first, rows, dtype=np.int64))
 
-    def _new(self, rows: int) -> SpecGraph:
-        arrays = self._arrays(*self._padding(rows))
-        sizes = tuple(len(a) for a in arrays)
+    def _template(self, rows: int) -> SpecGraph:
+        """The bucket's step template, its arrays views of the static buffer."""
+        sizes = tuple(len(a) for a in self._arrays(*self._padding(rows)))
         template = SpecStep(rows=rows, extra=rows * self.k, num_sampled=rows, num_tokens=rows * (self.k + 1),
                             sizes=sizes)
         template.parts = list(torch.split(self.parts[:sum(sizes)], sizes))
-        graph = self.graphs[rows] = SpecGraph(template)
-        if self.capture:  # on padding rows, before the step's arrays are copied in
-            self.parts[:sum(sizes)].copy_(torch.from_numpy(np.concatenate(arrays)))
-            graph.graph, graph.out = self.capturer(lambda: self._step(graph))
-        return graph
+        return SpecGraph(template)
+
+    def _job(self, rows: int) -> CaptureJob:
+        """The bucket's capture, on padding rows (before a step's arrays are copied in)."""
+        graph = self._template(rows)
+
+        def prepare() -> None:
+            self.parts[:sum(graph.template.sizes)].copy_(torch.from_numpy(np.concatenate(
+                self._arrays(*self._padding(rows)))))
+
+        def store(captured: torch.cuda.CUDAGraph, out: torch.Tensor) -> None:
+            graph.graph, graph.out = captured, out
+            self.graphs[rows] = graph
+
+        return CaptureJob(lambda: self._step(graph), store, prepare)
+
+    def _new(self, rows: int) -> SpecGraph:
+        """A bucket not captured at start-up: captured now (or, without capture, its template)."""
+        if not self.capture:
+            graph = self.graphs[rows] = self._template(rows)
+            return graph
+        self._job(rows).capture(self.capturer)
+        return self.graphs[rows]
 
     @torch.inference_mode()
     def _step(self, graph: SpecGraph) -> torch.Tensor:

@@ -121,15 +121,18 @@ class SpecStep:
     extra_logprobs: Optional[list[int]] = None  # top-n of each further token's row, when some row asked (else None)
     penalised: bool = False  # some speculative row has penalties, logit_bias or min_tokens
     host: Optional[list[np.ndarray]] = None  # the rows' plan indices, slots, draft counts, first positions, places
-    padded: Optional[list[int]] = None  # every row's further tokens laid out K wide: each row's draft count
+    # every row laid out K wide (the speculative graphs): each speculative row's place among them and draft count
+    padded: Optional[list[tuple[int, int]]] = None
+    bucket: int = 0  # with ``padded``: the rows laid out, padding rows last (their output is cut away)
 
     def split(self, host: list[int]) -> tuple[list[int], dict]:
         """``token_ids`` and the StepResult's speculative fields from the step's one host list."""
         s, e = self.num_sampled, self.num_sampled + self.extra
-        if self.padded is not None:  # K further tokens a row, the first ``k`` of each are the row's
-            width = self.extra // self.rows
-            spec = [t for r, k in enumerate(self.padded) for t in host[s + r * width:s + r * width + k]]
-            return host[:s], {"spec_tokens": spec, "num_accepted": host[e:e + self.rows]}
+        if self.padded is not None:  # ``bucket`` first tokens, K further tokens a row (the row's first ``k``)
+            n = self.bucket
+            width, accepted = self.extra // n, n + self.extra
+            spec = [t for r, k in self.padded for t in host[n + r * width:n + r * width + k]]
+            return host[:s], {"spec_tokens": spec, "num_accepted": [host[accepted + r] for r, _ in self.padded]}
         return host[:s], {"spec_tokens": host[s:e], "num_accepted": host[e:e + self.rows]}
 
 

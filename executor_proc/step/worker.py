@@ -12,7 +12,7 @@ pinned, non-blocking upload (:mod:`executor_proc.step.staging`).  A pure-decode 
 that fits a bucket runs as :func:`executor_proc.step.decode_step.decode_step`
 through :class:`executor_proc.step.graphs.DecodeGraphs`; a step with prefill
 chunks runs padded to a bucket through :class:`executor_proc.step.mixed_graphs.MixedGraphs`
-(:mod:`executor_proc.step.mixed_step`); a step whose every row speculates greedily, as decode rows through
+(:mod:`executor_proc.step.mixed_step`); a step of greedy speculative (and plain) decode rows, as decode rows through
 :class:`executor_proc.step.spec_graphs.SpecGraphs`; all are replayed graphs on CUDA.  The
 rest run the model eagerly with the same kernels: steps that need prompt
 logprobs, plans with no rows, and everything when graphs are off.
@@ -82,7 +82,7 @@ class EagerStep:
 
 @dataclass
 class SpecDecodeStep:
-    """A step whose every row speculates, its positions run as decode rows in one graph (spec_graphs)."""
+    """A step of greedy decode rows, speculative or plain, its positions run as decode rows in one graph."""
 
     graph: SpecGraph
     outputs: StepOutputs
@@ -121,12 +121,18 @@ class Worker:
         self.mixed = None
         self.grammar: Optional[GrammarSlots] = None  # structured outputs' matchers (set by build_worker)
         self.spec: Optional[Speculator] = None  # speculative decoding (enable_speculation)
-        self.spec_graphs: Optional[SpecGraphs] = None  # steps whose every row speculates: one graph of decode rows
+        self.spec_graphs: Optional[SpecGraphs] = None  # steps of greedy speculative rows: one graph of decode rows
         if mixed_max_tokens > 0:
-            self.mixed = MixedGraphs(self._mixed_body, self._mixed_head, mixed_max_tokens, tables.num_slots,
-                                     tables.pad_slot, model.config.hidden_size, model.lm_head.weight.dtype, device,
-                                     capture=capture_graphs, capturer=self.capturer,
-                                     group=model.config.num_heads // model.config.num_kv_heads)
+            self.mixed = self._mixed_graphs(mixed_max_tokens, tables.num_slots)
+
+    def _mixed_graphs(self, max_tokens: int, max_rows: int) -> MixedGraphs:
+        """The mixed-step runner: steps of up to ``max_tokens`` tokens whose bodies give up to ``max_rows`` hidden
+        rows (a row per slot, sampled; speculative rows' drafted positions beside them)."""
+        config = self.model.config
+        return MixedGraphs(self._mixed_body, self._mixed_head, max_tokens, max_rows, self.tables.pad_slot,
+                           config.hidden_size, self.model.lm_head.weight.dtype, self.device, capture=self.capture,
+                           capturer=self.capturer, group=config.num_heads // config.num_kv_heads,
+                           max_sampled=self.tables.num_slots)
 
     def _decode_step(self, inputs, mode: SamplingMode) -> Sampled:
         with torch.inference_mode():
@@ -144,11 +150,15 @@ class Worker:
         """Run plans' speculative rows; a step then returns up to K + 2 values per row.  A draft model's passes
         get graphs wherever the mixed-step graphs run (:mod:`executor_proc.step.draft_graphs`)."""
         self.spec = spec
+        if spec is not None and self.mixed is not None:  # a hidden row per sampled row and per speculative position
+            self.mixed = self._mixed_graphs(self.mixed.token_buckets[-1], self.tables.num_slots * (spec.k + 2))
         # a rank's lazy captures would need every rank's at once: tensor-parallel steps keep the mixed-step path
         if spec is not None and spec.draft is None and not self.model.tensor_parallel:
-            max_tokens = self.graphs.buckets[-1] if self.graphs is not None else self.tables.num_slots
+            # as many rows as the decode graphs take, each K + 1 positions (the memory plan measures the captures)
+            max_rows = self.graphs.buckets[-1] if self.graphs is not None else self.tables.num_slots
+            max_rows = min(max_rows, self.model.backend.max_decode_rows // (spec.k + 1))
             self.spec_graphs = SpecGraphs(spec, lambda batch: self.model(batch, self.kv_cache), self.model.backend,
-                                          self.tables, self.block_size, max_tokens, self.capture, self.capturer,
+                                          self.tables, self.block_size, max_rows, self.capture, self.capturer,
                                           self.device)
         if spec is not None and self.tokens_out is not None:
             self.tokens_out = TokenRing(self.device, (self.tables.num_slots + 1) * (spec.k + 2))
@@ -171,6 +181,8 @@ class Worker:
             jobs += [job for runner in runners for job in runner.heaviest_jobs()]
         if self._draft_graphs is not None:
             jobs += self._draft_graphs.capture_jobs()
+        if self.spec_graphs is not None:
+            jobs += self.spec_graphs.capture_jobs()
         # A rank's steps hold collectives: not captured into scratch graphs (not yet run on several GPUs).
         run_captures(jobs, self.capturer, progress, compile_first=compile_first and not self.model.tensor_parallel,
                      compile_progress=compile_progress)
@@ -226,9 +238,8 @@ class Worker:
         rows = plan_rows(plan)
         if speculative:
             spec = outputs.spec = self.spec.stage_rows(plan, rows, spec, self.tables.info)
-            if (self.spec_graphs is not None and outputs.prompt is None
-                    and self.spec_graphs.takes(spec, len(plan.slots), mode)):
-                part = self.spec_graphs.stage(spec, upload)
+            if self.spec_graphs is not None and outputs.prompt is None and self.spec_graphs.takes(rows, mode):
+                part = self.spec_graphs.stage(spec, rows, upload)
                 sent = upload.send()
                 self._host_copies(plan, host, sent)
                 self.tables.apply(diff, sent)
