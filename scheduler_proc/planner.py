@@ -47,7 +47,7 @@ from scheduler_proc.planner_reconcile import Reconciler
 from scheduler_proc.planner_restart import new_device_blocks, restart_planner
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.request import Request, Status
-from scheduler_proc.speculation import DraftCounts, Speculation
+from scheduler_proc.speculation import RATE_START, DraftCounts, Speculation
 from scheduler_proc.steps import InflightStep, Output, ResumeClock, StepDraft
 
 _RUNNING = Status.RUNNING
@@ -265,7 +265,7 @@ class Planner(Reconciler, Speculation):
             self._running[req.rid] = req
             self._prefilling[req.rid] = req
             sampling = slot_sampling(req, self.limits.eos_token_ids)
-            req.spec_k, req.spec_misses = self.spec_drafts_for(sampling), 0
+            req.spec_k, req.spec_rate, req.spec_pauses = self.spec_drafts_for(sampling), RATE_START, 0
             # The slot's penalty state (and a speculating slot's token table) is built from every token the request
             # has, not from the chunks this admission computes: a prefix hit, an onload or a swap resume computes fewer.
             tokens = req.known_tokens(0, req.num_known) if sampling.reads_tokens or req.spec_k else []

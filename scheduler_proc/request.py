@@ -71,8 +71,9 @@ class Request:
     # drafts of its rows in flight, not yet accepted or rejected (num_computed counts them all as accepted).
     spec_k: int = 0
     spec_lag: int = 0
-    spec_misses: int = 0  # its latest rows with drafts that accepted none, in a row (a pause past PAUSE_AFTER)
+    spec_rate: float = 0.0  # running mean of the drafts its rows accept (speculation.RATE_START at admission)
     spec_resume: int = -1  # paused: the step from which it speculates again
+    spec_pauses: int = 0  # pauses since its rows last accepted a draft (the next pause's length)
     spec_drafted: int = 0  # drafts verified for it so far, and those accepted (its Finished reports them)
     spec_accepted: int = 0
 

@@ -26,9 +26,14 @@ follow through the same finish rules, one token at a time, so a stop token, a st
 preemption and restarts need nothing more: a request that left still has its bounds tightened until its last
 step is back, so its drain publishes exactly the KV that was written.
 
-Adaptive (n-gram drafts): a request whose last ``PAUSE_AFTER`` rows with drafts accepted none pauses
-(``_paused``): once its drafts in flight are back (its length exact again) it runs plain decode rows, which the
-executor's graphs run, for ``PAUSE_STEPS`` steps, then speculates again from its exact position.  A draft model's
+Adaptive (n-gram drafts): each request keeps a running mean of the drafts its rows accept (``spec_rate``, an
+exponential average); a speculative row costs more than a plain one (a small model's step about a fifth more at
+batch 1), so when the mean falls below ``PAUSE_BELOW`` the request pauses (``_paused``): once its drafts in
+flight are back (its length exact again) it runs plain decode rows, which the executor's graphs run, for a number
+of steps, then speculates again from its exact position with the mean at ``RESUME_RATE``.  The pause doubles
+from ``PAUSE_MIN`` to ``PAUSE_MAX`` steps while the mean stays low and drops back once it rises past the resume
+value: a text being edited has short stretches of new words between long copied ones (a long first pause lost
+them), a chat answer little to copy at all (its pauses grow until speculation costs almost nothing).  A draft model's
 requests never pause (``Limits.spec_pauses``): the draft's KV cache is written by speculative rows and prefill
 chunks only, so plain rows would leave it behind.
 
@@ -47,8 +52,17 @@ __all__ = ["DraftCounts", "Speculation", "verifiable"]
 _RUNNING = Status.RUNNING
 _FINISHED = Status.FINISHED
 
-PAUSE_AFTER = 4  # rows with drafts, none accepted, in a row: the request stops speculating for a while
-PAUSE_STEPS = 32  # plain decode steps before it speculates again
+RATE_START = 2.0  # accepted drafts a row, a request's mean before its first row (four rows of none pause it)
+RATE_WEIGHT = 0.3  # of each row's accepted count in the mean
+PAUSE_BELOW = 0.5  # accepted drafts a row below which the request pauses
+RESUME_RATE = 1.0  # the mean a request speculates again with (two rows of none pause it again)
+PAUSE_MIN = 4  # plain decode steps of its first pause; each pause with the mean low since doubles it
+PAUSE_MAX = 64
+
+
+def pause_steps(pauses: int) -> int:
+    """Plain decode steps of a request's pause after ``pauses`` earlier ones with its mean low since."""
+    return min(PAUSE_MIN << min(pauses, 16), PAUSE_MAX)
 
 
 def verifiable(s: SlotSampling) -> bool:
@@ -80,12 +94,14 @@ class Speculation:
             rid = req.rid
             if rid in self._speculating and not req.spec_lag:
                 del self._speculating[rid]
-                req.spec_resume = step_id + PAUSE_STEPS
+                req.spec_resume = step_id + pause_steps(req.spec_pauses)
+                req.spec_pauses += 1
                 if req.num_computed + 1 < req.max_total:
                     self._decoding[rid] = req
             elif rid in self._decoding and step_id >= req.spec_resume:
                 del self._decoding[rid], self._paused[rid]
                 self._speculating[rid] = req
+                req.spec_rate = RESUME_RATE
 
     def _plan_speculative(self, draft: StepDraft) -> None:
         """One row of ``k + 1`` tokens per speculating request that may still need tokens (module docstring)."""
@@ -137,10 +153,11 @@ class Speculation:
             req.spec_lag -= k
             req.num_computed -= k - accepted
             if k and self.limits.spec_pauses:
-                req.spec_misses = 0 if accepted else req.spec_misses + 1
-                if req.spec_misses >= PAUSE_AFTER and req.status is _RUNNING and req.rid in self._speculating:
+                req.spec_rate += RATE_WEIGHT * (accepted - req.spec_rate)
+                if req.spec_rate > RESUME_RATE:  # a stretch that pays: its next pause is short again
+                    req.spec_pauses = 0
+                if req.spec_rate < PAUSE_BELOW and req.status is _RUNNING and req.rid in self._speculating:
                     self._paused[req.rid] = req
-                    req.spec_misses = 0
             out = by_rid.get(req.rid)
             if out is not None and out.finish_reason is None and req.status is not _FINISHED:
                 self._spec_tokens(req, run, out, run_logprobs)

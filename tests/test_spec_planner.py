@@ -8,6 +8,8 @@ client sees.  The script accepts a chosen number of each row's drafts: every cou
 
 from __future__ import annotations
 
+import itertools
+
 import random
 
 import pytest
@@ -138,16 +140,17 @@ def test_executor_restart_with_drafts_in_flight(accepted):
         assert planner.blocks.num_free == 40 and planner.slots.num_free == 3
 
 
-def run_rejecting_then_accepting(depth: int, k: int, spec_pauses: bool = True) -> tuple[list[str], int]:
-    """One request whose drafts are all rejected below position 60 and all accepted above, through a planner at
-    ``depth``; its output checked against the script's; the kind of each of its decode steps ("spec" or "plain")
-    and the free blocks at the end."""
+def run_rejecting_then_accepting(depth: int, k: int, spec_pauses: bool = True,
+                                 accepts=lambda p: p >= 60) -> tuple[list[str], int]:
+    """One request whose drafts are all rejected below position 60 and all accepted above (``accepts(position)``:
+    whether a row there accepts all), through a planner at ``depth``; its output checked against the script's;
+    the kind of each of its decode steps ("spec" or "plain") and the free blocks at the end."""
     from executor_proc.testing.scripted import ScriptedRunner, expected_output
     from scheduler_proc.limits import Limits
     from scheduler_proc.planner import Planner
     from tests.planner_harness import make_request
 
-    ex = ScriptedRunner(2, 80, 4, num_speculative_tokens=k, accept=lambda s, p, n: 0 if p < 60 else n)
+    ex = ScriptedRunner(2, 80, 4, num_speculative_tokens=k, accept=lambda s, p, n: n if accepts(p) else 0)
     planner = Planner(Limits(2, 80, 4, 512, 16, frozenset({2}), num_speculative_tokens=k, spec_pauses=spec_pauses),
                       prefix_cache_id="m")
     req = make_request(0, prompt_len=6, max_tokens=100, ignore_eos=True)
@@ -166,14 +169,32 @@ def run_rejecting_then_accepting(depth: int, k: int, spec_pauses: bool = True) -
     return kinds, planner.blocks.num_free
 
 
+def runs_of(kinds: list[str]) -> list[tuple[str, int]]:
+    return [(k, sum(1 for _ in g)) for k, g in itertools.groupby(kinds)]
+
+
 @pytest.mark.parametrize("depth", [0, 2])
 def test_rows_that_keep_rejecting_pause_then_speculate_again(depth):
     """Nothing accepted for a while: the request runs plain decode rows (from its exact position, once its drafts
-    in flight are back) for PAUSE_STEPS steps, then speculates again; then everything is accepted."""
-    from scheduler_proc.speculation import PAUSE_AFTER, PAUSE_STEPS
+    in flight are back), then speculates again, its pauses doubling from PAUSE_MIN steps while nothing is
+    accepted; then everything is accepted."""
+    from scheduler_proc.speculation import PAUSE_MIN
 
     kinds, free = run_rejecting_then_accepting(depth, K)
-    runs = [(k, sum(1 for _ in g)) for k, g in __import__("itertools").groupby(kinds)]
-    assert runs[0][0] == "spec" and runs[0][1] >= PAUSE_AFTER and runs[1] == ("plain", PAUSE_STEPS), runs
-    assert runs[-1][0] == "spec" and len(kinds) < 100 - 10  # speculating again, and accepted: fewer steps
+    runs = runs_of(kinds)
+    assert runs[0][0] == "spec" and runs[0][1] >= 4, runs  # four rows of none bring the mean below PAUSE_BELOW
+    pauses = [n for kind, n in runs if kind == "plain"]
+    assert pauses[:3] == [PAUSE_MIN, 2 * PAUSE_MIN, 4 * PAUSE_MIN], runs
+    assert runs[-1][0] == "spec" and len(kinds) < 100 - 5  # speculating again, and accepted: fewer steps
     assert free == 80
+
+
+def test_an_accepted_draft_makes_the_next_pause_short_again():
+    """Pauses double while nothing is accepted; rows that accept (positions 30 to 33 here, in its third run of
+    speculative rows) set the next pause back to PAUSE_MIN steps; PAUSE_MAX bounds them."""
+    from scheduler_proc.speculation import PAUSE_MAX, PAUSE_MIN, pause_steps
+
+    kinds, free = run_rejecting_then_accepting(1, K, accepts=lambda p: 30 <= p < 34)
+    pauses = [n for kind, n in runs_of(kinds) if kind == "plain"]
+    assert pauses[:3] == [PAUSE_MIN, 2 * PAUSE_MIN, PAUSE_MIN], kinds
+    assert pause_steps(0) == PAUSE_MIN and pause_steps(100) == PAUSE_MAX and free == 80
