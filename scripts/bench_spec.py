@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,6 +57,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default 128)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write every run's figures here")
     ap.add_argument("--dry-run", action="store_true", help="print the servers and commands, run nothing")
+    ap.add_argument("--step-logs", default=None, metavar="DIR",
+                    help="serve and draft parts: keep each server's --step-log (JSON lines) in DIR, named by part")
     args = ap.parse_args(argv)
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
@@ -81,8 +84,10 @@ def run_script(args: argparse.Namespace, script: str, *flags: str) -> Optional[A
             return json.load(f)
 
 
-def served(args: argparse.Namespace, name: str, flags: list[str], loads: dict[str, list[str]]) -> dict[str, Any]:
-    """One server with ``flags``; each load of ``loads`` through ``bench_serve.py``; their figures by load."""
+def served(args: argparse.Namespace, key: str, name: str, flags: list[str],
+           loads: dict[str, list[str]]) -> dict[str, Any]:
+    """One server with ``flags``; each load of ``loads`` through ``bench_serve.py``; their figures by load
+    (``key``: the run's name in the JSON and its step log's under ``--step-logs``)."""
     print(f"+ forerun serve {' '.join(flags)}   [{name}]", flush=True)
     results: dict[str, Any] = {}
     if args.dry_run:
@@ -99,6 +104,9 @@ def served(args: argparse.Namespace, name: str, flags: list[str], loads: dict[st
         finally:
             stop_server(server)
         results["steps"] = step_medians(log)
+        if args.step_logs and os.path.exists(log):
+            os.makedirs(args.step_logs, exist_ok=True)
+            shutil.copy(log, os.path.join(args.step_logs, f"{key}.jsonl"))
     return results
 
 
@@ -130,8 +138,8 @@ def part_serve(args: argparse.Namespace) -> dict[str, Any]:
                            "--concurrency", "16"],
              "chat_c1": ["--dataset", "chat", "--num-requests", "24", "--concurrency", "1"]}
     spec = ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
-    return {"serve_off": served(args, "default model", [], loads),
-            "serve_ngram": served(args, "default model, n-gram", spec, loads)}
+    return {"serve_off": served(args, "serve_off", "default model", [], loads),
+            "serve_ngram": served(args, "serve_ngram", "default model, n-gram", spec, loads)}
 
 
 def part_draft(args: argparse.Namespace) -> dict[str, Any]:
@@ -140,11 +148,11 @@ def part_draft(args: argparse.Namespace) -> dict[str, Any]:
     spec = ["--speculative-method", "draft", "--num-speculative-tokens", str(args.k), "--draft-load-format", "dummy"]
     small, itself = ["--draft-model", os.path.join(CONFIGS, "llama-3.2-1b")], ["--draft-model", model[3]]
     invariant = model + ["--batch-invariant"]
-    return {"draft_off": served(args, "8B", model, load),
-            "draft_1b": served(args, "8B, 1B random draft", model + spec + small, load),
-            "draft_off_invariant": served(args, "8B, batch-invariant", invariant, load),
-            "draft_self_invariant": served(args, "8B as its own draft, batch-invariant", invariant + spec + itself,
-                                           load)}
+    return {"draft_off": served(args, "draft_off", "8B", model, load),
+            "draft_1b": served(args, "draft_1b", "8B, 1B random draft", model + spec + small, load),
+            "draft_off_invariant": served(args, "draft_off_invariant", "8B, batch-invariant", invariant, load),
+            "draft_self_invariant": served(args, "draft_self_invariant", "8B as its own draft, batch-invariant",
+                                           invariant + spec + itself, load)}
 
 
 def part_idle(args: argparse.Namespace) -> dict[str, Any]:
