@@ -26,8 +26,8 @@ from tests.server_proc import ServerProcess  # noqa: E402
 # The files that take longest on 2 cores (about 20 to 115 s each with three workers), longest first.  The README
 # runs the suite with `-n 2 --dist loadfile`: files go to the workers in collection order as they free up, so the
 # run ends when the last file does; starting the long ones first leaves the short ones to even out the workers'
-# ends.  (Three workers on the two cores: 453-475 s against 492 s in a warm checkout, but in a fresh clone 519 s
-# against 480 s with two.)
+# ends.  (Three workers on the two cores were slower in fresh clones: 519 s against 480 s of pytest with two, and
+# on a slower machine 741 s against 680 s.)
 LONGEST_FIRST = (
     "test_gpu_fastpath.py", "test_lifecycle_exhaustive.py", "test_e2e.py", "test_openai_server.py",
     "test_kv_paths.py", "test_scripts.py", "test_output_features_model.py", "test_tensor_parallel.py",
