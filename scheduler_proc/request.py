@@ -73,7 +73,7 @@ class Request:
     spec_lag: int = 0
     spec_rate: float = 0.0  # running mean of the drafts its rows accept (speculation.RATE_START at admission)
     spec_resume: int = -1  # paused: the step from which it speculates again
-    spec_pauses: int = 0  # pauses since its rows last accepted a draft (the next pause's length)
+    spec_pauses: int = 0  # pauses since its mean last rose past speculation.RESUME_RATE (the next pause's length)
     spec_drafted: int = 0  # drafts verified for it so far, and those accepted (its Finished reports them)
     spec_accepted: int = 0
 

@@ -27,15 +27,15 @@ preemption and restarts need nothing more: a request that left still has its bou
 step is back, so its drain publishes exactly the KV that was written.
 
 Adaptive (n-gram drafts): each request keeps a running mean of the drafts its rows accept (``spec_rate``, an
-exponential average); a speculative row costs more than a plain one (a small model's step about a fifth more at
-batch 1), so when the mean falls below ``PAUSE_BELOW`` the request pauses (``_paused``): once its drafts in
-flight are back (its length exact again) it runs plain decode rows, which the executor's graphs run, for a number
-of steps, then speculates again from its exact position with the mean at ``RESUME_RATE``.  The pause doubles
-from ``PAUSE_MIN`` to ``PAUSE_MAX`` steps while the mean stays low and drops back once it rises past the resume
-value: a text being edited has short stretches of new words between long copied ones (a long first pause lost
-them), a chat answer little to copy at all (its pauses grow until speculation costs almost nothing).  A draft model's
-requests never pause (``Limits.spec_pauses``): the draft's KV cache is written by speculative rows and prefill
-chunks only, so plain rows would leave it behind.
+exponential average); a speculative row costs more than a plain one (the default model's step 7% to 30% more at
+batch 1 on an H200), so when the mean falls below ``PAUSE_BELOW`` the request pauses (``_paused``): once its drafts
+in flight are back (its length exact again) it runs plain decode rows, which the executor's graphs run, for a number
+of steps, then speculates again from its exact position with the mean at ``RESUME_RATE``.  The pause doubles from
+``PAUSE_MIN`` to ``PAUSE_MAX`` steps while the mean stays low and drops back once it rises past the resume value: a
+text being edited has short stretches of new words between long copied ones (a long first pause lost them), a chat
+answer little to copy at all (its pauses grow until speculation costs almost nothing).  A draft model's requests
+never pause (``Limits.spec_pauses``): the draft's KV cache is written by speculative rows and prefill chunks only,
+so plain rows would leave it behind.
 
 A mixin of :class:`~scheduler_proc.planner.Planner`, which owns the state (``_speculating``: the speculating
 requests past their prompt; ``_paused``: those pausing).
