@@ -167,10 +167,10 @@ class TorchBackend:
     def plan(self, batch: ForwardBatch) -> TorchPlan:
         # A bucket-padded step (the mixed-step runner called eagerly) lists its real tokens first.
         n = sum(batch.host_query_lens)
-        kv_index = batch.kv_index[:n]
-        writes = kv_index >= 0  # -1: a padding-slot decode row (a speculative step's position past its row's drafts)
-        kv_rows = None if bool(writes.all()) else writes.nonzero()[:, 0]
-        return TorchPlan(plan_attention(batch), ops.rope_cos_sin(batch.positions, self.inv_freq), kv_index, kv_rows)
+        rows = batch.host_kv_rows  # from the host: reading the indices' -1 back would wait for the device
+        kv_rows = None if rows is None else torch.tensor(rows, dtype=torch.int64, device=batch.kv_index.device)
+        return TorchPlan(plan_attention(batch), ops.rope_cos_sin(batch.positions, self.inv_freq), batch.kv_index[:n],
+                         kv_rows)
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, plan: TorchPlan, kv_scale: KVScale = NO_SCALE,

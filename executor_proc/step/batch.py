@@ -59,6 +59,9 @@ class ForwardBatch:
     prefill_tiles: Optional[torch.Tensor] = None
     tile_m: int = 0  # query tokens per prefill tile
     tile_programs: int = 0  # programs per KV head that walk the tiles
+    # The tokens that write KV when some real ones do not (a speculative step's positions past a row's drafts, on
+    # the padding slot), for the torch backend; None: every real token writes.
+    host_kv_rows: Optional[list[int]] = None
 
     @property
     def num_rows(self) -> int:

@@ -51,6 +51,7 @@ class SpecGraph:
     graph: Optional[torch.cuda.CUDAGraph] = None
     out: Optional[torch.Tensor] = None
     host_lens: Optional[list[int]] = None  # uncaptured: each position's context upper bound (the torch backend's)
+    host_kv_rows: Optional[list[int]] = None  # uncaptured: the positions that write KV (the torch backend's)
 
 
 class SpecGraphs:
@@ -94,9 +95,14 @@ class SpecGraphs:
         position's upper bound (the uncaptured torch backend attends from host lengths)."""
         graph = self.graphs.get(step.bucket) or self._new(step.bucket)
         self.parts[:part.numel()].copy_(part)
-        if graph.graph is None:  # padding rows: one key each
-            lens = np.repeat(host_starts, self.k + 1) + np.tile(np.arange(1, self.k + 2), len(host_starts))
-            graph.host_lens = lens.tolist() + [1] * ((step.bucket - len(host_starts)) * (self.k + 1))
+        if graph.graph is None:  # padding rows: one key each, no KV write
+            n = len(host_starts)
+            lens = np.repeat(host_starts, self.k + 1) + np.tile(np.arange(1, self.k + 2), n)
+            graph.host_lens = lens.tolist() + [1] * ((step.bucket - n) * (self.k + 1))
+            ks = np.zeros(n, dtype=np.int64)
+            for r, k in step.padded:
+                ks[r] = k
+            graph.host_kv_rows = np.flatnonzero(np.arange(self.k + 1)[None, :] <= ks[:, None]).tolist()
         return graph
 
     def capture_jobs(self) -> list[CaptureJob]:
@@ -170,6 +176,7 @@ class SpecGraphs:
         positions = torch.where(slots == self.tables.pad_slot, 0, positions)
         batch = decode_batch(self.backend, DecodeInputs(slots, positions, positions + 1), self.tables,
                              self.block_size)
-        batch = dataclasses.replace(batch, input_ids=ids, host_context_lens=graph.host_lens)
+        batch = dataclasses.replace(batch, input_ids=ids, host_context_lens=graph.host_lens,
+                                    host_kv_rows=graph.host_kv_rows)
         chosen = self.forward(batch).argmax(dim=-1)
         return self.spec.accept(t, chosen, self.no_tokens[:t.rows], self.tables)
