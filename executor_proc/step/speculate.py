@@ -94,8 +94,9 @@ def row_arrays(spec, slots, ks, start, query_start, sampled_at, k: int, widths=N
     tok_row = np.repeat(np.arange(len(spec)), lens)  # every token of the speculative rows, row by row
     tok_j = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
     tok_index = query_start[tok_row] + tok_j
-    extra = np.concatenate([r * (k + 1) + np.arange(1, n + 1) for r, n in enumerate(widths)]) if widths.sum() \
-        else np.zeros(0, dtype=np.int64)
+    further = int(widths.sum())  # row r's j-th further token sits at r (k + 1) + j + 1 of the targets
+    extra = (np.repeat(np.arange(len(spec)) * (k + 1) - np.cumsum(widths) + widths, widths)
+             + np.arange(further) + 1).astype(np.int64)
     first_tok, extra_tok = np.flatnonzero(tok_j == 0), np.flatnonzero(tok_j > 0)  # in row order, like extra
     return [spec, slots, ks, start, sampled_at, tok_row, tok_j, tok_index, extra, first_tok, extra_tok]
 
