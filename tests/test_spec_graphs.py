@@ -108,3 +108,25 @@ def test_positions_past_a_rows_drafts_write_no_kv(worker):
     worker.launch(step)
     assert not torch.equal(kv(base, base + 1), own)  # its own position is written
     assert torch.equal(kv(base + 1, base + K + 1), before)
+
+
+def test_a_step_of_the_last_rows_stages_nothing(worker):
+    """A step of the same slots and draft counts as the last one staged, every row at its device length, finds its
+    arrays on the device (no upload, no copy: a lone request speculating pays a plain step's host work); rows
+    that start at the plan's position (a slot's first speculative row, a plain row) or other rows stage theirs.
+    Every step's tokens are the eager ones."""
+    schedule = [([0, 1], [K, K])] * 3 + [([0], [K])] * 2 + [([0, 1], [K, K])] * 2 + [([1, 0], [K, -1])] \
+        + [([1, 0], [K, K])] * 2
+    graphs, worker.spec_graphs = worker.spec_graphs, None
+    want, _ = run(worker, schedule)
+    worker.spec_graphs = graphs
+    staged = []
+    stage = graphs.stage
+    graphs.stage = lambda step, rows, upload: staged.append(rows.slots.tolist()) or stage(step, rows, upload)
+    try:
+        got, paths = run(worker, schedule)
+    finally:
+        del graphs.stage
+    assert got == want and all(paths[1:])
+    # each first step of new rows (or of rows at plan positions: first rows, a plain row, slot 0's next) stages
+    assert staged == [[0, 1], [0, 1], [0], [0, 1], [1, 0], [1, 0], [1, 0]], staged

@@ -37,7 +37,7 @@ from executor_proc.step.mixed_step import MixedShape, mixed_body, mixed_head, mi
 from executor_proc.step.plan_rows import PlanRows, plan_rows
 from executor_proc.step.prompt_logprobs import (PromptLogprobPlan, SavedHidden, compute_prompt_logprobs,
                                                 plan_prompt_logprobs)
-from executor_proc.step.sample import Sampled, SamplingMode, sample_rows, sampling_mode
+from executor_proc.step.sample import GREEDY, Sampled, SamplingMode, sample_rows, sampling_mode
 from executor_proc.step.slot_tables import SlotTables
 from executor_proc.step.split_decode import SplitDecode
 from executor_proc.step.spec_graphs import SpecGraph, SpecGraphs
@@ -235,6 +235,14 @@ class Worker:
             return GraphStep(bucket, len(plan.slots), mode, outputs)
         featured = bool(self.tables.featured)
         outputs.prompt = plan_prompt_logprobs(plan, self.tables.info, self.saved_hidden) if featured else None
+        if speculative and spec is None and mode == GREEDY and outputs.prompt is None and self.spec_graphs is not None:
+            again = self.spec_graphs.again(plan, self.spec.live)
+            if again is not None:  # the last speculative graph step's rows: their arrays are on the device already
+                outputs.spec = again
+                sent = upload.send()
+                self._host_copies(plan, host, sent)
+                self.tables.apply(diff, sent)
+                return SpecDecodeStep(self.spec_graphs.bind(again, None, np.asarray(plan.positions)), outputs)
         rows = plan_rows(plan)
         if speculative:
             spec = outputs.spec = self.spec.stage_rows(plan, rows, spec, self.tables.info)
