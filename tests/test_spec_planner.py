@@ -198,3 +198,36 @@ def test_an_accepted_draft_makes_the_next_pause_short_again():
     pauses = [n for kind, n in runs_of(kinds) if kind == "plain"]
     assert pauses[:3] == [PAUSE_MIN, 2 * PAUSE_MIN, PAUSE_MIN], kinds
     assert pause_steps(0) == PAUSE_MIN and pause_steps(100) == PAUSE_MAX and free == 80
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_a_lone_request_has_a_row_in_every_step(depth):
+    """One speculating request, its drafts accepted and rejected in stretches (pauses and resumes), ending by EOS
+    inside an accepted run: every plan the pipeline has room for carries its row until its finish is known (the
+    executor never waits on the scheduler for it, at pauses or anywhere), and at most ``depth`` rows run past it."""
+    from executor_proc.testing.scripted import ScriptedRunner
+    from scheduler_proc.limits import Limits
+    from scheduler_proc.planner import Planner
+    from scheduler_proc.speculation import PAUSE_MIN
+    from tests.planner_harness import make_request
+
+    accept = lambda s, p, n: n if p < 30 or p >= 60 else 0  # noqa: E731  (a paused stretch between)
+    for eos in range(70, 78):
+        ex = ScriptedRunner(2, 80, 4, num_speculative_tokens=K, accept=accept, eos_at={0: eos})
+        planner = Planner(Limits(2, 80, 4, 512, 16, frozenset({2}), num_speculative_tokens=K), prefix_cache_id="m")
+        req = make_request(0, prompt_len=6, max_tokens=100)
+        planner.add(req)
+        inflight, rows, plain, wasted = [], 0, 0, None
+        while planner.has_work or inflight:
+            while len(inflight) <= depth and (plan := planner.plan()) is not None:
+                assert plan.slots == [req.slot], plan
+                inflight.append(plan)
+                rows += 1
+                plain += not plan.num_drafts and not plan.is_prefill[0]
+            assert len(inflight) == depth + 1 or req.status.value == "finished", (eos, rows, len(inflight))
+            planner.reconcile(ex.execute(inflight.pop(0)))
+            planner.check_integrity()
+            if req.status.value == "finished" and wasted is None:
+                wasted = len(inflight)  # its rows planned before its finish came back
+        assert req.finish_reason == "stop" and len(req.output) == eos - 6 + 1, (eos, req.output)
+        assert wasted <= depth and rows < len(req.output) and plain >= PAUSE_MIN, (eos, wasted, rows, plain)
