@@ -23,7 +23,7 @@ no position: its arrays are those of its slots and draft counts alone, so a step
 last one staged (one request speculating, or the same batch step after step) finds them in the buffer already and
 uploads nothing (:meth:`again`); its host work is a plain decode step's.  That matters at batch 1: step N + 1's
 plan leaves when step N - 1's result is back, so a step's period is about half of that host chain plus half of the
-GPU's time (building and sending the arrays made a lone request's step 0.93 ms against 0.70, H200).  Every bucket
+GPU's time (building and sending the arrays made a lone request's step 0.93 ms, 0.70-0.84 without; H200).  Every bucket
 is captured at start-up with the other graphs (:meth:`capture_jobs`), so the memory plan holds them and the first
 speculative step compiles nothing; a bucket missing there is captured when first used, on padding rows.  The same
 function runs eagerly without capture (the CPU), which is how the CPU tests exercise it; there the torch backend
