@@ -1056,7 +1056,7 @@ checked bit-exact against the torch reference. ``--sweep`` also times a grid of 
         ap.add_argument("--dry", action="store_true", help="tiny shapes on the CPU interpreter")
         args = ap.parse_args()
         device = "cpu" if DRY else "cuda"
-        total = (64 << 10) if DRY else args.total_mib << 20
+        total = (16 << 10) if DRY else args.total_mib << 20
         sizes = [2048, 16384] if DRY else SIZES
         reps = 1 if DRY else args.reps
         gen = torch.Generator().manual_seed(0)
