@@ -23,7 +23,12 @@ scan of every module and a closure per builtin) at each kernel launch *and* at
 each call of a ``@triton.jit`` helper inside a kernel, which took about a third
 of the kernel tests' time.  We patch once per launch (both ``tl`` and
 ``tl.core``, whichever the kernel's module names) and let helper calls inside
-it run under that patch.
+it run under that patch.  Every integer add, sub and mul also built an
+overflow check (both operands cast to int64, the op again, two compares and an
+and: about a third of the rest) for ``device_assert``, which drops it unless the
+interpreter's options ask for debug (they never do): we build it only then.  And
+the numpy dtype of a Triton type, rebuilt as a dict of twenty entries per call,
+is looked up once per type.
 Nothing happens on a real GPU.  No kernel module imports this: whoever runs kernels
 under the interpreter applies it (tests/conftest.py, the CPU benchmarks, and the
 executor's backend choice for ``kernels: triton`` on the CPU).
@@ -72,6 +77,8 @@ def patch_interpreter() -> None:
         builder.create_dot = _create_dot
 
     _patch_once_per_launch(interp)
+    _sanitize_overflow_only_when_checked(interp)
+    _cache_numpy_dtypes(interp)
 
     orig_cast = getattr(builder, "cast_impl", None)
     if orig_cast is not None:
@@ -137,3 +144,33 @@ def _patch_once_per_launch(interp) -> None:
         return scope
 
     interp._patch_lang = _patch_lang
+
+
+def _sanitize_overflow_only_when_checked(interp) -> None:
+    """Build an integer op's overflow check only where it is asserted (see the module doc)."""
+    semantic = getattr(interp, "interpreter_semantic", None)
+    sanitize = getattr(type(semantic), "binary_op_sanitize_overflow_impl", None)
+    if sanitize is None:
+        return
+
+    def _sanitize(lhs, rhs, binary_op):
+        if semantic.builder.options.debug:
+            sanitize(semantic, lhs, rhs, binary_op)
+
+    semantic.binary_op_sanitize_overflow_impl = _sanitize
+
+
+def _cache_numpy_dtypes(interp) -> None:
+    """The interpreter's numpy dtype of a Triton type, looked up once per type (see the module doc)."""
+    orig = getattr(interp, "_get_np_dtype", None)
+    if orig is None:
+        return
+    cache = {}
+
+    def _get_np_dtype(tt_dtype):
+        try:
+            return cache[tt_dtype.scalar.name]
+        except KeyError:
+            return cache.setdefault(tt_dtype.scalar.name, orig(tt_dtype))
+
+    interp._get_np_dtype = _get_np_dtype
