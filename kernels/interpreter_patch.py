@@ -28,7 +28,13 @@ overflow check (both operands cast to int64, the op again, two compares and an
 and: about a third of the rest) for ``device_assert``, which drops it unless the
 interpreter's options ask for debug (they never do): we build it only then.  And
 the numpy dtype of a Triton type, rebuilt as a dict of twenty entries per call,
-is looked up once per type.
+is looked up once per type.  Every op's result builds its block type and its
+tensor's shape afresh (validated, unwrapped, wrapped again in ``constexpr``s, a
+``tl.tuple`` typed element by element), and every binary op compares the two
+shapes element by element to broadcast them; a shape seen before reuses what was
+built for it (shapes are never mutated: only the compiler's code generator sets
+a ``tl.tuple``'s item), and operands of one shape skip the broadcast.  Together
+these took a third of what the overflow checks left.
 Nothing happens on a real GPU.  No kernel module imports this: whoever runs kernels
 under the interpreter applies it (tests/conftest.py, the CPU benchmarks, and the
 executor's backend choice for ``kernels: triton`` on the CPU).
@@ -79,6 +85,7 @@ def patch_interpreter() -> None:
     _patch_once_per_launch(interp)
     _sanitize_overflow_only_when_checked(interp)
     _cache_numpy_dtypes(interp)
+    _reuse_block_shapes(interp)
 
     orig_cast = getattr(builder, "cast_impl", None)
     if orig_cast is not None:
@@ -174,3 +181,53 @@ def _cache_numpy_dtypes(interp) -> None:
             return cache.setdefault(tt_dtype.scalar.name, orig(tt_dtype))
 
     interp._get_np_dtype = _get_np_dtype
+
+
+def _reuse_block_shapes(interp) -> None:
+    """Block types and tensor shapes built once per shape; operands of one shape not broadcast (see the module
+    doc).  Each replacement falls back to Triton's own code for anything but a shape of plain ints."""
+    import builtins
+    import math
+
+    import triton.language as tl
+
+    core, semantic = tl.core, getattr(interp, "interpreter_semantic", None)
+    tl_tuple, constexpr, block_type, tensor = core.tuple, core.constexpr, core.block_type, core.tensor
+    broadcast = getattr(type(semantic), "broadcast_impl_value", None)
+    if broadcast is None or not all(hasattr(t, "__init__") for t in (tl_tuple, block_type, tensor)):
+        return
+    block_init, types, shapes = block_type.__init__, {}, {}
+
+    def _block_type_init(self, element_ty, shape):
+        dims = shape.values if type(shape) is tl_tuple else shape if type(shape) is list else None
+        key = builtins.tuple(dims) if dims is not None and all(type(d) is int for d in dims) else None
+        known = types.get(key)
+        if known is None:
+            block_init(self, element_ty, shape)  # validates the shape
+            if key is not None:
+                types[key] = (self.shape, self.numel, str(self.shape))
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel, name = known
+        self.name = f"<{name}, {element_ty}>"
+
+    def _tensor_init(self, handle, type):
+        self.handle, self.type, self.dtype = handle, type, type.scalar
+        if not type.is_block():
+            self.numel, self.shape = constexpr(1), tl_tuple([])
+            return
+        dims = builtins.tuple(type.shape)
+        known = shapes.get(dims)
+        if known is None:
+            known = shapes[dims] = (constexpr(math.prod(dims)), tl_tuple([constexpr(d) for d in dims]))
+        self.numel, self.shape = known
+
+    def _broadcast(lhs, rhs):
+        a, b = lhs.type, rhs.type
+        if a.is_block() and b.is_block() and a.shape.values == b.shape.values:
+            return lhs, rhs
+        return broadcast(semantic, lhs, rhs)
+
+    block_type.__init__ = _block_type_init
+    tensor.__init__ = _tensor_init
+    semantic.broadcast_impl_value = _broadcast
