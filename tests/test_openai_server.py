@@ -18,6 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -83,6 +84,13 @@ def http(method: str, url: str, body=None, key: str = None, raw: bytes = None) -
         return e.code, e.read()
 
 
+def at_once(*calls):
+    """Each call's result, the calls made at the same time from threads: their requests share the server's steps
+    (the checks compare outputs, never how requests were batched)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
 def metric_values(url: str) -> dict[tuple, float]:
     """Every sample of /metrics as {(name, sorted labels): value}."""
     text = http("GET", f"{url}/metrics")[1].decode()
@@ -96,8 +104,8 @@ def metric_values(url: str) -> dict[tuple, float]:
 
 
 def test_chat_greedy_equals_sdk(oai, sdk):
-    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
-    ref = sdk.generate(messages=MESSAGES, max_tokens=12, temperature=0)
+    r, ref = at_once(lambda: oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0),
+                     lambda: sdk.generate(messages=MESSAGES, max_tokens=12, temperature=0))
     assert r.choices[0].message.content == ref.text
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == ref.finish_reason
@@ -108,20 +116,22 @@ def test_chat_greedy_equals_sdk(oai, sdk):
 
 
 def test_completions_prompt_forms(oai, sdk):
-    ref = sdk.generate("The capital of France is", max_tokens=12, temperature=0)
-    r = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
-    assert r.choices[0].text == ref.text and r.usage.completion_tokens == ref.completion_tokens
     ids = sdk.encode("The capital of France is")
-    r = oai.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
-    assert r.choices[0].text == ref.text and r.usage.prompt_tokens == len(ids)
-    other = sdk.generate("Once upon a time", max_tokens=12, temperature=0)
-    r = oai.completions.create(model=MODEL, prompt=["The capital of France is", "Once upon a time"],
-                               max_tokens=12, temperature=0)
-    assert [c.index for c in r.choices] == [0, 1]
-    assert [c.text for c in r.choices] == [ref.text, other.text]
-    assert r.usage.completion_tokens == ref.completion_tokens + other.completion_tokens
-    r = oai.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=12, temperature=0)
-    assert [c.text for c in r.choices] == [ref.text, ref.text]
+
+    def complete(prompt):
+        return lambda: oai.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+
+    ref, other, text, by_ids, two, two_ids = at_once(
+        lambda: sdk.generate("The capital of France is", max_tokens=8, temperature=0),
+        lambda: sdk.generate("Once upon a time", max_tokens=8, temperature=0),
+        complete("The capital of France is"), complete(ids), complete(["The capital of France is", "Once upon a time"]),
+        complete([ids, ids]))
+    assert text.choices[0].text == ref.text and text.usage.completion_tokens == ref.completion_tokens
+    assert by_ids.choices[0].text == ref.text and by_ids.usage.prompt_tokens == len(ids)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.text for c in two.choices] == [ref.text, other.text]
+    assert two.usage.completion_tokens == ref.completion_tokens + other.completion_tokens
+    assert [c.text for c in two_ids.choices] == [ref.text, ref.text]
 
 
 def test_completions_default_max_tokens_is_16(oai):
@@ -132,11 +142,15 @@ def test_completions_default_max_tokens_is_16(oai):
 
 async def test_chat_stream_async_with_usage(http_server, sdk):
     client = openai.AsyncOpenAI(base_url=f"{http_server.url}/v1", api_key=API_KEY, max_retries=0)
-    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0,
-                                                  stream=True, stream_options={"include_usage": True})
-    chunks = [c async for c in stream]
+
+    async def streamed():
+        stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True})
+        return [c async for c in stream]
+
+    chunks, ref = await asyncio.gather(streamed(), asyncio.to_thread(sdk.generate, messages=MESSAGES, max_tokens=24,
+                                                                     temperature=0))
     await client.close()
-    ref = sdk.generate(messages=MESSAGES, max_tokens=24, temperature=0)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -147,10 +161,9 @@ async def test_chat_stream_async_with_usage(http_server, sdk):
 
 
 def test_completions_stream_sync(oai, sdk):
-    ref = sdk.generate("Once upon a time", max_tokens=20, temperature=0)
-    stream = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0,
-                                    stream=True)
-    chunks = list(stream)
+    ref, chunks = at_once(lambda: sdk.generate("Once upon a time", max_tokens=8, temperature=0),
+                          lambda: list(oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8,
+                                                              temperature=0, stream=True)))
     assert "".join(c.choices[0].text for c in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
     assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
@@ -158,19 +171,20 @@ def test_completions_stream_sync(oai, sdk):
 
 async def test_async_non_streaming_and_seed(http_server, sdk):
     client = openai.AsyncOpenAI(base_url=f"{http_server.url}/v1", api_key=API_KEY, max_retries=0)
-    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=1.0, seed=1234)
-    a, b = await asyncio.gather(client.chat.completions.create(**kw), client.chat.completions.create(**kw))
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=1234)
+    a, b, ref = await asyncio.gather(client.chat.completions.create(**kw), client.chat.completions.create(**kw),
+                                     asyncio.to_thread(sdk.generate, messages=MESSAGES, max_tokens=8, temperature=1.0,
+                                                       seed=1234))
     await client.close()
-    ref = sdk.generate(messages=MESSAGES, max_tokens=16, temperature=1.0, seed=1234)
     assert a.choices[0].message.content == b.choices[0].message.content == ref.text
 
 
 def test_extra_body_sampling(oai, sdk):
     extra = {"top_k": 5, "min_p": 0.05, "stop_token_ids": [13], "ignore_eos": True}
-    r = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=10, temperature=0.7, top_p=0.9, seed=3,
-                               extra_body=extra)
-    ref = sdk.generate("Hello", max_tokens=10, temperature=0.7, top_p=0.9, seed=3, top_k=5, min_p=0.05,
-                       stop_token_ids=[13], ignore_eos=True)
+    r, ref = at_once(lambda: oai.completions.create(model=MODEL, prompt="Hello", max_tokens=10, temperature=0.7,
+                                                    top_p=0.9, seed=3, extra_body=extra),
+                     lambda: sdk.generate("Hello", max_tokens=10, temperature=0.7, top_p=0.9, seed=3, top_k=5,
+                                          min_p=0.05, stop_token_ids=[13], ignore_eos=True))
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
 
 
@@ -202,54 +216,65 @@ def test_bad_new_params_are_400_naming_them(oai, kwargs, param):
 
 
 def test_needs_engine_n_with_seed_and_usage(oai, sdk):
-    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0, seed=77, n=3)
-    ref = sdk.generate(messages=MESSAGES, max_tokens=12, temperature=1.0, seed=77, n=3)
+    def streamed():
+        texts, finishes = {0: "", 1: ""}, {}
+        for chunk in oai.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0, seed=3, n=2,
+                                            stream=True):
+            for c in chunk.choices:
+                texts[c.index] += c.text
+                if c.finish_reason:
+                    finishes[c.index] = c.finish_reason
+        return texts, finishes
+
+    r, ref, alone, two, (texts, finishes), whole = at_once(
+        lambda: oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=77,
+                                            n=3),
+        lambda: sdk.generate(messages=MESSAGES, max_tokens=8, temperature=1.0, seed=77, n=3),
+        lambda: sdk.generate(messages=MESSAGES, max_tokens=8, temperature=1.0, seed=78),
+        lambda: oai.completions.create(model=MODEL, prompt=["Hello", "Once upon"], max_tokens=5, temperature=1.0,
+                                       seed=3, n=2),
+        streamed,
+        lambda: oai.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0, seed=3, n=2))
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert [c.message.content for c in r.choices] == [c.text for c in ref.choices]
     assert len({c.message.content for c in r.choices}) > 1
     assert r.usage.prompt_tokens == ref.prompt_tokens  # once, not n times
     assert r.usage.completion_tokens == sum(c.completion_tokens for c in ref.choices)
     # Completion i uses seed + i: the second choice is what a lone request with seed 78 gives.
-    alone = sdk.generate(messages=MESSAGES, max_tokens=12, temperature=1.0, seed=78)
     assert r.choices[1].message.content == alone.text
-    r = oai.completions.create(model=MODEL, prompt=["Hello", "Once upon"], max_tokens=5, temperature=1.0, seed=3, n=2)
-    assert [c.index for c in r.choices] == [0, 1, 2, 3]
-    stream = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0, seed=3, n=2,
-                                    stream=True)
-    texts, finishes = {0: "", 1: ""}, {}
-    for chunk in stream:
-        for c in chunk.choices:
-            texts[c.index] += c.text
-            if c.finish_reason:
-                finishes[c.index] = c.finish_reason
-    whole = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0, seed=3, n=2)
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
     assert [texts[0], texts[1]] == [c.text for c in whole.choices] and set(finishes) == {0, 1}
 
 
 def test_needs_engine_stop_strings(oai, sdk):
-    full = sdk.generate("The capital of France is", max_tokens=24, temperature=0)
+    full = sdk.generate("The capital of France is", max_tokens=8, temperature=0)  # " Paris.\n\nThe answer is:"
     words = full.text.split()
     assert len(words) >= 3
     stop = words[2]
     cut = full.text[:full.text.index(stop)]
-    r = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=24, temperature=0,
-                               stop=stop)
+
+    def complete(**kw):
+        return lambda: oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=24,
+                                              temperature=0, **kw)
+
+    r, included, stream, ref = at_once(
+        complete(stop=stop), complete(stop=["zzzz", stop], extra_body={"include_stop_str_in_output": True}),
+        lambda: list(complete(stop=[stop], stream=True)()),
+        lambda: sdk.generate("The capital of France is", max_tokens=24, temperature=0, stop=[stop]))
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
-    r = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=24, temperature=0,
-                               stop=["zzzz", stop], extra_body={"include_stop_str_in_output": True})
-    assert r.choices[0].text == cut + stop
-    stream = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=24, temperature=0,
-                                    stop=[stop], stream=True)
+    assert included.choices[0].text == cut + stop
     assert "".join(c.choices[0].text for c in stream if c.choices) == cut
-    ref = sdk.generate("The capital of France is", max_tokens=24, temperature=0, stop=[stop])
     assert ref.text == cut and ref.stop_str == stop and ref.finish_reason == "stop"
 
 
 def test_needs_engine_chat_logprobs(oai, sdk):
-    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True,
-                                    top_logprobs=3)
+    r, ref, stream = at_once(
+        lambda: oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                            logprobs=True, top_logprobs=3),
+        lambda: sdk.generate(messages=MESSAGES, max_tokens=8, temperature=0, logprobs=3),
+        lambda: list(oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                                 logprobs=True, stream=True)))
     content = r.choices[0].logprobs.content
-    ref = sdk.generate(messages=MESSAGES, max_tokens=8, temperature=0, logprobs=3)
     assert len(content) == len(ref.token_ids) == r.usage.completion_tokens
     for item, lp in zip(content, ref.logprobs):
         assert item.logprob == pytest.approx(lp.logprob, abs=1e-4) and item.logprob <= 0
@@ -257,43 +282,44 @@ def test_needs_engine_chat_logprobs(oai, sdk):
         assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob >= item.top_logprobs[2].logprob
         assert item.top_logprobs[0].token == item.token  # greedy: the chosen token is the most likely
         assert bytes(item.bytes).decode("utf-8", "replace") == item.token
-    stream = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True,
-                                         stream=True)
     streamed = [x for c in stream if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
     assert [x.token for x in streamed] == [x.token for x in content]
 
 
 def test_needs_engine_completion_logprobs_and_echo(oai, sdk):
     prompt = "The capital of France is"
-    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+
+    def complete(**kw):
+        return lambda: oai.completions.create(model=MODEL, prompt=prompt, temperature=0, **kw)
+
+    r, e, plain, v = at_once(complete(max_tokens=6, logprobs=2), complete(max_tokens=6, logprobs=2, echo=True),
+                             complete(max_tokens=4, echo=True),
+                             complete(max_tokens=2, extra_body={"prompt_logprobs": 1}))
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     assert all(len(d) >= 2 for d in lp.top_logprobs) and lp.text_offset[0] == 0
-    e = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2, echo=True)
     assert e.choices[0].text == prompt + r.choices[0].text
     n_prompt = len(sdk.encode(prompt))
     elp = e.choices[0].logprobs
     assert len(elp.tokens) == n_prompt + 6
     assert elp.token_logprobs[0] is None and all(x is not None for x in elp.token_logprobs[1:])
     assert elp.token_logprobs[n_prompt:] == pytest.approx(lp.token_logprobs, abs=1e-4)
-    plain = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True)
     assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
-    v = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
-                               extra_body={"prompt_logprobs": 1})
     plps = v.choices[0].model_extra["prompt_logprobs"]
     assert plps[0] is None and len(plps) == n_prompt and all(len(d) >= 1 for d in plps[1:])
 
 
 def test_needs_engine_penalties_and_bias_accepted(oai, sdk):
-    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
-    r = oai.chat.completions.create(**kw, presence_penalty=0.5, frequency_penalty=0.5,
-                                    extra_body={"repetition_penalty": 1.3, "min_tokens": 4})
-    ref = sdk.generate(messages=MESSAGES, max_tokens=8, temperature=0, presence_penalty=0.5, frequency_penalty=0.5,
-                       repetition_penalty=1.3, min_tokens=4)
+    kw = dict(model=MODEL, messages=MESSAGES, temperature=0)
+    r, ref, plain = at_once(
+        lambda: oai.chat.completions.create(**kw, max_tokens=8, presence_penalty=0.5, frequency_penalty=0.5,
+                                            extra_body={"repetition_penalty": 1.3, "min_tokens": 4}),
+        lambda: sdk.generate(messages=MESSAGES, max_tokens=8, temperature=0, presence_penalty=0.5,
+                             frequency_penalty=0.5, repetition_penalty=1.3, min_tokens=4),
+        lambda: sdk.generate(messages=MESSAGES, max_tokens=1, temperature=0))  # the first greedy token
     assert r.choices[0].message.content == ref.text and r.usage.completion_tokens >= 4
-    plain = sdk.generate(messages=MESSAGES, max_tokens=8, temperature=0)
     banned = plain.token_ids[0]
-    r = oai.chat.completions.create(**kw, logit_bias={str(banned): -100}, logprobs=True)
+    r = oai.chat.completions.create(**kw, max_tokens=1, logit_bias={str(banned): -100}, logprobs=True)
     assert r.choices[0].logprobs.content[0].token != sdk.tokenizer.decode([banned])
 
 
