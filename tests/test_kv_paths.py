@@ -25,7 +25,9 @@ about; tokens, finish reasons, stop strings and logprobs must be the reference's
 
 The reference is the plain server running five requests at a time (no preemption).  The
 servers run their paths at the same time, each path's requests concurrently;
-``test_path_taken`` proves from the servers' counters that each path happened.
+``test_path_taken`` proves from the servers' counters that each path happened, that the plain
+server never looked a prompt up, and that every server ends with its pools whole (the tier
+server's host pool too).
 
 Logprobs: float32 on the CPU, a row's logprobs move by up to 2e-5 with the batch it is
 computed in (the cold path, nothing cached, differs from the reference that much), so they must
@@ -46,7 +48,7 @@ from typing import Optional
 import pytest
 
 from ipc.client import AsyncClient
-from tests.server_proc import reset_prefix_cache, wait_idle
+from tests.server_proc import assert_no_leak, reset_prefix_cache, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -92,10 +94,12 @@ N_CASES = [
 PRIMER = "What is the best way to learn?"  # shares the chat opening and "What" with some cases
 
 COMMON = ("--block-size", str(BLOCK), "--debug-checks")
+HOST_BLOCKS = 256
 SERVERS = {  # a request takes up to 6 blocks of 8 tokens: small pools preempt
     "prefix": ("--pipeline-depth", "1", "--max-num-seqs", "32", "--num-kv-blocks", "512"),
     "plain": ("--pipeline-depth", "0", "--max-num-seqs", "8", "--num-kv-blocks", "36", "--no-prefix-caching"),
-    "tier": ("--pipeline-depth", "2", "--max-num-seqs", "8", "--num-kv-blocks", "20", "--num-host-kv-blocks", "256"),
+    "tier": ("--pipeline-depth", "2", "--max-num-seqs", "8", "--num-kv-blocks", "20",
+             "--num-host-kv-blocks", str(HOST_BLOCKS)),
 }
 REFERENCE_AT_ONCE = 5  # 36 blocks hold six requests: one more may be admitted while one drains
 PATHS = ["cold", "shared_hit", "repeat_hit", "n3", "restart", "recompute", "swap", "host_hit"]
@@ -325,7 +329,13 @@ def test_path_taken(runs):
     assert paths["host_hit"].delta("prefix_cache_host_hit_tokens") >= opening, paths["host_hit"].after
     recompute = paths["recompute"]
     assert recompute.delta("preemptions") > 0 and hit["recompute"] == 0, recompute.after
+    # without prefix caching nothing is looked up, from start-up on (the reference's requests too)
+    assert recompute.after.prefix_cache_query_tokens == recompute.after.prefix_cache_hit_tokens == 0, recompute.after
     restart = paths["restart"]
     assert restart.delta("executor_restarts") == 1, restart.after
     at_kill = restart.note["at_kill"]  # some request had outputs and more to come
     assert any(0 < n < len(restart.outputs[c][0].token_ids) for c, n in at_kill.items()), at_kill
+    for last in ("restart", "recompute", "host_hit"):  # each server's last path: every block and slot back
+        assert_no_leak(paths[last].after)
+    tier = paths["host_hit"].after
+    assert tier.num_free_host_kv_blocks == tier.num_host_kv_blocks == HOST_BLOCKS, tier
