@@ -5,8 +5,9 @@ backend, every decode step too) is padded to a token and row bucket and run thro
 mixed-step runner, called eagerly (padded tokens write no KV, padded rows sample for the
 pad slot).  A small token budget chunks the prompts, so steps carry decode rows and chunks
 of several requests.  At depths 0, 1 and 2 (three servers run at once) the outputs must equal
-the shared real-model server's (the runner off, prompts not chunked); with the host KV tier (a
-tiny device pool: swaps and host hits) they must equal an untouched run's.
+the shared real-model server's (the runner off, prompts not chunked).  The depth-1 server is
+also the host KV tier's (a tiny device pool): its requests are swapped and a long prompt hits
+the host tier, beside padded steps (tests/test_host_kv_model.py's workload).
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ import msgspec
 import pytest
 
 from tests.server_proc import assert_no_leak, wait_idle
+from tests.test_host_kv_model import (BLOCK, DEVICE_BLOCKS, HOST_BLOCKS, assert_tiers_whole, generate_all,
+                                      push_out, swap_and_hit_prompts)
 from tests.test_output_features_model import greedy, run
 
 pytestmark = pytest.mark.slow
-FLAGS = ("--max-num-seqs", "8", "--num-kv-blocks", "256", "--max-num-batched-tokens", "40", "--debug-checks")
-DEPTHS = [0, 1, 2]
+FLAGS = ("--max-num-seqs", "8", "--max-num-batched-tokens", "40", "--debug-checks")
+POOLS = {0: ("--num-kv-blocks", "256"), 2: ("--num-kv-blocks", "256"),
+         1: ("--num-kv-blocks", str(DEVICE_BLOCKS), "--num-host-kv-blocks", str(HOST_BLOCKS))}  # preempts: swaps
 
 
 async def _outputs(address: str, prompts: list[list[int]]) -> list[list[int]]:
@@ -31,56 +35,64 @@ async def _outputs(address: str, prompts: list[list[int]]) -> list[list[int]]:
     return [out[(f"r{i}", 0)][0] for i in range(len(gens))]
 
 
+async def _tiered(address: str, prompts: list[list[int]], long: list[int], others: list[list[int]]) -> dict:
+    """The prompts at once (the device pool preempts them), then ``long`` alone, pushed out of the device pool by
+    the others, and sent again: a host hit."""
+    got = await generate_all(address, prompts)
+    swapped = await wait_idle(address)
+    first = await generate_all(address, [long])
+    await push_out(address, others)
+    pushed = await wait_idle(address)
+    again = await generate_all(address, [long])
+    return dict(got=got, swapped=swapped, first=first, pushed=pushed, again=again, after=await wait_idle(address))
+
+
 @pytest.fixture(scope="module")
 def padded(module_servers, model_server, chat_prompt_ids):
     """The servers with the runner on, one per depth, started together beside the shared reference server (the
-    runner off, prompts not chunked); all of them run the prompts at the same time (each executor serves on one
-    thread): the reference's outputs, and each depth's with its server's stats once idle."""
+    runner off, prompts not chunked); all of them run at the same time (each executor serves on one thread):
+    depths 0 and 2 the chat prompts, depth 1 the host tier's workload, the reference both.  The reference's
+    outputs, each depth's with its server's stats once idle."""
     prompts = chat_prompt_ids[:8]
-    with ThreadPoolExecutor(len(DEPTHS)) as pool:
-        started = [pool.submit(module_servers, "--mixed-graphs", "on", "--pipeline-depth", str(depth), *FLAGS)
-                   for depth in DEPTHS]
+    tier_prompts, long, others = swap_and_hit_prompts(chat_prompt_ids)
+    with ThreadPoolExecutor(len(POOLS)) as pool:
+        started = {depth: pool.submit(module_servers, "--mixed-graphs", "on", "--pipeline-depth", str(depth),
+                                      *flags, *FLAGS) for depth, flags in POOLS.items()}
         reference = model_server(1)
-        srvs = dict(zip(DEPTHS, [f.result() for f in started]))
+        srvs = {depth: f.result() for depth, f in started.items()}
 
     async def on(depth: int):
         return await _outputs(srvs[depth].address, prompts), await wait_idle(srvs[depth].address)
 
     async def everything():
-        return await asyncio.gather(_outputs(reference.address, prompts), *[on(depth) for depth in DEPTHS])
+        return await asyncio.gather(_outputs(reference.address, prompts),
+                                    generate_all(reference.address, tier_prompts + [long]), on(0), on(2),
+                                    _tiered(srvs[1].address, tier_prompts, long, others))
 
-    want, *got = asyncio.run(everything())
+    want, tier_want, *got, tiered = asyncio.run(everything())
     for srv in srvs.values():
         srv.stop()
-    return want, dict(zip(DEPTHS, got))
+    return dict(want=want, got=dict(zip((0, 2), got)), tier_want=tier_want, tiered=tiered)
 
 
-@pytest.mark.parametrize("depth", DEPTHS)
+@pytest.mark.parametrize("depth", [0, 2])
 def test_padding_to_buckets_never_changes_outputs(depth, padded):
-    want, got = padded
+    """Depth 1: the next test."""
+    want = padded["want"]
     assert all(len(t) == 12 for t in want)
-    outputs, stats = got[depth]
+    outputs, stats = padded["got"][depth]
     assert outputs == want
     assert_no_leak(stats)
 
 
-async def test_host_kv_swaps_and_hits_through_the_runner(servers, model_server, chat_prompt_ids):
-    """The host KV tier's onloads and backups beside padded steps: swapped and host-hit requests, same tokens."""
-    from tests.test_host_kv_model import (DEVICE_BLOCKS, HOST_BLOCKS, assert_tiers_whole, generate_all, push_out,
-                                          reference_of, swap_and_hit_prompts)
-
-    tier = servers("--mixed-graphs", "on", "--max-num-seqs", "8", "--num-kv-blocks", str(DEVICE_BLOCKS),
-                   "--num-host-kv-blocks", str(HOST_BLOCKS), "--debug-checks")
-    prompts, long, others = swap_and_hit_prompts(chat_prompt_ids)  # the tiny device pool forces preemption
-    reference, got = await asyncio.gather(reference_of(model_server(1).address, prompts, long),
-                                          generate_all(tier.address, prompts))
-    assert got == reference[:len(prompts)]
-    swapped = await wait_idle(tier.address)
+def test_host_kv_swaps_and_hits_through_the_runner(padded):
+    """Depth 1, the host KV tier's onloads and backups beside padded steps: swapped and host-hit requests, the
+    reference's tokens."""
+    reference, run = padded["tier_want"], padded["tiered"]
+    assert run["got"] == reference[:-1]
+    swapped = run["swapped"]
     assert swapped.preemptions > 0 and swapped.resumes > 0, swapped
-    first = await generate_all(tier.address, [long])  # pushed out of the device pool by the others, then sent
-    await push_out(tier.address, others)                # again: a host hit
-    again = await generate_all(tier.address, [long])
-    after = await wait_idle(tier.address)
-    assert first == again == reference[-1:]
-    assert after.prefix_cache_host_hit_tokens > swapped.prefix_cache_host_hit_tokens, after
-    assert_tiers_whole(after)
+    assert run["first"] == run["again"] == reference[-1:]
+    host_hits = run["after"].prefix_cache_host_hit_tokens - run["pushed"].prefix_cache_host_hit_tokens
+    assert host_hits >= BLOCK * 3, f"expected the long prompt's blocks from the host, got {host_hits} tokens"
+    assert_tiers_whole(run["after"])
