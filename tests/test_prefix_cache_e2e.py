@@ -1,21 +1,18 @@
-"""Prefix caching end to end: the default model (fp32, CPU) gives the same greedy tokens with and without it.
+"""Prefix caching end to end on the shared real-model server (the default model, fp32, CPU, blocks of 16).
 
-Four prompts with one long system prompt go to a server started with
-``--no-prefix-caching`` (the reference; its stats prove nothing was looked
-up) and to the shared real-model server (depth 1, prefix caching on by
-default), the two at the same time: first all together on an empty cache,
-then all together again (every prompt hits the blocks the first pass cached).
+A prompt with one long system prompt, never sent before, is sent twice: the second time every full block of it
+comes from the cache (the counters say exactly how many tokens), with the same greedy tokens; resetting the cache
+frees every block.  That caching never changes an output, for prompts that arrive together on an empty cache and
+hit it again, shared openings and whole prompts, beside a server started with ``--no-prefix-caching`` that never
+looks a prompt up, is tests/test_kv_paths.py's.
 """
 
 from __future__ import annotations
 
-import asyncio
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from ipc.client import AsyncClient
-from tests.server_proc import assert_no_leak, reset_prefix_cache, wait_idle
+from tests.server_proc import reset_prefix_cache, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -23,59 +20,19 @@ SYSTEM = ("You are a careful assistant for a small museum of clocks and watches.
           "plainly, without lists. Visitors ask about opening hours, tickets, the collection, pendulums, "
           "escapements, sundials, water clocks, marine chronometers, wristwatches and how to wind a clock. "
           "If you do not know, say so. Never invent prices. ") * 3
-# Four requests arriving together on an empty cache and then hitting it together: more questions would repeat the
-# same pattern.
-QUESTIONS = ["When do you open?", "What is an escapement?", "Who invented the pendulum clock?", "What is GMT?"]
-MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:
-    out = []
-    for q in QUESTIONS:
-        ids = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
-                                            add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
+def prompt(tokenizer) -> list[int]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is GMT?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-async def test_greedy_outputs_identical_with_and_without_prefix_caching(servers, model_server, prompts):
-    assert min(len(x) for x in prompts) > 200
-    kw = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with ThreadPoolExecutor(1) as pool:  # both servers start at once
-        started = pool.submit(servers, "--pipeline-depth", "1", "--max-num-seqs", "32", "--num-kv-blocks", "512",
-                              "--no-prefix-caching")
-        srv = model_server(1)
-        plain = started.result()
-
-    async def reference():
-        async with AsyncClient(plain.address, timeout=300) as c:
-            out = [r.token_ids for r in await asyncio.gather(*[c.generate(prompt_token_ids=ids, **kw)
-                                                                for ids in prompts])]
-        return out, await wait_idle(plain.address)
-
-    async def cached():
-        async with AsyncClient(srv.address, timeout=300) as c:
-            await reset_prefix_cache(srv.address)
-            concurrent = await asyncio.gather(*[c.generate(prompt_token_ids=ids, **kw) for ids in prompts])
-            cold = await wait_idle(srv.address)
-            again = await asyncio.gather(*[c.generate(prompt_token_ids=ids, **kw) for ids in prompts])
-            warm = await wait_idle(srv.address)
-        return concurrent, cold, again, warm
-
-    (want, off), (concurrent, cold, again, warm) = await asyncio.gather(reference(), cached())
-    plain.stop()
-    assert off.prefix_cache_query_tokens == 0 and off.prefix_cache_hit_tokens == 0
-    assert [r.token_ids for r in concurrent] == want
-    assert [r.token_ids for r in again] == want
-    # Sent again after the first pass, every prompt shares at least the system prompt's blocks.
-    assert warm.prefix_cache_hit_tokens - cold.prefix_cache_hit_tokens >= len(prompts) * (len(SYSTEM) // 8)
-    assert_no_leak(warm)
-
-
-async def test_request_sent_twice_hits_the_cache_the_second_time(model_server, prompts):
+async def test_request_sent_twice_hits_the_cache_the_second_time(model_server, prompt):
     srv = model_server(1)
-    ids = prompts[3] + [42] * 40  # a prompt nobody sent before
+    assert len(prompt) > 200
+    ids = prompt + [42] * 40  # a prompt nobody sent before
     async with AsyncClient(srv.address, timeout=300) as c:
         first = await c.generate(prompt_token_ids=ids, max_tokens=4, temperature=0.0)
         s1 = await wait_idle(srv.address)
