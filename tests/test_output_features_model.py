@@ -3,6 +3,10 @@
 Stop strings are taken from the model's own greedy output: a substring that starts in
 the last character of one token and ends with a later token (spanning two or three
 tokens).  The stream must end exactly at the token that completes it.
+
+Each depth's server runs one workload in three rounds, each round's requests at once: the n = 4 request alone
+(the prefix cache's counters are its own), then the same four seeds one request each beside the greedy runs the
+stop strings are taken from, then the stop strings.
 """
 
 from __future__ import annotations
@@ -72,19 +76,45 @@ def detok(default_model_dir):
     return load_detokenizer(default_model_dir)
 
 
-@pytest.mark.parametrize("depth", [0, 1, 2])
-async def test_stop_strings_end_the_stream_exactly(depth, model_server, chat_prompt_ids, detok):
-    srv = model_server(depth)
-    a, b = chat_prompt_ids[0], chat_prompt_ids[2]
-    base = await run(srv.address, [greedy(a, 16, ignore_eos=True), p.Generate("h", b, greedy(b, 16).sampling)])
+MAX_TOKENS = 12  # the stop strings' runs; the n = 4 request's completions have 8 tokens
+N_SAMPLING = dict(max_tokens=8, temperature=0.8, ignore_eos=True)
+_WORKLOADS: dict[int, dict] = {}  # depth -> its workload's results, run by the first test at that depth
+
+
+async def workload(depth: int, srv, chat_prompt_ids, detok) -> dict:
+    """The module docstring's three rounds on ``srv``, once per depth."""
+    if depth in _WORKLOADS:
+        return _WORKLOADS[depth]
+    a, b, prompt = chat_prompt_ids[0], chat_prompt_ids[2], chat_prompt_ids[5]
+    out = dict(prompt=prompt)
+    await reset_prefix_cache(srv.address)
+    out["before"] = await server_stats(srv.address)
+    out["many"] = await run(srv.address, [p.Generate("n", prompt, p.SamplingParams(n=4, seed=77, **N_SAMPLING))],
+                            batch_deltas=True)
+    out["after"] = await server_stats(srv.address)
+    base, *alone = await asyncio.gather(
+        run(srv.address, [greedy(a, MAX_TOKENS, ignore_eos=True), p.Generate("h", b, greedy(b, MAX_TOKENS).sampling)]),
+        *[run(srv.address, [p.Generate(f"s{i}", prompt, p.SamplingParams(seed=77 + i, **N_SAMPLING))])
+          for i in range(4)])
     out_a, out_b = base[("g", 0)][0], base[("h", 0)][0]
     stop2, k2 = spanning_stop(detok, out_a, 2, 3)
     stop3, k3 = spanning_stop(detok, out_b, 3, 5)
+    out.update(alone=alone, out_a=out_a, out_b=out_b, stop2=stop2, k2=k2, stop3=stop3, k3=k3)
     prompt_word = next(w for w in detok(a).split() if w.isalpha() and w not in detok(out_a))
-    gens = [p.Generate("two", a, greedy(a, 16, stop=[stop2], ignore_eos=True).sampling),
-            p.Generate("three", b, greedy(b, 16, stop=["\u2603never", stop3]).sampling),
-            p.Generate("prompt-only", a, greedy(a, 16, stop=[prompt_word], ignore_eos=True).sampling)]
-    got = await run(srv.address, gens)  # one batch: different stop strings side by side
+    gens = [p.Generate("two", a, greedy(a, MAX_TOKENS, stop=[stop2], ignore_eos=True).sampling),
+            p.Generate("three", b, greedy(b, MAX_TOKENS, stop=["\u2603never", stop3]).sampling),
+            p.Generate("prompt-only", a, greedy(a, MAX_TOKENS, stop=[prompt_word], ignore_eos=True).sampling)]
+    out["got"] = await run(srv.address, gens)  # one batch: different stop strings side by side
+    out["idle"] = await wait_idle(srv.address)
+    _WORKLOADS[depth] = out
+    return out
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+async def test_stop_strings_end_the_stream_exactly(depth, model_server, chat_prompt_ids, detok):
+    w = await workload(depth, model_server(depth), chat_prompt_ids, detok)
+    out_a, out_b, got = w["out_a"], w["out_b"], w["got"]
+    stop2, k2, stop3, k3 = w["stop2"], w["k2"], w["stop3"], w["k3"]
     tokens, fin = got[("two", 0)]
     assert tokens == out_a[:k2 + 1] and (fin.reason, fin.stop_str) == ("stop", stop2)
     assert detok(tokens).endswith(stop2)
@@ -92,26 +122,18 @@ async def test_stop_strings_end_the_stream_exactly(depth, model_server, chat_pro
     assert tokens == out_b[:k3 + 1] and (fin.reason, fin.stop_str) == ("stop", stop3)
     tokens, fin = got[("prompt-only", 0)]
     assert tokens == out_a and fin.reason == "length" and fin.stop_str is None
-    assert_no_leak(await wait_idle(srv.address))
+    assert_no_leak(w["idle"])
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
-async def test_n_completions_each_equal_to_its_own_seed(depth, model_server, chat_prompt_ids):
-    srv = model_server(depth)
-    prompt = chat_prompt_ids[5]
-    sampling = dict(max_tokens=12, temperature=0.8, ignore_eos=True)
-    await reset_prefix_cache(srv.address)
-    before = await server_stats(srv.address)
-    many = await run(srv.address, [p.Generate("n", prompt, p.SamplingParams(n=4, seed=77, **sampling))],
-                     batch_deltas=True)
-    after = await server_stats(srv.address)
+async def test_n_completions_each_equal_to_its_own_seed(depth, model_server, chat_prompt_ids, detok):
+    w = await workload(depth, model_server(depth), chat_prompt_ids, detok)
+    prompt, many, alone, before, after = w["prompt"], w["many"], w["alone"], w["before"], w["after"]
     cached = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE  # full blocks, the last token always computed
     assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == 3 * cached  # prefilled once
-    alone = await asyncio.gather(*[
-        run(srv.address, [p.Generate(f"s{i}", prompt, p.SamplingParams(seed=77 + i, **sampling))]) for i in range(4)])
     completions = [many[("n", i)][0] for i in range(4)]
     assert len({tuple(c) for c in completions}) == 4
     for i in range(4):
         assert completions[i] == alone[i][(f"s{i}", 0)][0], f"completion {i} differs from seed {77 + i} alone"
         assert many[("n", i)][1].prompt_tokens == len(prompt)
-    assert_no_leak(await wait_idle(srv.address))
+    assert_no_leak(w["idle"])
