@@ -34,7 +34,7 @@ from executor_proc.parallel.sharding import Shards, check_divisible
 from ipc.client import AsyncClient, ExecutorFailedError
 from ipc.config import ExecutorConfig
 from tests.server_proc import ROOT, ServerProcess, assert_no_leak, server_stats, wait_idle
-from tests.tp_forward import logits, run_ranks, write_gguf
+from tests.tp_forward import logits, run_ranks, run_ranks_each, write_gguf
 
 TOL = 1e-4
 VOCAB = 1001  # odd: the last rank's vocabulary shard is padded
@@ -170,19 +170,30 @@ def _assert_close(ours: np.ndarray, ref: np.ndarray) -> None:
     assert (ours.argmax(1) == ref.argmax(1)).all()
 
 
-@pytest.mark.parametrize("size,load_format", [(2, "hf"), (4, "dummy")])
-def test_rank_logits_match_one_process(tiny_model, tmp_path, size, load_format):
-    """Safetensors read by slice at 2 ranks; dummy weights drawn whole then sliced at 4 (2 KV heads: replicated)."""
-    ours = run_ranks(size, load_format, tiny_model, str(tmp_path / "logits.npy"))
-    _assert_close(ours, logits(tiny_model, load_format))
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model, tmp_path_factory) -> dict:
+    """One group of two ranks runs the tiny model from its safetensors and from a GGUF file written from them
+    (load format "auto": "hf" for the folder, "gguf" for the file): each one's logits, and the GGUF file."""
+    folder = tmp_path_factory.mktemp("two_ranks")
+    gguf = write_gguf(tiny_model, str(folder / "tiny.gguf"))
+    hf, from_gguf = run_ranks_each(2, "auto", [tiny_model, gguf], str(folder / "logits.npz"))
+    return dict(hf=hf, gguf=from_gguf, gguf_file=gguf)
 
 
-def test_gguf_sharded_after_dequantising(tiny_model, tmp_path):
-    """GGUF is dequantised whole, then sliced; first, the file this test writes loads as the safetensors do."""
-    gguf = write_gguf(tiny_model, str(tmp_path / "tiny.gguf"))
-    ref = logits(gguf, "gguf")
+def test_safetensors_read_by_slice_match_one_process(tiny_model, two_ranks):
+    _assert_close(two_ranks["hf"], logits(tiny_model, "hf"))
+
+
+def test_dummy_weights_over_four_ranks_match_one_process(tiny_model, tmp_path):
+    """Dummy weights drawn whole then sliced at 4 ranks (2 KV heads: replicated)."""
+    _assert_close(run_ranks(4, "dummy", tiny_model, str(tmp_path / "logits.npy")), logits(tiny_model, "dummy"))
+
+
+def test_gguf_sharded_after_dequantising(tiny_model, two_ranks):
+    """GGUF is dequantised whole, then sliced; first, the file written loads as the safetensors do."""
+    ref = logits(two_ranks["gguf_file"], "gguf")
     _assert_close(ref, logits(tiny_model, "hf"))  # the file round-trips
-    _assert_close(run_ranks(2, "gguf", gguf, str(tmp_path / "logits.npy")), ref)
+    _assert_close(two_ranks["gguf"], ref)
 
 
 # --------------------------------------------------------------------------- real servers
@@ -347,11 +358,13 @@ def test_a_killed_rank_without_restarts_fails_every_client_within_2s(tiny_model,
 
 @pytest.mark.slow
 def test_default_model_over_three_ranks_matches_one_process(model_server, servers, chat_prompt_ids):
-    """SmolLM2-135M: 9 heads and 3 KV heads split over 3 ranks (1 KV head each); tied embeddings."""
+    """SmolLM2-135M: 9 heads and 3 KV heads split over 3 ranks (1 KV head each); tied embeddings.  Two greedy
+    prompts and a sampled one, 4 tokens: the prefill and three decode steps over the ranks' KV heads."""
     flags = ("--pipeline-depth", "1", "--max-num-seqs", "32", "--num-kv-blocks", "512", "--debug-checks")
     tp3 = servers(*flags, "--tensor-parallel-size", "3")
-    ref = asyncio.run(_workload(model_server(1).address, chat_prompt_ids[:2], max_tokens=8, shared=False))
-    ours = asyncio.run(_workload(tp3.address, chat_prompt_ids[:2], max_tokens=8, shared=False))
+    ref = asyncio.run(_workload(model_server(1).address, chat_prompt_ids[:2], max_tokens=4, shared=False))
+    ours = asyncio.run(_workload(tp3.address, chat_prompt_ids[:2], max_tokens=4, shared=False))
+    assert all(len(r.token_ids) == 4 for r in ref)
     _assert_same_outputs(ours, ref)
 
 
