@@ -38,7 +38,7 @@ MIXED = ("--mixed-graphs", "on")
 async def _run(srv, plain: bool):
     """Every prompt as itself (it speculates), and with ``plain`` also as a row that cannot speculate."""
     async with AsyncClient(srv.address, timeout=300) as c:
-        options = [{"max_tokens": 12, "temperature": 0.0, **kw} for _, kw in PROMPTS]
+        options = [{"max_tokens": 8, "temperature": 0.0, **kw} for _, kw in PROMPTS]
         runs = [c.generate(messages=m, **o) for (m, _), o in zip(PROMPTS, options)]
         if plain:
             runs += [c.generate(messages=m, prompt_logprobs=0, **o) for (m, _), o in zip(PROMPTS, options)]

@@ -34,7 +34,7 @@ PROMPTS = [
     ([{"role": "user", "content": "Tell me a short joke about cats."}], {}),
     ([{"role": "user", "content": f"Repeat this text: {PASSAGE}"}], {"temperature": 0.8, "top_p": 0.95, "seed": 7}),
     ([{"role": "user", "content": f"Copy this text: {PASSAGE}"}],  # penalties see the drafts before each position
-     {"repetition_penalty": 1.2, "frequency_penalty": 0.3, "presence_penalty": 0.1, "min_tokens": 12,
+     {"repetition_penalty": 1.2, "frequency_penalty": 0.3, "presence_penalty": 0.1, "min_tokens": 8,
       "logit_bias": {13: -2.0}}),
 ]
 
@@ -45,7 +45,7 @@ SERVER = ("--speculative-method", "ngram", "--max-num-seqs", "8", "--num-kv-bloc
 async def _run(srv, plain: bool):
     """Every prompt as itself (it speculates), and with ``plain`` also as a row that cannot speculate."""
     async with AsyncClient(srv.address, timeout=300) as c:
-        options = [{"max_tokens": 16, "temperature": 0.0, **kw} for _, kw in PROMPTS]
+        options = [{"max_tokens": 12, "temperature": 0.0, **kw} for _, kw in PROMPTS]
         runs = [c.generate(messages=m, **o) for (m, _), o in zip(PROMPTS, options)]
         if plain:  # prompt logprobs: a row that cannot speculate
             runs += [c.generate(messages=m, prompt_logprobs=0, **o) for (m, _), o in zip(PROMPTS, options)]
