@@ -23,7 +23,10 @@ scan of every module and a closure per builtin) at each kernel launch *and* at
 each call of a ``@triton.jit`` helper inside a kernel, which took about a third
 of the kernel tests' time.  We patch once per launch (both ``tl`` and
 ``tl.core``, whichever the kernel's module names) and let helper calls inside
-it run under that patch.  Every integer add, sub and mul also built an
+it run under that patch; the values it sets are the same at every launch (the
+builtins' interpreter wrappers, the tensor's and the dtypes' methods), so the
+first launch records them and later launches set them again without the scan.
+Every integer add, sub and mul also built an
 overflow check (both operands cast to int64, the op again, two compares and an
 and: about a third of the rest) for ``device_assert``, which drops it unless the
 interpreter's options ask for debug (they never do): we build it only then.  And
@@ -135,11 +138,18 @@ def _patch_once_per_launch(interp) -> None:
 
     every_lang = types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core})
     inside = [False]  # a launch's patch is in place (the interpreter runs one launch at a time)
+    patched: list = []  # (object, attribute, the interpreter's value) as the first launch set them
 
     def _patch_lang(fn):
         if inside[0]:
             return scope_type()  # a helper's call: nothing to patch, nothing to restore
-        scope = orig_patch_lang(every_lang)
+        if patched and hasattr(scope_type(), "_changes"):
+            scope = scope_type()
+            for obj, name, value in patched:
+                scope.set_attr(obj, name, value)
+        else:
+            scope = orig_patch_lang(every_lang)
+            patched[:] = [(obj, name, vars(obj)[name]) for obj, name, _ in getattr(scope, "_changes", ())]
         inside[0] = True
         restore = scope.restore
 
@@ -216,7 +226,7 @@ def _reuse_block_shapes(interp) -> None:
         if not type.is_block():
             self.numel, self.shape = constexpr(1), tl_tuple([])
             return
-        dims = builtins.tuple(type.shape)
+        dims = builtins.tuple(type.shape.values)
         known = shapes.get(dims)
         if known is None:
             known = shapes[dims] = (constexpr(math.prod(dims)), tl_tuple([constexpr(d) for d in dims]))
