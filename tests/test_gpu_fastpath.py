@@ -53,12 +53,18 @@ def interpreted_kinds(configs, n: int, k: int, keep=()) -> list:
     masked or not) and N tiles masked or not run one program but for their tile widths.  On a GPU, all of them."""
     if CUDA:
         return list(configs)
-    kind = {c: (c[0], -(-k // c[2]), k % c[2] == 0, n % c[1] == 0) for c in configs}
+    kind = {c: interpreted_program(c, n, k) for c in configs}
     widest = {}
     for c in configs:
         if kind[c] not in widest or c[1] > widest[kind[c]][1]:
             widest[kind[c]] = c
     return [c for c in configs if c in widest.values() or c in keep]
+
+
+def interpreted_program(config, n: int, k: int) -> tuple:
+    """What the interpreter runs for a matmul ``config`` on an ``[n, k]`` weight, but for its tile widths: its
+    form, its K steps, whether the last K step is masked and whether the N tiles are."""
+    return config[0], -(-k // config[2]), k % config[2] == 0, n % config[1] == 0
 
 
 def fewer_attention_splits(monkeypatch) -> None:
@@ -370,15 +376,33 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
     model_dir = write_config(tmp_path, layers=layers)
     backend_model = built(model_dir, "cuda" if CUDA else "cpu", kernels="triton").worker.model
     backend = backend_model.backend
-    calls = []
+    calls, ran = [], set()
+    fused_runs = gemv_tuning._fused_runs
 
-    def forced():
-        return next(iter(backend.prologue_everywhere.values()), None)
+    def tagged_runs(backend, kind, n, k, m, *args):
+        """The tuner's runs, each fn tagged with what it runs: (fused kind, tokens), config (None: unfused)."""
+        (name, unfused), candidates = fused_runs(backend, kind, n, k, m, *args)
+        unfused.what = (kind, m), None
+        for config, fn in candidates:
+            fn.what = (kind, m), config
+        return (name, unfused), candidates
+
+    monkeypatch.setattr(gemv_tuning, "_fused_runs", tagged_runs)
+
+    def run(fn, weights, what, config):
+        """Every candidate really runs on its weights: on a GPU each one; in the interpreter each unfused chain
+        and, per kind (and tokens) and weight shape, the first config of each interpreted program (those after
+        it run the same program at other tile widths: interpreted_kinds)."""
+        n, k = weights[0].shape
+        program = (what, n, k, None if config is None else interpreted_program(config, n, k))
+        if CUDA or config is None or program not in ran:
+            ran.add(program)
+            for w in weights:
+                fn(w)
 
     def scripted_time(fn, weights, reps):
-        for w in weights:
-            fn(w)  # every candidate really runs (in the interpreter)
-        calls.append(forced())
+        run(fn, weights, *fn.what)
+        calls.append(fn.what[1])
         return {None: 1.0, ("row", 8, 512, 4, 4): 0.5, ("row", 16, 512, 8, 3): 0.99}.get(calls[-1], 2.0)
 
     monkeypatch.setattr(gemv_tuning, "_time_pass", scripted_time)
@@ -407,8 +431,8 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
             backend.gemv_timings.update({(n, k, m, c): float(i) for i, c in enumerate(configs)})
             backend.gemv_timings[(n, k, m, configs[-1])] = -1.0
             pick[(n, k, m)] = configs[-1]
-    monkeypatch.setattr(gemv_tuning, "_time_pass", lambda fn, weights, reps: [fn(w) for w in weights] and (
-        calls.append(forced()) or (0.5 if calls[-1] in pick.values() else 1.0)))
+    monkeypatch.setattr(gemv_tuning, "_time_pass", lambda fn, weights, reps: run(fn, weights, *fn.what) or (
+        calls.append(fn.what[1]) or (0.5 if calls[-1] in pick.values() else 1.0)))
     choice, _ = gemv_tuning.tune_prologues(backend, backend_model, (2, 4))
     kinds = {(128, 64): "rope", (192, 64): "gate_silu"}
     assert choice == {(kinds[(n, k)], n, k, m): c for (n, k, m), c in pick.items()}, choice
@@ -416,15 +440,21 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
     assert [c[0] for c in calls if c] == ["row"] * 6 + ["dot"] * 6
 
     # tune_linears picks the same way: cuBLAS first (1.0), then every fitting config (0.5: the first wins)
-    fit = sum(config_fits(c, 1) for c in CONFIGS)
-    times = iter(([1.0] + [0.5] * fit) * 5)  # 5 weight shapes: cuBLAS, then every config that fits one row
-    monkeypatch.setattr(gemv_tuning, "_time_pass", lambda fn, weights, reps: [fn(w) for w in weights] and next(times))
+    timed = iter([None, *(c for c in CONFIGS if config_fits(c, 1))] * 5)  # 5 weight shapes: cuBLAS, the configs
+
+    def linear_time(fn, weights, reps):
+        config = next(timed)
+        run(fn, weights, "linear", config)
+        return 1.0 if config is None else 0.5
+
+    monkeypatch.setattr(gemv_tuning, "_time_pass", linear_time)
     linears, _ = gemv_tuning.tune_linears(backend_model, [1])
     from kernels.matmul import invariant_matmul
 
-    assert linears and set(linears.values()) == {CONFIGS[0]}, linears
+    assert linears and set(linears.values()) == {CONFIGS[0]} and next(timed, "all timed") == "all timed", linears
     # tune_matmuls (batches above 8): cuBLAS against the tiled matmul's candidates; linear then routes to it
     times = iter([1.0, 2.0, 2.0, 0.5, 2.0, 2.0, 2.0, 2.0, 2.0] * 5)  # cuBLAS, then the 8 candidates
+    monkeypatch.setattr(gemv_tuning, "_time_pass", lambda fn, weights, reps: [fn(w) for w in weights] and next(times))
     tiled, _ = gemv_tuning.tune_matmuls(backend_model, [16])
     assert len(tiled) == 5 and set(tiled.values()) == {gemv_tuning.MATMUL_CANDIDATES[2]}, tiled
     backend.matmul_choice = tiled
@@ -493,7 +523,9 @@ def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
 
     from kernels import gemv as skinny
 
-    model_dir = write_config(tmp_path)
+    # in the interpreter one layer unless every fusion is forced: a second layer runs the same kernels at the same
+    # shapes, but for q|k|v taking its norm from the partial sums of the layer before ("norm_rope")
+    model_dir = write_config(tmp_path, layers=2 if CUDA or force_gemv == "prologue" else 1)
     device = "cuda" if CUDA else "cpu"
     fewer_attention_splits(monkeypatch)
     if CUDA:
