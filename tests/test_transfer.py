@@ -114,9 +114,11 @@ def test_kernel_few_programs_loop_over_every_item(programs):
 
 
 def test_kernel_default_config_many_items():
-    """The shipped launch shape (one chunk per small item), many items, int32 offsets."""
+    """The shipped launch shape (one chunk per small item), many items, int32 offsets.  In the interpreter 64
+    items: their addresses still differ by every residue mod 16 on both hops (every path of the kernel), and the
+    grid's size means nothing there."""
     gen = torch.Generator().manual_seed(7)
-    n, item_bytes = 300, 37
+    n, item_bytes = 300 if CUDA else 64, 37
     src_align = torch.randint(0, 16, (n,), generator=gen)
     dst_align = torch.randint(0, 16, (n,), generator=gen)
 
