@@ -65,6 +65,11 @@ def test_every_chosen_config_is_invariant(monkeypatch):
     g = torch.Generator().manual_seed(1)
     dtype = torch.bfloat16 if CUDA else torch.float32
     m, n, k = 66, 200, 1100
+    if not CUDA:  # the interpreter ignores warps and stages: configs of one K tile and split of K run one program
+        # but for the width of their N tiles (all masked at n = 200), so the widest of them
+        widest = {(c.block_k, c.split_k): c for c in sorted(configs, key=lambda c: c.block_n)}
+        configs = [c for c in configs if c in widest.values()]
+        assert len(configs) == 2, configs
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
     b = torch.randn(n, generator=g).to(DEVICE, dtype)

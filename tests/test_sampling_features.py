@@ -165,12 +165,16 @@ def test_window_sampler_matches_reference(S, V, candidates):
 
     g = torch.Generator().manual_seed(candidates + V)
     logits = (torch.randn(S, V, generator=g) * 3).to(DEV)
+    # the row kernel alone and filtered=False (no window) do not read ``candidates``: in the interpreter they run
+    # in one of the cases, the one where both outcomes of the window happen
+    rows_too = ON_GPU or candidates == 64
     for small_k in (True, False):
         params = _params(S, V, g, small_k)
         ref = sample_ref(logits, *params)
         got = sample(logits, *params, candidates=candidates, method="window")
         assert torch.equal(got, ref), (got.tolist(), ref.tolist())
-        assert torch.equal(sample(logits, *params, method="rows"), ref)
+        if rows_too:
+            assert torch.equal(sample(logits, *params, method="rows"), ref)
         # batch independence: each row alone
         alone = torch.cat([sample(logits[i: i + 1], *[p[i: i + 1] for p in params], candidates=candidates,
                                   method="window") for i in range(0, S, 4)])
@@ -184,7 +188,8 @@ def test_window_sampler_matches_reference(S, V, candidates):
     if candidates == 64:
         assert done[filt].any() and not done[filt].all()
     # filtered=False: no window, the row kernel does the top-k/top-p rows
-    assert torch.equal(sample(logits, *params, candidates=candidates, filtered=False, method="window"), ref)
+    if rows_too:
+        assert torch.equal(sample(logits, *params, candidates=candidates, filtered=False, method="window"), ref)
 
 
 def test_window_sampler_ties():
