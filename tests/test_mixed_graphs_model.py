@@ -25,8 +25,8 @@ from tests.test_output_features_model import greedy, run
 
 pytestmark = pytest.mark.slow
 FLAGS = ("--max-num-seqs", "8", "--max-num-batched-tokens", "40", "--debug-checks")
-POOLS = {0: ("--num-kv-blocks", "256"), 2: ("--num-kv-blocks", "256"),
-         1: ("--num-kv-blocks", str(DEVICE_BLOCKS), "--num-host-kv-blocks", str(HOST_BLOCKS))}  # preempts: swaps
+POOLS = {0: ("--num-kv-blocks", "256"), 2: ("--num-kv-blocks", "256"),  # depth 1: the host tier's tiny device pool
+         1: ("--num-kv-blocks", str(DEVICE_BLOCKS), "--num-host-kv-blocks", str(HOST_BLOCKS))}
 
 
 async def _outputs(address: str, prompts: list[list[int]]) -> list[list[int]]:
