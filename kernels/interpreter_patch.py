@@ -226,7 +226,7 @@ def _reuse_block_shapes(interp) -> None:
         if not type.is_block():
             self.numel, self.shape = constexpr(1), tl_tuple([])
             return
-        dims = builtins.tuple(type.shape.values)
+        dims = builtins.tuple(type.shape.values if builtins.type(type.shape) is tl_tuple else type.shape)
         known = shapes.get(dims)
         if known is None:
             known = shapes[dims] = (constexpr(math.prod(dims)), tl_tuple([constexpr(d) for d in dims]))
