@@ -26,18 +26,18 @@ of the kernel tests' time.  We patch once per launch (both ``tl`` and
 it run under that patch; the values it sets are the same at every launch (the
 builtins' interpreter wrappers, the tensor's and the dtypes' methods), so the
 first launch records them and later launches set them again without the scan.
-Every integer add, sub and mul also built an
-overflow check (both operands cast to int64, the op again, two compares and an
-and: about a third of the rest) for ``device_assert``, which drops it unless the
-interpreter's options ask for debug (they never do): we build it only then.  And
-the numpy dtype of a Triton type, rebuilt as a dict of twenty entries per call,
-is looked up once per type.  Every op's result builds its block type and its
-tensor's shape afresh (validated, unwrapped, wrapped again in ``constexpr``s, a
-``tl.tuple`` typed element by element), and every binary op compares the two
-shapes element by element to broadcast them; a shape seen before reuses what was
-built for it (shapes are never mutated: only the compiler's code generator sets
-a ``tl.tuple``'s item), and operands of one shape skip the broadcast.  Together
-these took a third of what the overflow checks left.
+Every integer add, sub and mul also built an overflow check (both operands cast
+to int64, the op again, two compares and an and: about a third of the rest) for
+``device_assert``, which drops it unless the interpreter's options ask for debug
+(they never do): we build it only then.  The numpy dtype of a Triton type,
+rebuilt as a dict of twenty entries per call, is looked up once per type.  Every
+op's result built its block type and its tensor's shape afresh (validated,
+unwrapped, wrapped again in ``constexpr``s, a ``tl.tuple`` typed element by
+element), and every binary op compared the two shapes element by element to
+broadcast them: a shape seen before reuses what was built for it (shapes are
+never mutated: only the compiler's code generator sets a ``tl.tuple``'s item),
+and operands of one shape skip the broadcast.  Together these took a third of
+what the overflow checks left.
 Nothing happens on a real GPU.  No kernel module imports this: whoever runs kernels
 under the interpreter applies it (tests/conftest.py, the CPU benchmarks, and the
 executor's backend choice for ``kernels: triton`` on the CPU).
