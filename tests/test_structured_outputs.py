@@ -127,16 +127,17 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("kw,field,words", BAD)
-def test_bad_constraints_are_refused(model_server, kw, field, words):
+def test_bad_constraints_are_refused(model_server):
+    """Each bad constraint is refused naming its field, twice (a cached error is the same error); the server
+    serves a request after all of them (one that any of them broke would not refuse the next as asked, nor
+    serve it)."""
     async def go():
         async with AsyncClient(model_server(1).address) as c:
-            with pytest.raises(InvalidRequestError) as e:
-                await c.generate("hi", max_tokens=4, **kw)
-            assert e.value.field == field and words in str(e.value), e.value
-            # The server keeps serving, and a cached error is the same error.
-            with pytest.raises(InvalidRequestError):
-                await c.generate("hi", max_tokens=4, **kw)
+            for kw, field, words in BAD:
+                for _ in range(2):
+                    with pytest.raises(InvalidRequestError) as e:
+                        await c.generate("hi", max_tokens=4, **kw)
+                    assert e.value.field == field and words in str(e.value), (kw, e.value)
             assert (await c.generate("hi", max_tokens=2, temperature=0)).finish_reason == "length"
     asyncio.run(go())
 
