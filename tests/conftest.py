@@ -85,9 +85,10 @@ def default_model_dir() -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer(default_model_dir):
-    from transformers import AutoTokenizer
+    """The class AutoTokenizer picks, imported alone (AutoTokenizer's own import costs seconds more)."""
+    from ipc.client.prompt import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(default_model_dir)
+    return load_tokenizer(default_model_dir)
 
 
 @pytest.fixture(scope="session")
