@@ -20,8 +20,8 @@ last in-flight step that used them has returned: that rule lives in
 from __future__ import annotations
 
 from collections import Counter, deque
-from itertools import compress, repeat
-from operator import eq, is_not
+from itertools import chain, compress, repeat
+from operator import eq, is_not, sub
 from typing import Optional
 
 
@@ -155,7 +155,23 @@ class Lru:
 
     def entries(self) -> list[int]:
         """Every entry, stale or live, oldest first (for checks)."""
-        return [b for release in self._releases for b in release]
+        return list(chain.from_iterable(self._releases))
+
+    def live(self) -> set[int]:
+        """The blocks with a live entry, asserting that each block has at most one (its entries less its stale
+        ones) and that the stale counts add up (for checks)."""
+        entries, stale = self.entries(), self.stale
+        assert sum(stale) == self.num_stale, "KV block: stale LRU entries"
+        if not any(stale):  # every entry is live: one per block
+            live = set(entries)
+            assert len(live) == len(entries), "KV block: LRU entries"
+            return live
+        counts = Counter(entries)
+        per_block = list(map(counts.get, range(self.size), repeat(0)))
+        assert sum(per_block) == len(entries), "KV block: an LRU entry is no block"
+        live_counts = list(map(sub, per_block, stale))
+        assert min(live_counts) >= 0 and max(live_counts) <= 1, "KV block: LRU entries"
+        return set(compress(range(self.size), live_counts))
 
 
 class BlockAllocator:
@@ -339,6 +355,10 @@ class BlockAllocator:
         refs = self._refs
         return {b: refs[b] for b in compress(range(self.size), refs)}
 
+    def ref_counts(self) -> list[int]:
+        """Every block's reference count, by block (a copy)."""
+        return self._refs.copy()
+
     def _published(self) -> list[int]:
         """Every block with a key (cached or held), in order."""
         return list(compress(range(self.size), map(is_not, self._keys, repeat(None))))
@@ -347,24 +367,16 @@ class BlockAllocator:
         """Free + cached + held == total, the LRU is exactly the published blocks nobody holds, and the index.
 
         (Tests run it after every step of thousands of cases: the scans over every block are C loops.)"""
+        refs = self._refs
         free = set(self._free)
-        entries = Counter(self._lru.entries())
-        stale = self._lru.stale
-        # Each block's entries less its stale ones is 0 or 1: a block with stale entries (few) is checked alone;
-        # every other block in the LRU has exactly one entry (sum == count: each has at least one).
-        with_stale = set(compress(range(self.size), stale))
-        assert all(entries[b] - stale[b] in (0, 1) for b in with_stale), "KV block: LRU entries"
-        rest = entries.keys() - with_stale
-        assert sum(entries.values()) - sum(entries[b] for b in with_stale) == len(rest), "KV block: LRU entries"
-        assert sum(stale) == self._lru.num_stale, "KV block: stale LRU entries"
-        lru = rest | {b for b in with_stale if entries[b] > stale[b]}
-        assert len(lru) == self._num_cached, "KV block: cached count"
-        assert not any(map(self._refs.__getitem__, lru)), "KV block: a block in the LRU is held"
         assert len(free) == len(self._free), "KV block: a block is free twice"
+        lru = self._lru.live()
+        assert len(lru) == self._num_cached, "KV block: cached count"
+        assert not any(map(refs.__getitem__, lru)), "KV block: a block in the LRU is held"
         assert not free & lru, "KV block: a block is both free and cached"
-        held = self.held()
-        assert all(r > 0 for r in held.values()), "KV block: a negative count"
-        assert not (free | lru) & held.keys(), "KV block: a block with references is free or cached"
+        assert min(refs, default=0) >= 0, "KV block: a negative count"
+        held = set(compress(range(self.size), refs))
+        assert not (free | lru) & held, "KV block: a block with references is free or cached"
         assert len(free) + len(lru) + len(held) == self.size, (
             f"KV block: free {len(free)} + cached {len(lru)} + held {len(held)} != total {self.size}")
         published = set(self._published())

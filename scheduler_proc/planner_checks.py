@@ -17,31 +17,33 @@ def check_planner(pl) -> None:
     other way round); tests (and --debug-checks) call it after every step."""
     pl.blocks.check_integrity()
     pl.slots.check_integrity()
-    inflight_count: dict[int, int] = {}
+    in_flight: set[int] = set()  # requests with a row in a step in flight
     pending_count: dict[int, int] = {}
     lag_count: dict[int, int] = {}  # drafts of speculative rows in flight, per request
     for step in pl.inflight:
         for r, k in step.spec:
             lag_count[r.rid] = lag_count.get(r.rid, 0) + k
-        assert len({r.rid for r in step.requests}) == len(step.requests), f"step {step.step_id}: a request twice"
+        rids = {r.rid for r in step.requests}
+        assert len(rids) == len(step.requests), f"step {step.step_id}: a request twice"
         assert pl._returned < step.step_id < pl._next_step, f"step {step.step_id}: in flight out of order"
+        in_flight |= rids
         for r in step.requests:
-            inflight_count[r.rid] = inflight_count.get(r.rid, 0) + 1
             assert r.last_step >= step.step_id, f"request {r.rid}: its last step is older than one in flight"
         for r in step.samplers:
             if r.status is not _FINISHED:
                 pending_count[r.rid] = pending_count.get(r.rid, 0) + 1
-    block_refs = pl.blocks.held()
     slot_owner = pl.slots.owned_by()
     running = list(pl._running.values())
-    holders = running + list(pl.draining.values())
+    draining = list(pl.draining.values())
+    holders = running + draining
     assert len({r.rid for r in holders}) == len(holders), "a request is both running and draining"
-    holds: dict[int, int] = {}
+    holds = [0] * pl.blocks.size  # per block: the block tables and backups that hold it
     for r in holders:
-        assert (r.last_step > pl._returned) == (r.rid in inflight_count), f"request {r.rid}: steps in flight"
+        assert (r.last_step > pl._returned) == (r.rid in in_flight), f"request {r.rid}: steps in flight"
         assert len(set(r.blocks)) == len(r.blocks), f"request {r.rid}: a block twice in its table"
+        assert min(r.blocks, default=0) >= 0, f"request {r.rid}: a negative block"
         for b in r.blocks:
-            holds[b] = holds.get(b, 0) + 1
+            holds[b] += 1
         assert r.slot is not None and slot_owner.get(r.slot) == r.rid, f"request {r.rid}: slot ownership"
         # Exactly the blocks its KV needs: a decode row crosses into a new block when its position is a multiple.
         # A speculating request keeps the blocks of its rejected drafts (its next rows write there): at most the
@@ -54,17 +56,20 @@ def check_planner(pl) -> None:
             assert len(r.blocks) == need, f"request {r.rid}: blocks for its KV"
         assert r.spec_lag == lag_count.get(r.rid, 0), f"request {r.rid}: drafts in flight"
     if pl.host is not None:  # a device block being backed up holds one more reference
-        for b in pl.host.busy_device_blocks():
-            holds[b] = holds.get(b, 0) + 1
+        busy = pl.host.busy_device_blocks()
+        assert min(busy, default=0) >= 0, "a negative block backed up"
+        for b in busy:
+            holds[b] += 1
         pl.host.check([h for step in pl.inflight for h in step.onloaded])
-    assert holds == block_refs, "block reference counts differ from the requests' block tables and backups"
+    refs = pl.blocks.ref_counts()
+    assert holds == refs, "block reference counts differ from the requests' block tables and backups"
     if pl.prefix is not None:
         pl.prefix.check(holders)
     else:
-        assert all(r == 1 for r in block_refs.values()), "a block is shared without prefix caching"
+        assert max(refs) <= 1, "a block is shared without prefix caching"
     assert len(slot_owner) == len(holders), "a slot is owned by a request that holds none"
-    assert pl._draining_blocks == sum(len(r.blocks) for r in pl.draining.values()), "draining blocks"
-    for r in pl.draining.values():
+    assert pl._draining_blocks == sum([len(r.blocks) for r in draining]), "draining blocks"
+    for r in draining:
         assert r.status is Status.PREEMPTED or r.status is _FINISHED, f"request {r.rid}: draining while {r.status}"
     for r in running:
         assert r.status is _RUNNING
@@ -88,8 +93,8 @@ def check_planner(pl) -> None:
             assert r.rid not in pl._speculating and not r.spec_lag, f"request {r.rid}: speculating set"
     assert pl._prefilling.keys() <= pl._running.keys() and pl._decoding.keys() <= pl._running.keys()
     assert pl._speculating.keys() <= pl._running.keys() and pl._paused.keys() <= pl._running.keys()
-    live = running + list(pl.waiting) + [r for r in pl.draining.values() if r.status is not _FINISHED]
-    assert {t for r in live for t in r.stop_ids} <= pl._stop_tokens, "a live request's stop token is missed"
+    live = running + list(pl.waiting) + [r for r in draining if r.status is not _FINISHED]
+    assert set().union(*[r.stop_ids for r in live]) <= pl._stop_tokens, "a live request's stop token is missed"
     assert pl.limits.eos_token_ids <= pl._stop_tokens
     for r in pl.waiting:
         assert r.status is Status.WAITING and r.slot is None and not r.blocks

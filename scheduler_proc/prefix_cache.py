@@ -128,20 +128,22 @@ class PrefixCache:
     def check(self, holders: list[Request]) -> None:
         """Every published or shared block is complete in each holder's view, and a published block a walk
         reaches stands for that holder's tokens up to it; so does the place each holder publishes after."""
-        refs = self.blocks.held()
-        bs, w = self.block_size, self.blocks.width
+        tree, refs = self.blocks, self.blocks.ref_counts()
+        bs, w = self.block_size, tree.width
+        reach: dict = {}  # what the walks found per run (the tree does not change during the check)
         for r in holders:
             assert r.num_published <= len(r.blocks), f"request {r.rid}: published beyond its blocks"
             tokens = array("I", r.known_tokens(0, r.num_known)).tobytes()
             assert tokens.startswith(r.block_bytes), f"request {r.rid}: token bytes memo"
-            for i, b in enumerate(r.blocks):
-                published = self.blocks.published(b)
-                if not published and refs[b] == 1:
-                    continue
-                assert (i + 1) * bs <= r.num_computed, f"request {r.rid}: shared/published block {b} not complete"
-                path = self.blocks.path(b) if published else None
-                assert path in (None, tokens[: (i + 1) * w]), f"request {r.rid}: block {b}: another prefix"
+            complete = max(r.num_computed, 0) // bs  # its blocks whose KV is all written or being written
+            for b in r.blocks[complete:]:
+                assert not tree.published(b) and refs[b] == 1, (
+                    f"request {r.rid}: shared/published block {b} not complete")
+            for i, b in enumerate(r.blocks[:complete]):
+                if tree.published(b):
+                    path = tree.path(b, reach)
+                    assert path in (None, tokens[: (i + 1) * w]), f"request {r.rid}: block {b}: another prefix"
             run, pos = r.cache_node
-            if run is not None and self.blocks.valid(r.cache_node):
-                path = self.blocks.path(run.blocks[pos])
+            if run is not None and tree.valid(r.cache_node):
+                path = tree.path(run.blocks[pos], reach)
                 assert path in (None, tokens[: r.num_published * w]), f"request {r.rid}: its tree node"

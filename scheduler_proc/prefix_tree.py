@@ -157,19 +157,32 @@ class PrefixTree(BlockAllocator):
 
     # ---------------------------------------------------------- invariants
 
-    def path(self, block: int) -> Optional[bytes]:
-        """The token bytes from the root to a published ``block``, or None if a walk cannot reach it."""
-        keys, parts, b = self._keys, [], block
-        while b >= 0:
-            run = keys[b]
-            if run is None:
-                return None
-            pos = run.blocks.index(b)
-            if any(keys[x] is not run for x in run.blocks[:pos]) or self._siblings(run).get(run.head) is not run:
-                return None
-            parts.append(bytes(run.data[: (pos + 1) * self.width]))
-            b = run.parent
-        return b"".join(reversed(parts))
+    def path(self, block: int, reach: Optional[dict] = None) -> Optional[bytes]:
+        """The token bytes from the root to a published ``block``, or None if a walk cannot reach it.
+
+        ``reach`` (for many calls on a tree that does not change) keeps what :meth:`_reach` found per run."""
+        run = self._keys[block]
+        if run is None:
+            return None
+        found = reach.get(run) if reach is not None else None
+        valid, head = self._reach(run, reach) if found is None else found
+        pos = run.blocks.index(block)
+        if head is None or pos > valid:  # unlinked, or a block before it in its run was evicted
+            return None
+        return head + run.data[: (pos + 1) * self.width]
+
+    def _reach(self, run: Run, reach: Optional[dict]) -> tuple[int, Optional[bytes]]:
+        """How many of ``run``'s first blocks are still its own, and the token bytes from the root to its
+        parent block (None if a walk cannot reach the run)."""
+        keys = self._keys
+        valid = next((i for i, b in enumerate(run.blocks) if keys[b] is not run), len(run.blocks))
+        if self._siblings(run).get(run.head) is not run:
+            head = None
+        else:
+            head = b"" if run.parent < 0 else self.path(run.parent, reach)
+        if reach is not None:
+            reach[run] = valid, head
+        return valid, head
 
     def _siblings(self, run: Run) -> dict[bytes, Run]:
         """The dict ``run`` is (or was) linked in: its parent's children at its place, or the roots."""
@@ -183,18 +196,18 @@ class PrefixTree(BlockAllocator):
     def _check_index(self, published: set[int]) -> None:
         """Every published block is in its run once; every linked run's first block is valid and its key."""
         w, keys = self.width, self._keys
-        runs = {id(keys[b]): keys[b] for b in published}
         for b in published:
             assert keys[b].blocks.count(b) == 1, f"KV block {b}: not once in its run"
-        for run in runs.values():
-            assert len(run.data) == len(run.blocks) * w, "KV block: a run's bytes and blocks differ"
-            for pos in run.children or ():
-                assert keys[run.blocks[pos]] is run, "KV block: runs hang from an unpublished block"
         assert not self._block_of, "KV block: a key in the prefix tree"
-        linked = [(-1, -1, self._roots)] + [(r.blocks[p], p, kids) for r in runs.values()
-                                            for p, kids in (r.children or {}).items()]
+        linked = [(-1, -1, self._roots)]  # (parent block, its place, the runs hanging there)
+        for run in set(map(keys.__getitem__, published)):
+            assert len(run.data) == len(run.blocks) * w, "KV block: a run's bytes and blocks differ"
+            if run.children:
+                for pos, kids in run.children.items():
+                    assert keys[run.blocks[pos]] is run, "KV block: runs hang from an unpublished block"
+                    linked.append((run.blocks[pos], pos, kids))
         for parent, at, kids in linked:
             for head, run in kids.items():
-                assert (run.parent, run.at) == (parent, at), "KV block: a run's parent"
+                assert run.parent == parent and run.at == at, "KV block: a run's parent"
                 assert head == run.head == run.data[:w], "KV block: a run's key"
                 assert keys[run.blocks[0]] is run, "KV block: a linked run's first block is not published"
