@@ -410,6 +410,19 @@ def run(
     return trace, planner, ex
 
 
+def aborted_at_every_half_tick(specs, victim: int, **kw):
+    """``run(specs, aborts={victim: t}, **kw)`` for t = 0, 0.5, 1, ... up to the first abort that finds the victim
+    finished, yielding each run's (trace, planner, executor).  Every later abort finds it finished too: a no-op
+    (``Planner.abort`` returns at once), so each of those runs is the run without the abort."""
+    half = 0
+    while True:
+        trace, planner, ex = run(specs, aborts={victim: half / 2}, **kw)
+        yield trace, planner, ex
+        if trace.abort_states == [("finished",)]:
+            return
+        half += 1
+
+
 def assert_drained(planner: Planner) -> None:
     """Every block and slot is back in its pool and nothing is left anywhere."""
     planner.check_integrity()

@@ -22,8 +22,8 @@ from scheduler_proc.host_tier import HostTier
 from scheduler_proc.planner import Planner
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.steps import StepDraft
-from tests.planner_harness import (assert_client_view, assert_drained, assert_logprobs, expected, make_request,
-                                   run)
+from tests.planner_harness import (aborted_at_every_half_tick, assert_client_view, assert_drained, assert_logprobs,
+                                   expected, make_request, run)
 
 DEPTHS = [0, 1, 2]
 LAGS = [0, 1, 2]
@@ -183,9 +183,7 @@ def test_shared_prefix_aborted_at_every_half_tick(depth):
     for victim, lag, arrivals in itertools.product(range(3), (0, 2), ({1: 1, 2: 3}, {1: 0, 2: 1})):
         common = dict(depth=depth, num_slots=2, num_blocks=7, block_size=2, budget=4, prompts=prompts,
                       arrivals=arrivals, num_host_blocks=6, backup_lag=lag)
-        base, _, _ = run(specs, **common)
-        for half in range(2 * base.steps + 4):
-            trace, planner, ex = run(specs, aborts={victim: half / 2}, **common)
+        for trace, planner, ex in aborted_at_every_half_tick(specs, victim, **common):
             check_case(trace, planner, ex, aborted={f"r{victim}"})
 
 

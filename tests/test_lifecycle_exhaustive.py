@@ -27,7 +27,8 @@ import random
 
 import pytest
 
-from tests.planner_harness import EOS, assert_client_view, assert_drained, assert_logprobs, expected, run
+from tests.planner_harness import (EOS, aborted_at_every_half_tick, assert_client_view, assert_drained, assert_logprobs,
+                                   expected, run)
 
 DEPTHS = [0, 1, 2]
 STOP = 3  # a token the script places and the request lists in stop_token_ids
@@ -78,7 +79,8 @@ def test_one_request_every_finish_at_every_offset(depth):
 @pytest.mark.parametrize("depth", DEPTHS)
 @pytest.mark.parametrize("finish", ["length", "eos", "stop"])
 def test_abort_at_every_point_of_a_life(depth, finish):
-    """One request aborted at every half tick (before and after planning), from arrival to past its finish.
+    """One request aborted at every half tick (before and after planning), from arrival to its finish and the
+    first half tick after it (later aborts find it finished too: no-ops, see aborted_at_every_half_tick).
 
     A second request arrives at once with one slot between them, so it is
     aborted while waiting too; it must be untouched by the first one's abort.
@@ -90,11 +92,10 @@ def test_abort_at_every_point_of_a_life(depth, finish):
               "stop": {"tokens_at": {0: {max_tokens // 2: STOP}}}}.get(finish, {})
         specs = [dict(prompt_len=prompt_len, max_tokens=max_tokens, stop=(STOP,)), dict(prompt_len=2, max_tokens=3)]
         common = dict(depth=depth, budget=budget, num_slots=1, block_size=block_size, burst=burst, **kw)
-        base, _, _ = run(specs, **common)
-        for victim, half in itertools.product((0, 1), range(2 * base.steps + 6)):
-            trace, planner, ex = run(specs, aborts={victim: half / 2}, **common)
-            check_case(trace, planner, ex, aborted={f"r{victim}"})
-            seen.update(trace.abort_states)
+        for victim in (0, 1):
+            for trace, planner, ex in aborted_at_every_half_tick(specs, victim, **common):
+                check_case(trace, planner, ex, aborted={f"r{victim}"})
+                seen.update(trace.abort_states)
     assert {("waiting",), ("finished",)} <= seen, seen
     # At depth >= 1 a running request is always in a step in flight (unless short of blocks).
     assert {("running", n) for n in range(min(depth, 1), depth + 2)} <= seen, f"in-flight aborts covered: {seen}"
@@ -155,9 +156,7 @@ def test_three_requests_aborted_at_every_half_tick_in_tight_pools(depth):
             range(3), (max(need), max(need) + 2), ({1: 1, 2: 2}, {}), bursts(depth)):
         common = dict(depth=depth, num_slots=3, num_blocks=num_blocks, block_size=bs, budget=4, arrivals=arrivals,
                       burst=burst)
-        base, _, _ = run(specs, **common)
-        for half in range(2 * base.steps + 4):
-            trace, planner, ex = run(specs, aborts={victim: half / 2}, **common)
+        for trace, planner, ex in aborted_at_every_half_tick(specs, victim, **common):
             check_case(trace, planner, ex, aborted={f"r{victim}"})
 
 

@@ -20,7 +20,8 @@ import pytest
 
 from scheduler_proc.block_allocator import BlockAllocator
 from scheduler_proc.prefix_cache import PrefixCache
-from tests.planner_harness import assert_client_view, assert_drained, expected, make_request, run
+from tests.planner_harness import (aborted_at_every_half_tick, assert_client_view, assert_drained, expected,
+                                   make_request, run)
 
 DEPTHS = [0, 1, 2]
 
@@ -209,9 +210,7 @@ def test_abort_and_finish_at_every_offset_while_sharing(depth):
         specs = [dict(prompt_len=0, max_tokens=4), dict(prompt_len=0, max_tokens=3), dict(prompt_len=0, max_tokens=2)]
         common = dict(depth=depth, block_size=bs, budget=budget, burst=burst, prompts=prompts,
                       arrivals={1: 1, 2: 3}, num_slots=3)
-        base, _, _ = run(specs, **common)
-        for half in range(2 * base.steps + 4):
-            trace, planner, ex = run(specs, aborts={victim: half / 2}, **common)
+        for trace, planner, ex in aborted_at_every_half_tick(specs, victim, **common):
             check(trace, planner, ex, aborted={f"r{victim}"})
             seen_hits.add(planner.prefix.hit_tokens)
         for k in range(specs[victim]["max_tokens"]):
