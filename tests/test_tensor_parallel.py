@@ -3,10 +3,10 @@
 - the sharding rules, reassembled from every rank's slices, and the refusal of sizes that do not divide;
 - ranks run the model directly (``tests/tp_forward.py``): logits within 1e-4 of one process, for
   safetensors (biases, an odd vocabulary: padded shards), dummy weights with fewer KV heads than ranks
-  (replicated), and the default model's GGUF (dequantised whole, then sliced; 9 heads over 3 ranks);
+  (replicated), GGUF (dequantised whole, then sliced) and the default model (9 heads over 3 ranks);
 - ``forerun serve --tensor-parallel-size N`` against N = 1: greedy and seeded tokens identical, logprobs
-  within 1e-4 (a random 2-layer model at N = 2; the default model at N = 3: its 9 heads and 3 KV heads
-  do not split in 2, which the server refuses at start-up, tested too);
+  within 1e-4 (a random 2-layer model at N = 2); the default model's 9 heads and 3 KV heads do not split
+  in 2, which the server refuses at start-up;
 - a killed rank is the executor's death: the whole group restarts and the streams go on exactly
   (docs/reliability.md's promise), or with no restart left (``--max-restarts 1``, spent) every client gets an
   error within 2 s and the server exits; no rank is left behind either way.
@@ -361,15 +361,12 @@ def test_a_killed_rank_without_restarts_fails_every_client_within_2s(tiny_server
 
 
 @pytest.mark.slow
-def test_default_model_over_three_ranks_matches_one_process(model_server, servers, chat_prompt_ids):
-    """SmolLM2-135M: 9 heads and 3 KV heads split over 3 ranks (1 KV head each); tied embeddings.  Two greedy
-    prompts and a sampled one, 4 tokens: the prefill and three decode steps over the ranks' KV heads."""
-    flags = ("--pipeline-depth", "1", "--max-num-seqs", "32", "--num-kv-blocks", "512", "--debug-checks")
-    tp3 = servers(*flags, "--tensor-parallel-size", "3")
-    ref = asyncio.run(_workload(model_server(1).address, chat_prompt_ids[:2], max_tokens=4, shared=False))
-    ours = asyncio.run(_workload(tp3.address, chat_prompt_ids[:2], max_tokens=4, shared=False))
-    assert all(len(r.token_ids) == 4 for r in ref)
-    _assert_same_outputs(ours, ref)
+def test_default_model_over_three_ranks_matches_one_process(default_model_dir, tmp_path):
+    """SmolLM2-135M as the server loads it (its safetensors, read by slice): 9 heads and 3 KV heads over 3 ranks
+    (1 KV head each), its tied embeddings and LM head split by vocabulary; a prefill's and a decode step's logits
+    over the ranks' KV heads within 1e-4 of one process.  The serving path over ranks is the tiny model's (N = 2)."""
+    _assert_close(run_ranks(3, "hf", default_model_dir, str(tmp_path / "logits.npy")),
+                  logits(default_model_dir, "hf"))
 
 
 @pytest.mark.slow
