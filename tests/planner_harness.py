@@ -77,6 +77,10 @@ class Trace:
     preempted_inflight: set[int] = field(default_factory=set)
     ledger: Optional["InflightLedger"] = None  # the run's ledger (host-tier counts for coverage)
     swapped_in: int = 0  # admissions of a preempted request that onloaded blocks from the host
+    # What the pool and the budget bound (see runs_in_tight_pools): whether one more block could have changed a
+    # plan, and the most tokens in one.
+    pool_bound: bool = False
+    max_step_tokens: int = 0
 
     def client_view(self, request_id: str) -> tuple[list[int], list[str], list[tuple[int, int]]]:
         return self.tokens[request_id], self.finishes[request_id], self.counts[request_id]
@@ -204,6 +208,30 @@ class InflightLedger:
             if s <= backups_done:
                 del self.host_pending[host]
                 self.host_valid.add(host)
+
+
+def watch_pool(blocks, trace: Trace) -> None:
+    """Set ``trace.pool_bound`` when one more block in the pool could change what the planner does with ``blocks``:
+    a ``can_allocate`` that says no, a ``take`` or ``allocate`` that finds too few free blocks (it evicts, or finds
+    none; a larger pool's extra block, at the bottom of the free list, would be handed out).  The planner reads
+    the free count itself before each plan (the harness compares it with the running requests, each of which
+    may need a block), after a ``can_allocate`` that said no, and for ``prefill_ahead``."""
+    can_allocate, take, allocate = blocks.can_allocate, blocks.take, blocks.allocate
+
+    def watched_can_allocate(n: int = 1) -> bool:
+        ok = can_allocate(n)
+        trace.pool_bound |= not ok
+        return ok
+
+    def watched_take():
+        trace.pool_bound |= blocks.num_free == blocks.num_cached
+        return take()
+
+    def watched_allocate(n: int) -> list[int]:
+        trace.pool_bound |= blocks.num_free - blocks.num_cached < n
+        return allocate(n)
+
+    blocks.can_allocate, blocks.take, blocks.allocate = watched_can_allocate, watched_take, watched_allocate
 
 
 def check_kv_reads(planner: Planner, ex: ScriptedRunner, step_id: int) -> None:
@@ -372,9 +400,12 @@ def run(
             check_counters(step.requests)
         trace.steps += 1
 
+    watch_pool(planner.blocks, trace)
     while True:
         events(tick)
         while planner.room_ahead(depth, prefill_ahead):
+            if planner.blocks.num_free < len(planner.running):  # its decode rows might not all get a block at once
+                trace.pool_bound = True
             before = planner.num_preemptions
             plan = planner.plan()
             history.update(b"plan " + (b"-" if plan is None else _encode(plan)))
@@ -388,6 +419,7 @@ def run(
                 trace.swapped_in += sum(by_slot[slot].num_preemptions > 0 for slot in onloaded)
             ledger.sent(plan)
             sent.append(plan)
+            trace.max_step_tokens = max(trace.max_step_tokens, sum(plan.num_tokens))
             # after a plan that admitted, preempted, released or moved blocks between tiers; every plan's state is
             # checked again after the next reconcile (a plan of decode rows alone only appends blocks: half the
             # plans, and the checks are most of this harness's time)
@@ -408,6 +440,33 @@ def run(
         assert tick < max_steps, "no progress"
     trace.ledger = ledger
     return trace, planner, ex
+
+
+def runs_in_tight_pools(specs, pools, budgets, num_slots: int, **kw):
+    """``run(specs, num_blocks=n, budget=b, num_slots=num_slots, **kw)`` for the pools ``n`` and budgets ``b``
+    that plan differently, yielding each run's (trace, planner, executor).
+
+    A pool's size enters the planner only through its free count: a run in which one more block could not have
+    changed a decision (``trace.pool_bound`` false, see watch_pool) plans the same in every larger pool, with
+    the same blocks (the extra ones stay at the bottom of the free list); the pools (ascending) stop there.  The
+    budget only caps a plan's tokens: where the largest budget's run (at the same pool) planned fewer than ``b``
+    tokens in every step and there are at most ``b`` slots, budget ``b`` never binds and plans the same.
+    """
+    assert not kw.get("prefill_ahead") and not kw.get("num_speculative_tokens"), "they read the pool and budget too"
+    budgets = sorted(budgets, reverse=True)
+    largest: dict[int, Trace] = {}  # pool -> the largest budget's run
+    for b in budgets:
+        for n in pools:
+            same = largest.get(n) if b != budgets[0] and num_slots <= b else None
+            if same is not None and same.max_step_tokens < b:
+                trace = same
+            else:
+                trace, planner, ex = run(specs, num_blocks=n, budget=b, num_slots=num_slots, **kw)
+                yield trace, planner, ex
+                if b == budgets[0]:
+                    largest[n] = trace
+            if not trace.pool_bound:
+                break
 
 
 def aborted_at_every_half_tick(specs, victim: int, **kw):

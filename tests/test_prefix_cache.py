@@ -21,7 +21,7 @@ import pytest
 from scheduler_proc.block_allocator import BlockAllocator
 from scheduler_proc.prefix_cache import PrefixCache
 from tests.planner_harness import (aborted_at_every_half_tick, assert_client_view, assert_drained, expected,
-                                   make_request, run)
+                                   make_request, run, runs_in_tight_pools)
 
 DEPTHS = [0, 1, 2]
 
@@ -221,7 +221,8 @@ def test_abort_and_finish_at_every_offset_while_sharing(depth):
 
 @pytest.mark.parametrize("depth", DEPTHS)
 def test_preemption_in_tight_pools_resumes_from_the_cache(depth):
-    """Requests on one prefix in pools from the smallest legal size up: preempted ones resume mostly by hits."""
+    """Requests on one prefix in pools from the smallest legal size up (to one that never runs short: larger ones
+    plan the same, see runs_in_tight_pools): preempted ones resume mostly by hits."""
     bs = 2
     resumed_hits = 0
     for prefix_len, arrival, burst, script in itertools.product(
@@ -229,9 +230,9 @@ def test_preemption_in_tight_pools_resumes_from_the_cache(depth):
         prompts = shared_prompts(prefix_len, (2, 1, 3))
         specs = [dict(prompt_len=0, max_tokens=5), dict(prompt_len=0, max_tokens=4), dict(prompt_len=0, max_tokens=3)]
         need = [-(-(len(prompts[i]) + s["max_tokens"]) // bs) for i, s in enumerate(specs)]
-        for num_blocks in range(max(need), sum(need) + 1):
-            trace, planner, ex = run(specs, depth=depth, num_slots=3, num_blocks=num_blocks, block_size=bs, budget=4,
-                                     prompts=prompts, arrivals={1: arrival, 2: arrival + 1}, burst=burst, **script)
+        for trace, planner, ex in runs_in_tight_pools(
+                specs, range(max(need), sum(need) + 1), (4,), 3, depth=depth, block_size=bs, prompts=prompts,
+                arrivals={1: arrival, 2: arrival + 1}, burst=burst, **script):
             check(trace, planner, ex)
             if planner.num_preemptions:
                 resumed_hits += planner.prefix.hit_tokens > 0
