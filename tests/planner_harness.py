@@ -77,10 +77,11 @@ class Trace:
     preempted_inflight: set[int] = field(default_factory=set)
     ledger: Optional["InflightLedger"] = None  # the run's ledger (host-tier counts for coverage)
     swapped_in: int = 0  # admissions of a preempted request that onloaded blocks from the host
-    # What the pool and the budget bound (see runs_in_tight_pools): whether one more block could have changed a
-    # plan, and the most tokens in one.
+    # What the pool and the budget bound (see distinct_runs): whether one more block could have changed a plan,
+    # and the most tokens in one.
     pool_bound: bool = False
     max_step_tokens: int = 0
+    arrived_idle: set[int] = field(default_factory=set)  # requests that arrived with nothing else in the planner
 
     def client_view(self, request_id: str) -> tuple[list[int], list[str], list[tuple[int, int]]]:
         return self.tokens[request_id], self.finishes[request_id], self.counts[request_id]
@@ -355,6 +356,8 @@ def run(
             r = reqs[i]
             if not is_abort:
                 leader = (leaders or {}).get(i)
+                if not (planner.has_work or planner.draining or planner.inflight):
+                    trace.arrived_idle.add(i)
                 history.update(f"add {r!r} {leader}".encode())
                 planner.add(r, None if leader is None else reqs[leader])
                 continue
@@ -442,31 +445,42 @@ def run(
     return trace, planner, ex
 
 
-def runs_in_tight_pools(specs, pools, budgets, num_slots: int, **kw):
-    """``run(specs, num_blocks=n, budget=b, num_slots=num_slots, **kw)`` for the pools ``n`` and budgets ``b``
-    that plan differently, yielding each run's (trace, planner, executor).
+def distinct_runs(specs, pools, budgets, num_slots: int, arrivals=({},), **kw):
+    """``run(specs, num_blocks=n, budget=b, num_slots=num_slots, arrivals=a, **kw)`` over the pools ``n``, budgets
+    ``b`` and arrivals ``a`` of a sweep, leaving out the runs that plan exactly what one made already; yields each
+    run's (trace, planner, executor).
 
-    A pool's size enters the planner only through its free count: a run in which one more block could not have
-    changed a decision (``trace.pool_bound`` false, see watch_pool) plans the same in every larger pool, with
-    the same blocks (the extra ones stay at the bottom of the free list); the pools (ascending) stop there.  The
-    budget only caps a plan's tokens: where the largest budget's run (at the same pool) planned fewer than ``b``
-    tokens in every step and there are at most ``b`` slots, budget ``b`` never binds and plans the same.
+    - A pool's size enters the planner only through its free count: a run in which one more block could not
+      have changed a decision (``trace.pool_bound`` false, see watch_pool) plans the same in every larger pool,
+      with the same blocks (the extra ones stay at the bottom of the free list).  The pools (ascending) stop
+      there.
+    - The budget only caps a plan's tokens: where the largest budget's run at that pool planned fewer than ``b``
+      tokens in every step and there are at most ``b`` slots, budget ``b`` never binds.
+    - ``arrivals``: dicts request -> tick, each the one before with every tick one later.  When the first of
+      those requests found the planner idle (nothing running, waiting, draining or in flight), every later
+      shift is the same run later on: an idle planner's ``plan()`` changes nothing.
     """
     assert not kw.get("prefill_ahead") and not kw.get("num_speculative_tokens"), "they read the pool and budget too"
+    assert "aborts" not in kw, "an abort at a fixed tick does not shift with the arrivals"
     budgets = sorted(budgets, reverse=True)
-    largest: dict[int, Trace] = {}  # pool -> the largest budget's run
-    for b in budgets:
-        for n in pools:
-            same = largest.get(n) if b != budgets[0] and num_slots <= b else None
-            if same is not None and same.max_step_tokens < b:
-                trace = same
-            else:
-                trace, planner, ex = run(specs, num_blocks=n, budget=b, num_slots=num_slots, **kw)
-                yield trace, planner, ex
-                if b == budgets[0]:
-                    largest[n] = trace
-            if not trace.pool_bound:
-                break
+    made: dict[tuple, Trace] = {}  # (arrivals index, budget, pool) -> the run made there, or the one it repeats
+    idle: dict[tuple, Trace] = {}  # (budget, pool) -> a run whose shifted arrivals found the planner idle
+    for i, late in enumerate(arrivals):
+        first = min(late, key=late.get) if late else None
+        for b in budgets:
+            for n in pools:
+                trace = idle.get((b, n))
+                largest = made.get((i, budgets[0], n))
+                if trace is None and largest is not None and largest.max_step_tokens < b and num_slots <= b:
+                    trace = largest
+                if trace is None:
+                    trace, planner, ex = run(specs, num_blocks=n, budget=b, num_slots=num_slots, arrivals=late, **kw)
+                    yield trace, planner, ex
+                made[i, b, n] = trace
+                if first in trace.arrived_idle:
+                    idle.setdefault((b, n), trace)
+                if not trace.pool_bound:
+                    break
 
 
 def aborted_at_every_half_tick(specs, victim: int, **kw):

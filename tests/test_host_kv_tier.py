@@ -23,7 +23,7 @@ from scheduler_proc.planner import Planner
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.steps import StepDraft
 from tests.planner_harness import (aborted_at_every_half_tick, assert_client_view, assert_drained, assert_logprobs,
-                                   expected, make_request, run, runs_in_tight_pools)
+                                   distinct_runs, expected, make_request, run)
 
 DEPTHS = [0, 1, 2]
 LAGS = [0, 1, 2]
@@ -157,17 +157,18 @@ def test_host_prefix_hit_after_device_eviction(depth, lag):
 @pytest.mark.parametrize("depth", DEPTHS)
 def test_two_requests_staggered_swap_at_every_offset(depth):
     """Tight device pools force preemption; the victim resumes from the host (or device) copy of its blocks.
-    Device pools from the smallest legal size up to one that never runs short (larger ones plan the same:
-    runs_in_tight_pools), short of room for both."""
+    Device pools from the smallest legal size up to one that never runs short, short of room for both; the
+    second arrival at every tick up to one that finds the first request gone (the runs left out plan exactly
+    what one made: distinct_runs)."""
     bs = 2
     backup_offsets, preempted_inflight, swapped = set(), set(), 0
     for p0, m0, lag, script in itertools.product((3, 5), (4, 6), LAGS, ({}, {"eos_at": {0: 2}})):
         specs = [dict(prompt_len=p0, max_tokens=m0), dict(prompt_len=4, max_tokens=5, stop=(STOP,))]
         need = [blocks_for(p0 + m0, bs), blocks_for(9, bs)]
-        for arrival, host_blocks in itertools.product(range(5), (1, 3, 12)):
-            for trace, planner, ex in runs_in_tight_pools(
-                    specs, range(max(need), sum(need)), (3,), 2, depth=depth, block_size=bs, arrivals={1: arrival},
-                    num_host_blocks=host_blocks, backup_lag=lag, **script):
+        for host_blocks in (1, 3, 12):
+            for trace, planner, ex in distinct_runs(
+                    specs, range(max(need), sum(need)), (3,), 2, [{1: t} for t in range(5)], depth=depth,
+                    block_size=bs, num_host_blocks=host_blocks, backup_lag=lag, **script):
                 check_case(trace, planner, ex)
                 backup_offsets |= trace.ledger.backup_offsets
                 preempted_inflight |= trace.preempted_inflight

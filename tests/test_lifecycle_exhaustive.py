@@ -28,7 +28,7 @@ import random
 import pytest
 
 from tests.planner_harness import (EOS, aborted_at_every_half_tick, assert_client_view, assert_drained, assert_logprobs,
-                                   expected, run, runs_in_tight_pools)
+                                   distinct_runs, expected, run)
 
 DEPTHS = [0, 1, 2]
 STOP = 3  # a token the script places and the request lists in stop_token_ids
@@ -119,17 +119,17 @@ TWO_REQUEST_SCRIPTS = [
 @pytest.mark.parametrize("num_slots", [1, 2])
 def test_two_requests_staggered_with_tight_pools(depth, num_slots):
     """Second arrival at every tick; pools from the smallest legal size up to one that never runs short (room
-    for both at most); budgets 3 and 64; mixed finishes.  Larger pools, and budget 3 where it never binds, plan
-    exactly what a run made already (runs_in_tight_pools)."""
+    for both at most); budgets 3 and 64; mixed finishes.  Larger pools, budget 3 where it never binds, and later
+    arrivals once one finds the first request gone plan exactly what a run made already (distinct_runs)."""
     preempted_inflight = set()
     bs = 2
     for p0, p1, m0, script in itertools.product((1, 3, 4), (2, 3), (2, 4), TWO_REQUEST_SCRIPTS):
         specs = [dict(prompt_len=p0, max_tokens=m0), dict(prompt_len=p1, max_tokens=3, stop=(STOP,))]
         need = [blocks_for(p0 + m0, bs), blocks_for(p1 + 3, bs)]
-        for arrival, burst in itertools.product(range(6), bursts(depth)):
-            for trace, planner, ex in runs_in_tight_pools(
-                    specs, range(max(need), sum(need) + 1), (3, 64), num_slots, depth=depth, block_size=bs,
-                    arrivals={1: arrival}, burst=burst, **script):
+        for burst in bursts(depth):
+            for trace, planner, ex in distinct_runs(
+                    specs, range(max(need), sum(need) + 1), (3, 64), num_slots, [{1: t} for t in range(6)],
+                    depth=depth, block_size=bs, burst=burst, **script):
                 check_case(trace, planner, ex)
                 preempted_inflight |= trace.preempted_inflight
     if num_slots == 2:
@@ -139,7 +139,7 @@ def test_two_requests_staggered_with_tight_pools(depth, num_slots):
 @pytest.mark.parametrize("depth", DEPTHS)
 def test_three_requests_staggered_preemption_and_finishes(depth):
     """Three requests, arrivals at every offset, pools from tight to one that never runs short (larger ones plan
-    the same: runs_in_tight_pools), mixed finishes, bursts."""
+    the same: distinct_runs), mixed finishes, bursts."""
     preempted_inflight = set()
     bs = 2
     specs = [dict(prompt_len=3, max_tokens=4, stop=(STOP,)), dict(prompt_len=2, max_tokens=3),
@@ -147,9 +147,9 @@ def test_three_requests_staggered_preemption_and_finishes(depth):
     need = [blocks_for(s["prompt_len"] + s["max_tokens"], bs) for s in specs]
     scripts = [{}, {"eos_at": {1: 1}}, {"tokens_at": {0: {2: STOP}}, "eos_at": {2: 0}}]
     for a1, a2, num_slots, burst, script in itertools.product(range(4), range(4), (2, 3), bursts(depth), scripts):
-        for trace, planner, ex in runs_in_tight_pools(
-                specs, range(max(need), sum(need) + 1), (4,), num_slots, depth=depth, block_size=bs,
-                arrivals={1: a1, 2: a2}, burst=burst, **script):
+        for trace, planner, ex in distinct_runs(
+                specs, range(max(need), sum(need) + 1), (4,), num_slots, [{1: a1, 2: a2}], depth=depth,
+                block_size=bs, burst=burst, **script):
             check_case(trace, planner, ex)
             preempted_inflight |= trace.preempted_inflight
     assert set(range(min(depth, 1), depth + 1)) <= preempted_inflight, f"preemptions covered: {preempted_inflight}"

@@ -15,7 +15,7 @@ import itertools
 import pytest
 
 from executor_proc.testing.scripted import default_token
-from tests.planner_harness import EOS, VOCAB, assert_drained, fake_detokenize, run, runs_in_tight_pools
+from tests.planner_harness import EOS, VOCAB, assert_drained, distinct_runs, fake_detokenize, run
 from tests.test_lifecycle_exhaustive import STOP, blocks_for, bursts, check_case
 
 DEPTHS = [0, 1, 2]
@@ -81,17 +81,17 @@ def test_min_tokens_holds_back_eos_and_stop_tokens(depth):
 def test_logprobs_through_preemption_and_shared_prompts(depth):
     """Two requests asking for logprobs and prompt logprobs in tight pools (preempted and recomputed, their
     prompts shared or not): every token's logprobs once, in order; the prompt's once, whole.  Pools from the
-    smallest legal size up to one that never runs short (larger ones plan the same: runs_in_tight_pools)."""
+    smallest legal size up to one that never runs short, budgets 3 and 64, the second arrival at every tick
+    (the runs left out plan exactly what one made: distinct_runs)."""
     bs, preempted = 2, set()
-    for p0, p1, shared, arrival, num_slots, burst in itertools.product(
-            (3, 5), (2, 5), (False, True), range(4), (1, 2), bursts(depth)):
+    for p0, p1, shared, num_slots, burst in itertools.product((3, 5), (2, 5), (False, True), (1, 2), bursts(depth)):
         specs = [dict(prompt_len=p0, max_tokens=4, logprobs=1, prompt_logprobs=2),
                  dict(prompt_len=p1, max_tokens=3, logprobs=0, prompt_logprobs=0, stop=(STOP,))]
         prompts = {1: [7] * p1, 0: [7] * p0} if shared else None
         need = [blocks_for(p0 + 4, bs), blocks_for(p1 + 3, bs)]
-        for trace, planner, ex in runs_in_tight_pools(
-                specs, range(max(need), sum(need) + 1), (3, 64), num_slots, depth=depth, block_size=bs,
-                arrivals={1: arrival}, burst=burst, prompts=prompts, eos_at={1: 2}):
+        for trace, planner, ex in distinct_runs(
+                specs, range(max(need), sum(need) + 1), (3, 64), num_slots, [{1: t} for t in range(4)], depth=depth,
+                block_size=bs, burst=burst, prompts=prompts, eos_at={1: 2}):
             check_case(trace, planner, ex)
             preempted |= trace.preempted_inflight
     assert set(range(min(depth, 1), depth + 1)) <= preempted, f"preemptions covered: {preempted}"

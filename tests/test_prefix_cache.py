@@ -21,7 +21,7 @@ import pytest
 from scheduler_proc.block_allocator import BlockAllocator
 from scheduler_proc.prefix_cache import PrefixCache
 from tests.planner_harness import (aborted_at_every_half_tick, assert_client_view, assert_drained, expected,
-                                   make_request, run, runs_in_tight_pools)
+                                   distinct_runs, make_request, run)
 
 DEPTHS = [0, 1, 2]
 
@@ -168,19 +168,21 @@ def test_shared_prefix_of_every_length_arriving_at_every_tick(depth):
     prompt and output), so generated blocks are shared too.
     """
     hits = {}
-    for bs, budget, burst in itertools.product((1, 2, 3, 4), (3, 64), bursts(depth)):
-        for prefix_len, s0, s1, arrival in itertools.product(range(3 * bs + 2), (0, 1), (0, 2), range(7)):
+    for bs, burst in itertools.product((1, 2, 3, 4), bursts(depth)):
+        for prefix_len, s0, s1 in itertools.product(range(3 * bs + 2), (0, 1), (0, 2)):
             if prefix_len + min(s0, s1) == 0:
                 continue
             prompts = shared_prompts(prefix_len, (s0, s1))
             specs = [dict(prompt_len=0, max_tokens=3), dict(prompt_len=0, max_tokens=2)]
-            trace, planner, ex = run(specs, depth=depth, block_size=bs, budget=budget, burst=burst,
-                                     prompts=prompts, arrivals={1: arrival})
-            check(trace, planner, ex)
-            full = min(prefix_len, len(prompts[1]) - 1) // bs
-            hit = planner.prefix.hit_tokens // bs
-            assert hit <= full
-            hits.setdefault(full > 0, set()).add(hit == full)
+            # Budgets 3 and 64; arrivals at ticks 0 to 6, up to one that finds the first request gone (the runs
+            # left out plan exactly what one made: distinct_runs).
+            for trace, planner, ex in distinct_runs(specs, (64,), (3, 64), 4, [{1: t} for t in range(7)],
+                                                    depth=depth, block_size=bs, burst=burst, prompts=prompts):
+                check(trace, planner, ex)
+                full = min(prefix_len, len(prompts[1]) - 1) // bs
+                hit = planner.prefix.hit_tokens // bs
+                assert hit <= full
+                hits.setdefault(full > 0, set()).add(hit == full)
     assert hits[True] == {True, False}, "both shared and computed-again prefixes"
 
 
@@ -222,17 +224,16 @@ def test_abort_and_finish_at_every_offset_while_sharing(depth):
 @pytest.mark.parametrize("depth", DEPTHS)
 def test_preemption_in_tight_pools_resumes_from_the_cache(depth):
     """Requests on one prefix in pools from the smallest legal size up (to one that never runs short: larger ones
-    plan the same, see runs_in_tight_pools): preempted ones resume mostly by hits."""
+    plan the same, see distinct_runs): preempted ones resume mostly by hits."""
     bs = 2
     resumed_hits = 0
-    for prefix_len, arrival, burst, script in itertools.product(
-            (2, 4, 5), range(4), bursts(depth), ({}, {"eos_at": {1: 1}})):
+    for prefix_len, burst, script in itertools.product((2, 4, 5), bursts(depth), ({}, {"eos_at": {1: 1}})):
         prompts = shared_prompts(prefix_len, (2, 1, 3))
         specs = [dict(prompt_len=0, max_tokens=5), dict(prompt_len=0, max_tokens=4), dict(prompt_len=0, max_tokens=3)]
         need = [-(-(len(prompts[i]) + s["max_tokens"]) // bs) for i, s in enumerate(specs)]
-        for trace, planner, ex in runs_in_tight_pools(
-                specs, range(max(need), sum(need) + 1), (4,), 3, depth=depth, block_size=bs, prompts=prompts,
-                arrivals={1: arrival, 2: arrival + 1}, burst=burst, **script):
+        for trace, planner, ex in distinct_runs(
+                specs, range(max(need), sum(need) + 1), (4,), 3, [{1: t, 2: t + 1} for t in range(4)], depth=depth,
+                block_size=bs, prompts=prompts, burst=burst, **script):
             check(trace, planner, ex)
             if planner.num_preemptions:
                 resumed_hits += planner.prefix.hit_tokens > 0
