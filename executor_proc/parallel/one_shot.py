@@ -9,12 +9,14 @@ however small the tensor.  One shot instead::
             barrier (nobody refills its buffer while a peer still reads it)
 
 Every rank adds the same N values in the same order, so every rank gets the same bits (the ranks then sample
-the same token: :mod:`executor_proc.parallel.model`).  A copy and one kernel, no host work: they are captured in
-the CUDA graphs like the rest of the step.
+the same token: :mod:`executor_proc.parallel.model`).  One kernel, no host work: it is captured in the CUDA graphs
+like the rest of the step.
 
 The kernel is torch's: ``torch.ops.symm_mem.one_shot_all_reduce_out(Tensor input, str reduce_op, str group_name,
 Tensor(a!) out) -> Tensor(a!)`` (registered in torch/csrc/distributed/c10d/symm_mem/SymmetricMemory.cpp, the
-kernel in CUDASymmetricMemoryOps.cu; torch 2.11 has it).  ``input`` is a view of a buffer from
+kernel in CUDASymmetricMemoryOps.cu; torch 2.11 has it), or where ``x_r`` starts on a 16-byte boundary its
+``one_shot_all_reduce_copy_out(Tensor symm_buffer, Tensor local_input, ...)``, which copies ``x_r`` into the buffer
+itself (a launch fewer: 8B decode step at TP=2 -2.3%, docs/performance.md).  ``input`` is a view of a buffer from
 ``torch.distributed._symmetric_memory.empty`` that every rank has ``rendezvous``-ed (its cuMem allocation shared
 by file descriptor and mapped on every peer; the first rendezvous is a collective with host work, so it runs at
 start-up, never inside a capture, and later calls find it cached); ``out`` is any contiguous tensor.  Its
@@ -94,6 +96,8 @@ class OneShotAllReduce:
         # A collective: every rank maps every buffer.  The group is found by name (torch 2.11 deprecated
         # enable_symm_mem_for_group: rendezvous reaches the group's store itself).
         self.handle = symm_mem.rendezvous(self.buffer, group_name)
+        # The variant that copies the input into the buffer itself (a launch fewer a call; torch 2.11 has it).
+        self.copy_in = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
 
     def takes(self, x: torch.Tensor) -> bool:
         return takes_one_shot(self.mode, self.world_size, x.numel() * x.element_size(), x.dtype)
@@ -101,6 +105,11 @@ class OneShotAllReduce:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
         staged = self.buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+        if self.copy_in and x.is_contiguous() and x.data_ptr() % 16 == 0:
+            # One launch: the kernel copies x into this rank's buffer, then stores the sum over x.  Each thread
+            # copies and later stores the same elements, so summing in place reads nothing it has overwritten.
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, x, "sum", self.group_name, x)
+            return x
         staged.copy_(x)
         # The kernel stores as wide as the buffer's alignment allows, into ``out`` unchecked: a view that starts
         # off a 16-byte boundary (or is not contiguous) gets its sum through a fresh tensor.
