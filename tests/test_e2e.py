@@ -86,14 +86,17 @@ async def test_abort_mid_stream_others_unaffected(model_server, chat_prompt_ids,
 
 async def test_max_tokens_and_eos_finishes(model_server, chat_prompt_ids, hf_greedy):
     srv = model_server(1)
-    async with AsyncClient(srv.address, timeout=300) as c:
-        r = await c.generate(prompt_token_ids=chat_prompt_ids[0], max_tokens=3, temperature=0.0)
+    first = hf_greedy[0][0]
+    async with AsyncClient(srv.address, timeout=300) as c:  # at once: they share steps (outputs are batch-invariant)
+        short, long, stopped = await asyncio.gather(
+            c.generate(prompt_token_ids=chat_prompt_ids[0], max_tokens=3, temperature=0.0),
+            c.generate(prompt_token_ids=chat_prompt_ids[0], max_tokens=200, temperature=0.0),
+            c.generate(prompt_token_ids=chat_prompt_ids[0], max_tokens=20, temperature=0.0, stop_token_ids=[first]))
+        r = short
         assert r.finish_reason == "length" and r.token_ids == hf_greedy[0][:3]
-        r = await c.generate(prompt_token_ids=chat_prompt_ids[0], max_tokens=200, temperature=0.0)
+        r = long
         assert r.finish_reason == "stop" and r.token_ids[-1] == 2
-        first = hf_greedy[0][0]
-        r = await c.generate(prompt_token_ids=chat_prompt_ids[0], max_tokens=20, temperature=0.0,
-                             stop_token_ids=[first])
+        r = stopped
         assert r.finish_reason == "stop" and r.token_ids == [first]
 
 
@@ -103,22 +106,44 @@ def small_pool_server(module_servers):
     return module_servers("--num-kv-blocks", "16", "--max-num-seqs", "12", "--debug-checks")
 
 
-async def test_preemption_small_kv_pool_same_greedy_output(small_pool_server, chat_prompt_ids, hf_greedy):
-    # 8 requests of ~37 + 16 tokens, EOS ignored (each one crosses into a 4th block), need ~25 blocks of 16 (the chat
-    # opening's first block shared); 16 blocks force preemption (their prompts alone fill them: the running
-    # requests' decode blocks must come from preempted ones, whatever the arrival times).  HF's tokens up to its
-    # EOS must come first.
+@pytest.fixture(scope="module")
+def preempted_and_killed(small_pool_server, chat_prompt_ids):
+    """One run for the preemption and executor-restart tests below.
+
+    8 requests of ~37 + 16 tokens, EOS ignored (each one crosses into a 4th block), need ~25 blocks of 16 (the chat
+    opening's first block shared); 16 blocks force preemption (their prompts alone fill them: the running requests'
+    decode blocks must come from preempted ones, whatever the arrival times).  Once the prompts are prefilled and
+    some tokens streamed, the executor is SIGKILLed: the scheduler restarts it and recomputes the requests it held,
+    and the pool still preempts afterwards.  Each test checks what it did on its own before (the restart ran with
+    4 requests of its own, their 16 tokens and prefills again): HF's greedy tokens, nothing leaked, the preemptions
+    counted, a new executor; the kill lands in a fuller pool and the outputs are checked the same way, so the run
+    of its own proved nothing more."""
     srv = small_pool_server
-    before = (await server_stats(srv.address)).preemptions
-    async with AsyncClient(srv.address, timeout=300) as c:
-        results = await asyncio.gather(*[
-            c.generate(prompt_token_ids=ids, max_tokens=16, temperature=0.0, ignore_eos=True)
-            for ids in chat_prompt_ids[:8]])
-        for r, ref in zip(results, hf_greedy):
-            assert r.token_ids[:len(ref)] == ref and len(r.token_ids) == 16
-        s = await wait_idle(srv.address)
-        assert_no_leak(s)
-        assert s.preemptions > before, s  # the pool really was too small
+
+    async def run():
+        before = await server_stats(srv.address)
+        async with AsyncClient(srv.address, timeout=300) as c:
+            tasks = [asyncio.create_task(c.generate(prompt_token_ids=ids, max_tokens=16, temperature=0.0,
+                                                    ignore_eos=True)) for ids in chat_prompt_ids[:8]]
+            while (await server_stats(srv.address)).steps < before.steps + 8:  # prompts prefilled, tokens streamed
+                await asyncio.sleep(0.05)
+            old = srv.executor_pid()
+            os.kill(old, signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        return dict(before=before, results=results, old=old, new=srv.executor_pid(), alive=srv.proc.poll() is None,
+                    idle=await wait_idle(srv.address))
+
+    return asyncio.run(run())
+
+
+def test_preemption_small_kv_pool_same_greedy_output(preempted_and_killed, hf_greedy):
+    # HF's tokens up to its EOS must come first.
+    run = preempted_and_killed
+    for r, ref in zip(run["results"], hf_greedy):
+        assert r.token_ids[:len(ref)] == ref and len(r.token_ids) == 16
+    s = run["idle"]
+    assert_no_leak(s)
+    assert s.preemptions > run["before"].preemptions, s  # the pool really was too small
 
 
 BAD_SAMPLING = [
@@ -169,20 +194,10 @@ async def test_bad_input_each_gets_clear_error_and_server_keeps_serving(model_se
         assert c.generate(prompt_token_ids=good, max_tokens=3, temperature=0.0).completion_tokens == 3
 
 
-async def test_executor_sigkill_mid_stream_is_invisible_but_for_a_delay(small_pool_server, chat_prompt_ids,
-                                                                         hf_greedy):
+def test_executor_sigkill_mid_stream_is_invisible_but_for_a_delay(preempted_and_killed, hf_greedy):
     """The scheduler restarts the executor and recomputes: greedy outputs identical to HF's, no error."""
-    srv = small_pool_server
-    steps = (await server_stats(srv.address)).steps
-    async with AsyncClient(srv.address, timeout=300) as c:
-        tasks = [asyncio.create_task(c.generate(prompt_token_ids=ids, max_tokens=16, temperature=0.0))
-                 for ids in chat_prompt_ids[:4]]
-        while (await server_stats(srv.address)).steps < steps + 8:  # prompts prefilled, some tokens streamed
-            await asyncio.sleep(0.05)
-        old = srv.executor_pid()
-        os.kill(old, signal.SIGKILL)
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
-        for i, r in enumerate(results):
-            assert r.token_ids == hf_greedy[i], f"prompt {i}"
-        assert srv.executor_pid() != old and srv.proc.poll() is None
-        assert_no_leak(await wait_idle(srv.address))
+    run = preempted_and_killed
+    for i, (r, ref) in enumerate(zip(run["results"], hf_greedy)):
+        assert r.token_ids[:len(ref)] == ref, f"prompt {i}"
+    assert run["new"] != run["old"] and run["alive"]
+    assert_no_leak(run["idle"])
