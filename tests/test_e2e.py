@@ -114,10 +114,11 @@ def preempted_and_killed(small_pool_server, chat_prompt_ids):
     opening's first block shared); 16 blocks force preemption (their prompts alone fill them: the running requests'
     decode blocks must come from preempted ones, whatever the arrival times).  Once the prompts are prefilled and
     some tokens streamed, the executor is SIGKILLed: the scheduler restarts it and recomputes the requests it held,
-    and the pool still preempts afterwards.  Each test checks what it did on its own before (the restart ran with
-    4 requests of its own, their 16 tokens and prefills again): HF's greedy tokens, nothing leaked, the preemptions
-    counted, a new executor; the kill lands in a fuller pool and the outputs are checked the same way, so the run
-    of its own proved nothing more."""
+    and the pool still preempts afterwards.  Each test checks what it checked on its own run before: HF's greedy
+    tokens (EOS ignored here, so HF's tokens up to its EOS must come first; the restart's own run let 4 requests
+    end at EOS, which is the same token check), nothing leaked, the preemptions counted, a new executor.  The kill
+    now lands in a fuller pool, so the restart's own run (4 more requests, their prefills and 16 steps) proved
+    nothing more."""
     srv = small_pool_server
 
     async def run():
