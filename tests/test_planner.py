@@ -4,14 +4,7 @@ import random
 
 import pytest
 
-from tests.planner_harness import EOS, run
-
-
-def assert_drained(planner):
-    planner.check_integrity()
-    assert planner.blocks.num_free == planner.limits.num_kv_blocks
-    assert planner.slots.num_free == planner.limits.num_slots
-    assert not planner.running and not planner.waiting and not planner.draining and not planner.inflight
+from tests.planner_harness import EOS, assert_drained, run
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
