@@ -23,18 +23,22 @@ patch_interpreter()
 
 from tests.server_proc import ServerProcess  # noqa: E402
 
-# The files that take longest on 2 cores (about 20 to 115 s each with three workers), longest first.  The README
-# runs the suite with `-n 2 --dist loadfile`: files go to the workers in collection order as they free up, so the
-# run ends when the last file does; starting the long ones first leaves the short ones to even out the workers'
-# ends.  (Three workers on the two cores were slower in fresh clones: 519 s against 480 s of pytest with two, and
-# on a slower machine 741 s against 680 s.)
+# The files that take longest on 2 cores (about 10 to 60 s each), longest first.  The README runs the suite with
+# `-n 2 --dist loadfile`: files go to the workers in collection order as they free up, so the run ends when the last
+# file does; starting the long ones first leaves the short ones to even out the workers' ends.  The files that mostly
+# wait (killed and silent servers, timeouts, heartbeats: reliability, hostile and extreme clients, replicas) come in
+# the first half, where the other worker's CPU-bound file fills the core they leave idle; at the end they left one
+# core idle for about 40 s.  (Three workers on the two cores were slower in fresh clones: 519 s against 480 s of
+# pytest with two, and on a slower machine 741 s against 680 s.)
 LONGEST_FIRST = (
     "test_gpu_fastpath.py", "test_lifecycle_exhaustive.py", "test_e2e.py", "test_openai_server.py",
-    "test_kv_paths.py", "test_scripts.py", "test_output_features_model.py", "test_tensor_parallel.py",
-    "test_spec_e2e.py", "test_mixed_graphs_model.py", "test_structured_outputs.py", "test_host_kv_tier.py",
-    "test_reliability.py", "test_spec_draft_e2e.py", "test_lifecycle_model.py", "test_sampling_e2e.py",
-    "test_mixed_graphs.py", "test_structured_http.py", "test_moe.py", "test_prefix_cache.py",
-    "test_host_kv_model.py", "test_sampling_features.py",
+    "test_kv_paths.py", "test_scripts.py", "test_reliability.py", "test_tensor_parallel.py", "test_spec_e2e.py",
+    "test_mixed_graphs_model.py", "test_structured_outputs.py", "test_host_kv_tier.py", "test_hostile_clients.py",
+    "test_spec_draft_e2e.py", "test_lifecycle_model.py", "test_data_parallel.py", "test_sampling_e2e.py",
+    "test_client_reliability.py", "test_structured_http.py", "test_extreme_values.py", "test_soak.py",
+    "test_gguf.py", "test_prefix_cache.py", "test_output_features_model.py", "test_transfer.py",
+    "test_moe_parallel.py", "test_moe.py", "test_mixed_graphs.py", "test_layering.py", "test_sampling_features.py",
+    "test_planner.py", "test_host_kv_model.py",
 )
 
 
