@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.server_proc import ROOT
 
 
@@ -22,18 +24,22 @@ def test_scheduler_side_loads_no_torch_and_no_executor():
     assert not any(m == "executor_proc" or m.startswith("executor_proc.") for m in mods)
 
 
-def test_executor_side_imports_no_scheduler():
-    mods = _modules_after_import("import executor_proc.main, executor_proc.build")
-    assert not any(m == "scheduler_proc" or m.startswith("scheduler_proc.") for m in mods)
+@pytest.fixture(scope="module")
+def executor_modules() -> set[str]:
+    """What the executor process's shell, its build and the GPU backend import (one process: torch's import is most
+    of its cost)."""
+    return _modules_after_import("import executor_proc.main, executor_proc.build, executor_proc.backends.triton_backend")
 
 
-def test_executor_product_path_imports_no_test_doubles():
+def test_executor_side_imports_no_scheduler(executor_modules):
+    assert not any(m == "scheduler_proc" or m.startswith("scheduler_proc.") for m in executor_modules)
+
+
+def test_executor_product_path_imports_no_test_doubles(executor_modules):
     """The process shell and the build reach executor_proc.testing only lazily (--load-format scripted),
     and no kernel module applies the Triton-interpreter patch on import."""
-    mods = _modules_after_import(
-        "import executor_proc.main, executor_proc.build, executor_proc.backends.triton_backend")
-    assert not any(m.startswith("executor_proc.testing") for m in mods)
-    assert "kernels.interpreter_patch" not in mods
+    assert not any(m.startswith("executor_proc.testing") for m in executor_modules)
+    assert "kernels.interpreter_patch" not in executor_modules
 
 
 PACKAGES = ("scheduler_proc", "executor_proc", "ipc", "kernels", "forerun")
