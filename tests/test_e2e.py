@@ -114,11 +114,9 @@ def preempted_and_killed(small_pool_server, chat_prompt_ids):
     opening's first block shared); 16 blocks force preemption (their prompts alone fill them: the running requests'
     decode blocks must come from preempted ones, whatever the arrival times).  Once the prompts are prefilled and
     some tokens streamed, the executor is SIGKILLed: the scheduler restarts it and recomputes the requests it held,
-    and the pool still preempts afterwards.  Each test checks what it checked on its own run before: HF's greedy
-    tokens (EOS ignored here, so HF's tokens up to its EOS must come first; the restart's own run let 4 requests
-    end at EOS, which is the same token check), nothing leaked, the preemptions counted, a new executor.  The kill
-    now lands in a fuller pool, so the restart's own run (4 more requests, their prefills and 16 steps) proved
-    nothing more."""
+    and the pool still preempts afterwards.  The preemption test checks HF's greedy tokens (up to HF's EOS, as EOS
+    is ignored here), that nothing leaked and that preemptions were counted; the restart test the same tokens and a
+    new executor.  One run serves both: a restart in a full, preempting pool is the harder case of the two."""
     srv = small_pool_server
 
     async def run():
