@@ -27,8 +27,8 @@ from tests.server_proc import ServerProcess  # noqa: E402
 # `-n 2 --dist loadfile`: files go to the workers in collection order as they free up, so the run ends when the last
 # file does; starting the long ones first leaves the short ones to even out the workers' ends.  The files that mostly
 # wait (killed and silent servers, timeouts, heartbeats: reliability, hostile and extreme clients, replicas) come in
-# the first half, where the other worker's CPU-bound file fills the core they leave idle; at the end they left one
-# core idle for about 40 s.  (Three workers on the two cores were slower in fresh clones: 519 s against 480 s of
+# the first half, where the other worker's CPU-bound file fills the core they leave idle (run last, they leave one
+# core idle for about 40 s).  (Three workers on the two cores were slower in fresh clones: 519 s against 480 s of
 # pytest with two, and on a slower machine 741 s against 680 s.)
 LONGEST_FIRST = (
     "test_gpu_fastpath.py", "test_lifecycle_exhaustive.py", "test_e2e.py", "test_openai_server.py",
