@@ -32,13 +32,13 @@ from tests.test_model_parity import RTOL, SHAPE, VOCAB, PagedRun, hf_logits, ran
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-FAMILIES = {
+FAMILIES = {  # HF's config and model classes by name: transformers imports a family's modules when one is used
     # layer 1 dense (mlp_only_layers): a model of MoE and MLP layers
-    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(MOE, num_experts=4, norm_topk_prob=True, mlp_only_layers=[1], head_dim=32)),
-    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(MOE, num_experts=4, norm_topk_prob=False, shared_expert_intermediate_size=48)),
-    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
 }
 
@@ -46,7 +46,8 @@ FAMILIES = {
 def save_family(name: str, folder, **changes) -> torch.nn.Module:
     """The family's tiny HF model (``changes``: config fields over SHAPE and its own), random weights scaled to
     keep activations O(1), saved as safetensors in ``folder``."""
-    config_cls, model_cls, extra = FAMILIES[name]
+    config_name, model_name, extra = FAMILIES[name]
+    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
     torch.manual_seed(0)
     hf = model_cls(config_cls(**(SHAPE | extra | changes))).float().eval()
     with torch.no_grad():
@@ -492,10 +493,10 @@ def test_real_configs_parse_and_count_their_parameters(folder):
 
 def test_dummy_weights_of_each_family(tmp_path):
     """``--load-format dummy``: every family's stacked experts, routers and shared expert drawn, logits finite."""
-    for name, (config_cls, _, extra) in FAMILIES.items():
+    for name, (config_name, model_name, extra) in FAMILIES.items():
         folder = tmp_path / name
-        hf_config = config_cls(**(SHAPE | extra))
-        hf_config.architectures = [FAMILIES[name][1].__name__]
+        hf_config = getattr(transformers, config_name)(**(SHAPE | extra))
+        hf_config.architectures = [model_name]
         hf_config.save_pretrained(folder)
         model, config = load_model(str(folder), "dummy", "cpu", "float32")
         block = model.model.layers[0].mlp
