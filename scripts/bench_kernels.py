@@ -845,7 +845,7 @@ device time in ``PREFIX.txt``.
     from bench_decode import profile_kernels
     from executor_proc.build import build_worker
     from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner
-    from executor_proc.step.worker import EagerStep, MixedStep
+    from executor_proc.step.step_kinds import EagerStep, MixedStep
     from ipc.config import ExecutorConfig
 
     CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -1418,7 +1418,7 @@ The ratios to ``decode`` are the verification's price; speculation pays when a r
 
     from benchlib import write_json
     from executor_proc.build import build_worker
-    from executor_proc.step.worker import EagerStep, GraphStep, MixedStep, SpecDecodeStep
+    from executor_proc.step.step_kinds import EagerStep, GraphStep, MixedStep, SpecDecodeStep
     from executor_proc.testing.synthetic import DecodeLoop, SyntheticPlanner
     from ipc.config import ExecutorConfig, SpeculativeConfig
     from ipc.protocol import StepPlan

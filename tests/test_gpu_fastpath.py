@@ -23,7 +23,7 @@ from ipc.config import ExecutorConfig
 from executor_proc.step.graphs import graph_buckets
 from executor_proc.build import COMPILE_STAGE, GRAPH_STAGE, build_worker
 from executor_proc.testing.synthetic import GREEDY, SyntheticPlanner
-from executor_proc.step.worker import EagerStep, GraphStep
+from executor_proc.step.step_kinds import EagerStep, GraphStep
 from ipc.protocol import SlotSampling
 
 CUDA = torch.cuda.is_available()

@@ -19,7 +19,7 @@ import torch
 from executor_proc.step.mixed_step import MixedShape, pack, row_buckets, token_buckets
 from executor_proc.step.plan_rows import plan_rows
 from executor_proc.step.sample import SamplingMode
-from executor_proc.step.worker import EagerStep, GraphStep, MixedStep
+from executor_proc.step.step_kinds import EagerStep, GraphStep, MixedStep
 from executor_proc.testing.synthetic import GREEDY, SyntheticPlanner
 from ipc.protocol import SlotSampling, StepPlan
 from tests.test_gpu_fastpath import (MIN_P, TOP_K_P, built, features, run_feature_plans, uncaptured,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from executor_proc.build import build_worker
-from executor_proc.step.worker import SpecDecodeStep
+from executor_proc.step.step_kinds import SpecDecodeStep
 from ipc.config import ExecutorConfig, SpeculativeConfig
 from ipc.protocol import Admit, SlotSampling, StepPlan
 from tests.test_gpu_fastpath import write_config

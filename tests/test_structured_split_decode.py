@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_proc.step.worker import GraphStep
+from executor_proc.step.step_kinds import GraphStep
 from executor_proc.testing.synthetic import GREEDY, SyntheticPlanner
 from tests.test_gpu_fastpath import TOP_K_P, built, write_config
 

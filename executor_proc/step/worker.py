@@ -20,13 +20,11 @@ logprobs, plans with no rows, and everything when graphs are off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from executor_proc.step.batch import ForwardBatch
 from executor_proc.step.decode_step import decode_step
 from executor_proc.step.draft_graphs import DraftGraphs
 from executor_proc.step.grammar import GrammarSlots
@@ -40,55 +38,13 @@ from executor_proc.step.prompt_logprobs import (PromptLogprobPlan, SavedHidden, 
 from executor_proc.step.sample import GREEDY, Sampled, SamplingMode, sample_rows, sampling_mode
 from executor_proc.step.slot_tables import SlotTables
 from executor_proc.step.split_decode import SplitDecode
-from executor_proc.step.spec_graphs import SpecGraph, SpecGraphs
-from executor_proc.step.speculate import SpecStep, Speculator
+from executor_proc.step.spec_graphs import SpecGraphs
+from executor_proc.step.speculate import Speculator
 from executor_proc.step.staging import PinnedStaging, TokenRing
+from executor_proc.step.step_inputs import decode_rows, eager_batch, eager_rows
+from executor_proc.step.step_kinds import GraphStep, MixedStep, SpecDecodeStep, Step
 from executor_proc.step.step_outputs import StepOutputs
 from ipc.protocol import StepPlan
-
-
-@dataclass
-class GraphStep:
-    """A pure-decode step whose inputs are in the graph runner's buffer: ``rows`` real rows of ``bucket``."""
-
-    bucket: int
-    rows: int
-    mode: SamplingMode
-    outputs: StepOutputs = field(default_factory=StepOutputs)
-
-
-@dataclass
-class MixedStep:
-    """A step with prefill chunks whose packed inputs are in the mixed runner's buffer, padded to ``shape``."""
-
-    shape: MixedShape
-    num_sampled: int
-    mode: SamplingMode
-    rows: PlanRows  # the real rows (an eager call of the runner on the torch backend attends them)
-    outputs: StepOutputs = field(default_factory=StepOutputs)
-    spec: Optional[SpecStep] = None  # speculative rows: their positions' hidden states follow the sampled rows'
-
-
-@dataclass
-class EagerStep:
-    batch: ForwardBatch
-    sample_positions: torch.Tensor  # [S] position of each sampled token: its row's context length
-    mode: SamplingMode
-    num_sampled: int = 0
-    prompt_parts: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # prompt-logprob targets, top-n
-    outputs: StepOutputs = field(default_factory=StepOutputs)
-    spec: Optional[SpecStep] = None  # speculative rows (executor_proc/step/speculate.py)
-
-
-@dataclass
-class SpecDecodeStep:
-    """A step of greedy decode rows, speculative or plain, its positions run as decode rows in one graph."""
-
-    graph: SpecGraph
-    outputs: StepOutputs
-
-
-Step = Union[GraphStep, MixedStep, EagerStep, SpecDecodeStep]
 
 
 class Worker:
@@ -225,7 +181,7 @@ class Worker:
         speculative = bool(plan.num_drafts)  # its rows' positions are the device's: no decode graph
         bucket = self._graph_bucket(plan) if (grammar is None or self.split is not None) and not speculative else None
         if bucket is not None:
-            part = upload.add(self._decode_rows(plan, bucket), torch.int64)
+            part = upload.add(decode_rows(plan, bucket, self.tables.pad_slot), torch.int64)
             sent = upload.send()
             self._host_copies(plan, host, sent)
             self.tables.apply(diff, sent)
@@ -267,7 +223,7 @@ class Worker:
             packed = self.mixed.pack(packed_rows, shape)
             part = upload.add(self.spec.mixed_pack(packed, shape, spec) if speculative else packed, torch.int64)
         else:
-            parts = self._eager_rows(rows, upload, outputs.prompt, spec.logits_index if speculative else None)
+            parts = eager_rows(rows, upload, outputs.prompt, spec.logits_index if speculative else None)
         sent = upload.send()
         self._host_copies(plan, host, sent)
         self.tables.apply(diff, sent)
@@ -281,7 +237,7 @@ class Worker:
                     spec.draft = drafting
                 self.spec.bind_mixed(spec, mixed_inputs(self.mixed.inputs, shape), self.tables)
             return MixedStep(shape, len(sampled_slots), mode, packed_rows, outputs, spec if speculative else None)
-        step = self._eager_batch(plan, sent, parts, mode)
+        step = eager_batch(self.tables, self.block_size, plan, sent, parts, mode)
         step.num_sampled, step.outputs = len(sampled_slots), outputs
         if drafting is not None:
             draft.apply(drafting, sent, step.batch)
@@ -315,67 +271,6 @@ class Worker:
         if self.mixed is None or prompt is not None or rows.num_rows == 0 or not rows.decode_rows_first():
             return None
         return self.mixed.shape_for(rows, min_rows)
-
-    def _decode_rows(self, plan: StepPlan, bucket: int) -> np.ndarray:
-        """``[3, bucket]`` slots, positions, context lengths; padded rows: padding slot, 0, 1."""
-        rows = np.empty((3, bucket), dtype=np.int64)
-        rows[0] = self.tables.pad_slot
-        rows[1] = 0
-        rows[2] = 1
-        n = len(plan.slots)
-        rows[0, :n] = plan.slots
-        rows[1, :n] = plan.positions
-        rows[2, :n] = rows[1, :n] + 1
-        return rows.reshape(-1)
-
-    @staticmethod
-    def _eager_rows(rows: PlanRows, upload, prompt: Optional[PromptLogprobPlan],
-                    spec_index: Optional[np.ndarray] = None) -> dict[str, int]:
-        """Add the token- and row-level inputs of an eager step to the upload.
-
-        The logits computed are the sampled rows' last tokens', then (prompt logprobs) ``prompt.logits_index``,
-        then every position of the speculative rows (``spec_index``).
-        """
-        slots = rows.slots
-        logits_index = rows.logits_index
-        if prompt is not None:
-            logits_index = np.concatenate([logits_index, np.asarray(prompt.logits_index, dtype=np.int64)])
-            if prompt.targets:
-                prompt.targets_part = upload.add(prompt.targets, torch.int64)
-                prompt.nums_part = upload.add(prompt.nums, torch.int32)
-        if spec_index is not None:
-            logits_index = np.concatenate([logits_index, spec_index])
-        return dict(
-            ids=upload.add(rows.ids, torch.int64),  # -1: a decode row's token, gathered from last_token
-            positions=upload.add(rows.positions, torch.int64),
-            token_slots=upload.add(slots[rows.token_rows], torch.int64),
-            row_slots=upload.add(slots, torch.int64),
-            query_start=upload.add(rows.query_start, torch.int32),
-            context_lens=upload.add(rows.context_lens, torch.int32),
-            sample_index=upload.add(logits_index, torch.int64),
-            sample_slots=upload.add(slots[rows.sampled], torch.int64),
-            sample_positions=upload.add(rows.sample_positions, torch.int64),
-        )
-
-    def _eager_batch(self, plan: StepPlan, sent: list[torch.Tensor], parts: dict[str, int],
-                     mode: SamplingMode) -> EagerStep:
-        t, bs = self.tables, self.block_size
-        ids, pos, token_slots = sent[parts["ids"]], sent[parts["positions"]], sent[parts["token_slots"]]
-        block_ids = t.block_table[token_slots, pos // bs].to(torch.int64)
-        batch = ForwardBatch(
-            input_ids=torch.where(ids < 0, t.last_token[token_slots], ids),
-            positions=pos,
-            kv_index=block_ids * bs + pos % bs,
-            query_start=sent[parts["query_start"]],
-            context_lens=sent[parts["context_lens"]],
-            block_tables=t.block_table[sent[parts["row_slots"]]],
-            sample_index=sent[parts["sample_index"]],
-            sample_slots=sent[parts["sample_slots"]],
-            host_query_lens=list(plan.num_tokens),
-            host_context_lens=[s + n for s, n in zip(plan.positions, plan.num_tokens)],
-            block_size=bs,
-        )
-        return EagerStep(batch, sent[parts["sample_positions"]], mode)
 
     def launch(self, step: Step) -> torch.Tensor:
         """Enqueue forward + sampling + last-token update, then the plan's host-tier backups (their launch
