@@ -143,7 +143,7 @@ def _patch_once_per_launch(interp) -> None:
     def _patch_lang(fn):
         if inside[0]:
             return scope_type()  # a helper's call: nothing to patch, nothing to restore
-        if patched and hasattr(scope_type(), "_changes"):
+        if patched:  # what the first launch set (recorded where the interpreter's scope lists its changes)
             scope = scope_type()
             for obj, name, value in patched:
                 scope.set_attr(obj, name, value)
