@@ -5,17 +5,20 @@ set -euo pipefail
 case "${1:-}" in -h|--help) sed -n '2,3p' "$0" | sed 's/^# //'; echo "Usage: bash scripts/setup.sh   (PYTHON: the interpreter .venv is made from)"; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# .venv without pip of its own where the interpreter's pip can install into it (ensurepip takes ~6 s)
+[ -x .venv/bin/python ] || "$PY" -m venv --without-pip .venv
 VPY=.venv/bin/python
+if [ -x .venv/bin/pip ]; then PIP=("$VPY" -m pip); else PIP=("$PY" -m pip --python "$VPY"); fi
 # uv (from PyPI) unpacks and byte-compiles in parallel: the whole set-up in about a third of pip's time. It reads
 # no pip configuration, so pip's local wheel folders and constraints are passed on; pip where uv cannot be had.
-if "$VPY" -m pip install -q uv >/dev/null 2>&1; then
+if "${PIP[@]}" install -q uv >/dev/null 2>&1; then
   INSTALL=(.venv/bin/uv pip install -q --python "$VPY" --compile-bytecode)
-  for d in ${PIP_FIND_LINKS:-} $("$VPY" -m pip config get global.find-links 2>/dev/null || true); do
+  for d in ${PIP_FIND_LINKS:-} $("$PY" -m pip config get global.find-links 2>/dev/null || true); do
     INSTALL+=(--find-links "$d")
   done
-  for c in $("$VPY" -m pip config get global.constraint 2>/dev/null || true); do INSTALL+=(--constraint "$c"); done
+  for c in $("$PY" -m pip config get global.constraint 2>/dev/null || true); do INSTALL+=(--constraint "$c"); done
 else
+  [ -x .venv/bin/pip ] || "$VPY" -m ensurepip >/dev/null
   "$VPY" -m pip install -q --upgrade pip >/dev/null
   INSTALL=("$VPY" -m pip install -q)
 fi
