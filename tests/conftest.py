@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import tempfile
 
@@ -105,6 +107,22 @@ def chat_prompt_ids(tokenizer) -> list[list[int]]:
     return out
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """Transformers reads a GGUF file twice (its config, then its tensors) and asks the ``gguf`` package for the
+    same tensor-name map once per tensor: while HF loads, both are memoized (pure functions of their arguments;
+    the weights come out bit for bit the same), 25 -> 13 s on 2 cores."""
+    import gguf
+
+    name_map, reader = gguf.get_tensor_name_map, gguf.GGUFReader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(reader)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map, gguf.GGUFReader = name_map, reader
+
+
 @pytest.fixture(scope="session")
 def hf_model():
     """HF transformers' model read from the default GGUF file, float32: the independent reference.
@@ -126,8 +144,9 @@ def hf_model():
     with open(saved + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(os.path.join(saved, "config.json")):
-            model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                         dtype=torch.float32)
+            with _gguf_parsed_once():
+                model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                                             dtype=torch.float32)
             # save_pretrained refuses a model read from GGUF: its config and weights (tied ones once) instead
             from safetensors.torch import save_model
 
