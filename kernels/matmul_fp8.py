@@ -20,16 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .e4m3 import to_e4m3
-from .fp8 import FP8, FP8_MAX, MIN_SCALE, Fp8Weight
+from .e4m3 import row_scale, scaled_to_e4m3
+from .fp8 import FP8, Fp8Weight
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
-__all__ = ["Fp8MatmulConfig", "FP8_MATMUL_CONFIGS", "quantize_rows", "fp8_matmul", "scaled_mm", "w8a8_linear"]
+__all__ = ["Fp8MatmulConfig", "FP8_MATMUL_CONFIGS", "quantize_rows", "fp8_matmul", "scaled_mm", "w8a8_linear",
+           "w8a8_quantized"]
 
 QUANT_BLOCK_K = 1024
 ONE_PASS_MAX_K = 16384
-_MAX = tl.constexpr(FP8_MAX)
-_MIN = tl.constexpr(MIN_SCALE)
 
 
 class Fp8MatmulConfig(NamedTuple):
@@ -56,23 +55,21 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K:
     if ONE_PASS:
         offs = tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), _MAX), _MIN)
+        scale = row_scale(tl.max(tl.abs(x), axis=0))
         tl.store(s_ptr + row, scale)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_MAX), _MAX)
-        tl.store(q_ptr + row * stride_qm + offs, to_e4m3(q), mask=offs < K)
+        tl.store(q_ptr + row * stride_qm + offs, scaled_to_e4m3(x, scale), mask=offs < K)
     else:
         amax = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), _MAX), _MIN)
+        scale = row_scale(tl.max(amax, axis=0))
         tl.store(s_ptr + row, scale)
         for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_MAX), _MAX)
-            tl.store(q_ptr + row * stride_qm + offs, to_e4m3(q), mask=offs < K)
+            tl.store(q_ptr + row * stride_qm + offs, scaled_to_e4m3(x, scale), mask=offs < K)
     pdl_launch(USE_PDL)
 
 
@@ -164,7 +161,13 @@ def w8a8_linear(x: torch.Tensor, weight: Fp8Weight, bias: Optional[torch.Tensor]
     :func:`fp8_matmul` with ``config``, or (None) cuBLASLt where it fits."""
     if x.stride(1) != 1:
         x = x.contiguous()
-    xq, xs = quantize_rows(x)
-    if config is None and scaled_mm_fits(weight, x.dtype):
-        return scaled_mm(xq, xs, weight, bias, out_dtype=x.dtype)
-    return fp8_matmul(xq, xs, weight, bias, config=config or FP8_MATMUL_CONFIGS[0], out_dtype=x.dtype)
+    return w8a8_quantized(*quantize_rows(x), weight, bias, config, x.dtype)
+
+
+def w8a8_quantized(xq: torch.Tensor, xs: torch.Tensor, weight: Fp8Weight, bias: Optional[torch.Tensor],
+                   config: Optional[Fp8MatmulConfig], out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`w8a8_linear` of rows already quantized (by the kernel that made them: :func:`kernels.norm.rms_norm_fp8`,
+    :func:`kernels.activation.silu_and_mul_fp8`)."""
+    if config is None and scaled_mm_fits(weight, out_dtype):
+        return scaled_mm(xq, xs, weight, bias, out_dtype=out_dtype)
+    return fp8_matmul(xq, xs, weight, bias, config=config or FP8_MATMUL_CONFIGS[0], out_dtype=out_dtype)

@@ -151,6 +151,64 @@ def test_w8a8_matches_reference_gpu():
             assert err < 4e-3, (m, n, k, config, err)  # bf16 output rounding
 
 
+def test_norm_and_silu_mul_hand_over_the_rows_quantize_rows_makes():
+    """The RMSNorm (with and without its residual add) and the SiLU-mul that write FP8 rows and scales for a W8A8
+    matmul give, bit for bit, what the plain kernel followed by ``quantize_rows`` gives (one pass and, for the
+    SiLU-mul, two passes over a row); a zero row takes the smallest scale."""
+    import kernels.activation as act
+    from kernels.matmul_fp8 import quantize_rows
+    from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_fp8
+
+    g = torch.Generator().manual_seed(4)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = (torch.randn(6, 96, generator=g) * torch.linspace(0.01, 30, 6)[:, None]).to(DEVICE, dtype)
+    x[2] = 0
+    r, w = torch.randn_like(x) * 2, (torch.rand(96, generator=g) + 0.5).to(DEVICE, dtype)
+
+    def same(a, b):
+        return torch.equal(a[0].float(), b[0].float()) and torch.equal(a[1], b[1])
+
+    q, s, stream = rms_norm_fp8(x, w, 1e-5)
+    assert stream is x and same((q, s), quantize_rows(rms_norm(x, w, 1e-5)))
+    h, added = fused_add_rms_norm(x, r, w, 1e-5)
+    q, s, stream = rms_norm_fp8(x, w, 1e-5, residual=r)
+    assert torch.equal(stream, added) and same((q, s), quantize_rows(h))
+    assert s[2] > 0 and q.float().abs().max() <= FP8_MAX
+    gate_up = torch.cat([x, r], dim=1)
+    want = quantize_rows(act.silu_and_mul(gate_up))
+    assert same(act.silu_and_mul_fp8(gate_up), want)
+    one_pass, act.ONE_PASS_MAX_I = act.ONE_PASS_MAX_I, 32  # rows wider than that: read twice, 2048 at a time
+    try:
+        assert same(act.silu_and_mul_fp8(gate_up), want)
+    finally:
+        act.ONE_PASS_MAX_I = one_pass
+
+
+def test_w8a8_linears_take_quantized_rows_from_the_norm_and_silu_mul(tmp_path):
+    """Above 8 rows a quantized model's norm -> q|k|v and norm -> gate|up -> SiLU-mul -> down hand FP8 rows from
+    the norm and the SiLU-mul to the matmuls: the same outputs, bit for bit, as the ops one at a time."""
+    from executor_proc.backends.base import NormInput, unfused_mlp, unfused_norm_linear
+
+    model_dir = write_config(tmp_path, hidden=64, intermediate=128, vocab=97)
+    dtype = "bfloat16" if CUDA else "float32"
+    model = built(model_dir, DEVICE, dtype=dtype, kernels="triton", num_blocks=16, quantization="fp8",
+                  cuda_graphs=False).worker.model
+    backend, layer = model.backend, model.model.layers[0]
+    g = torch.Generator().manual_seed(5)
+    x, r = (torch.randn(2, 12, 64, generator=g) * 3).to(DEVICE, getattr(torch, dtype))
+    norm = layer.input_layernorm.weight
+    for residual in (None, r):
+        pre = NormInput(x, residual, norm, 1e-5)
+        qkv = (layer.self_attn.qkv.weight, layer.self_attn.qkv.bias)
+        assert isinstance(qkv[0], Fp8Weight)
+        got, want = backend.norm_linear(pre, *qkv), unfused_norm_linear(backend, pre, *qkv)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        mlp = layer.mlp
+        gate_up, down = (mlp.gate_up.weight, mlp.gate_up.bias), (mlp.down.weight, mlp.down.bias)
+        got, want = backend.mlp(pre, gate_up, down), unfused_mlp(backend, pre, gate_up, down)
+        assert torch.equal(got.x, want.x) and torch.equal(got.residual, want.residual)
+
+
 def test_config_refuses_fp8_batch_invariant():
     with pytest.raises(ValueError, match="quantization 'fp8' cannot run batch_invariant"):
         ExecutorConfig(quantization="fp8", batch_invariant=True, kernels="triton")

@@ -32,7 +32,8 @@ at all: ``project_out`` (o and down) adds the residual in the matmul's epilogue 
 of squares, from which q|k|v and gate|up scale their sums by the norm's rsqrt
 (:func:`kernels.gemv.gemv_residual`).  FP8 weights (:mod:`kernels.fp8`) run every one of these skinny and
 fused kernels on their e4m3 values (widened in registers, the per-channel scales applied to the sums) up to
-8 rows, and W8A8 above (:mod:`kernels.matmul_fp8`).  With ``batch_invariant`` every linear is
+8 rows, and W8A8 above (:mod:`kernels.matmul_fp8`), where the norm before q|k|v and gate|up and the SiLU-mul
+before down write their output as FP8 rows with scales (one launch each, no model-dtype copy).  With ``batch_invariant`` every linear is
 :func:`kernels.matmul.invariant_matmul` (one tile shape and one split of K per weight, whatever
 the number of rows) and decode attention always uses ``INVARIANT_ATTENTION_SPLITS``, so a row's
 result does not depend on the rows beside it.  ``moe`` routes in one launch
@@ -58,18 +59,18 @@ from kernels import argmax, gemv as skinny
 from kernels.fp8 import W8A16_MAX_ROWS, Fp8Weight
 from kernels.gemv_partials import sumsq_fits
 from kernels.gemv_row import gemv_prologue
-from kernels.activation import silu_and_mul
+from kernels.activation import silu_and_mul, silu_and_mul_fp8
 from kernels.decode_rows import decode_rows
 from kernels.decode_attention import DecodeWorkspace, decode_attention, default_num_splits
 from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.kv_write import rope_cos_sin_cache, rope_kv_write
 from kernels.logprobs import token_logprobs
 from kernels.matmul import MatmulConfig, choose_config, invariant_matmul
-from kernels.matmul_fp8 import Fp8MatmulConfig, w8a8_linear
+from kernels.matmul_fp8 import Fp8MatmulConfig, w8a8_linear, w8a8_quantized
 from kernels.moe import MoEConfig, SmallConfig, fused_moe, fused_moe_small
 from kernels.moe_route import route, routes_here
 from kernels.moe_ref import route_held
-from kernels.norm import fused_add_rms_norm, rms_norm
+from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_fp8
 from kernels.penalties import PenaltyTables, apply_penalties, count_sampled
 from kernels.prefill_attention import prefill_attention
 from kernels.sampling import sample
@@ -242,6 +243,18 @@ class TritonBackend:
             return skinny.gemv(x, weight, bias, config=self._gemv_config(x, weight) or FP8_GEMV_DEFAULT[m == 1])
         return w8a8_linear(x, weight, bias, config=self.fp8_matmul_choice.get((*weight.shape, m_bucket(m))))
 
+    @staticmethod
+    def _quantized_input(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether the linear of ``weight`` at x's rows runs W8A8 (an FP8 weight above ``W8A16_MAX_ROWS`` rows), so
+        that the kernel making its input may hand it over quantized (:meth:`_w8a8`)."""
+        return isinstance(weight, Fp8Weight) and x.shape[0] > W8A16_MAX_ROWS
+
+    def _w8a8(self, xq: torch.Tensor, xs: torch.Tensor, weight: Fp8Weight, bias: Optional[torch.Tensor],
+              out_dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`_fp8_linear`'s W8A8 product of rows the norm or the SiLU-mul quantized in its own launch."""
+        config = self.fp8_matmul_choice.get((*weight.shape, m_bucket(xq.shape[0])))
+        return w8a8_quantized(xq, xs, weight, bias, config, out_dtype)
+
     def _tiled_config(self, x: torch.Tensor, weight: torch.Tensor) -> Optional[MatmulConfig]:
         """The tiled matmul's config for this weight at x's rows (above 8), or None (cuBLAS)."""
         m = x.shape[0]
@@ -272,6 +285,9 @@ class TritonBackend:
 
     def norm_linear(self, pre: NormInput, weight: torch.Tensor,
                     bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._quantized_input(pre.x, weight) and pre.sumsq is None:  # the norm writes FP8 rows and their scales
+            xq, xs, residual = rms_norm_fp8(pre.x, pre.weight, pre.eps, pre.residual)
+            return self._w8a8(xq, xs, weight, bias, pre.x.dtype), residual
         config = self._fused_config("norm", pre.x, weight)
         if config is None:
             linear = self._gemv_config(pre.x, weight) if pre.sumsq is not None else None
@@ -306,8 +322,10 @@ class TritonBackend:
         squares), then gate|up with SiLU-mul as its epilogue (:func:`kernels.gemv.gemv_silu`), then down
         through :meth:`project_out`; otherwise :meth:`norm_linear` and :meth:`silu_linear`."""
         config = self._fused_config("gate_silu", pre.x, gate_up[0])
-        if config is None:  # with this backend's own one-token fusions
+        if config is None:  # with this backend's own one-token fusions, and FP8 rows quantized where made
             h, residual = self.norm_linear(pre, *gate_up)
+            if self._quantized_input(h, down[0]):
+                return Stream(self._w8a8(*silu_and_mul_fp8(h), *down, h.dtype), residual)
             if self._fused_config("silu", h, down[0]) is not None:
                 return Stream(self.silu_linear(h, *down), residual)
             return self.project_out(self.silu_and_mul(h), *down, residual)
