@@ -230,7 +230,10 @@ def test_quantized_model_runs_and_counts_fp8_bytes(tmp_path):
     assert isinstance(layer.mlp.gate_up.weight, Fp8Weight) and model.lm_head.weight.dtype == torch.float32
     assert fp8.plan.weights < ref.plan.weights * 0.75
     for rows in ([(0, list(range(3, 15)), 0, True)], [(0, [5], 0, True), (1, [7, 8], 0, True)]):  # W8A8, W8A16
-        batch = build_forward_batch(rows, [[1, 2, 3, 4]] * len(rows), 4, DEVICE)
+        # a block table of its own per row: rows sharing one would write their KV to the same places (on a GPU in
+        # no fixed order, so each model would read a different cache)
+        tables = [[1 + 4 * i + j for j in range(4)] for i in range(len(rows))]
+        batch = build_forward_batch(rows, tables, 4, DEVICE)
         batch = dataclasses.replace(batch, query_start=batch.query_start.int(), context_lens=batch.context_lens.int(),
                                     block_tables=batch.block_tables.int())
         a = all_logits(ref.worker.model, batch, ref.worker.kv_cache)
