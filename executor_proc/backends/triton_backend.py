@@ -33,7 +33,8 @@ of squares, from which q|k|v and gate|up scale their sums by the norm's rsqrt
 (:func:`kernels.gemv.gemv_residual`).  FP8 weights (:mod:`kernels.fp8`) run every one of these skinny and
 fused kernels on their e4m3 values (widened in registers, the per-channel scales applied to the sums) up to
 8 rows, and W8A8 above (:mod:`kernels.matmul_fp8`), where the norm before q|k|v and gate|up and the SiLU-mul
-before down write their output as FP8 rows with scales (one launch each, no model-dtype copy).  With ``batch_invariant`` every linear is
+before down write their output as FP8 rows with scales (one launch each, no model-dtype copy).  With
+``batch_invariant`` every linear is
 :func:`kernels.matmul.invariant_matmul` (one tile shape and one split of K per weight, whatever
 the number of rows) and decode attention always uses ``INVARIANT_ATTENTION_SPLITS``, so a row's
 result does not depend on the rows beside it.  ``moe`` routes in one launch
