@@ -268,22 +268,3 @@ def test_generation_config_eos_ids_are_merged(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
     assert ModelConfig.from_pretrained(str(tmp_path)).eos_token_ids == (5, 7)
-
-
-def test_cpu_lm_head_packed_weight():
-    """The torch backend's LM head on the CPU (oneDNN's packed copy of the weight): F.linear's values within float32
-    rounding, a row's logits the same whatever rows are beside it, packed again once the weight is written, and a
-    deep copy of the backend starting without the packed copies."""
-    from executor_proc.backends.torch_backend import _PACKS, TorchBackend
-
-    if not _PACKS:
-        pytest.skip("this torch has no oneDNN linear")
-    g = torch.Generator().manual_seed(0)
-    backend, w = TorchBackend(torch.ones(4)), torch.randn(300, 64, generator=g)
-    h = torch.randn(9, 128, generator=g)[:, ::2]  # a strided view, as a gathered hidden state may be
-    got = backend.logits(h, w)
-    assert got.dtype == torch.float32 and torch.allclose(got, torch.nn.functional.linear(h, w), rtol=1e-5, atol=1e-5)
-    assert all(torch.equal(backend.logits(h[i:i + 1], w)[0], got[i]) for i in range(9))
-    assert len(copy.deepcopy(backend).packed) == 0 and len(backend.packed) == 1
-    w.mul_(-1)
-    assert torch.allclose(backend.logits(h, w), -got, rtol=1e-5, atol=1e-5)
