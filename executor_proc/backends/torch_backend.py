@@ -252,7 +252,7 @@ class TorchBackend:
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         packed = self._packed(hidden, weight)
         if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), packed, None, "none", [None], "").float()
+            return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [None], "").float()
         return self.linear(hidden, weight, None).float()
 
     argmax = staticmethod(argmax_store)
