@@ -13,8 +13,7 @@ one torch statement of each op in :mod:`kernels.reference`, :mod:`kernels.sampli
 :mod:`kernels.penalties_ref` and :mod:`kernels.logprobs_ref`, which the kernel tests also compare against.
 
 FP8 weights (``--quantization fp8``) run :func:`kernels.fp8.fp8_linear_ref`, the Triton kernels' arithmetic
-(W8A16 up to 8 rows, W8A8 above) in float32 torch ops.  On the CPU the LM head multiplies by a copy of its
-float32 weight in oneDNN's packed layout (:meth:`TorchBackend._packed`: 1.1x to 3x MKL's F.linear there).
+(W8A16 up to 8 rows, W8A8 above) in float32 torch ops.
 
 Decode rows (one query token) are attended in batched runs: the blocks of every
 row of a run are gathered into one padded tensor with a length mask and sent to
@@ -24,7 +23,6 @@ context with a causal mask aligned to the end of the context.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -157,19 +155,6 @@ class TorchPlan:
     kv_rows: Optional[torch.Tensor] = None  # the tokens that write KV, when some of the real ones do not
 
 
-# oneDNN's packed float32 linear on the CPU (torch's own CPU linear under torch.compile), where this torch has it.
-_PACKS = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-PACK_ROWS = 64  # the rows oneDNN packs the weight for (any number runs; 1-64 rows all faster than MKL's, timed)
-
-
-class _Packs(dict):
-    """Packed weights by (address, shape): a cache, so a copy of the backend (a deep-copied model) starts empty
-    (oneDNN's tensors cannot be copied)."""
-
-    def __deepcopy__(self, memo) -> "_Packs":
-        return _Packs()
-
-
 class TorchBackend:
     """:class:`executor_proc.backends.base.Backend` in plain torch (the CPU path, and the GPU's ``kernels: torch``)."""
 
@@ -178,7 +163,6 @@ class TorchBackend:
 
     def __init__(self, inv_freq: torch.Tensor):
         self.inv_freq = inv_freq
-        self.packed = _Packs()  # float32 CPU weights in oneDNN's layout (:meth:`_packed`)
 
     def plan(self, batch: ForwardBatch) -> TorchPlan:
         # A bucket-padded step (the mixed-step runner called eagerly) lists its real tokens first.
@@ -214,26 +198,6 @@ class TorchBackend:
             return fp8_linear_ref(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def _packed(self, x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
-        """``weight`` in oneDNN's blocked layout, packed at its first use, where that serves: float32 on the CPU.
-
-        For the LM head only.  One core of the CI class's CPU, the default model's [49152, 576]: F.linear (MKL)
-        takes 10.4 / 22.4 / 26.3 / 51.8 ms at 1 / 2 / 8 / 40 rows, the packed weight 7.8 / 7.9 / 12.7 / 38.6 ms
-        (1.1x to 3x over 1 to 512 rows, timed again; a row's result no longer depends on how many rows are beside
-        it, MKL's does).  The layers' smaller weights gain little or lose (576 x 576: 0.7-1.0x), so they stay
-        with F.linear.  The packed copy is the weight's size again.
-        """
-        if not (_PACKS and isinstance(weight, torch.Tensor) and x.device.type == "cpu" and x.dim() == 2
-                and x.dtype == weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()):
-            return None
-        key = (weight.data_ptr(), tuple(weight.shape))
-        ref, version, packed = self.packed.get(key, (None, None, None))
-        # first use, another tensor at that address since, or this one written since (its version counts writes)
-        if ref is None or ref() is not weight or version != weight._version:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
-            self.packed[key] = (weakref.ref(weight), weight._version, packed)
-        return packed
-
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return ops.rms_norm_ref(x, weight, eps)
@@ -249,11 +213,9 @@ class TorchBackend:
 
     decode_rows = staticmethod(ops.decode_rows_ref)
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        packed = self._packed(hidden, weight)
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [None], "").float()
-        return self.linear(hidden, weight, None).float()
+    @staticmethod
+    def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, weight).float()
 
     argmax = staticmethod(argmax_store)
 
