@@ -67,7 +67,7 @@ from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.kv_write import rope_cos_sin_cache, rope_kv_write
 from kernels.logprobs import token_logprobs
 from kernels.matmul import MatmulConfig, choose_config, invariant_matmul
-from kernels.matmul_fp8 import Fp8MatmulConfig, w8a8_linear, w8a8_quantized
+from kernels.matmul_fp8 import Fp8MatmulConfig, quantize_rows, w8a8_quantized
 from kernels.moe import MoEConfig, SmallConfig, fused_moe, fused_moe_small
 from kernels.moe_route import route, routes_here
 from kernels.moe_ref import route_held
@@ -242,7 +242,7 @@ class TritonBackend:
         if m <= W8A16_MAX_ROWS:
             x = x.contiguous()
             return skinny.gemv(x, weight, bias, config=self._gemv_config(x, weight) or FP8_GEMV_DEFAULT[m == 1])
-        return w8a8_linear(x, weight, bias, config=self.fp8_matmul_choice.get((*weight.shape, m_bucket(m))))
+        return self._w8a8(*quantize_rows(x.contiguous()), weight, bias, x.dtype)
 
     @staticmethod
     def _quantized_input(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -252,7 +252,8 @@ class TritonBackend:
 
     def _w8a8(self, xq: torch.Tensor, xs: torch.Tensor, weight: Fp8Weight, bias: Optional[torch.Tensor],
               out_dtype: torch.dtype) -> torch.Tensor:
-        """:meth:`_fp8_linear`'s W8A8 product of rows the norm or the SiLU-mul quantized in its own launch."""
+        """The W8A8 product of quantized rows (from ``quantize_rows``, or the norm or SiLU-mul that made them) with
+        the tuned config for this weight and row count (cuBLASLt where none was tuned)."""
         config = self.fp8_matmul_choice.get((*weight.shape, m_bucket(xq.shape[0])))
         return w8a8_quantized(xq, xs, weight, bias, config, out_dtype)
 
