@@ -23,7 +23,7 @@ from kernels.interpreter_patch import patch_interpreter  # noqa: E402
 
 patch_interpreter()
 
-from tests.server_proc import ServerProcess  # noqa: E402
+from tests.server_proc import ServerProcess, run_dir  # noqa: E402
 
 # The files that take longest on 2 cores (about 10 to 60 s each), longest first.  The README runs the suite with
 # `-n 2 --dist loadfile`: files go to the workers in collection order as they free up, so the run ends when the last
@@ -182,8 +182,7 @@ def _servers():
     started: list[ServerProcess] = []
 
     def start(*args: str) -> ServerProcess:
-        d = tempfile.mkdtemp(prefix="fr", dir="/tmp")  # short: ipc paths are limited to 107 bytes
-        srv = ServerProcess(*args, tmpdir=d)
+        srv = ServerProcess(*args, tmpdir=run_dir())
         started.append(srv)
         return srv
 

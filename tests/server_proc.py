@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -13,6 +16,14 @@ from ipc import protocol as p
 from ipc.client.raw import RawConnection
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_dir(prefix: str = "fr") -> str:
+    """A new folder for a server's sockets, short (ipc addresses are limited to 107 bytes: under /tmp, not under
+    pytest's tmp_path), removed when the test process exits."""
+    folder = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 class ServerProcess:

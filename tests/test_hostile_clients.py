@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ import pytest
 from ipc import protocol as p
 from ipc.client import AsyncClient, UnauthorizedError
 from ipc.client.raw import RawConnection
+from tests.server_proc import run_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "hostile-test-key-5f0c"
@@ -54,7 +54,7 @@ class Serve:
     """`forerun serve` in its own session (so that killpg reaches it and its children), output collected."""
 
     def __init__(self, *args: str) -> None:
-        self.run_dir = tempfile.mkdtemp(prefix="frh", dir="/tmp")
+        self.run_dir = run_dir("frh")
         env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", FORERUN_RUN_DIR=self.run_dir)
         env.pop("FORERUN_API_KEY", None)
         self.proc = subprocess.Popen([sys.executable, "-m", "scheduler_proc.launch", "serve", "--quiet", *args],

@@ -595,11 +595,10 @@ def test_server_greedy_tokens_match_hf(built):
     layer runs the same steps at either; every depth of the default model: tests/test_lifecycle_model.py)."""
     import asyncio
     import shutil
-    import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
     from ipc.client import AsyncClient
-    from tests.server_proc import ServerProcess
+    from tests.server_proc import ServerProcess, run_dir
 
     prompts = [random_tokens(6, 40), random_tokens(9, 41)]
     want = {}
@@ -609,7 +608,7 @@ def test_server_greedy_tokens_match_hf(built):
             want[name] = [hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                                       pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]
     cases = [(name, min(i, 1)) for i, name in enumerate(FAMILIES)]
-    tmp = tempfile.mkdtemp(prefix="fr", dir="/tmp")  # short: ipc paths are limited to 107 bytes
+    tmp = run_dir()
 
     def start(case):
         name, depth = case

@@ -19,7 +19,6 @@ import asyncio
 import json
 import re
 import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -244,7 +243,7 @@ def served(tmp_path_factory):
     SERVED through ``forerun serve --load-format dummy`` (drawn whole, sliced per rank; every server started at
     once), and one process's (``qwen2``, ``qwen3``)."""
     from ipc.client import AsyncClient
-    from tests.server_proc import ServerProcess
+    from tests.server_proc import ServerProcess, run_dir
 
     folders = {}
     for name, config in MODELS.items():
@@ -252,7 +251,7 @@ def served(tmp_path_factory):
         (folders[name] / "config.json").write_text(json.dumps(ModelConfig.from_hf_dict(config).to_hf_dict()))
     flags = ("--load-format", "dummy", "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "4",
              "--num-kv-blocks", "32", "--block-size", "4", "--moe-expert-counts")
-    tmp = tempfile.mkdtemp(prefix="fr", dir="/tmp")  # short: ipc paths are limited to 107 bytes
+    tmp = run_dir()
 
     def start(case):
         return ServerProcess("--model", str(folders[case.split()[0]]), *flags, *SERVED[case], tmpdir=tmp,

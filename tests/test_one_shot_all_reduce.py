@@ -21,9 +21,8 @@ import torch
 from executor_proc.parallel.one_shot import AUTO_MAX_BYTES, takes_one_shot
 from ipc.config import ONE_SHOT_MAX_BYTES, ONE_SHOT_RANKS
 from scheduler_proc.executor_process import NO_MULTICAST_ENV
-from tests.server_proc import ROOT, ServerProcess
-from tests.test_tensor_parallel import (PROMPTS, _assert_same_outputs, _tmpdir, _workload,  # noqa: F401
-                                        tiny_model)  # (tiny_model: a fixture)
+from tests.server_proc import ROOT, ServerProcess, run_dir
+from tests.test_tensor_parallel import PROMPTS, _assert_same_outputs, _workload, tiny_model  # noqa: F401 (a fixture)
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -111,7 +110,7 @@ def test_a_one_shot_server_serves_what_an_nccl_server_serves(tiny_model):  # noq
     servers = {}
     try:
         for mode in ("nccl", "one-shot"):
-            servers[mode] = ServerProcess(*flags, "--all-reduce", mode, tmpdir=_tmpdir(), timeout=180)
+            servers[mode] = ServerProcess(*flags, "--all-reduce", mode, tmpdir=run_dir(), timeout=180)
         ref = asyncio.run(_workload(servers["nccl"].address, PROMPTS))
         ours = asyncio.run(_workload(servers["one-shot"].address, PROMPTS))
         _assert_same_outputs(ours, ref)

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import socket
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -26,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ipc.client import AsyncClient, Client
 from ipc.gateway.process import start_gateways
-from tests.server_proc import server_stats, wait_idle
+from tests.server_proc import run_dir, server_stats, wait_idle
 
 API_KEY = "test-key-123"
 MODEL = "SmolLM2-135M-Instruct"
@@ -512,8 +511,7 @@ async def test_health_503_once_the_executor_is_gone(servers):
     # No restarts allowed: the executor's death is the server's (fail-stop), as after too many restarts.
     srv = servers("--load-format", "scripted", "--scripted-step-ms", "5", "--max-restarts", "0")
     port = free_port()
-    run_dir = tempfile.mkdtemp(prefix="gw", dir="/tmp")
-    gateways = start_gateways(srv.address, host="127.0.0.1", port=port, workers=1, run_dir=run_dir)
+    gateways = start_gateways(srv.address, host="127.0.0.1", port=port, workers=1, run_dir=run_dir("gw"))
     url = f"http://127.0.0.1:{port}"
     try:
         await asyncio.to_thread(gateways.wait_ready, 120)

@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -22,14 +21,11 @@ import pytest
 from executor_proc.testing.scripted import ScriptedRunner, expected_output
 from ipc import protocol as p
 from ipc.client.raw import RawConnection
-from tests.server_proc import ROOT, ServerProcess, assert_no_leak, server_stats, wait_idle
+from tests.server_proc import ROOT, ServerProcess, assert_no_leak, run_dir, server_stats, wait_idle
 
 PROMPT_LEN = 5
 MAX_MODEL_LEN = 256
 
-
-def _tmpdir() -> str:
-    return tempfile.mkdtemp(prefix="fr", dir="/tmp")  # short: ipc paths are limited to 107 bytes
 
 
 def _expected(seed: int, max_tokens: int) -> tuple[list[int], str]:
@@ -131,7 +127,7 @@ async def _chaos(srv: ServerProcess) -> tuple[dict, set, list, set[int]]:
 
 
 def test_chaos_soak_executor_killed_and_stopped():
-    tmp = _tmpdir()
+    tmp = run_dir()
     srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "1", "--max-num-seqs", "32",
                         "--num-kv-blocks", "160", "--block-size", "4", "--max-model-len", str(MAX_MODEL_LEN),
                         "--max-num-batched-tokens", "64", "--executor-hang-timeout", "2", "--max-restarts", "10",
@@ -189,7 +185,7 @@ async def _wait_running(address: str, predicate, timeout: float) -> float:
 
 
 def test_vanished_clients_free_their_slots_and_blocks():
-    tmp = _tmpdir()
+    tmp = run_dir()
     srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "2", "--max-num-seqs", "8",
                         "--num-kv-blocks", "2048", "--block-size", "16", "--max-model-len", "4096",
                         "--client-send-hwm", "1000", tmpdir=tmp, timeout=120)
@@ -268,7 +264,7 @@ def test_sigterm_with_stderr_gone_still_stops_the_server():
     then the executor dies: the server restarts it and SIGTERM still stops it, everything cleaned up.
     The restart's line on stderr used to raise BrokenPipeError inside the supervising task, which died:
     no restart, no shutdown check, the server ignored SIGTERM forever."""
-    tmp = _tmpdir()
+    tmp = run_dir()
     srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "2", "--max-num-seqs", "4",
                         "--num-kv-blocks", "64", "--block-size", "16", tmpdir=tmp, timeout=120)
     pids = {srv.proc.pid, *_pids(srv.proc.pid)}
@@ -290,7 +286,7 @@ def test_sigterm_with_stderr_gone_still_stops_the_server():
 
 
 def test_sigterm_second_server_and_startup_errors():
-    tmp = _tmpdir()
+    tmp = run_dir()
     srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "5", "--max-num-seqs", "8",
                         "--num-kv-blocks", "1200", "--block-size", "16", "--max-model-len", "4096",
                         "--shutdown-timeout", "2", tmpdir=tmp, timeout=120)

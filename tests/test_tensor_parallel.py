@@ -21,7 +21,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -33,7 +32,7 @@ from executor_proc.parallel.group import rank_device
 from executor_proc.parallel.sharding import Shards, check_divisible
 from ipc.client import AsyncClient, ExecutorFailedError
 from ipc.config import ExecutorConfig
-from tests.server_proc import ROOT, ServerProcess, assert_no_leak, server_stats, wait_idle
+from tests.server_proc import ROOT, ServerProcess, assert_no_leak, run_dir, server_stats, wait_idle
 from tests.tp_forward import logits, run_ranks, run_ranks_each, write_gguf
 
 TOL = 1e-4
@@ -115,7 +114,7 @@ def test_a_gap_in_the_step_ids_fails_the_executor_loudly(tmp_path):
     from ipc.sockets import make_socket
     from scheduler_proc.executor_process import spawn_executor, wait_ready
 
-    d = _tmpdir()
+    d = run_dir()
     ctx = zmq.Context()
     plans = make_socket(ctx, zmq.PUSH, f"ipc://{d}/p.sock", bind=True)
     results = make_socket(ctx, zmq.PULL, f"ipc://{d}/r.sock", bind=True)
@@ -202,9 +201,6 @@ PROMPTS = [[(31 * i + 7 * j) % VOCAB for j in range(5 + 3 * i)] for i in range(6
 SHARED = list(range(40, 90))  # a prefix longer than 3 blocks: prefix-cache and host-tier hits
 
 
-def _tmpdir() -> str:
-    return tempfile.mkdtemp(prefix="fr", dir="/tmp")  # short: ipc paths are limited to 107 bytes
-
 
 def _rank_pids(srv: ServerProcess) -> dict[int, int]:
     """The server's executor ranks (its children with an executor command line), by rank."""
@@ -250,7 +246,7 @@ def tiny_servers(tiny_model, device):
     servers = {}
     try:
         for size in (1, 2):
-            servers[size] = ServerProcess(*flags, "--tensor-parallel-size", str(size), tmpdir=_tmpdir(), timeout=120)
+            servers[size] = ServerProcess(*flags, "--tensor-parallel-size", str(size), tmpdir=run_dir(), timeout=120)
         yield servers
     finally:
         for srv in servers.values():
@@ -371,7 +367,7 @@ def test_default_model_over_three_ranks_matches_one_process(default_model_dir, t
 
 @pytest.mark.slow
 def test_default_model_refuses_two_ranks_at_start_up():
-    tmp = _tmpdir()
+    tmp = run_dir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p),
                FORERUN_RUN_DIR=tmp)
     run = subprocess.run([sys.executable, "-m", "scheduler_proc.launch", "serve", "--quiet", "--tensor-parallel-size",
