@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -129,6 +130,17 @@ def _count_compiles(stage) -> dict:
     return counts
 
 
+def _failure(returncode: int, model: str) -> str:
+    """Why a case's process ended, in words: a signal by name (SIGKILL: most often the kernel's out-of-memory
+    killer, as for the default 8B shape's random weights on a machine without the memory)."""
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    sig = signal.Signals(-returncode).name
+    if sig == "SIGKILL":
+        return f"killed by {sig} (out of memory? --model {model} may need more than this machine has)"
+    return f"killed by {sig}"
+
+
 def run_case(args: argparse.Namespace, name: str, threads: int, cache: str) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=cache, FORERUN_COMPILE_THREADS=str(threads))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--device", args.device,
@@ -136,11 +148,14 @@ def run_case(args: argparse.Namespace, name: str, threads: int, cache: str) -> d
     if args.profile:
         cmd += ["--profile", os.path.join(args.profile, name.replace(" ", "_") + ".prof")]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        sys.exit(f"bench_startup: case {name} took more than --timeout {args.timeout:g} s")
     wall = time.perf_counter() - t0
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"case {name} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+        sys.exit(f"bench_startup: case {name} failed: {_failure(proc.returncode, args.model)}\n{proc.stderr[-3000:]}")
     result = json.loads(lines[-1][len(RESULT):])
     warnings = [line for line in proc.stderr.splitlines() if "Warning" in line]
     return {"case": name, "threads": threads, "wall_s": wall, "warnings": warnings, **result}
@@ -166,14 +181,15 @@ def main() -> None:
     if args.child:
         return child(args)
     cases = [(name, int(threads)) for name, threads in (c.split("=") for c in args.cases.split(","))]
-    results, root = [], tempfile.mkdtemp(prefix="bench_startup_")
+    results = []
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
-    for i, (name, threads) in enumerate(cases):
-        results.append(run_case(args, name, threads, os.path.join(root, f"cache{i}")))
-    if args.warm:
-        name, threads = cases[0]
-        results.append(run_case(args, f"{name} warm", threads, os.path.join(root, "cache0")))
+    with tempfile.TemporaryDirectory(prefix="bench_startup_") as root:  # each case's Triton cache
+        for i, (name, threads) in enumerate(cases):
+            results.append(run_case(args, name, threads, os.path.join(root, f"cache{i}")))
+        if args.warm:
+            name, threads = cases[0]
+            results.append(run_case(args, f"{name} warm", threads, os.path.join(root, "cache0")))
     for r in results:
         rows = [(stage, f"{s:.1f} s") for stage, s in r["stages"]]
         rows += [("built after", f"{r['total_s']:.1f} s"), ("process wall", f"{r['wall_s']:.1f} s"),
