@@ -60,14 +60,13 @@ import argparse
 import asyncio
 import os
 import random
-import tempfile
 import time
 from typing import Any, Optional
 
 from ipc import protocol as p
 from ipc.client import AsyncClient
 from ipc.client.raw import RawConnection
-from benchlib import format_table, ipc_address, percentile, start_server, stop_server, write_json
+from benchlib import format_table, ipc_address, percentile, run_dir, start_server, stop_server, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("prefix", "tpot", "swap", "chat")
@@ -150,7 +149,7 @@ def with_server(flags: list[str], args: argparse.Namespace, work, name: str = ""
     if args.step_log_dir and name:
         os.makedirs(args.step_log_dir, exist_ok=True)
         flags = flags + ["--step-log", os.path.join(args.step_log_dir, f"{name}.jsonl")]
-    tmp = tempfile.mkdtemp(prefix="frh", dir="/tmp")  # short: ipc paths are limited to 107 bytes
+    tmp = run_dir("frh")
     address = ipc_address(tmp)
     server = start_server(address, *flags, run_dir=tmp, echo=False, timeout=args.timeout)
 

@@ -15,7 +15,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from subprocess import Popen
@@ -23,7 +22,8 @@ from subprocess import Popen
 from executor_proc.testing.scripted import ScriptedRunner, expected_output
 from ipc import protocol as p
 from ipc.client.raw import RawConnection
-from benchlib import executor_pid, format_table, ipc_address, percentile, start_server, stop_server, write_json
+from benchlib import (executor_pid, format_table, ipc_address, percentile, run_dir, start_server, stop_server,
+                      write_json)
 
 FLOOD_DOC = """Front-door fairness and overload, against a real server with the scripted executor.
 
@@ -146,7 +146,7 @@ def flood(argv: list[str]) -> int:
     ap.add_argument("--overload-extra", type=int, default=100, help="requests sent past the limit")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the figures here")
     args = ap.parse_args(argv)
-    tmp = tempfile.mkdtemp(prefix="frb", dir="/tmp")
+    tmp = run_dir("frb")
     address = ipc_address(tmp)
     srv = start_server(address, "--load-format", "scripted", "--scripted-step-ms", str(args.step_ms),
                        run_dir=tmp, echo=False, timeout=120)
@@ -236,7 +236,7 @@ def restart(argv: list[str]) -> int:
     ap.add_argument("--json", default=None, metavar="PATH")
     ap.add_argument("serve_args", nargs="*", help="flags for forerun serve (after --)")
     args = ap.parse_args(argv)
-    tmp = tempfile.mkdtemp(prefix="frr", dir="/tmp")
+    tmp = run_dir("frr")
     address = ipc_address(tmp)
     srv = start_server(address, *args.serve_args, "--max-restarts", str(args.kills + 5),
                        run_dir=tmp, echo=False, timeout=1800)

@@ -8,13 +8,16 @@ script's own folder first on ``sys.path``.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import math
 import multiprocessing
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -113,6 +116,14 @@ def write_json(path: str, data: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=False)
         f.write("\n")
+
+
+def run_dir(prefix: str = "fr") -> str:
+    """A new folder for a server's sockets, short (ipc paths are limited to 107 bytes: under /tmp), removed when
+    this process exits."""
+    folder = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def ipc_address(folder: str) -> str:
