@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -23,7 +25,7 @@ from kernels.interpreter_patch import patch_interpreter  # noqa: E402
 
 patch_interpreter()
 
-from tests.server_proc import ServerProcess, run_dir  # noqa: E402
+from tests.server_proc import ROOT, ServerProcess, run_dir  # noqa: E402
 
 # The files that take longest on 2 cores (about 10 to 60 s each), longest first.  The README runs the suite with
 # `-n 2 --dist loadfile`: files go to the workers in collection order as they free up, so the run ends when the last
@@ -54,6 +56,32 @@ def pytest_collection_modifyitems(config, items):
     """Collection order: the files of :data:`LONGEST_FIRST` first, in its order, then the others as collected."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
+_converting: list[subprocess.Popen] = []
+
+
+def pytest_collection_finish(session) -> None:
+    """Where the default model is not converted yet (a fresh machine: ~17 s on 2 cores), the first worker starts
+    the conversion in a process of its own once the tests are collected, beside the first, longest files (which do
+    not need it).  Left to the first test that needs it, the other worker's tests that need it too would wait for it
+    with their core idle."""
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0" or not any("default_model_dir" in item.fixturenames
+                                                                          for item in session.items):
+        return
+    from executor_proc.model.default_model import is_converted
+
+    if not is_converted():
+        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+        _converting.append(subprocess.Popen(
+            [sys.executable, "-c", "from executor_proc.model.default_model import ensure_default_model as e; e()"],
+            cwd=ROOT, env=dict(os.environ, PYTHONPATH=path)))
+
+
+def pytest_unconfigure(config):
+    for proc in _converting:  # a short run leaves the conversion whole
+        proc.wait()
+
 
 CHAT_PROMPTS = [
     "What is the capital of France?",

@@ -47,6 +47,11 @@ def ensure_default_model(root: Optional[str] = None) -> str:
     return folder
 
 
+def is_converted(root: Optional[str] = None) -> bool:
+    """Whether the default model's HF folder is there (then :func:`ensure_default_model` returns at once)."""
+    return _is_complete(default_model_dir(root))
+
+
 def _is_complete(folder: str) -> bool:
     return all(
         os.path.isfile(os.path.join(folder, name))
