@@ -163,8 +163,8 @@ def run_case(args: argparse.Namespace, name: str, threads: int, cache: str) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="scripts/configs/llama-3-8b",
-                    help="a model config folder, loaded with random weights (default: the 8B shape)")
+    ap.add_argument("--model", help="a model config folder, loaded with random weights (default: the 8B shape; "
+                                     "with --device cpu the 135M one)")
     ap.add_argument("--device", default="cuda", help="the device to build on (default: cuda)")
     ap.add_argument("--num-slots", type=int, default=64,
                     help="requests at once; the decode graphs go up to this batch (default: 64)")
@@ -178,6 +178,9 @@ def main() -> None:
     ap.add_argument("--json", help="write every case's stages and the tuner's picks here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.model is None:
+        shape = "smollm2-135m" if args.device == "cpu" else "llama-3-8b"
+        args.model = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", shape)
     if args.child:
         return child(args)
     cases = [(name, int(threads)) for name, threads in (c.split("=") for c in args.cases.split(","))]
