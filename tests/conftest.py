@@ -75,7 +75,8 @@ def pytest_collection_finish(session) -> None:
         path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
         _converting.append(subprocess.Popen(
             [sys.executable, "-c", "from executor_proc.model.default_model import ensure_default_model as e; e()"],
-            cwd=ROOT, env=dict(os.environ, PYTHONPATH=path)))
+            cwd=ROOT, env=dict(os.environ, PYTHONPATH=path), stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL))  # a failure shows where a test asks for the model itself
 
 
 def pytest_unconfigure(config):
