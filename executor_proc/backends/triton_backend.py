@@ -34,9 +34,8 @@ of squares, from which q|k|v and gate|up scale their sums by the norm's rsqrt
 fused kernels on their e4m3 values (widened in registers, the per-channel scales applied to the sums) up to
 8 rows, and W8A8 above (:mod:`kernels.matmul_fp8`), where the norm before q|k|v and gate|up and the SiLU-mul
 before down write their output as FP8 rows with scales (one launch each, no model-dtype copy).  With
-``batch_invariant`` every linear is
-:func:`kernels.matmul.invariant_matmul` (one tile shape and one split of K per weight, whatever
-the number of rows) and decode attention always uses ``INVARIANT_ATTENTION_SPLITS``, so a row's
+``batch_invariant`` every linear is :func:`kernels.matmul.invariant_matmul` (one tile shape and one split of K per
+weight, whatever the number of rows) and decode attention always uses ``INVARIANT_ATTENTION_SPLITS``, so a row's
 result does not depend on the rows beside it.  ``moe`` routes in one launch
 (:mod:`kernels.moe_route`) and runs :func:`kernels.moe.fused_moe`: per (token, expert) pair
 up to a few dozen pairs (at every size when batch-invariant), a grouped GEMM over the experts' blocks
@@ -67,7 +66,7 @@ from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.kv_write import rope_cos_sin_cache, rope_kv_write
 from kernels.logprobs import token_logprobs
 from kernels.matmul import MatmulConfig, choose_config, invariant_matmul
-from kernels.matmul_fp8 import Fp8MatmulConfig, quantize_rows, w8a8_quantized
+from kernels.matmul_fp8 import Fp8MatmulConfig, w8a8_linear, w8a8_quantized
 from kernels.moe import MoEConfig, SmallConfig, fused_moe, fused_moe_small
 from kernels.moe_route import route, routes_here
 from kernels.moe_ref import route_held
@@ -242,7 +241,7 @@ class TritonBackend:
         if m <= W8A16_MAX_ROWS:
             x = x.contiguous()
             return skinny.gemv(x, weight, bias, config=self._gemv_config(x, weight) or FP8_GEMV_DEFAULT[m == 1])
-        return self._w8a8(*quantize_rows(x.contiguous()), weight, bias, x.dtype)
+        return w8a8_linear(x, weight, bias, config=self._w8a8_config(weight, m))
 
     @staticmethod
     def _quantized_input(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -252,10 +251,12 @@ class TritonBackend:
 
     def _w8a8(self, xq: torch.Tensor, xs: torch.Tensor, weight: Fp8Weight, bias: Optional[torch.Tensor],
               out_dtype: torch.dtype) -> torch.Tensor:
-        """The W8A8 product of quantized rows (from ``quantize_rows``, or the norm or SiLU-mul that made them) with
-        the tuned config for this weight and row count (cuBLASLt where none was tuned)."""
-        config = self.fp8_matmul_choice.get((*weight.shape, m_bucket(xq.shape[0])))
-        return w8a8_quantized(xq, xs, weight, bias, config, out_dtype)
+        """:meth:`_fp8_linear`'s W8A8 product of rows the norm or the SiLU-mul quantized in its own launch."""
+        return w8a8_quantized(xq, xs, weight, bias, self._w8a8_config(weight, xq.shape[0]), out_dtype)
+
+    def _w8a8_config(self, weight: Fp8Weight, m: int) -> Optional[Fp8MatmulConfig]:
+        """The tuned W8A8 kernel for this weight at ``m`` rows, or None (cuBLASLt)."""
+        return self.fp8_matmul_choice.get((*weight.shape, m_bucket(m)))
 
     def _tiled_config(self, x: torch.Tensor, weight: torch.Tensor) -> Optional[MatmulConfig]:
         """The tiled matmul's config for this weight at x's rows (above 8), or None (cuBLAS)."""
