@@ -17,8 +17,8 @@ epilogue, into ``inter [T * k, I]`` (rounded to x's dtype, as the unfused ops ro
   row; the k rows of a token are summed after it (in a fixed order: no atomics, deterministic).
 
 Every shape is a function of ``T``, ``k``, ``E`` and the block sizes, and nothing is read back to the
-host (the grouping is torch ops: a scatter-add, a cumsum, a stable argsort and a searchsorted), so both
-forms can be captured in a CUDA graph.  Blocks past the last expert's pairs find the expert id ``E``
+host (the grouping is one launch of its own, :mod:`kernels.moe_align`), so both forms can be captured in a
+CUDA graph.  Blocks past the last expert's pairs find the expert id ``E``
 and return at once.
 
 **A rank's experts** (expert parallelism): ``w13``/``w2`` may stack only the ``E`` experts a rank holds, with
@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe_align import align_by_expert
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
 __all__ = ["fused_moe", "fused_moe_small", "fused_moe_grouped", "moe_up_small", "moe_down_small", "align_by_expert",
@@ -233,37 +234,6 @@ def _down_grouped_kernel(inter_ptr, w_ptr, pairs_ptr, block_expert_ptr, wts_ptr,
         acc *= tl.load(wts_ptr + pairs, mask=m_mask, other=0.0)[:, None]
         tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc,
                  mask=m_mask[:, None] & n_mask[None, :])
-
-
-def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pairs ``p = t * k + j`` of ``ids [T, k]`` grouped by expert, each group padded to ``block_m``:
-    ``(pairs [num_blocks * block_m] int32, pair index or T * k for padding; block_expert [num_blocks] int32,
-    each block's expert or num_experts past the last group)``.  Within a group, pairs keep their order.
-
-    ``num_blocks`` covers the worst case (every used expert's group one short of a block), from the shapes
-    alone; torch ops on the device, no host read.  An id of ``num_experts`` (a pair whose expert another rank
-    holds) joins no group.
-    """
-    flat = ids.reshape(-1)
-    n = flat.numel()
-    num_blocks = triton.cdiv(n + min(n, num_experts) * (block_m - 1), block_m)
-    size = num_blocks * block_m
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)  # the last: pairs held elsewhere
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    group_start = torch.cat([ends - padded, ends.new_full((1,), size)])
-    order = torch.argsort(flat, stable=True)  # pair indices sorted by expert
-    sorted_experts = flat.index_select(0, order)
-    first_sorted = torch.cumsum(counts, 0) - counts  # each expert's first position among the sorted pairs
-    rank = torch.arange(n, device=ids.device) - first_sorted.index_select(0, sorted_experts)
-    dest = (group_start.index_select(0, sorted_experts) + rank).clamp_(max=size)  # held elsewhere: one spare slot
-    pairs = torch.full((size + 1,), n, dtype=torch.int32, device=ids.device)
-    pairs.scatter_(0, dest, order.to(torch.int32))
-    pairs = pairs[:size]
-    block_starts = torch.arange(num_blocks, device=ids.device, dtype=torch.int64) * block_m
-    block_expert = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)
-    return pairs, block_expert
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:

@@ -60,3 +60,28 @@ def moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
         h = silu_and_mul_ref(F.linear(x[rows], w13[e]))
         out.index_add_(0, rows, F.linear(h, w2[e]).float() * weights[rows, slot, None])
     return out.to(x.dtype)
+
+
+def align_by_expert_ref(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kernels.moe_align.align_by_expert` (the grouped form's pairs grouped by expert, padded to
+    ``block_m``) in torch ops: about fifteen launches where the kernel is one."""
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    num_blocks = -(-(n + min(n, num_experts) * (block_m - 1)) // block_m)
+    size = num_blocks * block_m
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)  # the last: pairs held elsewhere
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    group_start = torch.cat([ends - padded, ends.new_full((1,), size)])
+    order = torch.argsort(flat, stable=True)  # pair indices sorted by expert
+    sorted_experts = flat.index_select(0, order)
+    first_sorted = torch.cumsum(counts, 0) - counts  # each expert's first position among the sorted pairs
+    rank = torch.arange(n, device=ids.device) - first_sorted.index_select(0, sorted_experts)
+    dest = (group_start.index_select(0, sorted_experts) + rank).clamp_(max=size)  # held elsewhere: one spare slot
+    pairs = torch.full((size + 1,), n, dtype=torch.int32, device=ids.device)
+    pairs.scatter_(0, dest, order.to(torch.int32))
+    pairs = pairs[:size]
+    block_starts = torch.arange(num_blocks, device=ids.device, dtype=torch.int64) * block_m
+    block_expert = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)
+    return pairs, block_expert
