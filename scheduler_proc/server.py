@@ -47,8 +47,8 @@ from scheduler_proc.supervisor import Supervisor
 # The transport drops (and disconnects) frames above this; frames between the
 # application limit and this one get a clear error instead.
 TRANSPORT_MAX_MESSAGE_BYTES = 4 * MAX_CLIENT_MESSAGE_BYTES
-TICK_S = 0.05  # the supervisor's period: executor death and hang checks
-CLIENT_CHECK_S = 0.25  # heartbeat expiry and owed-error retries
+TICK_S = 0.05  # the supervisor's period while requests run: executor death and hang checks
+CLIENT_CHECK_S = 0.25  # heartbeat expiry and owed-error retries; the supervisor's period while idle
 
 
 class Server(ClientMessages, OutputStream):
@@ -227,10 +227,14 @@ class Server(ClientMessages, OutputStream):
             self.wake.set()
 
     async def _supervise(self) -> None:
-        """Every TICK_S: the executor's health; every CLIENT_CHECK_S: clients and shutdown."""
+        """Every TICK_S: the executor's health; every CLIENT_CHECK_S: clients and shutdown.  While nothing runs
+        (no request, nothing in flight, the executor up), every CLIENT_CHECK_S only: each tick also wakes the main
+        loop, and an idle server ticking 20 times a second spends ~0.6% of a core on it.  An executor that dies
+        while idle is found within a quarter second (a request that arrives meanwhile waits that long, once)."""
         last_client_check = 0.0
         while True:
-            await asyncio.sleep(TICK_S)
+            idle = not (self.requests or self.planner.num_inflight) and self.executor.running
+            await asyncio.sleep(CLIENT_CHECK_S if idle else TICK_S)
             now = time.monotonic()
             cause = self.executor.failure(now, self.planner.num_inflight)
             if cause:
