@@ -1532,6 +1532,7 @@ reference first.
     from kernels import moe as fused
     from kernels.moe_ref import moe_ref, route_ref
     from kernels.moe_route import route
+    from triton.runtime.errors import OutOfResources
 
     def main() -> None:
         ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -1575,7 +1576,10 @@ reference first.
                 else:
                     for c in fused.GROUPED_CANDIDATES:
                         c = fused.grouped_config(c, m * k, E)
-                        got = fused.fused_moe_grouped(x, *layers[0], weights, ids, c)
+                        try:
+                            got = fused.fused_moe_grouped(x, *layers[0], weights, ids, c)
+                        except OutOfResources:  # a wide tile at block_m 64: not a candidate here (nor to the tuner)
+                            continue
                         assert ((got.float() - want).norm() / want.norm()).item() < 2e-2, (model, m, c)
                         times[("grouped", *c)] = _time_pass(
                             lambda e, c=c: fused.fused_moe_grouped(x, *e, weights, ids, c), layers, args.reps)
