@@ -215,7 +215,7 @@ def open_gguf(path: str):
     vocabulary and merges are hundreds of thousands of parts, and each slice of a memmap builds another memmap (4 of
     the 5 s that SmolLM2's header takes).  Ours slices a plain ndarray view of the same mapping instead (a third of
     the time); should the package's internal ``_get`` change, the override is never called and nothing else does."""
-    from gguf import GGUFReader
+    from gguf.gguf_reader import GGUFReader  # the class itself, whatever replaces the package-level name
 
     class Reader(GGUFReader):
         def _get(self, offset, dtype, count=1, override_order=None):
