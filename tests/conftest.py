@@ -62,7 +62,7 @@ _converting: list[subprocess.Popen] = []
 
 
 def pytest_collection_finish(session) -> None:
-    """Where the default model is not converted yet (a fresh machine: ~17 s on 2 cores), the first worker starts
+    """Where the default model is not converted yet (a fresh machine: ~11 s on 2 cores), the first worker starts
     the conversion in a process of its own once the tests are collected, beside the first, longest files (which do
     not need it).  Left to the first test that needs it, the other worker's tests that need it too would wait for it
     with their core idle."""
