@@ -1510,7 +1510,8 @@ def _moe(argv: list[str]) -> int:
     """The fused MoE kernels' tiles on this GPU: every candidate of the start-up tuner, per model shape and size.
 
 For each MoE config (random bf16 stacks, ``--layers`` copies so that L2 holds none, a fixed random routing of
-``k`` distinct experts a token) and each token count: the routing (torch ops against the one-launch kernel),
+``k`` distinct experts a token) and each token count: the routing and the grouping of the pairs by expert (torch
+ops against each one-launch kernel),
 then, while the pairs fit the per-pair form, its gate|up and down launches with every candidate tile, else the
 grouped form's; ms of one pass over the layers (:func:`executor_proc.backends.gemv_tuning._time_pass`) and
 the bandwidth of the experts' bytes the routing touches.  Each candidate is checked against the torch
@@ -1530,7 +1531,7 @@ reference first.
     from executor_proc.backends.moe_tuning import Experts, _routing
     from executor_proc.model.config import ModelConfig
     from kernels import moe as fused
-    from kernels.moe_ref import moe_ref, route_ref
+    from kernels.moe_ref import align_by_expert_ref, moe_ref, route_ref
     from kernels.moe_route import route
     from triton.runtime.errors import OutOfResources
 
@@ -1560,6 +1561,9 @@ reference first.
                 logits = torch.randn(m, E, device=device, dtype=torch.bfloat16)
                 times = {"route torch": _time_pass(lambda e: route_ref(logits, k, moe.renormalize), layers, args.reps),
                          "route kernel": _time_pass(lambda e: route(logits, k, moe.renormalize), layers, args.reps)}
+                bm = fused.grouped_config(fused.MoEConfig(), m * k, E).block_m  # the grouped form's pairs by expert
+                times["align torch"] = _time_pass(lambda e: align_by_expert_ref(ids, E, bm), layers, args.reps)
+                times["align kernel"] = _time_pass(lambda e: fused.align_by_expert(ids, E, bm), layers, args.reps)
                 want = moe_ref(x.float(), layers[0].w13.float(), layers[0].w2.float(), weights, ids)
                 small = m * k <= fused.SMALL_MAX_PAIRS
                 if small:
@@ -1590,7 +1594,9 @@ reference first.
                                      ms=t, tb_s=gb / t if gb else None))
                 table.append(f"{model:<18} m={m:<4} experts touched {touched}/{E}: route torch "
                              f"{times['route torch'] / args.layers * 1e3:.1f} us, kernel "
-                             f"{times['route kernel'] / args.layers * 1e3:.1f} us a layer")
+                             f"{times['route kernel'] / args.layers * 1e3:.1f} us a layer; align torch "
+                             f"{times['align torch'] / args.layers * 1e3:.1f} us, kernel "
+                             f"{times['align kernel'] / args.layers * 1e3:.1f} us")
                 for kind, gb in (("up", gb_up), ("down", gb_down)) if small else (("grouped", gb_up + gb_down),):
                     mine = {key: t for key, t in times.items() if not isinstance(key, str) and key[0] == kind}
                     best = min(mine, key=mine.get)
