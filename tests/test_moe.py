@@ -25,6 +25,7 @@ from executor_proc.model.loader import load_model  # noqa: E402
 from executor_proc.model.moe import MoEBlock, checkpoint_name  # noqa: E402
 from kernels.moe import (SMALL_CONFIG, MoEConfig, SmallConfig, align_by_expert, fused_moe_grouped,  # noqa: E402
                          fused_moe_small)
+from kernels.moe_align import MAX_PAIRS  # noqa: E402
 from kernels.moe_route import route  # noqa: E402
 from kernels.moe_ref import align_by_expert_ref, moe_ref, route_held, route_ref  # noqa: E402
 from tests.test_model_parity import RTOL, SHAPE, VOCAB, PagedRun, hf_logits, random_tokens, rel_err  # noqa: E402
@@ -223,10 +224,10 @@ def test_align_by_expert_groups_and_pads():
 @pytest.mark.parametrize("E,k,block_m", [(3, 2, 4), (8, 2, 16), (60, 4, 16), (128, 8, 16), (128, 8, 64)])
 def test_align_by_expert_kernel_equals_torch(E, k, block_m):
     """The one-launch kernel against the torch reference: random routings of 1 to 33 tokens (on a GPU up to 1,024,
-    the grouped form's chunk: the interpreter sorts slowly), some pairs held elsewhere (id E), every slot and
-    block the same."""
+    the grouped form's chunk: the interpreter sorts slowly; 4,096 pairs, the kernel's largest, and past them the
+    torch form through the same call), some pairs held elsewhere (id E), every slot and block the same."""
     g = torch.Generator().manual_seed(E * block_m)
-    sizes = [1, 2, 5, 33] + ([64, 300, 1024] if DEV.type == "cuda" else [])
+    sizes = [1, 2, 5, 33] + ([64, 300, MAX_PAIRS // k, 1024] if DEV.type == "cuda" else [])
     for T in sizes:
         ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
         ids[torch.rand(T, k, generator=g) < 0.1] = E
