@@ -10,22 +10,24 @@ import sys
 import tempfile
 
 import pytest
-import torch
 
-# Triton kernels run on the CPU through the interpreter; set before any kernel module is imported.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.server_proc import ROOT, ServerProcess, run_dir
 
-# pytest-xdist workers share the cores: two workers' torch thread pools on the same cores spin against each other
-# (OpenMP workers busy-wait), and every server process the tests start wants a core too.
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
-from kernels.interpreter_patch import patch_interpreter  # noqa: E402
+def _set_up_torch() -> None:
+    """Triton kernels run on the CPU through the interpreter (set before any kernel module is imported); two
+    pytest-xdist workers' torch thread pools on the same cores spin against each other (OpenMP workers busy-wait),
+    and every server process the tests start wants a core too."""
+    import torch
 
-patch_interpreter()
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    from kernels.interpreter_patch import patch_interpreter
 
-from tests.server_proc import ROOT, ServerProcess, run_dir  # noqa: E402
+    patch_interpreter()
+
 
 # The files that take longest on 2 cores (about 10 to 60 s each), longest first.  The README runs the suite with
 # `-n 2 --dist loadfile`: files go to the workers in collection order as they free up, so the run ends when the last
@@ -47,9 +49,13 @@ LONGEST_FIRST = (
 
 
 def pytest_configure(config):
-    """pytest-xdist's loadfile hands out the files with the most tests first unless told not to: keep ours."""
+    """pytest-xdist's loadfile hands out the files with the most tests first unless told not to: keep ours.  The
+    process that runs tests sets torch up; pytest-xdist's controller, which only hands out files, never imports it
+    (2.5 s before its workers start)."""
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    if not (getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")):
+        _set_up_torch()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -164,6 +170,7 @@ def hf_model():
     files; the other processes (pytest-xdist workers, later runs) load that, under a file lock."""
     import fcntl
 
+    import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -197,6 +204,8 @@ def hf_greedy(hf_model, chat_prompt_ids) -> list[list[int]]:
 
     16 tokens: 9 of the 12 prompts (35 to 40 tokens) decode across a block boundary (position 48), and 5 end with
     EOS (after 8 to 15 tokens), the others by length."""
+    import torch
+
     width = max(map(len, chat_prompt_ids))
     x = torch.tensor([[2] * (width - len(ids)) + ids for ids in chat_prompt_ids])
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chat_prompt_ids])
