@@ -1,12 +1,13 @@
 """float32 to e4m3 (``float8_e4m3fn``) rounded once to nearest even, as torch's cast rounds; and a row's dynamic
 scale (:func:`row_scale`, :func:`scaled_to_e4m3`: :func:`kernels.fp8.quantize_rows_ref`'s arithmetic, shared by
-every kernel that quantizes activations).
+every kernel that quantizes activations: the values times the scale's reciprocal, as vLLM's quantization does).
 
 Triton narrows float32 to e4m3 through float16 on Hopper, rounding twice: a value that float16 rounds onto the
 midpoint of two e4m3 values then goes to the even one, about 0.3% of uniformly spread values off by one e4m3 step
-from torch's cast.  :func:`to_e4m3` rounds in float32 to e4m3's grid first (an add and a subtract of a constant
-whose last bit is that grid's step), so the narrowing that follows is exact.  The interpreter, which rounds ties
-away from zero and flushes subnormals, then also gives torch's values.
+from torch's cast.  Compiled, :func:`to_e4m3` first rounds to odd at float16's precision, after which both of
+those roundings land where one would; in the interpreter, which rounds ties away from zero and flushes subnormals,
+it rounds in float32 to e4m3's grid first (an add and a subtract of a constant whose last bit is that grid's step),
+so that the narrowing that follows is exact.
 """
 
 import triton
@@ -19,8 +20,8 @@ _MIN = tl.constexpr(MIN_SCALE)
 
 
 @triton.jit
-def to_e4m3(x):
-    """``x`` (float32, within e4m3's +-448) as e4m3, rounded to nearest even."""
+def _to_e4m3_exact(x):
+    """:func:`to_e4m3` by float32 arithmetic alone: exact wherever the final narrowing is (the interpreter's)."""
     biased = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
     # e4m3's step at |x|: 2^(e - 3) for an exponent e >= -6 (3 mantissa bits), 2^-9 below (subnormals)
     step = tl.maximum(biased - 127 - 3, -9)
@@ -31,6 +32,30 @@ def to_e4m3(x):
 
 
 @triton.jit
+def _to_e4m3_odd(x):
+    """:func:`to_e4m3` on a GPU: ``x`` rounded to odd at float16's precision (the 13 bits float16 lacks dropped, the
+    last kept one set where any of them was), which float16 then holds exactly; from there the narrowing's roundings
+    (float16's, e4m3's) land where one rounding to nearest even would, float16 keeping 7 bits more than e4m3.  Half
+    the instructions of the float32 form: the FP8 SiLU-mul at [2048, 2 x 14336] on an H200 in 54 against 60 us."""
+    bits = x.to(tl.uint32, bitcast=True)
+    odd = ((bits >> 13) | ((bits & 0x1FFF) != 0).to(tl.uint32)) << 13
+    return odd.to(tl.float32, bitcast=True).to(tl.float8e4nv)
+
+
+# Whether these kernels run in Triton's interpreter (decided, as Triton decides it, when a function is decorated).
+_INTERPRETED = tl.constexpr(not isinstance(_to_e4m3_exact, triton.runtime.JITFunction))
+
+
+@triton.jit
+def to_e4m3(x):
+    """``x`` (float32, within e4m3's +-448) as e4m3, rounded to nearest even."""
+    if _INTERPRETED:
+        return _to_e4m3_exact(x)
+    else:
+        return _to_e4m3_odd(x)
+
+
+@triton.jit
 def row_scale(amax):
     """A row's scale from its largest magnitude (float32): ``max(amax / 448, MIN_SCALE)``."""
     return tl.maximum(tl.math.div_rn(amax, _MAX), _MIN)
@@ -38,5 +63,8 @@ def row_scale(amax):
 
 @triton.jit
 def scaled_to_e4m3(x, scale):
-    """``x / scale`` (float32) clamped to e4m3's range, as e4m3."""
-    return to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_MAX), _MAX))
+    """``x * (1 / scale)`` (float32; the reciprocal rounded once) clamped to e4m3's range, as e4m3.  A multiply
+    where a division was: an IEEE division per value made the FP8 SiLU-mul compute-bound (81 us at
+    [2048, 2 x 14336] on an H200, 60 with the multiply)."""
+    inv = tl.math.div_rn(1.0, scale)
+    return to_e4m3(tl.minimum(tl.maximum(x * inv, -_MAX), _MAX))

@@ -8,8 +8,8 @@ Two ways to run it, chosen by the number of rows:
 - up to 8 rows (decode): W8A16, the skinny matmuls of :mod:`kernels.gemv` load the FP8 weight and
   widen it in registers (``weight_args``: the data pointer, the scales and the ``W_SCALED`` flag);
 - more rows (larger batches, prefill): W8A8, each row of x quantized with its own dynamic scale
-  (``xs[m] = max|x[m, :]| / 448``) and the FP8 tensor cores sum ``q_x q_w^T`` in float32, scaled by
-  ``xs[m] * s[n]`` (:mod:`kernels.matmul_fp8`).
+  (``xs[m] = max|x[m, :]| / 448``; the row times its reciprocal) and the FP8 tensor cores sum
+  ``q_x q_w^T`` in float32, scaled by ``xs[m] * s[n]`` (:mod:`kernels.matmul_fp8`).
 
 The torch functions here are the reference (and the CPU's emulation): :func:`fp8_linear_ref`
 follows the same rule with the same roundings, so the CPU runs the GPU's arithmetic.
@@ -80,13 +80,15 @@ def quantize_weight(w: torch.Tensor, dtype: Optional[torch.dtype] = None) -> Fp8
 
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row dynamic FP8 of activations ``x [M, K]``: ``(fp8(x / xs[:, None]), xs [M] float32)``."""
+    """Per-row dynamic FP8 of activations ``x [M, K]``: ``(fp8(x * (1 / xs)[:, None]), xs [M] float32)``, each
+    row multiplied by its scale's reciprocal (rounded once), as the kernels do."""
     xf = x.float()
     amax = xf.abs().amax(dim=1)
-    # divided by a tensor: torch on CUDA multiplies by the reciprocal of a Python number (a last bit off the
+    # divided by tensors: torch on CUDA multiplies by the reciprocal of a Python number (a last bit off the
     # kernels' division, and so values on the other side of a rounding midpoint)
     scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE)
-    return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    inv = torch.ones_like(scale) / scale
+    return (xf * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: Fp8Weight, bias: Optional[torch.Tensor] = None,

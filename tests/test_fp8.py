@@ -63,14 +63,19 @@ def _cast_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
 
 
 def test_to_e4m3_rounds_as_torch_casts():
-    """Every e4m3 value, every midpoint of two neighbours (ties go to the even one) and values of five magnitudes
-    through :func:`kernels.e4m3.to_e4m3`: torch's cast, bit for bit (on the GPU, where Triton's own narrowing
-    through float16 rounds twice; in the interpreter, which rounds ties away from zero and has no subnormals)."""
+    """Every e4m3 value, every midpoint of two neighbours (ties go to the even one) and the float32 values either side
+    of it, float32 bit patterns at random and values of five magnitudes through :func:`kernels.e4m3.to_e4m3`: torch's
+    cast, bit for bit (on the GPU, where Triton's own narrowing through float16 rounds twice; in the interpreter,
+    which rounds ties away from zero and has no subnormals)."""
     g = torch.Generator().manual_seed(0)
     grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
     grid = grid[grid.isfinite()].unique()
     mids = (grid[1:] + grid[:-1]) / 2
-    x = torch.cat([grid, mids, -mids, *(torch.randn(2000, generator=g) * s for s in (1e-3, 0.02, 1, 30, 200))])
+    near = torch.cat([mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)])
+    patterns = torch.randint(0, 2**31 - 1, (20000,), generator=g, dtype=torch.int32).view(torch.float32)
+    patterns = patterns[patterns.abs() <= FP8_MAX]  # NaNs and magnitudes beyond e4m3's out
+    x = torch.cat([grid, near, -near, patterns, -patterns,
+                   *(torch.randn(2000, generator=g) * s for s in (1e-3, 0.02, 1, 30, 200))])
     x = x.clamp(-FP8_MAX, FP8_MAX).to(DEVICE)
     y = torch.empty(x.numel(), dtype=FP8, device=DEVICE)
     _cast_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
