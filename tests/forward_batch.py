@@ -39,7 +39,8 @@ def build_forward_batch(
     ``block_tables[r]`` is row r's block table; it must cover the row's context
     (``start_position + len(token_ids)`` tokens).  All integer inputs are packed
     into one int64 host buffer (pinned if asked, then copied with
-    ``non_blocking=True``) and the batch's tensors are views of its device copy.
+    ``non_blocking=True``) and the batch's tensors are views of its device copy (the query starts, context
+    lengths and block tables int32 copies, as the engine's steps have them).
     """
     rows = [RowInput(*row) for row in rows]
     if len(rows) != len(block_tables):
@@ -83,6 +84,8 @@ def build_forward_batch(
     dev = host.to(device, non_blocking=pin_memory)
     views = list(torch.split(dev, [len(p) for p in parts]))
     views[5] = views[5].view(len(rows), max_blocks)
+    for i in (3, 4, 5):  # query starts, context lengths and block tables in int32, as the engine's steps have them
+        views[i] = views[i].to(torch.int32)
     return ForwardBatch(
         input_ids=views[0],
         positions=views[1],
