@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_ref import align_by_expert_ref
+from .moe_ref import align_blocks, align_by_expert_ref
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
 __all__ = ["align_by_expert", "MAX_EXPERTS", "MAX_PAIRS"]
@@ -73,7 +73,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     n = flat.numel()
     if n > MAX_PAIRS or num_experts > MAX_EXPERTS:
         return align_by_expert_ref(ids, num_experts, block_m)
-    num_blocks = triton.cdiv(n + min(n, num_experts) * (block_m - 1), block_m)
+    num_blocks = align_blocks(n, num_experts, block_m)
     pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
     if n:

@@ -62,12 +62,18 @@ def moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     return out.to(x.dtype)
 
 
+def align_blocks(n: int, num_experts: int, block_m: int) -> int:
+    """Blocks of ``block_m`` slots that ``n`` pairs grouped by expert can need: every used expert's group one short
+    of a full block (the worst case, from the shapes alone)."""
+    return -(-(n + min(n, num_experts) * (block_m - 1)) // block_m)
+
+
 def align_by_expert_ref(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kernels.moe_align.align_by_expert` (the grouped form's pairs grouped by expert, padded to
     ``block_m``) in torch ops: about fifteen launches where the kernel is one."""
     flat = ids.reshape(-1)
     n = flat.numel()
-    num_blocks = -(-(n + min(n, num_experts) * (block_m - 1)) // block_m)
+    num_blocks = align_blocks(n, num_experts, block_m)
     size = num_blocks * block_m
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)  # the last: pairs held elsewhere
     counts.scatter_add_(0, flat, torch.ones_like(flat))
