@@ -39,10 +39,13 @@ class Fp8MatmulConfig(NamedTuple):
     num_stages: int = 4
 
 
-# Candidates the tuner times against cuBLASLt: small-M tiles for decode batches, wide ones for prefill.
-FP8_MATMUL_CONFIGS = (Fp8MatmulConfig(64, 128, 128, 4, 4), Fp8MatmulConfig(64, 64, 256, 4, 4),
-                      Fp8MatmulConfig(128, 128, 128, 8, 4), Fp8MatmulConfig(128, 256, 128, 8, 3),
-                      Fp8MatmulConfig(64, 128, 256, 4, 3))
+# Candidates the tuner times against cuBLASLt: small-M tiles for decode batches, wide ones for prefill.  At 16-128
+# rows on an H200 (8B shapes, docs/performance.md) the weight streams need deep pipelines and, for the narrow
+# weights (N = 4,096), narrow tiles: 64 x 32 puts 128 programs on 132 SMs where 64 x 64 leaves half of them idle.
+# A tile whose stages do not fit a GPU's shared memory fails to build there and the tuner passes over it.
+FP8_MATMUL_CONFIGS = (Fp8MatmulConfig(64, 128, 128, 4, 4), Fp8MatmulConfig(64, 64, 256, 4, 5),
+                      Fp8MatmulConfig(64, 32, 256, 4, 7), Fp8MatmulConfig(64, 64, 256, 4, 6),
+                      Fp8MatmulConfig(128, 128, 128, 8, 4), Fp8MatmulConfig(128, 256, 128, 8, 3))
 
 
 @triton.jit

@@ -544,7 +544,8 @@ read rate as a fraction of the device copy bandwidth measured in the same run.
     def graph_time(fn, reps: int, calls: int = 10) -> float:
         """Seconds per call: ``calls`` back-to-back calls in one CUDA graph, median of ``reps`` replays (the
         start-up tuner's timing)."""
-        return _time_pass(lambda _: fn(), [None] * calls, reps) / calls / 1e3
+        marker = torch.empty(0, device="cuda")  # the tuner's timing wants its arguments' device
+        return _time_pass(lambda _: fn(), [marker] * calls, reps) / calls / 1e3
 
 
     def copy_bandwidth(reps: int) -> float:
