@@ -60,7 +60,7 @@ CONFIGS = (("dot", 16, 256, 4, 4), ("dot", 16, 512, 4, 3), ("dot", 32, 256, 4, 4
 # More "row" candidates for FP8 weights (kernels/fp8.py): a byte per value, so twice the values per chunk keep each
 # thread's loads 16 bytes wide.
 FP8_CONFIGS = (("row", 4, 2048, 4, 4), ("row", 2, 2048, 4, 6), ("row", 8, 2048, 8, 3), ("row", 2, 4096, 8, 4),
-               ("row", 1, 2048, 4, 8))
+               ("row", 1, 2048, 4, 8), ("row", 8, 1024, 4, 3))
 
 
 @triton.jit
