@@ -33,6 +33,7 @@ import msgspec
 import zmq
 
 from executor_proc.memory_plan import StartupRefused
+from executor_proc.step_profile import from_env
 from ipc.config import ExecutorConfig
 from ipc import protocol as p
 from ipc.sockets import make_socket
@@ -156,6 +157,7 @@ class ExecutorProcess:
         self._event = None  # torch.cuda.Event
         self.gc_clock = GcClock()
         self.gc_ready = 0.0  # the collector's seconds when the last plan was there to read
+        self.profiler = from_env(cfg.tp_rank)  # $FORERUN_TORCH_PROFILE: chosen steps under torch's profiler
 
     def send(self, msg) -> None:
         self.results.send(p.encode(msg))
@@ -257,6 +259,7 @@ class ExecutorProcess:
             if isinstance(plan, p.Shutdown):
                 break
             self.in_order(plan)
+            self.profiler.before(plan.step_id)
             t_start = self.t_ready
             events = self._record_gpu_event()
             step = worker.prepare(plan)
@@ -269,6 +272,7 @@ class ExecutorProcess:
             self.output.steps.put(LaunchedStep(plan.step_id, host, event, t_start, t_start - t_wait, events,
                                                host_s, self.gc_clock.total_s - self.gc_ready,
                                                getattr(step, "outputs", None)))
+            self.profiler.after(plan.step_id)
         self.output.steps.put(None)
         self.output.join(timeout=5)
         if self.expert_counts is not None:
@@ -279,8 +283,10 @@ class ExecutorProcess:
         worker = self.worker
         while not isinstance(plan := self.receive(), p.Shutdown):
             self.in_order(plan)
+            self.profiler.before(plan.step_id)
             worker.launch(worker.prepare(plan))
             worker.backups_done_through(plan.step_id)  # forgets completed backup events (nobody else polls)
+            self.profiler.after(plan.step_id)
 
 
 def main(argv: list[str] | None = None) -> int:
