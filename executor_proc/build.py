@@ -10,6 +10,7 @@ process and the GPU benchmarks share it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -100,11 +101,14 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
         device = resolve_device(cfg.device)
     cuda = device.type == "cuda"
     dtype = getattr(torch, cfg.resolved_dtype())
-    model, mcfg = load_model(model_path(cfg, progress), cfg.load_format, device, dtype, progress_cb=progress, tp=tp,
-                             expert_parallel=cfg.enable_expert_parallel)
+    what = f"--model {cfg.model}" if cfg.model else "the default model"
+    with refused_as(what):
+        model, mcfg = load_model(model_path(cfg, progress), cfg.load_format, device, dtype, progress_cb=progress,
+                                 tp=tp, expert_parallel=cfg.enable_expert_parallel)
     max_len = min(cfg.max_model_len or mcfg.max_model_len, mcfg.max_model_len)
     max_blocks = -(-max_len // cfg.block_size)
-    backend = select_backend(cfg, device, model, max_len, progress)
+    with refused_as(what):  # e.g. --quantization fp8 of a model it does not cover
+        backend = select_backend(cfg, device, model, max_len, progress)
     model.use_backend(backend)
     # after the backend: FP8 weights are quantized there
     weights = model.weight_bytes()
@@ -340,16 +344,24 @@ def load_draft(cfg: ExecutorConfig, device: torch.device, dtype: torch.dtype, ma
         return None
     fmt = sc.draft_load_format or cfg.load_format
     draft_progress = lambda stage, done, total: progress(f"draft model: {stage}", done, total)  # noqa: E731
-    try:
+    with refused_as(f"--draft-model {sc.draft_model}"):
         model, dcfg = load_model(sc.draft_model, fmt, device, dtype, progress_cb=draft_progress)
-    except (ValueError, OSError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise StartupRefused(f"--draft-model {sc.draft_model}: {first}") from None
     if dcfg.vocab_size != vocab_size:
         raise StartupRefused(f"--draft-model {sc.draft_model} has a vocabulary of {dcfg.vocab_size:,} tokens, the "
                              f"model {vocab_size:,}: the draft must share the model's tokenizer and vocabulary")
     model.use_backend(select_backend(cfg, device, model, max_len, draft_progress))
     return DraftModel(model, sc.num_tokens, cfg.block_size, dtype, device)
+
+
+@contextlib.contextmanager
+def refused_as(what: str):
+    """A ValueError or OSError while reading a model (its files, its architecture, a flag it does not cover) is the
+    user's to fix: :class:`StartupRefused`, the error's first line after ``what``, and no traceback."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise StartupRefused(f"{what}: {first}") from None
 
 
 def model_path(cfg: ExecutorConfig, progress: ProgressCallback) -> str:
