@@ -64,10 +64,15 @@ class BuiltWorker:
 
 
 def resolve_device(name: str) -> torch.device:
-    """The device, with an explicit index for CUDA (made current)."""
+    """The device, with an explicit index for CUDA (made current); StartupRefused for a GPU this machine lacks."""
     device = torch.device(name)
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index >= count:
+            have = f"{count} visible CUDA device{'s' if count > 1 else ''}" if count else \
+                f"no CUDA device torch {torch.__version__} can use"
+            raise StartupRefused(f"--device {name}: this machine has {have} (--device cpu runs without one)")
         torch.cuda.set_device(device)
     return device
 
@@ -87,6 +92,10 @@ def build_worker(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
         raise MemoryPlanError(f"the device ran out of memory while starting ({first}); lower "
                               f"--gpu-memory-utilization (other processes may be using the device), "
                               f"--max-num-seqs or --max-num-batched-tokens") from None
+    except MemoryError as e:  # host memory: the CPU's KV cache (an explicit --num-kv-blocks), the host tier's pool
+        first = str(e).splitlines()[0] if str(e) else "out of memory"
+        raise MemoryPlanError(f"the host ran out of memory while starting ({first}); lower --num-kv-blocks, "
+                              f"--num-host-kv-blocks or --host-kv-gib") from None
 
 
 def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorker:

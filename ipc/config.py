@@ -7,6 +7,7 @@ default of an executor setting lives in this file and nowhere else.
 
 from __future__ import annotations
 
+import re
 from typing import Literal, Optional
 
 import msgspec
@@ -142,6 +143,8 @@ class ExecutorConfig(_Config):
 
 def check_executor_config(cfg: ExecutorConfig) -> None:
     """Raise ValueError naming the field and its limit for anything the executor cannot run."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", cfg.device):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {cfg.device!r}")
     bs = cfg.block_size
     if bs < 1 or bs > MAX_BLOCK_SIZE or bs & (bs - 1):
         raise ValueError(f"block_size must be a power of two between 1 and {MAX_BLOCK_SIZE}, got {bs}")

@@ -66,16 +66,25 @@ def resolve_model(model: Optional[str], load_format: str, tokenizer: Optional[st
     if model is None:
         default_gguf_path()  # fail now, with the install hint, if the package is missing
         folder = default_model_dir()
-        return ModelSource("", DEFAULT_MODEL_NAME, os.path.abspath(tokenizer) if tokenizer else folder)
+        return ModelSource("", DEFAULT_MODEL_NAME, _tokenizer_path(tokenizer) if tokenizer else folder)
     path = os.path.abspath(model)
     if not os.path.exists(path):
         raise ValueError(f"--model {model!r} does not exist")
     if tokenizer:
-        tok = os.path.abspath(tokenizer)
+        tok = _tokenizer_path(tokenizer)
     else:  # the model's folder, if it has tokenizer files (random-weight configs have none: ids only)
         folder = path if os.path.isdir(path) else os.path.dirname(path)
         tok = folder if any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES) else ""
     return ModelSource(path, os.path.basename(path.rstrip("/")), tok)
+
+
+def _tokenizer_path(tokenizer: str) -> str:
+    """``--tokenizer``: a file (a tokenizer.json, a .gguf) or a folder with tokenizer files; ValueError otherwise."""
+    path = os.path.abspath(tokenizer)
+    if os.path.isfile(path) or any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return path
+    what = "does not exist" if not os.path.exists(path) else f"has none of {', '.join(TOKENIZER_FILES)}"
+    raise ValueError(f"--tokenizer {tokenizer!r} {what}")
 
 
 # What a client needs to build the tokenizer (AutoTokenizer reads config.json for the class when

@@ -171,6 +171,11 @@ def serve(args) -> int:
         server.close()
         return 1
     progress.close()
+    # From here a signal asks for the graceful shutdown: noted now, acted on once the event loop runs (a
+    # KeyboardInterrupt raised while the loop is being set up or torn down would end in asyncio's tracebacks).
+    stop_asked = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop_asked.set())
     gateways = None
     failed_start = threading.Event()  # a gateway worker did not start: stop, and exit 1
     try:
@@ -184,6 +189,8 @@ def serve(args) -> int:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, server.begin_shutdown)
+            if stop_asked.is_set():
+                server.begin_shutdown()
             return await server.serve()
 
         gc.freeze()  # start-up objects are never scanned again: shorter GC pauses while serving
@@ -251,6 +258,8 @@ def _listen_http(args, cfg):
                                1024), ("--api-tokenizer-threads", args.api_tokenizer_threads, 1)):
         if value < least:
             raise StartupError(f"{flag} must be at least {least}, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise StartupError(f"--port must be in [0, 65535], got {args.port}")
     host = args.host or ("0.0.0.0" if cfg.api_key else "127.0.0.1")  # no key: reachable from this host only
     try:
         return listening_socket(host, args.port)

@@ -24,6 +24,10 @@ KEYS = ("step_id", "t_start", "t_end", "idle_s", "num_rows", "num_tokens", "num_
 
 class StepLog:
     def __init__(self, path: str):
+        try:  # the file is appended to every FLUSH_EVERY steps: a path it cannot write is refused at start-up
+            open(path, "ab").close()
+        except OSError as e:
+            raise ValueError(f"--step-log {path}: {e.strerror or e}") from None
         self.path = path
         self.records: list[tuple] = []
         self._sent: dict[int, tuple[float, float]] = {}  # step_id -> (t_sent, plan_s)

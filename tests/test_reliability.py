@@ -285,6 +285,18 @@ def test_sigterm_with_stderr_gone_still_stops_the_server():
     _assert_cleaned_up(srv, tmp, pids)
 
 
+def test_sigterm_the_moment_the_server_is_ready_stops_it_cleanly():
+    """A supervisor that stops the server as soon as it says "ready" (the signal lands before the event loop has
+    installed its handlers): the graceful shutdown all the same, exit 0, no traceback or asyncio warning."""
+    tmp = run_dir()
+    srv = ServerProcess("--load-format", "scripted", tmpdir=tmp, timeout=120)
+    srv.proc.send_signal(signal.SIGTERM)
+    rest = srv.proc.communicate(timeout=30)[0]
+    out = "".join(srv.log) + rest
+    assert srv.proc.returncode == 0, out
+    assert "forerun: stopped" in out and not any(w in out for w in ("Traceback", "Warning", "never awaited")), out
+
+
 def test_sigterm_second_server_and_startup_errors():
     tmp = run_dir()
     srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "5", "--max-num-seqs", "8",
@@ -317,6 +329,11 @@ def test_sigterm_second_server_and_startup_errors():
     _refused("--address", "udp://x", expect="must start with ipc:// or tcp://")
     _refused("--address", "ipc:///tmp/" + "x" * 120, expect="longer than 107 bytes")
     _refused("--address", "ipc:///nonexistent-dir/s.sock", expect="no such directory")
+    _refused("--port", "70000", expect="--port must be in [0, 65535], got 70000")
+    _refused("--device", "tpu", expect="device must be cpu, cuda or cuda:N, got 'tpu'")
+    _refused("--step-log", "/nonexistent-dir/steps.jsonl", expect="--step-log /nonexistent-dir/steps.jsonl: No such")
+    _refused("--load-format", "dummy", "--model", os.path.join(ROOT, "scripts", "configs", "smollm2-135m"),
+             "--tokenizer", "/nonexistent-dir", expect="--tokenizer '/nonexistent-dir' does not exist")
 
 
 # --------------------------------------------------------------------------- flood and overload
