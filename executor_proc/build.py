@@ -114,7 +114,11 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     with refused_as(what):
         model, mcfg = load_model(model_path(cfg, progress), cfg.load_format, device, dtype, progress_cb=progress,
                                  tp=tp, expert_parallel=cfg.enable_expert_parallel)
-    max_len = min(cfg.max_model_len or mcfg.max_model_len, mcfg.max_model_len)
+    if cfg.max_model_len and cfg.max_model_len > mcfg.max_model_len:  # positions the model was not made for
+        why = "max_position_embeddings" + (", capped at its sliding window" if mcfg.sliding_window else "")
+        raise StartupRefused(f"--max-model-len {cfg.max_model_len:,} exceeds the {mcfg.max_model_len:,} positions "
+                             f"{what} runs ({why}): use at most {mcfg.max_model_len:,}")
+    max_len = cfg.max_model_len or mcfg.max_model_len
     max_blocks = -(-max_len // cfg.block_size)
     with refused_as(what):  # e.g. --quantization fp8 of a model it does not cover
         backend = select_backend(cfg, device, model, max_len, progress)

@@ -211,7 +211,8 @@ def test_a_draft_model_adds_its_weights_and_its_kv_bytes_to_every_block():
     assert "weights 0.01 + draft 0.00 GiB, KV 0.03 (draft 0.02) GiB = 128 tokens" in cpu.line()
 
 
-@pytest.mark.parametrize("case", ["unsupported architecture", "fp8 of experts", "no such GPU", "host memory"])
+@pytest.mark.parametrize("case", ["unsupported architecture", "fp8 of experts", "no such GPU", "host memory",
+                                  "context past the model's"])
 def test_serve_refuses_a_model_it_cannot_run_in_one_line(tmp_path, case):
     """A model the loader cannot read as asked (an architecture forerun does not serve; --quantization fp8 of a
     mixture-of-experts model), a GPU the machine lacks, a KV cache larger than the host's memory: `forerun serve`
@@ -236,6 +237,8 @@ def test_serve_refuses_a_model_it_cannot_run_in_one_line(tmp_path, case):
                                                            f"the mixture-of-experts layers of Qwen3MoeForCausalLM"),
         "no such GPU": (dense, ["--device", "cuda"], "--device cuda: this machine has no CUDA device"),
         "host memory": (dense, ["--num-kv-blocks", str(10 ** 9)], "the host ran out of memory while starting"),
+        "context past the model's": (dense, ["--max-model-len", "300"], f"--max-model-len 300 exceeds the 256 "
+                                     f"positions --model {tmp_path} runs (max_position_embeddings): use at most 256"),
     }[case]
     (tmp_path / "config.json").write_text(json.dumps(config))
     env = dict(os.environ, PYTHONPATH=ROOT, FORERUN_RUN_DIR=str(tmp_path))
