@@ -15,6 +15,7 @@ from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, MAX_NGRAM, MAX_SPEC
                         Quantization, ScriptedOptions, SpeculativeConfig, SpeculativeMethod, default_of)
 from ipc.gateway.limits import DEFAULT_MAX_REQUEST_BYTES as GATEWAY_MAX_REQUEST_BYTES
 from ipc.gateway.limits import DEFAULT_TOKENIZER_THREADS as GATEWAY_TOKENIZER_THREADS
+from ipc.version import forerun_version
 from scheduler_proc.config import ServerConfig
 
 API_KEY_ENV = "FORERUN_API_KEY"
@@ -219,6 +220,8 @@ def chat_flags(sub) -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forerun", description="forerun: an LLM server that plans ahead of the GPU")
+    parser.add_argument("--version", action="version", version=f"forerun {forerun_version()}",
+                        help="print forerun's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_flags(sub)
     chat_flags(sub)

@@ -285,6 +285,15 @@ def test_sigterm_with_stderr_gone_still_stops_the_server():
     _assert_cleaned_up(srv, tmp, pids)
 
 
+def test_version_flag_prints_the_installed_version():
+    from ipc.version import forerun_version
+
+    run = subprocess.run([sys.executable, "-m", "scheduler_proc.launch", "--version"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert run.returncode == 0 and run.stdout.strip() == f"forerun {forerun_version()}", run
+    assert forerun_version() != "unknown"  # the README's set-up installs the package
+
+
 def test_sigterm_the_moment_the_server_is_ready_stops_it_cleanly():
     """A supervisor that stops the server as soon as it says "ready" (the signal lands before the event loop has
     installed its handlers): the graceful shutdown all the same, exit 0, no traceback or asyncio warning."""

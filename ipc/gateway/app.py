@@ -22,7 +22,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from importlib import metadata
 from typing import Any, Optional, Union
 
 import msgspec
@@ -50,6 +49,7 @@ from ipc.gateway.responses import (
     whole_completion,
 )
 from ipc.gateway.streaming import ClientGone, SSEResponse, until_disconnect
+from ipc.version import forerun_version
 
 HEALTH_TIMEOUT_S = 2.0  # a scheduler that cannot answer GetStats in this time is unhealthy
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
@@ -348,11 +348,7 @@ async def metrics(request: Request) -> Response:
 
 
 async def version(request: Request) -> Response:
-    try:
-        v = metadata.version("forerun")
-    except metadata.PackageNotFoundError:
-        v = "unknown"
-    return json_response({"version": v})
+    return json_response({"version": forerun_version()})
 
 
 class _Auth:
