@@ -368,6 +368,14 @@ def test_models_tokenize_detokenize_health_version(http_server, oai, sdk):
     assert http("POST", f"{url}/tokenize", {"prompt": "x"})[0] == 401
     assert http("GET", f"{url}/health")[0] == 200  # open: no key needed
     assert json.loads(http("GET", f"{url}/version")[1])["version"]
+    # what it does not serve: OpenAI error bodies that say what it does
+    status, body = http("POST", f"{url}/v1/embeddings", {"model": MODEL, "input": "x"}, API_KEY)
+    error = json.loads(body)["error"]
+    assert status == 404 and error["code"] == "not_found" and "POST /v1/chat/completions" in error["message"], body
+    status, body = http("GET", f"{url}/v1/chat/completions", None, API_KEY)
+    assert status == 405 and json.loads(body)["error"]["code"] == "method_not_allowed", body
+    with pytest.raises(openai.NotFoundError):
+        oai.embeddings.create(model=MODEL, input="x")
 
 
 # ---------------------------------------------------------------------------

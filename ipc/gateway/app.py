@@ -410,6 +410,16 @@ def create_app(address: str, api_key: Optional[str] = None, *, max_request_bytes
         Route("/metrics", metrics, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=asynccontextmanager(lifespan))
+    served = ", ".join(f"{'/'.join(sorted(r.methods - {'HEAD'}))} {r.path}" for r in routes)
+
+    async def not_served(request: Request, exc: Exception) -> Response:
+        """An unknown path or method: an OpenAI error body naming what this server answers (not Starlette's text)."""
+        status = getattr(exc, "status_code", 404)
+        what = "path" if status == 404 else "method for this path"
+        return error_response(status, f"{request.method} {echo(request.url.path)}: no such {what}; forerun serves "
+                                      f"{served}", code="not_found" if status == 404 else "method_not_allowed")
+
+    app = Starlette(routes=routes, lifespan=asynccontextmanager(lifespan),
+                    exception_handlers={404: not_served, 405: not_served})
     app.state.gateway = gateway
     return _Auth(_HotRoutes(app, hot), api_key)
