@@ -34,15 +34,16 @@ MIN_SCALE = 1e-12  # an all-zero row or channel: any positive scale gives zeros
 
 @dataclass
 class Fp8Weight:
-    """``[N, K]`` FP8 values and ``[N]`` float32 scales; ``dtype`` is the activations' (the model dtype)."""
+    """``[N, K]`` FP8 values and ``[N]`` float32 scales; ``dtype`` is the activations' (the model dtype).  A
+    mixture-of-experts stack is ``[E, N, K]`` with ``[E, N]`` scales (each expert's rows scaled as a linear's)."""
 
     data: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        assert self.data.dtype == FP8 and self.data.dim() == 2, (self.data.dtype, self.data.shape)
-        assert self.scale.dtype == torch.float32 and self.scale.shape == self.data.shape[:1], self.scale.shape
+        assert self.data.dtype == FP8 and self.data.dim() in (2, 3), (self.data.dtype, self.data.shape)
+        assert self.scale.dtype == torch.float32 and self.scale.shape == self.data.shape[:-1], self.scale.shape
 
     @property
     def shape(self) -> torch.Size:
@@ -56,7 +57,7 @@ class Fp8Weight:
         return self.data.stride(dim)
 
     def dim(self) -> int:
-        return 2
+        return self.data.dim()
 
     def split(self, sizes: list[int]) -> list["Fp8Weight"]:
         """Views of consecutive output rows (a fused q|k|v or gate|up back into its projections)."""
@@ -64,12 +65,15 @@ class Fp8Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``q * s`` in float32, then ``dtype``."""
-        return (self.data.float() * self.scale[:, None]).to(dtype)
+        return (self.data.float() * self.scale[..., None]).to(dtype)
 
 
 def quantize_weight(w: torch.Tensor, dtype: Optional[torch.dtype] = None) -> Fp8Weight:
-    """Per-output-channel FP8 of ``w [N, K]`` (any float dtype), the scale chosen so that each row's largest
-    magnitude maps to 448; ``dtype``: the activations' (default: w's)."""
+    """Per-output-channel FP8 of ``w [N, K]`` (any float dtype; a stack ``[E, N, K]``: each expert's rows), the
+    scale chosen so that each row's largest magnitude maps to 448; ``dtype``: the activations' (default: w's)."""
+    if w.dim() == 3:
+        flat = quantize_weight(w.reshape(-1, w.shape[-1]), dtype)
+        return Fp8Weight(flat.data.view(w.shape), flat.scale.view(w.shape[:-1]), flat.dtype)
     assert w.dim() == 2 and w.is_floating_point(), (w.shape, w.dtype)
     scale = (w.abs().amax(dim=1).float() / FP8_MAX).clamp_min(MIN_SCALE)
     q = torch.empty(w.shape, dtype=FP8, device=w.device)

@@ -21,6 +21,10 @@ host (the grouping is one launch of its own, :mod:`kernels.moe_align`), so both 
 CUDA graph.  Blocks past the last expert's pairs find the expert id ``E``
 and return at once.
 
+**FP8 experts** (``--quantization fp8``): ``w13`` / ``w2`` may be :class:`kernels.fp8.Fp8Weight` stacks (e4m3
+values, a float32 scale per expert and row): the kernels read the e4m3 values (half the bytes), widen them exactly
+to x's dtype, and scale each row's float32 sum once: W8A16 at every batch size (:func:`kernels.moe_ref.moe_ref`).
+
 **A rank's experts** (expert parallelism): ``w13``/``w2`` may stack only the ``E`` experts a rank holds, with
 ``ids`` made local by :func:`kernels.moe_ref.route_held`; a pair whose expert is held elsewhere has the id
 ``E``.  The per-pair form skips it (neither launch reads a weight for it: only the held selected experts'
@@ -37,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import weight_args
 from .moe_align import align_by_expert
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
@@ -96,9 +101,9 @@ def _silu_mul(g, u, out_ptr):
 
 
 @triton.jit
-def _up_small_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, num_experts, H, I, stride_xm, stride_we, stride_wn,
-                     stride_im, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
+def _up_small_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, num_experts, H, I, stride_xm, stride_we, stride_wn,
+                     stride_se, stride_im, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     W_SCALED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pair = tl.program_id(0)
     pdl_wait(USE_PDL)  # the routing before it wrote the ids
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -118,14 +123,19 @@ def _up_small_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, num_experts, H, I, stride
             acc_g += tl.load(gate_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x
             acc_u += tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x
         pdl_launch(USE_PDL)
-        y = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), inter_ptr)
+        g, u = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+        if W_SCALED:  # FP8 experts: each row's scale, once its sum is done
+            s_row = s_ptr + expert * stride_se
+            g *= tl.load(s_row + offs_n, mask=n_mask, other=0.0)
+            u *= tl.load(s_row + I + offs_n, mask=n_mask, other=0.0)
+        y = _silu_mul(g, u, inter_ptr)
         tl.store(inter_ptr + pair.to(tl.int64) * stride_im + offs_n, y, mask=n_mask)
 
 
 @triton.jit
-def _down_small_kernel(inter_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, num_experts, H, I, stride_im, stride_we,
-                       stride_wn, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       USE_PDL: tl.constexpr = False):
+def _down_small_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, wts_ptr, out_ptr, num_experts, H, I, stride_im, stride_we,
+                       stride_wn, stride_se, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, W_SCALED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -144,15 +154,18 @@ def _down_small_kernel(inter_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, num_experts,
                 a = tl.load(a_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
                 acc += tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(
                     tl.float32) * a
-            total += tl.load(wts_ptr + pair) * tl.sum(acc, axis=1)
+            part = tl.sum(acc, axis=1)
+            if W_SCALED:
+                part *= tl.load(s_ptr + expert * stride_se + offs_n, mask=n_mask, other=0.0)
+            total += tl.load(wts_ptr + pair) * part
     pdl_launch(USE_PDL)
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
-def _down_small_wide_kernel(inter_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, num_experts, H, I, stride_im, stride_we,
-                            stride_wn, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _down_small_wide_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, wts_ptr, out_ptr, num_experts, H, I, stride_im,
+                            stride_we, stride_wn, stride_se, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, W_SCALED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """:func:`_down_small_kernel` with the token's k experts side by side: rows ``j * BLOCK_N + n`` of the tile
     are output feature ``n`` of expert ``j``, each weighted, then the k rows of a feature summed."""
     token = tl.program_id(0)
@@ -173,6 +186,8 @@ def _down_small_wide_kernel(inter_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, num_exp
         acc += tl.load(rows[:, None] + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * a
     pdl_launch(USE_PDL)
     weighted = tl.sum(acc, axis=1) * tl.load(wts_ptr + pair, mask=row_mask, other=0.0)
+    if W_SCALED:
+        weighted *= tl.load(s_ptr + expert * stride_se + offs_n, mask=row_mask, other=0.0)
     total = tl.sum(tl.reshape(weighted, [TOP_K, BLOCK_N]), axis=0)
     out_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + token.to(tl.int64) * stride_om + out_n, total.to(out_ptr.dtype.element_ty), mask=out_n < H)
@@ -188,9 +203,10 @@ def _block_pairs(pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _up_grouped_kernel(x_ptr, w_ptr, pairs_ptr, block_expert_ptr, inter_ptr, num_pairs, num_experts, H, I,
-                       stride_xm, stride_we, stride_wn, stride_im, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+def _up_grouped_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, inter_ptr, num_pairs, num_experts, H, I,
+                       stride_xm, stride_we, stride_wn, stride_se, stride_im, TOP_K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+                       W_SCALED: tl.constexpr = False):
     expert, pairs, m_mask = _block_pairs(pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if expert < num_experts:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -205,19 +221,24 @@ def _up_grouped_kernel(x_ptr, w_ptr, pairs_ptr, block_expert_ptr, inter_ptr, num
             k_mask = offs_k < H
             x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w_mask = n_mask[:, None] & k_mask[None, :]
-            acc_g += tl.dot(x, tl.trans(tl.load(gate_rows + offs_k[None, :], mask=w_mask, other=0.0)),
-                            input_precision=DOT_PREC)
-            acc_u += tl.dot(x, tl.trans(tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0)),
-                            input_precision=DOT_PREC)
+            wg = tl.load(gate_rows + offs_k[None, :], mask=w_mask, other=0.0).to(x.dtype)  # e4m3: exact
+            wu = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0).to(x.dtype)
+            acc_g += tl.dot(x, tl.trans(wg), input_precision=DOT_PREC)
+            acc_u += tl.dot(x, tl.trans(wu), input_precision=DOT_PREC)
+        if W_SCALED:  # FP8 experts: each output column's scale
+            s_row = s_ptr + expert.to(tl.int64) * stride_se
+            acc_g *= tl.load(s_row + offs_n, mask=n_mask, other=0.0)[None, :]
+            acc_u *= tl.load(s_row + I + offs_n, mask=n_mask, other=0.0)[None, :]
         y = _silu_mul(acc_g, acc_u, inter_ptr)
         tl.store(inter_ptr + pairs.to(tl.int64)[:, None] * stride_im + offs_n[None, :], y,
                  mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _down_grouped_kernel(inter_ptr, w_ptr, pairs_ptr, block_expert_ptr, wts_ptr, out_ptr, num_pairs, num_experts,
-                         H, I, stride_im, stride_we, stride_wn, stride_om, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+def _down_grouped_kernel(inter_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, wts_ptr, out_ptr, num_pairs,
+                         num_experts, H, I, stride_im, stride_we, stride_wn, stride_se, stride_om,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+                         W_SCALED: tl.constexpr = False):
     expert, pairs, m_mask = _block_pairs(pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if expert < num_experts:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -229,8 +250,10 @@ def _down_grouped_kernel(inter_ptr, w_ptr, pairs_ptr, block_expert_ptr, wts_ptr,
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < I
             a = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(a.dtype)
             acc += tl.dot(a, tl.trans(w), input_precision=DOT_PREC)
+        if W_SCALED:
+            acc *= tl.load(s_ptr + expert.to(tl.int64) * stride_se + offs_n, mask=n_mask, other=0.0)[None, :]
         acc *= tl.load(wts_ptr + pairs, mask=m_mask, other=0.0)[:, None]
         tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc,
                  mask=m_mask[:, None] & n_mask[None, :])
@@ -245,6 +268,11 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _scale_stride(scale: torch.Tensor, scaled: bool) -> int:
+    """An FP8 stack's scales ``[E, N]``: the stride from one expert's to the next (0: no scales)."""
+    return scale.stride(0) if scaled else 0
+
+
 def _dot_prec(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
@@ -257,10 +285,11 @@ def moe_up_small(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, config: 
     I = two_i // 2
     inter = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     bn, bk = config.block_n, config.block_k
-    _up_small_kernel[(T * k, triton.cdiv(I, bn))](x, w13, ids, inter, E, H, I, x.stride(0), w13.stride(0),
-                                                  w13.stride(1), inter.stride(0), TOP_K=k, BLOCK_N=bn, BLOCK_K=bk,
-                                                  num_warps=config.num_warps, num_stages=config.num_stages,
-                                                  **pdl_args(x))
+    w, s, scaled = weight_args(w13)
+    _up_small_kernel[(T * k, triton.cdiv(I, bn))](x, w, s, ids, inter, E, H, I, x.stride(0), w.stride(0), w.stride(1),
+                                                  _scale_stride(s, scaled), inter.stride(0), TOP_K=k, BLOCK_N=bn,
+                                                  BLOCK_K=bk, W_SCALED=scaled, num_warps=config.num_warps,
+                                                  num_stages=config.num_stages, **pdl_args(x))
     return inter
 
 
@@ -273,9 +302,11 @@ def moe_down_small(inter: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, wei
     out = torch.empty(T, H, dtype=dtype, device=inter.device)
     bn, bk = config.block_n, config.block_k
     kernel = _down_small_wide_kernel if config.experts_at_once and k & (k - 1) == 0 else _down_small_kernel
-    kernel[(T, triton.cdiv(H, bn))](inter, w2, ids, weights, out, E, H, I, inter.stride(0), w2.stride(0),
-                                    w2.stride(1), out.stride(0), TOP_K=k, BLOCK_N=bn, BLOCK_K=bk,
-                                    num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(inter))
+    w, s, scaled = weight_args(w2)
+    kernel[(T, triton.cdiv(H, bn))](inter, w, s, ids, weights, out, E, H, I, inter.stride(0), w.stride(0),
+                                    w.stride(1), _scale_stride(s, scaled), out.stride(0), TOP_K=k, BLOCK_N=bn,
+                                    BLOCK_K=bk, W_SCALED=scaled, num_warps=config.num_warps,
+                                    num_stages=config.num_stages, **pdl_args(inter))
     return out
 
 
@@ -311,16 +342,18 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     weights = weights.reshape(-1).contiguous()
     n = T * k
     inter = torch.empty(n, I, dtype=x.dtype, device=x.device)
-    launch = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=_dot_prec(x), num_warps=config.num_warps,
-                  num_stages=config.num_stages)
+    w1, s1, scaled = weight_args(w13)
+    w2, s2, _ = weight_args(w2)
+    launch = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=_dot_prec(x), W_SCALED=scaled,
+                  num_warps=config.num_warps, num_stages=config.num_stages)
     blocks = block_expert.shape[0]
-    _up_grouped_kernel[(blocks, triton.cdiv(I, bn))](x, w13, pairs, block_expert, inter, n, E, H, I, x.stride(0),
-                                                     w13.stride(0), w13.stride(1), inter.stride(0), TOP_K=k,
-                                                     **launch)
+    _up_grouped_kernel[(blocks, triton.cdiv(I, bn))](x, w1, s1, pairs, block_expert, inter, n, E, H, I, x.stride(0),
+                                                     w1.stride(0), w1.stride(1), _scale_stride(s1, scaled),
+                                                     inter.stride(0), TOP_K=k, **launch)
     out_pairs = (torch.zeros if partial else torch.empty)(n, H, dtype=torch.float32, device=x.device)
-    _down_grouped_kernel[(blocks, triton.cdiv(H, bn))](inter, w2, pairs, block_expert, weights, out_pairs, n, E, H, I,
-                                                       inter.stride(0), w2.stride(0), w2.stride(1),
-                                                       out_pairs.stride(0), **launch)
+    _down_grouped_kernel[(blocks, triton.cdiv(H, bn))](inter, w2, s2, pairs, block_expert, weights, out_pairs, n, E, H,
+                                                       I, inter.stride(0), w2.stride(0), w2.stride(1),
+                                                       _scale_stride(s2, scaled), out_pairs.stride(0), **launch)
     return out_pairs.view(T, k, H).sum(dim=1).to(x.dtype)
 
 

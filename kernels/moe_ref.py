@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fp8 import Fp8Weight
 from .reference import silu_and_mul_ref
 
 
@@ -57,9 +58,17 @@ def moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
         rows, slot = torch.where(ids == e)
         if rows.numel() == 0:
             continue
-        h = silu_and_mul_ref(F.linear(x[rows], w13[e]))
-        out.index_add_(0, rows, F.linear(h, w2[e]).float() * weights[rows, slot, None])
+        h = silu_and_mul_ref(_expert_linear(x[rows], w13, e))
+        out.index_add_(0, rows, _expert_linear(h, w2, e).float() * weights[rows, slot, None])
     return out.to(x.dtype)
+
+
+def _expert_linear(x: torch.Tensor, w, e: int) -> torch.Tensor:
+    """``F.linear(x, w[e])``; for an FP8 stack (:class:`kernels.fp8.Fp8Weight`) W8A16 as the kernels compute it:
+    float32 sums of x against the e4m3 values, scaled per row, rounded once to x's dtype."""
+    if isinstance(w, Fp8Weight):
+        return ((x.float() @ w.data[e].float().T) * w.scale[e]).to(x.dtype)
+    return F.linear(x, w[e])
 
 
 def align_blocks(n: int, num_experts: int, block_m: int) -> int:

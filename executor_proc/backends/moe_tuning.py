@@ -23,7 +23,7 @@ from kernels import moe as fused
 class Experts(NamedTuple):
     """One layer's stacked experts, as a tuning pass takes them (``device``: where the pass runs)."""
 
-    w13: torch.Tensor
+    w13: torch.Tensor  # or an FP8 stack (kernels.fp8.Fp8Weight), as the layer serves it
     w2: torch.Tensor
 
     @property
@@ -38,7 +38,7 @@ def _expert_groups(model) -> dict[tuple[int, int, int, int], list[Experts]]:
         block = layer.mlp
         if getattr(block, "w13", None) is not None:
             E, H, I = block.w2.shape
-            groups[(E, I, H, block.top_k)].append(Experts(block.w13.data, block.w2.data))
+            groups[(E, I, H, block.top_k)].append(Experts(*block.expert_stacks()))
     return groups
 
 

@@ -29,6 +29,7 @@ from torch import nn
 from executor_proc.backends.base import Backend, NormInput, Stream, normed
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.mlp import MLP
+from kernels.fp8 import Fp8Weight
 from kernels.moe_ref import route_ref
 
 _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.")
@@ -53,8 +54,12 @@ class MoEBlock(nn.Module):
         self.experts = range(e) if experts is None else experts
         self.intermediate_size = i
         self.gate = nn.Linear(h, e, bias=False, dtype=dtype)  # the router, over all E experts
+        self.dtype = dtype  # the activations'
         self.w13 = nn.Parameter(torch.empty(len(self.experts), 2 * i, h, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(len(self.experts), h, i, dtype=dtype))
+        # --quantization fp8: the stacks' e4m3 values stay the parameters, these their [E, rows] scales
+        self.register_buffer("w13_scale", None)
+        self.register_buffer("w2_scale", None)
         self.shared_expert: Optional[MLP] = None
         self.shared_expert_gate: Optional[nn.Linear] = None
         if moe.shared_intermediate_size:
@@ -71,7 +76,7 @@ class MoEBlock(nn.Module):
         """The layer's output and the residual stream, for the un-normalised input."""
         h, residual = normed(backend, pre)
         router_logits = backend.linear(h, self.gate.weight, None)
-        out = backend.moe(h, router_logits, self.w13, self.w2, self.top_k, self.renormalize, self.experts.start)
+        out = backend.moe(h, router_logits, *self.expert_stacks(), self.top_k, self.renormalize, self.experts.start)
         if self.expert_counts is not None:  # --moe-expert-counts: the routing again and a device add, no host read
             ids = route_ref(router_logits, self.top_k, self.renormalize)[1].flatten()
             self.expert_counts.index_add_(0, ids, torch.ones_like(ids))
@@ -79,6 +84,13 @@ class MoEBlock(nn.Module):
             scale = torch.sigmoid(backend.linear(h, self.shared_expert_gate.weight, None))
             out = out + scale * self.shared_expert.normed_forward(h, backend)
         return Stream(out, residual)
+
+    def expert_stacks(self) -> tuple:
+        """``(w13, w2)`` as the backend takes them: the stacked weights, or FP8 stacks (:class:`Fp8Weight`) once
+        :func:`executor_proc.model.quantization.quantize_model` has quantized them."""
+        if self.w13_scale is None:
+            return self.w13, self.w2
+        return Fp8Weight(self.w13, self.w13_scale, self.dtype), Fp8Weight(self.w2, self.w2_scale, self.dtype)
 
     def expert_views(self, prefix: str) -> dict[str, torch.Tensor]:
         """Checkpoint name -> the slice of ``w13`` / ``w2`` it loads into, for every expert the block holds

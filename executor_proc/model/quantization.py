@@ -1,6 +1,7 @@
 """``--quantization fp8``: the decoder's linear layers in FP8 e4m3, quantized once the weights are loaded.
 
-Every projection of every layer (fused q|k|v, o, fused gate|up, down) becomes a
+Every projection of every layer (fused q|k|v, o, fused gate|up, down; a mixture-of-experts layer's stacked
+experts and shared expert) becomes a
 :class:`kernels.fp8.Fp8Weight`: e4m3 values with one float32 scale per output channel, computed from the
 loaded weight whatever its source (a bf16/fp16/fp32 checkpoint, GGUF, random weights).  Per-output-channel
 scales keep a fused weight's parts exact views of its projections (each row has its own scale), shard with
@@ -25,6 +26,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from executor_proc.model.moe import MoEBlock
 from kernels.fp8 import Fp8Weight, quantize_weight
 
 Quantization = Literal["none", "fp8"]
@@ -34,19 +36,43 @@ def quantize_model(model) -> int:
     """Quantize ``model``'s (a :class:`executor_proc.model.llama.CausalLM`) layer projections in place; returns
     the bytes of weights saved.  Each fused projection's weight becomes an :class:`Fp8Weight` (what the backend
     receives), and its parts' ``nn.Linear`` weights FP8 views of it, each with a ``weight_scale`` buffer, so that
-    the model's parameters and buffers count what the device holds."""
-    refuse_moe(model, "quantization 'fp8'")
+    the model's parameters and buffers count what the device holds.  A mixture-of-experts layer's stacked experts
+    become FP8 stacks (e4m3 parameters, ``[E, rows]`` scale buffers: :meth:`MoEBlock.expert_stacks`), its shared
+    expert as a dense MLP; its router stays in the model dtype (a few KiB a layer, and the routing's input)."""
     saved = 0
     for layer in model.model.layers:
-        for fused in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
-            before = fused.weight.numel() * fused.weight.element_size()
-            fused.weight = quantize_weight(fused.weight)
-            for lin, part in zip(fused.linears, fused.weight.split(fused.sizes)):
-                lin.weight = nn.Parameter(part.data, requires_grad=False)  # the float copy is freed
-                lin.register_buffer("weight_scale", part.scale)
-            saved += before - fused.weight.data.numel() - 4 * fused.weight.scale.numel()
+        mlp = layer.mlp
+        fused = [layer.self_attn.qkv, layer.self_attn.o]
+        if isinstance(mlp, MoEBlock):
+            saved += _quantize_experts(mlp)
+            if mlp.shared_expert is not None:
+                fused += [mlp.shared_expert.gate_up, mlp.shared_expert.down]
+        else:
+            fused += [mlp.gate_up, mlp.down]
+        saved += sum(_quantize_fused(f) for f in fused)
     if torch.cuda.is_available() and model.lm_head.weight.is_cuda:
         torch.cuda.empty_cache()
+    return saved
+
+
+def _quantize_fused(fused) -> int:
+    before = fused.weight.numel() * fused.weight.element_size()
+    fused.weight = quantize_weight(fused.weight)
+    for lin, part in zip(fused.linears, fused.weight.split(fused.sizes)):
+        lin.weight = nn.Parameter(part.data, requires_grad=False)  # the float copy is freed
+        lin.register_buffer("weight_scale", part.scale)
+    return before - fused.weight.data.numel() - 4 * fused.weight.scale.numel()
+
+
+def _quantize_experts(block: MoEBlock) -> int:
+    saved = 0
+    for name in ("w13", "w2"):
+        w = getattr(block, name)
+        before = w.numel() * w.element_size()
+        q = quantize_weight(w.data, block.dtype)
+        setattr(block, name, nn.Parameter(q.data, requires_grad=False))  # the float stack is freed
+        setattr(block, f"{name}_scale", q.scale)
+        saved += before - q.data.numel() - 4 * q.scale.numel()
     return saved
 
 
@@ -56,7 +82,7 @@ def is_quantized(model) -> bool:
 
 
 def refuse_moe(model, what: str) -> None:
-    """Raise ValueError for a mixture-of-experts model: FP8 covers the dense projections, not stacked experts."""
+    """Raise ValueError for a mixture-of-experts model (FP8 checkpoints: their expert tensors are not read yet)."""
     moe = model.config.moe
     if moe is not None:
         raise ValueError(f"{what} does not cover the mixture-of-experts layers of {model.config.architecture} "
