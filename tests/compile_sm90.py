@@ -55,10 +55,20 @@ MATMUL_SIG = dict({n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}, ws
                   **{n: "i32" for n in ("M", "N", "K", "tiles_per_split", "stride_xm", "stride_wn", "stride_ym",
                                         "stride_ws_split")})
 SILU_SIG = {"x_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32", "stride_o": "i32", "I": "i32"}
-MOE_UP_SIG = dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", inter_ptr="*bf16",
-                  **{n: "i32" for n in ("num_experts", "H", "I", "stride_xm", "stride_we", "stride_wn", "stride_im")})
-MOE_DOWN_SIG = dict(inter_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32", out_ptr="*bf16",
-                    **{n: "i32" for n in ("num_experts", "H", "I", "stride_im", "stride_we", "stride_wn", "stride_om")})
+MOE_UP_SIG = dict(x_ptr="*bf16", w_ptr="*bf16", s_ptr="*bf16", ids_ptr="*i64", inter_ptr="*bf16",
+                  **{n: "i32" for n in ("num_experts", "H", "I", "stride_xm", "stride_we", "stride_wn", "stride_se",
+                                        "stride_im")})
+MOE_DOWN_SIG = dict(inter_ptr="*bf16", w_ptr="*bf16", s_ptr="*bf16", ids_ptr="*i64", wts_ptr="*fp32",
+                    out_ptr="*bf16", **{n: "i32" for n in ("num_experts", "H", "I", "stride_im", "stride_we",
+                                                           "stride_wn", "stride_se", "stride_om")})
+MOE_GROUPED_UP_SIG = dict(x_ptr="*bf16", w_ptr="*bf16", s_ptr="*bf16", pairs_ptr="*i32", block_expert_ptr="*i32",
+                          inter_ptr="*bf16", **{n: "i32" for n in ("num_pairs", "num_experts", "H", "I", "stride_xm",
+                                                                   "stride_we", "stride_wn", "stride_se", "stride_im")})
+MOE_GROUPED_DOWN_SIG = dict(inter_ptr="*bf16", w_ptr="*bf16", s_ptr="*bf16", pairs_ptr="*i32",
+                            block_expert_ptr="*i32", wts_ptr="*fp32", out_ptr="*fp32",
+                            **{n: "i32" for n in ("num_pairs", "num_experts", "H", "I", "stride_im", "stride_we",
+                                                  "stride_wn", "stride_se", "stride_om")})
+FP8_EXPERTS = dict(w_ptr="*fp8e4nv", s_ptr="*fp32")  # --quantization fp8: e4m3 stacks, float32 scales
 ROUTE_SIG = dict(logits_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64",
                  **{n: "i32" for n in ("E", "stride_l", "first", "num_held")})
 ROPE_SIG = dict({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "kc_ptr", "vc_ptr")}, index_ptr="*i64",
@@ -148,8 +158,19 @@ def variants():
     for name, kernel, sig, c in (("moe_up", moe._up_small_kernel, MOE_UP_SIG, up),
                                  ("moe_down", moe._down_small_kernel, MOE_DOWN_SIG, down),
                                  ("moe_down_wide", moe._down_small_wide_kernel, MOE_DOWN_SIG, wide)):
-        consts = dict(TOP_K=8, BLOCK_N=c.block_n, BLOCK_K=c.block_k, USE_PDL=True)
-        yield f"{name} {tuple(c)}", kernel, sig, consts, ("moe", c.block_n, c.block_k, c.num_warps, c.num_stages)
+        for fp8 in (False, True):
+            consts = dict(TOP_K=8, BLOCK_N=c.block_n, BLOCK_K=c.block_k, W_SCALED=fp8, USE_PDL=True)
+            yield (f"{name} fp8={fp8} {tuple(c)}", kernel, dict(sig, **FP8_EXPERTS) if fp8 else sig, consts,
+                   ("moe", c.block_n, c.block_k, c.num_warps, c.num_stages))
+    # the grouped form (larger batches, prefill) at its default tiles, bf16 and FP8 experts
+    c = moe.grouped_config(moe.MoEConfig(), 512, 128)
+    for name, kernel, sig in (("moe_grouped_up", moe._up_grouped_kernel, MOE_GROUPED_UP_SIG),
+                              ("moe_grouped_down", moe._down_grouped_kernel, MOE_GROUPED_DOWN_SIG)):
+        for fp8 in (False, True):
+            consts = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DOT_PREC="tf32", W_SCALED=fp8,
+                          **(dict(TOP_K=8) if kernel is moe._up_grouped_kernel else {}))
+            yield (f"{name} fp8={fp8} {tuple(c)}", kernel, dict(sig, **FP8_EXPERTS) if fp8 else sig, consts,
+                   (None, None, None, c.num_warps, c.num_stages))
     consts = dict(TOP_K=8, BLOCK_E=128, RENORMALIZE=True, USE_PDL=True)
     yield "moe_route E=128", moe_route._route_kernel, ROUTE_SIG, consts, (None,) * 3 + (4, 1)
 
@@ -245,7 +266,8 @@ def main(argv: list[str]) -> int:
         ptx = compiled.asm["ptx"]
         spills = len(re.findall(r"\.local\b", ptx))
         decode = kernel is decode_attention._split_kernel
-        problem = "SPILL" if spills else (pdl_problem(ptx, prefetch=kernel not in NO_PREFETCH)
+        pdl = consts.get("USE_PDL", False)  # the grouped MoE launches run without PDL
+        problem = "SPILL" if spills else ((pdl and pdl_problem(ptx, prefetch=kernel not in NO_PREFETCH))
                                           or (decode and arrival_problem(ptx)))
         print(f"{problem or 'ok'} {name}: cubin {len(compiled.asm['cubin'])} B")
         failed += bool(problem)
