@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from executor_proc.memory_plan import GIB, MemoryPlan, MemoryPlanError, gc_threshold, plan_memory
+from executor_proc.memory_plan import GIB, MemoryPlan, MemoryPlanError, StartupRefused, gc_threshold, plan_memory
 from ipc.protocol import StepPlan
 from tests.server_proc import ROOT
 
@@ -211,37 +211,48 @@ def test_a_draft_model_adds_its_weights_and_its_kv_bytes_to_every_block():
     assert "weights 0.01 + draft 0.00 GiB, KV 0.03 (draft 0.02) GiB = 128 tokens" in cpu.line()
 
 
-@pytest.mark.parametrize("case", ["unsupported architecture", "no such GPU", "host memory", "context past the model's"])
-def test_serve_refuses_a_model_it_cannot_run_in_one_line(tmp_path, case):
-    """A model the loader cannot read as asked (an architecture forerun does not serve, a context past its
-    positions), a GPU the machine lacks, a KV cache larger than the host's memory: `forerun serve` ends with the
-    reason in one line, no traceback."""
+def test_serve_refuses_a_model_it_cannot_run_in_one_line(tmp_path):
+    """An architecture forerun does not serve: `forerun serve` ends with the loader's reason in one line naming
+    --model, no traceback (the other refusals of a model take the same path: the next test)."""
     import json
 
-    import torch
-
-    if case == "no such GPU" and torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-
-    dense = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=96,
-                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                 max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
-    config, flags, expect = {
-        "unsupported architecture": (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=64), [],
-                                     f"--model {tmp_path}: unsupported architecture 'GPT2LMHeadModel'; forerun "
-                                     f"supports LlamaForCausalLM"),
-        "no such GPU": (dense, ["--device", "cuda"], "--device cuda: this machine has no CUDA device"),
-        "host memory": (dense, ["--num-kv-blocks", str(10 ** 9)], "the host ran out of memory while starting"),
-        "context past the model's": (dense, ["--max-model-len", "300"], f"--max-model-len 300 exceeds the 256 "
-                                     f"positions --model {tmp_path} runs (max_position_embeddings): use at most 256"),
-    }[case]
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps(dict(architectures=["GPT2LMHeadModel"], model_type="gpt2")))
     env = dict(os.environ, PYTHONPATH=ROOT, FORERUN_RUN_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-m", "scheduler_proc.launch", "serve", "--quiet", "--device", "cpu",
-                          "--load-format", "dummy", "--model", str(tmp_path), *flags,
-                          "--address", f"ipc://{tmp_path}/s.sock"],
+                          "--load-format", "dummy", "--model", str(tmp_path), "--address", f"ipc://{tmp_path}/s.sock"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     out = run.stdout + run.stderr
     lines = [line for line in out.splitlines() if line.strip()]
     assert run.returncode == 1 and "Traceback" not in out, out
-    assert len(lines) == 1 and lines[0].startswith(f"forerun: {expect}"), out
+    assert len(lines) == 1 and lines[0].startswith(f"forerun: --model {tmp_path}: unsupported architecture "
+                                                   f"'GPT2LMHeadModel'; forerun supports LlamaForCausalLM"), out
+
+
+@pytest.mark.parametrize("case", ["no such GPU", "host memory", "context past the model's"])
+def test_startup_refusals_name_the_flag(tmp_path, case):
+    """A GPU the machine lacks, a KV cache larger than the host's memory, a context past the model's positions:
+    the executor's start-up raises StartupRefused (one line to the user) naming the flag to change."""
+    import json
+
+    import msgspec
+    import torch
+
+    from executor_proc.build import build_worker
+    from scheduler_proc.launch import build_parser, server_config
+
+    if case == "no such GPU" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)))
+    flags, expect = {
+        "no such GPU": (["--device", "cuda"], "--device cuda: this machine has no CUDA device"),
+        "host memory": (["--num-kv-blocks", str(10 ** 9)], "the host ran out of memory while starting"),
+        "context past the model's": (["--max-model-len", "300"], f"--max-model-len 300 exceeds the 256 positions "
+                                     f"--model {tmp_path} runs (max_position_embeddings): use at most 256"),
+    }[case]
+    cfg = server_config(build_parser().parse_args(["serve", "--device", "cpu", "--load-format", "dummy", *flags]))
+    with pytest.raises(StartupRefused) as refused:  # the model as the launcher hands it to the executor
+        build_worker(msgspec.structs.replace(cfg.executor, model=str(tmp_path)))
+    assert str(refused.value).startswith(expect) and "\n" not in str(refused.value), refused.value
