@@ -36,14 +36,16 @@ def _compressed_tensors(strategy: str) -> dict:
                                                                 "dynamic": False}}}}
 
 
-def _write_checkpoint(folder, quantization: dict, per_tensor: bool) -> tuple[str, str]:
-    """A tiny model's random weights as an FP8 checkpoint (``folder``/fp8) and the same values dequantized as a
-    float32 one (``folder``/ref); returns both folders."""
-    model, _ = load_model(write_config(folder), "dummy", "cpu", torch.float32)
-    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+def _write_checkpoint(folder, quantization: dict, per_tensor: bool, state: dict = None) -> tuple[str, str]:
+    """A tiny model's random weights (``state``, HF names, beside ``folder``/config.json; default: a dense model's)
+    as an FP8 checkpoint (``folder``/fp8) and the same values dequantized as a float32 one (``folder``/ref);
+    returns both folders."""
+    if state is None:
+        model, _ = load_model(write_config(folder), "dummy", "cpu", torch.float32)
+        state = {n: p.detach().clone() for n, p in model.named_parameters()}
     fp8, ref = dict(state), dict(state)
     for name, w in state.items():
-        if name.split(".")[-2] not in _PROJ:
+        if name.split(".")[-2] not in _PROJ or not name.endswith(".weight"):  # Qwen2's q|k|v biases stay float
             continue
         if per_tensor:  # one scale for the projection
             scale = w.abs().max().float() / 448
@@ -96,6 +98,36 @@ def test_fp8_checkpoint_loads_as_it_is(tmp_path, quantization, per_tensor):
         norm = written.model.layers[0].input_layernorm.weight
         assert torch.equal(tri.model.model.layers[0].input_layernorm.weight, norm)
     assert (a - c).abs().max() < 0.05 * c.abs().max()  # activations rounded to e4m3 (12 rows: W8A8)
+
+
+def test_moe_fp8_checkpoint_loads_as_it_is(tmp_path):
+    """A Qwen2-MoE FP8 checkpoint (per channel: attention, every routed expert's projections, the shared
+    expert's; the router and the shared expert's gate float, as published ones leave them): each expert's e4m3
+    values and scales land in its rows of the stacks bit for bit, and the logits equal those of the same values
+    dequantized and quantized at load."""
+    from safetensors.torch import load_file
+
+    from tests.forward_batch import all_logits, build_forward_batch
+    from tests.test_moe import save_family
+
+    save_family("qwen2_moe", tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    fp8_dir, ref_dir = _write_checkpoint(tmp_path, _compressed_tensors("channel"), False, state)
+    ckpt = _built(fp8_dir)
+    block = load_model(fp8_dir, "hf", "cpu", torch.float32)[0].model.layers[1].mlp  # as loaded, before the backend
+    w13, w2 = block.expert_stacks()
+    assert w13.data.dtype == FP8 and block.gate.weight.dtype == torch.float32
+    from safetensors import safe_open
+    with safe_open(f"{fp8_dir}/model.safetensors", "pt") as f:
+        up = f.get_tensor("model.layers.1.mlp.experts.2.up_proj.weight")
+        scale = f.get_tensor("model.layers.1.mlp.experts.2.up_proj.weight_scale")
+    inter = block.intermediate_size
+    assert torch.equal(w13.data[2, inter:].view(torch.uint8), up.view(torch.uint8))
+    assert torch.equal(w13.scale[2, inter:], scale.float().reshape(-1))
+    ref = _built(ref_dir, quantization="fp8")
+    batch = build_forward_batch([(0, list(range(3, 15)), 0, True)], [[1, 2, 3, 4]], 4, "cpu")
+    batch = dataclasses.replace(batch, block_tables=batch.block_tables.int())
+    assert torch.equal(all_logits(ckpt.model, batch, ckpt.kv_cache), all_logits(ref.model, batch, ref.kv_cache))
 
 
 def test_unsupported_quantization_configs_are_refused_by_name():

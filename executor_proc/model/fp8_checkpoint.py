@@ -8,7 +8,8 @@ A safetensors folder whose ``config.json`` carries a ``quantization_config`` of 
 - ``quant_method: "fp8"`` with ``weight_scale`` tensors (per tensor or per channel; block-wise
   ``weight_block_size`` checkpoints are refused).
 
-The layers' linears are built FP8 before the tensors are read (:func:`prepare_fp8`), and
+The layers' linears are built FP8 before the tensors are read (:func:`prepare_fp8`; a mixture-of-experts
+layer's stacked experts too, each expert's tensors loading into its rows of the stacks), and
 :meth:`executor_proc.model.llama.CausalLM.load_weights` copies each e4m3 weight and its scale in; a per-tensor
 scale becomes that projection's rows' scale, so a fused q|k|v keeps one scale per row (exactly the
 checkpoint's products).  Activation scales: the kernels always use dynamic per-token scales (W8A8) or none
@@ -31,7 +32,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from executor_proc.model.quantization import refuse_moe
+from executor_proc.model.moe import MoEBlock
 from kernels.fp8 import FP8, Fp8Weight
 
 _SUPPORTED = "compressed-tensors float-quantized or fp8 (per-tensor or per-channel scales)"
@@ -79,14 +80,26 @@ def fp8_scheme(config: dict) -> Optional[str]:
 def prepare_fp8(model) -> None:
     """Make ``model``'s layer projections FP8 (values and per-row scales, uninitialised) before the checkpoint's
     tensors are copied in: each fused weight an :class:`Fp8Weight`, its parts' weights views with a
-    ``weight_scale`` buffer, as :func:`executor_proc.model.quantization.quantize_model` leaves them."""
-    refuse_moe(model, "an FP8 checkpoint")
+    ``weight_scale`` buffer, as :func:`executor_proc.model.quantization.quantize_model` leaves them; a
+    mixture-of-experts layer's stacks e4m3 with ``[E, rows]`` scales (each expert's ``weight_scale`` loads into
+    its rows: :meth:`MoEBlock.expert_views`), its shared expert as a dense MLP, its router float."""
     for layer in model.model.layers:
-        for fused in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
-            w = fused.weight
-            fused.weight = Fp8Weight(torch.empty(w.shape, dtype=FP8, device=w.device),
-                                     torch.ones(w.shape[0], dtype=torch.float32, device=w.device), w.dtype)
-            for lin, part in zip(fused.linears, fused.weight.split(fused.sizes)):
+        mlp = layer.mlp
+        fused = [layer.self_attn.qkv, layer.self_attn.o]
+        if isinstance(mlp, MoEBlock):
+            for name in ("w13", "w2"):
+                w = getattr(mlp, name)
+                setattr(mlp, name, nn.Parameter(torch.empty(w.shape, dtype=FP8, device=w.device), requires_grad=False))
+                setattr(mlp, f"{name}_scale", torch.ones(w.shape[:2], dtype=torch.float32, device=w.device))
+            if mlp.shared_expert is not None:
+                fused += [mlp.shared_expert.gate_up, mlp.shared_expert.down]
+        else:
+            fused += [mlp.gate_up, mlp.down]
+        for f in fused:
+            w = f.weight
+            f.weight = Fp8Weight(torch.empty(w.shape, dtype=FP8, device=w.device),
+                                 torch.ones(w.shape[0], dtype=torch.float32, device=w.device), w.dtype)
+            for lin, part in zip(f.linears, f.weight.split(f.sizes)):
                 lin.weight = nn.Parameter(part.data, requires_grad=False)
                 lin.register_buffer("weight_scale", part.scale)
 

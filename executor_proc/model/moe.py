@@ -102,4 +102,8 @@ class MoEBlock(nn.Module):
             views[at + "gate_proj.weight"] = self.w13.data[local, :i]
             views[at + "up_proj.weight"] = self.w13.data[local, i:]
             views[at + "down_proj.weight"] = self.w2.data[local]
+            if self.w13_scale is not None:  # an FP8 checkpoint's (executor_proc.model.fp8_checkpoint.prepare_fp8)
+                views[at + "gate_proj.weight_scale"] = self.w13_scale[local, :i]
+                views[at + "up_proj.weight_scale"] = self.w13_scale[local, i:]
+                views[at + "down_proj.weight_scale"] = self.w2_scale[local]
         return views

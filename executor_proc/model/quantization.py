@@ -79,11 +79,3 @@ def _quantize_experts(block: MoEBlock) -> int:
 def is_quantized(model) -> bool:
     """Whether :func:`quantize_model` ran on ``model``."""
     return isinstance(model.model.layers[0].self_attn.qkv.weight, Fp8Weight)
-
-
-def refuse_moe(model, what: str) -> None:
-    """Raise ValueError for a mixture-of-experts model (FP8 checkpoints: their expert tensors are not read yet)."""
-    moe = model.config.moe
-    if moe is not None:
-        raise ValueError(f"{what} does not cover the mixture-of-experts layers of {model.config.architecture} "
-                         f"({moe.num_experts} experts) yet: serve it unquantized")
