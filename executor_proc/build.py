@@ -120,7 +120,7 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
                              f"{what} runs ({why}): use at most {mcfg.max_model_len:,}")
     max_len = cfg.max_model_len or mcfg.max_model_len
     max_blocks = -(-max_len // cfg.block_size)
-    with refused_as(what):  # e.g. --quantization fp8 of a model it does not cover
+    with refused_as(what):  # the backend's and the quantization's checks of the model
         backend = select_backend(cfg, device, model, max_len, progress)
     model.use_backend(backend)
     # after the backend: FP8 weights are quantized there
