@@ -90,7 +90,12 @@ class MoEBlock(nn.Module):
         :func:`executor_proc.model.quantization.quantize_model` has quantized them."""
         if self.w13_scale is None:
             return self.w13, self.w2
-        return Fp8Weight(self.w13, self.w13_scale, self.dtype), Fp8Weight(self.w2, self.w2_scale, self.dtype)
+        parts = (self.w13, self.w13_scale, self.w2, self.w2_scale)
+        stacks = getattr(self, "_fp8_stacks", None)  # made once, not per step (each Fp8Weight checks its shapes)
+        if stacks is None or any(a is not b for a, b in zip(parts, stacks[0])):
+            stacks = self._fp8_stacks = (parts, (Fp8Weight(self.w13, self.w13_scale, self.dtype),
+                                                 Fp8Weight(self.w2, self.w2_scale, self.dtype)))
+        return stacks[1]
 
     def expert_views(self, prefix: str) -> dict[str, torch.Tensor]:
         """Checkpoint name -> the slice of ``w13`` / ``w2`` it loads into, for every expert the block holds
