@@ -64,30 +64,24 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from executor_proc.model.loader import gguf_config, gguf_weights, open_gguf
+    from executor_proc.model.loader import gguf_config, gguf_parsed_once, gguf_weights
 
-    reader = open_gguf(gguf_path)
-    config = gguf_config(reader)
-    _, weights = gguf_weights(reader, config)
-    state = {name: tensor.contiguous() for name, tensor in weights}
-    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    hf_config = config.to_hf_dict() | {"torch_dtype": "float32", "dtype": "float32"}
-    _write_json(os.path.join(out_dir, "config.json"), hf_config)
-    _write_json(
-        os.path.join(out_dir, "generation_config.json"),
-        {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)},
-    )
-    # transformers reads the tokenizer from the file's header with the gguf package's own reader, whose parse of
-    # SmolLM2's vocabulary and merges takes ~6 s on 2 cores: it is handed the header parsed above (~1.4 s).
-    import gguf
-
-    package_reader = gguf.GGUFReader
-    gguf.GGUFReader = lambda path, *args, **kwargs: (
-        reader if os.path.realpath(path) == os.path.realpath(gguf_path) else package_reader(path, *args, **kwargs))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
-    finally:
-        gguf.GGUFReader = package_reader
+    folder, name = os.path.split(gguf_path)
+    # transformers reads the tokenizer from the file's header with the gguf package's reader, whose parse of
+    # SmolLM2's vocabulary and merges takes ~6 s on 2 cores: it gets the header parsed here (~1.4 s), once.
+    with gguf_parsed_once() as read:
+        reader = read(os.path.join(folder, name))  # the path as transformers joins it: the parse is shared
+        config = gguf_config(reader)
+        _, weights = gguf_weights(reader, config)
+        state = {name: tensor.contiguous() for name, tensor in weights}
+        save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        hf_config = config.to_hf_dict() | {"torch_dtype": "float32", "dtype": "float32"}
+        _write_json(os.path.join(out_dir, "config.json"), hf_config)
+        _write_json(
+            os.path.join(out_dir, "generation_config.json"),
+            {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)},
+        )
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.save_pretrained(out_dir)
 
 
