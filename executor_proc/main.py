@@ -33,7 +33,7 @@ import msgspec
 import zmq
 
 from executor_proc.memory_plan import StartupRefused
-from executor_proc.step_profile import from_env
+from executor_proc.step_profile import StepProfiler, from_env
 from ipc.config import ExecutorConfig
 from ipc import protocol as p
 from ipc.sockets import make_socket
@@ -157,13 +157,17 @@ class ExecutorProcess:
         self._event = None  # torch.cuda.Event
         self.gc_clock = GcClock()
         self.gc_ready = 0.0  # the collector's seconds when the last plan was there to read
-        self.profiler = from_env(cfg.tp_rank)  # $FORERUN_TORCH_PROFILE: chosen steps under torch's profiler
+        self.profiler = StepProfiler("", [], cfg.tp_rank)  # $FORERUN_TORCH_PROFILE's, once set up
 
     def send(self, msg) -> None:
         self.results.send(p.encode(msg))
 
     def setup(self) -> None:
         """Load the model, allocate the KV cache, capture the decode graphs, report capacity."""
+        try:
+            self.profiler = from_env(self.cfg.tp_rank)  # chosen steps under torch's profiler
+        except ValueError as e:
+            raise StartupRefused(str(e)) from None
         if self.cfg.load_format == "scripted":
             return self._setup_scripted()
         from executor_proc.build import build_worker

@@ -66,11 +66,11 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
 
     from executor_proc.model.loader import gguf_config, gguf_parsed_once, gguf_weights
 
-    folder, name = os.path.split(gguf_path)
+    folder, file = os.path.split(gguf_path)
     # transformers reads the tokenizer from the file's header with the gguf package's reader, whose parse of
     # SmolLM2's vocabulary and merges takes ~6 s on 2 cores: it gets the header parsed here (~1.4 s), once.
     with gguf_parsed_once() as read:
-        reader = read(os.path.join(folder, name))  # the path as transformers joins it: the parse is shared
+        reader = read(os.path.join(folder, file))  # the path as transformers joins it: the parse is shared
         config = gguf_config(reader)
         _, weights = gguf_weights(reader, config)
         state = {name: tensor.contiguous() for name, tensor in weights}
@@ -81,7 +81,7 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
             os.path.join(out_dir, "generation_config.json"),
             {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)},
         )
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     tokenizer.save_pretrained(out_dir)
 
 

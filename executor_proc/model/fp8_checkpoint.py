@@ -30,9 +30,8 @@ import os
 from typing import Optional
 
 import torch
-from torch import nn
 
-from executor_proc.model.moe import MoEBlock
+from executor_proc.model.quantization import fp8_parts, use_fp8
 from kernels.fp8 import FP8, Fp8Weight
 
 _SUPPORTED = "compressed-tensors float-quantized or fp8 (per-tensor or per-channel scales)"
@@ -84,24 +83,17 @@ def prepare_fp8(model) -> None:
     mixture-of-experts layer's stacks e4m3 with ``[E, rows]`` scales (each expert's ``weight_scale`` loads into
     its rows: :meth:`MoEBlock.expert_views`), its shared expert as a dense MLP, its router float."""
     for layer in model.model.layers:
-        mlp = layer.mlp
-        fused = [layer.self_attn.qkv, layer.self_attn.o]
-        if isinstance(mlp, MoEBlock):
-            for name in ("w13", "w2"):
-                w = getattr(mlp, name)
-                setattr(mlp, name, nn.Parameter(torch.empty(w.shape, dtype=FP8, device=w.device), requires_grad=False))
-                setattr(mlp, f"{name}_scale", torch.ones(w.shape[:2], dtype=torch.float32, device=w.device))
-            if mlp.shared_expert is not None:
-                fused += [mlp.shared_expert.gate_up, mlp.shared_expert.down]
-        else:
-            fused += [mlp.gate_up, mlp.down]
+        fused, experts = fp8_parts(layer)
+        if experts is not None:
+            experts.use_fp8(*(_unfilled(w, experts.dtype) for w in (experts.w13, experts.w2)))
         for f in fused:
-            w = f.weight
-            f.weight = Fp8Weight(torch.empty(w.shape, dtype=FP8, device=w.device),
-                                 torch.ones(w.shape[0], dtype=torch.float32, device=w.device), w.dtype)
-            for lin, part in zip(f.linears, f.weight.split(f.sizes)):
-                lin.weight = nn.Parameter(part.data, requires_grad=False)
-                lin.register_buffer("weight_scale", part.scale)
+            use_fp8(f, _unfilled(f.weight, f.weight.dtype))
+
+
+def _unfilled(w: torch.Tensor, dtype: torch.dtype) -> Fp8Weight:
+    """An FP8 weight of ``w``'s shape (a stack too), uninitialised values and scales 1, for the checkpoint's."""
+    return Fp8Weight(torch.empty(w.shape, dtype=FP8, device=w.device),
+                     torch.ones(w.shape[:-1], dtype=torch.float32, device=w.device), dtype)
 
 
 def row_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:

@@ -57,9 +57,10 @@ class MoEBlock(nn.Module):
         self.dtype = dtype  # the activations'
         self.w13 = nn.Parameter(torch.empty(len(self.experts), 2 * i, h, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(len(self.experts), h, i, dtype=dtype))
-        # --quantization fp8: the stacks' e4m3 values stay the parameters, these their [E, rows] scales
+        # FP8 (use_fp8): the stacks' e4m3 values stay the parameters, these their [E, rows] scales
         self.register_buffer("w13_scale", None)
         self.register_buffer("w2_scale", None)
+        self._fp8: Optional[tuple[Fp8Weight, Fp8Weight]] = None
         self.shared_expert: Optional[MLP] = None
         self.shared_expert_gate: Optional[nn.Linear] = None
         if moe.shared_intermediate_size:
@@ -86,16 +87,16 @@ class MoEBlock(nn.Module):
         return Stream(out, residual)
 
     def expert_stacks(self) -> tuple:
-        """``(w13, w2)`` as the backend takes them: the stacked weights, or FP8 stacks (:class:`Fp8Weight`) once
-        :func:`executor_proc.model.quantization.quantize_model` has quantized them."""
-        if self.w13_scale is None:
-            return self.w13, self.w2
-        parts = (self.w13, self.w13_scale, self.w2, self.w2_scale)
-        stacks = getattr(self, "_fp8_stacks", None)  # made once, not per step (each Fp8Weight checks its shapes)
-        if stacks is None or any(a is not b for a, b in zip(parts, stacks[0])):
-            stacks = self._fp8_stacks = (parts, (Fp8Weight(self.w13, self.w13_scale, self.dtype),
-                                                 Fp8Weight(self.w2, self.w2_scale, self.dtype)))
-        return stacks[1]
+        """``(w13, w2)`` as the backend takes them: the stacked weights, or the FP8 stacks of :meth:`use_fp8`."""
+        return self._fp8 or (self.w13, self.w2)
+
+    def use_fp8(self, w13: Fp8Weight, w2: Fp8Weight) -> None:
+        """Hold the experts in FP8 (quantized at load, or to be filled from an FP8 checkpoint): the e4m3 values
+        become the parameters and their scales buffers, so that the model's bytes count them; the float stacks are
+        freed.  On the stacks' final device: the pair the backend gets is made here, once."""
+        self.w13, self.w2 = (nn.Parameter(w.data, requires_grad=False) for w in (w13, w2))
+        self.w13_scale, self.w2_scale = w13.scale, w2.scale
+        self._fp8 = (Fp8Weight(self.w13, self.w13_scale, self.dtype), Fp8Weight(self.w2, self.w2_scale, self.dtype))
 
     def expert_views(self, prefix: str) -> dict[str, torch.Tensor]:
         """Checkpoint name -> the slice of ``w13`` / ``w2`` it loads into, for every expert the block holds

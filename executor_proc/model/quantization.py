@@ -21,7 +21,7 @@ backend follows it with the reference math, the Triton backend with the kernels.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 from torch import nn
@@ -37,43 +37,51 @@ def quantize_model(model) -> int:
     the bytes of weights saved.  Each fused projection's weight becomes an :class:`Fp8Weight` (what the backend
     receives), and its parts' ``nn.Linear`` weights FP8 views of it, each with a ``weight_scale`` buffer, so that
     the model's parameters and buffers count what the device holds.  A mixture-of-experts layer's stacked experts
-    become FP8 stacks (e4m3 parameters, ``[E, rows]`` scale buffers: :meth:`MoEBlock.expert_stacks`), its shared
+    become FP8 stacks (e4m3 parameters, ``[E, rows]`` scale buffers: :meth:`MoEBlock.use_fp8`), its shared
     expert as a dense MLP; its router stays in the model dtype (a few KiB a layer, and the routing's input)."""
     saved = 0
     for layer in model.model.layers:
-        mlp = layer.mlp
-        fused = [layer.self_attn.qkv, layer.self_attn.o]
-        if isinstance(mlp, MoEBlock):
-            saved += _quantize_experts(mlp)
-            if mlp.shared_expert is not None:
-                fused += [mlp.shared_expert.gate_up, mlp.shared_expert.down]
-        else:
-            fused += [mlp.gate_up, mlp.down]
+        fused, experts = fp8_parts(layer)
+        if experts is not None:
+            before = sum(w.numel() * w.element_size() for w in (experts.w13, experts.w2))
+            experts.use_fp8(quantize_weight(experts.w13.data, experts.dtype),
+                            quantize_weight(experts.w2.data, experts.dtype))
+            saved += before - fp8_bytes(experts.expert_stacks())
         saved += sum(_quantize_fused(f) for f in fused)
     if torch.cuda.is_available() and model.lm_head.weight.is_cuda:
         torch.cuda.empty_cache()
     return saved
 
 
+def fp8_parts(layer) -> tuple[list, Optional[MoEBlock]]:
+    """What FP8 covers in a decoder layer: its fused projections (attention's, and the dense MLP's or a shared
+    expert's) and its stacked experts (None: a dense layer).  A router stays in the model dtype."""
+    mlp = layer.mlp
+    fused = [layer.self_attn.qkv, layer.self_attn.o]
+    if not isinstance(mlp, MoEBlock):
+        return fused + [mlp.gate_up, mlp.down], None
+    shared = mlp.shared_expert
+    return fused + ([shared.gate_up, shared.down] if shared is not None else []), mlp
+
+
+def use_fp8(fused, weight: Fp8Weight) -> None:
+    """``fused`` (a :class:`FusedLinear`) holds ``weight``: its parts' ``nn.Linear`` weights become FP8 views of it,
+    each with a ``weight_scale`` buffer (the float weights are freed)."""
+    fused.weight = weight
+    for lin, part in zip(fused.linears, weight.split(fused.sizes)):
+        lin.weight = nn.Parameter(part.data, requires_grad=False)
+        lin.register_buffer("weight_scale", part.scale)
+
+
+def fp8_bytes(weights) -> int:
+    """Bytes of FP8 weights as the device holds them (values and float32 scales)."""
+    return sum(w.data.numel() + 4 * w.scale.numel() for w in weights)
+
+
 def _quantize_fused(fused) -> int:
     before = fused.weight.numel() * fused.weight.element_size()
-    fused.weight = quantize_weight(fused.weight)
-    for lin, part in zip(fused.linears, fused.weight.split(fused.sizes)):
-        lin.weight = nn.Parameter(part.data, requires_grad=False)  # the float copy is freed
-        lin.register_buffer("weight_scale", part.scale)
-    return before - fused.weight.data.numel() - 4 * fused.weight.scale.numel()
-
-
-def _quantize_experts(block: MoEBlock) -> int:
-    saved = 0
-    for name in ("w13", "w2"):
-        w = getattr(block, name)
-        before = w.numel() * w.element_size()
-        q = quantize_weight(w.data, block.dtype)
-        setattr(block, name, nn.Parameter(q.data, requires_grad=False))  # the float stack is freed
-        setattr(block, f"{name}_scale", q.scale)
-        saved += before - q.data.numel() - 4 * q.scale.numel()
-    return saved
+    use_fp8(fused, quantize_weight(fused.weight))
+    return before - fp8_bytes([fused.weight])
 
 
 def is_quantized(model) -> bool:
