@@ -3,8 +3,9 @@
 Every rank profiles the steps with ids FIRST to FIRST + COUNT - 1 (each window) and, once a window's last step
 has run, writes per-kernel device times (the kernels inside replayed CUDA graphs included) to
 ``DIR/pid<pid>-rank<r>-steps<first>-<last>.txt`` and the timeline to ``... .json`` (Chrome's trace format):
-where a served step's GPU time goes, rank by rank, under the same plans, batches and graphs as in serving.  A window is closed by synchronising the device, so the steps
-around it are not representative; nothing happens when the variable is unset.
+where a served step's GPU time goes, rank by rank, under the same plans, batches and graphs as in serving.  A
+window is closed by synchronising the device, so the steps around it are not representative; nothing happens
+when the variable is unset, and a value that does not parse refuses the start in one line.
 
     FORERUN_TORCH_PROFILE=/tmp/prof:300:20 forerun serve --model ... --tensor-parallel-size 2
 """
