@@ -271,8 +271,9 @@ def test_fused_moe_matches_reference(tokens, dtype):
 @pytest.mark.parametrize("tokens", [1, 7, 40])
 def test_fused_moe_fp8_experts_match_reference(tokens):
     """FP8 expert stacks (e4m3 values, a scale per expert and row): both forms (the per-pair one's down launch
-    both ways; at 40 tokens the grouped one), some pairs held elsewhere, against :func:`moe_ref` on the same stacks (W8A16: x as it is, each
-    row's float32 sum scaled once) up to summation order, and within FP8's rounding of the unquantized experts."""
+    both ways; at 40 tokens the grouped one), some pairs held elsewhere, against :func:`moe_ref` on the same
+    stacks (W8A16: x as it is, each row's float32 sum scaled once) up to summation order, and within FP8's
+    rounding of the unquantized experts."""
     g = torch.Generator().manual_seed(tokens + 5)
     E, H, I, k = 6, 48, 40, 2
     act = torch.bfloat16 if DEV.type == "cuda" else torch.float32
@@ -622,10 +623,12 @@ def test_fp8_experts_stay_within_fp8_rounding_of_the_float_model(built):
         return run.step(prompts)
 
     want, got = logits(ref), logits(model)
-    fused = logits(model, FusedMoETorchBackend(model.rope_inv_freq))
     for r in prompts:  # this 64-wide random model moves by ~9% with FP8 (the dense layers' alone ~8%, the experts' ~3%)
         assert rel_err(got[r], want[r]) < 0.15, rel_err(got[r], want[r])
-        assert rel_err(fused[r], got[r]) < 1e-4
+    if DEV.type == "cpu":  # the CPU model under the interpreter; on a GPU: test_fused_moe_fp8_experts_match_reference
+        fused = logits(model, FusedMoETorchBackend(model.rope_inv_freq))
+        for r in prompts:
+            assert rel_err(fused[r], got[r]) < 1e-4
 
 
 def test_unsupported_paths_say_so(tmp_path, monkeypatch):
