@@ -162,23 +162,31 @@ class DecodeWorkspace:
     Allocate once (outside graph capture) and pass to every :func:`decode_attention`
     call; a call uses the first ``B`` rows and first ``num_splits`` splits.
     A call of more rows, up to ``max_rows`` (a speculative step's positions as decode rows), takes fewer splits:
-    at most :meth:`splits_for` of its row count, its partials packed into the same memory (:meth:`partials`).
+    at most :meth:`splits_for` of its row count, its partials packed into the same memory (:meth:`partials`),
+    which holds at least ``min_splits`` splits of ``max_rows`` rows (batch-invariant attention keeps its one split
+    count at every row count).
     """
 
     def __init__(self, max_batch: int, num_heads: int, head_dim: int, max_splits: int = 16,
-                 device: torch.device | str = "cuda", max_rows: int = 0):
+                 device: torch.device | str = "cuda", max_rows: int = 0, min_splits: int = 1):
         self.max_batch, self.num_heads, self.head_dim, self.max_splits = max_batch, num_heads, head_dim, max_splits
         self.max_rows = max(max_rows, max_batch)
-        self.partial_out = torch.empty(max_batch, num_heads, max_splits, head_dim, dtype=torch.float32, device=device)
-        self.partial_m = torch.empty(max_batch, num_heads, max_splits, dtype=torch.float32, device=device)
-        self.partial_l = torch.empty(max_batch, num_heads, max_splits, dtype=torch.float32, device=device)
+        self.capacity = max(max_batch * max_splits, self.max_rows * min_splits)  # (row, split) pairs held
+        n = self.capacity * num_heads
+        shape = (max_batch, num_heads, max_splits)
+        self.partial_out = torch.empty(n * head_dim, dtype=torch.float32, device=device)
+        self.partial_m = torch.empty(n, dtype=torch.float32, device=device)
+        self.partial_l = torch.empty(n, dtype=torch.float32, device=device)
+        self.whole = (self.partial_out[:max_batch * num_heads * max_splits * head_dim].view(*shape, head_dim),
+                      self.partial_m[:max_batch * num_heads * max_splits].view(shape),
+                      self.partial_l[:max_batch * num_heads * max_splits].view(shape))
         # splits done per (row, KV head) of the call in progress; the merging split re-zeroes its entry
         self.arrivals = torch.zeros(self.max_rows, num_heads, dtype=torch.int32, device=device)
 
     def splits_for(self, rows: int) -> int:
         """The most splits (a power of two) a call of ``rows`` rows can keep its partials for."""
         s = self.max_splits
-        while s > 1 and rows * s > self.max_batch * self.max_splits:
+        while s > 1 and rows * s > self.capacity:
             s //= 2
         return s
 
@@ -187,11 +195,11 @@ class DecodeWorkspace:
         splits, ...]`` views packed into them."""
         assert rows <= self.max_rows and splits <= self.splits_for(rows), (rows, splits, self.max_rows)
         if rows <= self.max_batch:
-            return self.partial_out, self.partial_m, self.partial_l
+            return self.whole
         shape = (rows, self.num_heads, splits)
         n = rows * self.num_heads * splits
-        return (self.partial_out.view(-1)[:n * self.head_dim].view(*shape, self.head_dim),
-                self.partial_m.view(-1)[:n].view(shape), self.partial_l.view(-1)[:n].view(shape))
+        return (self.partial_out[:n * self.head_dim].view(*shape, self.head_dim),
+                self.partial_m[:n].view(shape), self.partial_l[:n].view(shape))
 
 
 def _num_sms(device: torch.device) -> int:

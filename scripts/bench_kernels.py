@@ -1405,9 +1405,11 @@ on the cpu wall time, a check that it runs):
   position and acceptance, eagerly where they do not fit.
 
 The ratios to ``decode`` are the verification's price; speculation pays when a row gains more accepted tokens.
+With ``--profile PREFIX`` the kernels of the first batch size's decode and verify steps are listed in
+``PREFIX.decode.txt`` and ``PREFIX.verify.txt`` (torch profiler, 10 launches each).
 
     python3 scripts/bench_kernels.py spec [--model llama-3-8b] [--batches 1,8,32,64] [--k 4] [--context 512]
-                                          [--reps 20] [--device cuda] [--json OUT.json]
+                                          [--reps 20] [--device cuda] [--json OUT.json] [--profile PREFIX]
     """
     sys.argv = ["bench_kernels.py spec", *argv]
 
@@ -1417,6 +1419,7 @@ The ratios to ``decode`` are the verification's price; speculation pays when a r
 
     import torch
 
+    from bench_decode import profile_kernels
     from benchlib import write_json
     from executor_proc.build import build_worker
     from executor_proc.step.step_kinds import EagerStep, GraphStep, MixedStep, SpecDecodeStep
@@ -1447,6 +1450,8 @@ The ratios to ``decode`` are the verification's price; speculation pays when a r
         ap.add_argument("--reps", type=int, default=20, help="timed repetitions per case (median)")
         ap.add_argument("--device", default="cuda", help="cuda, or cpu (wall time of tiny shapes: a check that it runs)")
         ap.add_argument("--json", default=None, help="write the rows and metadata here")
+        ap.add_argument("--profile", default=None, metavar="PREFIX",
+                        help="kernels of the first batch's steps: PREFIX.{decode,verify}.txt")
         args = ap.parse_args(argv)
         cuda = args.device.startswith("cuda")
         batches = [int(b) for b in args.batches.split(",")]
@@ -1490,6 +1495,9 @@ The ratios to ``decode`` are the verification's price; speculation pays when a r
             spec = worker.prepare(plan(live, k + 1, False, True, vocab))
             assert isinstance(spec, SpecDecodeStep) or spec.spec is not None, type(spec).__name__
             t_spec = timed(lambda: worker.launch(spec), args.reps, cuda)
+            if args.profile and b == batches[0]:
+                profile_kernels(lambda: worker.launch(decode), f"{args.profile}.decode.txt")
+                profile_kernels(lambda: worker.launch(spec), f"{args.profile}.verify.txt")
             kind = {SpecDecodeStep: "decode rows", MixedStep: "graphs", EagerStep: "eager"}[type(spec)]
             rows.append(dict(batch=b, k=k, context=args.context, decode_ms=t_decode * 1e3,
                              verify_graph_ms=t_graph * 1e3, verify_step_ms=t_spec * 1e3, verify_step_kind=kind,

@@ -117,6 +117,14 @@ def test_decode_attention_more_rows_than_the_workspace_batch():
         assert (ws.arrivals == 0).all()
     with pytest.raises(AssertionError):  # 6 rows keep 1 split's partials: 2 would overrun the buffers
         decode_attention(q.new_zeros(6, H, D), kc, vc, bt, cl, 1.0, workspace=ws, num_splits=2)
+    # room for 2 splits of every row count (batch-invariant attention keeps its split count past the batch)
+    ws = DecodeWorkspace(2, H, D, max_splits=4, device=DEV, max_rows=len(lens), min_splits=2)
+    assert ws.splits_for(2) == 4 and ws.splits_for(6) == 2
+    poison(ws.partial_out), poison(ws.partial_m), poison(ws.partial_l)
+    q = torch.randn(6, H, D, generator=g).to(DEV)
+    out = poison(torch.empty_like(q))
+    decode_attention(q, kc, vc, bt, cl, D ** -0.5, out=out, workspace=ws, num_splits=2, block_n=16)
+    assert rel_err(out, R.decode_attention_ref(q, kc, vc, bt, cl, D ** -0.5)) < tol(torch.float32)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="large shapes on CUDA only")

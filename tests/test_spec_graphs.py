@@ -130,3 +130,22 @@ def test_a_step_of_the_last_rows_stages_nothing(worker):
     assert got == want and all(paths[1:])
     # each first step of new rows (or of rows at plan positions: first rows, a plain row, slot 0's next) stages
     assert staged == [[0, 1], [0, 1], [0], [0, 1], [1, 0], [1, 0], [1, 0]], staged
+
+
+@pytest.mark.parametrize("method,invariant", [("ngram", False), ("draft", False), ("ngram", True)])
+def test_attention_workspace_holds_every_mixed_step_row(tmp_path, method, invariant):
+    """Triton's decode attention keeps partials for every row count a step may run as one-token rows: the
+    mixed-step body's hidden rows (K + 2 a slot under either method) past the decode steps' batch, batch-invariant
+    ones at the one split count (8 slots and K = 2: 32 rows, more than 9 slots of K + 1 positions)."""
+    folder = write_config(tmp_path)
+    spec = SpeculativeConfig(method=method, num_tokens=2, draft_model=folder if method == "draft" else "")
+    cfg = ExecutorConfig(model=folder, load_format="dummy", plan_addr="", result_addr="", device="cpu",
+                         dtype="float32", kernels="triton", batch_invariant=invariant, num_slots=8, num_kv_blocks=64,
+                         block_size=BLOCK, mixed_graphs="on", max_num_batched_tokens=64, speculative=spec)
+    worker = build_worker(cfg).worker
+    backend = worker.model.backend
+    assert worker.mixed.max_rows == 32
+    for rows in worker.mixed.row_buckets:
+        splits = backend._num_splits(rows)
+        assert splits == 8 if invariant else splits >= 1
+        backend.workspace.partials(rows, splits)  # asserts that the rows and their splits fit

@@ -26,7 +26,7 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     """The backend for ``model`` (a :class:`executor_proc.model.llama.CausalLM` on ``device``).
 
     Triton on CUDA (``kernels: auto``) or when asked: its decode workspace holds
-    ``num_slots + 1`` rows (the padding slot; n-gram speculation's steps run ``K + 1`` times as many with fewer
+    ``num_slots + 1`` rows (the padding slot; speculation's steps run up to ``K + 2`` times as many with fewer
     splits), and on CUDA with graphs its linears
     are tuned for the graph batch sizes 1, 2, 4, 8 (skinny matmul and the fused norm / SiLU / rotary
     matmuls), 16, 32, ... up to the largest graph (tiled matmul), and the layers' norms are folded into
@@ -43,7 +43,9 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     patch_interpreter()  # the CPU runs the kernels in Triton's interpreter (a no-op on a GPU)
     c = model.config
     spec = cfg.speculative
-    positions = spec.num_tokens + 1 if spec.method == "ngram" else 1  # each row's, run as decode rows
+    # one-token rows of a forward: n-gram steps' K + 1 positions a row as decode rows, and the mixed-step body's
+    # hidden rows under either method (a row per slot and per drafted position: K + 2 a slot)
+    positions = spec.num_tokens + 2 if spec.method is not None else 1
     backend = TritonBackend(model.rope_inv_freq, max_positions, c.num_heads, c.num_kv_heads, c.head_dim,
                             cfg.num_slots + 1, device, batch_invariant=cfg.batch_invariant,
                             max_decode_rows=(cfg.num_slots + 1) * positions)

@@ -125,8 +125,9 @@ class TritonBackend:
         self.cos_sin = rope_cos_sin_cache(inv_freq.float().to(device), max_positions)
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.device = device
-        self.workspace = DecodeWorkspace(max_batch, num_heads, head_dim, device=device,
-                                         max_rows=0 if batch_invariant else max_decode_rows)
+        # batch-invariant: every call, whatever its rows, keeps the one split count (room for it at every size)
+        self.workspace = DecodeWorkspace(max_batch, num_heads, head_dim, device=device, max_rows=max_decode_rows,
+                                         min_splits=INVARIANT_ATTENTION_SPLITS if batch_invariant else 1)
         # (N, K, m_bucket) -> skinny-matmul config; absent: cuBLAS.
         self.gemv_choice: dict[tuple[int, int, int], GemvConfig] = {}
         self.gemv_everywhere: Optional[GemvConfig] = None  # tests: force the Triton path
@@ -192,8 +193,8 @@ class TritonBackend:
 
     @property
     def max_decode_rows(self) -> int:
-        """The most rows one decode forward may have (batch-invariant: the decode steps', whose split count every
-        call keeps)."""
+        """The most rows one decode forward may have (past the decode steps' batch with fewer attention splits,
+        or, batch-invariant, the same split count)."""
         return self.workspace.max_rows
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
