@@ -20,7 +20,7 @@ rounding once, like cuBLAS.  Two forms:
 
 No split-K and no atomics, so the result is deterministic.
 
-At 2-8 rows the RMSNorm between two projections needs no launch of its own: :func:`gemv_residual` adds
+At 2-16 rows the RMSNorm between two projections needs no launch of its own: :func:`gemv_residual` adds
 the residual in the first one's epilogue and leaves partial sums of squares, from which the second applies
 the norm (``sumsq=``; :mod:`kernels.gemv_partials`).  At one token the "row" form may also fold the op
 before it into its loads (:mod:`kernels.gemv_row`).
@@ -237,14 +237,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
 
 def gemv_residual(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, *,
                   config: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h = F.linear(x, weight, bias) + residual`` for 2 to ``ROW_MAX_M`` rows (each rounded as the unfused
+    """``h = F.linear(x, weight, bias) + residual`` for 2 to ``MAX_M`` rows (each rounded as the unfused
     ops round: the residual add of the next norm, :func:`kernels.norm.fused_add_rms_norm`), and each
     program's partial sums of h's squares, ``[programs, M]`` float32 (:func:`sumsq_programs`), from which
     the next matmul applies the norm itself (:func:`gemv_silu`, :func:`kernels.gemv_qkv.qkv_rope`
     ``sumsq=``).  Returns ``(h, partial sums)``."""
     _check_linear(x, weight, bias)
     M, N = x.shape[0], weight.shape[0]
-    assert 1 < M <= ROW_MAX_M and config_fits(config, M), (config, M)
+    assert 1 < M <= MAX_M and config_fits(config, M), (config, M)
     assert residual.shape == (M, N) and residual.stride(1) == 1 and residual.dtype == x.dtype
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     sumsq = torch.empty(sumsq_programs(config, N), M, dtype=torch.float32, device=x.device)

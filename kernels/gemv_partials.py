@@ -1,4 +1,4 @@
-"""The RMSNorm between two skinny matmuls without a launch of its own (:mod:`kernels.gemv`, 2-8 rows).
+"""The RMSNorm between two skinny matmuls without a launch of its own (:mod:`kernels.gemv`, 2-16 rows).
 
 The projection before the norm adds the residual in its epilogue and stores, per program, the partial
 sums of the squares of what it stored (:func:`kernels.gemv.gemv_residual`); the projection after it (its

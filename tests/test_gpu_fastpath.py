@@ -295,8 +295,8 @@ def test_qkv_rope_dot_form_matches_unfused(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_residual_epilogue_and_norm_from_partial_sums(dtype):
-    """At 2-8 tokens: the output projection with the residual add in its epilogue (the configs of every form,
-    half of them per size) stores exactly the unfused matmul then add, and partial sums of squares whose
+    """At 2-16 tokens: the output projection with the residual add in its epilogue (the configs of every form
+    that fits, half of them per size; past 8 rows the "dot" forms) stores exactly the unfused matmul then add, and partial sums of squares whose
     total is each row's; q|k|v (with rotary and cache write) and gate|up (with SiLU-mul) that apply the norm
     from those sums, its weight folded into theirs, match norm-then-matmul on the unfolded weight (float32
     tightly; bf16 within the roundings the fused form skips or adds, checked against float64 math)."""
@@ -312,11 +312,12 @@ def test_residual_epilogue_and_norm_from_partial_sums(dtype):
     h_, hkv, d = 4, 2, 32
     cs = R.rope_cos_sin_cache(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 128).to(device)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
-    for m, k, bias in ((2, 64, True), (5, 200, False), (8, 128, True)):
+    for m, k, bias in ((2, 64, True), (5, 200, False), (8, 128, True), (13, 64, False)):
         x, w, r = rnd(m, k), rnd(hidden, k) / k**0.5, 3 * rnd(m, hidden)
         b = rnd(hidden) if bias else None
         producers = [c for c in CONFIGS if config_fits(c, m) and sumsq_fits(c, hidden, m)]
-        assert {c[0] for c in producers} == {"row", "rowk", "dot", "dotT"} or m == 8
+        assert {c[0] for c in producers} == {"row", "rowk", "dot", "dotT"} or m == 8 or (
+            m > 8 and {c[0] for c in producers} == {"dot", "dotT"})
         chosen = producers[m % 2::2]  # every other config, a different half per size
         # (on the CPU one of each kind, and the last config, whose partial sums the checks below take)
         for config in interpreted_kinds(chosen, hidden, k, keep=chosen[-1:]):
@@ -343,7 +344,7 @@ def test_residual_epilogue_and_norm_from_partial_sums(dtype):
         caches += [c.clone() for c in caches]
         # the rows and the tensor-core form; in the interpreter the rows' program with 8 rotary pairs rather than 2,
         # the same program in a quarter of the programs (test_qkv_rope_matches_unfused takes the widths)
-        for config in (("row", 4 if CUDA else 16, 64, 4, 1), ("dot", 16, 64, 4, 2)):
+        for config in (("row", 4 if CUDA else 16, 64, 4, 1), ("dot", 16, 64, 4, 2))[m > 8:]:
             rope = dict(config=config, norm=None, residual=None, positions=pos, cos_sin_cache=cs, kv_index=idx)
             q, _ = qkv_rope(h, fold(qkv_w), None, k_cache=caches[0], v_cache=caches[1], sumsq=(sumsq, eps), **rope)
             q_ref, _ = qkv_rope(normed, qkv_w, None, k_cache=caches[2], v_cache=caches[3], **rope)
@@ -467,6 +468,38 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
     backend.matmul_choice = {key: split for key in tiled}
     lm, xb = backend_model.lm_head.weight.bfloat16(), x.bfloat16()  # bf16: the float32 logits are a cast
     assert torch.equal(backend.logits(xb, lm), invariant_matmul(xb, lm, config=split).float())
+
+
+def test_skinny_kernels_serve_up_to_16_rows_where_tuned():
+    """9-16 rows (a speculative row of 8 drafts, 9-16 slots) take a tuned "dot" skinny matmul and its epilogues
+    as 2-8 rows do ("row" forms stop at 8); an FP8 weight stays W8A16 to 8 rows only; where the tiled matmul was
+    also picked at 16 rows the faster of the two is kept (a tie within the margin goes to the skinny one)."""
+    from executor_proc.backends import gemv_tuning
+    from executor_proc.backends.triton_backend import TritonBackend
+    from kernels.fp8 import quantize_weight
+    from kernels.matmul import MatmulConfig
+
+    backend = TritonBackend(torch.ones(8), 64, 4, 2, 16, 5, torch.device("cpu"))
+    w = torch.randn(96, 64)
+    dot, row = ("dot", 16, 256, 4, 4), ("row", 8, 512, 4, 4)
+    backend.gemv_choice = {(96, 64, 16): dot}
+    backend.prologue_choice = {("gate_silu", 96, 64, 16): dot, ("rope", 96, 64, 16): row}
+    for m, want in ((8, None), (9, dot), (16, dot), (17, None)):
+        assert backend._gemv_config(torch.randn(m, 64), w) == want, m
+    assert backend._fused_config("gate_silu", torch.randn(12, 64), w) == dot
+    assert backend._fused_config("rope", torch.randn(12, 64), w) is None  # a "row" config does not fit 12 rows
+    fp8 = quantize_weight(w)
+    backend.gemv_choice[(96, 64, 8)] = dot
+    assert backend._gemv_config(torch.randn(8, 64), fp8) == dot and backend._gemv_config(torch.randn(9, 64), fp8) is None
+    assert backend._fused_config("gate_silu", torch.randn(12, 64), fp8) is None
+    tiled = MatmulConfig(64, 128, 4, 5, 1)
+    skinny_choice = {(96, 64, 16): dot, (64, 64, 16): dot, (32, 64, 16): dot}
+    tiled_choice = {(96, 64, 16): tiled, (64, 64, 16): tiled, (128, 64, 16): tiled}
+    timings = {(96, 64, 16, dot): 1.0, (64, 64, 16, dot): 1.0, (32, 64, 16, dot): 1.0}
+    tiled_timings = {(96, 64, 16, tiled): 0.99, (64, 64, 16, tiled): 0.9, (128, 64, 16, tiled): 0.5}
+    gemv_tuning._keep_faster(skinny_choice, timings, tiled_choice, tiled_timings)
+    assert skinny_choice == {(96, 64, 16): dot, (32, 64, 16): dot}
+    assert tiled_choice == {(64, 64, 16): tiled, (128, 64, 16): tiled}
 
 
 @needs_cuda

@@ -3,10 +3,12 @@
 One worker on a tiny random model (captured on a GPU, called on the same static buffers on the CPU), the same
 hand-built plans with the path switched off (every speculative step then runs its rows as prefill chunks through the
 mixed-step runner), then on: three requests prefilled, then n-gram speculative rows at the planner's upper-bound
-positions.  Every step's result is the same token for token, and each step that should takes the path, rows of fewer
-than ``K`` drafts (a paused request's 0) and a plain greedy row beside them included; a sampled row beside them does
-not.  Three rows run padded to a bucket of four; with four slots that is more decode rows (16) than the attention
-workspace's batch (5), which Triton's attention then runs in fewer splits (on the GPU).
+positions (a plain row, and the first speculative row after it, where the slot is: the planner knows it there, and
+each test's result then does not depend on what an earlier one left in the tables). Every step's result is the same
+token for token, and each step that should takes the path, rows of fewer than ``K`` drafts (a paused request's 0)
+and a plain greedy row beside them included; a sampled row beside them does not. Three rows run padded to a bucket
+of four; with four slots that is more decode rows (16) than the attention workspace's batch (5), which Triton's
+attention then runs in fewer splits (on the GPU).
 """
 
 from __future__ import annotations
@@ -54,13 +56,15 @@ def run(worker, schedule: list[tuple[list[int], list[int]]]) -> tuple[list[list[
                     releases=[0, 1, 2])
     outs, paths = [], []
     bound = list(lens)  # each slot's position upper bound: its next row's first
+    exact = list(lens)  # and where it is (from the last step's accepted counts): a plain row's position
     for step_id, (slots, drafts) in enumerate([([], [])] + schedule):
         if step_id:
             qlens = [k + 1 if k >= 0 else 1 for k in drafts]
-            plan = StepPlan(step_id, slots, qlens, [bound[s] for s in slots], [False] * len(slots),
-                            [True] * len(slots), num_drafts=drafts)
-            for s, n in zip(slots, qlens):
-                bound[s] += n
+            positions = [bound[s] if k >= 0 else exact[s] for s, k in zip(slots, drafts)]
+            plan = StepPlan(step_id, slots, qlens, positions, [False] * len(slots), [True] * len(slots),
+                            num_drafts=drafts)
+            for s, n, p in zip(slots, qlens, positions):
+                bound[s] = p + n
         step = worker.prepare(plan)
         paths.append(isinstance(step, SpecDecodeStep))
         host, copy = worker.copy_out(worker.launch(step), step)
@@ -70,6 +74,12 @@ def run(worker, schedule: list[tuple[list[int], list[int]]]) -> tuple[list[list[
         if step.outputs.spec is not None:  # as the StepResult carries them
             tokens, fields = step.outputs.spec.split(out)
             out = tokens + fields["spec_tokens"] + fields["num_accepted"]
+            accepted = iter(fields["num_accepted"])
+            for s, k in zip(slots, drafts):
+                exact[s] += 1 + (next(accepted) if k >= 0 else 0)
+        elif step_id:
+            for s in slots:
+                exact[s] += 1
         outs.append(out)
         if copy is not None:
             copy.release()

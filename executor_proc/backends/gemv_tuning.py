@@ -1,11 +1,11 @@
 """Start-up tuning of the linears: cuBLAS or a Triton matmul, per (shape, batch size).
 
-:func:`tune_linears` times cuBLAS against the skinny matmul (batch <= 8) on the
+:func:`tune_linears` times cuBLAS against the skinny matmul (batch <= 16) on the
 model's own weights, on this GPU, and :func:`tune_matmuls` against the tiled
 matmul of :mod:`kernels.matmul` (larger decode batches: at 64 rows it streams
 gate|up and the LM head a few percent faster than cuBLAS on an H100); they return
 the choices :class:`executor_proc.backends.triton_backend.TritonBackend` keys its
-``linear`` by; :func:`tune_prologues` then times, at one to eight tokens, the chains
+``linear`` by; :func:`tune_prologues` then times, at one to sixteen tokens, the chains
 around the (already tuned) matmuls op by op against the fused kernels
 (:func:`kernels.gemv_row.gemv_prologue`, :func:`kernels.gemv.gemv_silu`,
 :func:`kernels.gemv_qkv.qkv_rope`), and returns where the fused one wins.
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from executor_proc.backends.base import NormInput, split_heads
 from executor_proc.backends.moe_tuning import moe_choices, moe_runs
-from executor_proc.backends.triton_backend import FP8_GEMV_DEFAULT, ONE_TOKEN_KINDS
+from executor_proc.backends.triton_backend import FP8_GEMV_DEFAULT, ONE_TOKEN_KINDS, skinny_rows
 from kernels import gemv as skinny
 from kernels.gemv_partials import sumsq_fits, sumsq_programs
 from kernels.capture import capturing
@@ -115,7 +115,7 @@ def linear_jobs(model, ms: list[int], margin: float = SKINNY_MARGIN) -> list[Tun
     """:func:`tune_linears`' jobs: per weight shape and batch size, cuBLAS against the fitting skinny configs."""
     jobs = []
     for (n, k), weights in _weight_groups(model).items():
-        for m in ms:
+        for m in (m for m in ms if m <= skinny_rows(weights[0])):
             x = torch.randn(m, k, dtype=weights[0].dtype, device=weights[0].device)
             fp8 = isinstance(weights[0], Fp8Weight)
             candidates = [(c, lambda w, c=c, x=x: skinny.gemv(x, w, config=c))
@@ -155,10 +155,10 @@ def matmul_jobs(model, ms: list[int], margin: float = 0.97) -> list[TuneJob]:
 def tune_prologues(backend, model, ms: tuple[int, ...] = (1,), reps: int = 5, margin: float = 0.97,
                    few: int = 3, progress: ProgressCallback = _quiet) -> tuple[dict, dict]:
     """Time the fused kernels against the ops one by one on the model's weights and keep a fused one where
-    it is faster by more than ``1 - margin`` (at 2-8 tokens: where it is within :data:`SKINNY_MARGIN`).  At one
+    it is faster by more than ``1 - margin`` (at 2-16 tokens: where it is within :data:`SKINNY_MARGIN`).  At one
     token (``1 in ms``), through ``backend``'s own chains:
     the attention input (norm -> q|k|v -> rotary -> cache write: "qkv"), gate|up after the norm ("norm")
-    and down after SiLU-mul ("silu"), every "row" config.  At the other ``ms`` (2-8 tokens), the
+    and down after SiLU-mul ("silu"), every "row" config.  At the other ``ms`` (2-16 tokens), the
     epilogues (with the norm from partial sums where the norms are folded, against a chain with the norm's
     launch; otherwise alone: the norm before them is the same launch either way): q|k|v with the rotary and cache
     write ("rope": the ``few`` "row" and "dot" configs with rotary pairs that streamed the weight fastest in
@@ -192,7 +192,8 @@ def prologue_jobs(backend, model, ms: tuple[int, ...] = (1,), margin: float = 0.
     # this pass (there its neighbours are attention and the residual matmuls)
     return [TuneJob((kind, n, k, m), *_fused_runs(backend, kind, n, k, m, weights[0], cfg, few), weights,
                     margin if m == 1 else SKINNY_MARGIN)
-            for (kind, n, k), weights in groups.items() for m in ms if (m == 1) == (kind in ONE_TOKEN_KINDS)]
+            for (kind, n, k), weights in groups.items() for m in ms
+            if (m == 1) == (kind in ONE_TOKEN_KINDS) and m <= skinny_rows(weights[0])]
 
 
 def _fused_runs(backend, kind: str, n: int, k: int, m: int, w0: torch.Tensor, cfg, few: int):
@@ -307,9 +308,10 @@ def tune_all(backend, model, small: list[int], wide: list[int], progress: Progre
             skinny_phase, tiled_phase = TunePhase(linear_jobs(model, small), ahead), TunePhase(
                 matmul_jobs(model, wide), ahead)
             backend.gemv_choice, backend.gemv_timings = skinny_phase.pick(SKINNY_STAGE, progress)
-            moe_phase = TunePhase(moe_jobs(model, small + wide), ahead)
+            moe_phase = TunePhase(moe_jobs(model, sorted(set(small + wide))), ahead)
             fused_phase = TunePhase(prologue_jobs(backend, model, tuple(small)), ahead)
             tiled, matmul_timings = tiled_phase.pick(TILED_STAGE, progress)
+            _keep_faster(backend.gemv_choice, backend.gemv_timings, tiled, matmul_timings)
             backend.matmul_choice = {key: c for key, c in tiled.items() if not isinstance(c, Fp8MatmulConfig)}
             backend.fp8_matmul_choice = {key: c for key, c in tiled.items() if isinstance(c, Fp8MatmulConfig)}
             backend.gemv_timings.update(matmul_timings)
@@ -319,6 +321,18 @@ def tune_all(backend, model, small: list[int], wide: list[int], progress: Progre
             backend.moe_timings = moe_timings
     finally:
         backend.prologue_everywhere = saved
+
+
+def _keep_faster(skinny_choice: dict, skinny_timings: dict, tiled_choice: dict, tiled_timings: dict) -> None:
+    """Where a size has both a skinny pick (16 rows: the "dot" forms) and a tiled one, drop the skinny pick if the
+    tiled matmul streams the weight faster by more than :data:`SKINNY_MARGIN` (the backend takes a skinny pick
+    first; a tie goes to it, whose epilogues save launches), else the tiled pick."""
+    for key in [key for key in skinny_choice if key in tiled_choice]:
+        skinny_ms = skinny_timings[(*key, skinny_choice[key])]
+        if skinny_ms > tiled_timings[(*key, tiled_choice[key])] * SKINNY_MARGIN:
+            del skinny_choice[key]
+        else:
+            del tiled_choice[key]
 
 
 def moe_jobs(model, ms: list[int]) -> list[TuneJob]:

@@ -56,7 +56,8 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     # Batch-invariant linears are one kernel for every batch size: nothing to choose per size.
     tune_max_m = graph_max_batch(cfg, backend) if device.type == "cuda" and not cfg.batch_invariant else 0
     if tune_max_m > 0:
-        small = [m for m in (1, 2, 4, 8) if m <= tune_max_m]  # the skinny and fused kernels' sizes
+        # the skinny and fused kernels' sizes ("dot" forms to 16 rows: a speculative row of 8 drafts, 9-16 slots)
+        small = [m for m in (1, 2, 4, 8) if m <= tune_max_m] + ([16] if tune_max_m > 8 else [])
         wide = [16 << i for i in range(8) if 16 << i <= m_bucket(tune_max_m)]  # the decode graphs' larger buckets
         tune_all(backend, model, small, wide, progress)
     if os.environ.get("FORERUN_TUNER_LOG"):  # which kernels this process runs (benchmarks keep it with their results)

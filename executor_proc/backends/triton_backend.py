@@ -23,7 +23,7 @@ this GPU.  At one token, ``norm_linear`` and ``silu_linear`` fold the norm (with
 residual add) or the SiLU-mul into the skinny matmul's loads (:func:`kernels.gemv_row.gemv_prologue`:
 one launch instead of two), and ``qkv_rotate_store`` also takes the rotary and the cache write
 as the q|k|v matmul's epilogue (:func:`kernels.gemv_qkv.qkv_rope`: one launch instead of three).
-At 2-8 tokens ``qkv_rotate_store`` takes the rotary and cache write as the epilogue and ``mlp`` the
+At 2-16 tokens ``qkv_rotate_store`` takes the rotary and cache write as the epilogue and ``mlp`` the
 SiLU-mul as gate|up's (:func:`kernels.gemv.gemv_silu`), each where
 :func:`executor_proc.backends.gemv_tuning.tune_prologues` measured it faster for that weight and
 batch size (otherwise the ops one by one); and with the layers' norms folded into q|k|v and gate|up
@@ -84,7 +84,7 @@ INVARIANT_ATTENTION_SPLITS = 8
 
 # The fused kernels the tuner may pick.  At one token "qkv", "norm" and "silu" fold the norm / SiLU-mul into the
 # matmul's loads (every program re-reads the row: at 2+ tokens that cost more than the launch it saves on an H100);
-# at 2-8 tokens "rope" and "gate_silu" are epilogues (rotary + cache write after q|k|v; SiLU-mul after gate|up).
+# at 2-16 tokens "rope" and "gate_silu" are epilogues (rotary + cache write after q|k|v; SiLU-mul after gate|up).
 ONE_TOKEN_KINDS = ("qkv", "norm", "silu")
 # An FP8 weight's skinny matmul where the tuner chose none: [2-8 rows, one row] ("dot" at 2-8: the norm from
 # partial sums needs it).
@@ -105,6 +105,12 @@ class TritonPlan:
     prefill_tiles: Optional[torch.Tensor] = None
     tile_m: int = 0
     tile_programs: int = 0
+
+
+def skinny_rows(weight: torch.Tensor) -> int:
+    """The most rows the skinny kernels serve for this weight: 16 ("dot" forms; "row" forms to 8), an FP8 weight
+    :data:`kernels.fp8.W8A16_MAX_ROWS` (W8A8 above)."""
+    return W8A16_MAX_ROWS if isinstance(weight, Fp8Weight) else skinny.MAX_M
 
 
 def m_bucket(m: int) -> int:
@@ -131,12 +137,12 @@ class TritonBackend:
         # (N, K, m_bucket) -> skinny-matmul config; absent: cuBLAS.
         self.gemv_choice: dict[tuple[int, int, int], GemvConfig] = {}
         self.gemv_everywhere: Optional[GemvConfig] = None  # tests: force the Triton path
-        # (N, K, m_bucket) -> tiled-matmul config for batches above 8; absent: cuBLAS.
+        # (N, K, m_bucket) -> tiled-matmul config for batches above 8 (where no skinny one serves); absent: cuBLAS.
         self.matmul_choice: dict[tuple[int, int, int], MatmulConfig] = {}
         # FP8 weights above 8 rows: (N, K, m_bucket) -> the Triton W8A8 kernel's config; absent: cuBLASLt.
         self.fp8_matmul_choice: dict[tuple[int, int, int], Fp8MatmulConfig] = {}
         # (kind, N, K, m_bucket) -> the config of a fused kernel (ONE_TOKEN_KINDS at m 1, "rope" and "gate_silu"
-        # at 2-8); absent: unfused.
+        # at 2-16); absent: unfused.
         self.prologue_choice: dict[tuple[str, int, int, int], GemvConfig] = {}
         # tests and tuning: force these kinds' fused kernels to these configs wherever they fit
         self.prologue_everywhere: Optional[dict[str, GemvConfig]] = None
@@ -151,7 +157,7 @@ class TritonBackend:
         # Batch-invariant mode: one attention split count for every batch; each weight's kernel, by shape.
         self.invariant_splits = min(INVARIANT_ATTENTION_SPLITS, self.workspace.max_splits)
         self.matmul_config: dict[tuple[int, int], MatmulConfig] = {}
-        # CausalLM.fold_norms ran (the layers' norm weights are in q|k|v and gate|up): at 2-8 tokens the output
+        # CausalLM.fold_norms ran (the layers' norm weights are in q|k|v and gate|up): at 2-16 tokens the output
         # projections add the residual and q|k|v and gate|up apply the norm themselves (project_out)
         self.norms_folded = False
 
@@ -278,9 +284,9 @@ class TritonBackend:
         return invariant_matmul(hidden, weight, None, config=tiled, out=out)
 
     def _gemv_config(self, x: torch.Tensor, weight: torch.Tensor) -> Optional[GemvConfig]:
-        """The skinny GEMV's config for this weight at x's rows, or None (cuBLAS)."""
+        """The skinny GEMV's config for this weight at x's rows, or None (the tiled matmul or cuBLAS)."""
         m = x.shape[0]
-        if m > 8 or x.stride(1) != 1:
+        if m > skinny_rows(weight) or x.stride(1) != 1:
             return None
         config = self.gemv_everywhere or self.gemv_choice.get((weight.shape[0], weight.shape[1], m_bucket(m)))
         if config is None and isinstance(weight, Fp8Weight):  # no cuBLAS for W8A16: the untuned default
@@ -303,7 +309,7 @@ class TritonBackend:
     def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonPlan,
                          kv_scale: KVScale = NO_SCALE) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the tuner chose it: at one token norm, matmul, rotary and cache write in one launch, at 2-8
+        """Where the tuner chose it: at one token norm, matmul, rotary and cache write in one launch, at 2-16
         the norm and then the rest in one launch (:func:`kernels.gemv_qkv.qkv_rope`)."""
         rope = dict(positions=plan.positions, cos_sin_cache=self.cos_sin, k_cache=k_cache, v_cache=v_cache,
                     kv_index=plan.kv_index, kv_scale=kv_scale)
@@ -322,7 +328,7 @@ class TritonBackend:
         return qkv_rope(h, weight, bias, config=config, norm=None, residual=None, **rope)[0], residual
 
     def mlp(self, pre: NormInput, gate_up: tuple, down: tuple) -> Stream:
-        """Where the tuner chose it (2-8 tokens): the norm (or, after a residual epilogue, the partial sums of
+        """Where the tuner chose it (2-16 tokens): the norm (or, after a residual epilogue, the partial sums of
         squares), then gate|up with SiLU-mul as its epilogue (:func:`kernels.gemv.gemv_silu`), then down
         through :meth:`project_out`; otherwise :meth:`norm_linear` and :meth:`silu_linear`."""
         config = self._fused_config("gate_silu", pre.x, gate_up[0])
@@ -341,11 +347,11 @@ class TritonBackend:
 
     def project_out(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     residual: torch.Tensor) -> Stream:
-        """With the norms folded, at 2-8 tokens and where a skinny matmul serves this weight: the residual
+        """With the norms folded, at 2-16 tokens and where a skinny matmul serves this weight: the residual
         added in its epilogue, with the partial sums of squares the next q|k|v or gate|up normalises by
         (:func:`kernels.gemv.gemv_residual`): the next norm's launch saved.  Otherwise the plain matmul."""
         m = x.shape[0]
-        config = self._gemv_config(x, weight) if self.norms_folded and 1 < m <= skinny.ROW_MAX_M else None
+        config = self._gemv_config(x, weight) if self.norms_folded and 1 < m else None
         if config is None or not sumsq_fits(config, weight.shape[0], m):
             return unfused_project_out(self, x, weight, bias, residual)
         h, sumsq = skinny.gemv_residual(x, weight, bias, residual, config=config)
@@ -377,9 +383,9 @@ class TritonBackend:
     def _fused_config(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> Optional[GemvConfig]:
         """The fused kernel's config for this weight at x's rows (key ``(kind, N, K, m_bucket)``), or None:
         not chosen, batch-invariant, a kind not for this many rows (``ONE_TOKEN_KINDS`` at one, the
-        epilogues at 2 to ``ROW_MAX_M``), or a config that does not fit them."""
+        epilogues at 2 to :func:`skinny_rows`), or a config that does not fit them."""
         m = x.shape[0]
-        if self.batch_invariant or not 0 < m <= skinny.ROW_MAX_M or not x.is_contiguous():
+        if self.batch_invariant or not 0 < m <= skinny_rows(weight) or not x.is_contiguous():
             return None
         if (m == 1) != (kind in ONE_TOKEN_KINDS):
             return None
