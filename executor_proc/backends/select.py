@@ -28,8 +28,9 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     Triton on CUDA (``kernels: auto``) or when asked: its decode workspace holds
     ``num_slots + 1`` rows (the padding slot; speculation's steps run up to ``K + 2`` times as many with fewer
     splits), and on CUDA with graphs its linears
-    are tuned for the graph batch sizes 1, 2, 4, 8 (skinny matmul and the fused norm / SiLU / rotary
-    matmuls), 16, 32, ... up to the largest graph (tiled matmul), and the layers' norms are folded into
+    are tuned for the graph batch sizes 1, 2, 4, 8, 16 (skinny matmul and the fused norm / SiLU / rotary
+    matmuls), 16, 32, ... up to the largest graph (tiled matmul; at 16 the faster of the two is kept), and the
+    layers' norms are folded into
     the matmuls after them (:func:`folds_norms`) before the weights are quantized (:func:`quantize`), each
     tuning phase reported through ``progress`` (its kernels compiled, then its shapes timed).  Otherwise torch.
     """
