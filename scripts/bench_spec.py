@@ -121,7 +121,9 @@ def step_medians(path: str, windows: dict[str, tuple[float, float]]) -> Optional
     executor's wait for the plan, the GPU's busy time (from the step's start on the device, so it includes any
     wait for the executor's launches), the executor's host time (prepare + launch) and the scheduler's plan.  At
     batch 1 and depth 1 a step's period is about half of the host chain (result, plan, prepare, launch) plus half
-    of the GPU's time: step N + 1's plan leaves when step N - 1's result is back."""
+    of the GPU's time: step N + 1's plan leaves when step N - 1's result is back.  And totals (ms) over all its
+    steps against the window: the GPU's busy and idle time, the window's length (what the medians miss: long
+    steps, and time between requests)."""
     if not os.path.exists(path):
         return None
     with open(path) as f:
@@ -138,7 +140,9 @@ def step_medians(path: str, windows: dict[str, tuple[float, float]]) -> Optional
                      "idle_ms": median([b["idle_s"] for _, b in one]),
                      "gpu_busy_ms": median([b["gpu_busy_s"] for _, b in one]),
                      "host_ms": median([b["prepare_s"] + b["launch_s"] for _, b in one]),
-                     "plan_ms": median([b["plan_s"] for _, b in one])}
+                     "plan_ms": median([b["plan_s"] for _, b in one]),
+                     "gpu_busy_total_ms": 1e3 * sum(s["gpu_busy_s"] for s in ours),
+                     "idle_total_ms": 1e3 * sum(s["idle_s"] for s in ours), "window_ms": 1e3 * (t1 - t0)}
     return out or None
 
 
