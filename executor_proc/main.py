@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m executor_proc.main CONFIG_JSON", file=sys.stderr)
         return 2
     cfg = msgspec.json.decode(argv[0], type=ExecutorConfig)
+    if cfg.kernels == "triton" and not cfg.device.startswith("cuda"):
+        # Triton runs on a CPU only in its interpreter, which it chooses when a kernel is defined (at import)
+        os.environ["TRITON_INTERPRET"] = "1"
     # torch is imported here, not at the top: the scripted test double never needs it (~1.6 s of CPU a start).
     # One core is left to the scheduler and clients: OpenMP matmuls that share a core slow down tenfold.
     # Tensor-parallel ranks on the CPU share the rest.

@@ -69,7 +69,8 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                         "replica's requests to another. On cuda:i replica r takes GPUs i+r*TP..i+(r+1)*TP-1; on the "
                         "cpu the replicas share the cores")
     s.add_argument("--kernels", default=E("kernels"), choices=list(get_args(Kernels)),
-                   help="attention/norm/sampling kernels (auto: Triton on cuda, torch on cpu)")
+                   help="attention/norm/sampling kernels (auto: Triton on cuda, torch on cpu; triton on the cpu "
+                        "runs Triton's interpreter: exact, slow, for tests)")
     s.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every step eagerly instead of replaying captured CUDA graphs")
     s.add_argument("--mixed-graphs", default=E("mixed_graphs"), choices=list(get_args(MixedGraphs)),

@@ -358,3 +358,27 @@ def test_flood_does_not_stall_another_clients_stream(tmp_path):
     assert result["stream_ok"]
     assert result["max_gap_during_flood_s"] < 1.0, result
     assert result["overloaded_refusals"] == result["overload_extra"], result
+
+
+def test_triton_kernels_on_the_cpu_run_in_triton_s_interpreter(tmp_path, monkeypatch):
+    """`--kernels triton --device cpu` serves with no TRITON_INTERPRET in the environment: the executor chooses
+    Triton's interpreter before the kernels are defined (without it every step failed: Triton found no GPU driver)."""
+    from ipc.client import AsyncClient
+    from ipc.client_protocol import SamplingParams
+    from tests.test_gpu_fastpath import write_config
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = write_config(tmp_path, layers=1)
+    srv = ServerProcess("--model", model, "--load-format", "dummy", "--device", "cpu", "--kernels", "triton",
+                        "--max-num-seqs", "2", tmpdir=run_dir(), timeout=120)
+
+    async def generate():
+        async with AsyncClient(srv.address) as client:
+            return await client.generate(prompt_token_ids=[5, 6, 7], detokenize=False,
+                                         sampling=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+
+    try:
+        out = asyncio.run(generate())
+        assert len(out.token_ids) == 3 and out.finish_reason == "length", out
+    finally:
+        srv.stop()
