@@ -8,8 +8,8 @@
 #   tests          GPU tests: fast path against the torch path, CUDA graphs, mixed-step graphs, batch invariance;
 #                  every fused kernel variant compiled for sm_90
 #   tests-kernels  kernel tests on the GPU (attention, GEMV, sampling, transfer), host KV tier, compile ahead
-#   decode         batch-1 decode (1B, 8B), 2 and 4 rows (1B), batch 64 (8B, default and --batch-invariant),
-#                  prefill MFU (8B)
+#   decode         batch-1 decode (1B, 8B), 2 and 4 rows (1B), 16 rows (1B, 8B), batch 64 (8B, default and
+#                  --batch-invariant), prefill MFU (8B)
 #   serve          1B server: b1, r10, r40 loads through the SDK (512 in / 128 out); 8B batch 1 from the client
 #   idle           GPU idle between steps at batch 64 and SDK throughput, depths 0 and 1; the HF baseline
 #   gateway        HTTP vs SDK streaming at 1 and 4 gateway workers, 4 client processes
@@ -19,7 +19,8 @@
 #   startup        8B start-up from an empty Triton cache and warm; executor restart (1B)
 #   memory         the memory plan's GPU test (1B, 256 slots, every step kind), then bench_memory.py's matrix
 #                  (--quick; the cells past its deadline are skipped)
-#   kernels        kernel benchmarks: transfer, sampling, sampling step, prefill attention
+#   kernels        kernel benchmarks: transfer, sampling, sampling step, prefill attention, the default model's
+#                  shape's speculative verify step (K = 8)
 #   tp             tensor and data parallelism on the GPUs present: the tests on CUDA, then bench_tp.py with its
 #                  defaults (two GPUs: 8B at TP 1 and 2, 1B replicas at DP 1 and 2 and shared prefixes at DP 2;
 #                  four: also 8B at TP 4 and the 70B shape at TP 4, which with the tests may pass 10 minutes)
@@ -95,6 +96,8 @@ part_decode() {
   for b in 2 4; do
     run timeout 90 $PY scripts/bench_decode.py --models llama-3.2-1b --batch $b --json "$OUT/decode_1b_b$b.json"
   done
+  run timeout 120 $PY scripts/bench_decode.py --models llama-3.2-1b,llama-3-8b --batch 16 --steps 100 \
+      --json "$OUT/decode_b16.json"
   run timeout 120 $PY scripts/bench_decode.py --models llama-3-8b --batch 64 --context 512 --json "$OUT/decode_b64.json"
   run timeout 120 $PY scripts/bench_decode.py --models llama-3-8b --batch 64 --context 512 --batch-invariant \
       --json "$OUT/decode_b64_inv.json"
@@ -170,6 +173,8 @@ part_kernels() {
   run timeout 120 $PY scripts/bench_kernels.py sampling --json "$OUT/sampling.json"
   run timeout 150 $PY scripts/bench_kernels.py sampling-step --json "$OUT/sampling_step.json"
   run timeout 120 $PY scripts/bench_kernels.py prefill-attention --json "$OUT/prefill_attention.json"
+  run timeout 120 $PY scripts/bench_kernels.py spec --model smollm2-135m --batches 1,2,16 --k 8 \
+      --json "$OUT/spec_verify_default_shape.json"
 }
 
 part_tp() {
