@@ -296,10 +296,11 @@ def test_qkv_rope_dot_form_matches_unfused(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_residual_epilogue_and_norm_from_partial_sums(dtype):
     """At 2-16 tokens: the output projection with the residual add in its epilogue (the configs of every form
-    that fits, half of them per size; past 8 rows the "dot" forms) stores exactly the unfused matmul then add, and partial sums of squares whose
-    total is each row's; q|k|v (with rotary and cache write) and gate|up (with SiLU-mul) that apply the norm
-    from those sums, its weight folded into theirs, match norm-then-matmul on the unfolded weight (float32
-    tightly; bf16 within the roundings the fused form skips or adds, checked against float64 math)."""
+    that fits, half of them per size; past 8 rows the "dot" forms) stores exactly the unfused matmul then add,
+    and partial sums of squares whose total is each row's; q|k|v (with rotary and cache write) and gate|up (with
+    SiLU-mul) that apply the norm from those sums, its weight folded into theirs, match norm-then-matmul on the
+    unfolded weight (float32 tightly; bf16 within the roundings the fused form skips or adds, checked against
+    float64 math)."""
     from kernels import reference as R
     from kernels.gemv import CONFIGS, config_fits, gemv, gemv_residual, gemv_silu
     from kernels.gemv_partials import sumsq_fits, sumsq_programs
@@ -490,7 +491,8 @@ def test_skinny_kernels_serve_up_to_16_rows_where_tuned():
     assert backend._fused_config("rope", torch.randn(12, 64), w) is None  # a "row" config does not fit 12 rows
     fp8 = quantize_weight(w)
     backend.gemv_choice[(96, 64, 8)] = dot
-    assert backend._gemv_config(torch.randn(8, 64), fp8) == dot and backend._gemv_config(torch.randn(9, 64), fp8) is None
+    assert backend._gemv_config(torch.randn(8, 64), fp8) == dot
+    assert backend._gemv_config(torch.randn(9, 64), fp8) is None
     assert backend._fused_config("gate_silu", torch.randn(12, 64), fp8) is None
     tiled = MatmulConfig(64, 128, 4, 5, 1)
     skinny_choice = {(96, 64, 16): dot, (64, 64, 16): dot, (32, 64, 16): dot}
