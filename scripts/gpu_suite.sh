@@ -27,8 +27,7 @@
 #   allreduce      (two GPUs or more) the one-shot all-reduce: its tests (against NCCL, in replayed graphs, a
 #                  TP=2 server), then one all-reduce of 1 KiB .. 1 MiB both ways and the TP=2 8B step with each
 #   moe            the MoE kernels' GPU tests and tiles (bench_kernels.py moe), the Qwen3-30B-A3B shape at batch 1
-#                  and 64; on two GPUs tensor
-#                  against expert parallelism (TP=2 and EP=2)
+#                  and 64, bf16 and FP8 experts; on two GPUs tensor against expert parallelism (TP=2 and EP=2)
 #   fp8            FP8 weights and KV cache: their GPU tests, then bf16 against FP8 decode (1B, 8B batch 1 with a
 #                  2,048-token prefill; 8B batch 64 with FP8 KV; 1B, 8 rows of 16k context, bf16 against FP8 KV)
 #   spec           speculative decoding: bench_spec.py (verification's cost, the default model with n-gram drafts,
@@ -192,7 +191,8 @@ part_moe() {
   run timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_moe.py
   run timeout 150 $PY scripts/bench_kernels.py moe --json "$OUT/moe_kernels.json"
   for b in 1 64; do
-    run timeout 90 $PY scripts/bench_decode.py --models qwen3-30b-a3b --batch $b --json "$OUT/moe_b$b.json"
+    run timeout 150 $PY scripts/bench_decode.py --models qwen3-30b-a3b --batch $b --quantization none,fp8 \
+        --json "$OUT/moe_b$b.json"
   done
   if [ "$DRY" = 1 ] || [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     run timeout 150 $PY scripts/bench_tp.py --parts tp --model $CFG/qwen3-30b-a3b --sizes 2 --requests 0 \
