@@ -143,19 +143,27 @@ def test_a_step_of_the_last_rows_stages_nothing(worker):
 
 
 @pytest.mark.parametrize("method,invariant", [("ngram", False), ("draft", False), ("ngram", True)])
-def test_attention_workspace_holds_every_mixed_step_row(tmp_path, method, invariant):
+def test_attention_workspace_holds_every_mixed_step_row(tmp_path, monkeypatch, method, invariant):
     """Triton's decode attention keeps partials for every row count a step may run as one-token rows: the
-    mixed-step body's hidden rows (K + 2 a slot under either method) past the decode steps' batch, batch-invariant
-    ones at the one split count (8 slots and K = 2: 32 rows, more than 9 slots of K + 1 positions)."""
+    mixed-step body's hidden rows (K + 2 a slot under either method) past the decode steps' batch, a speculative
+    graph's K + 1 a row, batch-invariant ones at the one split count; with the split counts of the CPU and of a
+    132-SM GPU (16 slots and K = 4: 96 rows, more than 17 slots of K + 1 positions, overran the GPU's)."""
+    import kernels.decode_attention as attention
+
     folder = write_config(tmp_path)
-    spec = SpeculativeConfig(method=method, num_tokens=2, draft_model=folder if method == "draft" else "")
+    spec = SpeculativeConfig(method=method, num_tokens=4, draft_model=folder if method == "draft" else "")
     cfg = ExecutorConfig(model=folder, load_format="dummy", plan_addr="", result_addr="", device="cpu",
-                         dtype="float32", kernels="triton", batch_invariant=invariant, num_slots=8, num_kv_blocks=64,
+                         dtype="float32", kernels="triton", batch_invariant=invariant, num_slots=16, num_kv_blocks=64,
                          block_size=BLOCK, mixed_graphs="on", max_num_batched_tokens=64, speculative=spec)
     worker = build_worker(cfg).worker
     backend = worker.model.backend
-    assert worker.mixed.max_rows == 32
-    for rows in worker.mixed.row_buckets:
-        splits = backend._num_splits(rows)
-        assert splits == 8 if invariant else splits >= 1
-        backend.workspace.partials(rows, splits)  # asserts that the rows and their splits fit
+    assert worker.mixed.max_rows == 96
+    rows = list(worker.mixed.row_buckets)
+    if worker.spec_graphs is not None:
+        rows += [bucket * 5 for bucket in worker.spec_graphs.buckets]
+    for sms in (8, 132):
+        monkeypatch.setattr(attention, "_num_sms", lambda device, sms=sms: sms)
+        for r in rows:
+            splits = backend._num_splits(r)
+            assert splits == 8 if invariant else splits >= 1
+            backend.workspace.partials(r, splits)  # asserts that the rows and their splits fit
