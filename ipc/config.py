@@ -69,6 +69,12 @@ class SpeculativeConfig(_Config):
     draft_model: str = ""  # method "draft": the draft model (HF folder, .gguf file, config.json for dummy weights)
     draft_load_format: Optional[LoadFormat] = None  # how to read it; None: the model's load_format
 
+    def values_per_slot(self) -> int:
+        """Values a slot's row of one step may give, each a one-token row of a forward or an output: its first
+        token, ``K`` drafted positions and the bonus (K + 2); 1 without speculation.  The decode attention's
+        workspace, the mixed-step body's hidden rows and the output ring are sized by it."""
+        return self.num_tokens + 2 if self.method is not None else 1
+
 
 class ExecutorConfig(_Config):
     """Everything the executor needs to build itself; the scheduler fills in the addresses."""

@@ -43,13 +43,11 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
 
     patch_interpreter()  # the CPU runs the kernels in Triton's interpreter (a no-op on a GPU)
     c = model.config
-    spec = cfg.speculative
-    # one-token rows of a forward: n-gram steps' K + 1 positions a row as decode rows, and the mixed-step body's
-    # hidden rows under either method (a row per slot and per drafted position: K + 2 a slot)
-    positions = spec.num_tokens + 2 if spec.method is not None else 1
+    # one-token rows of a forward: n-gram steps' K + 1 positions a row as decode rows, the mixed-step body's hidden
+    # rows under either method
     backend = TritonBackend(model.rope_inv_freq, max_positions, c.num_heads, c.num_kv_heads, c.head_dim,
                             cfg.num_slots + 1, device, batch_invariant=cfg.batch_invariant,
-                            max_decode_rows=(cfg.num_slots + 1) * positions)
+                            max_decode_rows=(cfg.num_slots + 1) * cfg.speculative.values_per_slot())
     if folds_norms(cfg) and not is_quantized(model):  # FP8 from the checkpoint: a fold would re-quantize
         model.fold_norms()
         backend.norms_folded = True

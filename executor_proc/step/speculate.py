@@ -63,7 +63,7 @@ def build_speculator(sc: SpeculativeConfig, num_slots: int, max_len: int, device
     method ``draft`` (:mod:`executor_proc.step.draft`)."""
     if sc.method is None:
         return None
-    return Speculator(num_slots, max_len, sc.num_tokens, sc.ngram_min, sc.ngram_max, device, draft)
+    return Speculator(sc, num_slots, max_len, device, draft)
 
 
 def ngram_drafts(tokens, slots, lengths, k, ngram_min, ngram_max) -> torch.Tensor:
@@ -140,9 +140,11 @@ class SpecStep:
 class Speculator:
     """The per-slot tables and the step's speculative work (module docstring)."""
 
-    def __init__(self, num_slots: int, max_len: int, k: int, ngram_min: int, ngram_max: int, device: torch.device,
+    def __init__(self, sc: SpeculativeConfig, num_slots: int, max_len: int, device: torch.device,
                  draft: Optional[DraftModel] = None):
-        self.k, self.ngram_min, self.ngram_max = k, ngram_min, ngram_max
+        k = self.k = sc.num_tokens
+        self.ngram_min, self.ngram_max = sc.ngram_min, sc.ngram_max
+        self.values_per_slot = sc.values_per_slot()  # a slot's one-token rows and outputs in a step (K + 2)
         self.draft = draft  # None: drafts by prompt lookup
         rows = num_slots + 1
         self.tokens = torch.zeros(rows, max_len + k + 2, dtype=torch.int32, device=device)  # token ids fit 31 bits

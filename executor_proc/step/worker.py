@@ -107,7 +107,7 @@ class Worker:
         get graphs wherever the mixed-step graphs run (:mod:`executor_proc.step.draft_graphs`)."""
         self.spec = spec
         if spec is not None and self.mixed is not None:  # a hidden row per sampled row and per speculative position
-            self.mixed = self._mixed_graphs(self.mixed.token_buckets[-1], self.tables.num_slots * (spec.k + 2))
+            self.mixed = self._mixed_graphs(self.mixed.token_buckets[-1], self.tables.num_slots * spec.values_per_slot)
         # a rank's lazy captures would need every rank's at once: tensor-parallel steps keep the mixed-step path
         if spec is not None and spec.draft is None and not self.model.tensor_parallel:
             # as many rows as the decode graphs take, each K + 1 positions (the memory plan measures the captures)
@@ -117,7 +117,7 @@ class Worker:
                                           self.tables, self.block_size, max_rows, self.capture, self.capturer,
                                           self.device)
         if spec is not None and self.tokens_out is not None:
-            self.tokens_out = TokenRing(self.device, (self.tables.num_slots + 1) * (spec.k + 2))
+            self.tokens_out = TokenRing(self.device, (self.tables.num_slots + 1) * spec.values_per_slot)
         if spec is not None and spec.draft is not None and self.mixed is not None:
             spec.draft.graphs = DraftGraphs(spec.draft, self.tables, spec.tokens, self.tables.num_slots, self.device,
                                             self.capture, self.capturer)
