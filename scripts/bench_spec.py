@@ -14,6 +14,9 @@ Parts (each reuses the benchmark that owns the measurement):
   text: prompt lookup's case) one at a time and 16 at a time, and on the built-in chat set one at a time (little
   to look up: what speculation costs where it does not pay); output tokens/s and the mean accepted length, and
   per load the medians of its steps in the server's step log (``step_medians``: period, idle, host, GPU);
+  ``--repeats N``: both servers side by side (a KV pool of ``SIDE_BY_SIDE_BLOCKS`` each), every load N times
+  against each in turn (the order reversed every other round), the run of median output tokens/s kept (runs of
+  0.6-2 s move by up to 15% with the host's stalls: one run a load compares noise);
 - ``draft``: the 8B shape (random weights) without speculation, with the 1B shape as a random draft (the cost
   side: nothing is accepted), and as its own draft under ``--batch-invariant`` (most drafts accepted);
   ``bench_serve.py`` with random 512-token prompts, one at a time;
@@ -43,6 +46,7 @@ from benchlib import ipc_address, start_server, stop_server, write_json  # noqa:
 CONFIGS = os.path.join(SCRIPTS, "configs")
 PROMPTS = os.path.join(SCRIPTS, "data", "spec_prompts.jsonl")
 PARTS = ("verify", "serve", "draft", "idle")
+SIDE_BY_SIDE_BLOCKS = 2048  # KV blocks of each server under --repeats (32k tokens: the loads use under 4k)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -57,6 +61,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu runs the verify part only, on tiny shapes: a check that it runs")
     ap.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default 128)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="serve part: run each load this many times against both servers, side by side, and keep "
+                         "the median run (default 1: one server after the other, one run a load)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write every run's figures here")
     ap.add_argument("--dry-run", action="store_true", help="print the servers and commands, run nothing")
     ap.add_argument("--step-logs", default=None, metavar="DIR",
@@ -65,6 +72,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
         ap.error(f"--parts: unknown {', '.join(sorted(unknown))} (choose from {', '.join(PARTS)})")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, not {args.repeats}")
     if args.device == "cpu" and args.parts != "verify":
         ap.error("--device cpu runs --parts verify only (the other parts serve on a GPU)")
     return args
@@ -115,7 +124,51 @@ def served(args: argparse.Namespace, key: str, name: str, flags: list[str],
     return results
 
 
-def step_medians(path: str, windows: dict[str, tuple[float, float]]) -> Optional[dict[str, dict[str, float]]]:
+def served_side_by_side(args: argparse.Namespace, servers: dict[str, tuple[str, list[str]]],
+                        loads: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+    """``servers`` (key -> (name, flags)) started together; every load ``args.repeats`` times against each in turn,
+    the order reversed every other round.  Per server, :func:`served`'s figures with each load's median run (by
+    output tokens/s) and ``repeats``: every run's output tokens/s."""
+    for name, flags in servers.values():
+        print(f"+ forerun serve {' '.join(flags)}   [{name}; side by side]", flush=True)
+    if args.dry_run:
+        for load, load_flags in loads.items():
+            print(f"+   bench_serve.py {' '.join(load_flags)}   [{load}, {args.repeats} rounds]")
+        return {key: {} for key in servers}
+    pool = ["--num-kv-blocks", str(SIDE_BY_SIDE_BLOCKS), "--gpu-memory-utilization", "0.95"]  # the plan counts
+    with tempfile.TemporaryDirectory(prefix="fr-spec-") as tmp:                           # the others as in use
+        live, runs = {}, {key: {load: [] for load in loads} for key in servers}
+        windows: dict[str, dict[str, list]] = {key: {load: [] for load in loads} for key in servers}
+        try:
+            for i, (key, (_, flags)) in enumerate(servers.items()):
+                address, log = ipc_address(tmp), os.path.join(tmp, f"{key}.jsonl")
+                live[key] = (address, log, start_server(address, "--device", "cuda", "--step-log", log, *pool,
+                                                        *flags, run_dir=tmp, echo=False))
+            for r in range(args.repeats):
+                for load, load_flags in loads.items():
+                    for key in (servers if r % 2 == 0 else reversed(list(servers))):
+                        t0 = time.perf_counter()
+                        got = run_script(args, "bench_serve.py", "--address", live[key][0], "--no-progress",
+                                         "--output-len", str(args.output_len), *load_flags)
+                        windows[key][load].append((t0, time.perf_counter()))
+                        if got:
+                            runs[key][load].append(got)
+        finally:
+            for _, _, server in live.values():
+                stop_server(server)
+        out: dict[str, dict[str, Any]] = {}
+        for key in servers:
+            if args.step_logs and key in live and os.path.exists(live[key][1]):
+                os.makedirs(args.step_logs, exist_ok=True)
+                shutil.copy(live[key][1], os.path.join(args.step_logs, f"{key}.jsonl"))
+            ordered = {load: sorted(rs, key=lambda x: x["output_throughput"]) for load, rs in runs[key].items()}
+            out[key] = {load: rs[len(rs) // 2] for load, rs in ordered.items() if rs}
+            out[key]["repeats"] = {load: [x["output_throughput"] for x in rs] for load, rs in runs[key].items()}
+            out[key]["steps"] = step_medians(live[key][1], windows[key]) if key in live else None
+    return out
+
+
+def step_medians(path: str, windows: dict[str, Any]) -> Optional[dict[str, dict[str, float]]]:
     """Per load (the steps that ended in its time window), from the server's ``--step-log``: its steps and rows,
     and medians (ms) over its steps of one row and no prefill of the period from one step's end to the next's, the
     executor's wait for the plan, the GPU's busy time (from the step's start on the device, so it includes any
@@ -130,8 +183,9 @@ def step_medians(path: str, windows: dict[str, tuple[float, float]]) -> Optional
         steps = [json.loads(line) for line in f if line.strip()]
     median = lambda xs: 1e3 * sorted(xs)[len(xs) // 2]  # noqa: E731
     out = {}
-    for load, (t0, t1) in windows.items():
-        ours = [s for s in steps if t0 <= s["t_end"] <= t1]
+    for load, spans in windows.items():
+        spans = [spans] if spans and isinstance(spans[0], (int, float)) else spans  # one (t0, t1), or a list
+        ours = [s for s in steps if any(t0 <= s["t_end"] <= t1 for t0, t1 in spans)]
         one = [(a, b) for a, b in zip(ours, ours[1:]) if b["num_rows"] == 1 and not b["num_prefill"]]
         if not one:
             continue
@@ -142,7 +196,8 @@ def step_medians(path: str, windows: dict[str, tuple[float, float]]) -> Optional
                      "host_ms": median([b["prepare_s"] + b["launch_s"] for _, b in one]),
                      "plan_ms": median([b["plan_s"] for _, b in one]),
                      "gpu_busy_total_ms": 1e3 * sum(s["gpu_busy_s"] for s in ours),
-                     "idle_total_ms": 1e3 * sum(s["idle_s"] for s in ours), "window_ms": 1e3 * (t1 - t0)}
+                     "idle_total_ms": 1e3 * sum(s["idle_s"] for s in ours),
+                     "window_ms": 1e3 * sum(t1 - t0 for t0, t1 in spans)}
     return out or None
 
 
@@ -157,6 +212,9 @@ def part_serve(args: argparse.Namespace) -> dict[str, Any]:
                            "--concurrency", "16"],
              "chat_c1": ["--dataset", "chat", "--num-requests", "24", "--concurrency", "1"]}
     spec = ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
+    if args.repeats > 1:
+        return served_side_by_side(args, {"serve_off": ("default model", []),
+                                          "serve_ngram": ("default model, n-gram", spec)}, loads)
     return {"serve_off": served(args, "serve_off", "default model", [], loads),
             "serve_ngram": served(args, "serve_ngram", "default model, n-gram", spec, loads)}
 
