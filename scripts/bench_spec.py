@@ -16,7 +16,8 @@ Parts (each reuses the benchmark that owns the measurement):
   per load the medians of its steps in the server's step log (``step_medians``: period, idle, host, GPU);
   ``--repeats N``: both servers side by side (a KV pool of ``SIDE_BY_SIDE_BLOCKS`` each), every load N times
   against each in turn (the order reversed every other round), the run of median output tokens/s kept (runs of
-  0.6-2 s move by up to 15% with the host's stalls: one run a load compares noise);
+  0.6-2 s move by up to 15% with the host's stalls: one run a load compares noise; a round of the three loads
+  takes about a minute on an H200, each run a fresh client process);
 - ``draft``: the 8B shape (random weights) without speculation, with the 1B shape as a random draft (the cost
   side: nothing is accepted), and as its own draft under ``--batch-invariant`` (most drafts accepted);
   ``bench_serve.py`` with random 512-token prompts, one at a time;

@@ -203,3 +203,31 @@ def test_the_longest_first_order_names_test_files_that_exist():
 
     missing = [name for name in LONGEST_FIRST if not os.path.exists(os.path.join(ROOT, "tests", name))]
     assert not missing and len(set(LONGEST_FIRST)) == len(LONGEST_FIRST), missing
+
+
+def test_bench_spec_side_by_side_rounds_alternate_and_keep_the_median(monkeypatch):
+    """``bench_spec.py --repeats``: both servers up at once, each round's loads against each server in turn with the
+    order reversed every other round, and per server and load the run of median output tokens/s kept (servers and
+    runs faked: the real ones need a GPU)."""
+    monkeypatch.syspath_prepend(SCRIPTS)
+    import bench_spec
+
+    calls, started, stopped = [], [], []
+    monkeypatch.setattr(bench_spec, "start_server", lambda address, *flags, **kw: started.append(flags) or address)
+    monkeypatch.setattr(bench_spec, "stop_server", stopped.append)
+
+    def run_script(args, script, *flags):
+        address, load = flags[1], flags[-1]
+        calls.append((address, load))
+        return {"output_throughput": float(len(calls)), "load": load}
+
+    monkeypatch.setattr(bench_spec, "run_script", run_script)
+    args = bench_spec.parse_args(["--parts", "serve", "--repeats", "3"])
+    servers = {"off": ("plain", []), "on": ("n-gram", ["--speculative-method", "ngram"])}
+    out = bench_spec.served_side_by_side(args, servers, {"a": ["--x", "a"], "b": ["--x", "b"]})
+    assert len(started) == len(stopped) == 2 and "ngram" in started[1] and "--num-kv-blocks" in started[0]
+    servers = [address for address, _ in calls]
+    off, on = servers[0], servers[1]
+    assert servers == [off, on, off, on, on, off, on, off, off, on, off, on]  # round 2 reversed
+    assert out["off"]["repeats"] == {"a": [1.0, 6.0, 9.0], "b": [3.0, 8.0, 11.0]}
+    assert out["off"]["a"]["output_throughput"] == 6.0 and out["on"]["b"]["output_throughput"] == 7.0
