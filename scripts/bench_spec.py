@@ -141,7 +141,7 @@ def served_side_by_side(args: argparse.Namespace, servers: dict[str, tuple[str, 
         live, runs = {}, {key: {load: [] for load in loads} for key in servers}
         windows: dict[str, dict[str, list]] = {key: {load: [] for load in loads} for key in servers}
         try:
-            for i, (key, (_, flags)) in enumerate(servers.items()):
+            for key, (_, flags) in servers.items():
                 address, log = ipc_address(tmp), os.path.join(tmp, f"{key}.jsonl")
                 live[key] = (address, log, start_server(address, "--device", "cuda", "--step-log", log, *pool,
                                                         *flags, run_dir=tmp, echo=False))
@@ -170,7 +170,8 @@ def served_side_by_side(args: argparse.Namespace, servers: dict[str, tuple[str, 
 
 
 def step_medians(path: str, windows: dict[str, Any]) -> Optional[dict[str, dict[str, float]]]:
-    """Per load (the steps that ended in its time window), from the server's ``--step-log``: its steps and rows,
+    """Per load (the steps that ended in its time window, or in any of its windows: a list of (t0, t1) under
+    ``--repeats``), from the server's ``--step-log``: its steps and rows,
     and medians (ms) over its steps of one row and no prefill of the period from one step's end to the next's, the
     executor's wait for the plan, the GPU's busy time (from the step's start on the device, so it includes any
     wait for the executor's launches), the executor's host time (prepare + launch) and the scheduler's plan.  At
@@ -186,8 +187,9 @@ def step_medians(path: str, windows: dict[str, Any]) -> Optional[dict[str, dict[
     out = {}
     for load, spans in windows.items():
         spans = [spans] if spans and isinstance(spans[0], (int, float)) else spans  # one (t0, t1), or a list
-        ours = [s for s in steps if any(t0 <= s["t_end"] <= t1 for t0, t1 in spans)]
-        one = [(a, b) for a, b in zip(ours, ours[1:]) if b["num_rows"] == 1 and not b["num_prefill"]]
+        by_span = [[s for s in steps if t0 <= s["t_end"] <= t1] for t0, t1 in spans]
+        ours = [s for xs in by_span for s in xs]
+        one = [(a, b) for xs in by_span for a, b in zip(xs, xs[1:]) if b["num_rows"] == 1 and not b["num_prefill"]]
         if not one:
             continue
         out[load] = {"steps": len(ours), "rows": sum(s["num_rows"] for s in ours), "one_row_steps": len(one),

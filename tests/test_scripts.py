@@ -231,3 +231,19 @@ def test_bench_spec_side_by_side_rounds_alternate_and_keep_the_median(monkeypatc
     assert servers == [off, on, off, on, on, off, on, off, off, on, off, on]  # round 2 reversed
     assert out["off"]["repeats"] == {"a": [1.0, 6.0, 9.0], "b": [3.0, 8.0, 11.0]}
     assert out["off"]["a"]["output_throughput"] == 6.0 and out["on"]["b"]["output_throughput"] == 7.0
+
+
+def test_bench_spec_step_medians_pair_steps_within_each_window(tmp_path, monkeypatch):
+    """Under ``--repeats`` a load has several time windows: its steps are those of every window, and a step's period
+    is taken from the step before it in the same window only (never across the time between two runs)."""
+    monkeypatch.syspath_prepend(SCRIPTS)
+    import bench_spec
+
+    step = dict(num_rows=1, num_prefill=0, idle_s=0.001, gpu_busy_s=0.0005, prepare_s=0.0002, launch_s=0.0001,
+                plan_s=0.00001)
+    log = tmp_path / "steps.jsonl"
+    log.write_text("\n".join(json.dumps(dict(step, t_end=t)) for t in (1.0, 1.001, 1.002, 5.0, 5.002, 9.0)))
+    got = bench_spec.step_medians(str(log), {"one": (0.9, 1.1), "two": [(0.9, 1.1), (4.9, 5.1)]})
+    assert (got["one"]["steps"], got["one"]["one_row_steps"]) == (3, 2)
+    assert (got["two"]["steps"], got["two"]["one_row_steps"]) == (5, 3)
+    assert abs(got["two"]["period_ms"] - 1.0) < 1e-6 and abs(got["two"]["window_ms"] - 400.0) < 1e-6
