@@ -119,10 +119,15 @@ def served(args: argparse.Namespace, key: str, name: str, flags: list[str],
         finally:
             stop_server(server)
         results["steps"] = step_medians(log, windows)
-        if args.step_logs and os.path.exists(log):
-            os.makedirs(args.step_logs, exist_ok=True)
-            shutil.copy(log, os.path.join(args.step_logs, f"{key}.jsonl"))
+        keep_step_log(args, key, log)
     return results
+
+
+def keep_step_log(args: argparse.Namespace, key: str, log: str) -> None:
+    """With ``--step-logs DIR``: the server's step log copied to ``DIR/KEY.jsonl``."""
+    if args.step_logs and os.path.exists(log):
+        os.makedirs(args.step_logs, exist_ok=True)
+        shutil.copy(log, os.path.join(args.step_logs, f"{key}.jsonl"))
 
 
 def served_side_by_side(args: argparse.Namespace, servers: dict[str, tuple[str, list[str]]],
@@ -159,9 +164,8 @@ def served_side_by_side(args: argparse.Namespace, servers: dict[str, tuple[str, 
                 stop_server(server)
         out: dict[str, dict[str, Any]] = {}
         for key in servers:
-            if args.step_logs and key in live and os.path.exists(live[key][1]):
-                os.makedirs(args.step_logs, exist_ok=True)
-                shutil.copy(live[key][1], os.path.join(args.step_logs, f"{key}.jsonl"))
+            if key in live:
+                keep_step_log(args, key, live[key][1])
             ordered = {load: sorted(rs, key=lambda x: x["output_throughput"]) for load, rs in runs[key].items()}
             out[key] = {load: rs[len(rs) // 2] for load, rs in ordered.items() if rs}
             out[key]["repeats"] = {load: [x["output_throughput"] for x in rs] for load, rs in runs[key].items()}
