@@ -1,5 +1,6 @@
 """Speculation's device pieces on small shapes: the n-gram kernel (CPU interpreter, or CUDA when present)
-against its torch reference and a plain Python statement of the rule, and greedy acceptance."""
+against its torch reference and a plain Python statement of the rule; acceptance, the kernel against its
+reference and the reference against the rule."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from executor_proc.step.speculate import accept_prefix  # noqa: E402
 from kernels.ngram import ngram_drafts  # noqa: E402
 from kernels.ngram_ref import ngram_drafts_ref  # noqa: E402
+from kernels.spec_accept import accept_drafts  # noqa: E402
+from kernels.spec_accept_ref import accept_drafts_ref, accept_prefix  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -47,3 +49,40 @@ def test_accept_prefix_is_the_longest_agreeing_prefix():
     target = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9]])
     ks = torch.tensor([4, 2, 4, 4, 0])
     assert accept_prefix(drafts, target, ks).tolist() == [4, 2, 0, 2, 0]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_accept_kernel_matches_reference(padded):
+    """Rows of every accepted count 0..k for k = 0..K (``padded``: every row laid out K wide, as the speculative
+    graphs do), among rows that sampled without speculating; the output and the three tables equal the
+    reference's, and each row's accepted count is the rule's."""
+    K, rng = 4, random.Random(7)
+    cases = [(k, a) for k in range(K + 1) for a in range(k + 1)]
+    rows = len(cases)
+    num_slots, width = rows + 2, 64
+    slots = torch.tensor(rng.sample(range(num_slots), rows))
+    base = torch.tensor([rng.randrange(1, 40) for _ in range(rows)])
+    ks = torch.tensor([k for k, _ in cases])
+    widths = torch.full((rows,), K) if padded else ks
+    drafts = torch.randint(1, 50, (rows, K))
+    chosen = []
+    for r, (k, a) in enumerate(cases):  # the first a drafts chosen, then a different token
+        row = drafts[r, :a].tolist() + [int(drafts[r, a]) + 1 if a < K else 99]
+        chosen += row + [rng.randrange(1, 50) for _ in range(int(widths[r]) + 1 - len(row))]
+    chosen = torch.tensor(chosen)
+    first_tok = torch.cumsum(widths + 1, 0) - (widths + 1)
+    num_sampled = rows + 3
+    sampled_at = torch.tensor(sorted(rng.sample(range(num_sampled), rows)))
+    tokens = torch.randint(100, 200, (num_sampled,))
+    tables = (torch.zeros(num_slots, dtype=torch.int64), torch.randint(0, 9, (num_slots, width), dtype=torch.int32),
+              torch.zeros(num_slots, dtype=torch.int64))
+
+    def run(fn, device):
+        t = [x.clone().to(device) for x in tables]
+        out = fn(*(x.to(device) for x in (chosen, drafts, ks, slots, base, sampled_at, first_tok, tokens)), *t, K)
+        return [out.cpu()] + [x.cpu() for x in t]
+
+    want = run(accept_drafts_ref, "cpu")
+    assert want[0][-rows:].tolist() == [a for _, a in cases]
+    for got, ref in zip(run(accept_drafts, DEVICE), want):
+        assert torch.equal(got, ref)

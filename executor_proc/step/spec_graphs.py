@@ -149,7 +149,7 @@ class SpecGraphs:
         there), then each position's slot: the padding slot past a row's drafts (no KV write)."""
         rows = len(slots)
         r = np.arange(rows, dtype=np.int64)
-        arrays = row_arrays(r, slots, ks, start, r * (self.k + 1), sampled_at, self.k,
+        arrays = row_arrays(r, slots, ks, start, r * (self.k + 1), sampled_at,
                             widths=np.full(rows, self.k, dtype=np.int64))
         tok_row, tok_j = arrays[5], arrays[6]
         return arrays + [np.where(tok_j <= ks[tok_row], slots[tok_row], self.tables.pad_slot)]
@@ -196,7 +196,7 @@ class SpecGraphs:
     def _step(self, graph: SpecGraph) -> torch.Tensor:
         t = graph.template
         ids, positions, _ = self.spec.token_inputs(t, self.tables)
-        slots = t.parts[11]  # each position's slot; the padding slot past its row's drafts
+        slots = t.parts[10]  # each position's slot; the padding slot past its row's drafts
         positions = torch.where(slots == self.tables.pad_slot, 0, positions)
         batch = decode_batch(self.backend, DecodeInputs(slots, positions, positions + 1), self.tables,
                              self.block_size)

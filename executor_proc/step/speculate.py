@@ -55,6 +55,7 @@ from executor_proc.step.spec_penalties import penalise_positions, recount
 from ipc.config import SpeculativeConfig
 from ipc.protocol import StepPlan
 from kernels.ngram_ref import ngram_drafts_ref
+from kernels.spec_accept_ref import accept_drafts_ref
 
 
 def build_speculator(sc: SpeculativeConfig, num_slots: int, max_len: int, device: torch.device,
@@ -66,6 +67,13 @@ def build_speculator(sc: SpeculativeConfig, num_slots: int, max_len: int, device
     return Speculator(sc, num_slots, max_len, device, draft)
 
 
+def accept_drafts(*args) -> torch.Tensor:
+    """The Triton kernel (CUDA only: the CPU runs its reference)."""
+    from kernels.spec_accept import accept_drafts as kernel
+
+    return kernel(*args)
+
+
 def ngram_drafts(tokens, slots, lengths, k, ngram_min, ngram_max) -> torch.Tensor:
     """The Triton kernel on CUDA, its torch reference elsewhere."""
     if tokens.is_cuda:
@@ -75,30 +83,19 @@ def ngram_drafts(tokens, slots, lengths, k, ngram_min, ngram_max) -> torch.Tenso
     return ngram_drafts_ref(tokens, slots, lengths, k, ngram_min, ngram_max)
 
 
-def accept_prefix(drafts: torch.Tensor, target: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
-    """``[R]`` accepted drafts: the longest prefix with ``drafts[:, j] == target[:, j]`` and ``j < num_drafts``
-    (``drafts [R, K]``, ``target [R, K + 1]``: the argmax after each input)."""
-    K = drafts.shape[1]
-    ok = (drafts == target[:, :K]) & (torch.arange(K, device=drafts.device)[None, :] < num_drafts[:, None])
-    return ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
-
-
-def row_arrays(spec, slots, ks, start, query_start, sampled_at, k: int, widths=None) -> list[np.ndarray]:
+def row_arrays(spec, slots, ks, start, query_start, sampled_at, widths=None) -> list[np.ndarray]:
     """A step's speculative rows as the host arrays its device work reads (in this order, concatenated in the
     upload): the rows' plan indices, slots, draft counts, first positions (-1: the device's length), places among
     the sampled rows; each token's row, place in its row and token index (``query_start``: each row's first);
-    the further tokens' places in the ``[rows, k + 1]`` targets; the first and further tokens' indices.
+    the first and further tokens' places among the rows' tokens.
     ``widths``: the further tokens per row laid out (default ``ks``; more: positions past a row's drafts)."""
     widths = ks if widths is None else widths
     lens = widths + 1
     tok_row = np.repeat(np.arange(len(spec)), lens)  # every token of the speculative rows, row by row
     tok_j = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
     tok_index = query_start[tok_row] + tok_j
-    further = int(widths.sum())  # row r's j-th further token sits at r (k + 1) + j + 1 of the targets
-    extra = (np.repeat(np.arange(len(spec)) * (k + 1) - np.cumsum(widths) + widths, widths)
-             + np.arange(further) + 1).astype(np.int64)
-    first_tok, extra_tok = np.flatnonzero(tok_j == 0), np.flatnonzero(tok_j > 0)  # in row order, like extra
-    return [spec, slots, ks, start, sampled_at, tok_row, tok_j, tok_index, extra, first_tok, extra_tok]
+    first_tok, extra_tok = np.flatnonzero(tok_j == 0), np.flatnonzero(tok_j > 0)  # row after row
+    return [spec, slots, ks, start, sampled_at, tok_row, tok_j, tok_index, first_tok, extra_tok]
 
 
 @dataclass
@@ -198,9 +195,9 @@ class Speculator:
         """Add the rows' device arrays (:func:`row_arrays`) to the upload; their token indices in
         ``logits_index``."""
         spec, slots, ks, start, sampled_at = step.host
-        parts = row_arrays(spec, slots, ks, start, rows.query_start[spec], sampled_at, self.k)
+        parts = row_arrays(spec, slots, ks, start, rows.query_start[spec], sampled_at)
         step.part = upload.add(np.concatenate(parts), torch.int64)
-        step.extra, step.num_tokens = len(parts[8]), len(parts[5])
+        step.extra, step.num_tokens = len(parts[9]), len(parts[5])
         step.sizes, step.logits_index = tuple(len(p) for p in parts), parts[7]
 
     def apply(self, step: Optional[SpecStep], sent: list[torch.Tensor]) -> None:
@@ -271,7 +268,7 @@ class Speculator:
         step's sampling counted each sampled row's draw for the penalties; a speculative row's is replaced by the
         tokens it emits (:mod:`executor_proc.step.spec_penalties`)."""
         slots, ks, base, drafts = step.state
-        _, _, _, _, sampled_at, tok_row, tok_j, _, _, first_tok, extra_tok = step.parts[:11]
+        _, _, _, _, sampled_at, tok_row, tok_j, _, first_tok, extra_tok = step.parts[:10]
         pen, slot_tok = tables.penalties, slots[tok_row]
         if counted:
             recount(pen, slots, tokens[sampled_at], torch.full_like(slots, -1))
@@ -292,17 +289,14 @@ class Speculator:
         """Given the token the plain sampler gives at each of the rows' positions (``chosen``): accept the drafts,
         update the tables, and make the step's one output tensor (:meth:`verify`)."""
         slots, ks, base, drafts = step.state
-        _, _, _, _, sampled_at, tok_row, tok_j, _, extra, _, _ = step.parts[:11]
-        target = torch.zeros(step.rows, self.k + 1, dtype=torch.int64, device=chosen.device)
-        target[tok_row, tok_j] = chosen
-        accepted = accept_prefix(drafts, target, ks)
+        _, _, _, _, sampled_at, tok_row, tok_j, _, first_tok, _ = step.parts[:10]
+        args = (chosen, drafts, ks, slots, base, sampled_at, first_tok, tokens, tables.last_token, self.tokens,
+                self.lengths, self.k)
+        out = accept_drafts(*args) if chosen.is_cuda else accept_drafts_ref(*args)
         if counted:
+            accepted = out[out.shape[0] - step.rows:]
             recount(tables.penalties, slots[tok_row], chosen, tok_j <= accepted[tok_row])
-        tables.last_token[slots] = target.gather(1, accepted[:, None])[:, 0]
-        self.tokens[slots[tok_row], base[tok_row] + 1 + tok_j] = chosen.to(torch.int32)
-        self.lengths[slots] = base + accepted + 1
-        tokens = tokens.index_put((sampled_at,), target[:, 0])
-        return torch.cat([tokens, target.view(-1)[extra], accepted])
+        return out
 
     @staticmethod
     def _targets(step: SpecStep, logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
