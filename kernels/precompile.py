@@ -241,7 +241,8 @@ def _spec(param, value) -> tuple:
     if param.is_constexpr:
         return ("c", repr(value))
     if hasattr(value, "data_ptr"):
-        return ("p", str(value.dtype), value.data_ptr() % 16 == 0)
+        aligned = None if getattr(param, "do_not_specialize_on_alignment", False) else value.data_ptr() % 16 == 0
+        return ("p", str(value.dtype), aligned)
     if isinstance(value, bool):
         return ("b",)
     if isinstance(value, int):

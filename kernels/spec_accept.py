@@ -1,9 +1,9 @@
 """Acceptance of speculative drafts in one launch: one program per speculative row.
 
-A row's positions hold the token the sampler gives after each of its inputs (the argmax, or the keyed draw) (``chosen``, row after row: the row's
-first token, then one per further position).  The row accepts the longest prefix of its drafts equal to those
-tokens, and the program writes everything the step's end needs (what
-:meth:`executor_proc.step.speculate.Speculator.accept` does in torch, about fifteen launches):
+A row's positions hold the token the sampler gives after each of its inputs (``chosen``, row after row: the row's
+first token, then one per further position; the argmax, or the keyed draw).  The row accepts the longest prefix of
+its drafts equal to those tokens, and the program writes everything the step's end needs (what the torch reference,
+:mod:`kernels.spec_accept_ref`, does in about fifteen launches):
 
 - the slot's last token (the chosen token after the last accepted draft), its token table (every chosen token at
   its position: the rejected ones lie past the new length) and its length (first position + accepted + 1);
@@ -13,6 +13,8 @@ tokens, and the program writes everything the step's end needs (what
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +22,16 @@ import triton.language as tl
 __all__ = ["accept_drafts"]
 
 
-@triton.jit
+# The row arrays are views of the step's upload at offsets that follow the row and token counts, and the counts
+# change from step to step: a variant compiled per alignment or per count (divisible by 16, or 1) would compile, for
+# hundreds of ms, at the first eager step that meets it, while serving.  The loads are a few words a row.
+_POINTERS = ["chosen_ptr", "drafts_ptr", "ks_ptr", "slots_ptr", "base_ptr", "sampled_at_ptr", "first_ptr",
+             "last_token_ptr", "tokens_ptr", "lengths_ptr", "out_ptr"]
+_NO_ALIGN = (dict(do_not_specialize_on_alignment=_POINTERS)
+             if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters else {})
+
+
+@triton.jit(do_not_specialize=["stride_d", "stride_t", "num_tokens", "num_sampled", "num_rows"], **_NO_ALIGN)
 def _accept_kernel(chosen_ptr, drafts_ptr, stride_d, ks_ptr, slots_ptr, base_ptr, sampled_at_ptr, first_ptr,
                    last_token_ptr, tokens_ptr, stride_t, lengths_ptr, out_ptr, num_tokens, num_sampled, num_rows,
                    J: tl.constexpr):
