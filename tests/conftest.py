@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from tests.server_proc import ROOT, ServerProcess, run_dir
+from tests.server_proc import ROOT, ServerProcess, python_path, run_dir
 
 
 def _set_up_torch() -> None:
@@ -76,7 +76,7 @@ def pytest_collection_finish(session) -> None:
     from executor_proc.model.default_model import is_converted
 
     if not is_converted():
-        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+        path = python_path()
         _converting.append(subprocess.Popen(
             [sys.executable, "-c", "from executor_proc.model.default_model import ensure_default_model as e; e()"],
             cwd=ROOT, env=dict(os.environ, PYTHONPATH=path), stdout=subprocess.DEVNULL,

@@ -26,12 +26,16 @@ def run_dir(prefix: str = "fr") -> str:
     return folder
 
 
+def python_path() -> str:
+    """PYTHONPATH for a child process: ROOT first, then the caller's path (GPU machines carry pyzmq, msgspec, ... in a
+    --target folder named there)."""
+    return os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+
+
 class ServerProcess:
     def __init__(self, *args: str, tmpdir: str, timeout: float = 300.0, address: str | None = None):
         self.address = address or f"ipc://{tmpdir}/c-{uuid.uuid4().hex[:8]}.sock"
-        # ROOT first, then the caller's path (GPU machines carry pyzmq, msgspec, ... in a --target folder).
-        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-        env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", FORERUN_RUN_DIR=tmpdir)
+        env = dict(os.environ, PYTHONPATH=python_path(), PYTHONUNBUFFERED="1", FORERUN_RUN_DIR=tmpdir)
         cmd = [sys.executable, "-m", "scheduler_proc.launch", "serve", "--address", self.address, "--quiet", *args]
         self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.log: list[str] = []

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from tests.server_proc import ROOT
+from tests.server_proc import ROOT, python_path
 
 
 def test_help():
@@ -20,7 +20,8 @@ def test_one_cpu_cell_starts_prints_its_plan_and_serves(tmp_path, tiny_model_dir
     out = tmp_path / "memory.json"
     run = subprocess.run([sys.executable, "scripts/bench_memory.py", "--device", "cpu", "--cells",
                           f"{tiny_model_dir}:4:64", "--output-len", "4", "--json", str(out)],
-                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=python_path()), capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     (cell,) = json.loads(out.read_text())["cells"]
     assert cell["ok"] and cell["started"] and not cell["errors"], cell

@@ -29,6 +29,7 @@ from ipc.client import (
 )
 from ipc.client.prompt import MAX_CHARS_PER_TOKEN, encode_prompt
 from ipc.protocol import HEARTBEAT_MISSES, Error, Generate, TokenDelta
+from tests.server_proc import ROOT, python_path
 from tests.test_client_unit import (  # noqa: F401  (fixtures)
     HANG,
     FakeServer,
@@ -38,8 +39,6 @@ from tests.test_client_unit import (  # noqa: F401  (fixtures)
     tokenizer,
     tokenizer_dir,
 )
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def one_token_then_hang(gen: Generate) -> list:
@@ -244,7 +243,7 @@ def test_template_and_tokenizer_exceptions_become_forerun_error():
 
 
 def _run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=python_path())
     return subprocess.run(["timeout", str(timeout), sys.executable, "-c", code], cwd=ROOT, env=env,
                           capture_output=True, text=True)
 

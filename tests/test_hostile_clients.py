@@ -26,7 +26,7 @@ import pytest
 from ipc import protocol as p
 from ipc.client import AsyncClient, UnauthorizedError
 from ipc.client.raw import RawConnection
-from tests.server_proc import run_dir
+from tests.server_proc import python_path, run_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "hostile-test-key-5f0c"
@@ -55,7 +55,7 @@ class Serve:
 
     def __init__(self, *args: str) -> None:
         self.run_dir = run_dir("frh")
-        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", FORERUN_RUN_DIR=self.run_dir)
+        env = dict(os.environ, PYTHONPATH=python_path(), PYTHONUNBUFFERED="1", FORERUN_RUN_DIR=self.run_dir)
         env.pop("FORERUN_API_KEY", None)
         self.proc = subprocess.Popen([sys.executable, "-m", "scheduler_proc.launch", "serve", "--quiet", *args],
                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -11,7 +11,7 @@ import pytest
 
 from executor_proc.memory_plan import GIB, MemoryPlan, MemoryPlanError, StartupRefused, gc_threshold, plan_memory
 from ipc.protocol import StepPlan
-from tests.server_proc import ROOT
+from tests.server_proc import ROOT, python_path
 
 MIB = 1024**2
 # The 8B shape's KV: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 128 KiB a token, 2 MiB a block of 16.
@@ -87,7 +87,7 @@ def test_serve_refuses_a_context_the_kv_budget_cannot_hold(tmp_path):
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
         max_position_embeddings=1 << 24, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)))
-    env = dict(os.environ, PYTHONPATH=ROOT, FORERUN_RUN_DIR=str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=python_path(), FORERUN_RUN_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-m", "scheduler_proc.launch", "serve", "--quiet", "--device", "cpu",
                           "--load-format", "dummy", "--model", str(tmp_path), "--max-model-len", str(1 << 24),
                           "--max-num-seqs", "1", "--address", f"ipc://{tmp_path}/s.sock"],
@@ -217,7 +217,7 @@ def test_serve_refuses_a_model_it_cannot_run_in_one_line(tmp_path):
     import json
 
     (tmp_path / "config.json").write_text(json.dumps(dict(architectures=["GPT2LMHeadModel"], model_type="gpt2")))
-    env = dict(os.environ, PYTHONPATH=ROOT, FORERUN_RUN_DIR=str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=python_path(), FORERUN_RUN_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-m", "scheduler_proc.launch", "serve", "--quiet", "--device", "cpu",
                           "--load-format", "dummy", "--model", str(tmp_path), "--address", f"ipc://{tmp_path}/s.sock"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

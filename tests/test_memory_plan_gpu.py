@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.server_proc import ROOT
+from tests.server_proc import ROOT, python_path
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 
 def test_every_step_kind_stays_within_the_plan(tmp_path):
     out = tmp_path / "memory.json"
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    path = python_path()
     run = subprocess.run([sys.executable, "scripts/bench_memory.py", "--cells", "llama-3.2-1b:256:8192",
                           "--json", str(out)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=path),
                          capture_output=True, text=True, timeout=600)

@@ -21,7 +21,7 @@ import torch
 from executor_proc.parallel.one_shot import AUTO_MAX_BYTES, takes_one_shot
 from ipc.config import ONE_SHOT_MAX_BYTES, ONE_SHOT_RANKS
 from scheduler_proc.executor_process import NO_MULTICAST_ENV
-from tests.server_proc import ROOT, ServerProcess, run_dir
+from tests.server_proc import ROOT, ServerProcess, python_path, run_dir
 from tests.test_tensor_parallel import PROMPTS, _assert_same_outputs, _workload, tiny_model  # noqa: F401 (a fixture)
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -85,7 +85,7 @@ def test_one_shot_is_refused_on_the_cpu_and_at_three_ranks_in_one_line():
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_one_shot_against_nccl_eager_and_in_a_replayed_graph(tmp_path):
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)  # keeps a --target site
+    path = python_path()  # keeps a --target site
     env = dict(os.environ, PYTHONPATH=path, **NO_MULTICAST_ENV)
     store = str(tmp_path / "store")
     procs = [subprocess.Popen([sys.executable, "-m", "tests.all_reduce_ranks", str(r), "2", store], cwd=ROOT, env=env,

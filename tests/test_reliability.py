@@ -21,7 +21,7 @@ import pytest
 from executor_proc.testing.scripted import ScriptedRunner, expected_output
 from ipc import protocol as p
 from ipc.client.raw import RawConnection
-from tests.server_proc import ROOT, ServerProcess, assert_no_leak, run_dir, server_stats, wait_idle
+from tests.server_proc import ROOT, ServerProcess, assert_no_leak, python_path, run_dir, server_stats, wait_idle
 
 PROMPT_LEN = 5
 MAX_MODEL_LEN = 256
@@ -189,7 +189,7 @@ def test_vanished_clients_free_their_slots_and_blocks():
     srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "2", "--max-num-seqs", "8",
                         "--num-kv-blocks", "2048", "--block-size", "16", "--max-model-len", "4096",
                         "--client-send-hwm", "1000", tmpdir=tmp, timeout=120)
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=python_path())
     clients = [subprocess.Popen([sys.executable, "-c", CLIENT, srv.address], env=env) for _ in range(2)]
     try:
         asyncio.run(_wait_running(srv.address, lambda s: s.num_running == 8, 30))
@@ -231,7 +231,7 @@ def _serve_cmd(*args: str) -> list[str]:
 def _refused(*args: str, expect: str) -> None:
     """`forerun serve` exits 1 at once with one clear line on stderr, no traceback."""
     run = subprocess.run(_serve_cmd(*args), capture_output=True, text=True, timeout=60, cwd=ROOT,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+                         env=dict(os.environ, PYTHONPATH=python_path()))
     assert run.returncode == 1, run
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and expect in lines[0] and "Traceback" not in run.stderr, run.stderr
@@ -289,7 +289,7 @@ def test_version_flag_prints_the_installed_version():
     from ipc.version import forerun_version
 
     run = subprocess.run([sys.executable, "-m", "scheduler_proc.launch", "--version"], capture_output=True, text=True,
-                         timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                         timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=python_path()))
     assert run.returncode == 0 and run.stdout.strip() == f"forerun {forerun_version()}", run
     assert forerun_version() != "unknown"  # the README's set-up installs the package
 
@@ -351,7 +351,8 @@ def test_flood_does_not_stall_another_clients_stream(tmp_path):
     out = tmp_path / "flood.json"
     run = subprocess.run([sys.executable, "scripts/bench_reliability.py", "flood", "--frames", "200000",
                           "--json", str(out)],
-                         capture_output=True, text=True, timeout=150, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                         capture_output=True, text=True, timeout=150, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=python_path()))
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(out.read_text())
     assert result["frames_sent"] == 200000

@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from tests.server_proc import ROOT
+from tests.server_proc import ROOT, python_path
 
 SCRIPTS = os.path.join(ROOT, "scripts")
 PY_SCRIPTS = sorted(f for f in os.listdir(SCRIPTS) if f.endswith(".py") and not f.startswith("_"))
@@ -103,7 +103,7 @@ def _check_output(script: str, result: dict) -> None:
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    return dict(os.environ, PYTHONPATH=python_path())
 
 
 @pytest.fixture(scope="module")

@@ -191,12 +191,13 @@ def test_a_draft_of_another_vocabulary_is_refused_in_one_line(tmp_path):
     import subprocess
     import sys
 
-    from tests.server_proc import ROOT
+    from tests.server_proc import ROOT, python_path
 
     (tmp_path / "m").mkdir()
     (tmp_path / "d").mkdir()
     model, draft = write_config(tmp_path / "m"), write_config(tmp_path / "d", vocab=101)
-    env = dict(os.environ, PYTHONPATH=ROOT, FORERUN_RUN_DIR=str(tmp_path))
+    path = python_path()  # packages carried there too
+    env = dict(os.environ, PYTHONPATH=path, FORERUN_RUN_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-m", "scheduler_proc.launch", "serve", "--quiet", "--load-format", "dummy",
                           "--model", model, "--speculative-method", "draft", "--draft-model", draft,
                           "--max-num-seqs", "1", "--address", f"ipc://{tmp_path}/s.sock"],

@@ -32,7 +32,7 @@ from executor_proc.parallel.group import rank_device
 from executor_proc.parallel.sharding import Shards, check_divisible
 from ipc.client import AsyncClient, ExecutorFailedError
 from ipc.config import ExecutorConfig
-from tests.server_proc import ROOT, ServerProcess, assert_no_leak, run_dir, server_stats, wait_idle
+from tests.server_proc import ROOT, ServerProcess, assert_no_leak, python_path, run_dir, server_stats, wait_idle
 from tests.tp_forward import logits, run_ranks, run_ranks_each, write_gguf
 
 TOL = 1e-4
@@ -368,7 +368,7 @@ def test_default_model_over_three_ranks_matches_one_process(default_model_dir, t
 @pytest.mark.slow
 def test_default_model_refuses_two_ranks_at_start_up():
     tmp = run_dir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p),
+    env = dict(os.environ, PYTHONPATH=python_path(),
                FORERUN_RUN_DIR=tmp)
     run = subprocess.run([sys.executable, "-m", "scheduler_proc.launch", "serve", "--quiet", "--tensor-parallel-size",
                           "2", "--address", f"ipc://{tmp}/c.sock"], cwd=ROOT, env=env, capture_output=True, text=True,

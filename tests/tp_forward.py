@@ -20,8 +20,8 @@ import torch
 from executor_proc.model.kv_cache import KVCache
 from executor_proc.model.loader import load_model
 from tests.forward_batch import all_logits, build_forward_batch
+from tests.server_proc import ROOT, python_path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK_SIZE = 4
 
 
@@ -82,7 +82,7 @@ def run_ranks_each(size: int, load_format: str, model_paths: list[str], out: str
                    timeout: float = 300, expert_parallel: Sequence[bool] = ()) -> list[np.ndarray]:
     """:func:`run_ranks` for several models in turn, in one group (its processes start once): their logits;
     ``expert_parallel[i]``: model i's MoE layers hold whole experts per rank (none when empty)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p))
+    env = dict(os.environ, PYTHONPATH=python_path())
     models = os.pathsep.join(model_paths)
     layouts = "".join("e" if ep else "t" for ep in expert_parallel) or "t" * len(model_paths)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_forward", str(r), str(size), load_format, models,
