@@ -9,6 +9,7 @@ round-robin across requests so that concurrent replies interleave.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import shutil
@@ -356,6 +357,22 @@ async def test_messages_go_through_the_chat_template(serve, address, tokenizer, 
                                              return_dict=True)["input_ids"]
     assert server.generates[0].prompt_token_ids == expected
     assert expected.count(BOS) == 1
+
+
+async def test_clients_of_one_model_share_one_tokenizer(serve, address, tokenizer_dir, completion_ids):
+    """The tokenizer a server sends is built once a process: a second client gets the first one's; other files
+    (another model's) build another."""
+    from ipc.client.prompt import load_tokenizer_files
+    from ipc.models import read_tokenizer_files
+
+    serve(lambda g: finish_script(g, completion_ids))
+    async with AsyncClient(address, timeout=5) as a, AsyncClient(address, timeout=5) as b:
+        first, second = await a.get_tokenizer(), await b.get_tokenizer()
+    assert first is second
+    files = read_tokenizer_files(tokenizer_dir)
+    config = json.loads(files["tokenizer_config.json"])
+    other = dict(files, **{"tokenizer_config.json": json.dumps(dict(config, model_max_length=77)).encode()})
+    assert load_tokenizer_files(other) is not first and load_tokenizer_files(other).model_max_length == 77
 
 
 async def test_token_ids_without_tokenizer(serve, address, completion_ids):

@@ -292,7 +292,8 @@ class AsyncClient:
     # -- tokenizer ----------------------------------------------------------
 
     async def get_tokenizer(self) -> Any:
-        """The tokenizer (loaded once, from ServerInfo.tokenizer_path unless overridden)."""
+        """The tokenizer (loaded once: from the path given, else from the files the server sends, which build one
+        tokenizer a process however many clients ask)."""
         if self._tokenizer is not None:
             return self._tokenizer
         if self._tokenizer_lock is None:
