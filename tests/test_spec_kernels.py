@@ -64,7 +64,8 @@ def test_accept_kernel_matches_reference(padded):
     base = torch.tensor([rng.randrange(1, 40) for _ in range(rows)])
     ks = torch.tensor([k for k, _ in cases])
     widths = torch.full((rows,), K) if padded else ks
-    drafts = torch.randint(1, 50, (rows, K))
+    gen = torch.Generator().manual_seed(7)
+    drafts = torch.randint(1, 50, (rows, K), generator=gen)
     chosen = []
     for r, (k, a) in enumerate(cases):  # the first a drafts chosen, then a different token
         row = drafts[r, :a].tolist() + [int(drafts[r, a]) + 1 if a < K else 99]
@@ -73,8 +74,9 @@ def test_accept_kernel_matches_reference(padded):
     first_tok = torch.cumsum(widths + 1, 0) - (widths + 1)
     num_sampled = rows + 3
     sampled_at = torch.tensor(sorted(rng.sample(range(num_sampled), rows)))
-    tokens = torch.randint(100, 200, (num_sampled,))
-    tables = (torch.zeros(num_slots, dtype=torch.int64), torch.randint(0, 9, (num_slots, width), dtype=torch.int32),
+    tokens = torch.randint(100, 200, (num_sampled,), generator=gen)
+    tables = (torch.zeros(num_slots, dtype=torch.int64),
+              torch.randint(0, 9, (num_slots, width), dtype=torch.int32, generator=gen),
               torch.zeros(num_slots, dtype=torch.int64))
 
     def run(fn, device):
