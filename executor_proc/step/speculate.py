@@ -67,11 +67,13 @@ def build_speculator(sc: SpeculativeConfig, num_slots: int, max_len: int, device
     return Speculator(sc, num_slots, max_len, device, draft)
 
 
-def accept_drafts(*args) -> torch.Tensor:
-    """The Triton kernel (CUDA only: the CPU runs its reference)."""
-    from kernels.spec_accept import accept_drafts as kernel
+def accept_drafts(chosen: torch.Tensor, *args) -> torch.Tensor:
+    """The Triton kernel on CUDA, its torch reference elsewhere."""
+    if chosen.is_cuda:
+        from kernels.spec_accept import accept_drafts as kernel
 
-    return kernel(*args)
+        return kernel(chosen, *args)
+    return accept_drafts_ref(chosen, *args)
 
 
 def ngram_drafts(tokens, slots, lengths, k, ngram_min, ngram_max) -> torch.Tensor:
@@ -290,9 +292,8 @@ class Speculator:
         update the tables, and make the step's one output tensor (:meth:`verify`)."""
         slots, ks, base, drafts = step.state
         _, _, _, _, sampled_at, tok_row, tok_j, _, first_tok, _ = step.parts[:10]
-        args = (chosen, drafts, ks, slots, base, sampled_at, first_tok, tokens, tables.last_token, self.tokens,
-                self.lengths, self.k)
-        out = accept_drafts(*args) if chosen.is_cuda else accept_drafts_ref(*args)
+        out = accept_drafts(chosen, drafts, ks, slots, base, sampled_at, first_tok, tokens, tables.last_token,
+                            self.tokens, self.lengths, self.k)
         if counted:
             accepted = out[out.shape[0] - step.rows:]
             recount(tables.penalties, slots[tok_row], chosen, tok_j <= accepted[tok_row])
