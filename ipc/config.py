@@ -21,8 +21,8 @@ KVCacheDtype = Literal["auto", "fp8"]
 # one-shot kernel over peer-to-peer buffers (small tensors, CUDA, 2, 4 or 8 ranks), or auto (one-shot up to a
 # measured size, NCCL above).
 AllReduce = Literal["nccl", "one-shot", "auto"]
-# Tensor-parallel sizes the one-shot all-reduce runs at (torch's kernel is specialised for them), and the largest
-# tensor it takes (its buffer on every rank; larger ones go to NCCL).
+# Tensor-parallel sizes the one-shot all-reduce runs at (the groups of one host; others go to NCCL), and the largest
+# tensor it takes (half its buffer on every rank; larger ones go to NCCL).
 ONE_SHOT_RANKS = (2, 4, 8)
 ONE_SHOT_MAX_BYTES = 2 * 1024**2
 # Steps with prefill chunks through the bucketed mixed-step runner: auto = where decode graphs are

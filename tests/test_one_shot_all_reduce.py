@@ -1,7 +1,8 @@
 """The one-shot all-reduce (``executor_proc/parallel/one_shot.py``, ``forerun serve --all-reduce``).
 
-On the CPU: which all-reduces go one shot (a pure function of mode, ranks, bytes and dtype), the flag's parsing, and
-its refusals in one line naming it (one-shot on the cpu, or at a size torch's kernel has no variant for).
+On the CPU: which all-reduces go one shot (a pure function of mode, ranks, bytes and dtype), the kernel's grid, the
+kernel itself under the interpreter with its peers played by hand, the flag's parsing, and its refusals in one
+line naming it (one-shot on the cpu, or at a size the kernel has no variant for).
 
 Given two CUDA devices (marked gpu): the ranks of ``tests/all_reduce_ranks.py`` check it against NCCL eagerly and
 inside a captured graph replayed with new inputs (float32 NCCL's bits at 2 ranks, bfloat16 within its rounding);
@@ -46,10 +47,56 @@ def test_auto_goes_one_shot_up_to_its_size_only():
 
 
 @pytest.mark.parametrize("mode", ["one-shot", "auto"])
-def test_what_torchs_kernel_cannot_do_goes_to_nccl(mode):
+def test_what_the_kernel_cannot_do_goes_to_nccl(mode):
     assert not takes_one_shot(mode, 3, 4096, BF16)  # no kernel variant for 3, 5, 6, 7 ranks
     assert not takes_one_shot(mode, 2, 4096, torch.float16)  # float32 and bfloat16 only
-    assert not takes_one_shot(mode, 2, 6, BF16)  # 3 bfloat16 values: not a whole number of 4-byte words
+    assert takes_one_shot(mode, 2, 6, BF16)  # any number of values: the kernel masks the last block
+
+
+# --------------------------------------------------------------------------- the kernel, one rank played by hand
+
+
+def test_the_grid_follows_the_size_alone_and_covers_it():
+    from kernels.all_reduce import BLOCK, MAX_PROGRAMS, MIN_CHUNK, plan
+
+    for n in (1, 6, MIN_CHUNK, MIN_CHUNK + 1, 4096, 7 * 4096, 256 * 4096, ONE_SHOT_MAX_BYTES // 2):
+        programs, chunk = plan(n)
+        assert 1 <= programs <= MAX_PROGRAMS and chunk % BLOCK == 0, n
+        assert (programs - 1) * chunk < n <= programs * chunk, n  # every program has elements, and all are covered
+    assert plan(4096)[0] == 2 and plan(ONE_SHOT_MAX_BYTES // 2)[0] == MAX_PROGRAMS  # a decode row; the whole buffer
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_the_kernel_sums_in_rank_order_signals_its_peers_and_alternates_halves(rank):
+    """Rank ``rank`` of 4 under the interpreter, its peers played by hand: each call their inputs are already in
+    the half in use and their signals already in this rank's flags.  The sum is float32 from rank 0 up; this
+    rank's own input lands in its buffer; its flags are consumed, each peer's slot of each program set once; the
+    half flips after every call."""
+    from kernels.all_reduce import MAX_PROGRAMS, STATE_WORDS, one_shot_all_reduce, plan
+
+    world, n, half_bytes = 4, 4096 + 40, 8192 * 2
+    bufs = [torch.zeros(2 * half_bytes // 2, dtype=BF16) for _ in range(world)]
+    flags = [torch.zeros(MAX_PROGRAMS, world, dtype=torch.int32) for _ in range(world)]
+    state = torch.zeros(STATE_WORDS, dtype=torch.int32)
+    addresses = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
+    programs = plan(n)[0]
+    g = torch.Generator().manual_seed(rank)
+    for call, half in enumerate((0, 1, 0)):
+        xs = [(torch.randn(n, generator=g) * 100).to(BF16) for _ in range(world)]
+        for q in range(world):
+            if q != rank:
+                bufs[q][half * half_bytes // 2:][:n] = xs[q]
+                flags[rank][:programs, q] = 1
+                flags[q].zero_()
+        x = xs[rank].clone()
+        one_shot_all_reduce(x, addresses(bufs), addresses(flags), state, half_bytes, rank, world)
+        exact = sum((t.float() for t in xs[1:]), xs[0].float()).to(BF16)  # float32 from rank 0 up, rounded once
+        assert torch.equal(x, exact), call
+        assert torch.equal(bufs[rank][half * half_bytes // 2:][:n], xs[rank]), call  # its input, in the half
+        assert not flags[rank].any(), call  # every signal consumed
+        for q in set(range(world)) - {rank}:
+            assert flags[q][:programs, rank].eq(1).all() and flags[q].sum() == programs, call  # signalled once
+        assert state.tolist() == [1 - half, 0], call  # the next call takes the other half; arrivals back to 0
 
 
 # --------------------------------------------------------------------------- the flag

@@ -1,41 +1,29 @@
 """The one-shot all-reduce: small tensors summed over peer-to-peer buffers, for tensor-parallel ranks on one host.
 
 A decode step all-reduces ``[rows, hidden]`` twice a layer, a few KiB; NCCL's ring costs about 10 us a call
-however small the tensor.  One shot instead::
+however small the tensor.  One shot instead, in one kernel (``kernels/all_reduce.py``)::
 
     rank r: x_r -> copy into buffer[r]              buffer[0] | buffer[1] | ... | buffer[N-1]
-            barrier (flags in the same memory)       one per rank, every rank maps every rank's (CUDA IPC)
-            out = buffer[0] + buffer[1] + ... + buffer[N-1]   (read over NVLink, added in rank order)
-            barrier (nobody refills its buffer while a peer still reads it)
+            signal the peers, wait for them          flags in the same memory; every rank maps every rank's
+            x = buffer[0] + buffer[1] + ... + buffer[N-1]   (read over NVLink, added in rank order in float32)
 
 Every rank adds the same N values in the same order, so every rank gets the same bits (the ranks then sample
-the same token: :mod:`executor_proc.parallel.model`).  One kernel, no host work: it is captured in the CUDA graphs
-like the rest of the step.
+the same token: :mod:`executor_proc.parallel.model`).  No host work: it is captured in the CUDA graphs like the
+rest of the step.  The kernel's programs each sum one chunk and wait only for the peers' programs of that chunk,
+and calls alternate between two halves of each buffer, so one barrier a call suffices (the kernel's docstring
+says why); the flags go back to zeros after every call and the half is flipped on the device, so no host-side
+counter is baked into a captured graph, which can therefore be replayed any number of times, between eager
+calls, as long as every rank runs the same sequence (the same plans, in order).
 
-The kernel is torch's: ``torch.ops.symm_mem.one_shot_all_reduce_out(Tensor input, str reduce_op, str group_name,
-Tensor(a!) out) -> Tensor(a!)`` (registered in torch/csrc/distributed/c10d/symm_mem/SymmetricMemory.cpp, the
-kernel in CUDASymmetricMemoryOps.cu; torch 2.11 has it), or where ``x_r`` starts on a 16-byte boundary its
-``one_shot_all_reduce_copy_out(Tensor symm_buffer, Tensor local_input, ...)``, which copies ``x_r`` into the buffer
-itself (a launch fewer: 8B decode step at TP=2 -2.3%, docs/performance.md).  ``input`` is a view of a buffer from
-``torch.distributed._symmetric_memory.empty`` that every rank has ``rendezvous``-ed (its cuMem allocation shared
-by file descriptor and mapped on every peer; the first rendezvous is a collective with host work, so it runs at
-start-up, never inside a capture, and later calls find it cached); ``out`` is any contiguous tensor.  Its
-``load_and_reduce`` (CUDASymmetricMemory-inl.h) loads the N buffers and adds them from rank 0 up, specialised for
-world sizes 2, 4 and 8 (:data:`ipc.config.ONE_SHOT_RANKS`); float32 and bfloat16 only.  It reads the peers'
-buffers point to point and needs no multicast object (NVLink multicast stays off: ``NO_MULTICAST_ENV``).
-
-Barrier flags.  Each buffer has a signal pad, one 32-bit slot per (thread block, peer).  A block signals peer p by
-a compare-and-swap 0 -> 1 on its slot in p's pad (spinning while it is still 1: p has not consumed the last
-signal), and waits for p by a compare-and-swap 1 -> 0 on p's slot in its own pad.  Every signal is consumed by
-the one wait it is meant for, so after each launch every pad is back to zeros: a barrier never meets the flags of
-an earlier call, and no host-side counter is baked into a captured graph, which can therefore be replayed any
-number of times, between eager calls, as long as every rank runs the same sequence (the same plans, in order).
-This does the job of epoch numbers without a counter to keep in step.
+The buffers come from ``torch.distributed._symmetric_memory.empty``, ``rendezvous``-ed by every rank at start-up
+(its cuMem allocation shared by file descriptor and mapped on every peer; the rendezvous is a collective with host
+work, so it never runs inside a capture); the kernel gets every rank's address.  It reads the peers' buffers
+point to point and needs no multicast object (NVLink multicast stays off: ``NO_MULTICAST_ENV``).
 
 Rank death.  The flags have no timeout: a rank whose peer died spins in the barrier, exactly as NCCL's kernels
 spin on a dead peer.  The supervisor treats the group as one executor (``scheduler_proc/supervisor.py``): a rank's
 exit, or no step result for the hang timeout, kills every rank (SIGKILL ends a process whatever its GPU is
-running) and starts a new group, with new buffers and zeroed pads.
+running) and starts a new group, with new buffers and zeroed flags.
 
 Which all-reduces go one shot is decided from shapes and the dtype alone (:func:`takes_one_shot`), so every rank
 decides alike.
@@ -54,14 +42,14 @@ from ipc.config import ONE_SHOT_MAX_BYTES, ONE_SHOT_RANKS
 KiB = 1024
 MiB = 1024 * KiB
 # --all-reduce auto (the default): one-shot up to these sizes (bytes, by number of ranks), NCCL past them.  Measured
-# on H200s over NVLink (scripts/bench_tp.py --parts allreduce): inside a replayed graph one shot beats NCCL at every
-# size timed, at 2 ranks from 1 KiB to 2 MiB, the buffer's size (7.0 against 11.2 us at 1 KiB, 20.5 against 31.2
-# at 2 MiB), and at 4 from 1 KiB to 1 MiB, the largest timed there (7.4 / 14.5, 19.9 / 23.0, the gap closing).
-# 8 ranks not measured: vLLM's choice of its one-shot kernel there (custom_all_reduce.cuh: below 256 KiB).  A decode
-# row of the 8B shape all-reduces 8 KiB: batches up to 128 rows (256 at 2 ranks) go one shot, prefill chunks NCCL.
+# on H200s over NVLink (scripts/bench_tp.py --parts allreduce, 20 calls in a replayed graph): at 2 ranks one shot
+# beats NCCL at every size up to the buffer's 2 MiB (4.9 against 10.2 us at 1 KiB, 12.7 against 30.4 at 2 MiB); at
+# 4, torch's one-shot kernel that this one replaced beat NCCL from 1 KiB to 1 MiB, the largest timed there (7.4 /
+# 14.5, 19.9 / 23.0 us); this kernel is not timed at 4 ranks yet.  8 ranks not measured: vLLM's choice of its one-shot
+# kernel there (custom_all_reduce.cuh: below 256 KiB).  A decode row of the 8B shape all-reduces 8 KiB: batches up to
+# 128 rows (256 at 2 ranks) go one shot, prefill chunks NCCL.
 AUTO_MAX_BYTES = {2: ONE_SHOT_MAX_BYTES, 4: 1 * MiB, 8: 256 * KiB}
-DTYPES = (torch.float32, torch.bfloat16)  # what torch's kernel is built for
-WORD = 4  # the kernel moves 4, 8 or 16 bytes a thread: a tensor must be a whole number of 4-byte words
+DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes of tensor-parallel serving
 
 
 class OneShotRefused(StartupRefused):
@@ -73,7 +61,7 @@ def takes_one_shot(mode: str, world_size: int, nbytes: int, dtype: torch.dtype) 
     ``--all-reduce mode`` (else NCCL): ``one-shot`` up to the buffer's size, ``auto`` up to :data:`AUTO_MAX_BYTES`."""
     if mode == "nccl" or world_size not in ONE_SHOT_RANKS or dtype not in DTYPES:
         return False
-    if not 0 < nbytes <= ONE_SHOT_MAX_BYTES or nbytes % WORD:
+    if not 0 < nbytes <= ONE_SHOT_MAX_BYTES:
         return False
     return mode == "one-shot" or nbytes <= AUTO_MAX_BYTES[world_size]
 
@@ -86,38 +74,42 @@ class OneShotAllReduce:
                  nbytes: int = ONE_SHOT_MAX_BYTES):
         from torch.distributed import _symmetric_memory as symm_mem
 
+        from kernels.all_reduce import MAX_PROGRAMS, STATE_WORDS
+
         # Never a multicast object, even where a caller forgot NO_MULTICAST_ENV: read at allocation.
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
         self.mode = mode
         self.world_size = world_size
-        self.group_name = group_name
-        self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)  # viewed as each call's dtype
-        torch.cuda.synchronize(device)  # its signal pad is zeroed before any peer can signal into it
+        self.half_bytes = nbytes
+        flag_bytes = MAX_PROGRAMS * world_size * 4
+        # Two halves that calls alternate between, then the flags the peers signal this rank's programs in.
+        self.buffer = symm_mem.empty(2 * nbytes + flag_bytes, dtype=torch.uint8, device=device)
+        self.buffer[2 * nbytes:].zero_()
+        torch.cuda.synchronize(device)  # the flags are zeros before any peer can signal into them
         # A collective: every rank maps every buffer.  The group is found by name (torch 2.11 deprecated
         # enable_symm_mem_for_group: rendezvous reaches the group's store itself).
-        self.handle = symm_mem.rendezvous(self.buffer, group_name)
-        # The variant that copies the input into the buffer itself (a launch fewer a call; torch 2.11 has it).
-        self.copy_in = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+        handle = symm_mem.rendezvous(self.buffer, group_name)
+        self.rank = handle.rank
+        at = self.buffer.data_ptr() - handle.buffer_ptrs[self.rank]  # the tensor's place in its allocation
+        bases = [p + at for p in handle.buffer_ptrs]
+        self.buffers = torch.tensor(bases, dtype=torch.int64, device=device)
+        self.flags = torch.tensor([b + 2 * nbytes for b in bases], dtype=torch.int64, device=device)
+        self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
 
     def takes(self, x: torch.Tensor) -> bool:
         return takes_one_shot(self.mode, self.world_size, x.numel() * x.element_size(), x.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
-        staged = self.buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
-        if self.copy_in and x.is_contiguous() and x.data_ptr() % 16 == 0:
-            # One launch: the kernel copies x into this rank's buffer, then stores the sum over x.  Each thread
-            # copies and later stores the same elements, so summing in place reads nothing it has overwritten.
-            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, x, "sum", self.group_name, x)
-            return x
-        staged.copy_(x)
-        # The kernel stores as wide as the buffer's alignment allows, into ``out`` unchecked: a view that starts
-        # off a 16-byte boundary (or is not contiguous) gets its sum through a fresh tensor.
-        out = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else torch.empty_like(
-            x, memory_format=torch.contiguous_format)
-        torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, out)
-        if out is not x:
-            x.copy_(out)
+        from kernels.all_reduce import one_shot_all_reduce
+
+        # A view off a 16-byte boundary (or not contiguous) is summed through a fresh tensor: the kernel's loads
+        # and stores are 16 bytes wide, and a misaligned pointer would be a variant of its own to compile.
+        aligned = x.is_contiguous() and x.data_ptr() % 16 == 0
+        t = x if aligned else x.clone(memory_format=torch.contiguous_format)
+        one_shot_all_reduce(t, self.buffers, self.flags, self.state, self.half_bytes, self.rank, self.world_size)
+        if t is not x:
+            x.copy_(t)
         return x
 
 
@@ -127,7 +119,7 @@ def why_not_here(world_size: int, devices: list[torch.device]) -> Optional[str]:
     if world_size not in ONE_SHOT_RANKS:
         return f"it runs on {', '.join(map(str, ONE_SHOT_RANKS[:-1]))} or {ONE_SHOT_RANKS[-1]} ranks, not {world_size}"
     if not _has_op():
-        return f"torch {torch.__version__} has no torch.ops.symm_mem.one_shot_all_reduce_out"
+        return f"torch {torch.__version__} has no torch.distributed._symmetric_memory"
     for a in devices:
         for b in devices:
             if a != b and not torch.cuda.can_device_access_peer(a, b):
@@ -139,7 +131,7 @@ def _has_op() -> bool:
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
 
-        return hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out")
+        return hasattr(torch.distributed._symmetric_memory, "rendezvous")
     except (ImportError, RuntimeError):
         return False
 
