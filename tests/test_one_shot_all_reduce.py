@@ -50,7 +50,8 @@ def test_auto_goes_one_shot_up_to_its_size_only():
 def test_what_the_kernel_cannot_do_goes_to_nccl(mode):
     assert not takes_one_shot(mode, 3, 4096, BF16)  # no kernel variant for 3, 5, 6, 7 ranks
     assert not takes_one_shot(mode, 2, 4096, torch.float16)  # float32 and bfloat16 only
-    assert takes_one_shot(mode, 2, 6, BF16)  # any number of values: the kernel masks the last block
+    assert takes_one_shot(mode, 2, 6, BF16)  # any number of values: the Triton kernel (2 ranks) masks its last block
+    assert not takes_one_shot(mode, 4, 6, BF16)  # torch's (4 and 8): a whole number of 4-byte words only
 
 
 # --------------------------------------------------------------------------- the kernel, one rank played by hand

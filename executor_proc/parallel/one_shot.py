@@ -1,19 +1,21 @@
 """The one-shot all-reduce: small tensors summed over peer-to-peer buffers, for tensor-parallel ranks on one host.
 
 A decode step all-reduces ``[rows, hidden]`` twice a layer, a few KiB; NCCL's ring costs about 10 us a call
-however small the tensor.  One shot instead, in one kernel (``kernels/all_reduce.py``)::
+however small the tensor.  One shot instead, in one kernel (``kernels/all_reduce.py`` at 2 ranks; torch's
+``torch.ops.symm_mem.one_shot_all_reduce_copy_out`` at 4 and 8, :data:`TRITON_RANKS` says why)::
 
     rank r: x_r -> copy into buffer[r]              buffer[0] | buffer[1] | ... | buffer[N-1]
             signal the peers, wait for them          flags in the same memory; every rank maps every rank's
-            x = buffer[0] + buffer[1] + ... + buffer[N-1]   (read over NVLink, added in rank order in float32)
+            x = buffer[0] + buffer[1] + ... + buffer[N-1]   (read over NVLink, added in rank order)
 
 Every rank adds the same N values in the same order, so every rank gets the same bits (the ranks then sample
 the same token: :mod:`executor_proc.parallel.model`).  No host work: it is captured in the CUDA graphs like the
-rest of the step.  The kernel's programs each sum one chunk and wait only for the peers' programs of that chunk,
-and calls alternate between two halves of each buffer, so one barrier a call suffices (the kernel's docstring
-says why); the flags go back to zeros after every call and the half is flipped on the device, so no host-side
-counter is baked into a captured graph, which can therefore be replayed any number of times, between eager
-calls, as long as every rank runs the same sequence (the same plans, in order).
+rest of the step.  The Triton kernel's programs each sum one chunk and wait only for the peers' programs of that
+chunk, and calls alternate between two halves of each buffer, so one barrier a call suffices (its docstring says
+why); torch's kernel has two barriers a call.  Either way the flags go back to zeros after every
+call (the Triton kernel's half is flipped on the device), so no host-side counter is baked into a captured graph,
+which can therefore be replayed any number of times, between eager calls, as long as every rank runs the same
+sequence (the same plans, in order).
 
 The buffers come from ``torch.distributed._symmetric_memory.empty``, ``rendezvous``-ed by every rank at start-up
 (its cuMem allocation shared by file descriptor and mapped on every peer; the rendezvous is a collective with host
@@ -43,13 +45,18 @@ KiB = 1024
 MiB = 1024 * KiB
 # --all-reduce auto (the default): one-shot up to these sizes (bytes, by number of ranks), NCCL past them.  Measured
 # on H200s over NVLink (scripts/bench_tp.py --parts allreduce, 20 calls in a replayed graph): at 2 ranks one shot
-# beats NCCL at every size up to the buffer's 2 MiB (4.9 against 10.2 us at 1 KiB, 12.7 against 30.4 at 2 MiB); at
-# 4, torch's one-shot kernel that this one replaced beat NCCL from 1 KiB to 1 MiB, the largest timed there (7.4 /
-# 14.5, 19.9 / 23.0 us); this kernel is not timed at 4 ranks yet.  8 ranks not measured: vLLM's choice of its one-shot
-# kernel there (custom_all_reduce.cuh: below 256 KiB).  A decode row of the 8B shape all-reduces 8 KiB: batches up to
+# (the Triton kernel) beats NCCL at every size up to the buffer's 2 MiB (4.9 against 10.2 us at 1 KiB, 12.7 against
+# 30.4 at 2 MiB); at 4, torch's one-shot kernel beats NCCL from 1 KiB to 1 MiB, the largest timed there (7.4 / 14.5,
+# 19.9 / 23.0 us).  8 ranks not measured: vLLM's choice of its one-shot kernel there (custom_all_reduce.cuh: below
+# 256 KiB).  A decode row of the 8B shape all-reduces 8 KiB: batches up to
 # 128 rows (256 at 2 ranks) go one shot, prefill chunks NCCL.
 AUTO_MAX_BYTES = {2: ONE_SHOT_MAX_BYTES, 4: 1 * MiB, 8: 256 * KiB}
 DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes of tensor-parallel serving
+# Group sizes that run the Triton kernel: those it is checked and timed at on GPUs.  Larger groups keep torch's
+# one-shot kernel (torch.ops.symm_mem.one_shot_all_reduce_copy_out / _out; specialised for 2, 4 and 8 ranks,
+# float32 and bfloat16, tensors of whole 4-byte words), checked and timed at 4 ranks on H200s (above).
+TRITON_RANKS = (2,)
+WORD = 4  # torch's kernel moves 4, 8 or 16 bytes a thread
 
 
 class OneShotRefused(StartupRefused):
@@ -61,7 +68,7 @@ def takes_one_shot(mode: str, world_size: int, nbytes: int, dtype: torch.dtype) 
     ``--all-reduce mode`` (else NCCL): ``one-shot`` up to the buffer's size, ``auto`` up to :data:`AUTO_MAX_BYTES`."""
     if mode == "nccl" or world_size not in ONE_SHOT_RANKS or dtype not in DTYPES:
         return False
-    if not 0 < nbytes <= ONE_SHOT_MAX_BYTES:
+    if not 0 < nbytes <= ONE_SHOT_MAX_BYTES or (world_size not in TRITON_RANKS and nbytes % WORD):
         return False
     return mode == "one-shot" or nbytes <= AUTO_MAX_BYTES[world_size]
 
@@ -80,21 +87,27 @@ class OneShotAllReduce:
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
         self.mode = mode
         self.world_size = world_size
+        self.group_name = group_name
         self.half_bytes = nbytes
-        flag_bytes = MAX_PROGRAMS * world_size * 4
-        # Two halves that calls alternate between, then the flags the peers signal this rank's programs in.
-        self.buffer = symm_mem.empty(2 * nbytes + flag_bytes, dtype=torch.uint8, device=device)
-        self.buffer[2 * nbytes:].zero_()
+        self.triton = world_size in TRITON_RANKS
+        # Triton's: two halves that calls alternate between, then the flags the peers signal this rank's programs
+        # in.  Torch's: one buffer (its flags live in the allocation's signal pad).
+        size = 2 * nbytes + MAX_PROGRAMS * world_size * 4 if self.triton else nbytes
+        self.buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+        if self.triton:
+            self.buffer[2 * nbytes:].zero_()
         torch.cuda.synchronize(device)  # the flags are zeros before any peer can signal into them
         # A collective: every rank maps every buffer.  The group is found by name (torch 2.11 deprecated
         # enable_symm_mem_for_group: rendezvous reaches the group's store itself).
-        handle = symm_mem.rendezvous(self.buffer, group_name)
+        self.handle = handle = symm_mem.rendezvous(self.buffer, group_name)
         self.rank = handle.rank
         at = self.buffer.data_ptr() - handle.buffer_ptrs[self.rank]  # the tensor's place in its allocation
         bases = [p + at for p in handle.buffer_ptrs]
         self.buffers = torch.tensor(bases, dtype=torch.int64, device=device)
         self.flags = torch.tensor([b + 2 * nbytes for b in bases], dtype=torch.int64, device=device)
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
+        # Torch's variant that copies the input into the buffer itself (a launch fewer a call; torch 2.11 has it).
+        self.copy_in = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
 
     def takes(self, x: torch.Tensor) -> bool:
         return takes_one_shot(self.mode, self.world_size, x.numel() * x.element_size(), x.dtype)
@@ -103,11 +116,23 @@ class OneShotAllReduce:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
         from kernels.all_reduce import one_shot_all_reduce
 
-        # A view off a 16-byte boundary (or not contiguous) is summed through a fresh tensor: the kernel's loads
-        # and stores are 16 bytes wide, and a misaligned pointer would be a variant of its own to compile.
+        # Both kernels load and store 16 bytes wide: a view off a 16-byte boundary (or not contiguous) is summed
+        # through a fresh tensor (for Triton's, a misaligned pointer would also be a variant to compile).
         aligned = x.is_contiguous() and x.data_ptr() % 16 == 0
-        t = x if aligned else x.clone(memory_format=torch.contiguous_format)
-        one_shot_all_reduce(t, self.buffers, self.flags, self.state, self.half_bytes, self.rank, self.world_size)
+        if self.triton:
+            t = x if aligned else x.clone(memory_format=torch.contiguous_format)
+            one_shot_all_reduce(t, self.buffers, self.flags, self.state, self.half_bytes, self.rank, self.world_size)
+        elif aligned and self.copy_in:
+            staged = self.buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+            # One launch: the kernel copies x into this rank's buffer, then stores the sum over x.  Each thread
+            # copies and later stores the same elements, so summing in place reads nothing it has overwritten.
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, x, "sum", self.group_name, x)
+            return x
+        else:
+            staged = self.buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+            staged.copy_(x)
+            t = x if aligned else torch.empty_like(x, memory_format=torch.contiguous_format)
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, t)
         if t is not x:
             x.copy_(t)
         return x
@@ -118,8 +143,9 @@ def why_not_here(world_size: int, devices: list[torch.device]) -> Optional[str]:
     the same questions of the same devices, so every rank gets the same answer."""
     if world_size not in ONE_SHOT_RANKS:
         return f"it runs on {', '.join(map(str, ONE_SHOT_RANKS[:-1]))} or {ONE_SHOT_RANKS[-1]} ranks, not {world_size}"
-    if not _has_op():
-        return f"torch {torch.__version__} has no torch.distributed._symmetric_memory"
+    if not _has_op(world_size):
+        what = "symmetric memory" if world_size in TRITON_RANKS else "torch.ops.symm_mem.one_shot_all_reduce_out"
+        return f"torch {torch.__version__} has no {what}"
     for a in devices:
         for b in devices:
             if a != b and not torch.cuda.can_device_access_peer(a, b):
@@ -127,11 +153,13 @@ def why_not_here(world_size: int, devices: list[torch.device]) -> Optional[str]:
     return None
 
 
-def _has_op() -> bool:
+def _has_op(world_size: int) -> bool:
     try:
-        import torch.distributed._symmetric_memory  # noqa: F401
+        import torch.distributed._symmetric_memory as symm_mem
 
-        return hasattr(torch.distributed._symmetric_memory, "rendezvous")
+        if world_size in TRITON_RANKS:
+            return hasattr(symm_mem, "rendezvous")
+        return hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out")
     except (ImportError, RuntimeError):
         return False
 
