@@ -4,8 +4,8 @@
 with each prologue, its 2-8-row form, the "dot" form with and without the SiLU epilogue and the "dotT" form,
 :mod:`kernels.gemv_qkv` with the norm and at 1-8 rows without, in both forms) for the tuner's configs, head dims 64
 and 128, as the H100 runs them (with programmatic dependent launch, :mod:`kernels.pdl`), the split-KV decode
-attention kernel whose last split merges, and the tiled matmul, SiLU-mul and rotary/KV-write kernels (PDL, no
-weight prefetch); :func:`fp8_variants` the same kernels on FP8 weights and an FP8 KV cache.  Each compiled variant
+attention kernel whose last split merges, the tiled matmul, SiLU-mul and rotary/KV-write kernels (PDL, no
+weight prefetch), the MoE kernels and the tensor-parallel one-shot all-reduce; :func:`fp8_variants` the same kernels on FP8 weights and an FP8 KV cache.  Each compiled variant
 prints one line: its size and whether anything spilled to local memory.  Exits 1 if a variant fails to compile,
 spills, or breaks PDL's rule in its PTX (a store before ``griddepcontrol.wait``, or no wait), or if the decode
 kernel's arrival is not a CTA barrier followed by a GPU-scope acquire-release atomic.
@@ -25,8 +25,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import (activation, decode_attention, gemv, gemv_partials, gemv_qkv, gemv_row, kv_write, matmul, moe,
-                     moe_route)
+from kernels import (activation, all_reduce, decode_attention, gemv, gemv_partials, gemv_qkv, gemv_row, kv_write,
+                     matmul, moe, moe_route)
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ROW_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16",
@@ -69,6 +69,8 @@ MOE_GROUPED_DOWN_SIG = dict(inter_ptr="*bf16", w_ptr="*bf16", s_ptr="*bf16", pai
                             **{n: "i32" for n in ("num_pairs", "num_experts", "H", "I", "stride_im", "stride_we",
                                                   "stride_wn", "stride_se", "stride_om")})
 FP8_EXPERTS = dict(w_ptr="*fp8e4nv", s_ptr="*fp32")  # --quantization fp8: e4m3 stacks, float32 scales
+ALL_REDUCE_SIG = dict(x_ptr="*bf16", buffers_ptr="*i64", flags_ptr="*i64", state_ptr="*i32", n="i32", chunk="i32",
+                      half_elems="i32")
 ROUTE_SIG = dict(logits_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64",
                  **{n: "i32" for n in ("E", "stride_l", "first", "num_held")})
 ROPE_SIG = dict({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "kc_ptr", "vc_ptr")}, index_ptr="*i64",
@@ -85,7 +87,8 @@ DECODE_SIG["v_scale"] = "fp32"
 # Kernels launched with PDL that wait before their first load (no weight prefetch to check).
 NO_PREFETCH = (decode_attention._split_kernel, matmul._matmul_kernel, activation._silu_and_mul_kernel,
                kv_write._rope_kv_write_kernel, gemv._gemv_kernel, gemv_qkv._qkv_rope_dot_kernel,
-               moe._up_small_kernel, moe._down_small_kernel, moe._down_small_wide_kernel, moe_route._route_kernel)
+               moe._up_small_kernel, moe._down_small_kernel, moe._down_small_wide_kernel, moe_route._route_kernel,
+               all_reduce._one_shot_kernel)
 
 
 def variants():
@@ -173,6 +176,9 @@ def variants():
                    (None, None, None, c.num_warps, c.num_stages))
     consts = dict(TOP_K=8, BLOCK_E=128, RENORMALIZE=True, USE_PDL=True)
     yield "moe_route E=128", moe_route._route_kernel, ROUTE_SIG, consts, (None,) * 3 + (4, 1)
+    consts = dict(RANK=1, WORLD=2, BLOCK=all_reduce.BLOCK, USE_PDL=True)  # the tensor-parallel one-shot sum
+    config = (None,) * 3 + (all_reduce.NUM_WARPS, 1)
+    yield "all_reduce world=2", all_reduce._one_shot_kernel, ALL_REDUCE_SIG, consts, config
 
 
 FP8_W = {"w_ptr": "*fp8e4nv"}
