@@ -10,9 +10,9 @@ IPC under it: ``executor_proc/parallel/one_shot.py`` allocates them and passes t
 
 Program p of every rank handles the same chunk (the grid and the chunking follow ``n`` alone), so program p
 only waits for the peers' programs p: no grid-wide barrier, and the programs of a large sum all pull from the
-peers at once (torch's one-shot kernel, which this one replaces at 2 ranks, took 21.5 us for 2 MiB at 2 ranks on H200s, about
-100 GB/s of NVLink's ~450; this one 12.7 us).  The sum is float32 from rank 0 up, rounded once, so every rank gets
-the same bits.
+peers at once (torch's one-shot kernel, which this one replaces at 2 ranks, took 21.5 us for 2 MiB there on H200s,
+about 100 GB/s of NVLink's ~450; this one 12.7 us).  The sum is float32 from rank 0 up, rounded once, so every rank
+gets the same bits.
 
 One barrier a call, not two.  Calls alternate between two halves of each buffer (``half``, a parity that the
 last program of a call to finish flips on the device, so a captured graph replays any number of times and eager

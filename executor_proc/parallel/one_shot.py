@@ -48,8 +48,8 @@ MiB = 1024 * KiB
 # (the Triton kernel) beats NCCL at every size up to the buffer's 2 MiB (4.9 against 10.2 us at 1 KiB, 12.7 against
 # 30.4 at 2 MiB); at 4, torch's one-shot kernel beats NCCL from 1 KiB to 1 MiB, the largest timed there (7.4 / 14.5,
 # 19.9 / 23.0 us).  8 ranks not measured: vLLM's choice of its one-shot kernel there (custom_all_reduce.cuh: below
-# 256 KiB).  A decode row of the 8B shape all-reduces 8 KiB: batches up to
-# 128 rows (256 at 2 ranks) go one shot, prefill chunks NCCL.
+# 256 KiB).  A decode row of the 8B shape all-reduces 8 KiB: batches up to 128 rows (256 at 2 ranks) go one shot,
+# prefill chunks NCCL.
 AUTO_MAX_BYTES = {2: ONE_SHOT_MAX_BYTES, 4: 1 * MiB, 8: 256 * KiB}
 DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes of tensor-parallel serving
 # Group sizes that run the Triton kernel: those it is checked and timed at on GPUs.  Larger groups keep torch's
@@ -101,11 +101,12 @@ class OneShotAllReduce:
         # enable_symm_mem_for_group: rendezvous reaches the group's store itself).
         self.handle = handle = symm_mem.rendezvous(self.buffer, group_name)
         self.rank = handle.rank
-        at = self.buffer.data_ptr() - handle.buffer_ptrs[self.rank]  # the tensor's place in its allocation
-        bases = [p + at for p in handle.buffer_ptrs]
-        self.buffers = torch.tensor(bases, dtype=torch.int64, device=device)
-        self.flags = torch.tensor([b + 2 * nbytes for b in bases], dtype=torch.int64, device=device)
-        self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
+        if self.triton:  # every rank's buffer and flags by address, and this rank's half and arrival count
+            at = self.buffer.data_ptr() - handle.buffer_ptrs[self.rank]  # the tensor's place in its allocation
+            bases = [p + at for p in handle.buffer_ptrs]
+            self.buffers = torch.tensor(bases, dtype=torch.int64, device=device)
+            self.flags = torch.tensor([b + 2 * nbytes for b in bases], dtype=torch.int64, device=device)
+            self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
         # Torch's variant that copies the input into the buffer itself (a launch fewer a call; torch 2.11 has it).
         self.copy_in = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
 
