@@ -167,3 +167,24 @@ def test_attention_workspace_holds_every_mixed_step_row(tmp_path, monkeypatch, m
             splits = backend._num_splits(r)
             assert splits == 8 if invariant else splits >= 1
             backend.workspace.partials(r, splits)  # asserts that the rows and their splits fit
+
+
+
+WIDE_256 = [16, 32, 64, 128, 256]
+
+
+@pytest.mark.parametrize("slots, k, small, wide", [(1, 0, [1], []), (1, 4, [1, 2, 4, 8], []),
+                                                   (1, 8, [1, 2, 4, 8, 16], []), (5, 0, [1, 2, 4, 8], []),
+                                                   (256, 0, [1, 2, 4, 8, 16], WIDE_256),
+                                                   (256, 4, [1, 2, 4, 8, 16], WIDE_256)])
+def test_the_start_up_tunes_the_rows_a_speculative_step_runs(slots, k, small, wide):
+    """A speculative step runs each row's K + 1 positions as decode rows: with few slots the skinny kernels are
+    tuned up to that many rows' bucket (one slot at K = 8: the "dot" forms of 16), not only the slots'; the tiled
+    matmul's sizes stay the decode graphs' buckets."""
+    from executor_proc.backends.select import tuned_sizes
+    from executor_proc.backends.triton_backend import TritonBackend
+
+    spec = SpeculativeConfig(method="ngram", num_tokens=k) if k else SpeculativeConfig()
+    cfg = ExecutorConfig(model="", plan_addr="", result_addr="", device="cuda", num_slots=slots, speculative=spec)
+    assert tuned_sizes(cfg, TritonBackend, torch.device("cuda")) == (small, wide)
+    assert tuned_sizes(cfg, TritonBackend, torch.device("cpu")) == ([], [])  # the tuner runs on CUDA only

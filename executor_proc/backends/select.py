@@ -28,8 +28,8 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     Triton on CUDA (``kernels: auto``) or when asked: its decode workspace holds
     ``num_slots + 1`` rows (the padding slot; speculation's steps run up to ``K + 2`` times as many with fewer
     splits), and on CUDA with graphs its linears
-    are tuned for the graph batch sizes 1, 2, 4, 8, 16 (skinny matmul and the fused norm / SiLU / rotary
-    matmuls), 16, 32, ... up to the largest graph (tiled matmul; at 16 the faster of the two is kept), and the
+    are tuned for the sizes of :func:`tuned_sizes`: 1, 2, 4, 8, 16 rows (skinny matmul and the fused norm / SiLU /
+    rotary matmuls), 16, 32, ... up to the largest graph (tiled matmul; at 16 the faster of the two is kept), and the
     layers' norms are folded into
     the matmuls after them (:func:`folds_norms`) before the weights are quantized (:func:`quantize`), each
     tuning phase reported through ``progress`` (its kernels compiled, then its shapes timed).  Otherwise torch.
@@ -38,7 +38,7 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
         quantize(cfg, model)
         return TorchBackend(model.rope_inv_freq)
     from executor_proc.backends.gemv_tuning import tune_all, tuner_report
-    from executor_proc.backends.triton_backend import TritonBackend, m_bucket
+    from executor_proc.backends.triton_backend import TritonBackend
     from kernels.interpreter_patch import patch_interpreter
 
     patch_interpreter()  # the CPU runs the kernels in Triton's interpreter (a no-op on a GPU)
@@ -52,12 +52,8 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
         model.fold_norms()
         backend.norms_folded = True
     quantize(cfg, model)  # after the fold (the folded weights are what is quantized), before the tuning
-    # Batch-invariant linears are one kernel for every batch size: nothing to choose per size.
-    tune_max_m = graph_max_batch(cfg, backend) if device.type == "cuda" and not cfg.batch_invariant else 0
-    if tune_max_m > 0:
-        # the skinny and fused kernels' sizes ("dot" forms to 16 rows: a speculative row of 8 drafts, 9-16 slots)
-        small = [m for m in (1, 2, 4, 8) if m <= tune_max_m] + ([16] if tune_max_m > 8 else [])
-        wide = [16 << i for i in range(8) if 16 << i <= m_bucket(tune_max_m)]  # the decode graphs' larger buckets
+    small, wide = tuned_sizes(cfg, backend, device)
+    if small:
         tune_all(backend, model, small, wide, progress)
     if os.environ.get("FORERUN_TUNER_LOG"):  # which kernels this process runs (benchmarks keep it with their results)
         with open(os.environ["FORERUN_TUNER_LOG"], "w") as f:
@@ -80,6 +76,23 @@ def folds_norms(cfg: ExecutorConfig) -> bool:
     output projections' partial sums are all-reduced before the residual add), not with
     ``FORERUN_FOLD_NORMS=0`` (the benchmarks' baseline)."""
     return not cfg.batch_invariant and cfg.tensor_parallel_size == 1 and os.environ.get("FORERUN_FOLD_NORMS") != "0"
+
+
+def tuned_sizes(cfg: ExecutorConfig, backend: Backend, device: torch.device) -> tuple[list[int], list[int]]:
+    """The row counts the start-up tunes the linears for (none: no tuning): ``small`` for the skinny and fused
+    kernels (1, 2, 4, 8 rows, and 16 for the "dot" forms of 9-16), ``wide`` for the tiled matmul (the decode
+    graphs' larger buckets).  A speculative step runs each row's K + 1 positions as decode rows, so the small
+    sizes reach ``slots x (K + 1)`` rows however few the slots: one slot at K = 8 is a 9-row step (untuned, the
+    default model's verify step took 1.26 ms on an H200 against 0.73 tuned).  Batch-invariant linears are one
+    kernel for every batch size: nothing to choose per size."""
+    from executor_proc.backends.triton_backend import m_bucket
+
+    graphs = graph_max_batch(cfg, backend) if device.type == "cuda" and not cfg.batch_invariant else 0
+    if graphs == 0:
+        return [], []
+    rows = graphs * (cfg.speculative.num_tokens + 1 if cfg.speculative.method is not None else 1)
+    small = [m for m in (1, 2, 4, 8) if m <= m_bucket(rows)] + ([16] if rows > 8 else [])  # keyed by bucket
+    return small, [16 << i for i in range(8) if 16 << i <= m_bucket(graphs)]
 
 
 def graph_max_batch(cfg: ExecutorConfig, backend: Backend) -> int:
