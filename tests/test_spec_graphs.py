@@ -169,7 +169,6 @@ def test_attention_workspace_holds_every_mixed_step_row(tmp_path, monkeypatch, m
             backend.workspace.partials(r, splits)  # asserts that the rows and their splits fit
 
 
-
 WIDE_256 = [16, 32, 64, 128, 256]
 
 
