@@ -81,7 +81,7 @@ class OneShotAllReduce:
                  nbytes: int = ONE_SHOT_MAX_BYTES):
         from torch.distributed import _symmetric_memory as symm_mem
 
-        from kernels.all_reduce import MAX_PROGRAMS, STATE_WORDS
+        from kernels.all_reduce import MAX_PROGRAMS, STATE_WORDS, one_shot_all_reduce
 
         # Never a multicast object, even where a caller forgot NO_MULTICAST_ENV: read at allocation.
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
@@ -109,20 +109,19 @@ class OneShotAllReduce:
             self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
         # Torch's variant that copies the input into the buffer itself (a launch fewer a call; torch 2.11 has it).
         self.copy_in = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+        self.kernel = one_shot_all_reduce  # bound once: calls are on every layer's path
 
     def takes(self, x: torch.Tensor) -> bool:
         return takes_one_shot(self.mode, self.world_size, x.numel() * x.element_size(), x.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
-        from kernels.all_reduce import one_shot_all_reduce
-
         # Both kernels load and store 16 bytes wide: a view off a 16-byte boundary (or not contiguous) is summed
         # through a fresh tensor (for Triton's, a misaligned pointer would also be a variant to compile).
         aligned = x.is_contiguous() and x.data_ptr() % 16 == 0
         if self.triton:
             t = x if aligned else x.clone(memory_format=torch.contiguous_format)
-            one_shot_all_reduce(t, self.buffers, self.flags, self.state, self.half_bytes, self.rank, self.world_size)
+            self.kernel(t, self.buffers, self.flags, self.state, self.half_bytes, self.rank, self.world_size)
         elif aligned and self.copy_in:
             staged = self.buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
             # One launch: the kernel copies x into this rank's buffer, then stores the sum over x.  Each thread
