@@ -83,7 +83,8 @@ def tuned_sizes(cfg: ExecutorConfig, backend: Backend, device: torch.device) -> 
     kernels (1, 2, 4, 8 rows, and 16 for the "dot" forms of 9-16), ``wide`` for the tiled matmul (the decode
     graphs' larger buckets).  A speculative step runs each row's K + 1 positions as decode rows, so the small
     sizes reach ``slots x (K + 1)`` rows however few the slots: one slot at K = 8 is a 9-row step (untuned, the
-    default model's verify step took 1.26 ms on an H200 against 0.73 tuned).  Batch-invariant linears are one
+    default model's verify step took 1.26 ms on an H200, 0.97 tuned; 0.71 once the attention kept its splits:
+    :func:`kernels.decode_attention.split_pairs`).  Batch-invariant linears are one
     kernel for every batch size: nothing to choose per size."""
     from executor_proc.backends.triton_backend import m_bucket
 

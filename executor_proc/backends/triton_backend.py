@@ -61,7 +61,7 @@ from kernels.gemv_partials import sumsq_fits
 from kernels.gemv_row import gemv_prologue
 from kernels.activation import silu_and_mul, silu_and_mul_fp8
 from kernels.decode_rows import decode_rows
-from kernels.decode_attention import DecodeWorkspace, decode_attention, default_num_splits
+from kernels.decode_attention import DecodeWorkspace, decode_attention, default_num_splits, split_pairs
 from kernels.gemv_qkv import qkv_rope, rope_pairs
 from kernels.kv_write import rope_cos_sin_cache, rope_kv_write
 from kernels.logprobs import token_logprobs
@@ -132,8 +132,10 @@ class TritonBackend:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.device = device
         # batch-invariant: every call, whatever its rows, keeps the one split count (room for it at every size)
+        # (a speculative step's rows take the splits the default rule gives them: room for that at every row count)
         self.workspace = DecodeWorkspace(max_batch, num_heads, head_dim, device=device, max_rows=max_decode_rows,
-                                         min_splits=INVARIANT_ATTENTION_SPLITS if batch_invariant else 1)
+                                         min_splits=INVARIANT_ATTENTION_SPLITS if batch_invariant else 1,
+                                         min_pairs=split_pairs(max_decode_rows, num_kv_heads, device, 16, head_dim))
         # (N, K, m_bucket) -> skinny-matmul config; absent: cuBLAS.
         self.gemv_choice: dict[tuple[int, int, int], GemvConfig] = {}
         self.gemv_everywhere: Optional[GemvConfig] = None  # tests: force the Triton path
