@@ -238,10 +238,12 @@ def device(request) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_servers(tiny_model, device):
-    """The tiny model served by one process and by two ranks, same flags (host KV tier on); one executor restart
-    allowed (the rank-death tests spend it, then go past it)."""
+    """The tiny model served by one process and by two ranks, same flags (host KV tier on; prompts longer than a
+    step's 32 tokens, whose first chunks sample no row); one executor restart allowed (the rank-death tests spend
+    it, then go past it)."""
     flags = ("--model", tiny_model, "--device", device, "--dtype", "float32", "--max-num-seqs", "8",
              "--num-kv-blocks", "96", "--block-size", "4", "--num-host-kv-blocks", "64", "--debug-checks",
+             "--max-num-batched-tokens", "32",
              "--max-restarts", "1", "--restart-window", "3600")
     servers = {}
     try:

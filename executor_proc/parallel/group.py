@@ -44,10 +44,14 @@ class TPGroup:
         return x
 
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
-        """``[S, n]`` on each rank -> ``[S, size * n]``, rank r's columns at ``r * n``."""
-        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        """``[S, n]`` on each rank -> ``[S, size * n]``, rank r's columns at ``r * n``.  ``S`` is the same on every
+        rank (one plan): at 0 (a step of prefill chunks that samples no row) no rank gathers."""
+        rows, n = x.shape
+        if rows == 0:
+            return x.new_empty((0, self.size * n))
+        out = x.new_empty((self.size * rows, n))
         _all_gather_rows(out, x.contiguous())
-        return out.view(self.size, x.shape[0], -1).transpose(0, 1).reshape(x.shape[0], -1)
+        return out.view(self.size, rows, n).transpose(0, 1).reshape(rows, self.size * n)
 
     def agree_min(self, value: int) -> int:
         """The smallest ``value`` over the ranks (capacities sized from each rank's free memory)."""
