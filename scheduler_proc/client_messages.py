@@ -90,7 +90,7 @@ class ClientMessages:
             steps=self.stats["steps"], requests=self.stats["requests"], preemptions=pl.num_preemptions,
             resumes=pl.resumes.count, resume_s_total=pl.resumes.seconds,
             executor_restarts=self.stats["restarts"],
-            draining=self.shutdown_at is not None,
+            draining=self.shutdown_at is not None or bool(self.failure),
             step_time_s_total=totals.step_s, gpu_busy_s_total=totals.gpu_busy_s,
             gpu_gap_s_total=totals.gpu_gap_s, executor_idle_s_total=totals.idle_s,
             prefix_cache_query_tokens=pl.prefix.query_tokens if pl.prefix else 0,

@@ -515,6 +515,37 @@ async def test_two_workers_64_streams_no_mixup(servers, default_model_dir):
     assert assert_no_leak_after.num_free_kv_blocks == assert_no_leak_after.num_kv_blocks
 
 
+async def test_a_request_given_up_leaves_the_gateway_serving_once_the_server_serves():
+    """A request failed after two executor failures in a row (the server restarts its executor and serves the
+    others): the gateway answers 503 only until the server says it takes requests; a server that failed for
+    good (draining, or not answering) keeps it at 503."""
+    from ipc.client import ExecutorFailedError
+    from ipc.client_protocol import ServerStats
+    from ipc.gateway.app import Gateway
+
+    class Server:
+        def __init__(self, answer):
+            self.answer = answer
+
+        async def get_stats(self, timeout=None):
+            if isinstance(self.answer, BaseException):
+                raise self.answer
+            required = ServerStats.__struct_fields__[:-len(ServerStats.__struct_defaults__)]
+            return ServerStats(**dict.fromkeys(required, 0), draining=self.answer)
+
+        async def close(self):
+            pass
+
+    for answer, serves in ((False, True), (True, False), (TimeoutError("no answer"), False)):
+        gw = Gateway("ipc:///nowhere")
+        gw.client = Server(answer)
+        gw.note_error(ExecutorFailedError("executor_failed", None, "two failures in a row; not retried"))
+        assert gw.failed
+        await gw._recheck
+        assert gw.failed is not serves, answer
+        await gw.stop()
+
+
 async def test_health_503_once_the_executor_is_gone(servers):
     # No restarts allowed: the executor's death is the server's (fail-stop), as after too many restarts.
     srv = servers("--load-format", "scripted", "--scripted-step-ms", "5", "--max-restarts", "0")

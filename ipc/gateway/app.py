@@ -108,7 +108,8 @@ class Gateway:
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="forerun-tokenize")
-        self.failed = False  # the executor is gone: every later request gets 503
+        self.failed = False  # the executor failed: every later request gets 503 until the server says it serves
+        self._recheck: Optional[asyncio.Task] = None
         self.created = int(time.time())
 
     async def start(self) -> None:
@@ -122,6 +123,8 @@ class Gateway:
         self.metrics = request_metrics(self.model_name)
 
     async def stop(self) -> None:
+        if self._recheck is not None:
+            self._recheck.cancel()
         await self.client.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -143,7 +146,7 @@ class Gateway:
                                  name, code="unsupported_parameter")
         params.check_stream_params(req)
         if self.failed:
-            raise s.RequestError(503, "the executor is gone; the server is shutting down",
+            raise s.RequestError(503, "the executor failed; no new requests until the server serves again",
                                  err_type="service_unavailable_error", code="executor_failed")
 
     def need_tokenizer(self) -> Any:
@@ -187,9 +190,22 @@ class Gateway:
                                   detokenize=self.tokenizer is not None, **kw)
 
     def note_error(self, exc: BaseException) -> None:
-        """Remember that the executor is gone (every later request and /health answer 503)."""
-        if isinstance(exc, ExecutorFailedError):
+        """After an executor failure every later request and /health answer 503 at once, until the server answers
+        that it is serving: a request given up after two executor failures in a row leaves a server that restarts
+        its executor and serves the others; a server whose executor failed for good says it is draining, or is
+        gone, and the 503s stay."""
+        if isinstance(exc, ExecutorFailedError) and not self.failed:
             self.failed = True
+            self._recheck = asyncio.get_running_loop().create_task(self.recheck())
+
+    async def recheck(self) -> None:
+        """Clear :attr:`failed` if the server answers that it takes requests."""
+        try:
+            stats = await self.client.get_stats(timeout=HEALTH_TIMEOUT_S)
+        except (TimeoutError, ConnectionError, RuntimeError, ForerunError):
+            return
+        if not stats.draining:
+            self.failed = False
 
     def observe(self, result: Any) -> None:
         if result is not None:
