@@ -1578,6 +1578,9 @@ reference first.
                 if small:
                     inter = fused.moe_up_small(x, layers[0].w13, ids, fused.SMALL_CONFIG.up)
                     for c in fused.UP_CANDIDATES:
+                        got = fused.fused_moe_small(x, *layers[0], weights, ids,
+                                                    fused.SmallConfig(c, fused.SMALL_CONFIG.down))
+                        assert ((got.float() - want).norm() / want.norm()).item() < 2e-2, (model, m, c)
                         times[("up", *c)] = _time_pass(lambda e, c=c: fused.moe_up_small(x, e.w13, ids, c), layers,
                                                        args.reps)
                     for c in fused.DOWN_CANDIDATES:
