@@ -575,6 +575,15 @@ def test_missing_expert_is_named():
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight"):
         model.load_weights(weights + [(n, torch.zeros(v.shape)) for n, v in
                                       model.model.layers[0].mlp.expert_views("model.layers.0.mlp.").items()])
+    # a transposed expert tensor is named once, as a shape mismatch, not also as missing
+    whole = weights + [(n, torch.zeros(v.shape)) for n, v in views.items() if ".experts.2.up_proj" in n]
+    layer0 = model.model.layers[0].mlp.expert_views("model.layers.0.mlp.")
+    whole += [(n, torch.zeros(v.shape)) for n, v in layer0.items()]
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    whole = [(n, t.T if n == name else t) for n, t in whole]
+    with pytest.raises(ValueError) as e:
+        model.load_weights(whole)
+    assert "missing" not in str(e.value) and str(e.value).count(name) == 1 and "1 shape mismatches" in str(e.value)
 
 
 BASE = {"architectures": ["Qwen2MoeForCausalLM"], **SHAPE, **MOE, "num_experts": 4,

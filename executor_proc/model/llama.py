@@ -242,6 +242,7 @@ class CausalLM(nn.Module):
         loaded: set[str] = set()
         unexpected: list[str] = []
         bad_shapes: list[str] = []
+        misfits: set[str] = set()
         for seen, (name, tensor) in enumerate(weights, 1):
             if progress_cb is not None:
                 progress_cb(seen)
@@ -257,10 +258,11 @@ class CausalLM(nn.Module):
             if tuple(param.shape) != tuple(tensor.shape) or (param.dtype == FP8) != (tensor.dtype == FP8):
                 bad_shapes.append(f"{name}: checkpoint {tuple(tensor.shape)} {tensor.dtype} vs model "
                                   f"{tuple(param.shape)} {param.dtype}")
+                misfits.add(name)
                 continue
             param.copy_(tensor)
             loaded.add(name)
-        missing = sorted(set(params) - loaded)
+        missing = sorted(set(params) - loaded - misfits)  # a misfit is named once, with its shapes
         problems = []
         if missing:
             problems.append(f"missing {len(missing)} weights: {_some(missing)}")

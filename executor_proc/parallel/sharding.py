@@ -90,9 +90,10 @@ def check_expert_parallel(config: ModelConfig, size: int) -> None:
                              f"{config.architecture} has none")
     experts = config.moe.num_experts
     if size > experts:
+        fewer = f"use --tensor-parallel-size {experts} or fewer, or leave" if experts > 1 else "leave"
         raise StartupRefused(f"--enable-expert-parallel gives each of the {size} tensor-parallel ranks whole "
-                             f"experts, but the model has {experts}: use --tensor-parallel-size {experts} or "
-                             f"fewer, or leave the flag off (tensor parallelism splits every expert)")
+                             f"experts, but the model has {experts}: {fewer} the flag off (tensor parallelism "
+                             f"splits every expert)")
 
 
 def check_divisible(config: ModelConfig, size: int, expert_parallel: bool = False) -> None:
