@@ -523,7 +523,11 @@ every (num_splits, BLOCK_N, num_warps, num_stages) in the grid as a CUDA graph o
 the reference, and prints, per case, the default config's time and the best few, with the KV
 read rate as a fraction of the device copy bandwidth measured in the same run.
 
-    python3 scripts/bench_kernels.py decode-attention [--cases 8b:64:512,1b:64:512,1b:1:512] [--json OUT.json]
+    python3 scripts/bench_kernels.py decode-attention [--cases 8b:64:512,1b:64:512,1b:1:512] [--kv-dtypes bf16,fp8]
+                                                      [--json OUT.json]
+
+With ``--kv-dtypes bf16,fp8`` each case runs on both caches (FP8: e4m3 values, half the bytes) and the FP8 one's
+speed-up is printed.
     """
     sys.argv = ["bench_kernels.py decode-attention", *argv]
 
@@ -554,20 +558,22 @@ read rate as a fraction of the device copy bandwidth measured in the same run.
         return 2 * src.numel() / graph_time(lambda: dst.copy_(src), reps, calls=2)
 
 
-    def run_case(model: str, batch: int, ctx: int, bandwidth: float, args) -> dict:
+    def run_case(model: str, batch: int, ctx: int, bandwidth: float, args, kv_dtype: str = "bf16") -> dict:
         H, Hkv, D = SHAPES[model]
         g = torch.Generator(device="cuda").manual_seed(batch * ctx + D)
         per_row = -(-ctx // BLOCK_SIZE)
         blocks = batch * per_row + 8
         kc = torch.randn(blocks, BLOCK_SIZE, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
         vc = torch.randn_like(kc)
+        if kv_dtype == "fp8":  # e4m3 values, scale 1 (the kernel's scale multiply runs all the same)
+            kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
         bt = torch.randperm(blocks, device="cuda", generator=g)[:batch * per_row].view(batch, per_row).int()
         cl = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
         out = torch.empty_like(q)
         ws = DecodeWorkspace(batch, H, D, max_splits=16, device="cuda")
-        kv_bytes = 2 * batch * ctx * Hkv * D * 2
-        default = (default_num_splits(batch, Hkv, "cuda", head_dim=D), *_default_config(D))
+        kv_bytes = 2 * batch * ctx * Hkv * D * kc.element_size()
+        default = (default_num_splits(batch, Hkv, "cuda", head_dim=D), *_default_config(D, kv_dtype == "fp8"))
         results = {}
         for cfg in itertools.product(args.splits, args.block_n, args.warps_stages):
             splits, block_n, (warps, stages) = cfg
@@ -588,7 +594,7 @@ read rate as a fraction of the device copy bandwidth measured in the same run.
         ref = decode_attention_ref(q[:4].float(), kc.float(), vc.float(), bt[:4], cl[:4], D ** -0.5)
         err = ((out[:4].float() - ref).abs().max() / ref.abs().max()).item()
         frac = lambda t: kv_bytes / t / bandwidth  # noqa: E731
-        return dict(model=model, batch=batch, ctx=ctx, default=list(default), default_us=results[default] * 1e6,
+        return dict(model=model, kv_dtype=kv_dtype, batch=batch, ctx=ctx, default=list(default), default_us=results[default] * 1e6,
                     default_frac=frac(results[default]), best=list(best), best_us=ranked[0][1] * 1e6,
                     best_frac=frac(ranked[0][1]), best_rel_err=err,
                     top=[dict(config=list(k), us=t * 1e6, frac=frac(t)) for k, t in ranked[:8]])
@@ -602,6 +608,7 @@ read rate as a fraction of the device copy bandwidth measured in the same run.
         ap.add_argument("--block-n", default="32,64,128", help="BLOCK_N values to try")
         ap.add_argument("--warps-stages", default="2x3,4x2,4x3,4x4,8x3", help="num_warps x num_stages pairs to try")
         ap.add_argument("--reps", type=int, default=20, help="graph replays per config (median)")
+        ap.add_argument("--kv-dtypes", default="bf16", help="the KV cache's dtypes to time, comma-separated: bf16, fp8")
         ap.add_argument("--json", default=None, help="write the rows here")
         args = ap.parse_args(argv)
         args.splits = [int(x) for x in args.splits.split(",")]
@@ -611,16 +618,24 @@ read rate as a fraction of the device copy bandwidth measured in the same run.
         rows = []
         for case in args.cases.split(","):
             model, batch, ctx = case.split(":")
-            rows.append(run_case(model, int(batch), int(ctx), bandwidth, args))
-            r = rows[-1]
-            print(f"{case}: default {r['default']} {r['default_us']:.1f} us ({r['default_frac']:.0%}); "
-                  + "; ".join(f"{t['config']} {t['us']:.1f} ({t['frac']:.0%})" for t in r["top"][:4]), flush=True)
+            for kv in args.kv_dtypes.split(","):
+                rows.append(run_case(model, int(batch), int(ctx), bandwidth, args, kv))
+                r = rows[-1]
+                print(f"{case} {kv}: default {r['default']} {r['default_us']:.1f} us ({r['default_frac']:.0%}); "
+                      + "; ".join(f"{t['config']} {t['us']:.1f} ({t['frac']:.0%})" for t in r["top"][:4]),
+                      flush=True)
         print(f"\n{torch.cuda.get_device_name()}  copy {bandwidth / 1e12:.2f} TB/s  (splits, BLOCK_N, warps, stages)")
-        print(f"{'case':<14}{'default':>20}{'us':>8}{'BW':>6}{'best':>22}{'us':>8}{'BW':>6}{'err':>9}")
+        print(f"{'case':<14}{'kv':>5}{'default':>20}{'us':>8}{'BW':>6}{'best':>22}{'us':>8}{'BW':>6}{'err':>9}")
         for r in rows:
-            print(f"{r['model']}:{r['batch']}:{r['ctx']:<8}{str(tuple(r['default'])):>20}{r['default_us']:>8.1f}"
-                  f"{r['default_frac']:>6.0%}{str(tuple(r['best'])):>22}{r['best_us']:>8.1f}{r['best_frac']:>6.0%}"
-                  f"{r['best_rel_err']:>9.1e}")
+            print(f"{r['model']}:{r['batch']}:{r['ctx']:<8}{r['kv_dtype']:>5}{str(tuple(r['default'])):>20}"
+                  f"{r['default_us']:>8.1f}{r['default_frac']:>6.0%}{str(tuple(r['best'])):>22}{r['best_us']:>8.1f}"
+                  f"{r['best_frac']:>6.0%}{r['best_rel_err']:>9.1e}")
+        base = {(r["model"], r["batch"], r["ctx"]): r for r in rows if r["kv_dtype"] == "bf16"}
+        for r in rows:
+            b = base.get((r["model"], r["batch"], r["ctx"]))
+            if r["kv_dtype"] == "fp8" and b is not None:
+                print(f"{r['model']}:{r['batch']}:{r['ctx']}: FP8 KV {b['default_us'] / r['default_us']:.2f}x bf16 "
+                      f"at the default config, {b['best_us'] / r['best_us']:.2f}x best against best")
         if args.json:
             write_json(args.json, dict(meta=dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                                                  copy_bandwidth=bandwidth, command=" ".join(sys.argv)), rows=rows))

@@ -29,7 +29,8 @@
 #   moe            the MoE kernels' GPU tests and tiles (bench_kernels.py moe), the Qwen3-30B-A3B shape at batch 1
 #                  and 64, bf16 and FP8 experts; on two GPUs tensor against expert parallelism (TP=2 and EP=2)
 #   fp8            FP8 weights and KV cache: their GPU tests, then bf16 against FP8 decode (1B, 8B batch 1 with a
-#                  2,048-token prefill; 8B batch 64 with FP8 KV; 1B, 8 rows of 16k context, bf16 against FP8 KV)
+#                  2,048-token prefill; 8B batch 64 with FP8 KV; 1B, 8 rows of 16k context, bf16 against FP8 KV;
+#                  the 8B shape's decode attention alone at 16k, bf16 against FP8 KV)
 #   spec           speculative decoding: bench_spec.py (verification's cost, the default model with n-gram drafts,
 #                  the 8B shape with draft models, GPU idle at batch 64)
 #
@@ -213,6 +214,8 @@ part_fp8() {
     run timeout 90 $PY scripts/bench_decode.py --models llama-3.2-1b --batch 8 --context 16384 --steps 50 \
         --kv-cache-dtype $kv --json "$OUT/fp8_16k_kv_$kv.json"
   done
+  run timeout 90 $PY scripts/bench_kernels.py decode-attention --cases 8b:1:16384,8b:8:16384,8b:32:16384,8b:64:512 \
+      --kv-dtypes bf16,fp8 --splits 16 --block-n 64 --warps-stages 4x3 --json "$OUT/fp8_attention_16k.json"
 }
 
 part_spec() {
