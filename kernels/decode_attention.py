@@ -64,7 +64,7 @@ def _split_kernel(
 ):
     """``F16_DOTS`` (an FP8 cache under bf16 / fp16 queries): both products take float16 operands, K and V widened
     from e4m3 exactly in one conversion and q and the probabilities rounded to float16 (more mantissa than
-    bfloat16); the sums stay float32."""
+    bfloat16, less range: a query entry past 65,504 would overflow); the sums stay float32."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
