@@ -125,3 +125,25 @@ def test_metrics_carry_the_draft_counts():
                  'forerun:spec_decode_num_accepted_tokens_total{model_name="m"} 25.0',
                  'forerun:spec_decode_mean_accepted_length{model_name="m"} 3.5'):
         assert line in text
+
+
+async def test_rows_at_the_context_limit_stay_within_the_slot(module_servers):
+    """A request that ends at the model's length: its last rows' drafts are cut to the room left, and a step of
+    greedy speculative rows run as decode rows pads each to K + 1 positions, past the length; the CPU's attention
+    keeps to the rows' block tables (it once gathered 128 keys and masked 144: the executor failed until the server
+    gave up).  Alone on the server, with K = 8, at every depth the tokens are the plain row's."""
+    ids = [1000, 1001, 1002, 1003] * 14  # 56 tokens, a pattern the lookup drafts from
+    for depth in ("0", "1"):
+        srv = module_servers("--speculative-method", "ngram", "--num-speculative-tokens", "8", "--max-model-len", "64",
+                             "--max-num-seqs", "4", "--num-kv-blocks", "32", "--pipeline-depth", depth,
+                             "--debug-checks", "--max-restarts", "0")
+        async with AsyncClient(srv.address, timeout=120) as c:
+            run = lambda **kw: c.generate(prompt_token_ids=ids, max_tokens=8, temperature=0.0, ignore_eos=True,  # noqa
+                                          detokenize=False, **kw)
+            spec = await run()
+            plain = await run(prompt_logprobs=0)  # a row that cannot speculate
+        assert (spec.token_ids, spec.finish_reason) == (plain.token_ids, "length"), depth
+        stats = await wait_idle(srv.address)
+        assert stats.executor_restarts == 0 and stats.spec_draft_tokens > 0, depth
+        assert_no_leak(stats)
+        srv.stop()
