@@ -25,10 +25,12 @@ NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST":
 
 def die_with_parent() -> None:
     """Runs in the child before exec: the kernel kills it when its parent (the scheduler; a replica's router)
-    dies.  SIGINT is ignored (and stays ignored across exec): a Ctrl-C reaches the whole process group, and the
-    parent, which drains and then stops its children, is the one to act on it; a KeyboardInterrupt here would
-    look like a crash."""
+    dies.  SIGINT and SIGTERM are ignored (and stay ignored across exec): a Ctrl-C or a supervisor's
+    ``kill -TERM -PGID`` reaches the whole process group, and the parent, which drains and then stops its children
+    (SIGKILL), is the one to act on it; a KeyboardInterrupt or a death here would look like a crash (the executor
+    restarted in the middle of the drain)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:

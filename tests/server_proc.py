@@ -33,11 +33,14 @@ def python_path() -> str:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, tmpdir: str, timeout: float = 300.0, address: str | None = None):
+    def __init__(self, *args: str, tmpdir: str, timeout: float = 300.0, address: str | None = None,
+                 new_session: bool = False):
+        """``new_session``: the server leads its own process group (a test may signal the whole group)."""
         self.address = address or f"ipc://{tmpdir}/c-{uuid.uuid4().hex[:8]}.sock"
         env = dict(os.environ, PYTHONPATH=python_path(), PYTHONUNBUFFERED="1", FORERUN_RUN_DIR=tmpdir)
         cmd = [sys.executable, "-m", "scheduler_proc.launch", "serve", "--address", self.address, "--quiet", *args]
-        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=new_session)
         self.log: list[str] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -306,6 +306,28 @@ def test_sigterm_the_moment_the_server_is_ready_stops_it_cleanly():
     assert "forerun: stopped" in out and not any(w in out for w in ("Traceback", "Warning", "never awaited")), out
 
 
+def test_sigterm_to_the_whole_process_group_drains_without_restarting_the_executor():
+    """``kill -TERM -PGID`` (a supervisor stopping the group): the executor ignores it as it does SIGINT, the server
+    drains its running request to the end and stops; the executor was once killed by it and restarted mid-drain."""
+    srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "5", tmpdir=run_dir(), timeout=120,
+                        new_session=True)
+
+    async def drained() -> p.Finished:
+        async with RawConnection(srv.address, timeout=30) as conn:
+            await conn.hello("group-sigterm", batch_deltas=True)
+            await conn.send(p.Generate("r", [5, 6, 7], p.SamplingParams(max_tokens=200, ignore_eos=True)))
+            await conn.recv()
+            os.killpg(srv.proc.pid, signal.SIGTERM)
+            while not isinstance(msg := await conn.recv(), (p.Finished, p.Error)):
+                pass
+            return msg
+
+    end = asyncio.run(drained())
+    out = "".join(srv.log) + srv.proc.communicate(timeout=60)[0]
+    assert isinstance(end, p.Finished) and end.reason == "length" and end.completion_tokens == 200, (end, out)
+    assert srv.proc.returncode == 0 and "forerun: stopped" in out and "restarting" not in out, out
+
+
 def test_sigterm_second_server_and_startup_errors():
     tmp = run_dir()
     srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "5", "--max-num-seqs", "8",
