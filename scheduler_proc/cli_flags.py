@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import get_args
+from typing import Optional, get_args
 
 from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, MAX_NGRAM, MAX_SPECULATIVE_TOKENS, ONE_SHOT_MAX_BYTES,
                         AllReduce, Dtype, ExecutorConfig, KVCacheDtype, Kernels, LoadFormat, MixedGraphs,
@@ -217,6 +217,32 @@ def chat_flags(sub) -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=None, help="seed for random sampling")
     c.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer")
     return c
+
+
+# Config fields whose flag is not the field's own name with dashes (the rest: ``a_b`` -> ``--a-b``, where that flag
+# exists).
+FLAG_OF_FIELD = {"num_slots": "--max-num-seqs", "threads": "--executor-threads",
+                 "shutdown_timeout_s": "--shutdown-timeout", "executor_hang_timeout_s": "--executor-hang-timeout"}
+
+
+def in_flag_names(message: str) -> str:
+    """A config error as the command line says it: each config field it names (``num_slots``,
+    ``kernels='triton'``) as its ``forerun serve`` flag (``--max-num-seqs``, ``--kernels triton``)."""
+    import re
+
+    flags = {o for a in serve_flags(argparse.ArgumentParser().add_subparsers())._actions for o in a.option_strings}
+
+    def flag(field: str) -> Optional[str]:
+        name = FLAG_OF_FIELD.get(field, "--" + field.replace("_", "-"))
+        return name if name in flags else None
+
+    def setting(m: re.Match) -> str:
+        name = flag(m[1])
+        return f"{name} {m[2]}" if name else m[0]
+
+    message = re.sub(r"(?<![\w-])([a-z][a-z0-9_]*)='([^']*)'", setting, message)
+    message = re.sub(r"^([a-z]+)(?= must )", lambda m: flag(m[1]) or m[0], message)  # "threads must be ..."
+    return re.sub(r"(?<![\w.'-])([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?![\w'-])", lambda m: flag(m[1]) or m[0], message)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ from typing import Optional
 
 from ipc.config import ExecutorConfig, ScriptedOptions, SpeculativeConfig, default_of
 from ipc.models import resolve_model
-from scheduler_proc.cli_flags import ADDRESS_FILE, API_KEY_ENV, build_parser
+from scheduler_proc.cli_flags import ADDRESS_FILE, API_KEY_ENV, build_parser, in_flag_names
 from scheduler_proc.config import ServerConfig
 from scheduler_proc.executor_process import NO_MULTICAST_ENV
 
@@ -139,7 +139,7 @@ def serve(args) -> int:
         model = resolve_model(cfg.model, cfg.executor.load_format, cfg.tokenizer)
         gpus = _replica_gpus(args, cfg)
     except (ValueError, RuntimeError) as e:
-        raise SystemExit(f"forerun: {e}")
+        raise SystemExit(f"forerun: {in_flag_names(str(e))}")
     import uvloop
 
     from scheduler_proc.frontend import StartupError
@@ -165,7 +165,7 @@ def serve(args) -> int:
         ready = server.start_executor(progress)
     except (StartupError, RuntimeError, TimeoutError, KeyboardInterrupt) as e:
         progress.close()
-        print(f"forerun: {e or 'interrupted while starting'}", file=sys.stderr)
+        print(f"forerun: {in_flag_names(str(e)) or 'interrupted while starting'}", file=sys.stderr)
         if http_sock is not None:
             http_sock.close()
         server.close()

@@ -256,3 +256,21 @@ def test_startup_refusals_name_the_flag(tmp_path, case):
     with pytest.raises(StartupRefused) as refused:  # the model as the launcher hands it to the executor
         build_worker(msgspec.structs.replace(cfg.executor, model=str(tmp_path)))
     assert str(refused.value).startswith(expect) and "\n" not in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1, got 0"),
+    (["--executor-threads", "0"], "--executor-threads must be at least 1, got 0"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be at least 0"),
+    (["--executor-hang-timeout", "0"], "--executor-hang-timeout must be positive"),
+    (["--batch-invariant", "--kernels", "torch"], "--batch-invariant needs the Triton kernels: --kernels triton"),
+    (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization must be in (0, 1], got 2"),
+])
+def test_config_refusals_say_the_flag_not_the_config_field(flags, expect):
+    """``forerun serve`` with a value its config refuses: one line naming the flag the user typed (the config's own
+    field names, ``num_slots`` or ``kernels='triton'``, mean nothing on the command line)."""
+    from scheduler_proc.launch import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--device", "cpu", "--load-format", "dummy", *flags])
+    assert str(exit_.value).startswith(f"forerun: {expect}"), exit_.value

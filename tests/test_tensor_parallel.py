@@ -376,6 +376,6 @@ def test_default_model_refuses_two_ranks_at_start_up():
                           "2", "--address", f"ipc://{tmp}/c.sock"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 1
-    assert ("tensor_parallel_size 2 does not divide the model (9 attention heads, 3 KV heads (it must divide them "
+    assert ("--tensor-parallel-size 2 does not divide the model (9 attention heads, 3 KV heads (it must divide them "
             "or be a multiple of them), an MLP of 1536); sizes that do: 1, 3") in run.stderr, run.stderr
     assert os.listdir(tmp) == []
