@@ -274,3 +274,17 @@ def test_config_refusals_say_the_flag_not_the_config_field(flags, expect):
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--device", "cpu", "--load-format", "dummy", *flags])
     assert str(exit_.value).startswith(f"forerun: {expect}"), exit_.value
+
+
+def test_a_model_path_that_is_no_config_says_so(tmp_path):
+    """``--load-format hf`` or ``dummy`` on a file that is not a JSON config (a GGUF file, a text file): what it is
+    not, in one line (the bare decode error once was the whole message)."""
+    from executor_proc.model.config import ModelConfig
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF\x03\x00\xc3\x28" * 8)
+    (tmp_path / "notes.txt").write_text("not a config")
+    for name, hint in (("m.gguf", ": a .gguf file loads with --load-format gguf (or auto)"), ("notes.txt", "")):
+        with pytest.raises(ValueError) as e:
+            ModelConfig.from_pretrained(str(tmp_path / name))
+        assert str(e.value).startswith("not a folder with config.json nor a JSON model config (")
+        assert str(e.value).endswith(hint) and "\n" not in str(e.value)

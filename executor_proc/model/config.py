@@ -147,8 +147,15 @@ class ModelConfig:
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise FileNotFoundError(f"no config.json at {path!r}")
-        with open(file) as f:
-            d = json.load(f)
+        try:
+            with open(file, encoding="utf-8") as f:
+                d = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:  # a GGUF or a text file given as a config
+            hint = ": a .gguf file loads with --load-format gguf (or auto)" if file.endswith(".gguf") else ""
+            raise ValueError(f"not a folder with config.json nor a JSON model config ({type(e).__name__}: {e})"
+                             f"{hint}") from None
+        if not isinstance(d, dict):
+            raise ValueError("not a folder with config.json nor a JSON model config (not a JSON object)")
         # generation_config.json often lists more end tokens (e.g. Llama 3's <|eot_id|>) than config.json.
         generation = os.path.join(os.path.dirname(file), "generation_config.json")
         if os.path.isfile(generation):
