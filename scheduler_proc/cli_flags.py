@@ -16,7 +16,7 @@ from ipc.config import (DEFAULT_HOST_KV_GIB, MAX_BLOCK_SIZE, MAX_NGRAM, MAX_SPEC
 from ipc.gateway.limits import DEFAULT_MAX_REQUEST_BYTES as GATEWAY_MAX_REQUEST_BYTES
 from ipc.gateway.limits import DEFAULT_TOKENIZER_THREADS as GATEWAY_TOKENIZER_THREADS
 from ipc.version import forerun_version
-from scheduler_proc.config import ServerConfig
+from scheduler_proc.config import INTERPRETER_HANG_TIMEOUT_S, ServerConfig
 
 API_KEY_ENV = "FORERUN_API_KEY"
 ADDRESS_FILE = os.path.join(os.path.expanduser(os.environ.get("FORERUN_CACHE", "~/.cache/forerun")), "server_address")
@@ -149,10 +149,12 @@ def serve_flags(sub) -> argparse.ArgumentParser:
     s.add_argument("--executor-threads", type=int, default=E("threads"),
                    help="torch CPU threads in the executor (default: all cores but one; on cuda one once the model is "
                         "loaded)")
-    s.add_argument("--executor-hang-timeout", type=float, default=S("executor_hang_timeout_s"), metavar="S",
-                   help="restart the executor when no step returns for this long (at least; the timeout is "
-                        "also 50 x the p99 step time seen); with --data-parallel-size, also restart a replica "
-                        "that answers nothing, not even a ping, for this long")
+    s.add_argument("--executor-hang-timeout", type=float, default=None, metavar="S",
+                   help=f"restart the executor when no step returns for this long (at least; the timeout is "
+                        f"also 50 x the p99 step time seen); with --data-parallel-size, also restart a replica "
+                        f"that answers nothing, not even a ping, for this long (default "
+                        f"{S('executor_hang_timeout_s'):g}; {INTERPRETER_HANG_TIMEOUT_S:g} with --kernels triton on "
+                        f"the CPU, Triton's interpreter)")
     s.add_argument("--max-restarts", type=int, default=S("max_restarts"),
                    help="more executor restarts than this within --restart-window: stop with an error to every client")
     s.add_argument("--restart-window", type=float, default=S("restart_window_s"), metavar="S",

@@ -14,6 +14,10 @@ import msgspec
 from ipc.config import ExecutorConfig
 
 
+# The hang timeout's floor when the executor runs the Triton kernels in Triton's interpreter (--kernels triton on the
+# CPU): a step of new shapes takes minutes there, not a hang.
+INTERPRETER_HANG_TIMEOUT_S = 600.0
+
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     model: Optional[str] = None  # None: the default model (SmolLM2-135M-Instruct)
     tokenizer: Optional[str] = None  # folder with tokenizer files; default: the model folder

@@ -19,7 +19,7 @@ from typing import Optional
 from ipc.config import ExecutorConfig, ScriptedOptions, SpeculativeConfig, default_of
 from ipc.models import resolve_model
 from scheduler_proc.cli_flags import ADDRESS_FILE, API_KEY_ENV, build_parser, in_flag_names
-from scheduler_proc.config import ServerConfig
+from scheduler_proc.config import INTERPRETER_HANG_TIMEOUT_S, ServerConfig
 from scheduler_proc.executor_process import NO_MULTICAST_ENV
 
 
@@ -63,10 +63,19 @@ def server_config(args) -> ServerConfig:
                         client_address=args.address, debug_checks=args.debug_checks, step_log=args.step_log,
                         api_key=api_key_of(args), allow_unauthenticated=args.allow_unauthenticated,
                         enable_prefix_caching=not args.no_prefix_caching,
-                        executor=executor, executor_hang_timeout_s=args.executor_hang_timeout,
+                        executor=executor, executor_hang_timeout_s=_hang_timeout(args),
                         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                         shutdown_timeout_s=args.shutdown_timeout, max_waiting=args.max_waiting,
                         client_send_hwm=args.client_send_hwm, grammar_compile_timeout_s=args.grammar_compile_timeout)
+
+
+def _hang_timeout(args) -> float:
+    """``--executor-hang-timeout``, or its default: longer where Triton's interpreter runs the kernels (the CPU)."""
+    if args.executor_hang_timeout is not None:
+        return args.executor_hang_timeout
+    if args.kernels == "triton" and args.device == "cpu":
+        return INTERPRETER_HANG_TIMEOUT_S
+    return default_of(ServerConfig, "executor_hang_timeout_s")
 
 
 def _draft_path(path: Optional[str]) -> str:

@@ -167,7 +167,8 @@ class Supervisor:
             silent = now - self.progress_at
             timeout = self.hang_timeout()
             if silent > timeout:
-                return f"the executor returned no step for {silent:.1f} s (hang timeout {timeout:.1f} s)"
+                return (f"the executor returned no step for {silent:.1f} s (hang timeout {timeout:.1f} s: "
+                        f"--executor-hang-timeout)")
         return None
 
     def _dead(self) -> Optional[str]:

@@ -288,3 +288,16 @@ def test_a_model_path_that_is_no_config_says_so(tmp_path):
             ModelConfig.from_pretrained(str(tmp_path / name))
         assert str(e.value).startswith("not a folder with config.json nor a JSON model config (")
         assert str(e.value).endswith(hint) and "\n" not in str(e.value)
+
+
+def test_the_hang_timeout_waits_longer_for_triton_s_interpreter():
+    """``--kernels triton`` on the CPU runs Triton's interpreter, whose first steps take minutes: the hang timeout's
+    floor is 600 s there unless the flag says otherwise (at 30 s every request was given up as a hang)."""
+    from scheduler_proc.launch import build_parser, server_config
+
+    def hang(*flags: str) -> float:
+        return server_config(build_parser().parse_args(["serve", "--device", "cpu", *flags])).executor_hang_timeout_s
+
+    assert hang() == 30.0 and hang("--kernels", "triton") == 600.0
+    assert hang("--kernels", "triton", "--executor-hang-timeout", "45") == 45.0
+    assert hang("--executor-hang-timeout", "5") == 5.0
