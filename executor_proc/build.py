@@ -131,6 +131,8 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     per_block = kv_cache_bytes_per_block(model.config, cfg.block_size, kv_dtype)  # the rank's KV heads
     # A host pool costs per_block on every rank: its budget is the whole group's.
     host_blocks = num_host_blocks(cfg, device, per_block * tp_size)
+    if not cuda:  # the device's tables are the memory plan's; the host's are checked before they are made
+        check_host_slots(cfg.num_slots, max_blocks, mcfg.vocab_size, max_len)
     tables = SlotTables(cfg.num_slots, max_blocks, device, mcfg.vocab_size)
     max_batch = graph_max_batch(cfg, backend)
     capture = cuda and max_batch > 0
@@ -232,6 +234,51 @@ class Measured:
     activations: int  # the step machinery's fixed buffers + the profile step's transient peak
     graphs: int  # the graphs' pool and objects (0: not measured yet)
     other: int  # on the device outside torch's allocator: the CUDA context, libraries, other processes
+
+
+HOST_SLOTS_SHARE = 0.5  # of the host's available memory the slots' tables may take on the CPU
+
+
+def check_host_slots(num_slots: int, max_blocks: int, vocab: int, max_len: int,
+                     available: Optional[int] = None) -> None:
+    """Refuse (in one line naming --max-num-seqs) slot tables that would take more than :data:`HOST_SLOTS_SHARE` of
+    the host's available memory: the kernel would rather kill the process (or another one) than fail an allocation
+    (100,000 slots of the default model: ~23 GiB).  A slot's bytes are measured on tables of one and two slots."""
+    available = _host_available() if available is None else available
+    if available is None:
+        return
+    cpu = torch.device("cpu")
+    per_slot = _storage_bytes(SlotTables(2, max_blocks, cpu, vocab)) - _storage_bytes(SlotTables(1, max_blocks, cpu,
+                                                                                                  vocab))
+    if num_slots * per_slot > HOST_SLOTS_SHARE * available:
+        fit = max(1, int(HOST_SLOTS_SHARE * available // per_slot))
+        raise StartupRefused(f"--max-num-seqs {num_slots:,}: the slots' tables take {num_slots * per_slot / 2**30:.1f} "
+                             f"GiB of host memory ({per_slot / 2**20:.2f} MiB a slot at --max-model-len {max_len:,} "
+                             f"and a {vocab:,}-token vocabulary), more than half of the "
+                             f"{available / 2**30:.1f} GiB available: use --max-num-seqs {fit:,} or fewer")
+
+
+def _storage_bytes(obj) -> int:
+    """Bytes of the distinct tensor storages in ``obj``'s attributes and its attributes' (the penalty tables),
+    views of one storage counted once."""
+    storages: dict[int, int] = {}
+    for value in vars(obj).values():
+        for t in vars(value).values() if hasattr(value, "__dict__") else (value,):
+            if isinstance(t, torch.Tensor):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _host_available() -> Optional[int]:
+    """MemAvailable of /proc/meminfo (bytes), or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _measure(device: torch.device, weights: int, transient: int, graphs: int) -> Measured:

@@ -301,3 +301,20 @@ def test_the_hang_timeout_waits_longer_for_triton_s_interpreter():
     assert hang() == 30.0 and hang("--kernels", "triton") == 600.0
     assert hang("--kernels", "triton", "--executor-hang-timeout", "45") == 45.0
     assert hang("--executor-hang-timeout", "5") == 5.0
+
+
+def test_slots_past_half_the_host_memory_are_refused_naming_the_flag():
+    """On the CPU the slots' tables live in host memory, whose overcommitted allocations succeed until the kernel
+    kills a process (100,000 slots of the default model: ~23 GiB, the whole VM): more than half of what the host
+    has available is refused in one line naming --max-num-seqs and a count that fits."""
+    from executor_proc.build import check_host_slots
+
+    vocab, max_len, blocks = 49152, 8192, 512
+    check_host_slots(256, blocks, vocab, max_len, available=1 << 30)  # 256 slots: ~62 MiB
+    with pytest.raises(StartupRefused) as refused:
+        check_host_slots(100_000, blocks, vocab, max_len, available=8 << 30)
+    message = str(refused.value)
+    assert message.startswith("--max-num-seqs 100,000: the slots' tables take 23.") and "\n" not in message, message
+    fit = int(message.rsplit("use --max-num-seqs ", 1)[1].split()[0].replace(",", ""))
+    assert 17_000 < fit < 17_500  # 4 GiB of 0.237 MiB slots
+    check_host_slots(fit, blocks, vocab, max_len, available=8 << 30)
