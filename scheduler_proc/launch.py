@@ -39,6 +39,13 @@ def api_key_of(args) -> Optional[str]:
 
 def server_config(args) -> ServerConfig:
     """The one ServerConfig the flags describe; a bad value raises ValueError naming the flag's field."""
+    if args.no_prefix_caching:  # the host tier keeps the prefix cache's blocks: a size asked for would do nothing
+        given = [f for f, v, d in (("--num-host-kv-blocks", args.num_host_kv_blocks, None),
+                                   ("--host-kv-gib", args.host_kv_gib, default_of(ExecutorConfig, "host_kv_gib")))
+                 if v != d and v != 0]  # a size of 0: the tier off, as it is
+        if given:
+            raise ValueError(f"{' and '.join(given)} size the host KV tier, which keeps prefix-cache blocks: not "
+                             f"with --no-prefix-caching")
     executor = ExecutorConfig(
         load_format=args.load_format, device=args.device, dtype=args.dtype, kernels=args.kernels,
         cuda_graphs=not args.no_cuda_graphs, mixed_graphs=args.mixed_graphs, batch_invariant=args.batch_invariant,

@@ -318,3 +318,13 @@ def test_slots_past_half_the_host_memory_are_refused_naming_the_flag():
     fit = int(message.rsplit("use --max-num-seqs ", 1)[1].split()[0].replace(",", ""))
     assert 17_000 < fit < 17_500  # 4 GiB of 0.237 MiB slots
     check_host_slots(fit, blocks, vocab, max_len, available=8 << 30)
+
+
+def test_a_host_tier_size_without_prefix_caching_is_refused():
+    """The host KV tier keeps prefix-cache blocks: a size given with --no-prefix-caching did nothing, silently."""
+    from scheduler_proc.launch import build_parser, server_config
+
+    with pytest.raises(ValueError, match="^--num-host-kv-blocks size the host KV tier, which keeps prefix-cache"):
+        server_config(build_parser().parse_args(["serve", "--no-prefix-caching", "--num-host-kv-blocks", "64"]))
+    cfg = server_config(build_parser().parse_args(["serve", "--no-prefix-caching"]))
+    assert cfg.executor.host_kv_gib == 0.0 and not cfg.enable_prefix_caching
