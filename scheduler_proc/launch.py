@@ -44,8 +44,8 @@ def server_config(args) -> ServerConfig:
                                    ("--host-kv-gib", args.host_kv_gib, default_of(ExecutorConfig, "host_kv_gib")))
                  if v != d and v != 0]  # a size of 0: the tier off, as it is
         if given:
-            raise ValueError(f"{' and '.join(given)} size the host KV tier, which keeps prefix-cache blocks: not "
-                             f"with --no-prefix-caching")
+            raise ValueError(f"{' and '.join(given)} {'size' if len(given) > 1 else 'sizes'} the host KV tier, which "
+                             f"keeps prefix-cache blocks: not with --no-prefix-caching")
     executor = ExecutorConfig(
         load_format=args.load_format, device=args.device, dtype=args.dtype, kernels=args.kernels,
         cuda_graphs=not args.no_cuda_graphs, mixed_graphs=args.mixed_graphs, batch_invariant=args.batch_invariant,

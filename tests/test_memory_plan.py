@@ -324,7 +324,7 @@ def test_a_host_tier_size_without_prefix_caching_is_refused():
     """The host KV tier keeps prefix-cache blocks: a size given with --no-prefix-caching did nothing, silently."""
     from scheduler_proc.launch import build_parser, server_config
 
-    with pytest.raises(ValueError, match="^--num-host-kv-blocks size the host KV tier, which keeps prefix-cache"):
+    with pytest.raises(ValueError, match="^--num-host-kv-blocks sizes the host KV tier, which keeps prefix-cache"):
         server_config(build_parser().parse_args(["serve", "--no-prefix-caching", "--num-host-kv-blocks", "64"]))
     cfg = server_config(build_parser().parse_args(["serve", "--no-prefix-caching"]))
     assert cfg.executor.host_kv_gib == 0.0 and not cfg.enable_prefix_caching
