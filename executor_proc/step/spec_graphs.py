@@ -117,14 +117,15 @@ class SpecGraphs:
         graph = self.graphs.get(step.bucket) or self._new(step.bucket)
         if part is not None:
             self.parts[:part.numel()].copy_(part)
-        if graph.graph is None:  # padding rows: one key each, no KV write
+        if graph.graph is None:  # padding rows, and a row's positions past its drafts: one key each, no KV write
             n = len(host_starts)
-            lens = np.repeat(host_starts, self.k + 1) + np.tile(np.arange(1, self.k + 2), n)
-            graph.host_lens = lens.tolist() + [1] * ((step.bucket - n) * (self.k + 1))
             ks = np.zeros(n, dtype=np.int64)
             for r, k in step.padded:
                 ks[r] = k
-            graph.host_kv_rows = np.flatnonzero(np.arange(self.k + 1)[None, :] <= ks[:, None]).tolist()
+            real = (np.arange(self.k + 1)[None, :] <= ks[:, None]).reshape(-1)  # as _step's padding slot
+            lens = np.repeat(host_starts, self.k + 1) + np.tile(np.arange(1, self.k + 2), n)
+            graph.host_lens = np.where(real, lens, 1).tolist() + [1] * ((step.bucket - n) * (self.k + 1))
+            graph.host_kv_rows = np.flatnonzero(real).tolist()
         return graph
 
     def capture_jobs(self) -> list[CaptureJob]:
