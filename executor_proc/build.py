@@ -263,7 +263,9 @@ def _storage_bytes(obj) -> int:
     views of one storage counted once."""
     storages: dict[int, int] = {}
     for value in vars(obj).values():
-        for t in vars(value).values() if hasattr(value, "__dict__") else (value,):
+        inner = (value,) if isinstance(value, torch.Tensor) else vars(value).values() if hasattr(value, "__dict__") \
+            else ()
+        for t in inner:
             if isinstance(t, torch.Tensor):
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())
