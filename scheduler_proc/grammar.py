@@ -89,6 +89,7 @@ def to_grammar(name: str, value: Any) -> str:
                 raise GrammarError(field, f"json_schema is not valid JSON: {e}") from None
         if not isinstance(value, (dict, bool)):
             raise GrammarError(field, f"json_schema must be a JSON object, got {type(value).__name__}")
+        _check_integer_bounds(field, value)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
         except (ValueError, TypeError) as e:
@@ -103,6 +104,30 @@ def to_grammar(name: str, value: Any) -> str:
         return llguidance.grammar_from("grammar", value)
     except ValueError as e:
         raise GrammarError(field, str(e)) from None
+
+
+INT64 = (-(1 << 63), (1 << 63) - 1)  # the integers llguidance's integer ranges take
+
+
+def _check_integer_bounds(field: str, schema: Any, at: str = "") -> None:
+    """GrammarError for an integer schema's bound past the signed 64-bit range: llguidance clamps it to the range
+    (``minimum`` 10**19 allowed 9223372036854775807, an output the schema rejects)."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            _check_integer_bounds(field, item, f"{at}/{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    types = schema.get("type")
+    if types == "integer" or (isinstance(types, list) and "integer" in types):
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            bound = schema.get(key)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not INT64[0] <= bound <= INT64[1]:
+                raise GrammarError(field, f"json_schema: {key} {bound} at {at or '/'} is outside the signed 64-bit "
+                                          f"integers that integer schemas can be held to")
+    for key, value in schema.items():
+        if isinstance(value, (dict, list)) and key not in ("enum", "const", "default", "examples"):
+            _check_integer_bounds(field, value, f"{at}/{key}")
 
 
 class GrammarStats:
@@ -212,8 +237,11 @@ class GrammarCompiler:
 
 
 def _first_line(message: str) -> str:
-    """llguidance's error without its dump of the parser state."""
-    return message.split("\n<state>")[0].strip()
+    """llguidance's error without its dump of the parser state (and in words where it is only a name)."""
+    first = message.split("\n<state>")[0].strip()
+    if first == "NoExtensionBias":  # no token can start an output the constraint allows
+        return "the constraint matches no text: no token can start an output it allows (llguidance: NoExtensionBias)"
+    return first
 
 
 async def admit_constrained(server, client: bytes, msg: p.Generate) -> None:

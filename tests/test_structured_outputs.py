@@ -268,3 +268,23 @@ def test_bind_waits_for_the_previous_steps_token(default_model_dir):
     assert not torch.equal(slots.table[0], start_mask)  # the mask after "yes"'s first token
     allowed = [i for i in range(49152) if (int(slots.table[0, i // 32]) >> (i % 32)) & 1]
     assert all("yes".startswith(slots.tokenizer.decode_str(yes[:1] + [i])) or i == 2 for i in allowed)
+
+
+def test_constraints_no_output_can_meet_are_refused_in_words(default_model_dir):
+    """An integer schema bounded past the signed 64-bit range (the grammar engine clamped it: ``minimum`` 10**19
+    let 9223372036854775807 through) and a regex no text matches: refused naming the keyword or saying why."""
+    from ipc.protocol import SamplingParams
+    from scheduler_proc.grammar import GrammarCompiler, GrammarError
+
+    async def go():
+        c = GrammarCompiler(default_model_dir, 49152, [2])
+        nested = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 10**19, "maximum": 10**19 + 5}}}
+        with pytest.raises(GrammarError) as e:
+            await c.compile(SamplingParams(json_schema=nested))
+        assert e.value.field == "sampling.json_schema"
+        assert e.value.message.startswith("json_schema: minimum 10000000000000000000 at /properties/n is outside")
+        assert await c.compile(SamplingParams(json_schema={"type": "integer", "minimum": -(2**40), "maximum": 5}))
+        with pytest.raises(GrammarError) as e:
+            await c.compile(SamplingParams(regex="[^\\d\\D]"))
+        assert e.value.message.startswith("the constraint matches no text")
+    asyncio.run(go())

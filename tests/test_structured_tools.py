@@ -164,3 +164,20 @@ def test_required_schema_keeps_each_functions_definitions(default_model_dir):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert GrammarCompiler(default_model_dir, 49152, [2]).compile_sync("json_schema", schema)
+
+
+def test_required_schema_follows_pointers_into_a_functions_parameters(default_model_dir):
+    """A ``$ref`` into the parameters themselves (``#/properties/a``) keeps pointing at them once they sit inside
+    the ``required`` schema (it once pointed at the root's properties: "Pointer '/properties/a' does not exist")."""
+    import jsonschema
+
+    from ipc.gateway.tools import constraint
+    from scheduler_proc.grammar import GrammarCompiler
+
+    params = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}, "b": {"$ref": "#/properties/a"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    schema = constraint(ToolPlan([{"name": "w", "parameters": params}], "required"))["json_schema"]
+    jsonschema.validate([{"name": "w", "parameters": {"a": "x", "b": "yz"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "w", "parameters": {"a": "x", "b": "too long"}}], schema)
+    assert GrammarCompiler(default_model_dir, 49152, [2]).compile_sync("json_schema", schema)

@@ -122,15 +122,16 @@ def constraint(plan: Optional[ToolPlan]) -> dict[str, Any]:
 def _hoisted(params: dict[str, Any], name: str, defs: dict[str, Any]) -> dict[str, Any]:
     """A function's ``parameters`` inside the ``required`` schema: its ``$defs`` / ``definitions`` (pydantic's
     nested models) move to the root's ``$defs`` as ``{name}_{def}``, its local ``$ref``s follow them, and a
-    ``#`` (the parameters themselves, recursively) becomes ``#/$defs/{name}``."""
+    ``#`` (the parameters themselves, recursively) becomes ``#/$defs/{name}``, as any other pointer into them
+    (``#/properties/a``) becomes one under it: the parameters are then held there too."""
     local = ("#/$defs/", "#/definitions/")
     recursive = False
 
     def ref(value: str) -> str:
         nonlocal recursive
-        if value == "#":
+        if value == "#" or (value.startswith("#/") and not value.startswith(local)):
             recursive = True
-            return f"#/$defs/{name}"
+            return f"#/$defs/{name}" + value[1:]
         prefix = next((p for p in local if value.startswith(p)), None)
         return value if prefix is None else f"#/$defs/{name}_{value[len(prefix):]}"
 
