@@ -154,6 +154,12 @@ BAD = [
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
     (dict(tool_choice="required"), "tool_choice"),
     (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools[0].function.name"),
+    # a function's parameters the grammar engine refuses, under "required" and named (streamed too): "tools", not
+    # the response_format the request does not have
+    (dict(tools=[{"type": "function", "function": {"name": "w", "parameters": {"type": "strin"}}}],
+          tool_choice="required"), "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "w", "parameters": {"type": "strin"}}}],
+          tool_choice={"type": "function", "function": {"name": "w"}}, stream=True), "tools"),
 ]
 
 

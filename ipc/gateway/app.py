@@ -216,8 +216,10 @@ def _gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
-def _error_for(gw: Gateway, exc: BaseException) -> Optional[Response]:
-    """The OpenAI error response for a RequestError or an SDK error (None: not one of those)."""
+def _error_for(gw: Gateway, exc: BaseException, constraint_param: Optional[str] = None) -> Optional[Response]:
+    """The OpenAI error response for a RequestError or an SDK error (None: not one of those).  ``constraint_param``:
+    the request field a refused constraint came from, where not ``response_format`` (``tools``: tool_choice
+    "required" or a named function constrains the output with the functions' parameters)."""
     if isinstance(exc, s.RequestError):
         return error_response(exc.status, exc.message, exc.param, exc.err_type, exc.code)
     if isinstance(exc, ClientGone):
@@ -225,8 +227,15 @@ def _error_for(gw: Gateway, exc: BaseException) -> Optional[Response]:
     if isinstance(exc, (ForerunError, ConnectionError, TimeoutError)):
         gw.note_error(exc)
         err = sdk_error(exc)
-        return error_response(err.status, err.message, err.param, err.err_type, err.code)
+        param = constraint_param if constraint_param and _constraint_field(exc) else err.param
+        return error_response(err.status, err.message, param, err.err_type, err.code)
     return None
+
+
+def _constraint_field(exc: BaseException) -> bool:
+    """Whether an SDK error refused the request's output constraint."""
+    return isinstance(exc, InvalidRequestError) and (exc.field or "") in (
+        "sampling.json_schema", "sampling.regex", "sampling.choice", "sampling.grammar")
 
 
 async def _run(request: Request, handler) -> Response:
@@ -268,15 +277,21 @@ async def chat_completions(request: Request) -> Response:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = [gw.new_stream(ids, rid, tools.with_constraint(gw.sampling_kwargs(req, max_tokens, len(ids)), plan))]
+        from_tools = "tools" if tools.constraint(plan) else None  # a refused constraint: the functions' parameters
         if req.stream:
             events = chat_stream if plan is None else chat_tools_stream
-            return _stream(gw, streams, lambda firsts: events(gw, req, rid, streams, firsts))
+            return _stream(gw, streams, lambda firsts: events(gw, req, rid, streams, firsts), from_tools)
         answer = whole_chat(gw, req, rid, Prompt(ids, ""), streams[0], plan)
-        return json_response(await until_disconnect(request.receive, answer))
+        try:
+            return json_response(await until_disconnect(request.receive, answer))
+        except InvalidRequestError as e:
+            if from_tools and _constraint_field(e):
+                raise s.RequestError(400, e.message, from_tools) from None
+            raise
     return await _run(request, handle)
 
 
-def _stream(gw: Gateway, streams: list[Any], make_events: Any) -> SSEResponse:
+def _stream(gw: Gateway, streams: list[Any], make_events: Any, constraint_param: Optional[str] = None) -> SSEResponse:
     """An SSE response; it waits for every stream's first tokens before the 200, so that errors keep their status."""
     async def close(started: bool) -> None:
         for st in streams:
@@ -284,7 +299,7 @@ def _stream(gw: Gateway, streams: list[Any], make_events: Any) -> SSEResponse:
                 gw.metrics.request_success.labels(gw.model_name, "abort").inc()
             await st.aclose()
 
-    return SSEResponse(streams, make_events, lambda exc: _error_for(gw, exc), close)
+    return SSEResponse(streams, make_events, lambda exc: _error_for(gw, exc, constraint_param), close)
 
 
 async def models(request: Request) -> Response:
