@@ -261,6 +261,9 @@ class Server(ClientMessages, OutputStream):
         if not self.executor.running or self.failure:
             return
         self.executor.kill()
+        if not self.executor.allow_restart(time.monotonic()):  # every live request is told this, none the below
+            self._restart_limit(cause)
+            return
         planner = self.planner
         inflight = {r.rid: r for step in planner.inflight for r in step.requests if r.status is not Status.FINISHED}
         poison = [r for rid, r in inflight.items() if rid in self.suspects]
@@ -274,14 +277,17 @@ class Server(ClientMessages, OutputStream):
             self.fail_request(req, "executor_failed", f"{cause}; this request was in flight at two executor "
                                                       "failures in a row and is not retried")
         say(f"{cause}; restarting it, {num_requeued} requests will be recomputed")
-        self._begin_restart(cause)
+        self._tasks.append(asyncio.create_task(self._restart()))
 
     def _begin_restart(self, cause: str) -> None:
         if not self.executor.allow_restart(time.monotonic()):
-            self.fail_stop(f"{cause}; more than {self.cfg.max_restarts} executor restarts within "
-                           f"{self.cfg.restart_window_s:g} s")
+            self._restart_limit(cause)
             return
         self._tasks.append(asyncio.create_task(self._restart()))
+
+    def _restart_limit(self, cause: str) -> None:
+        self.fail_stop(f"{cause}; more than {self.cfg.max_restarts} executor restarts within "
+                       f"{self.cfg.restart_window_s:g} s")
 
     async def _restart(self) -> None:
         t0 = time.monotonic()

@@ -167,8 +167,10 @@ class Supervisor:
             silent = now - self.progress_at
             timeout = self.hang_timeout()
             if silent > timeout:
-                return (f"the executor returned no step for {silent:.1f} s (hang timeout {timeout:.1f} s: "
-                        f"--executor-hang-timeout)")
+                floor = self.cfg.executor_hang_timeout_s
+                why = "--executor-hang-timeout" if timeout <= floor else \
+                    f"{HANG_STEP_MULTIPLE} x the p99 step time; --executor-hang-timeout {floor:g} is its floor"
+                return f"the executor returned no step for {silent:.1f} s (hang timeout {timeout:.1f} s: {why})"
         return None
 
     def _dead(self) -> Optional[str]:

@@ -328,6 +328,39 @@ def test_sigterm_to_the_whole_process_group_drains_without_restarting_the_execut
     assert srv.proc.returncode == 0 and "forerun: stopped" in out and "restarting" not in out, out
 
 
+def test_past_the_restart_limit_every_request_is_told_the_limit():
+    """The executor dies twice in a row with the same requests in flight, the second death past --max-restarts:
+    every live request gets the fail-stop's reason (the limit, the server shutting down), not the one-request
+    "in flight at two executor failures in a row" it once got first."""
+    srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "300", "--max-restarts", "1",
+                        tmpdir=run_dir(), timeout=120)
+
+    async def run() -> list:
+        async with RawConnection(srv.address, timeout=60) as conn:
+            await conn.hello("limit", batch_deltas=True)
+            for i in range(3):
+                await conn.send(p.Generate(f"r{i}", [5, 6, 7], p.SamplingParams(max_tokens=500, ignore_eos=True)))
+            await conn.recv()
+            first = srv.executor_pid()
+            os.kill(first, signal.SIGKILL)
+            while (await server_stats(srv.address)).executor_restarts < 1:  # the new one is up, its step in flight
+                await asyncio.sleep(0.02)
+            os.kill(srv.executor_pid(), signal.SIGKILL)  # before its first 300 ms step is back
+            ends = []
+            while len(ends) < 3:
+                msg = await conn.recv()
+                if isinstance(msg, (p.Finished, p.Error)):
+                    ends.append(msg)
+            return ends
+
+    try:
+        ends = asyncio.run(run())
+    finally:
+        out = "".join(srv.log) + srv.proc.communicate(timeout=60)[0]
+    assert all(isinstance(e, p.Error) and e.code == "executor_failed" for e in ends), (ends, out)
+    assert all("more than 1 executor restarts" in e.message and "not retried" not in e.message for e in ends), ends
+
+
 def test_sigterm_second_server_and_startup_errors():
     tmp = run_dir()
     srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "5", "--max-num-seqs", "8",
