@@ -69,9 +69,11 @@ def replica_config(cfg: ServerConfig, index: int, address: str, gpus: Optional[s
                                    step_log=f"{cfg.step_log}.{index}" if cfg.step_log else None)
 
 
-def spawn_replica(cfg: ServerConfig, gpus: Optional[str]) -> subprocess.Popen:
-    """``python -m scheduler_proc.replica CONFIG_JSON``, killed by the kernel when this process dies."""
-    env = dict(os.environ)
+def spawn_replica(cfg: ServerConfig, gpus: Optional[str], run_dir: str) -> subprocess.Popen:
+    """``python -m scheduler_proc.replica CONFIG_JSON``, killed by the kernel when this process dies; its run
+    directory (its executor's sockets) is made under ``run_dir``, the router's, so that a replica killed before it
+    could remove its own leaves nothing once the router is gone."""
+    env = dict(os.environ, FORERUN_RUN_DIR=run_dir)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PROJECT_ROOT, env.get("PYTHONPATH")]))
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus

@@ -69,8 +69,10 @@ REPLICA_FRAMES_PER_ITERATION = 256
 class Replica:
     """One replica as the router sees it: its process, its socket, what is in flight there."""
 
-    def __init__(self, index: int, cfg: ServerConfig, gpus: Optional[str]) -> None:
-        self.index, self.cfg, self.gpus = index, cfg, gpus
+    def __init__(self, index: int, cfg: ServerConfig, gpus: Optional[str], run_dir: str) -> None:
+        """``run_dir``: the router's, under which the replica makes its own (gone with the router's, whatever
+        becomes of the replica)."""
+        self.index, self.cfg, self.gpus, self.run_dir = index, cfg, gpus, run_dir
         self.proc = None
         self.sock: Optional[zmq.asyncio.Socket] = None
         self.watcher: Optional[asyncio.Task] = None
@@ -85,7 +87,7 @@ class Replica:
 
     def start(self, ctx: zmq.asyncio.Context, hello: p.Hello) -> None:
         self.starts.append(time.monotonic())
-        self.proc = spawn_replica(self.cfg, self.gpus)
+        self.proc = spawn_replica(self.cfg, self.gpus, self.run_dir)
         # No high-water marks: the replica is trusted, and a full pipe would make it drop the router as slow.
         self.sock = configure(ctx.socket(zmq.DEALER), hwm=0)
         self.sock.connect(self.cfg.client_address)  # retried by ZeroMQ until the replica has bound it
@@ -132,8 +134,8 @@ class Router(RouterClients, RouterRelay):
         self.client_address = cfg.client_address or ipc_address(self.run_dir, "client")
         self.ctx = zmq.asyncio.Context()
         self.frontend: Optional[Frontend] = None
-        self.replicas = [Replica(i, replica_config(cfg, i, ipc_address(self.run_dir, f"replica{i}"), g), g)
-                         for i, g in enumerate(gpus)]
+        self.replicas = [Replica(i, replica_config(cfg, i, ipc_address(self.run_dir, f"replica{i}"), g), g,
+                                 self.run_dir) for i, g in enumerate(gpus)]
         self.hello = p.Hello(p.PROTOCOL_VERSION, "router", batch_deltas=True, api_key=cfg.api_key or "")
         self.info: Optional[p.ServerInfo] = None  # the first replica's, with the router's server_id
         self.tokenizer: Optional[bytes] = None  # a replica's TokenizerFiles, fetched once, as sent
