@@ -10,7 +10,9 @@ Pure functions and one small index, used by the router (``scheduler_proc/replica
   a promise: a collision or an eviction on the replica costs a recompute, not a wrong token;
 * a request goes to the replica matching most of its leading blocks, unless that replica has ``slack`` more
   requests in flight than the least loaded one (a whole batch more: recomputing the prefix elsewhere is then
-  cheaper than queueing behind it); with no match, to the least loaded.  Ties go to the lowest index.
+  cheaper than queueing behind it), or is busier at all while its match covers less than half the prompt's
+  blocks (a chat template's opening alone: following it put every chat on one replica); else to the least loaded.
+  Ties go to the lowest index.
 """
 
 from __future__ import annotations
@@ -59,11 +61,13 @@ class PrefixIndex:
         self.entries.clear()
 
 
-def choose(matched: Sequence[int], loads: Sequence[int], slack: int) -> int:
-    """The position of the chosen candidate, given each one's matched blocks and requests in flight."""
+def choose(matched: Sequence[int], loads: Sequence[int], slack: int, blocks: int) -> int:
+    """The position of the chosen candidate, given each one's matched blocks and requests in flight and the
+    prompt's full blocks (module docstring)."""
     positions = range(len(loads))
     least = min(positions, key=lambda i: (loads[i], i))
     best = max(positions, key=lambda i: (matched[i], -loads[i], -i))
-    if matched[best] > 0 and loads[best] - loads[least] <= slack:
+    busier = loads[best] - loads[least]
+    if matched[best] > 0 and busier <= slack and (busier <= 0 or 2 * matched[best] >= blocks):
         return best
     return least

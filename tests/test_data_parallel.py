@@ -57,11 +57,14 @@ def test_prefix_index_matches_leading_blocks_and_forgets_the_oldest():
 
 
 def test_choose_prefers_the_prefix_then_the_least_loaded_then_the_lowest_index():
-    assert choose([0, 0, 0], [3, 1, 1], slack=8) == 1  # no match: least loaded, lowest index on a tie
-    assert choose([0, 2, 5], [0, 0, 4], slack=8) == 2  # the longest match, though busier
-    assert choose([0, 2, 5], [0, 0, 9], slack=8) == 0  # ... unless a whole batch busier than the least loaded
-    assert choose([3, 3], [2, 1], slack=8) == 1  # equal matches: the less loaded
-    assert choose([1], [100], slack=0) == 0
+    assert choose([0, 0, 0], [3, 1, 1], slack=8, blocks=6) == 1  # no match: least loaded, lowest index on a tie
+    assert choose([0, 2, 5], [0, 0, 4], slack=8, blocks=6) == 2  # the longest match, though busier
+    assert choose([0, 2, 5], [0, 0, 9], slack=8, blocks=6) == 0  # ... unless a whole batch busier than the least
+    assert choose([3, 3], [2, 1], slack=8, blocks=6) == 1  # equal matches: the less loaded
+    assert choose([1], [100], slack=0, blocks=6) == 0
+    # a match of under half the prompt (a chat template's opening) only where it costs no queueing
+    assert choose([1, 0], [1, 0], slack=8, blocks=3) == 1 and choose([1, 0], [0, 0], slack=8, blocks=3) == 0
+    assert choose([2, 0], [1, 0], slack=8, blocks=4) == 0  # half of it: the prefix
 
 
 def test_replica_gpus_give_each_replica_its_own():
@@ -226,6 +229,19 @@ def test_a_shared_prefix_stays_on_the_replica_holding_it(dp):
     hits = [a.prefix_cache_hit_tokens - b.prefix_cache_hit_tokens for a, b in zip(after.replicas, before.replicas)]
     holder = served.index(3)
     assert served[1 - holder] == 0 and hits[holder] >= 3 * len(shared), (served, hits)
+
+
+def test_requests_sharing_only_a_short_opening_spread_over_both_replicas(dp):
+    """Eight prompts at once that share one block (a chat template's opening) and differ after: the match covers
+    under half of each, so they go where the load is least, four and four (they once followed the opening until
+    its replica was a whole batch busier: five and three here, every chat on one replica at 64 slots)."""
+    opening = [90 + i % 7 for i in range(BLOCK)]
+    requests = [opening + [5 + (11 * i + j) % 80 for j in range(2 * BLOCK + i)] for i in range(8)]
+    before = asyncio.run(wait_idle(dp.address))
+    asyncio.run(_generate(dp.address, requests, max_tokens=8, temperature=0.0))
+    after = asyncio.run(wait_idle(dp.address))
+    served = [a.requests - b.requests for a, b in zip(after.replicas, before.replicas)]
+    assert sum(served) == 8 and max(served) - min(served) <= 1, served
 
 
 def test_stats_and_metrics_show_both_replicas(dp):
