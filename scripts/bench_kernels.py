@@ -594,7 +594,8 @@ speed-up is printed.
         ref = decode_attention_ref(q[:4].float(), kc.float(), vc.float(), bt[:4], cl[:4], D ** -0.5)
         err = ((out[:4].float() - ref).abs().max() / ref.abs().max()).item()
         frac = lambda t: kv_bytes / t / bandwidth  # noqa: E731
-        return dict(model=model, kv_dtype=kv_dtype, batch=batch, ctx=ctx, default=list(default), default_us=results[default] * 1e6,
+        return dict(model=model, kv_dtype=kv_dtype, batch=batch, ctx=ctx, default=list(default),
+                    default_us=results[default] * 1e6,
                     default_frac=frac(results[default]), best=list(best), best_us=ranked[0][1] * 1e6,
                     best_frac=frac(ranked[0][1]), best_rel_err=err,
                     top=[dict(config=list(k), us=t * 1e6, frac=frac(t)) for k, t in ranked[:8]])

@@ -39,8 +39,8 @@ class ServerProcess:
         self.address = address or f"ipc://{tmpdir}/c-{uuid.uuid4().hex[:8]}.sock"
         env = dict(os.environ, PYTHONPATH=python_path(), PYTHONUNBUFFERED="1", FORERUN_RUN_DIR=tmpdir)
         cmd = [sys.executable, "-m", "scheduler_proc.launch", "serve", "--address", self.address, "--quiet", *args]
-        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=new_session)
+        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=new_session)
         self.log: list[str] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

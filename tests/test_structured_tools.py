@@ -174,8 +174,8 @@ def test_required_schema_follows_pointers_into_a_functions_parameters(default_mo
     from ipc.gateway.tools import constraint
     from scheduler_proc.grammar import GrammarCompiler
 
-    params = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}, "b": {"$ref": "#/properties/a"}},
-              "required": ["a", "b"], "additionalProperties": False}
+    params = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+              "properties": {"a": {"type": "string", "maxLength": 5}, "b": {"$ref": "#/properties/a"}}}
     schema = constraint(ToolPlan([{"name": "w", "parameters": params}], "required"))["json_schema"]
     jsonschema.validate([{"name": "w", "parameters": {"a": "x", "b": "yz"}}], schema)
     with pytest.raises(jsonschema.ValidationError):
