@@ -223,7 +223,8 @@ class Server(ClientMessages, OutputStream):
                 self.executor.on_result(msg)
             elif isinstance(msg, p.ExecutorFatal):
                 first = msg.message.splitlines()[0] if msg.message else ""
-                self.on_executor_failure(f"the executor failed: {first}")
+                dead = self.executor.dead_ranks()  # the rank that died, before the survivor that told
+                self.on_executor_failure(f"the executor {dead}; {first}" if dead else f"the executor failed: {first}")
             self.wake.set()
 
     async def _supervise(self) -> None:

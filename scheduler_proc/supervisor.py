@@ -173,6 +173,11 @@ class Supervisor:
                 return f"the executor returned no step for {silent:.1f} s (hang timeout {timeout:.1f} s: {why})"
         return None
 
+    def dead_ranks(self) -> Optional[str]:
+        """With several ranks, those already gone (a survivor's error about a lost peer comes first, and names only
+        itself), or None."""
+        return self._dead() if len(self.procs) > 1 else None
+
     def _dead(self) -> Optional[str]:
         """How the generation's dead processes ended ("process was killed by ...", "rank 1 (pid) ..."), or None."""
         dead = [(rank, proc) for rank, proc in enumerate(self.procs) if proc.poll() is not None]

@@ -336,9 +336,11 @@ def test_a_killed_rank_without_restarts_fails_every_client_within_2s(tiny_server
 
     async def one_client(prompt) -> float:  # three of them at 100 tokens fit the 96 blocks of 4: all running
         async with AsyncClient(srv.address, timeout=60) as c:
-            with pytest.raises(ExecutorFailedError):
+            with pytest.raises(ExecutorFailedError) as e:
                 async for _ in c.stream(prompt_token_ids=prompt, max_tokens=100, temperature=0.0, detokenize=False):
                     pass
+            # the killed rank is named, whichever rank reported first (a survivor's error about its lost peer)
+            assert f"rank 1 (pid {ranks[1]}) was killed by signal SIGKILL" in str(e.value), e.value
             return time.monotonic()
 
     async def scenario() -> list[float]:
