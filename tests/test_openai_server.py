@@ -521,7 +521,7 @@ async def test_a_request_given_up_leaves_the_gateway_serving_once_the_server_ser
     good (draining, or not answering) keeps it at 503."""
     from ipc.client import ExecutorFailedError
     from ipc.client_protocol import ServerStats
-    from ipc.gateway.app import Gateway
+    from ipc.gateway.worker import Gateway
 
     class Server:
         def __init__(self, answer):

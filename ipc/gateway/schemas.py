@@ -8,7 +8,7 @@ a parameter is never ignored silently).  Responses are encoded with
 
 Parameters the engine does not implement are listed in :data:`UNSUPPORTED`,
 with the values that mean "off" (those are accepted).  Everything else maps to
-SDK sampling keywords in ``ipc/gateway/app.py``'s ``sampling_kwargs``.
+SDK sampling keywords in ``ipc/gateway/worker.py``'s ``sampling_kwargs``.
 """
 
 from __future__ import annotations

@@ -100,9 +100,14 @@ def plan_tools(req: s.ChatCompletionRequest) -> Optional[ToolPlan]:
     raise s.RequestError(400, f"tool_choice must be none, auto, required or a function; got {choice!r}", "tool_choice")
 
 
+def constrains(plan: Optional[ToolPlan]) -> bool:
+    """Whether the tool choice constrains the output (``required``, a named function): not for none or auto."""
+    return plan is not None and plan.choice != "auto"
+
+
 def constraint(plan: Optional[ToolPlan]) -> dict[str, Any]:
     """The SDK constraint keyword that ``required`` and a named function need (empty for auto)."""
-    if plan is None or plan.choice == "auto":
+    if not constrains(plan):
         return {}
     if plan.choice == "named":
         fn = next(f for f in plan.functions if f["name"] == plan.name)

@@ -1,0 +1,81 @@
+"""How a route answers: its JSON, its errors as OpenAI error bodies (a RequestError, or an SDK error with the status
+it maps to), and a streamed answer as SSE that keeps an error's status until the first tokens are in."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ipc.client import ForerunError, InvalidRequestError
+from ipc.gateway import schemas as s
+from ipc.gateway.limits import MAX_ERROR_MESSAGE_CHARS
+from ipc.gateway.responses import sdk_error
+from ipc.gateway.streaming import ClientGone, SSEResponse
+from ipc.gateway.worker import Gateway
+
+RETRY_AFTER_S = "5"  # 503s (draining, executor gone): when a client may try again, maybe on another server
+
+
+def error_response(status: int, message: str, param: Optional[str] = None,
+                   err_type: str = "invalid_request_error", code: Optional[str] = None) -> Response:
+    """An OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    if len(message) > MAX_ERROR_MESSAGE_CHARS:
+        message = f"{message[:MAX_ERROR_MESSAGE_CHARS]}... (cut)"
+    if param is not None and len(param) > 256:
+        param = param[:256]
+    body = s.ErrorResponse(s.ErrorInfo(message=message, type=err_type, param=param, code=code))
+    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def json_response(obj: Any, headers: Optional[dict] = None) -> Response:
+    return Response(msgspec.json.encode(obj), media_type="application/json", headers=headers)
+
+
+def gateway_of(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def error_for(gw: Gateway, exc: BaseException, constraint_param: Optional[str] = None) -> Optional[Response]:
+    """The OpenAI error response for a RequestError or an SDK error (None: not one of those).  ``constraint_param``:
+    the request field a refused constraint came from, where not ``response_format`` (``tools``: tool_choice
+    "required" or a named function constrains the output with the functions' parameters)."""
+    if isinstance(exc, s.RequestError):
+        return error_response(exc.status, exc.message, exc.param, exc.err_type, exc.code)
+    if isinstance(exc, ClientGone):
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
+    if isinstance(exc, (ForerunError, ConnectionError, TimeoutError)):
+        gw.note_error(exc)
+        err = sdk_error(exc)
+        param = constraint_param if constraint_param and constraint_field(exc) else err.param
+        return error_response(err.status, err.message, param, err.err_type, err.code)
+    return None
+
+
+def constraint_field(exc: BaseException) -> bool:
+    """Whether an SDK error refused the request's output constraint."""
+    return isinstance(exc, InvalidRequestError) and (exc.field or "") in (
+        "sampling.json_schema", "sampling.regex", "sampling.choice", "sampling.grammar")
+
+
+async def run(request: Request, handler) -> Response:
+    """Call a route's handler; RequestError and SDK errors become OpenAI error responses."""
+    gw = gateway_of(request)
+    try:
+        return await handler(gw, request)
+    except (s.RequestError, ClientGone, ForerunError, ConnectionError, TimeoutError) as e:
+        return error_for(gw, e)
+
+
+def stream(gw: Gateway, streams: list[Any], make_events: Any, constraint_param: Optional[str] = None) -> SSEResponse:
+    """An SSE response; it waits for every stream's first tokens before the 200, so that errors keep their status."""
+    async def close(started: bool) -> None:
+        for st in streams:
+            if started and st.result is None:  # cut short: the client left or an error ended it
+                gw.metrics.request_success.labels(gw.model_name, "abort").inc()
+            await st.aclose()
+
+    return SSEResponse(streams, make_events, lambda exc: error_for(gw, exc, constraint_param), close)
