@@ -29,7 +29,7 @@ from executor_proc.model.kv_scales import calibrate_kv_scales
 from executor_proc.model.loader import load_model
 from executor_proc.step.draft import DraftModel
 from executor_proc.step.grammar import build_grammar_slots
-from executor_proc.step.host_kv import HostKV, num_host_blocks
+from executor_proc.step.host_kv import HostKV, available_host_bytes, num_host_blocks
 from executor_proc.step.slot_tables import SlotTables
 from executor_proc.step.speculate import build_speculator
 from executor_proc.step.worker import Worker
@@ -244,9 +244,7 @@ def check_host_slots(num_slots: int, max_blocks: int, vocab: int, max_len: int,
     """Refuse (in one line naming --max-num-seqs) slot tables that would take more than :data:`HOST_SLOTS_SHARE` of
     the host's available memory: the kernel would rather kill the process (or another one) than fail an allocation
     (100,000 slots of the default model: ~23 GiB).  A slot's bytes are measured on tables of one and two slots."""
-    available = _host_available() if available is None else available
-    if available is None:
-        return
+    available = available_host_bytes() if available is None else available
     cpu = torch.device("cpu")
     per_slot = _storage_bytes(SlotTables(2, max_blocks, cpu, vocab)) - _storage_bytes(SlotTables(1, max_blocks, cpu,
                                                                                                   vocab))
@@ -269,18 +267,6 @@ def _storage_bytes(obj) -> int:
             if isinstance(t, torch.Tensor):
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())
-
-
-def _host_available() -> Optional[int]:
-    """MemAvailable of /proc/meminfo (bytes), or None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _measure(device: torch.device, weights: int, transient: int, graphs: int) -> Measured:
