@@ -73,10 +73,7 @@ def plan_attention(batch: ForwardBatch) -> AttentionPlan:
     plan = AttentionPlan()
     device = batch.input_ids.device
     bs = batch.block_size
-    # A speculative row's host context is an upper bound; no row's KV goes past its block table (the model's
-    # length), so neither do the keys gathered and masked, whatever a bound says.
-    most = batch.block_tables.shape[1] * bs
-    qlens, clens = batch.host_query_lens, [min(c, most) for c in batch.host_context_lens]
+    qlens, clens = batch.host_query_lens, batch.host_context_lens
     starts = [0]
     for n in qlens:
         starts.append(starts[-1] + n)
