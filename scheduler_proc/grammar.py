@@ -89,7 +89,10 @@ def to_grammar(name: str, value: Any) -> str:
                 raise GrammarError(field, f"json_schema is not valid JSON: {e}") from None
         if not isinstance(value, (dict, bool)):
             raise GrammarError(field, f"json_schema must be a JSON object, got {type(value).__name__}")
-        _check_integer_bounds(field, value)
+        try:
+            _check_integer_bounds(field, value)
+        except RecursionError:
+            raise GrammarError(field, "json_schema nests too deeply") from None
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
         except (ValueError, TypeError) as e:
@@ -207,7 +210,10 @@ class GrammarCompiler:
             raise GrammarError(f"sampling.{found[0]}", self.unavailable)
         check_sampling(sampling)
         self.stats.constrained_requests += 1
-        key = cache_key(*found)
+        try:
+            key = cache_key(*found)
+        except RecursionError:  # an SDK client's schema past Python's recursion (the HTTP front refuses it sooner)
+            raise GrammarError(f"sampling.{found[0]}", f"{found[0]} nests too deeply") from None
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)

@@ -284,6 +284,12 @@ def test_constraints_no_output_can_meet_are_refused_in_words(default_model_dir):
         assert e.value.field == "sampling.json_schema"
         assert e.value.message.startswith("json_schema: minimum 10000000000000000000 at /properties/n is outside")
         assert await c.compile(SamplingParams(json_schema={"type": "integer", "minimum": -(2**40), "maximum": 5}))
+        deep: dict = {}
+        inner = deep
+        for _ in range(5000):  # past Python's recursion: a refusal, not a RecursionError out of the compile thread
+            inner["items"] = inner = {}
+        with pytest.raises(GrammarError, match="nests too deeply"):
+            await c.compile(SamplingParams(json_schema=deep))
         with pytest.raises(GrammarError) as e:
             await c.compile(SamplingParams(regex="[^\\d\\D]"))
         assert e.value.message.startswith("the constraint matches no text")
