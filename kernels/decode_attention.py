@@ -179,8 +179,7 @@ class DecodeWorkspace:
                  device: torch.device | str = "cuda", max_rows: int = 0, min_splits: int = 1, min_pairs: int = 0):
         self.max_batch, self.num_heads, self.head_dim, self.max_splits = max_batch, num_heads, head_dim, max_splits
         self.max_rows = max(max_rows, max_batch)
-        self.capacity = max(max_batch * max_splits, self.max_rows * min_splits,  # (row, split) pairs held
-                            min(min_pairs, self.max_rows * max_splits))
+        self.capacity = max(max_batch * max_splits, self.max_rows * min_splits, min_pairs)  # (row, split) pairs
         n = self.capacity * num_heads
         shape = (max_batch, num_heads, max_splits)
         self.partial_out = torch.empty(n * head_dim, dtype=torch.float32, device=device)
