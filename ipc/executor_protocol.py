@@ -153,6 +153,10 @@ class StepResult(_Msg, tag="step_result"):
     # (executor_proc/step/grammar.py: the output thread advancing the previous step's matchers).
     grammar_rows: int = 0
     grammar_wait_s: float = 0.0
+    # Constrained rows whose matcher failed (no token continues the output; their token is EOS), with
+    # llguidance's error: the scheduler fails those requests.
+    grammar_failed_rows: list[int] = []
+    grammar_errors: list[str] = []
     spec_tokens: list[int] = []  # speculative rows' K further tokens, flat (the first in token_ids)
     num_accepted: list[int] = []  # per speculative row: its first num_accepted further tokens count
     spec_logprobs: list[TokenLogprobs] = []  # parallel to spec_tokens when a speculative row asked for logprobs

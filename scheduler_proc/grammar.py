@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from ipc import protocol as p
-from ipc.structured import load_tokenizer
+from ipc.structured import load_tokenizer, matcher_error
 
 CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")
 CACHE_SIZE = 512
@@ -194,10 +194,10 @@ class GrammarCompiler:
         t0 = time.perf_counter()
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(field, _first_line(matcher.get_error()))
+            raise GrammarError(field, matcher_error(matcher.get_error()))
         matcher.compute_bitmask()  # the first mask compiles the lexer: a slow grammar shows here
         if matcher.is_error():
-            raise GrammarError(field, _first_line(matcher.get_error()))
+            raise GrammarError(field, matcher_error(matcher.get_error()))
         self.stats.observe_compile(time.perf_counter() - t0)
         return grammar
 
@@ -240,14 +240,6 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _first_line(message: str) -> str:
-    """llguidance's error without its dump of the parser state (and in words where it is only a name)."""
-    first = message.split("\n<state>")[0].strip()
-    if first == "NoExtensionBias":  # no token can start an output the constraint allows
-        return "the constraint matches no text: no token can start an output it allows (llguidance: NoExtensionBias)"
-    return first
 
 
 async def admit_constrained(server, client: bytes, msg: p.Generate) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ipc.protocol import StepResult
+from ipc.structured import matcher_error
 from scheduler_proc.request import Request, Status
 from scheduler_proc.steps import InflightStep, Output
 
@@ -38,12 +39,15 @@ class Reconciler:
             raise RuntimeError(
                 f"step {step.step_id}: {len(tokens)} tokens for {len(step.samplers)} sampled rows"
             )
+        failed = self._grammar_failures(step, result) if result.grammar_failed_rows else None
         if self.num_with_extras or result.logprob_rows or result.prompt_logprob_rows:
             outputs = self._reconcile_extras(step, result)
         else:
             outputs = self._reconcile_tokens(step.samplers, tokens)
         if step.spec:
             self._reconcile_spec(step, result, outputs)  # their accepted runs (scheduler_proc/speculation.py)
+        if failed:
+            outputs.extend(failed)
         if self.followers:
             for out in outputs:
                 if out.request.rid in self.followers:
@@ -54,6 +58,18 @@ class Reconciler:
         if self.host is not None:
             self.host.step_back(step.onloaded, result.backups_done_step_id)
         return outputs
+
+    def _grammar_failures(self, step: InflightStep, result: StepResult) -> list[Output]:
+        """Requests whose constraint allows no continuation of their output: finished with reason "error" before
+        their row's token (the EOS of a failed matcher's mask) is reconciled, so that they never finish "stop"
+        with an output the constraint does not match."""
+        failed = []
+        for row, error in zip(result.grammar_failed_rows, result.grammar_errors):
+            req = step.samplers[row]
+            if req.status is not _FINISHED:
+                self._finish(req, "error")
+                failed.append(Output(req, [], "error", error=matcher_error(error, len(req.output))))
+        return failed
 
     def _reconcile_extras(self, step: InflightStep, result: StepResult) -> list[Output]:
         """Reconcile's path while some live request has extras: the fast path's rules plus stop strings,

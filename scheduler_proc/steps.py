@@ -64,6 +64,7 @@ class Output(msgspec.Struct, gc=False):
     logprobs: Optional[list] = None  # one TokenLogprobs per new token, when the request asked
     prompt_logprobs: Optional[list] = None  # the whole prompt's, once, when the request asked
     stop_str: Optional[str] = None  # the stop string that finished it
+    error: Optional[str] = None  # finish_reason "error": why (sent to the client as the request's Error)
 
 
 class StepDraft:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ipc import protocol as p
+from scheduler_proc.grammar import constraint
 from scheduler_proc.request import Request
 from scheduler_proc.steps import Output
 
@@ -81,6 +82,10 @@ class OutputStream:
             self.frontend.send(req.client, token_delta(out))
             req.num_sent = len(req.output)
             return
+        if out.error is not None:  # its constraint failed: the request (every completion of it) ends in an Error
+            name = constraint(req.sampling)
+            self.fail_request(req, "invalid_request", out.error, field=f"sampling.{name[0]}" if name else "sampling")
+            return
         self.requests.pop((req.client, req.request_id, req.index), None)
         prompt_logprobs = out.prompt_logprobs
         if prompt_logprobs is None and req.extras is not None:
@@ -95,8 +100,10 @@ class OutputStream:
             self.frontend.owe(req.client, p.Error(code="slow_reader", request_id=req.request_id,
                                                   message="the client stopped reading; the request's tokens were lost"))
 
-    def fail_request(self, req: Request, code: str, message: str, owed: bool = False) -> None:
-        """End a request, every completion of it, with one Error (owed: queued for a client whose pipe is full)."""
+    def fail_request(self, req: Request, code: str, message: str, owed: bool = False,
+                     field: Optional[str] = None) -> None:
+        """End a request, every completion of it, with one Error (owed: queued for a client whose pipe is full;
+        ``field``: the request's field at fault)."""
         if (req.client, req.request_id, req.index) not in self.requests:
             return  # a sibling completion's failure already ended it
         for index in range(p.MAX_N):
@@ -104,7 +111,7 @@ class OutputStream:
             if sibling is not None:
                 self.planner.abort(sibling)
         (self.frontend.owe if owed else self.frontend.send)(
-            req.client, p.Error(code=code, message=message, request_id=req.request_id))
+            req.client, p.Error(code=code, message=message, request_id=req.request_id, field=field))
 
     def drop_client(self, client: bytes, code: Optional[str] = None, message: str = "") -> None:
         """Abort every request of one client (KV freed); with a code, each is owed that error (once per id)."""

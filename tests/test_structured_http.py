@@ -150,6 +150,8 @@ BAD = [
      "response_format"),
     (dict(extra_body={"guided_regex": "a(b"}), "guided_regex"),
     (dict(extra_body={"guided_regex": "a", "guided_choice": ["a"]}), "guided_choice"),
+    # a grammar that allows no token after its first ("a", then a terminal that matches nothing)
+    (dict(extra_body={"guided_grammar": 'start: "a" /[^\\x00-\\U0010FFFF]/\n'}), "guided_grammar"),
     (dict(response_format={"type": "xml"}), "response_format.type"),
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
     (dict(tool_choice="required"), "tool_choice"),

@@ -155,6 +155,37 @@ def test_unfinished_constraint_ends_with_length(model_server):
     asyncio.run(go())
 
 
+# A language that ends after its first token: "a", then a terminal that matches nothing (checked lazily by
+# llguidance, so the compile's first mask allows "a")
+DEAD_END = 'start: "a" /[^\\x00-\\U0010FFFF]/\n'
+
+
+def test_a_constraint_with_no_continuation_fails_the_request(model_server):
+    """A constraint that allows no token after the output so far fails its request with an error naming the
+    field (never "stop" with an output the constraint does not match), at every depth, its n completions and
+    a stream alike; its batch mates finish as they would alone, and the server serves the next request."""
+    async def go(depth):
+        async with AsyncClient(model_server(depth).address) as c:
+            async def dead(**kw):
+                with pytest.raises(InvalidRequestError) as e:
+                    await c.generate("Say a.", grammar=DEAD_END, max_tokens=8, **{"temperature": 0, **kw})
+                assert e.value.field == "sampling.grammar", e.value
+                assert "no continuation of the output's first 1 tokens" in str(e.value), e.value
+
+            async def streamed():
+                with pytest.raises(InvalidRequestError) as e:
+                    async for _ in c.stream("Say a.", grammar=DEAD_END, max_tokens=8, temperature=0):
+                        pass
+                assert e.value.field == "sampling.grammar"
+
+            mate = c.generate(messages=PROMPT, regex="[0-9]{2}", max_tokens=8, temperature=0)
+            *_, bounded = await asyncio.gather(dead(), dead(n=2, seed=1, temperature=1.0), streamed(), mate)
+            assert bounded.finish_reason == "stop" and re.fullmatch("[0-9]{2}", bounded.text)
+            assert (await c.generate("hi", max_tokens=2, temperature=0)).finish_reason == "length"
+    for depth in (0, 1, 2):
+        asyncio.run(go(depth))
+
+
 def test_no_leak_after_constrained_requests(model_server, outputs_by_depth):
     for depth in (0, 1, 2):
         stats = asyncio.run(wait_idle(model_server(depth).address))

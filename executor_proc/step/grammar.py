@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ipc.protocol import StepPlan
-from ipc.structured import load_tokenizer, tokenizer_file
+from ipc.structured import error_line, load_tokenizer, tokenizer_file
 
 PROTOTYPES = 256  # compiled matchers kept by grammar text: a new slot of a known grammar copies one
 WAIT_TIMEOUT_S = 120.0
@@ -67,6 +67,8 @@ class GrammarRows:
     step_id: int
     rows: list[tuple[int, SlotGrammar, int]] = field(default_factory=list)
     wait_s: float = 0.0  # how long bind waited for the masks (reported in the StepResult)
+    # (row, llguidance's error) of rows whose matcher failed: a dead end, its mask EOS alone (found by bind)
+    failed: list[tuple[int, str]] = field(default_factory=list)
 
 
 class GrammarSlots:
@@ -178,6 +180,10 @@ class GrammarSlots:
         for st, _ in pending:
             if st.error is not None:
                 raise RuntimeError(f"slot {st.slot}: its grammar failed to build: {st.error}") from st.error
+        # A matcher fails where no token continues its output (a grammar whose language ends there): its mask
+        # is EOS alone, and the scheduler fails the request rather than finish it with an output the
+        # constraint does not match.
+        rows.failed = [(j, error_line(st.matcher.get_error())) for j, st, _ in rows.rows if st.matcher.is_error()]
         states = [st for _, st, _ in rows.rows]
         resets = sorted(self._reset)
         self._reset.clear()

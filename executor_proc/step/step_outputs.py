@@ -41,6 +41,9 @@ class StepOutputs:
         fields: dict = {}
         if self.grammar is not None:
             fields["grammar_rows"], fields["grammar_wait_s"] = len(self.grammar.rows), self.grammar.wait_s
+            if self.grammar.failed:
+                fields["grammar_failed_rows"] = [r for r, _ in self.grammar.failed]
+                fields["grammar_errors"] = [e for _, e in self.grammar.failed]
         if self.logprob_rows and self.logprobs is not None:
             ids, lps = self.logprobs[0].tolist(), self.logprobs[1].tolist()
             fields["logprob_rows"] = [r for r, _ in self.logprob_rows]
