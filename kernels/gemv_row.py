@@ -20,7 +20,7 @@ import triton.language as tl
 from .fp8 import weight_args
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
-__all__ = ["gemv_prologue"]
+__all__ = ["gemv_prologue", "lanes"]
 
 
 @triton.jit
@@ -60,11 +60,20 @@ def _norm_rstd(x_ptr, r_ptr, rout_ptr, K, eps, writer, ADD: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _fold(products, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LANES: tl.constexpr):
+    """A chunk's products as the accumulator holds them: summed over each thread's ``LANES`` values of a 16-byte
+    weight load first (16 of e4m3, 8 of bfloat16), so that the accumulator takes 1 / LANES of the registers it
+    would (H200, 8B shapes, FP8 at one row: 121 -> 71 registers at 8 x 1024 tiles, q|k|v 8.19 -> 7.47 us)."""
+    return tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // LANES, LANES]), axis=2)
+
+
+@triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, rout_ptr, N, K, stride_wn, eps,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PROLOGUE: tl.constexpr = 0, ADD: tl.constexpr = False, W_SCALED: tl.constexpr = False,
-                     USE_PDL: tl.constexpr = False):
-    """``W_SCALED``: w is FP8 with per-row scales at ``ws`` (:mod:`kernels.fp8`), applied to the sums."""
+                     USE_PDL: tl.constexpr = False, LANES: tl.constexpr = 8):
+    """``W_SCALED``: w is FP8 with per-row scales at ``ws`` (:mod:`kernels.fp8`), applied to the sums.  ``LANES``:
+    :func:`lanes` of the weight."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -78,13 +87,14 @@ def _gemv_row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, rout_ptr
     rstd = 1.0
     if PROLOGUE == 1:
         rstd = _norm_rstd(x_ptr, r_ptr, rout_ptr, K, eps, pid == 0, ADD, BLOCK_K)
-    acc = w.to(tl.float32) * _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, PROLOGUE, ADD)[None, :]
+    acc = _fold(w.to(tl.float32) * _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, PROLOGUE, ADD)[None, :],
+                BLOCK_N, BLOCK_K, LANES)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, PROLOGUE, ADD)
-        acc += w.to(tl.float32) * x[None, :]
+        acc += _fold(w.to(tl.float32) * x[None, :], BLOCK_N, BLOCK_K, LANES)
     pdl_launch(USE_PDL)
     y = tl.sum(acc, axis=1)
     if W_SCALED:
@@ -92,6 +102,11 @@ def _gemv_row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, rout_ptr
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def lanes(weight: torch.Tensor) -> int:
+    """The values of one 16-byte load of ``weight``'s rows (the row kernel's in-thread partial sums)."""
+    return 16 // weight.element_size()
 
 
 def gemv_prologue(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *, config: tuple,
@@ -125,6 +140,7 @@ def gemv_prologue(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     _gemv_row_kernel[(triton.cdiv(N, block_n),)](
         x, weight, ws, bias if bias is not None else weight, out, residual if add else x, nw, rout, N, K,
         weight.stride(0), eps, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        PROLOGUE=2 if silu else 1, ADD=add, W_SCALED=scaled, num_warps=num_warps, num_stages=num_stages, **pdl_args(x),
+        PROLOGUE=2 if silu else 1, ADD=add, W_SCALED=scaled, LANES=lanes(weight), num_warps=num_warps,
+        num_stages=num_stages, **pdl_args(x),
     )
     return out, (rout if norm is not None else None)
