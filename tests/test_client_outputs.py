@@ -237,3 +237,23 @@ def test_reset_prefix_cache_and_stats_blocking(serve, address):
         assert client.get_stats().num_free_kv_blocks == 8
     assert isinstance(server.stats_requests[0], ResetPrefixCache)
     assert len(server.stats_requests) == 2
+
+
+def test_stop_text_under_min_tokens_counts_only_stops_that_end_after_arming():
+    """min_tokens: an occurrence ending in the first tokens' text stays (the scheduler did not stop there); the
+    first one ending after :meth:`arm` cuts, also one that straddles the arming point."""
+    st = StopStringText(["!"], armed=False)
+    assert st.push("Hello! How") == "Hello! How"
+    st.arm()
+    assert st.push(" are you! Fine") == " are you"
+    assert st.finish("!") == "" and st.text == "Hello! How are you"
+    st = StopStringText(["!"], armed=False)  # the scheduler's stop_str at finish: found past the arming point
+    st.push("a!b")
+    st.arm()
+    st.push("c!d")
+    assert st.finish("!") == "" and st.text == "a!bc"
+    st = StopStringText(["END"], armed=False)  # straddling: starts in the first tokens' text, ends after
+    assert st.push("x EN") == "x "
+    st.arm()
+    assert st.push("D y") == ""
+    assert st.finish("END") == "" and st.text == "x "

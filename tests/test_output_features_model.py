@@ -146,3 +146,26 @@ async def test_n_completions_each_equal_to_its_own_seed(depth, model_server, cha
         assert completions[i] == alone[i][(f"s{i}", 0)][0], f"completion {i} differs from seed {77 + i} alone"
         assert many[("n", i)][1].prompt_tokens == len(prompt)
     assert_no_leak(w["idle"])
+
+
+def test_a_stop_string_inside_min_tokens_neither_stops_nor_cuts_the_text(model_server):
+    """min_tokens past the token that completes a stop string's first occurrence: the request goes on and the text
+    keeps that occurrence, ending before the next one (vLLM's rule), streamed or not."""
+    from ipc.client import AsyncClient
+
+    messages = [{"role": "user", "content": "Write a short greeting for a new colleague."}]
+
+    async def go():
+        async with AsyncClient(model_server(1).address) as c:
+            free = await c.generate(messages=messages, max_tokens=40, temperature=0)
+            stop = next(ch for ch in free.text if not ch.isspace() and free.text.count(ch) >= 2)  # occurs twice
+            first = await c.generate(messages=messages, max_tokens=40, temperature=0, stop=[stop])
+            assert first.finish_reason == "stop" and free.text.startswith(first.text + stop)
+            k = first.completion_tokens  # the token that completes the first occurrence
+            later = await c.generate(messages=messages, max_tokens=40, temperature=0, stop=[stop], min_tokens=k + 1)
+            second = free.text.index(stop, len(first.text) + 1)
+            assert (later.text, later.finish_reason) == (free.text[:second], "stop"), (stop, later.text, free.text)
+            streamed = "".join([ch.text_delta async for ch in c.stream(messages=messages, max_tokens=40,
+                                                                        temperature=0, stop=[stop], min_tokens=k + 1)])
+            assert streamed == later.text
+    asyncio.run(go())

@@ -6,7 +6,10 @@ string in ``Finished.stop_str``.  The text returned ends right before that
 occurrence (or right after it, with ``include_stop_str_in_output``).  While
 streaming, :class:`StopStringText` holds back any tail of the text that could
 still become a stop string, and releases it as soon as it cannot, so no
-character past the cut ever reaches the user.
+character past the cut ever reaches the user.  Under ``min_tokens`` the
+scheduler counts only a stop string that a token past the first
+``min_tokens - 1`` completes (as vLLM does); so is it cut here: an occurrence
+ending in the text of those first tokens stays in the text.
 """
 
 from __future__ import annotations
@@ -21,12 +24,22 @@ from ipc.protocol import Finished, TokenLogprobs
 class StopStringText:
     """Text deltas of one completion with the stop-string rule applied."""
 
-    def __init__(self, stop: Sequence[str] = (), include_stop_str: bool = False) -> None:
+    def __init__(self, stop: Sequence[str] = (), include_stop_str: bool = False, armed: bool = True) -> None:
         self._stops = [s for s in stop if s]
         self._include = include_stop_str
         self._text = ""  # everything detokenized so far
         self._released = 0  # characters of _text handed out
         self._cut: Optional[int] = None  # where the text ends, once a stop string was seen
+        # A stop string counts only if it ends past _from, once armed (min_tokens: see :meth:`arm`).
+        self._armed = armed
+        self._from = 0
+
+    def arm(self) -> None:
+        """From here on stop strings count: one must end in text pushed after this call (the text of the
+        ``min_tokens - 1`` first tokens holds none that ends the output)."""
+        if not self._armed:
+            self._armed = True
+            self._from = len(self._text)
 
     @property
     def text(self) -> str:
@@ -40,7 +53,7 @@ class StopStringText:
         self._text += delta
         if not self._stops:
             return self._release(len(self._text))
-        found = self._first_stop(self._text)
+        found = self._first_stop(self._text) if self._armed else None
         if found is not None:
             pos, stop = found
             self._cut = pos + len(stop) if self._include else pos
@@ -50,7 +63,7 @@ class StopStringText:
     def finish(self, stop_str: Optional[str]) -> str:
         """The rest of the text at the end; ``stop_str`` is the string the scheduler matched, if any."""
         if self._cut is None:
-            pos = self._text.find(stop_str) if stop_str else -1
+            pos = self._text.find(stop_str, max(0, self._from - len(stop_str) + 1)) if stop_str else -1
             if pos < 0:
                 self._cut = len(self._text)
             else:
@@ -65,11 +78,12 @@ class StopStringText:
         return out
 
     def _first_stop(self, text: str) -> Optional[tuple[int, str]]:
-        # Released text holds no stop string and no start of one that reaches past it.
+        # Released text holds no stop string and no start of one that reaches past it; one counts if it ends
+        # past _from.
         start = max(self._released - max(len(s) for s in self._stops) + 1, 0)
         best: Optional[tuple[int, str]] = None
         for s in self._stops:
-            pos = text.find(s, start)
+            pos = text.find(s, max(start, self._from - len(s) + 1))
             if pos >= 0 and (best is None or pos < best[0]):
                 best = (pos, s)
         return best
@@ -90,10 +104,11 @@ class CompletionOutput:
     """One of a request's n completions: tokens, logprobs, text and arrival times."""
 
     def __init__(self, index: int, detokenizer: Optional[IncrementalDetokenizer], stop: Sequence[str] = (),
-                 include_stop_str: bool = False) -> None:
+                 include_stop_str: bool = False, min_tokens: int = 0) -> None:
         self.index = index
         self.detokenizer = detokenizer
-        self.text = StopStringText(stop, include_stop_str)
+        self._arm_at = max(min_tokens - 1, 0)  # tokens after which a stop string counts
+        self.text = StopStringText(stop, include_stop_str, armed=self._arm_at == 0)
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
         self.token_times: list[float] = []
@@ -111,7 +126,14 @@ class CompletionOutput:
         self.logprobs.extend(logprobs)
         text = ""
         if self.detokenizer is not None:
-            text = self.text.push(self.detokenizer.add(token_ids))
+            before = len(self.token_ids) - len(token_ids)
+            if before < self._arm_at <= len(self.token_ids):  # min_tokens: the text of the first tokens, then arm
+                text = self.text.push(self.detokenizer.add(token_ids[:self._arm_at - before]))
+                self.text.arm()
+                token_ids_left = token_ids[self._arm_at - before:]
+            else:
+                token_ids_left = token_ids
+            text += self.text.push(self.detokenizer.add(token_ids_left))
             if fin is not None:
                 text += self.text.push(self.detokenizer.flush())
         if fin is not None:

@@ -140,7 +140,7 @@ class PendingRequest:
         self.timer: Optional[asyncio.TimerHandle] = None
         self.outputs = [CompletionOutput(i, None if tokenizer is None else
                                          IncrementalDetokenizer(tokenizer, prompt_token_ids),
-                                         sampling.stop, sampling.include_stop_str_in_output)
+                                         sampling.stop, sampling.include_stop_str_in_output, sampling.min_tokens)
                         for i in range(max(sampling.n, 1))]
         self.prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
         self._prompt_logprobs_sent = False
