@@ -205,6 +205,15 @@ def test_the_longest_first_order_names_test_files_that_exist():
     assert not missing and len(set(LONGEST_FIRST)) == len(LONGEST_FIRST), missing
 
 
+def test_shapes_of_reads_the_model_configs(monkeypatch):
+    """``benchlib.shapes_of`` (the skinny matmul benchmarks' weights) finds ``scripts/configs/<name>``."""
+    monkeypatch.syspath_prepend(SCRIPTS)
+    from benchlib import shapes_of
+
+    assert shapes_of("llama-3-8b") == {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                                       "down": (4096, 14336), "lm_head": (128256, 4096)}
+
+
 def test_bench_spec_side_by_side_rounds_alternate_and_keep_the_median(monkeypatch):
     """``bench_spec.py --repeats``: both servers up at once, each round's loads against each server in turn with the
     order reversed every other round, and per server and load the run of median output tokens/s kept (servers and

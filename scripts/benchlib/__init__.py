@@ -101,7 +101,8 @@ def latency_rows(name: str, summary: dict[str, Optional[float]], unit: str = "ms
 
 def shapes_of(name: str) -> dict[str, tuple[int, int]]:
     """The decode-time linears of ``scripts/configs/<name>`` as ``{weight: (N, K)}``."""
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", name, "config.json")) as f:
+    scripts = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(scripts, "configs", name, "config.json")) as f:
         c = json.load(f)
     h, heads, kvh = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     d = c.get("head_dim") or h // heads
