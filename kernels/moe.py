@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import weight_args
+from .gemv_row import _fold, lanes
 from .moe_align import align_by_expert
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
@@ -103,7 +104,8 @@ def _silu_mul(g, u, out_ptr):
 @triton.jit
 def _up_small_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, num_experts, H, I, stride_xm, stride_we, stride_wn,
                      stride_se, stride_im, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     W_SCALED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                     W_SCALED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+                     LANES: tl.constexpr = 8):
     pair = tl.program_id(0)
     pdl_wait(USE_PDL)  # the routing before it wrote the ids
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -113,15 +115,17 @@ def _up_small_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, num_experts, H, I,
         x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
         gate_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
         up_rows = gate_rows + I * stride_wn
-        acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K // LANES], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K // LANES], tl.float32)
         for k0 in range(0, H, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < H
             x = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
             w_mask = n_mask[:, None] & k_mask[None, :]
-            acc_g += tl.load(gate_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x
-            acc_u += tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x
+            acc_g += _fold(tl.load(gate_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x,
+                           BLOCK_N, BLOCK_K, LANES)
+            acc_u += _fold(tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x,
+                           BLOCK_N, BLOCK_K, LANES)
         pdl_launch(USE_PDL)
         g, u = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
         if W_SCALED:  # FP8 experts: each row's scale, once its sum is done
@@ -135,7 +139,8 @@ def _up_small_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, num_experts, H, I,
 @triton.jit
 def _down_small_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, wts_ptr, out_ptr, num_experts, H, I, stride_im, stride_we,
                        stride_wn, stride_se, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, W_SCALED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                       BLOCK_K: tl.constexpr, W_SCALED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+                       LANES: tl.constexpr = 8):
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -147,13 +152,13 @@ def _down_small_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, wts_ptr, out_ptr, num_e
         if expert < num_experts:  # else held by another rank: it adds nothing here
             rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
             a_row = inter_ptr + pair.to(tl.int64) * stride_im
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            acc = tl.zeros([BLOCK_N, BLOCK_K // LANES], tl.float32)
             for k0 in range(0, I, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_mask = offs_k < I
                 a = tl.load(a_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-                acc += tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(
-                    tl.float32) * a
+                acc += _fold(tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(
+                    tl.float32) * a, BLOCK_N, BLOCK_K, LANES)
             part = tl.sum(acc, axis=1)
             if W_SCALED:
                 part *= tl.load(s_ptr + expert * stride_se + offs_n, mask=n_mask, other=0.0)
@@ -165,7 +170,8 @@ def _down_small_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, wts_ptr, out_ptr, num_e
 @triton.jit
 def _down_small_wide_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, wts_ptr, out_ptr, num_experts, H, I, stride_im,
                             stride_we, stride_wn, stride_se, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, W_SCALED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                            BLOCK_K: tl.constexpr, W_SCALED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+                            LANES: tl.constexpr = 8):
     """:func:`_down_small_kernel` with the token's k experts side by side: rows ``j * BLOCK_N + n`` of the tile
     are output feature ``n`` of expert ``j``, each weighted, then the k rows of a feature summed."""
     token = tl.program_id(0)
@@ -178,12 +184,13 @@ def _down_small_wide_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, wts_ptr, out_ptr, 
     row_mask = (offs_n < H) & (expert < num_experts)  # an expert held by another rank adds nothing here
     rows = w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn
     a_rows = inter_ptr + pair.to(tl.int64) * stride_im
-    acc = tl.zeros([TOP_K * BLOCK_N, BLOCK_K], tl.float32)
+    acc = tl.zeros([TOP_K * BLOCK_N, BLOCK_K // LANES], tl.float32)
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = row_mask[:, None] & (offs_k < I)[None, :]
         a = tl.load(a_rows[:, None] + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc += tl.load(rows[:, None] + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * a
+        acc += _fold(tl.load(rows[:, None] + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * a,
+                     TOP_K * BLOCK_N, BLOCK_K, LANES)
     pdl_launch(USE_PDL)
     weighted = tl.sum(acc, axis=1) * tl.load(wts_ptr + pair, mask=row_mask, other=0.0)
     if W_SCALED:
@@ -288,8 +295,9 @@ def moe_up_small(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, config: 
     w, s, scaled = weight_args(w13)
     _up_small_kernel[(T * k, triton.cdiv(I, bn))](x, w, s, ids, inter, E, H, I, x.stride(0), w.stride(0), w.stride(1),
                                                   _scale_stride(s, scaled), inter.stride(0), TOP_K=k, BLOCK_N=bn,
-                                                  BLOCK_K=bk, W_SCALED=scaled, num_warps=config.num_warps,
-                                                  num_stages=config.num_stages, **pdl_args(x))
+                                                  BLOCK_K=bk, W_SCALED=scaled, LANES=lanes(w),
+                                                  num_warps=config.num_warps, num_stages=config.num_stages,
+                                                  **pdl_args(x))
     return inter
 
 
@@ -305,7 +313,7 @@ def moe_down_small(inter: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, wei
     w, s, scaled = weight_args(w2)
     kernel[(T, triton.cdiv(H, bn))](inter, w, s, ids, weights, out, E, H, I, inter.stride(0), w.stride(0),
                                     w.stride(1), _scale_stride(s, scaled), out.stride(0), TOP_K=k, BLOCK_N=bn,
-                                    BLOCK_K=bk, W_SCALED=scaled, num_warps=config.num_warps,
+                                    BLOCK_K=bk, W_SCALED=scaled, LANES=lanes(w), num_warps=config.num_warps,
                                     num_stages=config.num_stages, **pdl_args(inter))
     return out
 
