@@ -27,7 +27,7 @@ import triton.language as tl
 from .fp8 import weight_args
 from .gemv import MAX_M, _rows_pad, _rows_products, config_fits
 from .gemv_partials import _load_partials, _partials_rstd, _to_mma_rows, loads_at_once
-from .gemv_row import _norm_rstd, _prologue_row
+from .gemv_row import _fold, _norm_rstd, _prologue_row, lanes
 from .kv_write import inverse_scales, to_cache
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
@@ -104,7 +104,7 @@ def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, w_ptr, ws_ptr, b_ptr, qo_pt
                      stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs,
                      H, HKV, k_inv, v_inv, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
                      BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD: tl.constexpr, W_SCALED: tl.constexpr = False,
-                     USE_PDL: tl.constexpr = False):
+                     USE_PDL: tl.constexpr = False, LANES: tl.constexpr = 8):
     head, j, lo, w_lo, w_hi = _pair_tile(w_ptr, stride_wn, D, PAIRS)
     # the first weight tiles stream in while the previous kernel ends (kernels/pdl.py)
     offs_k = tl.arange(0, BLOCK_K)
@@ -114,14 +114,16 @@ def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, w_ptr, ws_ptr, b_ptr, qo_pt
     pdl_wait(USE_PDL)
     rstd = _norm_rstd(x_ptr, r_ptr, rout_ptr, K, eps, tl.program_id(0) == 0, ADD, BLOCK_K)
     x = _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, 1, ADD)[None, :]
-    acc_lo = w0_lo.to(tl.float32) * x
-    acc_hi = w0_hi.to(tl.float32) * x
+    acc_lo = _fold(w0_lo.to(tl.float32) * x, PAIRS, BLOCK_K, LANES)
+    acc_hi = _fold(w0_hi.to(tl.float32) * x, PAIRS, BLOCK_K, LANES)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = _prologue_row(x_ptr, r_ptr, nw_ptr, offs_k, k_mask, K, rstd, 1, ADD)[None, :]
-        acc_lo += tl.load(w_lo + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32) * x
-        acc_hi += tl.load(w_hi + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32) * x
+        acc_lo += _fold(tl.load(w_lo + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32) * x, PAIRS,
+                        BLOCK_K, LANES)
+        acc_hi += _fold(tl.load(w_hi + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32) * x, PAIRS,
+                        BLOCK_K, LANES)
     pdl_launch(USE_PDL)
     token = tl.zeros([1, 1], dtype=tl.int32)  # the one token, as a [tokens, 1] column
     s_lo, s_hi = _pair_scales(ws_ptr, lo, D, W_SCALED)
@@ -281,5 +283,6 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     add = residual is not None
     rout = torch.empty_like(x) if add else x
     _qkv_rope_kernel[grid](x, residual if add else x, nw, rout, weight, ws, b, q_out, k_cache, v_cache, kv_index,
-                           positions, cos_sin_cache, k, weight.stride(0), eps, *caches, ADD=add, **meta)
+                           positions, cos_sin_cache, k, weight.stride(0), eps, *caches, ADD=add, LANES=lanes(weight),
+                           **meta)
     return q_out, rout
