@@ -122,9 +122,9 @@ def test_structured_and_tools(api):
         assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{1,2}C", r["regex"].choices[0].message.content)
         assert r["choice"].choices[0].message.content in ("sunny", "rainy", "cloudy")
         assert r["completion"].choices[0].text in ("Paris", "Lyon")
-        for name in ("required", "named"):
+        for name, reason in (("required", "tool_calls"), ("named", "stop")):  # a named function's call: "stop"
             c = r[name].choices[0]
-            assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+            assert c.finish_reason == reason and c.message.tool_calls, c
             for call in c.message.tool_calls:
                 jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
         assert r["named"].choices[0].message.tool_calls[0].function.name == "get_time"
@@ -134,7 +134,7 @@ def test_structured_and_tools(api):
         assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
             (c.function.name, c.function.arguments) for c in whole]
         streamed, finish = await _assembled(r["named_stream"])
-        assert finish == "tool_calls"
+        assert finish == "stop"
         assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
             (c.function.name, c.function.arguments) for c in r["named"].choices[0].message.tool_calls]
         content, finish = await _content(r["auto_stream"])
@@ -156,12 +156,12 @@ BAD = [
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
     (dict(tool_choice="required"), "tool_choice"),
     (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools[0].function.name"),
-    # a function's parameters the grammar engine refuses, under "required" and named (streamed too): "tools", not
-    # the response_format the request does not have
+    # a function's parameters the grammar engine refuses, under "required" and named (streamed too): the tool's
+    # parameters, not the response_format the request does not have
     (dict(tools=[{"type": "function", "function": {"name": "w", "parameters": {"type": "strin"}}}],
-          tool_choice="required"), "tools"),
+          tool_choice="required"), "tools[0].function.parameters"),
     (dict(tools=[{"type": "function", "function": {"name": "w", "parameters": {"type": "strin"}}}],
-          tool_choice={"type": "function", "function": {"name": "w"}}, stream=True), "tools"),
+          tool_choice={"type": "function", "function": {"name": "w"}}, stream=True), "tools[0].function.parameters"),
 ]
 
 

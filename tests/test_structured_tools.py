@@ -66,11 +66,11 @@ def test_streamed_calls_assemble_to_the_answer(text, content, calls):
 
 
 def test_required_and_named_cut_short_finish_with_length():
-    """A constrained call that max_tokens cut is content with finish "length", never a call."""
+    """A constrained call that max_tokens cut finishes "length" with no content (never the raw JSON as text)."""
     for plan, text in ((ToolPlan(FUNCTIONS, "required"), '[{"name": "get_weather", "parameters": {"ci'),
                        (ToolPlan(FUNCTIONS, "named", name="get_time"), '{"zone": "U')):
         message, finish = choice_message(text, "length", plan)
-        assert finish == "length" and message.content == text
+        assert finish == "length" and message.content is None
         stream = ToolCallStream(plan)
         stream.feed(text)
         assert stream.finish("length")[1] == "length"

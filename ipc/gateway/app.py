@@ -7,7 +7,8 @@ the per-token path.  The scheduler only ever sees SDK messages.
 
 Hostile input is bounded before it costs anything (docs/reliability.md,
 "Hostile clients"): a body over ``--max-request-bytes`` is a 413 before it is
-read in full, text that cannot fit in the context is a 400 before templating
+read in full, a body that stops coming for ``body_timeout_s`` (30 s) is a 408
+and its bytes are dropped, text that cannot fit in the context is a 400 before templating
 or tokenizing (a character count), and prompts longer than ``INLINE_CHARS``
 are templated and tokenized in a thread pool, so the event loop, and every
 other request of the worker, never waits for one heavy request.
@@ -28,8 +29,8 @@ from starlette.routing import Route
 from ipc.client import InvalidRequestError
 from ipc.gateway import schemas as s
 from ipc.gateway import tools
-from ipc.gateway.handling import error_for, error_response, json_response, run, stream
-from ipc.gateway.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS
+from ipc.gateway.handling import error_for, error_response, run, stream, whole
+from ipc.gateway.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS
 from ipc.gateway.responses import (
     Prompt,
     chat_stream,
@@ -38,11 +39,12 @@ from ipc.gateway.responses import (
     whole_chat,
     whole_completion,
 )
-from ipc.gateway.service_routes import detokenize, health, metrics, models, tokenize, version
-from ipc.gateway.streaming import until_disconnect
+from ipc.gateway.service_routes import detokenize, health, metrics, model, models, tokenize, version
 from ipc.gateway.worker import Gateway, echo
 
 OPEN_PATHS = ("/health", "/metrics", "/version")  # answered without the API key
+NO_KEY = ("You didn't provide an API key. You need to provide your API key in an Authorization header using Bearer "
+          "auth (i.e. Authorization: Bearer YOUR_KEY).")  # OpenAI's words
 
 
 async def completions(request: Request) -> Response:
@@ -60,8 +62,7 @@ async def completions(request: Request) -> Response:
                    for i, p in enumerate(prompts)]
         if req.stream:
             return stream(gw, streams, lambda firsts: completion_stream(gw, req, rid, prompts, streams, firsts))
-        answer = whole_completion(gw, req, rid, prompts, streams)
-        return json_response(await until_disconnect(request.receive, answer))
+        return await whole(gw, request, streams, whole_completion(gw, req, rid, prompts, streams))
     return await run(request, handle)
 
 
@@ -70,7 +71,7 @@ async def chat_completions(request: Request) -> Response:
         req = await gw.body(request, s.ChatCompletionRequest)
         gw.check_request(req)
         plan = tools.plan_tools(req)
-        ids = await (tools.encode(gw, req, plan) if tools.uses_tools(req)
+        ids = await (tools.encode(gw, req, plan) if tools.renders_here(req)
                      else gw.encode_chat(s.chat_messages(req.messages)))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -82,7 +83,7 @@ async def chat_completions(request: Request) -> Response:
             return stream(gw, streams, lambda firsts: events(gw, req, rid, streams, firsts), from_tools)
         answer = whole_chat(gw, req, rid, Prompt(ids, ""), streams[0], plan)
         try:
-            return json_response(await until_disconnect(request.receive, answer))
+            return await whole(gw, request, streams, answer)
         except InvalidRequestError as e:
             return error_for(gw, e, from_tools)
     return await run(request, handle)
@@ -99,9 +100,11 @@ class _Auth:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if self.expected is not None and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            header = dict(scope["headers"]).get(b"authorization", b"").strip()
+            scheme, _, token = header.partition(b" ")
             if not (hmac.compare_digest(token.strip(), self.expected) and scheme.lower() == b"bearer"):
-                response = error_response(401, "Incorrect API key provided.", code="invalid_api_key")
+                message = "Incorrect API key provided." if header else NO_KEY
+                response = error_response(401, message, code="invalid_api_key")
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -129,9 +132,12 @@ class _HotRoutes:
 
 
 def create_app(address: str, api_key: Optional[str] = None, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS) -> Any:
-    """The ASGI app of one gateway worker, talking to the scheduler at ``address``."""
-    gateway = Gateway(address, api_key, max_request_bytes=max_request_bytes, tokenizer_threads=tokenizer_threads)
+               tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> Any:
+    """The ASGI app of one gateway worker, talking to the scheduler at ``address`` (``body_timeout_s``: a request
+    body of which no byte came for this long is a 408, ``ipc/gateway/body.py``)."""
+    gateway = Gateway(address, api_key, max_request_bytes=max_request_bytes, tokenizer_threads=tokenizer_threads,
+                      body_timeout_s=body_timeout_s)
 
     async def lifespan(app: Starlette):
         await gateway.start()
@@ -141,6 +147,7 @@ def create_app(address: str, api_key: Optional[str] = None, *, max_request_bytes
     hot = {"/v1/chat/completions": chat_completions, "/v1/completions": completions}
     routes = [Route(path, handler, methods=["POST"]) for path, handler in hot.items()] + [
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),

@@ -13,7 +13,7 @@ from ipc.client import ForerunError, InvalidRequestError
 from ipc.gateway import schemas as s
 from ipc.gateway.limits import MAX_ERROR_MESSAGE_CHARS
 from ipc.gateway.responses import sdk_error
-from ipc.gateway.streaming import ClientGone, SSEResponse
+from ipc.gateway.streaming import ClientGone, SSEResponse, until_disconnect
 from ipc.gateway.worker import Gateway
 
 RETRY_AFTER_S = "5"  # 503s (draining, executor gone): when a client may try again, maybe on another server
@@ -27,8 +27,13 @@ def error_response(status: int, message: str, param: Optional[str] = None,
     if param is not None and len(param) > 256:
         param = param[:256]
     body = s.ErrorResponse(s.ErrorInfo(message=message, type=err_type, param=param, code=code))
-    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    headers = _ERROR_HEADERS.get(status)
     return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
+
+
+# 503: when to try again; 408: the body was not read to its end, so the connection cannot carry another request
+# (uvicorn closes it once the answer is out).
+_ERROR_HEADERS = {503: {"Retry-After": RETRY_AFTER_S}, 408: {"Connection": "close"}}
 
 
 def json_response(obj: Any, headers: Optional[dict] = None) -> Response:
@@ -70,12 +75,29 @@ async def run(request: Request, handler) -> Response:
         return error_for(gw, e)
 
 
+async def whole(gw: Gateway, request: Request, streams: list[Any], answer: Any) -> Response:
+    """A whole (non-streaming) answer as JSON, unless the client leaves first: then its requests are aborted and
+    counted as ``abort`` in the metrics, as a stream's are (ClientGone: the 499 nobody reads)."""
+    try:
+        return json_response(await until_disconnect(request.receive, answer))
+    except ClientGone:
+        count_aborts(gw, streams)
+        raise
+
+
+def count_aborts(gw: Gateway, streams: list[Any]) -> None:
+    """``request_success_total{finished_reason="abort"}`` for each stream that did not finish."""
+    for st in streams:
+        if st.result is None:
+            gw.metrics.request_success.labels(gw.model_name, "abort").inc()
+
+
 def stream(gw: Gateway, streams: list[Any], make_events: Any, constraint_param: Optional[str] = None) -> SSEResponse:
     """An SSE response; it waits for every stream's first tokens before the 200, so that errors keep their status."""
-    async def close(started: bool) -> None:
+    async def close(cut: bool) -> None:
+        if cut:  # after the 200, or the client left before it: the streams that did not finish were aborted
+            count_aborts(gw, streams)
         for st in streams:
-            if started and st.result is None:  # cut short: the client left or an error ended it
-                gw.metrics.request_success.labels(gw.model_name, "abort").inc()
             await st.aclose()
 
     return SSEResponse(streams, make_events, lambda exc: error_for(gw, exc, constraint_param), close)

@@ -2,16 +2,24 @@
 
 Ranges are left to the scheduler, whose errors name the field and its limit
 (``sampling.logprobs`` becomes the ``logprobs`` param of the 400); only what
-the JSON shape cannot say is checked here (logit_bias keys are strings in JSON).
+the JSON shape cannot say is checked here (logit_bias keys are strings in JSON),
+and what the scheduler cannot check as the client sent it (:func:`check_numbers`).
 """
 
 from __future__ import annotations
 
+import struct
 from typing import Any, Optional, Union
 
 from ipc.gateway import schemas as s
 from ipc.gateway.structured import constraint_kwargs
-from ipc.protocol import MAX_LOGPROBS
+from ipc.protocol import MAX_LOGPROBS, MAX_SEED
+
+# Integer fields: the scheduler checks their ranges, but one past 64 bits cannot even be sent to it.
+_INTEGERS = ("max_tokens", "max_completion_tokens", "n", "seed", "top_k", "min_tokens", "prompt_logprobs", "logprobs",
+             "top_logprobs", "best_of")
+_INT64 = (-2**63, 2**63 - 1)
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty: OpenAI's [-2, 2]
 
 # Passed through unchanged when given (vLLM's extra parameters included).
 _PLAIN = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "stop_token_ids", "n",
@@ -59,9 +67,36 @@ def output_logprobs(req: Union[s.CompletionRequest, s.ChatCompletionRequest]) ->
 
 
 def check_stream_params(req: Union[s.CompletionRequest, s.ChatCompletionRequest]) -> None:
-    """What vLLM refuses with ``stream=true``, refused the same way."""
+    """What vLLM refuses with and without ``stream=true``, refused the same way."""
     if req.stream and req.prompt_logprobs is not None:
         raise s.RequestError(400, "prompt_logprobs is not available when stream=true", "prompt_logprobs")
+    if req.stream_options is not None and not req.stream:
+        raise s.RequestError(400, "stream_options can only be given when stream=true", "stream_options")
+
+
+def check_numbers(req: Union[s.CompletionRequest, s.ChatCompletionRequest]) -> None:
+    """What the scheduler cannot check as the client sent it: integers past 64 bits (they cannot be sent; a seed
+    gets the scheduler's own message), and penalties, which it checks as float32s (2.1 would read 2.0999999...)."""
+    for name in _INTEGERS:
+        value = getattr(req, name, None)
+        if name == "seed" and value is not None and not 0 <= value <= MAX_SEED:
+            raise s.RequestError(400, f"seed must be in [0, {MAX_SEED}], got {value}", "seed")
+        if isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]:
+            raise s.RequestError(400, f"{name} must be a 64-bit integer, got {value}", name)
+    if req.stop_token_ids and not all(_INT64[0] <= t <= _INT64[1] for t in req.stop_token_ids):
+        raise s.RequestError(400, "stop_token_ids must be 64-bit integers (token ids)", "stop_token_ids")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None and not -MAX_PENALTY <= _float32(value) <= MAX_PENALTY:
+            raise s.RequestError(400, f"{name} must be in [-2, 2], got {value:.7g}", name)
+
+
+def _float32(value: float) -> float:
+    """``value`` as the engine holds it (float32), so that what passes here passes there; inf past its range."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return float("inf") if value > 0 else float("-inf")
 
 
 def sampling_kwargs(req: Union[s.CompletionRequest, s.ChatCompletionRequest], max_tokens: int,
@@ -80,6 +115,6 @@ def sampling_kwargs(req: Union[s.CompletionRequest, s.ChatCompletionRequest], ma
     top_n = output_logprobs(req)
     if top_n is not None:
         kw["logprobs"] = top_n
-        if getattr(req, "echo", None):  # echoed prompt tokens come with their logprobs too
+        if isinstance(req, s.CompletionRequest) and req.echo:  # echoed prompt tokens come with their logprobs too
             kw["prompt_logprobs"] = max(top_n, req.prompt_logprobs or 0)
     return kw

@@ -36,7 +36,7 @@ from typing import Optional
 
 import msgspec
 
-from ipc.gateway.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS
+from ipc.gateway.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 API_KEY_ENV = "FORERUN_API_KEY"
@@ -54,6 +54,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     parent_pid: int
     max_request_bytes: int
     tokenizer_threads: int
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a request body idle this long is a 408
 
 
 class Gateways:
@@ -114,7 +115,8 @@ def _die_with_parent() -> None:
 def start_gateways(address: str, *, workers: int, run_dir: str, sock: Optional[socket.socket] = None,
                    host: str = "127.0.0.1", port: int = 0, api_key: Optional[str] = None,
                    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                   tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS) -> Gateways:
+                   tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
+                   body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> Gateways:
     """Start ``workers`` gateway processes accepting on ``sock`` (else a new listening_socket(host, port),
     which raises OSError when the port is taken); returns at once (see wait_ready)."""
     if workers < 1:
@@ -123,6 +125,8 @@ def start_gateways(address: str, *, workers: int, run_dir: str, sock: Optional[s
         raise ValueError(f"--max-request-bytes must be at least 1024, got {max_request_bytes}")
     if tokenizer_threads < 1:
         raise ValueError(f"--api-tokenizer-threads must be at least 1, got {tokenizer_threads}")
+    if not body_timeout_s > 0:
+        raise ValueError(f"the request body timeout must be positive, got {body_timeout_s}")
     if sock is None:
         sock = listening_socket(host, port)
     host, port = sock.getsockname()[:2]
@@ -136,7 +140,8 @@ def start_gateways(address: str, *, workers: int, run_dir: str, sock: Optional[s
         env[API_KEY_ENV] = api_key
     configs = [WorkerConfig(address=address, host=host, port=port, fd=sock.fileno(), parent_pid=os.getpid(),
                             ready_file=os.path.join(run_dir, f"gateway-{i}.ready"),
-                            max_request_bytes=max_request_bytes, tokenizer_threads=tokenizer_threads)
+                            max_request_bytes=max_request_bytes, tokenizer_threads=tokenizer_threads,
+                            body_timeout_s=body_timeout_s)
                for i in range(workers)]
     procs = []
     for cfg in configs:
@@ -177,7 +182,7 @@ async def _serve(cfg: WorkerConfig, sock: socket.socket) -> int:
             yield
 
     app = create_app(cfg.address, os.environ.get(API_KEY_ENV) or None, max_request_bytes=cfg.max_request_bytes,
-                     tokenizer_threads=cfg.tokenizer_threads)
+                     tokenizer_threads=cfg.tokenizer_threads, body_timeout_s=cfg.body_timeout_s)
     # No proxy-headers middleware: nothing here reads the client's address, and it is one more
     # layer on every request.
     server = Server(uvicorn.Config(app, loop="none", http="httptools", lifespan="on", proxy_headers=False,

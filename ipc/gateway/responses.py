@@ -121,10 +121,11 @@ async def whole_chat(gw: Any, req: s.ChatCompletionRequest, rid: str, prompt: Pr
     """The non-streaming /v1/chat/completions answer: n choices (``plan``: tools, ipc/gateway/tools.py)."""
     (r,) = await _results(gw, [stream])
     top_n = params.output_logprobs(req)
+    echoed = s.chat_echo(req)  # vLLM's echo (never with tools: plan_tools refuses it)
     choices = [s.ChatChoice(index=c.index, message=message, finish_reason=finish,
                             logprobs=None if top_n is None else chat_logprobs(gw.token_texts, c.token_ids,
                                                                                c.logprobs, top_n))
-               for c in r.choices for message, finish in [choice_message(c.text, c.finish_reason, plan)]]
+               for c in r.choices for message, finish in [choice_message(echoed + c.text, c.finish_reason, plan)]]
     vllm_plps = prompt_logprobs(gw.token_texts, prompt.ids, r.prompt_logprobs) if req.prompt_logprobs is not None \
         else None
     return s.ChatCompletionResponse(id=rid, created=int(time.time()), model=gw.model_name, choices=choices,
@@ -229,8 +230,9 @@ async def chat_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: 
     def end() -> bytes:
         return _chat_stream_end(req, streams, rid, created, model)
 
-    # The role events go out with the first tokens (they are there before the 200 is sent).
-    head = b"".join([event(index, s.Delta(role="assistant", content="")) for index in range(req.n or 1)])
+    # The role events go out with the first tokens (they are there before the 200 is sent), with vLLM's echo.
+    echoed = s.chat_echo(req)
+    head = b"".join([event(index, s.Delta(role="assistant", content=echoed)) for index in range(req.n or 1)])
     try:
         async for batch, last in _chunks(gw, streams, firsts):
             data = head + b"".join([chunk_event(c) for _, c in batch])

@@ -7,8 +7,10 @@ a parameter is never ignored silently).  Responses are encoded with
 ``omit_defaults``) because some clients read them.
 
 Parameters the engine does not implement are listed in :data:`UNSUPPORTED`,
-with the values that mean "off" (those are accepted).  Everything else maps to
-SDK sampling keywords in ``ipc/gateway/worker.py``'s ``sampling_kwargs``.
+with the values that mean "off" (those are accepted).  OpenAI fields that do not
+change what is generated are accepted and ignored (:class:`ChatCompletionRequest`
+lists them); a field no struct declares (a typo) is still a 400.  Everything
+else maps to SDK sampling keywords in ``ipc/gateway/params.py``.
 """
 
 from __future__ import annotations
@@ -34,11 +36,19 @@ class ContentPart(_Body):
 
 
 class ChatMessage(_Body):
+    """A message of the conversation.  ``role: developer`` is OpenAI's newer name for ``system`` (rendered as
+    system, as vLLM does).  An assistant message as OpenAI returned it may carry ``refusal`` (its text stands in
+    for a missing content), ``annotations`` (citations: ignored), and ``audio`` / ``function_call`` when null."""
+
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls (ipc/gateway/tools.py)
     tool_call_id: Optional[str] = None  # a tool result's call
+    refusal: Optional[str] = None
+    annotations: Optional[list[dict[str, Any]]] = None
+    audio: Optional[dict[str, Any]] = None  # an earlier audio answer: not supported (null only)
+    function_call: Optional[dict[str, Any]] = None  # the deprecated form of tool_calls: not supported (null only)
 
 
 class JsonSchemaFormat(_Body):
@@ -108,6 +118,18 @@ class CompletionRequest(_Sampling):
 
 
 class ChatCompletionRequest(_Sampling):
+    """/v1/chat/completions.  Besides the sampling fields:
+
+    * accepted and ignored, as they do not change what is generated here: ``store`` (OpenAI keeps nothing of
+      a forerun answer), ``metadata``, ``service_tier``, ``prompt_cache_key`` (the prefix cache needs no key),
+      ``safety_identifier``, and the hints of OpenAI's own models ``reasoning_effort`` and ``verbosity``;
+    * accepted only with the values that ask for nothing (:data:`UNSUPPORTED`; others are a 400 naming the
+      field): ``modalities`` (``["text"]``), ``audio``, ``prediction`` and ``web_search_options`` (null),
+      the deprecated ``functions`` (empty) and ``function_call`` (``none``, ``auto``);
+    * vLLM's ``chat_template_kwargs`` (extra variables for the chat template) and ``echo`` (the answer starts
+      with the last message's content when that message is the assistant's).
+    """
+
     messages: list[ChatMessage] = []
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = None
@@ -116,6 +138,24 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
+    # Accepted and ignored (see above).
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
+    # Accepted when off (UNSUPPORTED).
+    modalities: Optional[list[str]] = None
+    audio: Optional[dict[str, Any]] = None
+    prediction: Optional[dict[str, Any]] = None
+    web_search_options: Optional[dict[str, Any]] = None
+    functions: Optional[list[dict[str, Any]]] = None
+    function_call: Union[str, dict[str, Any], None] = None
+    # vLLM's.
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    echo: Optional[bool] = None
 
 
 class TokenizeRequest(_Body):
@@ -136,6 +176,18 @@ class DetokenizeRequest(_Body):
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "suffix": ("",),
+    "modalities": (["text"], []),
+    "audio": (),
+    "prediction": (),
+    "web_search_options": (),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+}
+# What a client may use instead of an unsupported parameter (the end of its 400's message).
+INSTEAD: dict[str, str] = {
+    "modalities": '; only ["text"] is',
+    "functions": "; use tools",
+    "function_call": "; use tool_choice",
 }
 
 
@@ -193,22 +245,42 @@ def prompts(req: CompletionRequest) -> list[Union[str, list[int]]]:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template wants them (text parts joined; other parts refused)."""
+    """Messages as the chat template wants them: text parts joined (other parts refused), ``developer`` as
+    ``system``, an assistant's ``refusal`` as its content when it has none."""
     if not messages:
         raise RequestError(400, "messages must hold at least one message", "messages")
     out = []
     for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise RequestError(400, f"content part of type {part.type!r} is not supported; "
-                                            "only text parts are", f"messages[{i}].content")
-                texts.append(part.text)
-            content = "".join(texts)
-        out.append({"role": m.role, "content": content or ""})
+        for name in ("audio", "function_call"):
+            if getattr(m, name) is not None:
+                raise RequestError(400, f"a message's {name} is not supported by forerun"
+                                        f"{'; use tool_calls' if name == 'function_call' else ''}",
+                                   f"messages[{i}].{name}", code="unsupported_parameter")
+        content = _text(m.content, i) if isinstance(m.content, list) else m.content
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": content or m.refusal or ""})
     return out
+
+
+def _text(parts: list[ContentPart], i: int) -> str:
+    """The text of message ``i``'s content parts, joined; a 400 naming the first part that is not text."""
+    texts = []
+    for j, part in enumerate(parts):
+        if part.type != "text":
+            raise RequestError(400, f"content part of type {part.type!r} is not supported; only text parts are",
+                               f"messages[{i}].content[{j}].type")
+        if part.text is None:
+            raise RequestError(400, "missing required field `text`", f"messages[{i}].content[{j}].text")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the text the answer starts with (the last message's, when it is the assistant's)."""
+    last = req.messages[-1] if req.echo and req.messages else None
+    if last is None or last.role != "assistant":
+        return ""
+    return (_text(last.content, len(req.messages) - 1) if isinstance(last.content, list) else last.content) or ""
 
 
 # ---------------------------------------------------------------------------
@@ -240,7 +312,7 @@ class CompletionResponse(msgspec.Struct):
 
 
 class AssistantMessage(msgspec.Struct):
-    content: str
+    content: Optional[str]  # null: a forced tool call that max_tokens cut short (ipc/gateway/tools.py)
     role: str = "assistant"
 
 

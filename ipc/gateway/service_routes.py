@@ -18,9 +18,20 @@ from ipc.version import forerun_version
 
 async def models(request: Request) -> Response:
     async def handle(gw: Gateway, request: Request) -> Any:
-        card = s.ModelCard(id=gw.model_name, created=gw.created, max_model_len=gw.max_model_len)
-        return json_response(s.ModelList([card]))
+        return json_response(s.ModelList([_card(gw)]))
     return await run(request, handle)
+
+
+async def model(request: Request) -> Response:
+    """``GET /v1/models/{id}`` (the openai client's ``models.retrieve``): the card, or OpenAI's 404 for another id."""
+    async def handle(gw: Gateway, request: Request) -> Any:
+        gw.check_model(request.path_params["model"])
+        return json_response(_card(gw))
+    return await run(request, handle)
+
+
+def _card(gw: Gateway) -> s.ModelCard:
+    return s.ModelCard(id=gw.model_name, created=gw.created, max_model_len=gw.max_model_len)
 
 
 async def tokenize(request: Request) -> Response:

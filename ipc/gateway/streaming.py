@@ -132,7 +132,8 @@ class SSEResponse:
     ``make_events(firsts)`` gives the events (bytes, possibly several per item).
     Until the first chunks are there an exception is still answered with its own
     status: ``on_error(exc)`` returns that response (None: re-raise).
-    ``on_close(started)`` runs at the end in every case (it aborts what is left).
+    ``on_close(cut)`` runs at the end in every case (it aborts what is left); ``cut``: the answer had started
+    (the 200 went out) or the client left before it did, so a stream that did not finish was cut short.
     """
 
     def __init__(self, streams: list[Any], make_events: Callable[[list[Any]], AsyncIterator[bytes]],
@@ -146,12 +147,13 @@ class SSEResponse:
         self.started = False  # the 200 went out
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        gone = False
         try:
             await until_disconnect(receive, self._respond(scope, receive, send))
         except (ClientGone, OSError):
-            pass  # nobody reads the answer: the streams are aborted below
+            gone = True  # nobody reads the answer: the streams are aborted below
         finally:
-            await self.on_close(self.started)
+            await self.on_close(self.started or gone)
 
     async def _respond(self, scope: dict, receive: Callable, send: Callable) -> None:
         try:

@@ -16,7 +16,10 @@
   ``{"name", "parameters"}`` (``;``-separated, after an optional ``<|python_tag|>``); text before a
   marker is content. Only calls of the request's functions count.
   Calls found: ``message.tool_calls`` (arguments as JSON text), ``content`` the text beside them or
-  null, ``finish_reason`` ``tool_calls``.
+  null, ``finish_reason`` ``tool_calls`` (``stop`` for a named function, as OpenAI and vLLM answer).
+  A forced call cut short by max_tokens ends with ``length`` and null content (:func:`finished`).
+* **Checks.** Each function's ``parameters`` must be a JSON schema of an object (OpenAI's rule) that the
+  grammar engine reads, whatever the tool_choice: a 400 naming ``tools[i].function.parameters``.
 * **Mistral's ids.** Mistral's templates refuse a call id that is not 9 characters: in a
   conversation rendered by such a template, ids (``tool_calls[].id``, ``tool_call_id``) become the
   last 9 letters and digits of the id the client sent back.
@@ -29,12 +32,15 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ipc.client.prompt import check_messages
 from ipc.gateway import schemas as s
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -68,10 +74,46 @@ def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise s.RequestError(400, "a function needs a name", f"tools[{i}].function.name")
         params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise s.RequestError(400, "parameters must be a JSON schema object", f"tools[{i}].function.parameters")
+        _check_parameters(params, f"tools[{i}].function.parameters")
         out.append({**fn, "parameters": params})
     return out
+
+
+def _check_parameters(params: Any, param: str) -> None:
+    """A 400 naming ``param`` unless the function's parameters are a JSON schema of an object (OpenAI's rule; no
+    ``type``: any object) that the grammar engine reads: checked for every tool_choice, not only the ones whose
+    output it constrains, so that a bad schema is a 400 whichever the request asks for."""
+    if not isinstance(params, dict):
+        raise s.RequestError(400, "parameters must be a JSON schema object", param)
+    if params.get("type", "object") != "object":
+        raise s.RequestError(400, f"parameters must be a JSON schema of type object, got type "
+                                  f"{json.dumps(params['type'])[:64]}", param)
+    try:
+        text = json.dumps(params, sort_keys=True)
+    except RecursionError:
+        raise s.RequestError(400, "parameters nests too deeply", param) from None
+    problem = _schema_problem(text) if len(text) <= MAX_CHECKED_SCHEMA_CHARS else ""
+    if problem:
+        raise s.RequestError(400, f"parameters is not a valid JSON schema: {problem}", param)
+
+
+# Parameters longer than this are not checked by the grammar engine here (about 15 ms at this size, on the event
+# loop): none that long can constrain an output (the scheduler refuses constraints over 64 KiB), and under auto
+# the model only reads them.
+MAX_CHECKED_SCHEMA_CHARS = 64 * 1024
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(schema: str) -> str:
+    """What the grammar engine (llguidance, as the scheduler's constraints) finds wrong in a JSON schema ("": none).
+    Cached by the schema's text (at most 256 x 64 KiB): an agent sends the same tools with every request."""
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return llguidance.LLMatcher.validate_grammar(grammar)
 
 
 def plan_tools(req: s.ChatCompletionRequest) -> Optional[ToolPlan]:
@@ -83,6 +125,8 @@ def plan_tools(req: s.ChatCompletionRequest) -> Optional[ToolPlan]:
         return None
     functions = _functions(req.tools)
     parallel = req.parallel_tool_calls is not False
+    if req.echo and choice != "none":
+        raise s.RequestError(400, "echo cannot be combined with tools", "echo")
     if choice is None or choice == "auto":
         return ToolPlan(functions, "auto", parallel=parallel)
     if choice == "none":
@@ -165,17 +209,56 @@ def with_constraint(kw: dict[str, Any], plan: Optional[ToolPlan]) -> dict[str, A
 
 
 async def encode(gw: Any, req: s.ChatCompletionRequest, plan: Optional[ToolPlan]) -> list[int]:
-    """Token ids of a conversation with tools, tool calls or tool results (the gateway's checks and threads)."""
+    """Token ids of a conversation with tools, tool calls or tool results, or with ``chat_template_kwargs``
+    (the gateway's checks and threads)."""
     tok = gw.need_tokenizer()
+    kwargs = template_kwargs(req, tok)
     messages, tool_defs = template_messages(req, plan, getattr(tok, "chat_template", None) or "")
+    check_messages(messages)
     num_chars = sum(len(str(m.get("content", ""))) for m in messages) + len(json.dumps(tool_defs or []))
     gw.check_chars(num_chars, "messages")
-    return await gw.off_loop(num_chars, render, tok, messages, tool_defs)
+    return await gw.off_loop(num_chars, render, tok, messages, tool_defs, kwargs)
 
 
 def uses_tools(req: s.ChatCompletionRequest) -> bool:
     """Whether the prompt needs the tool path (tools given, or a conversation with calls or results)."""
     return bool(req.tools) or any(m.tool_calls or m.role == "tool" for m in req.messages)
+
+
+def renders_here(req: s.ChatCompletionRequest) -> bool:
+    """Whether the prompt is rendered by :func:`encode` (tools, or template variables) rather than the SDK's
+    ``encode_prompt``, which takes neither."""
+    return bool(req.chat_template_kwargs) or uses_tools(req)
+
+
+# What apply_chat_template takes itself (beside its own signature's names): never a template variable of the client's.
+_TEMPLATE_OWN = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"))
+
+
+def template_kwargs(req: s.ChatCompletionRequest, tokenizer: Any) -> dict[str, Any]:
+    """vLLM's ``chat_template_kwargs``: variables for the chat template (``enable_thinking``, ...).  A name that
+    apply_chat_template takes itself (``tokenize``, ``add_generation_prompt``, ``tools``, ...) is a 400: the
+    gateway sets those."""
+    kwargs = req.chat_template_kwargs or {}
+    taken = _TEMPLATE_OWN | _parameters(type(tokenizer))
+    for name in kwargs:
+        if name in taken:
+            raise s.RequestError(400, f"chat_template_kwargs cannot set {name[:64]!r}: the server sets it",
+                                 f"chat_template_kwargs.{name[:64]}")
+    return kwargs
+
+
+@functools.lru_cache(maxsize=8)
+def _parameters(cls: type) -> frozenset:
+    """The named parameters of a tokenizer class's apply_chat_template."""
+    try:
+        params = inspect.signature(cls.apply_chat_template).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
 
 
 def _arguments(call: dict[str, Any]) -> Any:
@@ -225,9 +308,11 @@ def _mistral_id(call_id: Any) -> str:
     return "".join(ch for ch in str(call_id or "") if ch.isascii() and ch.isalnum())[-9:].rjust(9, "0")
 
 
-def render(tokenizer: Any, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]]) -> list[int]:
-    """Token ids of the conversation through the chat template, with ``tools`` when it reads them."""
-    kw = {"tools": tools} if tools else {}
+def render(tokenizer: Any, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
+           variables: Optional[dict[str, Any]] = None) -> list[int]:
+    """Token ids of the conversation through the chat template, with ``tools`` when it reads them and the
+    client's template ``variables`` (:func:`template_kwargs`)."""
+    kw = {**(variables or {}), **({"tools": tools} if tools else {})}
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
     except Exception as exc:  # jinja2 and transformers raise many types
@@ -334,12 +419,59 @@ def _tool_calls(calls: list[tuple[str, str]], plan: ToolPlan) -> list[s.ToolCall
 
 def choice_message(text: str, finish: str, plan: Optional[ToolPlan]) -> tuple[Any, str]:
     """(message, finish_reason) of one finished choice: its tool calls when it made any."""
-    if plan is None or finish not in ("stop", "length"):
+    if plan is None:
         return s.AssistantMessage(content=text), finish
-    content, calls = parse_calls(text, plan)
+    content, calls, finish = finished(text, finish, plan)
     if not calls:
-        return s.AssistantMessage(content=text), finish
-    return s.ToolCallsMessage(tool_calls=_tool_calls(calls, plan), content=content), "tool_calls"
+        return s.AssistantMessage(content=content), finish
+    return s.ToolCallsMessage(tool_calls=_tool_calls(calls, plan), content=content), finish
+
+
+def finished(text: str, finish: str, plan: ToolPlan) -> tuple[Optional[str], list[tuple[str, str]], str]:
+    """(content, calls, finish_reason) of one choice's whole output.
+
+    Calls end with ``tool_calls``, but a named function's with ``stop``, as OpenAI's and vLLM's do.  A forced call
+    (``required``, a named function) that max_tokens cut short ends with ``length`` and null content, never its
+    JSON as text: a named function's call with the arguments as far as they came (what a stream has sent, and what
+    OpenAI answers), ``required``'s with the calls of its list that are whole (none: no ``tool_calls``)."""
+    if finish not in ("stop", "length"):
+        return text, [], finish
+    content, calls = parse_calls(text, plan)
+    if calls:
+        return content, calls, "stop" if plan.choice == "named" else "tool_calls"
+    if finish == "length" and constrains(plan):
+        if plan.choice == "named":
+            return None, [(plan.name, text)] if text else [], finish
+        return None, _whole_calls(text, plan.names), finish
+    return text, [], finish
+
+
+def _whole_calls(text: str, names: list[str]) -> list[tuple[str, str]]:
+    """The calls of a ``required`` list (``[{"name", "parameters"}, ...``) that was cut short: its whole items."""
+    decoder, calls = json.JSONDecoder(), []
+    at = _skip_space(text, 0)
+    if not text.startswith("[", at):
+        return []
+    at += 1
+    while True:
+        try:
+            obj, at = decoder.raw_decode(text, _skip_space(text, at))
+        except ValueError:
+            return calls
+        call = _call_of(obj, names)
+        if call is None:
+            return calls
+        calls.append(call)
+        at = _skip_space(text, at)
+        if not text.startswith(",", at):
+            return calls
+        at += 1
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
 
 
 _MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
@@ -401,19 +533,15 @@ class ToolCallStream:
         return [s.Delta(content=text)] if text else []
 
     def finish(self, finish_reason: str) -> tuple[list[s.Delta], str]:
-        """The last deltas of the choice and its finish reason (``tool_calls`` when it made calls)."""
-        if self.plan.choice == "named":
-            try:
-                json.loads(self.text)
-            except ValueError:
-                return [], finish_reason
-            return [], "tool_calls" if finish_reason in ("stop", "length") else finish_reason
+        """The last deltas of the choice and its finish reason (as :func:`finished` gives them)."""
+        if self.plan.choice == "named":  # its arguments went out as they came
+            return [], finished(self.text, finish_reason, self.plan)[2]
         rest = self.text[self.sent:]
         if not self.holding:
             return self._content(rest), finish_reason
-        content, calls = parse_calls(rest, self.plan) if finish_reason in ("stop", "length") else (rest, [])
+        content, calls, finish_reason = finished(rest, finish_reason, self.plan)
         out = self._content(content or "")
         out += [s.Delta(tool_calls=[s.ToolCallDelta(index=i, id=c.id, type="function", function={
                     "name": c.function.name, "arguments": c.function.arguments})])
                 for i, c in enumerate(_tool_calls(calls, self.plan))]
-        return out, "tool_calls" if calls else finish_reason
+        return out, finish_reason

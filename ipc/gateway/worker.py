@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Union
@@ -18,13 +19,18 @@ from ipc.client.prompt import MAX_CHARS_PER_TOKEN
 from ipc.gateway import params
 from ipc.gateway import schemas as s
 from ipc.gateway.body import read_body
-from ipc.gateway.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS, INLINE_CHARS
+from ipc.gateway.limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS,
+                                INLINE_CHARS)
 from ipc.gateway.logprobs import TokenTexts
 from ipc.gateway.metrics import request_metrics
 
 HEALTH_TIMEOUT_S = 2.0  # a scheduler that cannot answer GetStats in this time is unhealthy
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+_FLOAT_FOR_INT = re.compile(r"^Expected `int(?: \| null)?`, got `float` - at `\$([^`]*)`$")
+_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
+_MAX_INTEGRAL_FIXES = 64  # integral floats made integers in one body (stop_token_ids may hold a few)
+_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)  # each escape in order, so "\\\\ud800" is not one
 
 
 def echo(value: Any, limit: int = 64) -> str:
@@ -34,21 +40,113 @@ def echo(value: Any, limit: int = 64) -> str:
 
 
 def decode_body(body: bytes, kind: type) -> Any:
+    """The body as a ``kind`` struct; a 400 naming the field (or the JSON problem) otherwise."""
     try:
-        return msgspec.json.decode(body, type=kind)
+        try:
+            return msgspec.json.decode(body, type=kind)
+        except msgspec.ValidationError as e:
+            if not _FLOAT_FOR_INT.search(str(e)):
+                raise
+            return _with_integral_floats(body, kind, e)  # 8.0 where an integer goes: pydantic (vLLM) takes it
     except msgspec.ValidationError as e:
-        text = str(e)
-        unknown, path = _UNKNOWN.search(text), _PATH.search(text)
-        param = unknown.group(1) if unknown else (path.group(1) if path else None)
-        if unknown and path and path.group(1):
-            param = f"{path.group(1)}.{unknown.group(1)}"
-        raise s.RequestError(400, text, param) from None
+        raise _validation_error(e) from None
     except msgspec.DecodeError as e:
-        raise s.RequestError(400, f"the body is not valid JSON: {e}") from None
+        raise s.RequestError(400, f"the body is not valid JSON: {_json_problem(body, e)}") from None
     except UnicodeDecodeError as e:
         raise s.RequestError(400, f"the body is not valid UTF-8: {e.reason} at byte {e.start}") from None
     except RecursionError:
-        raise s.RequestError(400, "the body nests arrays or objects too deeply") from None
+        raise s.RequestError(400, "the body nests arrays or objects too deeply: the limit here is about "
+                                  f"{_nesting_limit()} levels") from None
+
+
+def _validation_error(e: msgspec.ValidationError) -> s.RequestError:
+    """msgspec's message as a 400 whose param is the field's path (``messages[0].role``)."""
+    text = str(e)
+    unknown, path = _UNKNOWN.search(text), _PATH.search(text)
+    param = unknown.group(1) if unknown else (path.group(1) if path else None)
+    if unknown and path and path.group(1):
+        param = f"{path.group(1)}.{unknown.group(1)}"
+    return s.RequestError(400, text, param)
+
+
+def _with_integral_floats(body: bytes, kind: type, error: msgspec.ValidationError) -> Any:
+    """The body decoded with each float that stands where an integer goes (``max_tokens: 8.0``) made that integer.
+
+    Raises the ValidationError of the first such float that is not integral (8.5), or of any other problem.
+    Runs only on this error path: a body of integers costs nothing more."""
+    obj = msgspec.json.decode(body)
+    for _ in range(_MAX_INTEGRAL_FIXES):
+        found = _FLOAT_FOR_INT.search(str(error))
+        container, key = _locate(obj, found.group(1)) if found else (None, None)
+        value = None if container is None else container[key]
+        if not (isinstance(value, float) and value.is_integer()):
+            raise error
+        container[key] = int(value)
+        try:
+            return msgspec.convert(obj, kind, strict=True)
+        except msgspec.ValidationError as e:
+            error = e
+    raise error
+
+
+def _locate(obj: Any, path: str) -> tuple[Any, Any]:
+    """(container, key) of the value at msgspec's error path (``.stop_token_ids[2]``); (None, None) if none."""
+    steps = _STEP.findall(path)
+    if not steps or "".join(f".{name}" if name else f"[{index}]" for name, index in steps) != path:
+        return None, None
+    keys = [name or int(index) for name, index in steps]
+    for key in keys[:-1]:
+        if not _has(obj, key):
+            return None, None
+        obj = obj[key]
+    return (obj, keys[-1]) if _has(obj, keys[-1]) else (None, None)
+
+
+def _has(obj: Any, key: Any) -> bool:
+    if isinstance(obj, dict):
+        return key in obj
+    return isinstance(obj, list) and isinstance(key, int) and key < len(obj)
+
+
+def _json_problem(body: bytes, e: msgspec.DecodeError) -> str:
+    """msgspec's complaint, or what is wrong when it misreads it: a lone UTF-16 surrogate escape (``\\ud800``
+    without its pair) is "truncated" to msgspec."""
+    lone = _lone_surrogate(body) if "truncated" in str(e) or "surrogate" in str(e) else None
+    if lone is None:
+        return str(e)
+    return f"the escape {lone} is half of a UTF-16 surrogate pair, without its other half: not valid Unicode"
+
+
+def _lone_surrogate(body: bytes) -> Optional[str]:
+    """The first ``\\uXXXX`` escape of ``body`` that is an unpaired surrogate, or None."""
+    codes = [(m.start(), m.end(), int(m.group(1), 16) if m.group(1) else None, m.group(0))
+             for m in _ESCAPE.finditer(body.decode("utf-8", "replace"))]
+    n = 0
+    while n < len(codes):
+        _, end, code, text = codes[n]
+        n += 1
+        if code is None or not 0xD800 <= code <= 0xDFFF:
+            continue
+        low = codes[n] if n < len(codes) else None
+        if code >= 0xDC00 or low is None or low[0] != end or low[2] is None or not 0xDC00 <= low[2] <= 0xDFFF:
+            return text  # a low half alone, or a high half without its low one
+        n += 1  # the pair's low half
+    return None
+
+
+def _nesting_limit() -> int:
+    """About how many levels of arrays and objects the caller's decode takes (within a few): msgspec counts each
+    against the interpreter's recursion limit, so it depends on the stack below.  Found by decoding nested arrays
+    here (a binary search of about ten small decodes, on this error path only), plus one for this frame."""
+    lo, hi = 0, sys.getrecursionlimit()
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            msgspec.json.decode(b"[" * mid + b"]" * mid)
+            lo = mid
+        except RecursionError:
+            hi = mid - 1
+    return lo + 1
 
 
 class Gateway:
@@ -56,10 +154,12 @@ class Gateway:
 
     def __init__(self, address: str, api_key: Optional[str] = None, *,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS) -> None:
+                 tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         self.client = AsyncClient(address, timeout=60.0, client_name="forerun-gateway", api_key=api_key or "")
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
+        self.body_timeout_s = body_timeout_s
         self.pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="forerun-tokenize")
         self.failed = False  # the executor failed: every later request gets 503 until the server says it serves
         self._recheck: Optional[asyncio.Task] = None
@@ -82,7 +182,7 @@ class Gateway:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     async def body(self, request: Request, kind: type) -> Any:
-        return decode_body(await read_body(request, self.max_request_bytes), kind)
+        return decode_body(await read_body(request, self.max_request_bytes, self.body_timeout_s), kind)
 
     # -- checks shared by the generation routes ------------------------------
 
@@ -95,9 +195,10 @@ class Gateway:
         self.check_model(req.model)
         name = s.unsupported_param(req)
         if name is not None:
-            raise s.RequestError(400, f"{name}={echo(getattr(req, name))} is not supported by forerun yet",
-                                 name, code="unsupported_parameter")
+            raise s.RequestError(400, f"{name}={echo(getattr(req, name))} is not supported by forerun yet"
+                                      f"{s.INSTEAD.get(name, '')}", name, code="unsupported_parameter")
         params.check_stream_params(req)
+        params.check_numbers(req)
         if self.failed:
             raise s.RequestError(503, "the executor failed; no new requests until the server serves again",
                                  err_type="service_unavailable_error", code="executor_failed")

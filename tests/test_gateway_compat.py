@@ -1,0 +1,377 @@
+"""OpenAI and vLLM compatibility of the gateway: the fields clients send, tool calls cut short, error messages,
+abort metrics, /v1/models/{id}, the API key's messages and stalled request bodies.
+
+Most checks run without a server (the gateway's functions, fake SDK streams); the last ones drive one
+scripted-executor server through a gateway of its own, started with a 1 s body timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import msgspec
+import openai
+import pytest
+from starlette.requests import Request
+
+from ipc.gateway import handling, params, responses
+from ipc.gateway import schemas as s
+from ipc.gateway.body import read_body
+from ipc.gateway.process import start_gateways
+from ipc.gateway.streaming import ClientGone
+from ipc.gateway.tools import ToolCallStream, ToolPlan, choice_message, plan_tools, render, template_kwargs
+from ipc.gateway.worker import decode_body
+from tests.server_proc import run_dir
+from tests.test_gateway_params import FakeGateway, FakeStream, choice, request_result
+from tests.test_client_unit import tokenizer, tokenizer_dir  # noqa: F401 (fixtures)
+from tests.test_openai_server import free_port, http, metric_values
+
+USER = [{"role": "user", "content": "x"}]
+FUNCTIONS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+             {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}]
+
+
+def chat(body: dict) -> s.ChatCompletionRequest:
+    """The request as the gateway decodes it (RequestError as the route answers it)."""
+    return decode_body(json.dumps({"messages": USER, **body}).encode(), s.ChatCompletionRequest)
+
+
+def refused(fn, *args) -> s.RequestError:
+    with pytest.raises(s.RequestError) as e:
+        fn(*args)
+    return e.value
+
+
+# ---------------------------------------------------------------------------
+# 1. the fields OpenAI's and vLLM's clients send
+# ---------------------------------------------------------------------------
+
+IGNORED = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto", "reasoning_effort": "low",
+           "verbosity": "low", "prompt_cache_key": "p", "safety_identifier": "u", "modalities": ["text"],
+           "audio": None, "prediction": None, "web_search_options": None, "functions": [], "function_call": "auto",
+           "chat_template_kwargs": {}, "echo": False}
+
+
+def test_standard_fields_are_accepted_and_saved_answers_replay():
+    """What OpenAI's own answers hold (refusal, annotations, audio and function_call as null) goes back in as
+    history; ``developer`` is rendered as system; fields that change nothing here are ignored."""
+    saved = {"role": "assistant", "content": "Paris.", "refusal": None, "annotations": [], "audio": None,
+             "function_call": None, "tool_calls": None}
+    req = chat({**IGNORED, "messages": [{"role": "developer", "content": "Be brief."}, USER[0], saved,
+                                        {"role": "assistant", "content": None, "refusal": "I can't."}]})
+    assert s.unsupported_param(req) is None
+    assert s.chat_messages(req.messages) == [{"role": "system", "content": "Be brief."}, USER[0],
+                                             {"role": "assistant", "content": "Paris."},
+                                             {"role": "assistant", "content": "I can't."}]
+    assert refused(chat, {"temperatur": 1}).param == "temperatur"  # a typo is still a 400 naming it
+    assert refused(chat, {"messages": [{**saved, "refusl": None}]}).param == "messages[0].refusl"
+
+
+@pytest.mark.parametrize("field,value", [("modalities", ["text", "audio"]), ("audio", {"voice": "alloy"}),
+                                         ("prediction", {"type": "content", "content": "x"}),
+                                         ("web_search_options", {}), ("functions", [{"name": "f"}]),
+                                         ("function_call", {"name": "f"})])
+def test_fields_that_would_change_the_answer_are_400_naming_them(field, value):
+    assert s.unsupported_param(chat({field: value})) == field
+    with pytest.raises(s.RequestError) as e:
+        s.chat_messages(chat({"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a"}}]}).messages)
+    assert e.value.param == "messages[0].audio" and "not supported" in e.value.message
+
+
+def test_chat_template_kwargs_reach_the_template_and_cannot_set_its_own_arguments(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)  # its own: the session's is shared
+    tokenizer.chat_template = ("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
+                               "{% if enable_thinking %}<think>{% endif %}")
+    req = chat({"chat_template_kwargs": {"enable_thinking": True}})
+    ids = render(tokenizer, s.chat_messages(req.messages), None, template_kwargs(req, tokenizer))
+    assert tokenizer.decode(ids) == "user:x;<think>"
+    for name in ("tokenize", "add_generation_prompt", "messages", "tools"):
+        e = refused(template_kwargs, chat({"chat_template_kwargs": {name: True}}), tokenizer)
+        assert e.param == f"chat_template_kwargs.{name}"
+
+
+async def test_chat_echo_leads_the_answer(tokenizer):
+    """vLLM's echo: the last message's content leads the answer when it is the assistant's (role event too)."""
+    req = chat({"messages": [USER[0], {"role": "assistant", "content": "Once upon"}], "echo": True})
+    assert s.chat_echo(req) == "Once upon" and s.chat_echo(chat({"echo": True})) == ""
+    r = request_result([choice(0, " a time", [5], None)])
+    whole = await responses.whole_chat(FakeGateway(tokenizer), req, "c", responses.Prompt([1], ""), FakeStream([], r))
+    assert whole.choices[0].message.content == "Once upon a time"
+    events = [e async for e in responses.chat_stream(FakeGateway(tokenizer), msgspec.structs.replace(req, stream=True),
+                                                     "c", [FakeStream([], r)], [None])]
+    assert b'"role":"assistant","content":"Once upon"' in events[0]
+    assert refused(plan_tools, chat({"echo": True, "tools": [{"type": "function", "function": FUNCTIONS[0]}]})
+                   ).param == "echo"
+
+
+# ---------------------------------------------------------------------------
+# 2. tools
+# ---------------------------------------------------------------------------
+
+REQUIRED, NAMED = ToolPlan(FUNCTIONS, "required"), ToolPlan(FUNCTIONS, "named", name="get_time")
+
+
+def test_forced_calls_cut_short_are_never_content():
+    """``required`` cut short: its whole calls, if any, else null content; named: the call as far as it came."""
+    message, finish = choice_message('[{"name": "get_weather", "parameters": {"ci', "length", REQUIRED)
+    assert (message.content, finish) == (None, "length") and not hasattr(message, "tool_calls")
+    message, finish = choice_message('[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"na', "length", REQUIRED)
+    assert finish == "length" and message.content is None
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("get_time", '{"zone": "UTC"}')]
+    message, finish = choice_message('{"zone": "U', "length", NAMED)
+    assert finish == "length" and message.content is None and message.tool_calls[0].function.arguments == '{"zone": "U'
+    stream = ToolCallStream(REQUIRED)
+    stream.feed('[{"name": "get_weather", "par')
+    deltas, finish = stream.finish("length")
+    assert finish == "length" and not any(d.content for d in deltas) and not any(d.tool_calls for d in deltas)
+
+
+def test_named_call_finishes_with_stop_and_required_with_tool_calls():
+    assert choice_message('{"zone": "UTC"}', "stop", NAMED)[1] == "stop"
+    assert choice_message('[{"name": "get_time", "parameters": {}}]', "stop", REQUIRED)[1] == "tool_calls"
+    stream = ToolCallStream(NAMED)
+    stream.feed('{"zone": "UTC"}')
+    assert stream.finish("stop")[1] == "stop"
+
+
+@pytest.mark.parametrize("parameters,word", [({"type": "array"}, "type object"), ({"type": "nope"}, "type object"),
+                                             ({"type": "object", "properties": {"a": {"type": "nope"}}}, "nope"),
+                                             ([1], "JSON schema object")])
+@pytest.mark.parametrize("tool_choice", [None, "auto", "required", "none"])
+def test_function_parameters_must_be_an_object_schema_whatever_the_choice(parameters, word, tool_choice):
+    tools = [{"type": "function", "function": FUNCTIONS[0]},
+             {"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    e = refused(plan_tools, chat({"tools": tools, "tool_choice": tool_choice}))
+    assert e.param == "tools[1].function.parameters" and word in e.message, e.message
+
+
+# ---------------------------------------------------------------------------
+# 3 and 5. messages of malformed requests
+# ---------------------------------------------------------------------------
+
+
+def test_content_part_without_text_names_the_missing_field():
+    e = refused(s.chat_messages, chat({"messages": [{"role": "user", "content": [{"type": "text"}]}]}).messages)
+    assert (e.message, e.param) == ("missing required field `text`", "messages[0].content[0].text")
+    e = refused(s.chat_messages, chat({"messages": [{"role": "user", "content": [{"type": "image"}]}]}).messages)
+    assert e.param == "messages[0].content[0].type" and "'image'" in e.message
+
+
+@pytest.mark.parametrize("body,word", [
+    (rb'{"prompt": "x", "logit_bias": {"\ud800": 1}}', rb"\ud800"),  # in a key: msgspec says "truncated"
+    (rb'{"prompt": "x", "user": "\ud800"}', rb"\ud800"),
+    (rb'{"prompt": "x", "user": "a\udc00b"}', rb"\udc00"),
+    (rb'{"prompt": "x", "user": "\ud800\ud800\udc00"}', rb"\ud800"),
+])
+def test_lone_surrogates_are_named(body, word):
+    e = refused(decode_body, body, s.CompletionRequest)
+    assert word.decode() in e.message and "surrogate" in e.message and "truncated" not in e.message, e.message
+
+
+def test_json_that_is_fine_or_truncated_keeps_its_answer():
+    """A pair, and an escaped backslash before "ud800", are no lone surrogates."""
+    assert decode_body(rb'{"prompt": "\ud83d\ude00 \\ud800"}', s.CompletionRequest).prompt == "\U0001F600 \\ud800"
+    e = refused(decode_body, rb'{"prompt": "\ud83d\ude00 \\ud800 ab', s.CompletionRequest)
+    assert "truncated" in e.message and "surrogate" not in e.message, e.message
+
+
+def test_nesting_error_states_the_limit():
+    """The limit stated is the one that holds, within a few levels (it is the interpreter's recursion limit less
+    the stack below the decode): a body a few levels less deep decodes, a few levels deeper does not."""
+    def nested(levels: int) -> bytes:  # the object around the prompt is one level
+        return b'{"prompt": ' + b"[" * (levels - 1) + b"]" * (levels - 1) + b"}"
+
+    def decoded(body: bytes):  # called as deep in the stack as refused() calls decode_body
+        return decode_body(body, s.CompletionRequest)
+
+    e = refused(decoded, nested(5000))
+    limit = int(e.message.rsplit("limit here is about ", 1)[1].split()[0])
+    assert 500 < limit < 1000, e.message
+    assert "nests" in refused(decoded, nested(limit + 3)).message
+    assert decoded(nested(limit - 3)).prompt is not None
+
+
+def test_integral_floats_are_integers_and_others_still_refused():
+    req = chat({"max_tokens": 8.0, "n": 2.0, "seed": 1e3, "stop_token_ids": [1.0, 2, 3e0], "temperature": 1})
+    assert (req.max_tokens, req.n, req.seed, req.stop_token_ids) == (8, 2, 1000, [1, 2, 3])
+    assert type(req.max_tokens) is int
+    for bad, param in (({"max_tokens": 8.5}, "max_tokens"), ({"max_tokens": 8.0, "n": "2"}, "n"),
+                       ({"stop_token_ids": [1.0, 2.5]}, "stop_token_ids[1]"), ({"max_tokens": True}, "max_tokens")):
+        assert refused(chat, bad).param == param, bad
+    assert "not valid JSON" in refused(decode_body, b'{"max_tokens": 8.0, "x": ]', s.ChatCompletionRequest).message
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"seed": 2**64}, "seed", "seed must be in [0, 9223372036854775807], got 18446744073709551616"),
+    ({"seed": -1}, "seed", "seed must be in [0, 9223372036854775807], got -1"),
+    ({"max_tokens": 2**64}, "max_tokens", "max_tokens must be a 64-bit integer, got 18446744073709551616"),
+    ({"max_tokens": 1e30}, "max_tokens", None),
+    ({"stop_token_ids": [2**64]}, "stop_token_ids", None),
+    ({"presence_penalty": 2.1}, "presence_penalty", "presence_penalty must be in [-2, 2], got 2.1"),
+    ({"frequency_penalty": -2.000001}, "frequency_penalty", "frequency_penalty must be in [-2, 2], got -2.000001"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", None),
+])
+def test_numbers_and_stream_options_are_checked_as_sent(body, param, message):
+    req = chat(body)
+    e = refused(lambda: (params.check_stream_params(req), params.check_numbers(req)))
+    assert e.param == param and (message is None or e.message == message), e.message
+
+
+def test_values_at_the_limits_pass():
+    req = chat({"seed": 2**63 - 1, "presence_penalty": 2.0, "frequency_penalty": -2, "stream": True,
+                "stream_options": {"include_usage": True}})
+    params.check_stream_params(req)
+    params.check_numbers(req)
+
+
+# ---------------------------------------------------------------------------
+# 4 and 6. aborts counted, stalled bodies (no server)
+# ---------------------------------------------------------------------------
+
+
+class Counted:
+    """The gateway's ``request_success`` counter, counting in a dict."""
+
+    def __init__(self):
+        self.counts: dict[tuple, int] = {}
+
+    def labels(self, *labels):
+        counts = self.counts
+
+        class One:
+            def inc(self, n=1):
+                counts[labels] = counts.get(labels, 0) + n
+        return One()
+
+
+class Unfinished:
+    """An SDK stream that never brings anything (its request runs on)."""
+
+    result = None
+
+    async def next_chunk(self):
+        await asyncio.sleep(30)
+
+    async def aclose(self):
+        pass
+
+
+def gateway_with_counter():
+    gw = FakeGateway.__new__(FakeGateway)
+    gw.metrics = type("M", (), {"request_success": Counted()})()
+    return gw
+
+
+def leaving_client(after: float):
+    async def receive():
+        await asyncio.sleep(after)
+        return {"type": "http.disconnect"}
+    return receive
+
+
+async def test_a_client_that_leaves_a_whole_answer_counts_as_abort():
+    gw = gateway_with_counter()
+    request = Request({"type": "http", "method": "POST", "path": "/", "headers": []}, leaving_client(0.05))
+    with pytest.raises(ClientGone):
+        await handling.whole(gw, request, [Unfinished()], asyncio.sleep(30))
+    assert gw.metrics.request_success.counts == {("fake", "abort"): 1}
+
+
+async def test_a_stream_left_before_its_first_tokens_counts_as_abort():
+    gw = gateway_with_counter()
+    response = handling.stream(gw, [Unfinished()], lambda firsts: None)
+    await response({"type": "http"}, leaving_client(0.05), None)
+    assert gw.metrics.request_success.counts == {("fake", "abort"): 1}
+
+
+def body_request(chunks: list[tuple[float, bytes]], declared: int):
+    """A Request whose body comes as ``(delay, bytes)`` chunks, then stalls."""
+    async def receive():
+        if not chunks:
+            await asyncio.sleep(30)
+        delay, data = chunks.pop(0)
+        await asyncio.sleep(delay)
+        return {"type": "http.request", "body": data, "more_body": bool(chunks) or data != b"end"}
+    headers = [(b"content-length", str(declared).encode())]
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": headers}, receive)
+
+
+async def test_a_stalled_body_is_408_and_a_slow_one_is_read():
+    t0 = time.monotonic()
+    with pytest.raises(s.RequestError) as e:
+        await read_body(body_request([(0, b"x" * 1000)], 2000), 4096, timeout_s=0.2)
+    assert e.value.status == 408 and "0.2 s" in e.value.message and time.monotonic() - t0 < 2
+    assert asyncio.current_task().cancelling() == 0  # the task goes on as if nothing had been cancelled
+    slow = [(0.1, b"a")] * 5 + [(0.1, b"end")]  # 0.6 s in all, never 0.2 s without a byte
+    assert await read_body(body_request(slow, 8), 4096, timeout_s=0.2) == b"aaaaaend"
+
+
+# ---------------------------------------------------------------------------
+# one scripted server: the API key, /v1/models/{id}, aborts and stalled bodies over HTTP
+# ---------------------------------------------------------------------------
+
+KEY = "compat-key"
+
+
+@pytest.fixture(scope="module")
+def gateway(module_servers, default_model_dir):
+    srv = module_servers("--load-format", "scripted", "--scripted-step-ms", "10", "--tokenizer", default_model_dir,
+                         "--max-num-seqs", "8")
+    port = free_port()
+    gateways = start_gateways(srv.address, host="127.0.0.1", port=port, workers=1, run_dir=run_dir("gwc"),
+                              api_key=KEY, body_timeout_s=1.0)
+    try:
+        gateways.wait_ready(120)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        gateways.stop()
+
+
+def test_api_key_messages_and_model_retrieve(gateway):
+    status, body = http("GET", f"{gateway}/v1/models")
+    assert status == 401 and json.loads(body)["error"]["message"].startswith("You didn't provide an API key.")
+    status, body = http("GET", f"{gateway}/v1/models", key="wrong")
+    assert status == 401 and json.loads(body)["error"]["message"] == "Incorrect API key provided."
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=KEY, max_retries=0)
+    name = client.models.list().data[0].id
+    assert client.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found"
+    # (the scripted executor's vocabulary is 1000 tokens: token ids, not chat, reach it)
+    assert client.completions.create(model=name, prompt=[5, 6], max_tokens=2.0).usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=name, prompt=[5, 6], max_tokens=2, stream_options={"include_usage": True})
+    assert e.value.body["param"] == "stream_options"
+
+
+def test_an_abandoned_whole_answer_counts_as_abort(gateway):
+    name = json.loads(http("GET", f"{gateway}/v1/models", key=KEY)[1])["data"][0]["id"]
+    abort = (("finished_reason", "abort"), ("model_name", name))
+    before = metric_values(gateway).get(("forerun:request_success_total", abort), 0)
+    with socket.create_connection(("127.0.0.1", int(gateway.rsplit(":", 1)[1]))) as sock:
+        body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                     b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.5)
+    deadline = time.monotonic() + 10
+    while metric_values(gateway).get(("forerun:request_success_total", abort), 0) == before:
+        assert time.monotonic() < deadline, "no abort counted"
+        time.sleep(0.1)
+
+
+def test_a_stalled_body_is_408_and_its_connection_closed(gateway):
+    with socket.create_connection(("127.0.0.1", int(gateway.rsplit(":", 1)[1])), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                     b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n" + b"[" * 50_000)
+        t0 = time.monotonic()
+        answer = b""
+        while chunk := sock.recv(65536):  # the server closes the connection after the answer
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer[:300]
+    assert 0.5 < time.monotonic() - t0 < 5
