@@ -52,6 +52,14 @@ def test_prompt_forms_and_malformed_prompts():
         with pytest.raises(s.RequestError) as e:
             s.prompts(completion_req(prompt=bad))
         assert e.value.status == 400 and e.value.param == "prompt", bad
+    from ipc.gateway.limits import MAX_PROMPTS
+
+    assert len(s.prompts(completion_req(prompt=["hi"] * MAX_PROMPTS))) == MAX_PROMPTS
+    with pytest.raises(s.RequestError) as e:  # more than one request may queue: a 400, not a 429 to retry in vain
+        s.prompts(completion_req(prompt=["hi"] * (MAX_PROMPTS + 1)))
+    assert e.value.status == 400 and e.value.param == "prompt" and f"at most {MAX_PROMPTS}" in e.value.message
+    with pytest.raises(s.RequestError):
+        s.prompts(completion_req(prompt=["hi"] * (MAX_PROMPTS // 4 + 1), n=4))
 
 
 @pytest.mark.parametrize("bias", [{"x": 1}, {"1.5": 1}, {"100": 1}, {"-1": 2}])
@@ -87,6 +95,21 @@ def test_top_logprobs_without_logprobs_and_streamed_prompt_logprobs_are_400():
 
 def ids_of(tokenizer, text):
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_token_bytes_join_back_a_character_split_over_tokens(tokenizer):
+    """A token holding part of a UTF-8 character decodes to U+FFFD; its ``bytes`` are its own, so the tokens'
+    bytes join back to the text (as OpenAI means them to), in the chat logprobs too."""
+    texts = TokenTexts(tokenizer)
+    for text in ("わらい", "Grüße 🙂", "plain words"):
+        ids = ids_of(tokenizer, text)
+        assert b"".join(bytes(texts.bytes_of(t)) for t in ids) == text.encode(), (text, ids)
+    ids = ids_of(tokenizer, "わらい")
+    assert any("\ufffd" in texts(t) for t in ids)  # the case: some token is part of a character
+    lps = [TokenLogprobs(-0.5, [t], [-0.5]) for t in ids]
+    content = chat_logprobs(texts, ids, lps, 1).content
+    assert b"".join(bytes(c.bytes) for c in content) == "わらい".encode()
+    assert [c.top_logprobs[0].bytes for c in content] == [c.bytes for c in content]
 
 
 def test_chat_and_legacy_logprob_shapes(tokenizer):

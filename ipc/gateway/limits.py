@@ -18,5 +18,8 @@ INLINE_CHARS = 4096
 # A refused body up to this size is read and dropped before the 413, so that a client still sending
 # it reads the answer instead of a broken pipe; beyond it the connection is left to close.
 DISCARD_MAX_BYTES = 64 * 2**20
+# One /v1/completions request's prompts times n (each a request to the scheduler): within the scheduler's
+# default --max-waiting (4096), so one request never meets the "overloaded" answer it could only retry in vain.
+MAX_PROMPTS = 1024
 # An error message never echoes more of the input than this.
 MAX_ERROR_MESSAGE_CHARS = 1024

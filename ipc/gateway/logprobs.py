@@ -10,13 +10,15 @@
   top alternatives.
 
 A token's text is ``tokenizer.decode([id])`` with special tokens kept (cached);
-``bytes`` are that text's UTF-8 bytes (a token that is part of a multi-byte
-character decodes to U+FFFD).  Logprobs are the model's raw distribution
+``bytes`` are the token's own bytes (:meth:`TokenTexts.bytes_of`), so that a
+character split over tokens, whose parts each decode to U+FFFD, joins back from
+them as OpenAI means ``bytes`` to.  Logprobs are the model's raw distribution
 (before temperature and penalties), as OpenAI and vLLM report them.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional, Sequence
 
 import msgspec
@@ -54,12 +56,30 @@ class PromptLogprob(msgspec.Struct):
     decoded_token: Optional[str] = None
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte in a token's piece."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
 class TokenTexts:
-    """Token id -> its text, decoded once per id."""
+    """Token id -> its text and its bytes, each found once per id."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -68,6 +88,26 @@ class TokenTexts:
             self._cache[token_id] = text
         return text
 
+    def bytes_of(self, token_id: int) -> list[int]:
+        """The token's bytes: its piece's under a byte-level BPE (every character one byte), a SentencePiece byte
+        token's (``<0xE3>``) or piece (``▁`` a space); else its text's UTF-8."""
+        out = self._bytes.get(token_id)
+        if out is None:
+            out = self._bytes[token_id] = self._find_bytes(token_id)
+        return out
+
+    def _find_bytes(self, token_id: int) -> list[int]:
+        text = self(token_id)
+        if "\ufffd" not in text or self._tokenizer is None:
+            return list(text.encode())
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return list(text.encode())
+        if all(c in _BYTE_OF for c in piece):
+            return [_BYTE_OF[c] for c in piece]
+        byte = _BYTE_PIECE.fullmatch(piece)
+        return [int(byte.group(1), 16)] if byte else list(piece.replace("▁", " ").encode())
+
 
 def chat_logprobs(texts: TokenTexts, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs],
                   top_n: int) -> ChatLogprobs:
@@ -75,9 +115,8 @@ def chat_logprobs(texts: TokenTexts, token_ids: Sequence[int], logprobs: Sequenc
     content = []
     for tid, lp in zip(token_ids, logprobs):
         token = texts(tid)
-        tops = [TopLogprob(texts(t), v, list(texts(t).encode())) for t, v in
-                zip(lp.top_ids[:top_n], lp.top_logprobs[:top_n])]
-        content.append(ChatTokenLogprob(token, lp.logprob, list(token.encode()), tops))
+        tops = [TopLogprob(texts(t), v, texts.bytes_of(t)) for t, v in zip(lp.top_ids[:top_n], lp.top_logprobs[:top_n])]
+        content.append(ChatTokenLogprob(token, lp.logprob, texts.bytes_of(tid), tops))
     return ChatLogprobs(content)
 
 

@@ -19,6 +19,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
+from ipc.gateway.limits import MAX_PROMPTS
 from ipc.gateway.logprobs import ChatLogprobs, CompletionLogprobs
 
 
@@ -232,6 +233,9 @@ def prompts(req: CompletionRequest) -> list[Union[str, list[int]]]:
         raise RequestError(400, "the prompt is missing", "prompt")
     if isinstance(p, str):
         return [p]
+    if p and not isinstance(p[0], int) and len(p) * max(req.n or 1, 1) > MAX_PROMPTS:
+        raise RequestError(400, f"prompt holds {len(p)} prompts of n={req.n or 1} completions; at most "
+                                f"{MAX_PROMPTS} completions a request", "prompt")
     if p and isinstance(p[0], int) and (ids := _token_ids(p)) is not None:
         return [ids]
     if p and all(isinstance(s, str) for s in p):
