@@ -124,11 +124,15 @@ def test_chat_and_legacy_logprob_shapes(tokenizer):
     legacy = msgspec.to_builtins(completion_logprobs(texts, [a, b], lps, 2, offset=3))
     assert legacy == {"text_offset": [3, 4], "token_logprobs": [-0.5, -2.0], "tokens": ["a", "b"],
                       "top_logprobs": [{"a": -0.5, "c": -1.5}, {"c": -0.1, "a": -0.2, "b": -2.0}]}
-    plps = json.loads(msgspec.json.encode(prompt_logprobs(texts, [a, b], [None, lps[1]])))  # JSON keys: strings
+    plps = json.loads(msgspec.json.encode(prompt_logprobs(texts, [a, b], [None, lps[1]], 2)))  # JSON keys: strings
     assert plps[0] is None
     assert plps[1] == {str(b): {"logprob": -2.0, "rank": None, "decoded_token": "b"},
                        str(c): {"logprob": -0.1, "rank": 1, "decoded_token": "c"},
                        str(a): {"logprob": -0.2, "rank": 2, "decoded_token": "a"}}
+    # the server sent more alternatives than prompt_logprobs asked (echo with a larger logprobs): cut to the ask
+    plps = json.loads(msgspec.json.encode(prompt_logprobs(texts, [a, b], [None, lps[1]], 1)))
+    assert plps[1] == {str(b): {"logprob": -2.0, "rank": None, "decoded_token": "b"},
+                       str(c): {"logprob": -0.1, "rank": 1, "decoded_token": "c"}}
 
 
 # ---------------------------------------------------------------------------

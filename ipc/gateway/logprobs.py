@@ -148,8 +148,10 @@ def join_completion_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> Co
 
 
 def prompt_logprobs(texts: TokenTexts, prompt_ids: Sequence[int],
-                    logprobs: Optional[Sequence[Optional[TokenLogprobs]]]) -> Optional[list]:
-    """vLLM's ``prompt_logprobs``: None for the first position, then {token_id: PromptLogprob}."""
+                    logprobs: Optional[Sequence[Optional[TokenLogprobs]]], top_n: int) -> Optional[list]:
+    """vLLM's ``prompt_logprobs``: None for the first position, then {token_id: PromptLogprob} of the prompt token
+    and its ``top_n`` alternatives (the server may have sent more: ``echo`` with a larger ``logprobs`` widens
+    them)."""
     if logprobs is None:
         return None
     out: list[Optional[dict[int, PromptLogprob]]] = []
@@ -158,7 +160,7 @@ def prompt_logprobs(texts: TokenTexts, prompt_ids: Sequence[int],
             out.append(None)
             continue
         entry = {t: PromptLogprob(v, rank + 1, texts(t))
-                 for rank, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))}
+                 for rank, (t, v) in enumerate(zip(lp.top_ids[:top_n], lp.top_logprobs[:top_n]))}
         if tid not in entry:
             entry = {tid: PromptLogprob(lp.logprob, None, texts(tid)), **entry}
         out.append(entry)

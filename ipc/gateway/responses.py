@@ -100,7 +100,8 @@ def _completion_choice(gw: Any, req: s.CompletionRequest, prompt: Prompt, index:
                                   len(prompt.text) if req.echo else 0)
         if req.echo:
             lps = join_completion_logprobs(_echo_logprobs(gw, req, prompt, plps), lps)
-    vllm_plps = prompt_logprobs(gw.token_texts, prompt.ids, plps) if req.prompt_logprobs is not None else None
+    vllm_plps = prompt_logprobs(gw.token_texts, prompt.ids, plps, req.prompt_logprobs) \
+        if req.prompt_logprobs is not None else None
     return s.CompletionChoice(index=index, text=text, finish_reason=c.finish_reason, logprobs=lps,
                               prompt_logprobs=vllm_plps)
 
@@ -126,8 +127,8 @@ async def whole_chat(gw: Any, req: s.ChatCompletionRequest, rid: str, prompt: Pr
                             logprobs=None if top_n is None else chat_logprobs(gw.token_texts, c.token_ids,
                                                                                c.logprobs, top_n))
                for c in r.choices for message, finish in [choice_message(echoed + c.text, c.finish_reason, plan)]]
-    vllm_plps = prompt_logprobs(gw.token_texts, prompt.ids, r.prompt_logprobs) if req.prompt_logprobs is not None \
-        else None
+    vllm_plps = prompt_logprobs(gw.token_texts, prompt.ids, r.prompt_logprobs, req.prompt_logprobs) \
+        if req.prompt_logprobs is not None else None
     return s.ChatCompletionResponse(id=rid, created=int(time.time()), model=gw.model_name, choices=choices,
                                     usage=_usage([r]), prompt_logprobs=vllm_plps)
 
