@@ -229,7 +229,7 @@ def validate_output_features(s: p.SamplingParams, limits: Limits) -> None:
     for name in ("frequency_penalty", "presence_penalty"):
         value = _float32(f"sampling.{name}", getattr(s, name))
         if not -2 <= value <= 2:
-            raise InvalidRequest(f"sampling.{name}", f"{name} must be in [-2, 2], got {value}")
+            raise InvalidRequest(f"sampling.{name}", f"{name} must be in [-2, 2], got {getattr(s, name)}")
     if len(s.logit_bias) > p.MAX_LOGIT_BIAS:
         raise InvalidRequest("sampling.logit_bias", f"at most {p.MAX_LOGIT_BIAS} logit_bias entries are allowed, "
                                                     f"got {len(s.logit_bias)}")
