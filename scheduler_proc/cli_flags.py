@@ -7,6 +7,7 @@ written once there; :mod:`scheduler_proc.launch` turns the parsed flags into the
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Optional, get_args
 
@@ -21,9 +22,45 @@ from scheduler_proc.config import INTERPRETER_HANG_TIMEOUT_S, ServerConfig
 API_KEY_ENV = "FORERUN_API_KEY"
 ADDRESS_FILE = os.path.join(os.path.expanduser(os.environ.get("FORERUN_CACHE", "~/.cache/forerun")), "server_address")
 
+# Bounds of the flags that start processes or threads, checked before anything starts (check_serve_flags): past them
+# a 2-core host ran out of processes, threads or memory while starting (tracebacks, a server deaf to Ctrl-C).  Per
+# CPU: a gateway worker is one event loop, an executor thread one core's worth of torch, a cpu replica a scheduler
+# and an executor sharing the cores; past a few per CPU each adds memory and start-up time, not throughput.
+PER_CPU = 4
+MAX_API_WORKERS = 64  # about 420 MiB each (docs/reliability.md): 64 hold 26 GiB before a request arrives
+MAX_DATA_PARALLEL = 64  # replicas, like --tensor-parallel-size's ranks: far past any host's GPUs
+MAX_INT64 = 2**63 - 1  # seeds and positions travel as 64-bit integers
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (a container's or taskset's share), not the host's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def max_api_workers() -> int:
+    """The most --api-workers this host gets: PER_CPU per CPU, at most MAX_API_WORKERS."""
+    return min(MAX_API_WORKERS, PER_CPU * usable_cpus())
+
+
+class DefaultsHelp(argparse.HelpFormatter):
+    """Help that ends each flag's text with its default, "(default: X)", where there is one to show: not for
+    switches (off unless given), flags whose default is "none" or "not given", or texts that state it themselves."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is None or default is argparse.SUPPRESS
+                or isinstance(default, bool) or default == [] or "default" in text):
+            return text
+        return text + " (default: %(default)s)"
+
 
 def serve_flags(sub) -> argparse.ArgumentParser:
-    s = sub.add_parser("serve", help="start the scheduler and executor processes and serve a model")
+    s = sub.add_parser("serve", help="start the scheduler and executor processes and serve a model",
+                       formatter_class=DefaultsHelp)
     E = lambda name: default_of(ExecutorConfig, name)  # noqa: E731  (every default comes from the config)
     S = lambda name: default_of(ServerConfig, name)  # noqa: E731
     SP = lambda name: default_of(SpeculativeConfig, name)  # noqa: E731
@@ -33,11 +70,12 @@ def serve_flags(sub) -> argparse.ArgumentParser:
     s.add_argument("--load-format", default=E("load_format"), choices=list(get_args(LoadFormat)),
                    help="how to read --model: auto-detect, HF safetensors folder, GGUF file, random weights, "
                         "or 'scripted' (no model: scripted tokens, for scheduler tests and benchmarks)")
-    s.add_argument("--scripted-step-ms", type=float, default=default_of(ScriptedOptions, "step_latency_s") * 1000,
-                   help="with --load-format scripted: how long each step takes, in milliseconds")
+    s.add_argument("--scripted-step-ms", type=float, default=None, metavar="MS",
+                   help=f"with --load-format scripted: how long each step takes, in milliseconds (default: "
+                        f"{default_of(ScriptedOptions, 'step_latency_s') * 1000:g})")
     s.add_argument("--scripted-eos-at", type=_seed_position, action="append", default=[], metavar="SEED:POS",
                    help="with --load-format scripted: the token at absolute position POS of requests with this "
-                        "seed is EOS (repeatable)")
+                        "seed is EOS (repeatable; SEED and POS in [0, 2^63-1])")
     s.add_argument("--tokenizer", default=S("tokenizer"), help="folder with tokenizer files (default: the model folder)")
     s.add_argument("--device", default=E("device"), help="cpu, cuda or cuda:N")
     s.add_argument("--tensor-parallel-size", "-tp", type=int, default=E("tensor_parallel_size"), metavar="N",
@@ -67,7 +105,8 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                         "--tensor-parallel-size ranks) behind one address: a router sends each request to the "
                         "replica holding its longest cached prefix, else the least loaded one, and re-sends a dead "
                         "replica's requests to another. On cuda:i replica r takes GPUs i+r*TP..i+(r+1)*TP-1; on the "
-                        "cpu the replicas share the cores")
+                        f"cpu the replicas share the cores. N in [1, {MAX_DATA_PARALLEL}]; on the cpu at most "
+                        f"{PER_CPU} per CPU ({PER_CPU * usable_cpus()} here)")
     s.add_argument("--kernels", default=E("kernels"), choices=list(get_args(Kernels)),
                    help="attention/norm/sampling kernels (auto: Triton on cuda, torch on cpu; triton on the cpu "
                         "runs Triton's interpreter: exact, slow, for tests)")
@@ -119,8 +158,11 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                    help="issue host KV backups on the compute stream instead of their own CUDA stream "
                         "(steps then wait for them; for measuring what the dedicated stream buys)")
     s.add_argument("--pipeline-depth", type=int, default=S("pipeline_depth"), choices=[0, 1, 2],
-                   help="steps planned ahead of the executor: 0 waits for each step, 1 sends step N+1 "
-                        "before step N's tokens are back")
+                   help="steps planned ahead of the executor: 0 waits for each step (the executor idles while the "
+                        "scheduler plans), 1 sends step N+1 before step N's tokens are back (enough whenever "
+                        "planning is faster than a step), 2 also step N+2, for steps shorter than the scheduler's "
+                        "reconcile, plan and two socket hops (at one more step of admission latency, and one more "
+                        "row computed past each EOS)")
     s.add_argument("--prefill-ahead", action=argparse.BooleanOptionalAction, default=S("prefill_ahead"),
                    help="at depth 1 or 2, send a plan that carries a prefill chunk one step further ahead, so that "
                         "the executor prepares that larger step while two steps run on the GPU (default: on)")
@@ -135,20 +177,25 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                         "on the same device with its own KV cache, indexed by the model's block tables")
     s.add_argument("--draft-load-format", default=None, choices=[f for f in get_args(LoadFormat) if f != "scripted"],
                    help="how to read --draft-model (default: --load-format)")
-    s.add_argument("--num-speculative-tokens", type=int, default=SP("num_tokens"), metavar="K",
+    # Default None, the config's default filled in by launch.server_config: given without the method they need,
+    # these are refused (as --draft-model is) rather than ignored.
+    s.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help=f"with --speculative-method: tokens drafted and verified per row per step (1 to "
-                        f"{MAX_SPECULATIVE_TOKENS}; KV for K + 1 tokens is reserved per row in flight)")
-    s.add_argument("--ngram-min", type=int, default=SP("ngram_min"), metavar="N",
-                   help="with --speculative-method ngram: shortest run of last tokens matched (1 to "
-                        f"{MAX_NGRAM})")
-    s.add_argument("--ngram-max", type=int, default=SP("ngram_max"), metavar="M",
+                        f"{MAX_SPECULATIVE_TOKENS}; KV for K + 1 tokens is reserved per row in flight; default: "
+                        f"{SP('num_tokens')})")
+    s.add_argument("--ngram-min", type=int, default=None, metavar="N",
+                   help=f"with --speculative-method ngram: shortest run of last tokens matched (1 to {MAX_NGRAM}; "
+                        f"default: {SP('ngram_min')})")
+    s.add_argument("--ngram-max", type=int, default=None, metavar="M",
                    help=f"with --speculative-method ngram: longest run of last tokens matched, tried first (ngram-min "
-                        f"to {MAX_NGRAM})")
+                        f"to {MAX_NGRAM}; default: {SP('ngram_max')})")
     s.add_argument("--address", default=S("client_address"),
-                   help="client address, ipc://PATH or tcp://HOST:PORT (default: ipc:// in a private run dir)")
-    s.add_argument("--executor-threads", type=int, default=E("threads"),
-                   help="torch CPU threads in the executor (default: all cores but one; on cuda one once the model is "
-                        "loaded)")
+                   help="client address, ipc://PATH or tcp://HOST:PORT with PORT in [1, 65535] (default: ipc:// in a "
+                        "private run dir)")
+    s.add_argument("--executor-threads", type=int, default=E("threads"), metavar="N",
+                   help=f"torch CPU threads in the executor, 1 to {PER_CPU} per CPU ({PER_CPU * usable_cpus()} here: "
+                        f"more only oversubscribe the cores) (default: all cores but one; on cuda one once the model "
+                        f"is loaded)")
     s.add_argument("--executor-hang-timeout", type=float, default=None, metavar="S",
                    help=f"restart the executor when no step returns for this long (at least; the timeout is "
                         f"also 50 x the p99 step time seen); with --data-parallel-size, also restart a replica "
@@ -181,11 +228,14 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                    help="also serve the OpenAI-compatible HTTP API on this port (default: SDK only)")
     s.add_argument("--host", default=None,
                    help="HTTP address to bind (default: 127.0.0.1, or 0.0.0.0 when an API key is set)")
-    s.add_argument("--api-workers", type=int, default=1, help="HTTP gateway processes sharing --port")
+    s.add_argument("--api-workers", type=int, default=1, metavar="N",
+                   help=f"HTTP gateway processes sharing --port, 1 to {max_api_workers()} here ({PER_CPU} per CPU, at "
+                        f"most {MAX_API_WORKERS}: each is one event loop of about 420 MiB, so more per core only add "
+                        f"memory and start-up time)")
     s.add_argument("--api-key", default=None,
                    help=f"shared secret: the bearer token the HTTP API requires, and the key SDK clients give at "
-                        f"Hello on a tcp:// --address (default: ${API_KEY_ENV}; none: no check). Visible in ps: "
-                        f"prefer ${API_KEY_ENV} or --api-key-file")
+                        f"Hello on a tcp:// --address (default: ${API_KEY_ENV}; none: no check; an empty key is "
+                        f"refused). Visible in ps: prefer ${API_KEY_ENV} or --api-key-file")
     s.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="read the shared secret (as --api-key) from the first line of this file")
     s.add_argument("--allow-unauthenticated", action="store_true",
@@ -209,22 +259,131 @@ def _seed_position(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected SEED:POS (two integers), got {text!r}") from None
 
 
+def check_serve_flags(args) -> None:
+    """Refuse what the configs cannot see or do not bound, in one line naming the flag and its limit, before anything
+    is created (no run directory, no process): counts of processes and threads past what this host starts, a --port
+    outside 0-65535 or a tcp:// --address port outside 1-65535, a --step-log the server cannot append to, flags
+    that mean nothing without another (ignored silently otherwise), an empty --api-key (which would mean no key).
+    ValueError."""
+    _check_counts(args)
+    _check_needs(args)
+    _check_scripted(args)
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.address:
+        _check_address_port(args.address)
+    if args.step_log:
+        _check_step_log(args.step_log)
+    if args.api_key == "":
+        raise ValueError("--api-key is an empty key, which would mean no key: leave --api-key out to serve without one")
+
+
+def _check_counts(args) -> None:
+    """--api-workers and --executor-threads within PER_CPU per CPU, the gateway's other counts at their floors (with
+    or without --port: a value that would fail once --port is added is wrong already)."""
+    cpus = usable_cpus()
+    per_cpu = f"{PER_CPU} per CPU; {cpus} CPU{'s' if cpus > 1 else ''} here"
+    for flag, value, low, high, why in (
+            ("--api-workers", args.api_workers, 1, max_api_workers(), f"{per_cpu}; at most {MAX_API_WORKERS}"),
+            ("--executor-threads", args.executor_threads, 1, PER_CPU * cpus, per_cpu),
+            ("--api-tokenizer-threads", args.api_tokenizer_threads, 1, None, ""),
+            ("--max-request-bytes", args.max_request_bytes, 1024, None, "")):
+        if value is None:  # not given: the default is computed later
+            continue
+        if value < low:
+            raise ValueError(f"{flag} must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise ValueError(f"{flag} must be in [{low}, {high}] ({why}), got {value}")
+
+
+def _check_needs(args) -> None:
+    """A flag given without the one it works with: refused, as it would be ignored (--draft-model's rule, in
+    ipc.config, for the speculative and scripted flags that default to None here)."""
+    method, load_format = args.speculative_method, args.load_format
+    for flag, given, needed, ok in (
+            ("--num-speculative-tokens", args.num_speculative_tokens, "--speculative-method ngram or draft",
+             method is not None),
+            ("--ngram-min", args.ngram_min, "--speculative-method ngram", method == "ngram"),
+            ("--ngram-max", args.ngram_max, "--speculative-method ngram", method == "ngram"),
+            ("--scripted-step-ms", args.scripted_step_ms, "--load-format scripted", load_format == "scripted"),
+            ("--scripted-eos-at", args.scripted_eos_at or None, "--load-format scripted", load_format == "scripted")):
+        if given is not None and not ok:
+            got = (f"--load-format {load_format}" if "load-format" in needed
+                   else f"--speculative-method {method or 'off'}")
+            raise ValueError(f"{flag} needs {needed} (got {got})")
+
+
+def _check_scripted(args) -> None:
+    """--scripted-step-ms a finite number of milliseconds >= 0; each --scripted-eos-at SEED and POS in
+    [0, 2^63-1] (a negative position is never reached; larger numbers do not fit the executor's config)."""
+    ms = args.scripted_step_ms
+    if ms is not None and not (math.isfinite(ms) and ms >= 0):
+        raise ValueError(f"--scripted-step-ms must be a finite number of milliseconds >= 0, got {ms:g}")
+    for seed, pos in args.scripted_eos_at:
+        for name, value in (("SEED", seed), ("POS", pos)):
+            if not 0 <= value <= MAX_INT64:
+                raise ValueError(f"--scripted-eos-at {seed}:{pos}: {name} must be in [0, 2^63-1], got {value}")
+
+
+def _check_address_port(address: str) -> None:
+    """A tcp:// --address has a port in [1, 65535] (ZeroMQ took 99999 and listened on another port; 0 or * would
+    listen on a port the server could not announce)."""
+    if not address.startswith("tcp://"):
+        return  # ipc:// paths and other schemes: the frontend's checks
+    _, sep, port = address[len("tcp://"):].rpartition(":")
+    if not (sep and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"--address {address}: the port must be in [1, 65535], got {port if sep else 'none'}")
+
+
+def _check_step_log(path: str) -> None:
+    """--step-log names a file the server can append to, in a folder that exists; checked without creating it (the
+    server opens it once it starts, and a data-parallel replica writes PATH.i)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        why = "Is a directory"
+    elif not os.path.exists(folder):
+        why = "No such file or directory"
+    elif not os.path.isdir(folder):
+        why = "Not a directory"
+    elif not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        why = "Permission denied"
+    else:
+        return
+    raise ValueError(f"--step-log {path}: {why}")
+
+
 def chat_flags(sub) -> argparse.ArgumentParser:
-    c = sub.add_parser("chat", help="send one chat message to a running server and stream the answer")
+    c = sub.add_parser("chat", help="send one chat message to a running server and stream the answer",
+                       formatter_class=DefaultsHelp)
     c.add_argument("prompt", help="the user message")
     c.add_argument("--address", default=None, help=f"server address (default: the last one served, from {ADDRESS_FILE})")
     c.add_argument("--system", default=None, help="an optional system message")
     c.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
     c.add_argument("--temperature", type=float, default=0.0, help="0 for greedy")
-    c.add_argument("--seed", type=int, default=None, help="seed for random sampling")
-    c.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer")
+    c.add_argument("--seed", type=int, default=None, help="seed for random sampling, in [0, 2^63-1]")
+    c.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer (positive)")
+    c.add_argument("--api-key", default=None,
+                   help=f"the server's shared secret, for a server on a tcp:// address that has one (default: "
+                        f"${API_KEY_ENV}). Visible in ps: prefer ${API_KEY_ENV}")
     return c
+
+
+def check_chat_flags(args) -> None:
+    """Refuse a --timeout that is not a positive number of seconds, a --seed the wire cannot carry, an empty
+    --api-key; ValueError naming the flag."""
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if args.seed is not None and not 0 <= args.seed <= MAX_INT64:
+        raise ValueError(f"--seed must be in [0, 2^63-1], got {args.seed}")
+    if args.api_key == "":
+        raise ValueError("--api-key is an empty key: leave --api-key out to connect without one")
 
 
 # Config fields whose flag is not the field's own name with dashes (the rest: ``a_b`` -> ``--a-b``, where that flag
 # exists).
 FLAG_OF_FIELD = {"num_slots": "--max-num-seqs", "threads": "--executor-threads",
-                 "shutdown_timeout_s": "--shutdown-timeout", "executor_hang_timeout_s": "--executor-hang-timeout"}
+                 "shutdown_timeout_s": "--shutdown-timeout", "executor_hang_timeout_s": "--executor-hang-timeout",
+                 "restart_window_s": "--restart-window", "grammar_compile_timeout_s": "--grammar-compile-timeout"}
 
 
 def in_flag_names(message: str) -> str:
@@ -242,13 +401,16 @@ def in_flag_names(message: str) -> str:
         name = flag(m[1])
         return f"{name} {m[2]}" if name else m[0]
 
+    if message.startswith("--draft-model "):  # a hint about how to read the model is about the draft's flag
+        message = message.replace("load_format=", "draft_load_format=")
     message = re.sub(r"(?<![\w-])([a-z][a-z0-9_]*)='([^']*)'", setting, message)
     message = re.sub(r"^([a-z]+)(?= must )", lambda m: flag(m[1]) or m[0], message)  # "threads must be ..."
     return re.sub(r"(?<![\w.'-])([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?![\w'-])", lambda m: flag(m[1]) or m[0], message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="forerun", description="forerun: an LLM server that plans ahead of the GPU")
+    parser = argparse.ArgumentParser(prog="forerun", description="forerun: an LLM server that plans ahead of the GPU",
+                                     formatter_class=DefaultsHelp)
     parser.add_argument("--version", action="version", version=f"forerun {forerun_version()}",
                         help="print forerun's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)

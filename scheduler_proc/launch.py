@@ -11,14 +11,19 @@ import asyncio
 import errno
 import gc
 import os
+import re
+import shutil
 import signal
 import sys
 import threading
 from typing import Optional
 
+import msgspec
+
 from ipc.config import ExecutorConfig, ScriptedOptions, SpeculativeConfig, default_of
 from ipc.models import resolve_model
-from scheduler_proc.cli_flags import ADDRESS_FILE, API_KEY_ENV, build_parser, in_flag_names
+from scheduler_proc.cli_flags import (ADDRESS_FILE, API_KEY_ENV, build_parser, check_chat_flags, check_serve_flags,
+                                     in_flag_names)
 from scheduler_proc.config import INTERPRETER_HANG_TIMEOUT_S, ServerConfig
 from scheduler_proc.executor_process import NO_MULTICAST_ENV
 
@@ -39,6 +44,7 @@ def api_key_of(args) -> Optional[str]:
 
 def server_config(args) -> ServerConfig:
     """The one ServerConfig the flags describe; a bad value raises ValueError naming the flag's field."""
+    check_serve_flags(args)
     if args.no_prefix_caching:  # the host tier keeps the prefix cache's blocks: a size asked for would do nothing
         given = [f for f, v, d in (("--num-host-kv-blocks", args.num_host_kv_blocks, None),
                                    ("--host-kv-gib", args.host_kv_gib, default_of(ExecutorConfig, "host_kv_gib")))
@@ -59,9 +65,14 @@ def server_config(args) -> ServerConfig:
         host_kv_gib=0.0 if args.no_prefix_caching else args.host_kv_gib,
         num_host_kv_blocks=None if args.no_prefix_caching else args.num_host_kv_blocks,
         host_kv_backup_stream=not args.host_kv_backup_on_compute_stream,
-        scripted=ScriptedOptions(step_latency_s=args.scripted_step_ms / 1000, eos_at=dict(args.scripted_eos_at)),
-        speculative=SpeculativeConfig(method=args.speculative_method, num_tokens=args.num_speculative_tokens,
-                                      ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        scripted=ScriptedOptions(step_latency_s=_or_default(args.scripted_step_ms, 1000, ScriptedOptions,
+                                                            "step_latency_s") / 1000,
+                                 eos_at=dict(args.scripted_eos_at)),
+        speculative=SpeculativeConfig(method=args.speculative_method,
+                                      num_tokens=_or_default(args.num_speculative_tokens, 1, SpeculativeConfig,
+                                                             "num_tokens"),
+                                      ngram_min=_or_default(args.ngram_min, 1, SpeculativeConfig, "ngram_min"),
+                                      ngram_max=_or_default(args.ngram_max, 1, SpeculativeConfig, "ngram_max"),
                                       draft_model=_draft_path(args.draft_model),
                                       draft_load_format=args.draft_load_format),
     )
@@ -74,6 +85,12 @@ def server_config(args) -> ServerConfig:
                         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                         shutdown_timeout_s=args.shutdown_timeout, max_waiting=args.max_waiting,
                         client_send_hwm=args.client_send_hwm, grammar_compile_timeout_s=args.grammar_compile_timeout)
+
+
+def _or_default(value, scale, struct: type, name: str):
+    """A flag that defaults to None (so that giving it can be told from not: check_serve_flags), or its config
+    field's default in the flag's unit (``scale`` flag units per field unit: 1000 for milliseconds of seconds)."""
+    return default_of(struct, name) * scale if value is None else value
 
 
 def _hang_timeout(args) -> float:
@@ -107,19 +124,27 @@ def _memory_utilization(args) -> float:
 
 
 def stream_answer(address: str, prompt: str, *, system=None, max_tokens=256, temperature=0.0,
-                  seed=None, timeout=120.0, out=sys.stdout) -> None:
+                  seed=None, timeout=120.0, api_key=None, out=sys.stdout) -> None:
+    """Stream the answer to ``prompt`` to ``out``, ended by a newline; after a failure the newline ends only a partial
+    answer (the error line must not run on after it), and nothing is written when nothing was answered."""
     from ipc.client import Client
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    written = False
     try:
-        with Client(address, timeout=timeout) as client:
+        with Client(address, timeout=timeout, api_key=api_key) as client:
             for chunk in client.stream(messages=messages, max_tokens=max_tokens, temperature=temperature,
                                        seed=seed):
                 out.write(chunk.text_delta)
                 out.flush()
-    finally:
-        out.write("\n")  # also after a failure: the error line must not run on after a partial answer
-        out.flush()
+                written = written or bool(chunk.text_delta)
+    except BaseException:
+        if written:
+            out.write("\n")
+            out.flush()
+        raise
+    out.write("\n")
+    out.flush()
 
 
 class _Progress:
@@ -150,20 +175,85 @@ class _Progress:
 
 
 def serve(args) -> int:
+    """``forerun serve``: the exit status (1 for every failure to start, each one line on stderr)."""
     try:
         cfg = server_config(args)
         model = resolve_model(cfg.model, cfg.executor.load_format, cfg.tokenizer)
+        _check_tokenizer(model.tokenizer_path, args.tokenizer, args.model)
         gpus = _replica_gpus(args, cfg)
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"forerun: {in_flag_names(str(e))}")
+    from ipc.sockets import new_run_dir
+
+    # The run directory is made here and removed in serve_in's every exit, whatever fails first (a Server or Router
+    # given one never removes it): no /tmp/forerun-* is left behind by a refusal.
+    try:
+        cfg = msgspec.structs.replace(cfg, run_dir=new_run_dir())
+    except OSError as e:  # $FORERUN_RUN_DIR missing or not writable
+        raise SystemExit(f"forerun: cannot make a run directory {e.filename or ''}: {e.strerror or e}")
+    try:
+        return serve_in(args, cfg, model, gpus)
+    finally:
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)
+
+
+def _check_tokenizer(path: str, tokenizer: Optional[str], model: Optional[str]) -> None:
+    """The tokenizer the server detokenizes with loads, and the other JSON files clients build theirs from parse: a
+    text file, another format or a malformed file is refused now, in one line naming --tokenizer (or --model, whose
+    folder it comes from), not once the model has loaded (a traceback) or in every gateway worker; ValueError."""
+    from ipc.models import TOKENIZER_FILES
+    from scheduler_proc.outputs import load_detokenizer
+
+    if tokenizer and not (os.path.isfile(path) or any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)):
+        # resolve_model checks this for a model's formats; --load-format scripted takes any path
+        what = "does not exist" if not os.path.exists(path) else f"has none of {', '.join(TOKENIZER_FILES)}"
+        raise ValueError(f"--tokenizer {tokenizer!r} {what}")
+    try:
+        load_detokenizer(path)
+        _check_json_files(path)
+    except ValueError as e:
+        if tokenizer:  # a file given itself is named once
+            why = str(e).removeprefix(os.path.abspath(tokenizer) + ": ")
+            raise ValueError(f"--tokenizer {tokenizer}: {why}") from None
+        raise ValueError(f"--model {model or '(the default model)'}: {e}") from None
+
+
+def _check_json_files(folder: str) -> None:
+    """Each JSON file besides tokenizer.json that clients fetch with the tokenizer (ipc.models.TOKENIZER_FILE_NAMES)
+    is a JSON object; ValueError naming the first that is not."""
+    from ipc.models import TOKENIZER_FILE_NAMES
+
+    if not folder or not os.path.isdir(folder):
+        return
+    for name in TOKENIZER_FILE_NAMES:
+        path = os.path.join(folder, name)
+        if name == "tokenizer.json" or not name.endswith(".json") or not os.path.isfile(path):
+            continue
+        try:
+            with open(path, "rb") as f:
+                value = msgspec.json.decode(f.read())
+        except OSError as e:
+            raise ValueError(f"{path}: {e.strerror or e}") from None
+        except msgspec.DecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}: not a JSON object")
+
+
+def serve_in(args, cfg: ServerConfig, model, gpus) -> int:
+    """Serve ``cfg`` (its run directory made, and removed by the caller) until a shutdown; the exit status."""
     import uvloop
 
     from scheduler_proc.frontend import StartupError
     from scheduler_proc.server import Server, say
 
     os.environ.update(NO_MULTICAST_ENV)  # inherited by every process the server starts
-    # Until the event loop handles them, SIGTERM unwinds like Ctrl-C, so the cleanup below runs.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    # Until the event loop handles them, SIGTERM unwinds like Ctrl-C, so the cleanup below runs; each is noted too,
+    # for an interrupt that lands where Python drops exceptions (an at-fork hook while a child is spawned).
+    stop_asked = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt_noting(stop_asked))
+    sys.unraisablehook = _quiet_interrupts
     try:
         if gpus is None:
             server = Server(cfg, model)
@@ -179,7 +269,9 @@ def serve(args) -> int:
         server.bind()  # address errors before the model loads
         http_sock = _listen_http(args, cfg)
         ready = server.start_executor(progress)
-    except (StartupError, RuntimeError, TimeoutError, KeyboardInterrupt) as e:
+        if stop_asked.is_set():  # interrupted, though the KeyboardInterrupt was lost
+            raise KeyboardInterrupt
+    except (StartupError, ValueError, RuntimeError, TimeoutError, KeyboardInterrupt) as e:
         progress.close()
         print(f"forerun: {in_flag_names(str(e)) or 'interrupted while starting'}", file=sys.stderr)
         if http_sock is not None:
@@ -189,17 +281,17 @@ def serve(args) -> int:
     progress.close()
     # From here a signal asks for the graceful shutdown: noted now, acted on once the event loop runs (a
     # KeyboardInterrupt raised while the loop is being set up or torn down would end in asyncio's tracebacks).
-    stop_asked = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop_asked.set())
     gateways = None
     failed_start = threading.Event()  # a gateway worker did not start: stop, and exit 1
+    stopping = threading.Event()  # the gateways are being stopped: a worker that exits now did not fail
     try:
         _announce(server, model, ready, cfg)
         gateways = _start_gateways(args, cfg, server, http_sock)
         if args.ask or gateways:
-            threading.Thread(target=_ask, args=(server.client_address, args.ask, gateways, model.name, failed_start),
-                             daemon=True).start()
+            threading.Thread(target=_ask, args=(server.client_address, args.ask, gateways, model.name, failed_start,
+                                                stopping), daemon=True).start()
 
         async def run() -> int:
             loop = asyncio.get_running_loop()
@@ -215,8 +307,9 @@ def serve(args) -> int:
     except KeyboardInterrupt:
         return 1
     finally:
+        stopping.set()
         if gateways:
-            gateways.stop()
+            _stop_gateways(gateways)
         elif http_sock is not None:
             http_sock.close()
         server.close()
@@ -224,8 +317,21 @@ def serve(args) -> int:
             say("stopped")
 
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+def _interrupt_noting(asked: threading.Event):
+    """A SIGINT/SIGTERM handler for the start: note the signal in ``asked`` and unwind (KeyboardInterrupt)."""
+
+    def handler(signum, frame) -> None:
+        asked.set()
+        raise KeyboardInterrupt
+
+    return handler
+
+
+def _quiet_interrupts(unraisable) -> None:
+    """sys.unraisablehook: a KeyboardInterrupt Python could not raise (noted by its handler already) prints no
+    traceback; anything else is reported as usual."""
+    if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
 
 
 def _replica_gpus(args, cfg):
@@ -270,12 +376,6 @@ def _listen_http(args, cfg):
     from ipc.gateway.process import listening_socket
     from scheduler_proc.frontend import StartupError
 
-    for flag, value, least in (("--api-workers", args.api_workers, 1), ("--max-request-bytes", args.max_request_bytes,
-                               1024), ("--api-tokenizer-threads", args.api_tokenizer_threads, 1)):
-        if value < least:
-            raise StartupError(f"{flag} must be at least {least}, got {value}")
-    if not 0 <= args.port <= 65535:
-        raise StartupError(f"--port must be in [0, 65535], got {args.port}")
     host = args.host or ("0.0.0.0" if cfg.api_key else "127.0.0.1")  # no key: reachable from this host only
     try:
         return listening_socket(host, args.port)
@@ -298,12 +398,29 @@ def _start_gateways(args, cfg, server, sock):
         raise SystemExit(f"forerun: {e}")
 
 
-def _ask(address: str, question, gateways, model_name: str, failed_start: threading.Event) -> None:
+def _stop_gateways(gateways) -> None:
+    """Stop the HTTP gateway workers.  Those still starting are killed at once: nothing is in flight there, and a
+    starting worker acts on SIGTERM only once it serves (it would first wait out the stopped server's heartbeats,
+    then print uvicorn's traceback); the others get SIGTERM and finish their responses.  Then the temporary
+    tokenizer folders of killed workers are removed (ipc/client/prompt.py)."""
+    from ipc.client.prompt import remove_stale_tokenizer_folders
+
+    for proc, worker in zip(gateways.procs, gateways.configs):
+        if proc.poll() is None and not os.path.exists(worker.ready_file):
+            proc.kill()
+    gateways.stop()
+    remove_stale_tokenizer_folders()
+
+
+def _ask(address: str, question, gateways, model_name: str, failed_start: threading.Event,
+         stopping: threading.Event) -> None:
     """Answer --ask through the SDK; with --port, wait for the HTTP gateways and show the curl way."""
     if gateways:
         try:
             gateways.wait_ready()
         except (RuntimeError, TimeoutError) as e:
+            if stopping.is_set():  # a worker stopped by the shutdown, not one that failed
+                return
             print(f"forerun: {e}; stopping", file=sys.stderr, flush=True)
             failed_start.set()
             os.kill(os.getpid(), signal.SIGTERM)
@@ -333,7 +450,17 @@ def curl_line(url: str, model_name: str, question: str, requires_key: bool) -> s
     return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}"
 
 
+# The request fields `forerun chat` fills from its flags: a server's error names the field, the user typed the flag.
+CHAT_FLAG_OF_FIELD = {"sampling.max_tokens": "--max-tokens", "sampling.temperature": "--temperature",
+                      "sampling.seed": "--seed"}
+
+
 def chat(args) -> int:
+    """``forerun chat``: stream one answer; every expected failure is one line on stderr and exit 1 (130: Ctrl-C)."""
+    try:
+        check_chat_flags(args)
+    except ValueError as e:
+        raise SystemExit(f"forerun: {e}")
     address = args.address
     if address is None:
         try:
@@ -345,15 +472,28 @@ def chat(args) -> int:
 
     try:
         stream_answer(address, args.prompt, system=args.system, max_tokens=args.max_tokens,
-                      temperature=args.temperature, seed=args.seed, timeout=args.timeout)
+                      temperature=args.temperature, seed=args.seed, timeout=args.timeout, api_key=args.api_key)
     except (ForerunError, TimeoutError, ConnectionError, ValueError) as e:
         # Expected failures (no server, server gone, invalid request, timeout, bad address): one line.
-        print(f"forerun: {e}", file=sys.stderr, flush=True)
+        print(f"forerun: {_chat_error(e)}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         print("forerun: interrupted", file=sys.stderr, flush=True)
         return 130
     return 0
+
+
+def _chat_error(e: Exception) -> str:
+    """An error as `forerun chat`'s user reads it: a request field the server names (``sampling.max_tokens``) as the
+    flag that set it (``[invalid_request] --max-tokens must be ...``), the SDK's own words otherwise."""
+    from ipc.client import ForerunError
+
+    flag = CHAT_FLAG_OF_FIELD.get(e.field or "") if isinstance(e, ForerunError) else None
+    if flag is None:
+        return str(e)
+    name = e.field.rpartition(".")[2]  # the messages say sampling.max_tokens or max_tokens
+    message = re.sub(rf"(?<![\w.-]){name}(?!\w)", flag, e.message.replace(e.field, flag))
+    return f"[{e.code}] " + (message if message.startswith(flag) else f"{flag}: {message}")
 
 
 def main(argv=None) -> int:

@@ -59,11 +59,16 @@ def slot_sampling(req, eos_token_ids) -> SlotSampling:
 
 
 def load_detokenizer(tokenizer_path: str) -> Optional[Detokenize]:
-    """``ids -> text`` from the model's tokenizer.json (the ``tokenizers`` library, no torch); None if absent."""
+    """``ids -> text`` from the model's tokenizer.json (the ``tokenizers`` library, no torch); None if absent;
+    ValueError, one line, for a file the library cannot read (a text file, a malformed or foreign JSON)."""
     path = os.path.join(tokenizer_path, "tokenizer.json") if os.path.isdir(tokenizer_path) else tokenizer_path
     if not tokenizer_path or not os.path.isfile(path):
         return None
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(path)
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception as e:  # the library raises a bare Exception ("expected value at line 1 column 1")
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path}: not a tokenizer.json the tokenizers library reads ({why})") from None
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)

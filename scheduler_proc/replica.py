@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from typing import Optional, Sequence
 
 import msgspec
@@ -29,9 +30,9 @@ from scheduler_proc.executor_process import PROJECT_ROOT, die_with_parent
 def replica_gpus(num_replicas: int, tensor_parallel_size: int, device: str,
                  visible: Optional[Sequence[str]]) -> list[Optional[str]]:
     """Each replica's ``CUDA_VISIBLE_DEVICES`` (None on the cpu), from the GPUs this process sees (``visible``,
-    None when they cannot be counted); ValueError with one line when they do not suffice."""
-    if num_replicas < 1:
-        raise ValueError(f"--data-parallel-size must be at least 1, got {num_replicas}")
+    None when they cannot be counted); ValueError with one line when they do not suffice, or past the bounds
+    (check_replica_count)."""
+    check_replica_count(num_replicas, device)
     if not device.startswith("cuda"):
         return [None] * num_replicas
     kind, _, index = device.partition(":")
@@ -45,6 +46,22 @@ def replica_gpus(num_replicas: int, tensor_parallel_size: int, device: str,
         raise ValueError(f"--data-parallel-size {num_replicas} x --tensor-parallel-size {tp} needs "
                          f"{num_replicas * tp} GPUs from cuda:{first}; {len(visible)} are visible")
     return [",".join(visible[first + i * tp: first + (i + 1) * tp]) for i in range(num_replicas)]
+
+
+def check_replica_count(num_replicas: int, device: str) -> None:
+    """--data-parallel-size in [1, MAX_DATA_PARALLEL], and on the cpu at most PER_CPU per CPU (the replicas share the
+    cores: more only add memory and start-up time); checked before any replica starts (unbounded, 99999 would
+    launch replicas until the host ran out).  ValueError with one line."""
+    from scheduler_proc.cli_flags import MAX_DATA_PARALLEL, PER_CPU, usable_cpus
+
+    if num_replicas < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {num_replicas}")
+    if num_replicas > MAX_DATA_PARALLEL:
+        raise ValueError(f"--data-parallel-size must be in [1, {MAX_DATA_PARALLEL}], got {num_replicas}")
+    cpus = usable_cpus()
+    if not device.startswith("cuda") and num_replicas > PER_CPU * cpus:
+        raise ValueError(f"--data-parallel-size must be in [1, {PER_CPU * cpus}] on the cpu ({PER_CPU} per CPU; "
+                         f"{cpus} CPU{'s' if cpus > 1 else ''} here, shared by the replicas), got {num_replicas}")
 
 
 def visible_gpus() -> Optional[list[str]]:
@@ -78,7 +95,16 @@ def spawn_replica(cfg: ServerConfig, gpus: Optional[str], run_dir: str) -> subpr
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     cmd = [sys.executable, "-m", "scheduler_proc.replica", msgspec.json.encode(cfg).decode()]
-    return subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+    return subprocess.Popen(cmd, env=env, preexec_fn=_replica_preexec)
+
+
+def _replica_preexec() -> None:
+    """Runs in the child before exec: die with the router, ignore SIGINT (the router acts on a Ctrl-C), and take
+    SIGTERM's default until main() handles it.  Ignored, as an executor ignores it, a SIGTERM from a router that
+    stops while this replica still imports would be lost: the replica would start anyway, and the router wait out
+    --shutdown-timeout + 5 s before killing it."""
+    die_with_parent()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def main(argv: list[str]) -> int:
@@ -92,23 +118,30 @@ def main(argv: list[str]) -> int:
     cfg = msgspec.json.decode(argv[0], type=ServerConfig)
     server_module.SPEAKER = f"forerun: replica {cfg.replica}"
     signal.signal(signal.SIGTERM, _raise_interrupt)  # until the event loop handles it
+    sys.unraisablehook = _quiet_interrupts
     server = None
     try:
         model = resolve_model(cfg.model, cfg.executor.load_format, cfg.tokenizer)
         server = Server(cfg, model)
         server.bind()
         ready = server.start_executor()
+        if _stop_asked.is_set():  # its KeyboardInterrupt was raised where Python drops exceptions (a fork hook)
+            raise KeyboardInterrupt
     except (StartupError, ValueError, RuntimeError, TimeoutError, KeyboardInterrupt) as e:
         say(str(e) or "interrupted while starting")
         if server is not None:
             server.close()
         return 1
+    # From here SIGTERM asks for the graceful shutdown: noted now, acted on once the event loop runs (as in launch).
+    signal.signal(signal.SIGTERM, lambda signum, frame: _stop_asked.set())
     say(f"serving on {ready.device} ({ready.dtype}), {ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}")
 
     async def run() -> int:
         import asyncio
 
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, server.begin_shutdown)
+        if _stop_asked.is_set():
+            server.begin_shutdown()
         return await server.serve()
 
     gc.freeze()
@@ -120,8 +153,21 @@ def main(argv: list[str]) -> int:
         server.close()
 
 
+_stop_asked = threading.Event()  # a SIGTERM came: whatever became of the KeyboardInterrupt raised for it
+
+
 def _raise_interrupt(signum, frame) -> None:
+    """SIGTERM while starting: unwind the start (KeyboardInterrupt), and note it, for an interrupt that lands where
+    Python only reports exceptions (an at-fork hook while the executor is spawned) and is lost."""
+    _stop_asked.set()
     raise KeyboardInterrupt
+
+
+def _quiet_interrupts(unraisable) -> None:
+    """sys.unraisablehook: a KeyboardInterrupt Python could not raise is noted in _stop_asked already, and no
+    traceback for the operator; anything else is reported as usual."""
+    if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
 
 
 if __name__ == "__main__":

@@ -206,4 +206,4 @@ def test_forerun_chat_prints_one_line_for_expected_failures(model_server, tmp_pa
         f"forerun: [server_gone] no server answered at ipc://{tmp_path}/nobody.sock within 1 s"]
     bad = chat("--address", model_server(1).address, "--max-tokens", "0", "hi")
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
-    assert bad.stderr.strip().startswith("forerun: [invalid_request] (field 'sampling.max_tokens')"), bad.stderr
+    assert bad.stderr.strip().startswith("forerun: [invalid_request] --max-tokens must be at least 1"), bad.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import threading
 from typing import Any, Optional
@@ -35,6 +36,9 @@ _load_lock = threading.Lock()
 # a tokenizer after it is built; encoding and decoding only read it.
 _from_files: dict[str, Any] = {}
 _FROM_FILES_KEPT = 8
+# The temporary folder a tokenizer is built in: forerun-tokenizer-PID-XXXX, the PID so that a process killed while
+# it builds one leaves a folder the next one can tell is stale (remove_stale_tokenizer_folders).
+_FOLDER_PREFIX = "forerun-tokenizer-"
 
 
 def load_tokenizer_files(files: dict[str, bytes]) -> Any:
@@ -47,7 +51,8 @@ def load_tokenizer_files(files: dict[str, bytes]) -> Any:
     key = digest.hexdigest()
     if (cached := _from_files.get(key)) is not None:
         return cached
-    with tempfile.TemporaryDirectory(prefix="forerun-tokenizer-") as folder:
+    remove_stale_tokenizer_folders()
+    with tempfile.TemporaryDirectory(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-") as folder:
         for name, data in files.items():
             if os.path.basename(name) != name or name in ("", ".", ".."):
                 continue  # a file name, never a path: the server cannot write outside the folder
@@ -58,6 +63,37 @@ def load_tokenizer_files(files: dict[str, bytes]) -> Any:
         while len(_from_files) >= _FROM_FILES_KEPT:
             _from_files.pop(next(iter(_from_files)))
         return _from_files.setdefault(key, tokenizer)
+
+
+def remove_stale_tokenizer_folders() -> None:
+    """Remove the tokenizer folders of processes that died before removing their own (a gateway worker killed
+    while it loads: SIGTERM at shutdown, SIGKILL, an OOM kill): each folder's name carries its process id, and a
+    folder of this user whose process is gone is no one's."""
+    base = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(_FOLDER_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_FOLDER_PREFIX):].partition("-")[0]
+        path = os.path.join(base, name)
+        try:
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or _alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts: it is not ours to judge)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def load_tokenizer(path: str) -> Any:

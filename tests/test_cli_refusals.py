@@ -1,0 +1,304 @@
+"""`forerun serve` and `forerun chat` refuse a bad command line in one line naming the flag and its limit: exit 1, no
+traceback, nothing left in the run directory's parent; and what they print for help and for the server's errors.
+
+Real processes where the exit and the leftovers are the point (each refusal about 0.5 s: it comes before the model
+loads), the functions themselves otherwise.  About 15 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from scheduler_proc.cli_flags import MAX_API_WORKERS, PER_CPU, usable_cpus
+from tests.server_proc import ROOT, python_path, run_dir
+
+CPU_LIMIT = PER_CPU * usable_cpus()
+SCRIPTED = ("--load-format", "scripted")
+
+
+def _run(*args: str, folder: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``forerun ARGS`` with its run directories under ``folder`` (FORERUN_RUN_DIR)."""
+    env = dict(os.environ, PYTHONPATH=python_path(), FORERUN_RUN_DIR=folder, **(env or {}))
+    env.pop("FORERUN_API_KEY", None)
+    return subprocess.run([sys.executable, "-m", "scheduler_proc.launch", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def _assert_refused(run: subprocess.CompletedProcess, *expect: str) -> None:
+    """Exit 1, one line on stderr holding each of ``expect``, nothing on stdout, no traceback."""
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1, (run.returncode, run.stderr)
+    assert len(lines) == 1 and lines[0].startswith("forerun: "), run.stderr
+    assert all(e in lines[0] for e in expect), (expect, lines[0])
+    assert "Traceback" not in run.stderr and run.stdout == "", (run.stdout, run.stderr)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    """Things that are not tokenizers, a folder that is not a file."""
+    base = tmp_path_factory.mktemp("not_tokenizers")
+    (base / "notes.txt").write_text("hello\n")
+    (base / "hello").mkdir()
+    (base / "hello" / "tokenizer.json").write_text("hello\n")
+    (base / "config").mkdir()
+    (base / "config" / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "WordLevel", "vocab": '
+                                                    '{"a": 0, "[UNK]": 1}, "unk_token": "[UNK]"}}')
+    (base / "config" / "tokenizer_config.json").write_text("{")
+    (base / "empty").mkdir()
+    return {"text": str(base / "notes.txt"), "hello": str(base / "hello"), "config": str(base / "config"),
+            "empty": str(base / "empty"), "folder": str(base)}
+
+
+SERVE_REFUSALS = [
+    # (flags, what the line says)
+    (["--api-workers", "100"], ["--api-workers must be in [1, ", "per CPU", "got 100"]),
+    (["--api-workers", "0"], ["--api-workers must be at least 1, got 0"]),  # without --port too
+    (["--api-workers", str(min(MAX_API_WORKERS, CPU_LIMIT) + 1), "--port", "0"], ["--api-workers must be in"]),
+    (["--data-parallel-size", "99999"], ["--data-parallel-size must be in [1, 64], got 99999"]),
+    (["--data-parallel-size", str(CPU_LIMIT + 1)], [f"--data-parallel-size must be in [1, {CPU_LIMIT}] on the cpu"]),
+    (["--data-parallel-size", "0"], ["--data-parallel-size must be at least 1, got 0"]),
+    (["--executor-threads", "100000"], [f"--executor-threads must be in [1, {CPU_LIMIT}]", "got 100000"]),
+    (["--address", "tcp://127.0.0.1:99999"], ["--address tcp://127.0.0.1:99999: the port must be in [1, 65535]"]),
+    (["--address", "tcp://127.0.0.1"], ["--address tcp://127.0.0.1: the port must be in [1, 65535], got none"]),
+    (["--port", "70000"], ["--port must be in [0, 65535], got 70000"]),
+    (["--step-log", "/nonexistent-dir/x.jsonl"], ["--step-log /nonexistent-dir/x.jsonl: No such file or directory"]),
+    (["--step-log", "{folder}"], ["--step-log ", ": Is a directory"]),
+    (["--restart-window", "0"], ["--restart-window must be positive, got 0.0"]),
+    (["--grammar-compile-timeout", "0"], ["--grammar-compile-timeout must be positive, got 0.0"]),
+    (["--scripted-step-ms", "-5"], ["--scripted-step-ms must be a finite number of milliseconds >= 0, got -5"]),
+    (["--scripted-eos-at", "1:-3"], ["--scripted-eos-at 1:-3: POS must be in [0, 2^63-1], got -3"]),
+    (["--num-speculative-tokens", "3"], ["--num-speculative-tokens needs --speculative-method"]),
+    (["--ngram-min", "2"], ["--ngram-min needs --speculative-method ngram (got --speculative-method off)"]),
+    (["--ngram-max", "3"], ["--ngram-max needs --speculative-method ngram"]),
+    (["--api-key", ""], ["--api-key is an empty key"]),
+    (["--tokenizer", "/nonexistent-dir"], ["--tokenizer '/nonexistent-dir' does not exist"]),
+    (["--tokenizer", "{empty}"], ["--tokenizer ", "has none of tokenizer.json"]),
+    (["--tokenizer", "{text}"], ["--tokenizer ", "notes.txt: not a tokenizer.json", "expected value"]),
+    (["--tokenizer", "{hello}"], ["--tokenizer ", "tokenizer.json: not a tokenizer.json"]),
+    (["--tokenizer", "{config}"], ["--tokenizer ", "tokenizer_config.json: not valid JSON"]),
+]
+
+
+@pytest.mark.parametrize("flags, expect", SERVE_REFUSALS, ids=[" ".join(f) for f, _ in SERVE_REFUSALS])
+def test_serve_refuses_in_one_line_and_leaves_no_run_directory(flags, expect, files, tmp_path):
+    flags = [f.format(**files) for f in flags]
+    run = _run("serve", *SCRIPTED, "--quiet", *flags, folder=str(tmp_path))
+    _assert_refused(run, *expect)
+    assert os.listdir(tmp_path) == []  # no forerun-XXXX run directory, no sockets
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--scripted-step-ms", "3"], "--scripted-step-ms needs --load-format scripted (got --load-format dummy)"),
+    (["--scripted-eos-at", "1:3"], "--scripted-eos-at needs --load-format scripted (got --load-format dummy)"),
+    (["--speculative-method", "draft", "--ngram-min", "2"], "--ngram-min needs --speculative-method ngram (got "
+                                                             "--speculative-method draft)"),
+])
+def test_flags_that_would_be_ignored_are_refused(flags, expect):
+    """In process: each refusal is a SystemExit with the line, before any model is read."""
+    from scheduler_proc.launch import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--load-format", "dummy", *flags])
+    assert str(exit_.value) == f"forerun: {expect}"
+
+
+def test_flags_given_with_what_they_need_take_effect_and_defaults_stay():
+    from ipc.config import ScriptedOptions, SpeculativeConfig, default_of
+    from scheduler_proc.launch import build_parser, server_config
+
+    def executor(*flags):
+        return server_config(build_parser().parse_args(["serve", *flags])).executor
+
+    sc = executor("--speculative-method", "ngram", "--ngram-min", "2", "--ngram-max", "5",
+                  "--num-speculative-tokens", "3").speculative
+    assert (sc.ngram_min, sc.ngram_max, sc.num_tokens) == (2, 5, 3)
+    sc = executor("--speculative-method", "ngram").speculative
+    assert (sc.ngram_min, sc.ngram_max, sc.num_tokens) == tuple(
+        default_of(SpeculativeConfig, n) for n in ("ngram_min", "ngram_max", "num_tokens"))
+    scripted = executor(*SCRIPTED, "--scripted-step-ms", "5", "--scripted-eos-at", "7:12").scripted
+    assert (scripted.step_latency_s, scripted.eos_at) == (0.005, {7: 12})
+    assert executor(*SCRIPTED).scripted.step_latency_s == default_of(ScriptedOptions, "step_latency_s")
+
+
+def test_config_errors_name_the_flag():
+    from scheduler_proc.cli_flags import in_flag_names
+
+    assert in_flag_names("restart_window_s must be positive, got 0.0") == "--restart-window must be positive, got 0.0"
+    assert (in_flag_names("grammar_compile_timeout_s must be positive, got 0.0")
+            == "--grammar-compile-timeout must be positive, got 0.0")
+    # A draft model that cannot be read: the hint is the draft's own flag, not --load-format.
+    draft = in_flag_names("--draft-model /d: cannot tell the weight format of '/d': expected a .gguf file (use "
+                          "load_format='dummy' for random weights from a config.json)")
+    assert "use --draft-load-format dummy for random weights" in draft, draft
+    model = in_flag_names("--model /m: cannot tell the weight format of '/m': expected a .gguf file (use "
+                          "load_format='dummy' for random weights from a config.json)")
+    assert "use --load-format dummy for random weights" in model, model
+
+
+def _helps(parser) -> dict[str, str]:
+    """Each flag's help text as ``--help`` shows it (defaults expanded), unwrapped."""
+    formatter = parser._get_formatter()
+    return {a.option_strings[0]: formatter._expand_help(a) for a in parser._actions if a.option_strings}
+
+
+def test_help_shows_every_default():
+    from scheduler_proc.cli_flags import build_parser
+
+    subs = build_parser()._subparsers._group_actions[0].choices
+    serve, chat = _helps(subs["serve"]), _helps(subs["chat"])
+    for flag, default in (("--block-size", 16), ("--max-num-batched-tokens", 1024), ("--max-num-seqs", 64),
+                          ("--max-restarts", 5), ("--restart-window", 60.0), ("--pipeline-depth", 1),
+                          ("--api-workers", 1), ("--num-speculative-tokens", 4), ("--ngram-max", 4),
+                          ("--scripted-step-ms", 0), ("--prefill-ahead", "on")):
+        assert serve[flag].endswith(f"default: {default})"), (flag, serve[flag])
+    for flag, default in (("--max-tokens", 256), ("--temperature", 0.0), ("--timeout", 120.0)):
+        assert chat[flag].endswith(f"(default: {default})"), (flag, chat[flag])
+    every = " ".join([*serve.values(), *chat.values()])
+    assert "default: None" not in every and "default: False" not in every and "default: []" not in every
+    assert "(default: $FORERUN_API_KEY)" in chat["--api-key"]
+    depth = serve["--pipeline-depth"]
+    assert all(f"{n} " in depth for n in ("0 waits", "1 sends", "2 also")), depth
+
+
+CHAT_REFUSALS = [
+    (["--timeout", "-1"], "--timeout must be a positive number of seconds, got -1"),
+    (["--timeout", "nan"], "--timeout must be a positive number of seconds, got nan"),
+    (["--seed", str(2**64)], f"--seed must be in [0, 2^63-1], got {2**64}"),
+    (["--api-key", ""], "--api-key is an empty key"),
+]
+
+
+@pytest.mark.parametrize("flags, expect", CHAT_REFUSALS, ids=[" ".join(f) for f, _ in CHAT_REFUSALS])
+def test_chat_refuses_bad_flags_before_connecting(flags, expect, capsys):
+    from scheduler_proc.launch import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["chat", "hi", "--address", "ipc:///nonexistent/none.sock", *flags])
+    assert str(exit_.value).startswith(f"forerun: {expect}"), exit_.value
+    assert capsys.readouterr().out == ""
+
+
+def test_chat_failure_prints_nothing_on_stdout(capsys):
+    """A failure before any answer: the one error line on stderr, not an empty line on stdout before it."""
+    from scheduler_proc.launch import main
+
+    assert main(["chat", "hi", "--address", "udp://nowhere"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "forerun: address 'udp://nowhere' must start with ipc:// or tcp://\n"
+
+
+def test_chat_ends_a_partial_answer_with_a_newline_and_writes_nothing_else(monkeypatch):
+    import io
+    import types
+
+    import ipc.client
+    from ipc.client.errors import ServerGoneError
+    from scheduler_proc.launch import stream_answer
+
+    class FakeClient:
+        """Streams ``deltas``, then fails as a server that died would."""
+
+        def __init__(self, address, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def stream(self, **kwargs):
+            yield from (types.SimpleNamespace(text_delta=d) for d in deltas)
+            raise ServerGoneError("gone")
+
+    monkeypatch.setattr(ipc.client, "Client", FakeClient)
+    for deltas, written in ((["Hel", "lo"], "Hello\n"), ([], ""), ([""], "")):
+        out = io.StringIO()
+        with pytest.raises(ServerGoneError):
+            stream_answer("ipc:///x", "hi", out=out)
+        assert out.getvalue() == written, deltas
+
+
+def test_chat_names_the_flag_of_a_refused_field():
+    from ipc.client.errors import InvalidRequestError, ServerGoneError
+    from scheduler_proc.launch import _chat_error
+
+    def said(field: str, message: str) -> str:
+        return _chat_error(InvalidRequestError("invalid_request", field, message))
+
+    assert (said("sampling.max_tokens", "max_tokens must be at least 1, got 0")
+            == "[invalid_request] --max-tokens must be at least 1, got 0")
+    assert (said("sampling.max_tokens", "the request asks for 100031 (31 in the prompt, 100000 in max_tokens)")
+            == "[invalid_request] --max-tokens: the request asks for 100031 (31 in the prompt, 100000 in "
+               "--max-tokens)")
+    assert (said("sampling.temperature", "sampling.temperature must be a finite number, got nan")
+            == "[invalid_request] --temperature must be a finite number, got nan")
+    assert said("sampling.top_p", "top_p must be in (0, 1]").endswith("top_p must be in (0, 1]")  # not a chat flag
+    assert _chat_error(ServerGoneError("no server")) == "[server_gone] no server"
+
+
+def test_stale_tokenizer_folders_of_dead_processes_are_removed(tmp_path, monkeypatch):
+    from ipc.client import prompt
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f"forerun-tokenizer-{dead.pid}-abc").mkdir()
+    (tmp_path / f"forerun-tokenizer-{dead.pid}-abc" / "tokenizer.json").write_text("{}")
+    (tmp_path / f"forerun-tokenizer-{os.getpid()}-def").mkdir()  # a live process's: in use
+    (tmp_path / "forerun-tokenizer-x1y2z3").mkdir()  # no process id: not ours to judge
+    prompt.remove_stale_tokenizer_folders()
+    assert sorted(os.listdir(tmp_path)) == [f"forerun-tokenizer-{os.getpid()}-def", "forerun-tokenizer-x1y2z3"]
+
+
+def _interrupt_when(proc: subprocess.Popen, ready, timeout: float = 60) -> float:
+    """SIGINT ``proc`` once ``ready()``; the seconds it then took to exit."""
+    deadline = time.monotonic() + timeout
+    while not ready() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    proc.wait(timeout=30)
+    return time.monotonic() - t0
+
+
+def test_a_gateway_worker_killed_while_it_loads_its_tokenizer_leaves_nothing(default_model_dir):
+    """A worker SIGKILLed while it builds its tokenizer (in a folder of TMPDIR named by its pid): the server says so
+    in one line and stops, exit 1, no traceback; neither the folder (removed by the server once its workers are
+    stopped: with one worker no other load sweeps it) nor the run directory is left."""
+    runs, tmp = run_dir(), run_dir()
+    env = dict(os.environ, PYTHONPATH=python_path(), FORERUN_RUN_DIR=runs, TMPDIR=tmp)
+    cmd = [sys.executable, "-m", "scheduler_proc.launch", "serve", *SCRIPTED, "--quiet", "--tokenizer",
+           default_model_dir, "--address", f"ipc://{runs}/c.sock", "--port", "0", "--api-workers", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (folders := [n for n in os.listdir(tmp) if n.startswith("forerun-tokenizer-")]):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    os.kill(int(folders[0].split("-")[2]), signal.SIGKILL)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "Traceback" not in err, (proc.returncode, err)
+    assert err.splitlines()[0].startswith("forerun: gateway worker ") and "while starting; stopping" in err, err
+    assert os.listdir(tmp) == [] and os.listdir(runs) == [], (os.listdir(tmp), os.listdir(runs))
+
+
+def test_ctrl_c_while_replicas_start_stops_at_once():
+    """Replicas that miss the router's SIGTERM while they import would make it wait out --shutdown-timeout + 5 s."""
+    runs = run_dir()
+    env = dict(os.environ, PYTHONPATH=python_path(), FORERUN_RUN_DIR=runs)
+    cmd = [sys.executable, "-m", "scheduler_proc.launch", "serve", *SCRIPTED, "--quiet", "-dp", "2",
+           "--address", f"ipc://{runs}/c.sock"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    replicas = lambda: subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True).stdout  # noqa: E731
+    took = _interrupt_when(proc, lambda: replicas().count(b"\n") == 2)  # both spawned, still importing
+    out, err = proc.communicate()
+    assert took < 10 and "Traceback" not in err, (took, err)
+    assert os.listdir(runs) == []
