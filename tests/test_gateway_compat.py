@@ -107,6 +107,9 @@ async def test_chat_echo_leads_the_answer(tokenizer):
     assert b'"role":"assistant","content":"Once upon"' in events[0]
     assert refused(plan_tools, chat({"echo": True, "tools": [{"type": "function", "function": FUNCTIONS[0]}]})
                    ).param == "echo"
+    refusal = chat({"messages": [USER[0], {"role": "assistant", "content": None, "refusal": "No."}], "echo": True})
+    assert s.chat_echo(refusal) == "No."  # the text the prompt holds for that message
+    assert refused(s.chat_messages, [s.ChatMessage("user", None, refusal="hi")]).param == "messages[0].refusal"
 
 
 # ---------------------------------------------------------------------------
@@ -129,6 +132,18 @@ def test_forced_calls_cut_short_are_never_content():
     stream.feed('[{"name": "get_weather", "par')
     deltas, finish = stream.finish("length")
     assert finish == "length" and not any(d.content for d in deltas) and not any(d.tool_calls for d in deltas)
+
+
+def test_forced_calls_cut_by_a_stop_string_are_never_content_either():
+    """A stop string or stop token that ends a forced call mid-JSON (finish "stop"): as a cut by max_tokens."""
+    message, finish = choice_message('[{"name": "get_weather", "parameters": {"', "stop", REQUIRED)
+    assert (message.content, finish) == (None, "stop") and not hasattr(message, "tool_calls")
+    message, finish = choice_message('{"', "stop", NAMED)
+    assert message.content is None and message.tool_calls[0].function.arguments == '{"'
+    stream = ToolCallStream(REQUIRED)
+    stream.feed('[{"name": "get_weather", "parameters": {"')
+    deltas, finish = stream.finish("stop")
+    assert finish == "stop" and not any(d.content for d in deltas)
 
 
 def test_named_call_finishes_with_stop_and_required_with_tool_calls():
@@ -375,3 +390,27 @@ def test_a_stalled_body_is_408_and_its_connection_closed(gateway):
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer[:300]
     assert 0.5 < time.monotonic() - t0 < 5
+
+
+def test_sentencepiece_byte_tokens_give_their_byte():
+    """A SentencePiece byte-fallback token (``<0xE6>``, spelt in characters the byte-level alphabet also has) is
+    its one byte; a ``▁`` piece is a space."""
+    from ipc.gateway.logprobs import TokenTexts
+
+    class SentencePieceLike:
+        pieces = {1: "<0xE6>", 2: "<0x97>", 3: "<0xA5>", 4: "▁hi\ufffd"}
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "\ufffd"
+
+        def convert_ids_to_tokens(self, token_id):
+            return self.pieces[token_id]
+
+    texts = TokenTexts(SentencePieceLike())
+    assert b"".join(bytes(texts.bytes_of(t)) for t in (1, 2, 3)) == "日".encode()
+    assert bytes(texts.bytes_of(4)) == " hi\ufffd".encode()
+
+
+def test_the_prompt_cap_leaves_an_n_out_of_range_to_its_own_error():
+    req = msgspec.convert({"model": "m", "prompt": ["a", "b"], "n": 2000}, s.CompletionRequest)
+    assert s.prompts(req) == ["a", "b"]  # the n check names n

@@ -103,10 +103,12 @@ class TokenTexts:
         piece = self._tokenizer.convert_ids_to_tokens(token_id)
         if not isinstance(piece, str):
             return list(text.encode())
+        byte = _BYTE_PIECE.fullmatch(piece)  # first: "<0xE6>" is also spelt in the byte-level alphabet
+        if byte:
+            return [int(byte.group(1), 16)]
         if all(c in _BYTE_OF for c in piece):
             return [_BYTE_OF[c] for c in piece]
-        byte = _BYTE_PIECE.fullmatch(piece)
-        return [int(byte.group(1), 16)] if byte else list(piece.replace("▁", " ").encode())
+        return list(piece.replace("▁", " ").encode())
 
 
 def chat_logprobs(texts: TokenTexts, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs],

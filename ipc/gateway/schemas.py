@@ -19,6 +19,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
+from ipc.client_protocol import MAX_N
 from ipc.gateway.limits import MAX_PROMPTS
 from ipc.gateway.logprobs import ChatLogprobs, CompletionLogprobs
 
@@ -233,8 +234,9 @@ def prompts(req: CompletionRequest) -> list[Union[str, list[int]]]:
         raise RequestError(400, "the prompt is missing", "prompt")
     if isinstance(p, str):
         return [p]
-    if p and not isinstance(p[0], int) and len(p) * max(req.n or 1, 1) > MAX_PROMPTS:
-        raise RequestError(400, f"prompt holds {len(p)} prompts of n={req.n or 1} completions; at most "
+    n = req.n or 1  # an n out of range is refused as such, later
+    if p and not isinstance(p[0], int) and 1 <= n <= MAX_N and len(p) * n > MAX_PROMPTS:
+        raise RequestError(400, f"prompt holds {len(p)} prompts of n={n} completions; at most "
                                 f"{MAX_PROMPTS} completions a request", "prompt")
     if p and isinstance(p[0], int) and (ids := _token_ids(p)) is not None:
         return [ids]
@@ -260,6 +262,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                 raise RequestError(400, f"a message's {name} is not supported by forerun"
                                         f"{'; use tool_calls' if name == 'function_call' else ''}",
                                    f"messages[{i}].{name}", code="unsupported_parameter")
+        if m.refusal is not None and m.role != "assistant":
+            raise RequestError(400, f"refusal is an assistant message's field, not a {m.role!r} one",
+                               f"messages[{i}].refusal")
         content = _text(m.content, i) if isinstance(m.content, list) else m.content
         role = "system" if m.role == "developer" else m.role
         out.append({"role": role, "content": content or m.refusal or ""})
@@ -284,7 +289,8 @@ def chat_echo(req: ChatCompletionRequest) -> str:
     last = req.messages[-1] if req.echo and req.messages else None
     if last is None or last.role != "assistant":
         return ""
-    return (_text(last.content, len(req.messages) - 1) if isinstance(last.content, list) else last.content) or ""
+    return (_text(last.content, len(req.messages) - 1) if isinstance(last.content, list) else last.content) \
+        or last.refusal or ""  # as chat_messages renders it
 
 
 # ---------------------------------------------------------------------------

@@ -431,15 +431,15 @@ def finished(text: str, finish: str, plan: ToolPlan) -> tuple[Optional[str], lis
     """(content, calls, finish_reason) of one choice's whole output.
 
     Calls end with ``tool_calls``, but a named function's with ``stop``, as OpenAI's and vLLM's do.  A forced call
-    (``required``, a named function) that max_tokens cut short ends with ``length`` and null content, never its
-    JSON as text: a named function's call with the arguments as far as they came (what a stream has sent, and what
+    (``required``, a named function) cut short (max_tokens: ``length``; a stop string or token: ``stop``) has null
+    content, never its JSON as text: a named function's call with the arguments as far as they came (what a stream has sent, and what
     OpenAI answers), ``required``'s with the calls of its list that are whole (none: no ``tool_calls``)."""
     if finish not in ("stop", "length"):
         return text, [], finish
     content, calls = parse_calls(text, plan)
     if calls:
         return content, calls, "stop" if plan.choice == "named" else "tool_calls"
-    if finish == "length" and constrains(plan):
+    if constrains(plan):  # cut short: by max_tokens, a stop string or a stop token
         if plan.choice == "named":
             return None, [(plan.name, text)] if text else [], finish
         return None, _whole_calls(text, plan.names), finish
