@@ -414,3 +414,27 @@ def test_sentencepiece_byte_tokens_give_their_byte():
 def test_the_prompt_cap_leaves_an_n_out_of_range_to_its_own_error():
     req = msgspec.convert({"model": "m", "prompt": ["a", "b"], "n": 2000}, s.CompletionRequest)
     assert s.prompts(req) == ["a", "b"]  # the n check names n
+
+
+async def test_streamed_forced_tool_calls_carry_their_tokens_logprobs(tokenizer):
+    """With tools and logprobs, every streamed chunk's tokens' logprobs go out, held text or not (``required``
+    holds its JSON to the end): joined, they are the whole answer's."""
+    from ipc.client import StreamChunk
+    from ipc.protocol import TokenLogprobs
+
+    tools = [{"type": "function", "function": FUNCTIONS[0]}]
+    req = chat({"messages": USER, "tools": tools, "tool_choice": "required", "logprobs": True, "stream": True})
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    lps = [TokenLogprobs(-0.25, [t], [-0.25]) for t in ids]
+    half = len(ids) // 2
+    chunks = [StreamChunk(tokenizer.decode(ids[:half]), ids[:half], lps[:half]),
+              StreamChunk(tokenizer.decode(ids[half:]), ids[half:], lps[half:], finish_reason="stop")]
+    r = request_result([choice(0, text, ids, lps, reason="stop")])
+    events = [e async for e in responses.chat_tools_stream(FakeGateway(tokenizer), req, "c", [FakeStream(chunks, r)],
+                                                           [None])]
+    datas = [json.loads(line[6:]) for e in events for line in e.decode().split("\n\n")
+             if line.startswith("data: {")]
+    content = [t for d in datas for c in d["choices"] for t in ((c.get("logprobs") or {}).get("content") or [])]
+    assert [t["token"] for t in content] == [tokenizer.decode([t]) for t in ids]
+    assert any(c.get("delta", {}).get("tool_calls") for d in datas for c in d["choices"])

@@ -266,17 +266,26 @@ async def chat_tools_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, str
     plan = plan_tools(req)
     created, model = int(time.time()), gw.model_name
     parsers: dict[int, ToolCallStream] = {}
+    top_n = params.output_logprobs(req)
 
-    def event(index: int, delta: s.Delta, finish: Optional[str] = None) -> bytes:
-        choice = s.ChatChunkChoice(index=index, delta=delta, finish_reason=finish)
+    def event(index: int, delta: s.Delta, finish: Optional[str] = None, lps: Any = None) -> bytes:
+        choice = s.ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps)
         return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
 
     def chunk_events(c: StreamChunk) -> list[bytes]:
         parser = parsers.setdefault(c.index, ToolCallStream(plan))
-        out = [event(c.index, d) for d in parser.feed(c.text_delta)]
+        deltas = parser.feed(c.text_delta)
         if c.finish_reason is not None:
-            deltas, finish = parser.finish(c.finish_reason)
-            out += [event(c.index, d) for d in deltas] + [event(c.index, s.Delta(), finish)]
+            ends, finish = parser.finish(c.finish_reason)
+            deltas += ends
+        # the chunk's tokens' logprobs ride on its first event (held text or calls: an event of its own)
+        lps = chat_logprobs(gw.token_texts, c.token_ids, c.logprobs, top_n) if top_n is not None and c.token_ids \
+            else None
+        if lps is not None and not deltas:
+            deltas = [s.Delta()]
+        out = [event(c.index, d, None, lps if i == 0 else None) for i, d in enumerate(deltas)]
+        if c.finish_reason is not None:
+            out.append(event(c.index, s.Delta(), finish))
         return out
 
     def end() -> bytes:
