@@ -48,7 +48,9 @@ def test_prompt_forms_and_malformed_prompts():
     assert s.prompts(completion_req(prompt=[5, 6])) == [[5, 6]]
     assert s.prompts(completion_req(prompt=["a", "b"])) == ["a", "b"]
     assert s.prompts(completion_req(prompt=[[5], [6, 7]])) == [[5], [6, 7]]
-    for bad in ([], [1, True], [True], [1, "a"], [1.0], [[1], []], [[1], [True]], [[1], "a"], [["a"]]):
+    assert s.prompts(completion_req(prompt=[5.0, 6])) == [[5, 6]]  # integral floats: ids, as vLLM takes them
+    assert s.prompts(completion_req(prompt=[[5.0], [6, 7.0]])) == [[5], [6, 7]]
+    for bad in ([], [1, True], [True], [1, "a"], [1.5], [[1], []], [[1], [True]], [[1], "a"], [["a"]]):
         with pytest.raises(s.RequestError) as e:
             s.prompts(completion_req(prompt=bad))
         assert e.value.status == 400 and e.value.param == "prompt", bad

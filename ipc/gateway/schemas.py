@@ -222,8 +222,10 @@ def _token_ids(p: Any) -> Optional[list[int]]:
     """
     try:
         ids = msgspec.convert(p, list[int], strict=True)
-    except msgspec.ValidationError:
-        return None
+    except msgspec.ValidationError:  # integral floats (1.0) are ids too, as integers elsewhere in the body
+        if not isinstance(p, list) or not all(type(x) is int or (type(x) is float and x.is_integer()) for x in p):
+            return None
+        ids = [int(x) for x in p]
     return ids or None
 
 
@@ -235,10 +237,10 @@ def prompts(req: CompletionRequest) -> list[Union[str, list[int]]]:
     if isinstance(p, str):
         return [p]
     n = req.n or 1  # an n out of range is refused as such, later
-    if p and not isinstance(p[0], int) and 1 <= n <= MAX_N and len(p) * n > MAX_PROMPTS:
+    if p and isinstance(p[0], (str, list)) and 1 <= n <= MAX_N and len(p) * n > MAX_PROMPTS:
         raise RequestError(400, f"prompt holds {len(p)} prompts of n={n} completions; at most "
                                 f"{MAX_PROMPTS} completions a request", "prompt")
-    if p and isinstance(p[0], int) and (ids := _token_ids(p)) is not None:
+    if p and isinstance(p[0], (int, float)) and (ids := _token_ids(p)) is not None:
         return [ids]
     if p and all(isinstance(s, str) for s in p):
         return list(p)
