@@ -392,6 +392,24 @@ def test_a_stalled_body_is_408_and_its_connection_closed(gateway):
     assert 0.5 < time.monotonic() - t0 < 5
 
 
+def test_connections_that_stall_before_or_inside_their_head_are_closed(gateway):
+    """Slow-loris: a connection that sends nothing, one that stops inside its headers, and a kept-alive one that
+    stops inside its second request's headers are closed after the timeout (1 s here); a request meanwhile is
+    answered."""
+    port = int(gateway.rsplit(":", 1)[1])
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+    socks[1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    socks[2].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert socks[2].recv(65536).startswith(b"HTTP/1.1 200")
+    socks[2].sendall(b"GET /health HTTP/1.1\r\nHo")
+    t0 = time.monotonic()
+    assert http("GET", f"{gateway}/health")[0] == 200
+    for sock in socks:
+        with sock:
+            assert sock.recv(65536) == b""  # closed by the server
+    assert 0.5 < time.monotonic() - t0 < 5
+
+
 def test_sentencepiece_byte_tokens_give_their_byte():
     """A SentencePiece byte-fallback token (``<0xE6>``, spelt in characters the byte-level alphabet also has) is
     its one byte; a ``▁`` piece is a space."""

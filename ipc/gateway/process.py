@@ -54,7 +54,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     parent_pid: int
     max_request_bytes: int
     tokenizer_threads: int
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a request body idle this long is a 408
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a request body idle this long is a 408; a head this long: closed
 
 
 class Gateways:
@@ -169,6 +169,50 @@ def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket
     return sock
 
 
+def head_timeout_protocol(timeout_s: float) -> type:
+    """uvicorn's httptools protocol with a deadline for each request's head (request line and headers): from the
+    connection's opening, or from the first byte of a later request on it, to the end of the headers.  A client
+    that opens connections and sends nothing, or stalls inside its headers, is closed after ``timeout_s`` (uvicorn
+    has no such timer: its keep-alive one runs only between requests, and any byte stops it), so such clients
+    cannot hold a worker's sockets and buffers."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HeadTimeoutProtocol(HttpToolsProtocol):
+        _head_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._head_timer is None:
+                self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._head_timer = self.loop.call_later(timeout_s, self._head_timeout)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return HeadTimeoutProtocol
+
+
 async def _serve(cfg: WorkerConfig, sock: socket.socket) -> int:
     import uvicorn
 
@@ -185,8 +229,8 @@ async def _serve(cfg: WorkerConfig, sock: socket.socket) -> int:
                      tokenizer_threads=cfg.tokenizer_threads, body_timeout_s=cfg.body_timeout_s)
     # No proxy-headers middleware: nothing here reads the client's address, and it is one more
     # layer on every request.
-    server = Server(uvicorn.Config(app, loop="none", http="httptools", lifespan="on", proxy_headers=False,
-                                   log_level="warning", access_log=False, timeout_keep_alive=30))
+    server = Server(uvicorn.Config(app, loop="none", http=head_timeout_protocol(cfg.body_timeout_s), lifespan="on",
+                                   proxy_headers=False, log_level="warning", access_log=False, timeout_keep_alive=30))
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: setattr(server, "should_exit", True))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
