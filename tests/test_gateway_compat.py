@@ -456,3 +456,32 @@ async def test_streamed_forced_tool_calls_carry_their_tokens_logprobs(tokenizer)
     content = [t for d in datas for c in d["choices"] for t in ((c.get("logprobs") or {}).get("content") or [])]
     assert [t["token"] for t in content] == [tokenizer.decode([t]) for t in ids]
     assert any(c.get("delta", {}).get("tool_calls") for d in datas for c in d["choices"])
+
+
+def test_a_worker_whose_start_fails_says_it_in_one_line_and_exits_3():
+    """A gateway worker's failed start (here a Gateway.start that raises) is one line on stderr and status 3 (the
+    server then names the worker), not uvicorn's traceback."""
+    import subprocess
+    import sys
+
+    from tests.server_proc import ROOT, python_path
+
+    script = """if True:
+        import asyncio
+        import ipc.gateway.app as a
+        async def boom(self):
+            raise RuntimeError("no tokenizer here\\\\nits details")
+        a.Gateway.start = boom
+        app = a.create_app("ipc:///nowhere.sock", exit_on_start_failure=True)
+        async def receive():
+            return {"type": "lifespan.startup"}
+        async def send(message):
+            pass
+        asyncio.run(app({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send))
+    """
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=dict(__import__("os").environ, PYTHONPATH=python_path()))
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "Traceback" not in done.stderr
+    assert done.stderr.startswith("forerun: gateway worker ") and "cannot start: RuntimeError: no tokenizer here" \
+        in done.stderr, done.stderr

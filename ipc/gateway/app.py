@@ -17,6 +17,8 @@ other request of the worker, never waits for one heavy request.
 from __future__ import annotations
 
 import hmac
+import os
+import sys
 import uuid
 from contextlib import asynccontextmanager
 from typing import Any, Optional
@@ -133,14 +135,23 @@ class _HotRoutes:
 
 def create_app(address: str, api_key: Optional[str] = None, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
-               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> Any:
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, exit_on_start_failure: bool = False) -> Any:
     """The ASGI app of one gateway worker, talking to the scheduler at ``address`` (``body_timeout_s``: a request
-    body of which no byte came for this long is a 408, ``ipc/gateway/body.py``)."""
+    body of which no byte came for this long is a 408, ``ipc/gateway/body.py``).  ``exit_on_start_failure`` (a
+    worker process): a start that fails (the server gone, a tokenizer transformers cannot build) is one line on
+    stderr and exit status 3, not uvicorn's traceback; the server process then says which worker failed."""
     gateway = Gateway(address, api_key, max_request_bytes=max_request_bytes, tokenizer_threads=tokenizer_threads,
                       body_timeout_s=body_timeout_s)
 
     async def lifespan(app: Starlette):
-        await gateway.start()
+        try:
+            await gateway.start()
+        except Exception as e:
+            if not exit_on_start_failure:
+                raise
+            print(f"forerun: gateway worker {os.getpid()}: cannot start: {type(e).__name__}: {e}".splitlines()[0],
+                  file=sys.stderr, flush=True)
+            os._exit(3)
         yield
         await gateway.stop()
 

@@ -226,7 +226,8 @@ async def _serve(cfg: WorkerConfig, sock: socket.socket) -> int:
             yield
 
     app = create_app(cfg.address, os.environ.get(API_KEY_ENV) or None, max_request_bytes=cfg.max_request_bytes,
-                     tokenizer_threads=cfg.tokenizer_threads, body_timeout_s=cfg.body_timeout_s)
+                     tokenizer_threads=cfg.tokenizer_threads, body_timeout_s=cfg.body_timeout_s,
+                     exit_on_start_failure=True)
     # No proxy-headers middleware: nothing here reads the client's address, and it is one more
     # layer on every request.
     server = Server(uvicorn.Config(app, loop="none", http=head_timeout_protocol(cfg.body_timeout_s), lifespan="on",
