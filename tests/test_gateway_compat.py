@@ -107,6 +107,10 @@ async def test_chat_echo_leads_the_answer(tokenizer):
     assert b'"role":"assistant","content":"Once upon"' in events[0]
     assert refused(plan_tools, chat({"echo": True, "tools": [{"type": "function", "function": FUNCTIONS[0]}]})
                    ).param == "echo"
+    from ipc.gateway.structured import constraint_kwargs
+
+    assert refused(constraint_kwargs, msgspec.structs.replace(req, response_format=s.ResponseFormat("json_object"))
+                   ).param == "echo"  # the echoed text would not be JSON
     refusal = chat({"messages": [USER[0], {"role": "assistant", "content": None, "refusal": "No."}], "echo": True})
     assert s.chat_echo(refusal) == "No."  # the text the prompt holds for that message
     assert refused(s.chat_messages, [s.ChatMessage("user", None, refusal="hi")]).param == "messages[0].refusal"

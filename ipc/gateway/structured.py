@@ -74,6 +74,9 @@ def constraint_kwargs(req: Any) -> dict[str, Any]:
     if len(found) > 1:
         raise s.RequestError(400, f"give at most one structured-output constraint; got {found[0][0]} and "
                                   f"{found[1][0]}", found[1][0])
+    if found and isinstance(req, s.ChatCompletionRequest) and s.chat_echo(req):
+        raise s.RequestError(400, f"echo cannot be combined with {found[0][0]}: the answer would start with the "
+                                  "echoed text, which the constraint does not hold", "echo")
     return {found[0][1]: found[0][2]} if found else {}
 
 
