@@ -81,9 +81,9 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, P, 
                  RESIDUAL: tl.constexpr = False, NORM_ROWS: tl.constexpr = 0, P_PAD: tl.constexpr = 1,
                  NORM_FIRST: tl.constexpr = False, W_SCALED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """The "dot" form (``SWAP``: "dotT").  ``W_SCALED``: w is FP8 with per-row scales at ``ws``
-    (:mod:`kernels.fp8`), widened for the MMA (:func:`_mma_operands`), the sums scaled after the loop.  ``SILU``: w is gate|up
-    ``[2N, K]``; the program also streams the up rows of its N features and stores ``silu(gate) * up`` (each
-    rounded as the unfused ops round).
+    (:mod:`kernels.fp8`), widened for the MMA (:func:`_mma_operands`), the sums scaled after the loop.  ``SILU``:
+    w is gate|up ``[2N, K]``; the program also streams the up rows of its N features and stores
+    ``silu(gate) * up`` (each rounded as the unfused ops round).
     ``RESIDUAL``: see :func:`_store_rows`.  ``NORM_ROWS`` (> 0: the rows padded to a power of two): x is
     the residual stream before an RMSNorm folded into w, and each row's accumulators are scaled by the
     norm's ``rsqrt`` from the ``P`` partial sums at ``ss`` after the loop.  The sums are loaded right after

@@ -432,8 +432,9 @@ def finished(text: str, finish: str, plan: ToolPlan) -> tuple[Optional[str], lis
 
     Calls end with ``tool_calls``, but a named function's with ``stop``, as OpenAI's and vLLM's do.  A forced call
     (``required``, a named function) cut short (max_tokens: ``length``; a stop string or token: ``stop``) has null
-    content, never its JSON as text: a named function's call with the arguments as far as they came (what a stream has sent, and what
-    OpenAI answers), ``required``'s with the calls of its list that are whole (none: no ``tool_calls``)."""
+    content, never its JSON as text: a named function's call with the arguments as far as they came (what a stream
+    has sent, and what OpenAI answers), ``required``'s with the calls of its list that are whole (none: no
+    ``tool_calls``)."""
     if finish not in ("stop", "length"):
         return text, [], finish
     content, calls = parse_calls(text, plan)
