@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import gc
+import json
 import os
 import re
 import shutil
@@ -229,12 +230,12 @@ def _check_json_files(folder: str) -> None:
         path = os.path.join(folder, name)
         if name == "tokenizer.json" or not name.endswith(".json") or not os.path.isfile(path):
             continue
-        try:
+        try:  # Python's json, as the loader and transformers read these (it takes Infinity and NaN)
             with open(path, "rb") as f:
-                value = msgspec.json.decode(f.read())
+                value = json.loads(f.read())
         except OSError as e:
             raise ValueError(f"{path}: {e.strerror or e}") from None
-        except msgspec.DecodeError as e:
+        except (ValueError, RecursionError) as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(value, dict):
             raise ValueError(f"{path}: not a JSON object")
@@ -291,7 +292,7 @@ def serve_in(args, cfg: ServerConfig, model, gpus) -> int:
         gateways = _start_gateways(args, cfg, server, http_sock)
         if args.ask or gateways:
             threading.Thread(target=_ask, args=(server.client_address, args.ask, gateways, model.name, failed_start,
-                                                stopping), daemon=True).start()
+                                                stopping, cfg.api_key), daemon=True).start()
 
         async def run() -> int:
             loop = asyncio.get_running_loop()
@@ -413,8 +414,9 @@ def _stop_gateways(gateways) -> None:
 
 
 def _ask(address: str, question, gateways, model_name: str, failed_start: threading.Event,
-         stopping: threading.Event) -> None:
-    """Answer --ask through the SDK; with --port, wait for the HTTP gateways and show the curl way."""
+         stopping: threading.Event, api_key: Optional[str] = None) -> None:
+    """Answer --ask through the SDK (with the server's key, which a tcp:// address needs); with --port, wait for
+    the HTTP gateways and show the curl way."""
     if gateways:
         try:
             gateways.wait_ready()
@@ -430,7 +432,7 @@ def _ask(address: str, question, gateways, model_name: str, failed_start: thread
         return
     print(f"forerun: asking {question!r}", flush=True)
     try:
-        stream_answer(address, question)
+        stream_answer(address, question, api_key=api_key)
         if gateways:
             curl = curl_line(gateways.url, model_name, question, gateways.requires_key)
             print(f"forerun: the same over HTTP: {curl}", flush=True)

@@ -302,3 +302,44 @@ def test_ctrl_c_while_replicas_start_stops_at_once():
     out, err = proc.communicate()
     assert took < 10 and "Traceback" not in err, (took, err)
     assert os.listdir(runs) == []
+
+
+def test_model_json_files_are_read_as_python_reads_them(tmp_path):
+    """The start-up check of a model folder's JSON files takes what Python's json (the loader's, transformers')
+    takes, Infinity included; a file that is not a JSON object is refused naming it."""
+    from scheduler_proc.launch import _check_json_files
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 8, "unused": Infinity}')
+    _check_json_files(str(tmp_path))
+    (tmp_path / "config.json").write_text("hello")
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        _check_json_files(str(tmp_path))
+
+
+def test_ask_gives_the_servers_key_on_a_tcp_address(default_model_dir, tmp_path):
+    """``--ask`` on a tcp:// address with a key (--api-key-file): the question's Hello carries the key, so the
+    server takes the question (the scripted executor's 1,000-token vocabulary then refuses the chat's ids: a request
+    error, not ``unauthorized``)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    key = tmp_path / "key.txt"
+    key.write_text("s3cret\n")
+    runs = run_dir()
+    env = dict(os.environ, PYTHONPATH=python_path(), FORERUN_RUN_DIR=runs)
+    cmd = [sys.executable, "-m", "scheduler_proc.launch", "serve", *SCRIPTED, "--tokenizer", default_model_dir,
+           "--address", f"tcp://127.0.0.1:{port}", "--api-key-file", str(key), "--ask", "hi"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 90
+        while not any("still serving" in line or "failed" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, lines
+            lines.append(proc.stdout.readline())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    answer = "".join(lines)
+    assert "unauthorized" not in answer and ("still serving" in answer or "[invalid_request]" in answer), lines
