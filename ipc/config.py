@@ -227,7 +227,8 @@ def _check_speculative(sc: SpeculativeConfig) -> None:
     if not 1 <= sc.ngram_min <= MAX_NGRAM:
         raise ValueError(f"ngram_min must be in [1, {MAX_NGRAM}], got {sc.ngram_min}")
     if not sc.ngram_min <= sc.ngram_max <= MAX_NGRAM:
-        raise ValueError(f"ngram_max must be in [ngram_min={sc.ngram_min}, {MAX_NGRAM}], got {sc.ngram_max}")
+        default = " (its default)" if sc.ngram_max == default_of(SpeculativeConfig, "ngram_max") else ""
+        raise ValueError(f"ngram_max must be in [ngram_min={sc.ngram_min}, {MAX_NGRAM}], got {sc.ngram_max}{default}")
 
 
 def _at_least(name: str, value: int, low: int) -> None:

@@ -343,3 +343,12 @@ def test_ask_gives_the_servers_key_on_a_tcp_address(default_model_dir, tmp_path)
         proc.communicate(timeout=30)
     answer = "".join(lines)
     assert "unauthorized" not in answer and ("still serving" in answer or "[invalid_request]" in answer), lines
+
+
+def test_a_default_that_another_flag_puts_out_of_range_is_said_to_be_the_default():
+    """--ngram-min 6 alone: the --ngram-max the user did not type (4) is out of range; the line says it is the
+    default, so that the user knows which flag to add."""
+    from ipc.config import SpeculativeConfig, _check_speculative
+
+    with pytest.raises(ValueError, match=r"got 4 \(its default\)"):
+        _check_speculative(SpeculativeConfig(method="ngram", ngram_min=6))
