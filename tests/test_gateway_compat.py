@@ -489,3 +489,17 @@ def test_a_worker_whose_start_fails_says_it_in_one_line_and_exits_3():
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "Traceback" not in done.stderr
     assert done.stderr.startswith("forerun: gateway worker ") and "cannot start: RuntimeError: no tokenizer here" \
         in done.stderr, done.stderr
+
+
+def test_chat_template_kwargs_nested_past_the_limit_name_their_key(tokenizer):
+    from ipc.gateway.tools import MAX_TEMPLATE_NESTING
+
+    deep: list = []
+    inner = deep
+    for _ in range(MAX_TEMPLATE_NESTING + 1):
+        inner.append([])
+        inner = inner[0]
+    assert refused(template_kwargs, chat({"chat_template_kwargs": {"x": deep}}), tokenizer).param == \
+        "chat_template_kwargs.x"
+    shallow = {"x": [[{"a": [1]}]], "enable_thinking": False}
+    assert template_kwargs(chat({"chat_template_kwargs": shallow}), tokenizer) == shallow

@@ -244,11 +244,27 @@ def template_kwargs(req: s.ChatCompletionRequest, tokenizer: Any) -> dict[str, A
     gateway sets those."""
     kwargs = req.chat_template_kwargs or {}
     taken = _TEMPLATE_OWN | _parameters(type(tokenizer))
-    for name in kwargs:
+    for name, value in kwargs.items():
         if name in taken:
             raise s.RequestError(400, f"chat_template_kwargs cannot set {name[:64]!r}: the server sets it",
                                  f"chat_template_kwargs.{name[:64]}")
+        if _nests_past(value, MAX_TEMPLATE_NESTING):  # the template engine recurses through a value it reads
+            raise s.RequestError(400, f"chat_template_kwargs.{name[:64]} nests deeper than {MAX_TEMPLATE_NESTING} "
+                                      "levels of arrays or objects", f"chat_template_kwargs.{name[:64]}")
     return kwargs
+
+
+MAX_TEMPLATE_NESTING = 64
+
+
+def _nests_past(value: Any, limit: int) -> bool:
+    """Whether ``value`` holds arrays or objects more than ``limit`` levels deep (no recursion of its own)."""
+    level = [value]
+    for _ in range(limit + 1):
+        level = [v for x in level if isinstance(x, (list, dict)) for v in (x.values() if isinstance(x, dict) else x)]
+        if not level:
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=8)
