@@ -22,7 +22,9 @@ from ipc.gateway import schemas as s
 from ipc.gateway.body import read_body
 from ipc.gateway.process import start_gateways
 from ipc.gateway.streaming import ClientGone
-from ipc.gateway.tools import ToolCallStream, ToolPlan, choice_message, plan_tools, render, template_kwargs
+from ipc.gateway.chat_template import render, template_kwargs
+from ipc.gateway.tool_calls import ToolCallStream, choice_message
+from ipc.gateway.tools import ToolPlan, plan_tools
 from ipc.gateway.worker import decode_body
 from tests.server_proc import run_dir
 from tests.test_gateway_params import FakeGateway, FakeStream, choice, request_result
@@ -492,7 +494,7 @@ def test_a_worker_whose_start_fails_says_it_in_one_line_and_exits_3():
 
 
 def test_chat_template_kwargs_nested_past_the_limit_name_their_key(tokenizer):
-    from ipc.gateway.tools import MAX_TEMPLATE_NESTING
+    from ipc.gateway.chat_template import MAX_TEMPLATE_NESTING
 
     deep: list = []
     inner = deep

@@ -10,7 +10,9 @@ import jinja2.sandbox
 import pytest
 
 from ipc.gateway import schemas as s
-from ipc.gateway.tools import ToolCallStream, ToolPlan, choice_message, parse_calls, render, template_messages
+from ipc.gateway.chat_template import render, template_messages
+from ipc.gateway.tool_calls import ToolCallStream, choice_message, parse_calls
+from ipc.gateway.tools import ToolPlan
 
 FUNCTIONS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
              {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}]

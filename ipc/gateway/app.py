@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from ipc.client import InvalidRequestError
 from ipc.gateway import schemas as s
-from ipc.gateway import tools
+from ipc.gateway import chat_template, tools
 from ipc.gateway.handling import error_for, error_response, run, stream, whole
 from ipc.gateway.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS
 from ipc.gateway.responses import (
@@ -73,7 +73,7 @@ async def chat_completions(request: Request) -> Response:
         req = await gw.body(request, s.ChatCompletionRequest)
         gw.check_request(req)
         plan = tools.plan_tools(req)
-        ids = await (tools.encode(gw, req, plan) if tools.renders_here(req)
+        ids = await (chat_template.encode(gw, req, plan) if chat_template.renders_here(req)
                      else gw.encode_chat(s.chat_messages(req.messages)))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex}"

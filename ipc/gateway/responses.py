@@ -27,7 +27,8 @@ from ipc.gateway.logprobs import (
 )
 from ipc.gateway.streaming import DONE, gather_or_cancel, merge
 from ipc.gateway.structured import PARAM_OF_FIELD
-from ipc.gateway.tools import ToolCallStream, choice_message, plan_tools
+from ipc.gateway.tool_calls import ToolCallStream, choice_message
+from ipc.gateway.tools import plan_tools
 
 # SDK field names -> the OpenAI parameter they came from (others: "sampling." dropped).
 _PARAM_OF_FIELD = {"prompt_token_ids": "prompt", "request_id": None, **PARAM_OF_FIELD}
@@ -262,7 +263,7 @@ def _error_event(exc: BaseException) -> bytes:
 async def chat_tools_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: list[Any],
                             firsts: list[Any]) -> AsyncIterator[bytes]:
     """SSE events of a streaming answer with tools: content and calls as they can be told apart
-    (:class:`ipc.gateway.tools.ToolCallStream`), the calls of each choice before its finish chunk."""
+    (:class:`ipc.gateway.tool_calls.ToolCallStream`), the calls of each choice before its finish chunk."""
     plan = plan_tools(req)
     created, model = int(time.time()), gw.model_name
     parsers: dict[int, ToolCallStream] = {}

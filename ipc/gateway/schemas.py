@@ -45,7 +45,7 @@ class ChatMessage(_Body):
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls (ipc/gateway/tools.py)
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls (ipc/gateway/chat_template.py)
     tool_call_id: Optional[str] = None  # a tool result's call
     refusal: Optional[str] = None
     annotations: Optional[list[dict[str, Any]]] = None
@@ -324,7 +324,7 @@ class CompletionResponse(msgspec.Struct):
 
 
 class AssistantMessage(msgspec.Struct):
-    content: Optional[str]  # null: a forced tool call that max_tokens cut short (ipc/gateway/tools.py)
+    content: Optional[str]  # null: a forced tool call cut short (ipc/gateway/tool_calls.py)
     role: str = "assistant"
 
 
