@@ -200,7 +200,7 @@ def test_chat_ends_a_partial_answer_with_a_newline_and_writes_nothing_else(monke
 
     import ipc.client
     from ipc.client.errors import ServerGoneError
-    from scheduler_proc.launch import stream_answer
+    from scheduler_proc.chat_cli import stream_answer
 
     class FakeClient:
         """Streams ``deltas``, then fails as a server that died would."""
@@ -228,7 +228,7 @@ def test_chat_ends_a_partial_answer_with_a_newline_and_writes_nothing_else(monke
 
 def test_chat_names_the_flag_of_a_refused_field():
     from ipc.client.errors import InvalidRequestError, ServerGoneError
-    from scheduler_proc.launch import _chat_error
+    from scheduler_proc.chat_cli import _chat_error
 
     def said(field: str, message: str) -> str:
         return _chat_error(InvalidRequestError("invalid_request", field, message))
@@ -307,13 +307,13 @@ def test_ctrl_c_while_replicas_start_stops_at_once():
 def test_model_json_files_are_read_as_python_reads_them(tmp_path):
     """The start-up check of a model folder's JSON files takes what Python's json (the loader's, transformers')
     takes, Infinity included; a file that is not a JSON object is refused naming it."""
-    from scheduler_proc.launch import _check_json_files
+    from scheduler_proc.serve_config import check_json_files
 
     (tmp_path / "config.json").write_text('{"hidden_size": 8, "unused": Infinity}')
-    _check_json_files(str(tmp_path))
+    check_json_files(str(tmp_path))
     (tmp_path / "config.json").write_text("hello")
     with pytest.raises(ValueError, match="config.json: not valid JSON"):
-        _check_json_files(str(tmp_path))
+        check_json_files(str(tmp_path))
 
 
 def test_ask_gives_the_servers_key_on_a_tcp_address(default_model_dir, tmp_path):

@@ -1,0 +1,79 @@
+"""``forerun chat``: one prompt to a running server, its answer streamed to stdout; also the answer ``serve --ask``
+prints."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from scheduler_proc.cli_flags import ADDRESS_FILE, check_chat_flags
+
+
+def stream_answer(address: str, prompt: str, *, system=None, max_tokens=256, temperature=0.0,
+                  seed=None, timeout=120.0, api_key=None, out=sys.stdout) -> None:
+    """Stream the answer to ``prompt`` to ``out``, ended by a newline; after a failure the newline ends only a partial
+    answer (the error line must not run on after it), and nothing is written when nothing was answered."""
+    from ipc.client import Client
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    written = False
+    try:
+        with Client(address, timeout=timeout, api_key=api_key) as client:
+            for chunk in client.stream(messages=messages, max_tokens=max_tokens, temperature=temperature,
+                                       seed=seed):
+                out.write(chunk.text_delta)
+                out.flush()
+                written = written or bool(chunk.text_delta)
+    except BaseException:
+        if written:
+            out.write("\n")
+            out.flush()
+        raise
+    out.write("\n")
+    out.flush()
+
+
+# The request fields `forerun chat` fills from its flags: a server's error names the field, the user typed the flag.
+CHAT_FLAG_OF_FIELD = {"sampling.max_tokens": "--max-tokens", "sampling.temperature": "--temperature",
+                      "sampling.seed": "--seed"}
+
+
+def chat(args) -> int:
+    """``forerun chat``: stream one answer; every expected failure is one line on stderr and exit 1 (130: Ctrl-C)."""
+    try:
+        check_chat_flags(args)
+    except ValueError as e:
+        raise SystemExit(f"forerun: {e}")
+    address = args.address
+    if address is None:
+        try:
+            with open(ADDRESS_FILE) as f:
+                address = f.read().strip()
+        except FileNotFoundError:
+            raise SystemExit("forerun: no --address given and no server has been started here")
+    from ipc.client import ForerunError
+
+    try:
+        stream_answer(address, args.prompt, system=args.system, max_tokens=args.max_tokens,
+                      temperature=args.temperature, seed=args.seed, timeout=args.timeout, api_key=args.api_key)
+    except (ForerunError, TimeoutError, ConnectionError, ValueError) as e:
+        # Expected failures (no server, server gone, invalid request, timeout, bad address): one line.
+        print(f"forerun: {_chat_error(e)}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("forerun: interrupted", file=sys.stderr, flush=True)
+        return 130
+    return 0
+
+
+def _chat_error(e: Exception) -> str:
+    """An error as `forerun chat`'s user reads it: a request field the server names (``sampling.max_tokens``) as the
+    flag that set it (``[invalid_request] --max-tokens must be ...``), the SDK's own words otherwise."""
+    from ipc.client import ForerunError
+
+    flag = CHAT_FLAG_OF_FIELD.get(e.field or "") if isinstance(e, ForerunError) else None
+    if flag is None:
+        return str(e)
+    name = e.field.rpartition(".")[2]  # the messages say sampling.max_tokens or max_tokens
+    message = re.sub(rf"(?<![\w.-]){name}(?!\w)", flag, e.message.replace(e.field, flag))
+    return f"[{e.code}] " + (message if message.startswith(flag) else f"{flag}: {message}")
