@@ -12,7 +12,8 @@ All ``G = H // Hkv`` query heads of one KV head are handled by one program: they
 are the M dimension of ``tl.dot`` (padded to 16), so each K/V tile is read from
 memory once per KV head.  Scores and the online softmax are float32; P is cast
 to q's dtype for the P@V product (fp16/bf16) as in FlashAttention.  An FP8 cache
-(``--kv-cache-dtype fp8``, e4m3 with scale 1) is widened to q's dtype as its tiles load.
+(``--kv-cache-dtype fp8``, e4m3) is read as 16-bit words of two values, widened to float16 in registers (see
+``F16_DOTS``).
 
 With ``num_splits > 1`` each split writes an unnormalised partial output and its
 (max, sum) into a preallocated workspace (:class:`DecodeWorkspace`), then counts
@@ -34,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .e4m3 import e4m3_pair_to_f16
 from .paged_kv import load_kv_tile
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
@@ -64,7 +66,8 @@ def _split_kernel(
 ):
     """``F16_DOTS`` (an FP8 cache under bf16 / fp16 queries): both products take float16 operands, K and V widened
     from e4m3 exactly in one conversion and q and the probabilities rounded to float16 (more mantissa than
-    bfloat16, less range: a query entry past 65,504 would overflow); the sums stay float32."""
+    bfloat16, less range: a query entry past 65,504 would overflow); the sums stay float32.  The head dim must be
+    even (K and V are read two values a word)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -87,31 +90,67 @@ def _split_kernel(
         return
     tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
 
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    if F16_DOTS:
-        q = q.to(tl.float16)
-
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     offs_n = tl.arange(0, BLOCK_N)
-    for tile in range(tile_lo, tile_hi):
-        t = tile * BLOCK_N + offs_n
-        t_mask = t < ctx
-        k, v = load_kv_tile(k_ptr, v_ptr, bt_row, t, t_mask, kvh, offs_d, d_mask,
-                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2
-        # (an FP8 cache's K and V widen to q's dtype here; float16 under F16_DOTS: one conversion from e4m3)
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)  # FP8 widened
-        m_i = m_new
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    if F16_DOTS:
+        # an FP8 cache read as 16-bit words, two e4m3 values each: head dims 2j (low byte) and 2j + 1 (high byte)
+        # go to separate products (q's even and odd dims, one accumulator each), so that no operand is ever read
+        # from shared memory a byte at a time (how the compiler fetched e4m3 tiles as MMA operands)
+        offs_w = tl.arange(0, D_PAD // 2)
+        w_mask = g_mask[:, None] & (2 * offs_w < HEAD_DIM)[None, :]
+        q_even = tl.load(q_row + 2 * offs_w[None, :], mask=w_mask, other=0.0).to(tl.float16)
+        q_odd = tl.load(q_row + 2 * offs_w[None, :] + 1, mask=w_mask, other=0.0).to(tl.float16)
+        acc_even = tl.zeros([G_PAD, D_PAD // 2], tl.float32)
+        acc_odd = tl.zeros([G_PAD, D_PAD // 2], tl.float32)
+        if HEAD_DIM == D_PAD:
+            w_dims = offs_w < D_PAD // 2  # (all: folded away)
+        else:
+            w_dims = 2 * offs_w < HEAD_DIM
+        kw_ptr = k_ptr.to(tl.pointer_type(tl.uint16))
+        vw_ptr = v_ptr.to(tl.pointer_type(tl.uint16))
+        for tile in range(tile_lo, tile_hi):
+            t = tile * BLOCK_N + offs_n
+            t_mask = t < ctx
+            blk = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+            off = (t % BLOCK_SIZE).to(tl.int64)
+            kw = tl.load(kw_ptr + ((blk * stride_kb + off * stride_kt + kvh * stride_kh) // 2)[:, None]
+                         + offs_w[None, :], mask=t_mask[:, None] & w_dims[None, :], other=0)
+            k_even, k_odd = e4m3_pair_to_f16(kw)
+            s = tl.dot(q_even, tl.trans(k_even), input_precision=DOT_PREC)
+            s = tl.dot(q_odd, tl.trans(k_odd), s, input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vw = tl.load(vw_ptr + ((blk * stride_vb + off * stride_vt + kvh * stride_vh) // 2)[:, None]
+                         + offs_w[None, :], mask=t_mask[:, None] & w_dims[None, :], other=0)
+            v_even, v_odd = e4m3_pair_to_f16(vw)
+            p = p.to(tl.float16)
+            acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=DOT_PREC)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=DOT_PREC)
+            m_i = m_new
+        acc = tl.reshape(tl.join(acc_even, acc_odd), (G_PAD, D_PAD))  # dims back in order: 2j, 2j + 1
+    else:
+        q = tl.load(q_row + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        for tile in range(tile_lo, tile_hi):
+            t = tile * BLOCK_N + offs_n
+            t_mask = t < ctx
+            k, v = load_kv_tile(k_ptr, v_ptr, bt_row, t, t_mask, kvh, offs_d, d_mask,
+                                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
+            # (an FP8 cache under float32 queries widens to float32 here)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+            m_i = m_new
     pdl_launch(USE_PDL)
     acc = acc * v_scale  # exact at 1
 
@@ -217,8 +256,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_num_splits(batch: int, num_kv_heads: int, device: torch.device | str = "cuda",
-                       max_splits: int = 16, head_dim: int = 64) -> int:
-    """Splits per (row, KV head) so that the grid has about 4 programs per SM at head_dim 64, 2 at 128.
+                       max_splits: int = 16, head_dim: int = 64, fp8: bool = False) -> int:
+    """Splits per (row, KV head) so that the grid has about 4 programs per SM at head_dim 64, 2 at 128; an FP8
+    cache past :data:`FP8_FEW_ROWS` rows four times as many (its short tiles of 8-bit values end sooner: at 64 rows of
+    4k, 8B heads, 4 splits 168.7 us against 1 split's 186.9 on an H200, `decode_fp8_h200_2026-11-30.json`).
 
     Depends on the batch size and head shape only (never on lengths), so one value serves a whole
     CUDA-graph bucket.  Short rows simply leave the later splits empty.  The H100 sweep
@@ -226,21 +267,21 @@ def default_num_splits(batch: int, num_kv_heads: int, device: torch.device | str
     the bytes per tile and fewer, longer programs win from batch 16 up (batch 64: 1 split 50 us
     against 2 splits 55 us per layer); at head_dim 64 the 4-per-SM rule was best at every batch.
     """
-    return _splits(batch * num_kv_heads, _programs_wanted(device, head_dim), max_splits)
+    return _splits(batch * num_kv_heads, _programs_wanted(device, head_dim, fp8 and batch > FP8_FEW_ROWS), max_splits)
 
 
 def split_pairs(max_rows: int, num_kv_heads: int, device: torch.device | str = "cuda", max_splits: int = 16,
-                head_dim: int = 64) -> int:
+                head_dim: int = 64, fp8: bool = False) -> int:
     """The most (row, split) pairs :func:`default_num_splits` asks for at any row count up to ``max_rows``: what a
     :class:`DecodeWorkspace` holds so that no call gets fewer splits than that rule gives (a speculative step of
     one slot at K = 8 is 9 rows: cut from 16 splits to 2, the default model's verify step took 0.97 ms on an H200
     against 0.71)."""
-    want = _programs_wanted(device, head_dim)
-    return max((r * _splits(r * num_kv_heads, want, max_splits) for r in range(1, max_rows + 1)), default=0)
+    return max((r * default_num_splits(r, num_kv_heads, device, max_splits, head_dim, fp8)
+                for r in range(1, max_rows + 1)), default=0)
 
 
-def _programs_wanted(device: torch.device | str, head_dim: int) -> int:
-    return 4 * _num_sms(torch.device(device)) * 64 // max(64, triton.next_power_of_2(head_dim))
+def _programs_wanted(device: torch.device | str, head_dim: int, more: bool = False) -> int:
+    return (16 if more else 4) * _num_sms(torch.device(device)) * 64 // max(64, triton.next_power_of_2(head_dim))
 
 
 def _splits(row_heads: int, want: int, max_splits: int) -> int:
@@ -250,12 +291,21 @@ def _splits(row_heads: int, want: int, max_splits: int) -> int:
     return s
 
 
-def _default_config(head_dim: int, fp8: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages): best of the H100 sweep in docs/kernels.md; an FP8 cache at head_dim 128
-    takes twice the tokens a tile (the best of an H200 sweep at 1-64 rows: 1.12-1.2x at 8-32 rows of 16k)."""
+# an FP8 cache's tiles: up to this many rows long ones (the few programs each stream more), past it short ones
+FP8_FEW_ROWS = 8
+
+
+def _default_config(head_dim: int, fp8: bool = False, rows: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages): best of the H100 sweep in docs/kernels.md; an FP8 cache: the best of an H200
+    sweep at 1-64 rows (8B and 1B heads, 16k and 4k tokens a row, `decode_fp8_h200_2026-11-30.json`): 256-token
+    tiles up to :data:`FP8_FEW_ROWS` rows, shorter ones (and more splits) past it."""
+    if fp8:
+        if rows <= FP8_FEW_ROWS:
+            return (256, 4, 3) if head_dim <= 64 else (256, 4, 2)
+        return (64, 4, 2) if head_dim <= 64 else (128, 4, 3)
     if head_dim <= 64:
         return 32, 2, 3
-    return (128, 4, 2) if fp8 else (64, 4, 3)
+    return 64, 4, 3
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
@@ -267,6 +317,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
     assert block_size & (block_size - 1) == 0 and 1 <= block_size <= 256, "block_size must be a power of two"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
     assert v_cache.dtype == k_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn), k_cache.dtype
+    assert k_cache.dtype != torch.float8_e4m3fn or D % 2 == 0, "an FP8 cache needs an even head_dim"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "last dim must be contiguous"
     assert block_tables.dim() == 2 and block_tables.shape[0] >= B and block_tables.dtype == torch.int32
     assert block_tables.stride(1) == 1
@@ -306,10 +357,11 @@ def decode_attention(
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
+    # an FP8 cache under 16-bit queries: float16 products on e4m3 read two a word, its own tiles and split counts
+    fp8 = k_cache.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
     if num_splits is None:
-        num_splits = default_num_splits(B, Hkv, q.device, workspace.max_splits if workspace else 16, D)
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    dflt = _default_config(D, fp8)
+        num_splits = default_num_splits(B, Hkv, q.device, workspace.max_splits if workspace else 16, D, fp8)
+    dflt = _default_config(D, fp8, B)
     block_n = block_n or dflt[0]
     num_warps = num_warps or dflt[1]
     num_stages = num_stages or dflt[2]
@@ -341,7 +393,7 @@ def decode_attention(
         GROUP=G, G_PAD=max(16, triton.next_power_of_2(G)), G_MERGE=max(2, triton.next_power_of_2(G)),
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, S_PAD=max(2, triton.next_power_of_2(num_splits)), DOT_PREC=dot_prec,
-        F16_DOTS=fp8 and q.dtype in (torch.bfloat16, torch.float16),
+        F16_DOTS=fp8,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
     )
     return out

@@ -68,3 +68,30 @@ def scaled_to_e4m3(x, scale):
     [2048, 2 x 14336] on an H200, 60 with the multiply)."""
     inv = tl.math.div_rn(1.0, scale)
     return to_e4m3(tl.minimum(tl.maximum(x * inv, -_MAX), _MAX))
+
+
+@triton.jit
+def _pairs_to_f16_ops(words):
+    lo = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    hi = (words >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return lo, hi
+
+
+@triton.jit
+def _pairs_to_f16_asm(words):
+    # two words a register: one byte permute gathers the two low bytes and the two high bytes, then one conversion
+    # of each pair (instead of a mask, a shift and a narrowing per value: a quarter of the FP8 decode loop's work)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; .reg .b16 l, h; prmt.b32 t, $2, 0, 0x3120; mov.b32 {l, h}, t;"
+        " cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; }",
+        "=r,=r,r", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@triton.jit
+def e4m3_pair_to_f16(words):
+    """16-bit words of two e4m3 values each (little-endian: the first value in the low byte) as float16 (exact):
+    (the low bytes' values, the high bytes' values)."""
+    if _INTERPRETED:
+        return _pairs_to_f16_ops(words)
+    else:
+        return _pairs_to_f16_asm(words)
