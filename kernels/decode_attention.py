@@ -342,6 +342,7 @@ def decode_attention(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     kv_scale: tuple[float, float] = (1.0, 1.0),
+    config_rows: Optional[int] = None,
 ) -> torch.Tensor:
     """Paged decode attention (``kv_scale``: an FP8 cache's (K, V) scales: values = stored * scale).
 
@@ -350,7 +351,9 @@ def decode_attention(
     on the device (rows with length 0 give zeros).  Returns ``out [B, H, D]`` in q's dtype.
 
     For CUDA-graph capture pass ``out`` and ``workspace`` (allocated beforehand) and a
-    fixed ``num_splits`` (default :func:`default_num_splits` of the batch size).
+    fixed ``num_splits`` (default :func:`default_num_splits` of the batch size).  ``config_rows``: the row count
+    whose default tile the call takes (default its own; an FP8 cache's tile depends on it, so a batch-invariant
+    caller passes one value for every call).
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
     B, H, D = q.shape
@@ -363,7 +366,7 @@ def decode_attention(
     fp8 = k_cache.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
     if num_splits is None:
         num_splits = default_num_splits(B, Hkv, q.device, workspace.max_splits if workspace else 16, D, fp8)
-    dflt = _default_config(D, fp8, B)
+    dflt = _default_config(D, fp8, B if config_rows is None else config_rows)
     block_n = block_n or dflt[0]
     num_warps = num_warps or dflt[1]
     num_stages = num_stages or dflt[2]

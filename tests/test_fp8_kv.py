@@ -141,3 +141,21 @@ def test_host_tier_moves_fp8_blocks_bit_exact():
     if CUDA:
         torch.cuda.synchronize()
     assert torch.equal(kv.storage[:, :, 2].view(torch.uint8), original[:, :, 4].view(torch.uint8))
+
+
+def test_fp8_decode_attention_rows_keep_their_bits_with_a_pinned_tile():
+    """An FP8 cache's tile depends on the call's row count (long tiles for a few rows); with ``config_rows`` (what a
+    batch-invariant backend passes) a row's output is bit-identical whether it is alone or one of 12 rows."""
+    from kernels.decode_attention import FP8_FEW_ROWS, decode_attention
+
+    g = torch.Generator().manual_seed(3)
+    H, Hkv, D, bs, rows = 4, 2, 32, 16, FP8_FEW_ROWS + 4
+    kc, vc = _cache(rows * 24, bs, Hkv, D, g), _cache(rows * 24, bs, Hkv, D, g)
+    bt = torch.randperm(rows * 24, generator=g).reshape(rows, 24).int().to(DEV)
+    lens = torch.randint(200, 24 * bs, (rows,), generator=g).int().to(DEV)
+    q = torch.randn(rows, H, D, generator=g).bfloat16().to(DEV)
+
+    def row0(n, **kw):
+        return decode_attention(q[:n], kc, vc, bt[:n], lens[:n], D ** -0.5, num_splits=2, **kw)[0]
+
+    assert torch.equal(row0(1, config_rows=rows), row0(rows, config_rows=rows))

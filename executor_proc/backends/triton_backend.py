@@ -159,6 +159,8 @@ class TritonBackend:
         self.batch_invariant = batch_invariant
         # Batch-invariant mode: one attention split count for every batch; each weight's kernel, by shape.
         self.invariant_splits = min(INVARIANT_ATTENTION_SPLITS, self.workspace.max_splits)
+        # batch-invariant: decode attention's tile too is one for every call (an FP8 cache's depends on the rows)
+        self._attention_rows = max_batch if batch_invariant else None
         self.matmul_config: dict[tuple[int, int], MatmulConfig] = {}
         # CausalLM.fold_norms ran (the layers' norm weights are in q|k|v and gate|up): at 2-16 tokens the output
         # projections add the residual and q|k|v and gate|up apply the norm themselves (project_out)
@@ -216,12 +218,14 @@ class TritonBackend:
                scale: float, kv_scale: KVScale = NO_SCALE) -> torch.Tensor:
         if plan.pure_decode:
             return decode_attention(q, k_cache, v_cache, plan.block_tables, plan.context_lens, scale,
-                                    workspace=self.workspace, num_splits=plan.num_splits, kv_scale=kv_scale)
+                                    workspace=self.workspace, num_splits=plan.num_splits, kv_scale=kv_scale,
+                                    config_rows=self._attention_rows)
         if plan.prefill_tiles is not None:
             out = torch.empty_like(q)
             rows = plan.decode_context_lens.shape[0]  # decode rows are the first rows and tokens
             decode_attention(q[:rows], k_cache, v_cache, plan.block_tables, plan.decode_context_lens, scale,
-                             out=out[:rows], workspace=self.workspace, num_splits=plan.num_splits, kv_scale=kv_scale)
+                             out=out[:rows], workspace=self.workspace, num_splits=plan.num_splits, kv_scale=kv_scale,
+                             config_rows=self._attention_rows)
             return prefill_attention(q, k_cache, v_cache, plan.block_tables, plan.query_start, plan.context_lens,
                                      plan.max_query_len, scale, out=out, block_m=plan.tile_m,
                                      tiles=plan.prefill_tiles, num_programs=plan.tile_programs, kv_scale=kv_scale)
