@@ -109,7 +109,9 @@ def probe_outputs(worker, probe: list[int], others: list[list[int]], num_slots: 
     return first, logits
 
 
-def test_logits_alone_equal_logits_in_batches(tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", pytest.param("fp8", marks=pytest.mark.skipif(
+    not CUDA, reason="an FP8 KV cache needs a GPU"))])
+def test_logits_alone_equal_logits_in_batches(tmp_path, kv_cache_dtype):
     if CUDA:
         model_dir = write_config(tmp_path, hidden=1024, layers=2, heads=16, kv_heads=4, vocab=32000,
                                  intermediate=2816)
@@ -119,7 +121,8 @@ def test_logits_alone_equal_logits_in_batches(tmp_path):
         sizes, lengths, dtype, steps = (1, 2, 5), (3, 40), "float32", 2
     num_slots = max(sizes)
     worker = built(model_dir, DEVICE, dtype=dtype, kernels="triton", cuda_graphs=False, num_slots=num_slots,
-                   max_batch=num_slots, block_size=16, num_blocks=4096, batch_invariant=True).worker
+                   max_batch=num_slots, block_size=16, num_blocks=4096, batch_invariant=True,
+                   kv_cache_dtype=kv_cache_dtype).worker
     g = torch.Generator().manual_seed(3)
     vocab = worker.model.config.vocab_size
     prompt = lambda: torch.randint(0, vocab, (int(torch.randint(*lengths, (1,), generator=g)),),  # noqa: E731
