@@ -183,7 +183,7 @@ class ServerStats(_Msg, tag="server_stats"):
     grammar_steps: int = 0
     grammar_wait_steps: int = 0
     grammar_wait_s_total: float = 0.0
-    spec_rows: int = 0  # speculative decoding: rows verified, their drafts, the drafts accepted
+    spec_rows: int = 0  # speculative decoding: rows verified, their drafts, the drafts accepted (Finished's sums)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     # Data-parallel replicas (scheduler_proc/replica_router.py): a replica's index in its own stats; the router's
@@ -231,7 +231,7 @@ class Finished(_Msg, tag="finished"):
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None  # if not sent in a delta before
     stop_str: Optional[str] = None  # the stop string that finished the request (reason "stop")
     index: int = 0  # which completion of an n > 1 request (each completion has its own Finished)
-    draft_tokens: int = 0  # speculative decoding: its drafts verified, and those accepted
+    draft_tokens: int = 0  # speculative decoding: its drafts verified, and those accepted (up to its finish)
     accepted_tokens: int = 0
 
 

@@ -150,11 +150,6 @@ class Speculation:
             run = result.spec_tokens[cursor:cursor + accepted]
             run_logprobs = logprobs[cursor:cursor + accepted] if logprobs else None
             cursor += k
-            counts.rows += 1
-            counts.drafted += k
-            counts.accepted += accepted
-            req.spec_drafted += k
-            req.spec_accepted += accepted
             req.spec_lag -= k
             req.num_computed -= k - accepted
             if k and self.limits.spec_pauses:
@@ -165,11 +160,20 @@ class Speculation:
                     self._paused[req.rid] = req
             out = by_rid.get(req.rid)
             if out is not None and out.finish_reason is None and req.status is not _FINISHED:
-                self._spec_tokens(req, run, out, run_logprobs)
+                # counted for the request and the server: its drafts and those accepted, none past a finish (a
+                # finish inside the run: the drafts up to it, all accepted; a row of a request that finished
+                # before it or at its first token counts nothing)
+                emitted = self._spec_tokens(req, run, out, run_logprobs)
+                drafted = emitted if out.finish_reason is not None else k
+                counts.rows += 1
+                counts.drafted += drafted
+                counts.accepted += emitted
+                req.spec_drafted += drafted
+                req.spec_accepted += emitted
 
-    def _spec_tokens(self, req: Request, tokens: list[int], out: Output, logprobs) -> None:
+    def _spec_tokens(self, req: Request, tokens: list[int], out: Output, logprobs) -> int:
         """Apply an accepted run after the row's first token (and its logprobs when the request asked), stopping at
-        the first finish."""
+        the first finish; how many of its tokens were applied."""
         stop_tokens = self._stop_tokens
         extras = req.extras
         wants = extras is not None and extras.logprobs
@@ -191,4 +195,5 @@ class Speculation:
             if reason is not None:
                 out.finish_reason = reason
                 self._finish(req, reason)
-                return
+                return i + 1
+        return len(tokens)

@@ -84,10 +84,11 @@ def identical_to_the_reference(runs, names) -> dict[str, tuple[int, int]]:
         for spec, ref in zip(results, reference):
             assert (spec.token_ids, spec.finish_reason) == (ref.token_ids, ref.finish_reason), name
         assert all(r.timings.draft_tokens > 0 for r in results[:len(PROMPTS)]), name  # every one speculated
-        # the server's counters (its metrics) count every row, also those past a finish
-        assert after.spec_draft_tokens - before.spec_draft_tokens >= sum(r.timings.draft_tokens for r in results)
-        assert after.spec_accepted_tokens - before.spec_accepted_tokens >= sum(
+        # the server's counters (its metrics) are the requests' sums: nothing past a finish is counted
+        assert after.spec_draft_tokens - before.spec_draft_tokens == sum(r.timings.draft_tokens for r in results)
+        assert after.spec_accepted_tokens - before.spec_accepted_tokens == sum(
             r.timings.accepted_tokens for r in results)
+        assert all(r.timings.accepted_tokens < len(r.token_ids) for r in results), name
         counts[name] = (sum(r.timings.draft_tokens for r in results[:GREEDY]),
                         sum(r.timings.accepted_tokens for r in results[:GREEDY]))
     return counts

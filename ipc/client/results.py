@@ -16,7 +16,8 @@ class Timings:
     e2e: float  # arrival of the Finished message
     token_times: list[float] = field(default_factory=list)  # arrival of each completion token
     itl: list[float] = field(default_factory=list)  # gaps between consecutive token-bearing messages
-    # Speculative decoding: draft tokens the server verified for this completion, and those it accepted.
+    # Speculative decoding: draft tokens the server verified for this completion, and those it accepted (both
+    # up to its finish: accepted drafts are completion tokens, each after a token the target sampled itself).
     draft_tokens: int = 0
     accepted_tokens: int = 0
 
