@@ -69,6 +69,13 @@ class SpeculativeConfig(_Config):
     draft_model: str = ""  # method "draft": the draft model (HF folder, .gguf file, config.json for dummy weights)
     draft_load_format: Optional[LoadFormat] = None  # how to read it; None: the model's load_format
 
+    def banner(self) -> str:
+        """What the start-up line says of it: '' when off."""
+        if self.method is None:
+            return ""
+        source = f"n-grams of {self.ngram_min}-{self.ngram_max} tokens" if self.method == "ngram" else "a draft model"
+        return f", speculation: {self.num_tokens} tokens a step from {source}"
+
     def values_per_slot(self) -> int:
         """Values a slot's row of one step may give, each a one-token row of a forward or an output: its first
         token, ``K`` drafted positions and the bonus (K + 2); 1 without speculation.  The decode attention's

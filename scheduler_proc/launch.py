@@ -197,8 +197,8 @@ def _announce(server, model, ready, cfg) -> None:
     device = f"{ready.device} x {tp} ranks ({layout})" if tp > 1 else ready.device
     print(f"forerun: serving {model.name} on {device} ({ready.dtype}), "
           f"{ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}"
-          f"{f' (+{ready.num_host_blocks} on the host)' if ready.num_host_blocks else ''}, depth {cfg.pipeline_depth}",
-          flush=True)
+          f"{f' (+{ready.num_host_blocks} on the host)' if ready.num_host_blocks else ''}, depth {cfg.pipeline_depth}"
+          f"{cfg.executor.speculative.banner()}", flush=True)
     if ready.num_graphs:
         print(f"forerun: {ready.num_graphs} CUDA graphs captured in {ready.graph_capture_s:.1f} s, "
               f"{ready.graph_memory_bytes / 2**20:.0f} MiB", flush=True)

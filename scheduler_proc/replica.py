@@ -134,7 +134,8 @@ def main(argv: list[str]) -> int:
         return 1
     # From here SIGTERM asks for the graceful shutdown: noted now, acted on once the event loop runs (as in launch).
     signal.signal(signal.SIGTERM, lambda signum, frame: _stop_asked.set())
-    say(f"serving on {ready.device} ({ready.dtype}), {ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}")
+    say(f"serving on {ready.device} ({ready.dtype}), {ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}"
+        f"{cfg.executor.speculative.banner()}")
 
     async def run() -> int:
         import asyncio

@@ -62,6 +62,8 @@ async def test_greedy_identical_with_and_without_speculation_at_every_depth(modu
         started = [pool.submit(module_servers, "--pipeline-depth", str(depth), *SERVER, *mixed.get(depth, ()))
                    for depth in depths]
         srvs = dict(zip(depths, [f.result() for f in started]))
+    # the start-up line says that it speculates, and how
+    assert any("speculation: 4 tokens a step from n-grams of 1-4 tokens" in line for line in srvs[1].log), srvs[1].log
 
     async def one(depth: int):
         srv = srvs[depth]
