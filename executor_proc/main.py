@@ -183,7 +183,7 @@ class ExecutorProcess:
         if cfg.moe_expert_counts and lead:  # after the start-up passes: the totals are the served steps' only
             from executor_proc.model.expert_counts import ExpertCounts
 
-            self.expert_counts = ExpertCounts(self.worker.model, built.device)
+            self.expert_counts = ExpertCounts(self.worker.model, built.device, cfg.replica)
         if built.device.type == "cuda":
             import torch
 

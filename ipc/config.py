@@ -143,6 +143,7 @@ class ExecutorConfig(_Config):
     result_addr: str = ""  # the executor PUSHes results here (the scheduler binds)
     parent_pid: int = 0  # the executor exits when this process goes away
     tp_rank: int = 0  # this process's rank in the tensor-parallel group
+    replica: Optional[int] = None  # its data-parallel replica's index (what its reports name), None when alone
     tp_init_method: str = ""  # the group's torch.distributed rendezvous (file:// in the run directory)
 
     def __post_init__(self) -> None:

@@ -79,7 +79,7 @@ def visible_gpus() -> Optional[list[str]]:
 
 def replica_config(cfg: ServerConfig, index: int, address: str, gpus: Optional[str]) -> ServerConfig:
     """Replica ``index``'s configuration: the router's, on its own address (and GPUs, seen as cuda:0...)."""
-    executor = cfg.executor
+    executor = msgspec.structs.replace(cfg.executor, replica=index)
     if gpus is not None:
         executor = msgspec.structs.replace(executor, device="cuda:0")
     return msgspec.structs.replace(cfg, client_address=address, replica=index, run_dir=None, executor=executor,

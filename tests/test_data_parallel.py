@@ -24,9 +24,11 @@ from msgspec.structs import replace
 from ipc import protocol as p
 from ipc.client import AsyncClient
 from ipc.client.raw import RawConnection
+from ipc.config import ExecutorConfig
 from ipc.models import default_model_dir
 from scheduler_proc.limits import Limits
-from scheduler_proc.replica import replica_gpus
+from scheduler_proc.config import ServerConfig
+from scheduler_proc.replica import replica_config, replica_gpus
 from scheduler_proc.replica_messages import sum_stats
 from scheduler_proc.routing import PrefixIndex, choose, prefix_hashes
 from scheduler_proc.validate import InvalidRequest, validate_generate
@@ -76,6 +78,13 @@ def test_replica_gpus_give_each_replica_its_own():
                          ((2, 1, "cuda", None), "CUDA_VISIBLE_DEVICES"), ((2, 1, "cuda:x", ["0", "1"]), "cuda:N")]:
         with pytest.raises(ValueError, match=expect):
             replica_gpus(*args)
+
+
+def test_a_replica_config_names_the_replica_to_its_executor():
+    cfg = ServerConfig(executor=ExecutorConfig(device="cuda:1"))
+    rep = replica_config(cfg, 1, "ipc:///tmp/r1.sock", "2")
+    assert (rep.replica, rep.executor.replica, rep.executor.device) == (1, 1, "cuda:0")  # its reports name it
+    assert cfg.executor.replica is None
 
 
 def test_resume_fields_are_checked_and_named():

@@ -198,6 +198,10 @@ def test_expert_counts_add_up_and_need_experts(tmp_path):
                               4, "cpu"), kv)
     assert counts.counts.shape == (1, 4) and counts.counts.sum().item() == 12 * 2
     assert counts.report()[1].startswith("moe expert counts layer 0: ")
+    # a data-parallel replica names itself on every line (replicas print to one stream)
+    replica = ExpertCounts(model, torch.device("cpu"), replica=1).report()
+    assert replica[0].startswith("moe expert counts, replica 1: tokens routed")
+    assert replica[1].startswith("moe expert counts, replica 1, layer 0: ")
     with torch.device("meta"):
         dense = CausalLM(ModelConfig.from_hf_dict({**BASE, "architectures": ["Qwen2ForCausalLM"]}))
     with pytest.raises(StartupRefused, match="--moe-expert-counts needs a mixture-of-experts model; "
