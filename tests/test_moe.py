@@ -100,6 +100,35 @@ def test_logits_match_hf(family):
     assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
 
 
+def test_transformers_5_stacked_experts_load_as_the_per_expert_tensors(built, tmp_path):
+    """transformers 5's own layout (``save_original_format=False``: ``experts.gate_up_proj [E, 2I, H]``,
+    ``experts.down_proj [E, H, I]``) loads into the same stacks as one tensor per expert, whole and as a tensor-
+    and an expert-parallel rank's slices."""
+    from executor_proc.model.loader import hf_weights
+    from executor_proc.parallel.sharding import Shards
+
+    for name in FAMILIES:
+        _, hf, model, config, folder = built(name)
+        stacked = tmp_path / name
+        hf.save_pretrained(stacked, save_original_format=False)
+        names = [n for n, _ in hf_weights(str(stacked))[1]]
+        assert any(n.endswith("mlp.experts.gate_up_proj") for n in names), names  # the layout under test
+        again, _ = load_model(str(stacked), "hf", "cpu", torch.float32)
+        for key, value in model.state_dict().items():
+            assert torch.equal(again.state_dict()[key], value), (name, key)
+        for expert_parallel in (False, True):
+            shards = Shards(config, 1, 2, expert_parallel)
+            per_expert = {checkpoint_name(n): t for n, t in hf_weights(folder, shards)[1]}
+            for n, t in hf_weights(str(stacked), shards)[1]:
+                if checkpoint_name(n).endswith(".mlp.w13"):
+                    layer = checkpoint_name(n)[:-len("w13")]
+                    experts = range(config.moe.num_experts) if shards.experts is None else shards.experts
+                    want = torch.stack([torch.cat([per_expert[f"{layer}experts.{e}.gate_proj.weight"],
+                                                   per_expert[f"{layer}experts.{e}.up_proj.weight"]])
+                                        for e in experts])
+                    assert torch.equal(t, want), (name, n, expert_parallel)
+
+
 def test_folded_norms_match_hf(family):
     """``fold_norms`` (as the CUDA path runs it) folds the input norms and the dense layers' post-attention
     norms; an MoE layer keeps its own (router, experts and shared expert all read the normalised input)."""

@@ -233,11 +233,14 @@ class CausalLM(nn.Module):
         ``progress_cb(n_seen)`` is called after each tensor read from ``weights``.  Returns the number copied.
         """
         params = dict(self.named_parameters())  # a tied lm_head is listed once, as embed_tokens
-        for i, layer in enumerate(self.model.layers):  # stacked experts load expert by expert
+        stacks: dict[str, list[str]] = {}  # an MoE stack -> its experts' slices: a checkpoint holds one or the other
+        for i, layer in enumerate(self.model.layers):  # stacked experts load expert by expert, or whole
             if isinstance(layer.mlp, MoEBlock):
                 prefix = f"model.layers.{i}.mlp."
-                del params[prefix + "w13"], params[prefix + "w2"]
-                params.update(layer.mlp.expert_views(prefix))
+                views = layer.mlp.expert_views(prefix)
+                params.update(views)
+                stacks[prefix + "w13"] = [n for n in views if n.endswith(("gate_proj.weight", "up_proj.weight"))]
+                stacks[prefix + "w2"] = [n for n in views if n.endswith("down_proj.weight")]
         params.update((n, b) for n, b in self.named_buffers() if n.endswith(_SCALE))
         loaded: set[str] = set()
         unexpected: list[str] = []
@@ -262,7 +265,10 @@ class CausalLM(nn.Module):
                 continue
             param.copy_(tensor)
             loaded.add(name)
-        missing = sorted(set(params) - loaded - misfits)  # a misfit is named once, with its shapes
+        for stack, views in stacks.items():
+            if stack in loaded:
+                loaded.update(views)
+        missing = sorted(set(params) - loaded - misfits - set(stacks))  # a misfit is named once, with its shapes
         problems = []
         if missing:
             problems.append(f"missing {len(missing)} weights: {_some(missing)}")

@@ -11,7 +11,8 @@ The experts' weights are stacked, ``w13 [E, 2I, H]`` (each expert's gate rows, t
 ``w2 [E, H, I]``, so that one kernel reaches any expert by index.  Checkpoints keep one tensor per expert
 and projection (``mlp.experts.N.gate_proj.weight``; Mixtral's ``block_sparse_moe.experts.N.w1/w3/w2`` and
 ``block_sparse_moe.gate``, renamed by :func:`checkpoint_name`): :meth:`MoEBlock.expert_views` names the
-slices of the stacks they load into.
+slices of the stacks they load into.  transformers 5's own layout keeps the stacks themselves
+(``experts.gate_up_proj``, ``experts.down_proj``), loaded whole.
 
 Under expert parallelism (:mod:`executor_proc.parallel.sharding`) a block holds a contiguous range of the
 experts, ``experts``: the stacks are that range's, the router still scores all E (every rank routes every
@@ -36,8 +37,17 @@ _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\."
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
+# transformers 5's own layout (``save_pretrained(..., save_original_format=False)``): every expert in one tensor,
+# ``experts.gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and ``experts.down_proj [E, H, I]``: the stacks'
+_STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_STACK_NAME = {"gate_up_proj": "w13", "down_proj": "w2"}
+
+
 def checkpoint_name(name: str) -> str:
-    """A checkpoint tensor's name in this model: Mixtral's MoE names become the Qwen-MoE ones (the rest as is)."""
+    """A checkpoint tensor's name in this model: Mixtral's MoE names become the Qwen-MoE ones, transformers 5's
+    stacked experts the stacks' (the rest as is)."""
+    if name.endswith("_proj"):
+        name = _STACKED_EXPERTS.sub(lambda m: f".mlp.{_STACK_NAME[m[1]]}", name)
     if ".block_sparse_moe." not in name:
         return name
     name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m[1]}.{_MIXTRAL_PROJ[m[2]]}.", name)

@@ -214,7 +214,7 @@ class Shards:
         a, b = self.rows["expert"]
         if kind == "w2":
             return t[:, :, a:b]
-        inter = t.shape[1] // 2
+        inter = _shape(t)[1] // 2
         return torch.cat([t[:, a:b], t[:, inter + a:inter + b]], dim=1)
 
     def _vocab_rows(self, t) -> torch.Tensor:
