@@ -37,8 +37,9 @@ _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\."
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-# transformers 5's own layout (``save_pretrained(..., save_original_format=False)``): every expert in one tensor,
-# ``experts.gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and ``experts.down_proj [E, H, I]``: the stacks'
+# transformers 5's own layout (``save_pretrained(..., save_original_format=False)``): a layer's experts in one
+# tensor each, ``experts.gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and ``experts.down_proj [E, H, I]``,
+# laid out as the stacks are
 _STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _STACK_NAME = {"gate_up_proj": "w13", "down_proj": "w2"}
 
