@@ -89,13 +89,15 @@ def replica_config(cfg: ServerConfig, index: int, address: str, gpus: Optional[s
 def spawn_replica(cfg: ServerConfig, gpus: Optional[str], run_dir: str) -> subprocess.Popen:
     """``python -m scheduler_proc.replica CONFIG_JSON``, killed by the kernel when this process dies; its run
     directory (its executor's sockets) is made under ``run_dir``, the router's, so that a replica killed before it
-    could remove its own leaves nothing once the router is gone."""
+    could remove its own leaves nothing once the router is gone.  In a session of its own: the router alone hears
+    a signal sent to its process group (``kill -TERM -PGID``, a terminal's Ctrl-C) and passes it on once; a
+    replica hearing it too took the router's SIGTERM for a second one, which stops at once."""
     env = dict(os.environ, FORERUN_RUN_DIR=run_dir)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PROJECT_ROOT, env.get("PYTHONPATH")]))
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     cmd = [sys.executable, "-m", "scheduler_proc.replica", msgspec.json.encode(cfg).decode()]
-    return subprocess.Popen(cmd, env=env, preexec_fn=_replica_preexec)
+    return subprocess.Popen(cmd, env=env, preexec_fn=_replica_preexec, start_new_session=True)
 
 
 def _replica_preexec() -> None:

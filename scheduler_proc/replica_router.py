@@ -348,15 +348,17 @@ class Router(RouterClients, RouterRelay):
             self._resend(leg, why)
         if self.shutdown_at is not None:
             return
-        say(f"{why}; {sum(len(leg.indices) for leg in lost)} requests re-sent to other replicas")
         window = self.cfg.restart_window_s
         while replica.starts and now - replica.starts[0] > window:
             replica.starts.popleft()
-        if len(replica.starts) > self.cfg.max_restarts:
-            replica.retired = True
-            say(f"replica {replica.index} restarted more than {self.cfg.max_restarts} times within {window:g} s: "
-                "it stays down")
-            if all(r.retired for r in self.replicas):
+        replica.retired = len(replica.starts) > self.cfg.max_restarts
+        others = any(not r.retired for r in self.replicas if r is not replica)
+        if others or not replica.retired:  # (with no other replica up they wait for one: router_relay._place)
+            fate = "re-sent to other replicas" if others else "waiting for it to restart"
+            say(f"{why}; {sum(len(leg.indices) for leg in lost)} requests {fate}")
+        if replica.retired:
+            say(f"{why}; it restarted more than {self.cfg.max_restarts} times within {window:g} s: it stays down")
+            if not others:
                 self.fail_stop("every replica is down for good")
             return
         replica.start(self.ctx, self.hello)

@@ -323,3 +323,20 @@ def test_a_stuck_replica_is_killed_and_its_streams_go_on(dp):
     assert any(0 < n < MAX_TOKENS for n in at_stop), at_stop  # some were mid-stream
     assert waited >= HANG_S, waited  # its streams waited for the timeout
     _assert_rejoins(dp, 1, victim, requests[:4], want[:4])
+
+
+def test_replicas_past_their_restarts_stay_down_and_the_last_one_stops_the_server(tmp_path_factory):
+    """``--max-restarts 0``: a killed replica stays down, its requests going to the other; when the other dies too,
+    the server says that every replica is down for good and exits (no "re-sent to other replicas" then)."""
+    srv = ServerProcess("--load-format", "scripted", "--data-parallel-size", "2", "--max-restarts", "0",
+                        tmpdir=str(tmp_path_factory.mktemp("dpr")), timeout=120)
+    replicas = sorted(int(pid) for pid in subprocess.run(["pgrep", "-P", str(srv.proc.pid)], capture_output=True,
+                                                          text=True).stdout.split())
+    assert len(replicas) == 2, replicas
+    os.kill(replicas[0], signal.SIGKILL)
+    time.sleep(1.0)
+    os.kill(replicas[1], signal.SIGKILL)
+    out = "".join(srv.log) + srv.proc.communicate(timeout=60)[0]
+    assert out.count("re-sent to other replicas") == 1 and out.count("it stays down") == 2, out
+    assert "every replica is down for good" in out, out
+

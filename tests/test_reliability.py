@@ -328,6 +328,28 @@ def test_sigterm_to_the_whole_process_group_drains_without_restarting_the_execut
     assert srv.proc.returncode == 0 and "forerun: stopped" in out and "restarting" not in out, out
 
 
+def test_sigterm_to_the_whole_process_group_drains_data_parallel_replicas_too():
+    """``kill -TERM -PGID`` with two replicas: the replicas, in sessions of their own, hear it from their router
+    only (once: a second SIGTERM means at once), so a running request still drains to its end."""
+    srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "5", "--data-parallel-size", "2",
+                        tmpdir=run_dir(), timeout=120, new_session=True)
+
+    async def drained() -> p.Finished:
+        async with RawConnection(srv.address, timeout=30) as conn:
+            await conn.hello("group-sigterm-dp", batch_deltas=True)
+            await conn.send(p.Generate("r", [5, 6, 7], p.SamplingParams(max_tokens=200, ignore_eos=True)))
+            await conn.recv()
+            os.killpg(srv.proc.pid, signal.SIGTERM)
+            while not isinstance(msg := await conn.recv(), (p.Finished, p.Error)):
+                pass
+            return msg
+
+    end = asyncio.run(drained())
+    out = "".join(srv.log) + srv.proc.communicate(timeout=60)[0]
+    assert isinstance(end, p.Finished) and end.reason == "length" and end.completion_tokens == 200, (end, out)
+    assert srv.proc.returncode == 0 and "forerun: stopped" in out, out
+
+
 def test_past_the_restart_limit_every_request_is_told_the_limit():
     """The executor dies twice in a row with the same requests in flight, the second death past --max-restarts:
     every live request gets the fail-stop's reason (the limit, the server shutting down), not the one-request
