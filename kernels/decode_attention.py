@@ -259,7 +259,7 @@ def default_num_splits(batch: int, num_kv_heads: int, device: torch.device | str
                        max_splits: int = 16, head_dim: int = 64, fp8: bool = False) -> int:
     """Splits per (row, KV head) so that the grid has about 4 programs per SM at head_dim 64, 2 at 128; an FP8
     cache past :data:`FP8_FEW_ROWS` rows twice as many (its tiles of 8-bit values end sooner; on an H200, 8B heads:
-    at 32 rows of 16k 4 splits 306.7 us against 8 splits' 311.6, at 64 rows of 4k 4 splits 168.7 against 1 split's
+    at 32 rows of 16k 4 splits 306.7 us against 8 splits' 311.6, at 64 rows of 4k 2 splits 164.4 against 1 split's
     186.9; four times as many lost at short rows: 32 rows of 1k 36.2 us against 2 splits' 26.6, 128 rows 96.0
     against 1 split's 85.0; `decode_fp8_h200_2026-11-30.json`).
 
@@ -282,8 +282,8 @@ def split_pairs(max_rows: int, num_kv_heads: int, device: torch.device | str = "
                 for r in range(1, max_rows + 1)), default=0)
 
 
-def _programs_wanted(device: torch.device | str, head_dim: int, more: bool = False) -> int:
-    return (8 if more else 4) * _num_sms(torch.device(device)) * 64 // max(64, triton.next_power_of_2(head_dim))
+def _programs_wanted(device: torch.device | str, head_dim: int, twice: bool = False) -> int:
+    return (8 if twice else 4) * _num_sms(torch.device(device)) * 64 // max(64, triton.next_power_of_2(head_dim))
 
 
 def _splits(row_heads: int, want: int, max_splits: int) -> int:
