@@ -306,13 +306,13 @@ def test_sigterm_the_moment_the_server_is_ready_stops_it_cleanly():
     assert "forerun: stopped" in out and not any(w in out for w in ("Traceback", "Warning", "never awaited")), out
 
 
-def test_sigterm_to_the_whole_process_group_drains_without_restarting_the_executor():
-    """``kill -TERM -PGID`` (a supervisor stopping the group): the executor ignores it as it does SIGINT, the server
-    drains its running request to the end and stops; the executor was once killed by it and restarted mid-drain."""
-    srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "5", tmpdir=run_dir(), timeout=120,
-                        new_session=True)
+def _drain_after_a_group_sigterm(*flags: str) -> str:
+    """A scripted server in its own session, one request of 200 tokens running, then ``kill -TERM -PGID``: the
+    request must end with all its tokens and the server stop cleanly; its whole output."""
+    srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "5", *flags, tmpdir=run_dir(),
+                        timeout=120, new_session=True)
 
-    async def drained() -> p.Finished:
+    async def drained() -> p.Finished | p.Error:
         async with RawConnection(srv.address, timeout=30) as conn:
             await conn.hello("group-sigterm", batch_deltas=True)
             await conn.send(p.Generate("r", [5, 6, 7], p.SamplingParams(max_tokens=200, ignore_eos=True)))
@@ -325,29 +325,21 @@ def test_sigterm_to_the_whole_process_group_drains_without_restarting_the_execut
     end = asyncio.run(drained())
     out = "".join(srv.log) + srv.proc.communicate(timeout=60)[0]
     assert isinstance(end, p.Finished) and end.reason == "length" and end.completion_tokens == 200, (end, out)
-    assert srv.proc.returncode == 0 and "forerun: stopped" in out and "restarting" not in out, out
+    assert srv.proc.returncode == 0 and "forerun: stopped" in out, out
+    return out
+
+
+def test_sigterm_to_the_whole_process_group_drains_without_restarting_the_executor():
+    """``kill -TERM -PGID`` (a supervisor stopping the group): the executor ignores it as it does SIGINT, the server
+    drains its running request to the end and stops; the executor was once killed by it and restarted mid-drain."""
+    out = _drain_after_a_group_sigterm()
+    assert "restarting" not in out, out
 
 
 def test_sigterm_to_the_whole_process_group_drains_data_parallel_replicas_too():
     """``kill -TERM -PGID`` with two replicas: the replicas, in sessions of their own, hear it from their router
     only (once: a second SIGTERM means at once), so a running request still drains to its end."""
-    srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "5", "--data-parallel-size", "2",
-                        tmpdir=run_dir(), timeout=120, new_session=True)
-
-    async def drained() -> p.Finished:
-        async with RawConnection(srv.address, timeout=30) as conn:
-            await conn.hello("group-sigterm-dp", batch_deltas=True)
-            await conn.send(p.Generate("r", [5, 6, 7], p.SamplingParams(max_tokens=200, ignore_eos=True)))
-            await conn.recv()
-            os.killpg(srv.proc.pid, signal.SIGTERM)
-            while not isinstance(msg := await conn.recv(), (p.Finished, p.Error)):
-                pass
-            return msg
-
-    end = asyncio.run(drained())
-    out = "".join(srv.log) + srv.proc.communicate(timeout=60)[0]
-    assert isinstance(end, p.Finished) and end.reason == "length" and end.completion_tokens == 200, (end, out)
-    assert srv.proc.returncode == 0 and "forerun: stopped" in out, out
+    _drain_after_a_group_sigterm("--data-parallel-size", "2")
 
 
 def test_past_the_restart_limit_every_request_is_told_the_limit():
