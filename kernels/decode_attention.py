@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .e4m3 import e4m3_pair_to_f16
-from .paged_kv import load_kv_tile
+from .paged_kv import load_kv_tile, load_words
 from .pdl import pdl_args, pdl_launch, pdl_wait
 
 from .reference import decode_attention_ref  # noqa: F401  (re-exported)
@@ -116,23 +116,16 @@ def _split_kernel(
             t_mask = t < ctx
             blk = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
             off = (t % BLOCK_SIZE).to(tl.int64)
-            kw = tl.load(kw_ptr + ((blk * stride_kb + off * stride_kt + kvh * stride_kh) // 2)[:, None]
-                         + offs_w[None, :], mask=t_mask[:, None] & w_dims[None, :], other=0)
-            k_even, k_odd = e4m3_pair_to_f16(kw)
+            k_even, k_odd = e4m3_pair_to_f16(load_words(kw_ptr, blk, off, t_mask, kvh, offs_w, w_dims,
+                                                        stride_kb, stride_kt, stride_kh))
             s = tl.dot(q_even, tl.trans(k_even), input_precision=DOT_PREC)
             s = tl.dot(q_odd, tl.trans(k_odd), s, input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2
-            s = tl.where(t_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vw = tl.load(vw_ptr + ((blk * stride_vb + off * stride_vt + kvh * stride_vh) // 2)[:, None]
-                         + offs_w[None, :], mask=t_mask[:, None] & w_dims[None, :], other=0)
-            v_even, v_odd = e4m3_pair_to_f16(vw)
+            p, alpha, m_i, l_i = _softmax_step(s, t_mask, m_i, l_i)
+            v_even, v_odd = e4m3_pair_to_f16(load_words(vw_ptr, blk, off, t_mask, kvh, offs_w, w_dims,
+                                                        stride_vb, stride_vt, stride_vh))
             p = p.to(tl.float16)
             acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=DOT_PREC)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=DOT_PREC)
-            m_i = m_new
         acc = tl.reshape(tl.join(acc_even, acc_odd), (G_PAD, D_PAD))  # dims back in order: 2j, 2j + 1
     else:
         q = tl.load(q_row + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
@@ -144,13 +137,8 @@ def _split_kernel(
                                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
             # (an FP8 cache under float32 queries widens to float32 here)
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2
-            s = tl.where(t_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p, alpha, m_i, l_i = _softmax_step(s, t_mask, m_i, l_i)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
-            m_i = m_new
     pdl_launch(USE_PDL)
     acc = acc * v_scale  # exact at 1
 
@@ -174,6 +162,17 @@ def _split_kernel(
             _merge_group(out_ptr, po_ptr, pm_ptr, pl_ptr, b, kvh, n_valid, stride_ob, stride_oh,
                          stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh,
                          GROUP, G_MERGE, HEAD_DIM, D_PAD, S_PAD)
+
+
+@triton.jit
+def _softmax_step(s, t_mask, m_i, l_i):
+    """One tile of the online softmax: ``s`` (log2 scores, tokens past ``t_mask`` dropped) against the running max
+    and sum; (probabilities, the old terms' rescale, the new max, the new sum)."""
+    s = tl.where(t_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit

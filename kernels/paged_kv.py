@@ -20,6 +20,14 @@ def load_kv_tile(k_ptr, v_ptr, bt_row, t, t_mask, kvh, offs_d, d_mask,
 
 
 @triton.jit
+def load_words(w_ptr, blk, off, t_mask, kvh, offs_w, w_dims, stride_b, stride_t, stride_h):
+    """16-bit words ``[len(blk), len(offs_w)]`` of an FP8 cache (two e4m3 values each; ``w_ptr``: the cache as
+    ``uint16``) for tokens at (page ``blk``, offset ``off``), KV head ``kvh``; strides in e4m3 values."""
+    return tl.load(w_ptr + ((blk * stride_b + off * stride_t + kvh * stride_h) // 2)[:, None] + offs_w[None, :],
+                   mask=t_mask[:, None] & w_dims[None, :], other=0)
+
+
+@triton.jit
 def load_kv_pair(k_ptr, v_ptr, bt_row, t, t_end, kvh, offs_d, stride_b, stride_t, stride_h,
                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr):
     """K and V ``[len(t), D_PAD]`` of tokens ``t`` (KV head ``kvh``) when K and V share their strides.
