@@ -255,34 +255,32 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_num_splits(batch: int, num_kv_heads: int, device: torch.device | str = "cuda",
-                       max_splits: int = 16, head_dim: int = 64, fp8: bool = False) -> int:
-    """Splits per (row, KV head) so that the grid has about 4 programs per SM at head_dim 64, 2 at 128; an FP8
-    cache past :data:`FP8_FEW_ROWS` rows twice as many (its tiles of 8-bit values end sooner; on an H200, 8B heads:
-    at 32 rows of 16k 4 splits 306.7 us against 8 splits' 311.6, at 64 rows of 4k 2 splits 164.4 against 1 split's
-    186.9; four times as many lost at short rows: 32 rows of 1k 36.2 us against 2 splits' 26.6, 128 rows 96.0
-    against 1 split's 85.0; `decode_fp8_h200_2026-11-30.json`).
+                       max_splits: int = 16, head_dim: int = 64) -> int:
+    """Splits per (row, KV head) so that the grid has about 4 programs per SM at head_dim 64, 2 at 128.
 
     Depends on the batch size and head shape only (never on lengths), so one value serves a whole
     CUDA-graph bucket.  Short rows simply leave the later splits empty.  The H100 sweep
     (``scripts/bench_kernels.py decode-attention``, 512-token rows): at head_dim 128 a program streams twice
     the bytes per tile and fewer, longer programs win from batch 16 up (batch 64: 1 split 50 us
-    against 2 splits 55 us per layer); at head_dim 64 the 4-per-SM rule was best at every batch.
+    against 2 splits 55 us per layer); at head_dim 64 the 4-per-SM rule was best at every batch.  An FP8 cache
+    takes the same counts: with its deeper pipelines (:func:`_default_config`) they were the best of 1-16 splits
+    on an H200 at every row count from 4 to 256 (`decode_stages_h200_2026-11-30.json`).
     """
-    return _splits(batch * num_kv_heads, _programs_wanted(device, head_dim, fp8 and batch > FP8_FEW_ROWS), max_splits)
+    return _splits(batch * num_kv_heads, _programs_wanted(device, head_dim), max_splits)
 
 
 def split_pairs(max_rows: int, num_kv_heads: int, device: torch.device | str = "cuda", max_splits: int = 16,
-                head_dim: int = 64, fp8: bool = False) -> int:
+                head_dim: int = 64) -> int:
     """The most (row, split) pairs :func:`default_num_splits` asks for at any row count up to ``max_rows``: what a
     :class:`DecodeWorkspace` holds so that no call gets fewer splits than that rule gives (a speculative step of
     one slot at K = 8 is 9 rows: cut from 16 splits to 2, the default model's verify step took 0.97 ms on an H200
     against 0.71)."""
-    return max((r * default_num_splits(r, num_kv_heads, device, max_splits, head_dim, fp8)
+    return max((r * default_num_splits(r, num_kv_heads, device, max_splits, head_dim)
                 for r in range(1, max_rows + 1)), default=0)
 
 
-def _programs_wanted(device: torch.device | str, head_dim: int, twice: bool = False) -> int:
-    return (8 if twice else 4) * _num_sms(torch.device(device)) * 64 // max(64, triton.next_power_of_2(head_dim))
+def _programs_wanted(device: torch.device | str, head_dim: int) -> int:
+    return 4 * _num_sms(torch.device(device)) * 64 // max(64, triton.next_power_of_2(head_dim))
 
 
 def _splits(row_heads: int, want: int, max_splits: int) -> int:
@@ -293,17 +291,22 @@ def _splits(row_heads: int, want: int, max_splits: int) -> int:
 
 
 # an FP8 cache's tiles: up to this many rows long ones (the few programs each stream more), past it short ones
-FP8_FEW_ROWS = 8
+FP8_FEW_ROWS = 2
 
 
 def _default_config(head_dim: int, fp8: bool = False, rows: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages): best of the H100 sweep in docs/kernels.md; an FP8 cache: the best of an H200
-    sweep at 1-64 rows (8B and 1B heads, 16k and 4k tokens a row, `decode_fp8_h200_2026-11-30.json`): 256-token
-    tiles up to :data:`FP8_FEW_ROWS` rows, shorter ones (and more splits) past it."""
+    """(BLOCK_N, num_warps, num_stages): bf16, the best of the H100 sweep in docs/kernels.md.  An FP8 cache: the
+    best over contexts of 512 to 16k tokens in H200 sweeps of 1-256 rows (8B and 1B heads,
+    `decode_stages_h200_2026-11-30.json`).  At head_dim 128 its pipelines are 5 stages deep: the page-id load of
+    each tile takes a stage of the compiler's pipeline, and below 5 the K and V tiles had one buffer, loaded after
+    the previous tile's products, so that no load overlapped them (5 give two buffers: the next tile in flight);
+    past 128 rows 128-token tiles (3-4% faster at 256 rows of 512-2,048 tokens, 2% slower at 128 rows of 1k).
+    At head_dim 64 long tiles up to :data:`FP8_FEW_ROWS` rows, short ones in many small programs past it.
+    """
     if fp8:
-        if rows <= FP8_FEW_ROWS:
-            return (256, 4, 3) if head_dim <= 64 else (256, 4, 2)
-        return (64, 4, 2) if head_dim <= 64 else (128, 4, 3)
+        if head_dim <= 64:
+            return (256, 4, 3) if rows <= FP8_FEW_ROWS else (64, 4, 2)
+        return (128, 4, 5) if rows <= FP8_FEW_ROWS or rows > 128 else (64, 4, 5)
     if head_dim <= 64:
         return 32, 2, 3
     return 64, 4, 3
@@ -361,10 +364,10 @@ def decode_attention(
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
-    # an FP8 cache under 16-bit queries: float16 products on e4m3 read two a word, its own tiles and split counts
+    # an FP8 cache under 16-bit queries: float16 products on e4m3 read two a word, its own tiles
     fp8 = k_cache.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
     if num_splits is None:
-        num_splits = default_num_splits(B, Hkv, q.device, workspace.max_splits if workspace else 16, D, fp8)
+        num_splits = default_num_splits(B, Hkv, q.device, workspace.max_splits if workspace else 16, D)
     dflt = _default_config(D, fp8, B if config_rows is None else config_rows)
     block_n = block_n or dflt[0]
     num_warps = num_warps or dflt[1]

@@ -574,7 +574,7 @@ speed-up is printed.
         ws = DecodeWorkspace(batch, H, D, max_splits=16, device="cuda")
         kv_bytes = 2 * batch * ctx * Hkv * D * kc.element_size()
         fp8 = kv_dtype == "fp8"
-        default = (default_num_splits(batch, Hkv, "cuda", head_dim=D, fp8=fp8), *_default_config(D, fp8, batch))
+        default = (default_num_splits(batch, Hkv, "cuda", head_dim=D), *_default_config(D, fp8, batch))
         results = {}
         for cfg in itertools.product(args.splits, args.block_n, args.warps_stages):
             splits, block_n, (warps, stages) = cfg

@@ -145,7 +145,7 @@ def variants():
                       BLOCK_N=block_n, NUM_SPLITS=splits, S_PAD=splits, DOT_PREC="tf32", USE_PDL=True)
         yield (f"decode_split D={head_dim} G={group} splits={splits}", decode_attention._split_kernel, DECODE_SIG,
                consts, (None, None, None, warps, stages))
-        for rows in (1, 64) if head_dim == 128 else ():  # an FP8 cache: its own tiles, float16 products
+        for rows in (1, 64) if splits == 16 else ():  # an FP8 cache: its own tiles, float16 products
             block_n, warps, stages = decode_attention._default_config(head_dim, fp8=True, rows=rows)
             yield (f"decode_split fp8 D={head_dim} G={group} splits={splits} rows={rows}",
                    decode_attention._split_kernel, dict(DECODE_SIG, k_ptr="*fp8e4nv", v_ptr="*fp8e4nv"),

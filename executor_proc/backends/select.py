@@ -47,8 +47,7 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     # rows under either method
     backend = TritonBackend(model.rope_inv_freq, max_positions, c.num_heads, c.num_kv_heads, c.head_dim,
                             cfg.num_slots + 1, device, batch_invariant=cfg.batch_invariant,
-                            max_decode_rows=(cfg.num_slots + 1) * cfg.speculative.values_per_slot(),
-                            fp8_kv=cfg.kv_cache_dtype == "fp8")
+                            max_decode_rows=(cfg.num_slots + 1) * cfg.speculative.values_per_slot())
     if folds_norms(cfg) and not is_quantized(model):  # FP8 from the checkpoint: a fold would re-quantize
         model.fold_norms()
         backend.norms_folded = True

@@ -125,18 +125,17 @@ class TritonBackend:
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, max_batch: int, device: torch.device, batch_invariant: bool = False,
-                 max_decode_rows: int = 0, fp8_kv: bool = False):
+                 max_decode_rows: int = 0):
         """``max_batch``: the most rows of a decode step; ``max_decode_rows``: of any one-token-a-row forward (a
-        speculative step's positions), which takes fewer attention splits past ``max_batch``; ``fp8_kv``: the KV
-        cache is e4m3 (decode attention's split counts for it)."""
+        speculative step's positions), which takes fewer attention splits past ``max_batch``."""
         self.cos_sin = rope_cos_sin_cache(inv_freq.float().to(device), max_positions)
-        self.num_kv_heads, self.head_dim, self.fp8_kv = num_kv_heads, head_dim, fp8_kv
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.device = device
         # batch-invariant: every call, whatever its rows, keeps the one split count (room for it at every size)
         # (a speculative step's rows take the splits the default rule gives them: room for that at every row count)
         self.workspace = DecodeWorkspace(max_batch, num_heads, head_dim, device=device, max_rows=max_decode_rows,
                                          min_splits=INVARIANT_ATTENTION_SPLITS if batch_invariant else 1,
-                                         min_pairs=split_pairs(max_decode_rows, num_kv_heads, device, 16, head_dim, fp8_kv))
+                                         min_pairs=split_pairs(max_decode_rows, num_kv_heads, device, 16, head_dim))
         # (N, K, m_bucket) -> skinny-matmul config; absent: cuBLAS.
         self.gemv_choice: dict[tuple[int, int, int], GemvConfig] = {}
         self.gemv_everywhere: Optional[GemvConfig] = None  # tests: force the Triton path
@@ -199,8 +198,8 @@ class TritonBackend:
         for every batch size when batch-invariant."""
         if self.batch_invariant:
             return self.invariant_splits
-        return min(default_num_splits(rows, self.num_kv_heads, self.device, self.workspace.max_splits, self.head_dim,
-                                      self.fp8_kv), self.workspace.splits_for(rows))
+        return min(default_num_splits(rows, self.num_kv_heads, self.device, self.workspace.max_splits, self.head_dim),
+                   self.workspace.splits_for(rows))
 
     @property
     def max_decode_rows(self) -> int:
