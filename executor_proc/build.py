@@ -61,6 +61,7 @@ class BuiltWorker:
     graph_memory_bytes: int = 0  # device memory they took (free memory before - after)
     tp: Optional[object] = None  # executor_proc.parallel.group.TPGroup when tensor_parallel_size > 1
     plan: Optional[MemoryPlan] = None  # the device memory plan the KV cache was sized by
+    plan_note: str = ""  # what the start-up line adds to the plan's (a context held to the KV cache's size)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -203,8 +204,14 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
         worker.host_kv = HostKV(kv, host_blocks, device,
                                 backup_stream=cfg.host_kv_backup_stream and cfg.tp_rank == 0)
         progress("host_kv_cache", 1, 1)
-    return BuiltWorker(worker, mcfg, plan.kv_blocks, max_len, device, host_blocks, num_graphs=num_graphs,
-                       graph_capture_s=capture_s, graph_memory_bytes=graph_bytes, tp=tp, plan=plan)
+    # A given block count may hold less than one request of max_len (the plan refuses that otherwise): requests
+    # are then held to what the cache holds, and the server says so (an OpenAI client's default max_tokens is the
+    # rest of the context it is told)
+    served_len = min(max_len, plan.kv_tokens)
+    note = (f"; a request holds at most {served_len:,} tokens (the KV cache's {plan.kv_blocks:,} blocks, below "
+            f"the context length of {max_len:,})" if served_len < max_len else "")
+    return BuiltWorker(worker, mcfg, plan.kv_blocks, served_len, device, host_blocks, num_graphs=num_graphs,
+                       graph_capture_s=capture_s, graph_memory_bytes=graph_bytes, tp=tp, plan=plan, plan_note=note)
 
 
 def cap_allocator(worker: Worker, plan: MemoryPlan) -> None:

@@ -199,7 +199,7 @@ class ExecutorProcess:
             eos_token_ids=list(mcfg.eos_token_ids), device=str(built.device), dtype=cfg.resolved_dtype(),
             num_host_blocks=built.num_host_blocks, num_graphs=built.num_graphs,
             graph_capture_s=built.graph_capture_s, graph_memory_bytes=built.graph_memory_bytes,
-            memory_plan=built.plan.line(), memory_plan_bytes=built.plan.as_dict()))
+            memory_plan=built.plan.line() + built.plan_note, memory_plan_bytes=built.plan.as_dict()))
         gc.freeze()  # the hot loop must not pay for scanning start-up objects (see _setup_scripted)
 
     def _setup_scripted(self) -> None:

@@ -139,6 +139,15 @@ def test_completions_default_max_tokens_is_16(oai):
     assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
 
 
+def test_chat_default_max_tokens_is_what_the_kv_cache_leaves(oai, sdk):
+    """This server's cache (256 blocks of 16 tokens) holds less than the model's 8,192-token context: the context
+    it serves and advertises is the cache's, and a chat without max_tokens (the rest of that context) runs."""
+    assert sdk.server_info.max_model_len == 256 * 16
+    assert oai.models.list().data[0].max_model_len == 256 * 16
+    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, stop=[".", "\n"])
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens > 0
+
+
 async def test_chat_stream_async_with_usage(http_server, sdk):
     client = openai.AsyncOpenAI(base_url=f"{http_server.url}/v1", api_key=API_KEY, max_retries=0)
 
