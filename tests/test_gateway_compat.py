@@ -126,12 +126,16 @@ REQUIRED, NAMED = ToolPlan(FUNCTIONS, "required"), ToolPlan(FUNCTIONS, "named", 
 
 
 def test_forced_calls_cut_short_are_never_content():
-    """``required`` cut short: its whole calls, if any, else null content; named: the call as far as it came."""
+    """``required`` cut short: its whole calls and the one cut short once its name is out (as far as it came),
+    null content; named: the call as far as it came."""
     message, finish = choice_message('[{"name": "get_weather", "parameters": {"ci', "length", REQUIRED)
-    assert (message.content, finish) == (None, "length") and not hasattr(message, "tool_calls")
+    assert (message.content, finish) == (None, "length")
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("get_weather", '{"ci')]
     message, finish = choice_message('[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"na', "length", REQUIRED)
     assert finish == "length" and message.content is None
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("get_time", '{"zone": "UTC"}')]
+    message, finish = choice_message('[{"name": "get_wea', "length", REQUIRED)  # no name yet: no call
+    assert (message.content, finish) == (None, "length") and not hasattr(message, "tool_calls")
     message, finish = choice_message('{"zone": "U', "length", NAMED)
     assert finish == "length" and message.content is None and message.tool_calls[0].function.arguments == '{"zone": "U'
     stream = ToolCallStream(REQUIRED)
@@ -143,13 +147,62 @@ def test_forced_calls_cut_short_are_never_content():
 def test_forced_calls_cut_by_a_stop_string_are_never_content_either():
     """A stop string or stop token that ends a forced call mid-JSON (finish "stop"): as a cut by max_tokens."""
     message, finish = choice_message('[{"name": "get_weather", "parameters": {"', "stop", REQUIRED)
-    assert (message.content, finish) == (None, "stop") and not hasattr(message, "tool_calls")
+    assert (message.content, finish) == (None, "stop") and message.tool_calls[0].function.arguments == '{"'
     message, finish = choice_message('{"', "stop", NAMED)
     assert message.content is None and message.tool_calls[0].function.arguments == '{"'
     stream = ToolCallStream(REQUIRED)
     stream.feed('[{"name": "get_weather", "parameters": {"')
     deltas, finish = stream.finish("stop")
     assert finish == "stop" and not any(d.content for d in deltas)
+
+
+def test_tools_follow_openai_naming_and_a_function_without_parameters_takes_none():
+    def tools(*fns):
+        return chat({"tools": [{"type": "function", "function": f} for f in fns]})
+
+    assert refused(plan_tools, tools({"name": "bad name!"})).param == "tools[0].function.name"
+    assert refused(plan_tools, tools({"name": "x" * 65})).param == "tools[0].function.name"
+    assert refused(plan_tools, tools(FUNCTIONS[0], FUNCTIONS[1], FUNCTIONS[0])).param == "tools[2].function.name"
+    plan = plan_tools(msgspec.structs.replace(tools({"name": "no_args-1"}),
+                                              tool_choice={"type": "function", "function": {"name": "no_args-1"}}))
+    from ipc.gateway.tools import constraint
+
+    assert constraint(plan) == {"json_schema": {"type": "object", "properties": {}, "additionalProperties": False}}
+
+
+def test_auto_calls_whose_arguments_are_not_a_json_object_are_content():
+    auto = ToolPlan(FUNCTIONS, "auto")
+    for args in ('"{not json"', '"[1, 2]"', "[1]"):
+        text = f'<tool_call>{{"name": "get_time", "arguments": {args}}}</tool_call>'
+        message, finish = choice_message(text, "stop", auto)
+        assert (message.content, finish) == (text, "stop") and not hasattr(message, "tool_calls"), args
+    message, _ = choice_message('<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}</tool_call>',
+                                "stop", auto)  # JSON text of an object: the arguments as they are
+    assert message.tool_calls[0].function.arguments == '{"zone": "UTC"}'
+
+
+def test_constraint_errors_name_the_field_sent_and_choices_have_a_limit():
+    from ipc.client import InvalidRequestError
+    from ipc.gateway.structured import MAX_CHOICES, constraint_kwargs, constraint_param
+
+    bad = InvalidRequestError("invalid_request", "sampling.json_schema", "not a schema")
+    for body, param in (({"guided_json": {"type": "nope"}}, "guided_json"),
+                        ({"response_format": {"type": "json_object"}}, "response_format"),
+                        ({"structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs.json")):
+        assert constraint_param(chat(body)) == param
+        response = handling.error_for(FakeGateway(None), bad, constraint_param(chat(body)))
+        assert json.loads(response.body)["error"]["param"] == param
+    assert constraint_param(chat({})) is None
+    assert constraint_kwargs(chat({"guided_choice": ["a"] * MAX_CHOICES})) == {"choice": ["a"] * MAX_CHOICES}
+    error = refused(constraint_kwargs, chat({"guided_choice": ["a"] * (MAX_CHOICES + 1)}))
+    assert error.param == "guided_choice" and str(MAX_CHOICES) in error.message
+
+
+def test_messages_other_than_an_assistants_need_content():
+    for role in ("user", "system", "tool"):
+        assert refused(s.chat_messages, [s.ChatMessage(role, None)]).param == "messages[0].content"
+    assert s.chat_messages([s.ChatMessage("user", "hi"), s.ChatMessage("assistant", None, tool_calls=[])])[1] == {
+        "role": "assistant", "content": ""}
 
 
 def test_named_call_finishes_with_stop_and_required_with_tool_calls():

@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from ipc.client import InvalidRequestError
 from ipc.gateway import schemas as s
-from ipc.gateway import chat_template, tools
+from ipc.gateway import chat_template, structured, tools
 from ipc.gateway.handling import error_for, error_response, run, stream, whole
 from ipc.gateway.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_THREADS
 from ipc.gateway.responses import (
@@ -62,9 +62,13 @@ async def completions(request: Request) -> Response:
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = [gw.new_stream(p.ids, f"{rid}-{i}", gw.sampling_kwargs(req, max_tokens, len(p.ids)))
                    for i, p in enumerate(prompts)]
+        param = structured.constraint_param(req)  # what a refused constraint's 400 names
         if req.stream:
-            return stream(gw, streams, lambda firsts: completion_stream(gw, req, rid, prompts, streams, firsts))
-        return await whole(gw, request, streams, whole_completion(gw, req, rid, prompts, streams))
+            return stream(gw, streams, lambda firsts: completion_stream(gw, req, rid, prompts, streams, firsts), param)
+        try:
+            return await whole(gw, request, streams, whole_completion(gw, req, rid, prompts, streams))
+        except InvalidRequestError as e:
+            return error_for(gw, e, param)
     return await run(request, handle)
 
 
@@ -78,16 +82,17 @@ async def chat_completions(request: Request) -> Response:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = [gw.new_stream(ids, rid, tools.with_constraint(gw.sampling_kwargs(req, max_tokens, len(ids)), plan))]
-        # "required" or a named function constrains the output: a refused constraint is the functions' parameters
-        from_tools = "tools" if tools.constrains(plan) else None
+        # what a refused constraint's 400 names: "required" or a named function constrains the output with the
+        # functions' parameters
+        param = "tools" if tools.constrains(plan) else structured.constraint_param(req)
         if req.stream:
             events = chat_stream if plan is None else chat_tools_stream
-            return stream(gw, streams, lambda firsts: events(gw, req, rid, streams, firsts), from_tools)
+            return stream(gw, streams, lambda firsts: events(gw, req, rid, streams, firsts), param)
         answer = whole_chat(gw, req, rid, Prompt(ids, ""), streams[0], plan)
         try:
             return await whole(gw, request, streams, answer)
         except InvalidRequestError as e:
-            return error_for(gw, e, from_tools)
+            return error_for(gw, e, param)
     return await run(request, handle)
 
 

@@ -46,8 +46,8 @@ def gateway_of(request: Request) -> Gateway:
 
 def error_for(gw: Gateway, exc: BaseException, constraint_param: Optional[str] = None) -> Optional[Response]:
     """The OpenAI error response for a RequestError or an SDK error (None: not one of those).  ``constraint_param``:
-    the request field a refused constraint came from, where not ``response_format`` (``tools``: tool_choice
-    "required" or a named function constrains the output with the functions' parameters)."""
+    the request field a refused constraint came from (``guided_json``, ...; ``tools``: tool_choice "required" or a
+    named function constrains the output with the functions' parameters)."""
     if isinstance(exc, s.RequestError):
         return error_response(exc.status, exc.message, exc.param, exc.err_type, exc.code)
     if isinstance(exc, ClientGone):

@@ -8,8 +8,8 @@ Accepted (at most one per request; a second is a 400 naming it):
 * vLLM's ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` and
   ``structured_outputs: {json | regex | choice | grammar | json_object}`` (``extra_body``).
 
-The scheduler compiles the constraint and refuses a bad one with the SDK field
-(``sampling.json_schema``, ...), which :data:`PARAM_OF_FIELD` names as an HTTP parameter.
+The scheduler compiles the constraint and refuses a bad one with the SDK field (``sampling.json_schema``, ...); the
+400 names the request's field it came from (:func:`constraint_param`), else :data:`PARAM_OF_FIELD`'s.
 """
 
 from __future__ import annotations
@@ -57,8 +57,33 @@ def _structured_outputs(so: s.StructuredOutputsParams) -> list[tuple[str, str, A
     return out
 
 
+# Choices of a guided_choice list: the grammar engine refuses a rule of more than 2,000 alternatives
+MAX_CHOICES = 1000
+
+
+def constraint_param(req: Any) -> Optional[str]:
+    """The request field its constraint came from (None: it has none): what a 400 for a refused one names."""
+    found = _constraints(req)
+    return found[0][0] if found else None
+
+
 def constraint_kwargs(req: Any) -> dict[str, Any]:
     """``{sdk_field: value}`` of the request's one constraint (empty: none); a 400 when several are given."""
+    found = _constraints(req)
+    if len(found) > 1:
+        raise s.RequestError(400, f"give at most one structured-output constraint; got {found[0][0]} and "
+                                  f"{found[1][0]}", found[1][0])
+    if found and isinstance(req, s.ChatCompletionRequest) and s.chat_echo(req):
+        raise s.RequestError(400, f"echo cannot be combined with {found[0][0]}: the answer would start with the "
+                                  "echoed text, which the constraint does not hold", "echo")
+    if found and found[0][1] == "choice" and isinstance(found[0][2], list) and len(found[0][2]) > MAX_CHOICES:
+        raise s.RequestError(400, f"{found[0][0]} allows at most {MAX_CHOICES} choices, got {len(found[0][2])}",
+                             found[0][0])
+    return {found[0][1]: found[0][2]} if found else {}
+
+
+def _constraints(req: Any) -> list[tuple[str, str, Any]]:
+    """(request field, SDK field, value) of each constraint the request gives."""
     found: list[tuple[str, str, Any]] = []
     if req.response_format is not None:
         c = _response_format(req.response_format)
@@ -71,13 +96,7 @@ def constraint_kwargs(req: Any) -> dict[str, Any]:
             found.append((param, sdk, value))
     if req.structured_outputs is not None:
         found += _structured_outputs(req.structured_outputs)
-    if len(found) > 1:
-        raise s.RequestError(400, f"give at most one structured-output constraint; got {found[0][0]} and "
-                                  f"{found[1][0]}", found[1][0])
-    if found and isinstance(req, s.ChatCompletionRequest) and s.chat_echo(req):
-        raise s.RequestError(400, f"echo cannot be combined with {found[0][0]}: the answer would start with the "
-                                  "echoed text, which the constraint does not hold", "echo")
-    return {found[0][1]: found[0][2]} if found else {}
+    return found
 
 
 def grammar_metrics(samples: list[tuple[list[str], ServerStats]], label_names: list[str]) -> Iterator[Metric]:

@@ -15,10 +15,17 @@ _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 def _call_of(obj: Any, names: list[str]) -> Optional[tuple[str, str]]:
+    """(name, arguments JSON) of a parsed call of one of ``names``; None if it is not one (arguments that are
+    not a JSON object, or text that does not read as one: the output is then content)."""
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return obj["name"], args if isinstance(args, str) else json.dumps(args)
+    if isinstance(args, str):  # arguments as JSON text, as some models write them
+        try:
+            return (obj["name"], args) if isinstance(json.loads(args), dict) else None
+        except ValueError:
+            return None
+    return (obj["name"], json.dumps(args)) if isinstance(args, dict) else None
 
 
 def _named_json_calls(text: str, names: list[str]) -> list[tuple[str, str]]:
@@ -127,8 +134,8 @@ def finished(text: str, finish: str, plan: ToolPlan) -> tuple[Optional[str], lis
     Calls end with ``tool_calls``, but a named function's with ``stop``, as OpenAI's and vLLM's do.  A forced call
     (``required``, a named function) cut short (max_tokens: ``length``; a stop string or token: ``stop``) has null
     content, never its JSON as text: a named function's call with the arguments as far as they came (what a stream
-    has sent, and what OpenAI answers), ``required``'s with the calls of its list that are whole (none: no
-    ``tool_calls``)."""
+    has sent, and what OpenAI answers), ``required``'s with the calls of its list that are whole and the one cut
+    short once its name is out, its arguments as far as they came (no name yet: no ``tool_calls``)."""
     if finish not in ("stop", "length"):
         return text, [], finish
     content, calls = parse_calls(text, plan)
@@ -141,23 +148,30 @@ def finished(text: str, finish: str, plan: ToolPlan) -> tuple[Optional[str], lis
     return text, [], finish
 
 
+# The head of a ``required`` list's item up to its parameters (the constraint writes its properties in this order)
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"parameters"\s*:\s*')
+
+
 def _whole_calls(text: str, names: list[str]) -> list[tuple[str, str]]:
-    """The calls of a ``required`` list (``[{"name", "parameters"}, ...``) that was cut short: its whole items."""
+    """The calls of a ``required`` list (``[{"name", "parameters"}, ...``) that was cut short: its whole items,
+    then the one cut short if its name is out (its parameters as far as they came)."""
     decoder, calls = json.JSONDecoder(), []
     at = _skip_space(text, 0)
     if not text.startswith("[", at):
         return []
     at += 1
     while True:
+        at = _skip_space(text, at)
         try:
-            obj, at = decoder.raw_decode(text, _skip_space(text, at))
+            obj, end = decoder.raw_decode(text, at)
         except ValueError:
-            return calls
+            head = _CALL_HEAD.match(text, at)
+            return calls + [(head[1], text[head.end():])] if head and head[1] in names else calls
         call = _call_of(obj, names)
         if call is None:
             return calls
         calls.append(call)
-        at = _skip_space(text, at)
+        at = _skip_space(text, end)
         if not text.startswith(",", at):
             return calls
         at += 1

@@ -20,9 +20,11 @@ This module reads the request (the tools, the choice, the constraint a forced ca
   marker is content. Only calls of the request's functions count.
   Calls found: ``message.tool_calls`` (arguments as JSON text), ``content`` the text beside them or
   null, ``finish_reason`` ``tool_calls`` (``stop`` for a named function, as OpenAI and vLLM answer).
-  A forced call cut short by max_tokens ends with ``length`` and null content (:func:`ipc.gateway.tool_calls.finished`).
+  A forced call cut short by max_tokens ends with ``length``, null content and the call as far as it came
+  (:func:`ipc.gateway.tool_calls.finished`).
 * **Checks.** Each function's ``parameters`` must be a JSON schema of an object (OpenAI's rule) that the
-  grammar engine reads, whatever the tool_choice: a 400 naming ``tools[i].function.parameters``.
+  grammar engine reads, whatever the tool_choice: a 400 naming ``tools[i].function.parameters``; none given:
+  no parameters (a forced call is ``{}``). Names follow OpenAI's rule (``[a-zA-Z0-9_-]{1,64}``), no two alike.
 * **Mistral's ids.** Mistral's templates refuse a call id that is not 9 characters: in a
   conversation rendered by such a template, ids (``tool_calls[].id``, ``tool_call_id``) become the
   last 9 letters and digits of the id the client sent back.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -57,15 +60,27 @@ class ToolPlan:
         return [f["name"] for f in self.functions]
 
 
+# OpenAI's rule for a function's name
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# A function without parameters takes none (OpenAI's reading): a forced call of it is {}
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
             raise s.RequestError(400, 'each tool must be {"type": "function", "function": {...}}', f"tools[{i}]")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
             raise s.RequestError(400, "a function needs a name", f"tools[{i}].function.name")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not _NAME.fullmatch(name):
+            raise s.RequestError(400, f"a function's name is 1 to 64 letters, digits, underscores and dashes; got "
+                                      f"{json.dumps(name)[:80]}", f"tools[{i}].function.name")
+        if any(f["name"] == name for f in out):
+            raise s.RequestError(400, f"two tools are named {name!r}", f"tools[{i}].function.name")
+        params = fn.get("parameters", NO_PARAMETERS)
         _check_parameters(params, f"tools[{i}].function.parameters")
         out.append({**fn, "parameters": params})
     return out
