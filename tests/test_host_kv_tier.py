@@ -338,3 +338,25 @@ def test_executor_restart_empties_the_host_tier_too(restart_at):
                                   max_model_len=512, eos_token_ids=())
         assert r.output == want and r.status.value == "finished"
     assert planner.blocks.num_free == 10 and not planner.host.blocks.held()
+
+
+def test_a_host_pool_past_the_hosts_memory_is_refused_in_one_line():
+    """--host-kv-gib / --num-host-kv-blocks beyond HOST_POOL_SHARE of the available host memory: a start-up
+    refusal naming the flag and a size that fits (not the allocator's traceback)."""
+    import torch
+
+    from executor_proc.memory_plan import StartupRefused
+    from executor_proc.step.host_kv import GIB, HOST_POOL_SHARE, num_host_blocks
+    from ipc.config import ExecutorConfig
+
+    cpu, block = torch.device("cpu"), 1 << 20
+    assert num_host_blocks(ExecutorConfig(device="cpu", host_kv_gib=8.0), cpu, block, available=16 * GIB) == 8192
+    assert num_host_blocks(ExecutorConfig(device="cpu", num_host_kv_blocks=100), cpu, block, available=GIB) == 100
+    assert num_host_blocks(ExecutorConfig(device="cpu"), cpu, block, available=GIB) == 0  # off on the cpu
+    for cfg, flag in ((ExecutorConfig(device="cpu", host_kv_gib=40.0), "--host-kv-gib 40"),
+                      (ExecutorConfig(device="cpu", num_host_kv_blocks=10_000_000), "--num-host-kv-blocks 10,000,000")):
+        with pytest.raises(StartupRefused) as e:
+            num_host_blocks(cfg, cpu, block, available=16 * GIB)
+        message = str(e.value)
+        assert message.startswith(flag) and f"--host-kv-gib {HOST_POOL_SHARE * 16:.1f}" in message, message
+        assert "\n" not in message

@@ -41,6 +41,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from executor_proc.memory_plan import StartupRefused
 from executor_proc.model.kv_cache import KVCache
 from executor_proc.step.staging import PinnedStaging
 from ipc.config import DEFAULT_HOST_KV_GIB, ExecutorConfig
@@ -66,15 +67,31 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_host_blocks(cfg: ExecutorConfig, device: torch.device, bytes_per_block: int) -> int:
+# Of the host's available memory, the most a host pool given by its flags may take (the kernel would rather kill a
+# process than fail the pinned allocation)
+HOST_POOL_SHARE = 0.8
+
+
+def num_host_blocks(cfg: ExecutorConfig, device: torch.device, bytes_per_block: int,
+                    available: Optional[int] = None) -> int:
     """The host pool's size: ``num_host_kv_blocks``, else ``host_kv_gib`` (default: 4 GiB on cuda, at most
-    a quarter of the available host memory; off on the cpu)."""
+    a quarter of the available host memory; off on the cpu).  A given size past :data:`HOST_POOL_SHARE` of the
+    available host memory is refused in one line naming its flag."""
+    available = available_host_bytes() if available is None else available
     if cfg.num_host_kv_blocks is not None:
-        return cfg.num_host_kv_blocks
-    gib = cfg.host_kv_gib
-    if gib is None:
-        gib = min(DEFAULT_HOST_KV_GIB, available_host_bytes() / 4 / GIB) if device.type == "cuda" else 0.0
-    return int(gib * GIB) // bytes_per_block
+        blocks, flag = cfg.num_host_kv_blocks, f"--num-host-kv-blocks {cfg.num_host_kv_blocks:,}"
+    elif cfg.host_kv_gib is not None:
+        blocks, flag = int(cfg.host_kv_gib * GIB) // bytes_per_block, f"--host-kv-gib {cfg.host_kv_gib:g}"
+    else:
+        gib = min(DEFAULT_HOST_KV_GIB, available / 4 / GIB) if device.type == "cuda" else 0.0
+        return int(gib * GIB) // bytes_per_block
+    if blocks * bytes_per_block > HOST_POOL_SHARE * available:
+        fit = int(HOST_POOL_SHARE * available)
+        raise StartupRefused(f"{flag}: the host KV tier's pool takes {blocks * bytes_per_block / GIB:.1f} GiB, more "
+                             f"than {HOST_POOL_SHARE:.0%} of the {available / GIB:.1f} GiB of host memory available: "
+                             f"use --host-kv-gib {fit / GIB:.1f} or --num-host-kv-blocks {fit // bytes_per_block:,} "
+                             f"or less")
+    return blocks
 
 
 class HostKV:
