@@ -129,7 +129,8 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                         "weight bytes. Not with --batch-invariant")
     s.add_argument("--kv-cache-dtype", default=E("kv_cache_dtype"), choices=list(get_args(KVCacheDtype)),
                    help="fp8: the paged KV cache (and the host KV tier) in float8 e4m3, half the bytes per token: "
-                        "twice the tokens fit and attention reads half (auto: --dtype)")
+                        "twice the tokens fit and attention reads half; a prefix-cache hit may then change tokens "
+                        "(values computed in another batch shape can round to another e4m3 step) (auto: --dtype)")
     s.add_argument("--dtype", default=E("dtype"), choices=list(get_args(Dtype)),
                    help="weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda)")
     s.add_argument("--num-kv-blocks", type=int, default=E("num_kv_blocks"),
