@@ -175,10 +175,12 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
                          "over the tensor-parallel ranks")
     _check_all_reduce(cfg)
     _at_least("max_num_batched_tokens", cfg.max_num_batched_tokens, 1)
-    for name in ("num_kv_blocks", "max_model_len", "threads", "cuda_graph_max_batch", "cuda_graph_max_tokens"):
+    for name in ("num_kv_blocks", "threads", "cuda_graph_max_batch", "cuda_graph_max_tokens"):
         value = getattr(cfg, name)
         if value is not None:
             _at_least(name, value, 1)
+    if cfg.max_model_len is not None:  # one prompt token and one output token
+        _at_least("max_model_len", cfg.max_model_len, 2)
     if cfg.num_host_kv_blocks is not None:
         _at_least("num_host_kv_blocks", cfg.num_host_kv_blocks, 0)
     if cfg.host_kv_gib is not None and not 0 <= cfg.host_kv_gib <= MAX_HOST_KV_GIB:

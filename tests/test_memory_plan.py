@@ -265,6 +265,7 @@ def test_startup_refusals_name_the_flag(tmp_path, case):
     (["--executor-hang-timeout", "0"], "--executor-hang-timeout must be positive"),
     (["--batch-invariant", "--kernels", "torch"], "--batch-invariant needs the Triton kernels: --kernels triton"),
     (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization must be in (0, 1], got 2"),
+    (["--max-model-len", "1"], "--max-model-len must be at least 2, got 1"),  # a prompt token and an output one
 ])
 def test_config_refusals_say_the_flag_not_the_config_field(flags, expect):
     """``forerun serve`` with a value its config refuses: one line naming the flag the user typed (the config's own
