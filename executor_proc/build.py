@@ -93,8 +93,10 @@ def build_worker(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
         raise MemoryPlanError(f"the device ran out of memory while starting ({first}); lower "
                               f"--gpu-memory-utilization (other processes may be using the device), "
                               f"--max-num-seqs or --max-num-batched-tokens") from None
-    except (MemoryError, RuntimeError) as e:  # host memory: the CPU's KV cache (an explicit --num-kv-blocks), the
-        first = str(e).splitlines()[0] if str(e) else "out of memory"  # host tier's pool (torch's allocator)
+    except (MemoryError, RuntimeError) as e:
+        # host memory: the CPU's KV cache (an explicit --num-kv-blocks), the host tier's pool (torch's allocator
+        # raises a RuntimeError)
+        first = str(e).splitlines()[0] if str(e) else "out of memory"
         if isinstance(e, RuntimeError) and "can't allocate memory" not in first:
             raise
         raise MemoryPlanError(f"the host ran out of memory while starting ({first}); lower --num-kv-blocks, "

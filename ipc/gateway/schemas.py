@@ -267,9 +267,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
         if m.refusal is not None and m.role != "assistant":
             raise RequestError(400, f"refusal is an assistant message's field, not a {m.role!r} one",
                                f"messages[{i}].refusal")
-        if m.content is None and m.role in ("system", "developer", "user", "tool"):  # OpenAI's rule: only an
-            raise RequestError(400, f"a {m.role} message needs content",  # assistant's may lack it
-                               f"messages[{i}].content")
+        # OpenAI's rule: only an assistant's message may lack content (its tool_calls, or a refusal, stand for it)
+        if m.content is None and m.role in ("system", "developer", "user", "tool"):
+            raise RequestError(400, f"a {m.role} message needs content", f"messages[{i}].content")
         content = _text(m.content, i) if isinstance(m.content, list) else m.content
         role = "system" if m.role == "developer" else m.role
         out.append({"role": role, "content": content or m.refusal or ""})
