@@ -156,6 +156,29 @@ def test_forced_calls_cut_by_a_stop_string_are_never_content_either():
     assert finish == "stop" and not any(d.content for d in deltas)
 
 
+def test_continue_final_message_and_no_generation_prompt(tokenizer):
+    """vLLM's template switches: the last assistant message left open, or no assistant turn opened; the
+    combinations that cannot be rendered are 400s naming continue_final_message."""
+    from ipc.gateway.chat_template import renders_here, turn_kwargs
+
+    turns = [USER[0], {"role": "assistant", "content": "The capital of France is"}]
+    plain = chat({"messages": turns})
+    assert not renders_here(plain) and turn_kwargs(plain) == {"add_generation_prompt": True}
+    go_on = chat({"messages": turns, "continue_final_message": True, "add_generation_prompt": False})
+    assert renders_here(go_on)
+    text = tokenizer.decode(render(tokenizer, s.chat_messages(go_on.messages), None, turn_kwargs(go_on)))
+    assert text.endswith("The capital of France is"), text
+    closed = chat({"messages": USER, "add_generation_prompt": False})
+    assert renders_here(closed)
+    text = tokenizer.decode(render(tokenizer, s.chat_messages(closed.messages), None, turn_kwargs(closed)))
+    opened = tokenizer.decode(render(tokenizer, s.chat_messages(closed.messages), None, None))
+    assert opened.startswith(text) and len(opened) > len(text) and "assistant" in opened[len(text):]
+    assert refused(turn_kwargs, chat({"messages": turns, "continue_final_message": True})
+                   ).param == "continue_final_message"  # add_generation_prompt left true
+    assert refused(turn_kwargs, chat({"continue_final_message": True, "add_generation_prompt": False})
+                   ).param == "continue_final_message"  # the last message is the user's
+
+
 def test_tools_follow_openai_naming_and_a_function_without_parameters_takes_none():
     def tools(*fns):
         return chat({"tools": [{"type": "function", "function": f} for f in fns]})

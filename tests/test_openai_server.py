@@ -148,6 +148,19 @@ def test_chat_default_max_tokens_is_what_the_kv_cache_leaves(oai, sdk):
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens > 0
 
 
+def test_chat_continues_the_final_assistant_message(oai, sdk):
+    """vLLM's continue_final_message: the prompt ends inside the assistant's last message, the answer goes on."""
+    turns = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+    r = oai.chat.completions.create(model=MODEL, messages=turns, max_tokens=6, temperature=0,
+                                    extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    text = sdk.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=False,
+                                             continue_final_message=True)
+    assert text.endswith("The answer is")
+    ref = sdk.generate(prompt_token_ids=sdk.tokenizer.encode(text, add_special_tokens=False), max_tokens=6,
+                       temperature=0)
+    assert r.choices[0].message.content == ref.text and r.usage.prompt_tokens == ref.prompt_tokens
+
+
 async def test_chat_stream_async_with_usage(http_server, sdk):
     client = openai.AsyncOpenAI(base_url=f"{http_server.url}/v1", api_key=API_KEY, max_retries=0)
 

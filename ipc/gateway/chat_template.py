@@ -21,10 +21,11 @@ _FALLBACK_PROMPT = (
 
 
 async def encode(gw: Any, req: s.ChatCompletionRequest, plan: Optional[ToolPlan]) -> list[int]:
-    """Token ids of a conversation with tools, tool calls or tool results, or with ``chat_template_kwargs``
-    (the gateway's checks and threads)."""
+    """Token ids of a conversation with tools, tool calls or tool results, with ``chat_template_kwargs``, or with
+    the template's own switches (``add_generation_prompt``, ``continue_final_message``) set; the gateway's checks
+    and threads."""
     tok = gw.need_tokenizer()
-    kwargs = template_kwargs(req, tok)
+    kwargs = {**template_kwargs(req, tok), **turn_kwargs(req)}
     messages, tool_defs = template_messages(req, plan, getattr(tok, "chat_template", None) or "")
     check_messages(messages)
     num_chars = sum(len(str(m.get("content", ""))) for m in messages) + len(json.dumps(tool_defs or []))
@@ -38,9 +39,25 @@ def uses_tools(req: s.ChatCompletionRequest) -> bool:
 
 
 def renders_here(req: s.ChatCompletionRequest) -> bool:
-    """Whether the prompt is rendered by :func:`encode` (tools, or template variables) rather than the SDK's
-    ``encode_prompt``, which takes neither."""
-    return bool(req.chat_template_kwargs) or uses_tools(req)
+    """Whether the prompt is rendered by :func:`encode` (tools, template variables, or the switches of
+    :func:`turn_kwargs`) rather than the SDK's ``encode_prompt``, which takes none of them."""
+    return (bool(req.chat_template_kwargs) or uses_tools(req) or not req.add_generation_prompt
+            or req.continue_final_message)
+
+
+def turn_kwargs(req: s.ChatCompletionRequest) -> dict[str, bool]:
+    """vLLM's ``add_generation_prompt`` and ``continue_final_message`` for ``apply_chat_template``: the answer in a
+    new assistant turn (the default), or none opened, or the last message (the assistant's) left open to continue;
+    a 400 for the combinations that cannot be rendered."""
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise s.RequestError(400, "continue_final_message continues the last message: set add_generation_prompt "
+                                      "to false", "continue_final_message")
+        if not req.messages or req.messages[-1].role != "assistant":
+            raise s.RequestError(400, "continue_final_message needs the last message to be the assistant's",
+                                 "continue_final_message")
+    return {"add_generation_prompt": req.add_generation_prompt,
+            **({"continue_final_message": True} if req.continue_final_message else {})}
 
 
 # What apply_chat_template takes itself (beside its own signature's names): never a template variable of the client's.
@@ -139,10 +156,10 @@ def _mistral_id(call_id: Any) -> str:
 def render(tokenizer: Any, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
            variables: Optional[dict[str, Any]] = None) -> list[int]:
     """Token ids of the conversation through the chat template, with ``tools`` when it reads them and the
-    client's template ``variables`` (:func:`template_kwargs`)."""
-    kw = {**(variables or {}), **({"tools": tools} if tools else {})}
+    client's template ``variables`` (:func:`template_kwargs`, and :func:`turn_kwargs`'s switches)."""
+    kw = {"add_generation_prompt": True, **(variables or {}), **({"tools": tools} if tools else {})}
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kw)
     except Exception as exc:  # jinja2 and transformers raise many types
         raise s.RequestError(400, f"the chat template failed: {type(exc).__name__}: {exc}", "messages") from None
     return list(tokenizer.encode(text, add_special_tokens=False))

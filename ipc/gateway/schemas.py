@@ -128,8 +128,10 @@ class ChatCompletionRequest(_Sampling):
     * accepted only with the values that ask for nothing (:data:`UNSUPPORTED`; others are a 400 naming the
       field): ``modalities`` (``["text"]``), ``audio``, ``prediction`` and ``web_search_options`` (null),
       the deprecated ``functions`` (empty) and ``function_call`` (``none``, ``auto``);
-    * vLLM's ``chat_template_kwargs`` (extra variables for the chat template) and ``echo`` (the answer starts
-      with the last message's content when that message is the assistant's).
+    * vLLM's ``chat_template_kwargs`` (extra variables for the chat template), ``echo`` (the answer starts
+      with the last message's content when that message is the assistant's), and ``add_generation_prompt`` /
+      ``continue_final_message`` (the template's: no assistant turn opened, or the last assistant message left open
+      for the answer to continue).
     """
 
     messages: list[ChatMessage] = []
@@ -158,6 +160,8 @@ class ChatCompletionRequest(_Sampling):
     # vLLM's.
     chat_template_kwargs: Optional[dict[str, Any]] = None
     echo: Optional[bool] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeRequest(_Body):
