@@ -161,6 +161,24 @@ def test_chat_continues_the_final_assistant_message(oai, sdk):
     assert r.choices[0].message.content == ref.text and r.usage.prompt_tokens == ref.prompt_tokens
 
 
+def test_continuous_usage_stats_count_every_chunk(oai):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries its prompt's tokens and its choice's so far,
+    ending at the usage chunk's figures; without it, chunks carry none."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for make in (lambda **kw: oai.chat.completions.create(messages=MESSAGES, **kw),
+                 lambda **kw: oai.completions.create(prompt="Count: 1, 2, 3,", **kw)):
+        chunks = list(make(model=MODEL, max_tokens=8, temperature=0, stream=True, stream_options=options,
+                           extra_body={"ignore_eos": True}))
+        *body, last = chunks
+        assert not last.choices and last.usage.completion_tokens == 8
+        counts = [c.usage.completion_tokens for c in body]
+        assert all(c.usage.prompt_tokens == last.usage.prompt_tokens for c in body)
+        assert counts == sorted(counts) and counts[-1] == 8, counts
+        plain = list(make(model=MODEL, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True},
+                          extra_body={"ignore_eos": True}))
+        assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 8
+
+
 async def test_chat_stream_async_with_usage(http_server, sdk):
     client = openai.AsyncOpenAI(base_url=f"{http_server.url}/v1", api_key=API_KEY, max_retries=0)
 

@@ -87,7 +87,7 @@ async def chat_completions(request: Request) -> Response:
         param = "tools" if tools.constrains(plan) else structured.constraint_param(req)
         if req.stream:
             events = chat_stream if plan is None else chat_tools_stream
-            return stream(gw, streams, lambda firsts: events(gw, req, rid, streams, firsts), param)
+            return stream(gw, streams, lambda firsts: events(gw, req, rid, streams, firsts, len(ids)), param)
         answer = whole_chat(gw, req, rid, Prompt(ids, ""), streams[0], plan)
         try:
             return await whole(gw, request, streams, answer)

@@ -138,6 +138,24 @@ def _include_usage(req: Any) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
+class RunningUsage:
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): each chunk's usage so far, its
+    prompt's tokens and its choice's."""
+
+    def __init__(self, req: Any) -> None:
+        self.on = _include_usage(req) and req.stream_options.continuous_usage_stats
+        self.tokens: dict[int, int] = {}  # choice -> tokens sent
+
+    def add(self, index: int, new_tokens: int) -> None:
+        self.tokens[index] = self.tokens.get(index, 0) + new_tokens
+
+    def of(self, index: int, prompt_tokens: int) -> Optional[s.Usage]:
+        if not self.on:
+            return None
+        n = self.tokens.get(index, 0)
+        return s.Usage(prompt_tokens=prompt_tokens, completion_tokens=n, total_tokens=prompt_tokens + n)
+
+
 async def _chunks(gw: Any, streams: list[Any], firsts: list[Any]
                   ) -> AsyncIterator[tuple[list[tuple[int, StreamChunk]], bool]]:
     """``(batch, last)``: batches of ``(prompt, chunk)``, the first chunks, then what is ready at each wake-up.
@@ -182,6 +200,7 @@ async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, prompts
     created, model, n = int(time.time()), gw.model_name, req.n or 1
     sent: dict[int, int] = {}  # choice -> characters sent (the next text offset)
     plps: dict[int, list] = {}  # prompt -> its prompt logprobs, once they came
+    running = RunningUsage(req)
 
     def event(p: int, chunk: StreamChunk) -> bytes:
         if chunk.prompt_logprobs is not None:
@@ -197,7 +216,9 @@ async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, prompts
             text = prompts[p].text + text
         sent[index] = offset + len(chunk.text_delta)
         choice = s.CompletionChoice(index=index, text=text, finish_reason=chunk.finish_reason, logprobs=lps)
-        return _sse(s.CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
+        running.add(index, len(chunk.token_ids))
+        usage = running.of(index, len(prompts[p].ids))
+        return _sse(s.CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage))
 
     def end() -> bytes:
         if not _include_usage(req):
@@ -215,16 +236,19 @@ async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, prompts
 
 
 async def chat_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: list[Any],
-                      firsts: list[Any]) -> AsyncIterator[bytes]:
+                      firsts: list[Any], prompt_tokens: int = 0) -> AsyncIterator[bytes]:
     """SSE events of a streaming /v1/chat/completions answer; each choice's first carries the role."""
     created, model = int(time.time()), gw.model_name
     top_n = params.output_logprobs(req)
+    running = RunningUsage(req)
 
     def event(index: int, delta: s.Delta, finish: Optional[str] = None, lps: Any = None) -> bytes:
         choice = s.ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps)
-        return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
+        return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice],
+                                          usage=running.of(index, prompt_tokens)))
 
     def chunk_event(c: StreamChunk) -> bytes:
+        running.add(c.index, len(c.token_ids))
         lps = chat_logprobs(gw.token_texts, c.token_ids, c.logprobs, top_n) if top_n is not None else None
         delta = s.Delta(content=c.text_delta) if c.text_delta or c.finish_reason is None else s.Delta()
         return event(c.index, delta, c.finish_reason, lps)
@@ -261,19 +285,22 @@ def _error_event(exc: BaseException) -> bytes:
 
 
 async def chat_tools_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: list[Any],
-                            firsts: list[Any]) -> AsyncIterator[bytes]:
+                            firsts: list[Any], prompt_tokens: int = 0) -> AsyncIterator[bytes]:
     """SSE events of a streaming answer with tools: content and calls as they can be told apart
     (:class:`ipc.gateway.tool_calls.ToolCallStream`), the calls of each choice before its finish chunk."""
     plan = plan_tools(req)
     created, model = int(time.time()), gw.model_name
     parsers: dict[int, ToolCallStream] = {}
     top_n = params.output_logprobs(req)
+    running = RunningUsage(req)
 
     def event(index: int, delta: s.Delta, finish: Optional[str] = None, lps: Any = None) -> bytes:
         choice = s.ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps)
-        return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
+        return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice],
+                                          usage=running.of(index, prompt_tokens)))
 
     def chunk_events(c: StreamChunk) -> list[bytes]:
+        running.add(c.index, len(c.token_ids))
         parser = parsers.setdefault(c.index, ToolCallStream(plan))
         deltas = parser.feed(c.text_delta)
         if c.finish_reason is not None:

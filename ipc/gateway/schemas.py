@@ -30,6 +30,7 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class ContentPart(_Body):
