@@ -134,7 +134,8 @@ def serve_flags(sub) -> argparse.ArgumentParser:
     s.add_argument("--dtype", default=E("dtype"), choices=list(get_args(Dtype)),
                    help="weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda)")
     s.add_argument("--num-kv-blocks", type=int, default=E("num_kv_blocks"),
-                   help="KV cache blocks (default: sized from free memory, at most what --max-num-seqs can use); "
+                   help="KV cache blocks (default: what the memory plan leaves of --gpu-memory-utilization of the device, "
+                        "2 GiB on the cpu, at most what --max-num-seqs can use); "
                         "fewer than one request of the context length needs hold each request to what they hold")
     s.add_argument("--block-size", type=int, default=E("block_size"),
                    help=f"tokens per KV cache block: a power of two up to {MAX_BLOCK_SIZE}")
