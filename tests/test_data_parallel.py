@@ -313,8 +313,10 @@ def _assert_rejoins(dp, index: int, victim: int, requests: list[list[int]], want
 def test_a_stuck_replica_is_killed_and_its_streams_go_on(dp):
     """SIGSTOP of replica 1's scheduler mid-stream: its process lives but answers nothing, not even the router's
     pings; after --executor-hang-timeout the router kills it, every stream ends with the tokens of an undisturbed
-    run, and the replica rejoins."""
-    requests = prompts(12)
+    run, and the replica rejoins.  Prompts no earlier test sent (a first token of their own): no replica holds
+    their prefixes, so the load spreads them over both replicas, and the second run follows the first's routing
+    (replica 1 holds streams when it stops)."""
+    requests = [[85 + i] + ids for i, ids in enumerate(prompts(12))]
     want, _ = asyncio.run(_streams(dp.address, requests))
     victim = _replica_pid(dp, 1)
     t0 = time.monotonic()
