@@ -77,14 +77,15 @@ def num_host_blocks(cfg: ExecutorConfig, device: torch.device, bytes_per_block: 
     """The host pool's size: ``num_host_kv_blocks``, else ``host_kv_gib`` (default: 4 GiB on cuda, at most
     a quarter of the available host memory; off on the cpu).  A given size past :data:`HOST_POOL_SHARE` of the
     available host memory is refused in one line naming its flag."""
+    if cfg.num_host_kv_blocks is None and cfg.host_kv_gib is None and device.type != "cuda":
+        return 0
     available = available_host_bytes() if available is None else available
     if cfg.num_host_kv_blocks is not None:
         blocks, flag = cfg.num_host_kv_blocks, f"--num-host-kv-blocks {cfg.num_host_kv_blocks:,}"
     elif cfg.host_kv_gib is not None:
         blocks, flag = int(cfg.host_kv_gib * GIB) // bytes_per_block, f"--host-kv-gib {cfg.host_kv_gib:g}"
     else:
-        gib = min(DEFAULT_HOST_KV_GIB, available / 4 / GIB) if device.type == "cuda" else 0.0
-        return int(gib * GIB) // bytes_per_block
+        return int(min(DEFAULT_HOST_KV_GIB, available / 4 / GIB) * GIB) // bytes_per_block
     if blocks * bytes_per_block > HOST_POOL_SHARE * available:
         fit = int(HOST_POOL_SHARE * available)
         raise StartupRefused(f"{flag}: the host KV tier's pool takes {blocks * bytes_per_block / GIB:.1f} GiB, more "

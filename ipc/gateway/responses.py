@@ -147,7 +147,8 @@ class RunningUsage:
         self.tokens: dict[int, int] = {}  # choice -> tokens sent
 
     def add(self, index: int, new_tokens: int) -> None:
-        self.tokens[index] = self.tokens.get(index, 0) + new_tokens
+        if self.on:
+            self.tokens[index] = self.tokens.get(index, 0) + new_tokens
 
     def of(self, index: int, prompt_tokens: int) -> Optional[s.Usage]:
         if not self.on:

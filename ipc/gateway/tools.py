@@ -62,8 +62,10 @@ class ToolPlan:
 
 # OpenAI's rule for a function's name
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-# A function without parameters takes none (OpenAI's reading): a forced call of it is {}
-NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+def no_parameters() -> dict[str, Any]:
+    """A function without parameters takes none (OpenAI's reading): a forced call of it is {} (a new schema
+    each time: the request's tools are its own to render)."""
+    return {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -80,7 +82,7 @@ def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                       f"{json.dumps(name)[:80]}", f"tools[{i}].function.name")
         if any(f["name"] == name for f in out):
             raise s.RequestError(400, f"two tools are named {name!r}", f"tools[{i}].function.name")
-        params = fn.get("parameters", NO_PARAMETERS)
+        params = fn["parameters"] if "parameters" in fn else no_parameters()
         _check_parameters(params, f"tools[{i}].function.parameters")
         out.append({**fn, "parameters": params})
     return out
