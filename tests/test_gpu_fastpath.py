@@ -470,6 +470,9 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
     backend.matmul_choice = {key: split for key in tiled}
     lm, xb = backend_model.lm_head.weight.bfloat16(), x.bfloat16()  # bf16: the float32 logits are a cast
     assert torch.equal(backend.logits(xb, lm), invariant_matmul(xb, lm, config=split).float())
+    backend.matmul_choice = backend.gemv_choice = {}  # cuBLAS: on CUDA it writes the float32 logits itself
+    want = torch.mm(xb, lm.t(), out_dtype=torch.float32) if CUDA else torch.nn.functional.linear(xb, lm).float()
+    assert torch.equal(backend.logits(xb, lm), want)
 
 
 def test_skinny_kernels_serve_up_to_16_rows_where_tuned():

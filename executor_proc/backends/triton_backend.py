@@ -277,9 +277,13 @@ class TritonBackend:
         return self.matmul_choice.get((weight.shape[0], weight.shape[1], m_bucket(m))) if m > 8 else None
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Where a Triton matmul serves the LM head it writes float32 itself: no separate cast launch."""
+        """The LM head's float32 logits, written by the matmul itself (a Triton kernel's store, or cuBLAS with a
+        float32 output on CUDA): no separate cast launch, and no rounding to the model dtype on the way."""
         gemv, tiled = (None, None) if self.batch_invariant else (self._gemv_config(hidden, weight),
                                                                  self._tiled_config(hidden, weight))
+        if gemv is None and tiled is None and not self.batch_invariant and hidden.is_cuda \
+                and isinstance(weight, torch.Tensor) and weight.dtype in (torch.bfloat16, torch.float16):
+            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)  # where linear would call cuBLAS
         if tiled is not None and tiled.split_k > 1:  # split partials are summed in float32 and rounded once
             tiled = None
         if gemv is None and tiled is None:
