@@ -16,11 +16,13 @@ class Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_def
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     """One position: the chosen token's log-probability and the top alternatives, most likely first (both
-    conversations carry them: a step's results, a client's deltas)."""
+    conversations carry them: a step's results, a client's deltas); ``rank``: the chosen token's place in the
+    distribution, vLLM's (1: the most likely; a tie counts against it; 0: not known)."""
 
     logprob: float
     top_ids: list[int] = []
     top_logprobs: list[float] = []
+    rank: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -5,11 +5,13 @@ model produced them, *before* temperature, penalties, logit_bias and top-k/top-p
 OpenAI and vLLM report by default).  Per row, with ``n = num_logprobs[row]``:
 
     ids [S, 1 + MAX_TOP_N] int64, logprobs [S, 1 + MAX_TOP_N] float32
-    column 0        the sampled token and its logprob            (if n >= 0)
+    column 0        the token's rank and its logprob             (if n >= 0)
     columns 1..n    the n most likely tokens, most likely first  (ties in any order)
     the rest        id -1, logprob -inf (padding; also the whole row when n < 0 = off)
 
-Fixed shapes, so a captured graph's outputs are static buffers.
+The token is the sampled one (or, for prompt logprobs, the prompt's next token): the caller knows it, and
+column 0 carries its *rank* instead, vLLM's: how many of the vocabulary's logits are at least its own (1: the
+most likely; a tie counts against it).  Fixed shapes, so a captured graph's outputs are static buffers.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def pad_logprobs(ids: torch.Tensor, lps: torch.Tensor, num_logprobs: torch.Tenso
 
 def token_logprobs_ref(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: torch.Tensor,
                        max_top_n: int = MAX_TOP_N) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, logprobs)`` ``[S, 1 + max_top_n]`` for logits ``[S, V]``, sampled ``tokens`` ``[S]``."""
+    """``(ids, logprobs)`` ``[S, 1 + max_top_n]`` for logits ``[S, V]``, sampled ``tokens`` ``[S]`` (column 0 of
+    ``ids``: each token's rank)."""
     lsm = torch.log_softmax(logits.float(), dim=-1)
     top_lp, top_ids = torch.topk(lsm, min(max_top_n, lsm.shape[1]), dim=-1)
     S = lsm.shape[0]
@@ -39,6 +42,8 @@ def token_logprobs_ref(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs:
         top_ids = torch.cat([top_ids, top_ids.new_full((S, pad), -1)], dim=1)
         top_lp = torch.cat([top_lp, top_lp.new_full((S, pad), float("-inf"))], dim=1)
     tok = tokens.long()[:, None]
-    ids = torch.cat([tok, top_ids], dim=1)
+    x = logits.float()
+    rank = (x >= x.gather(1, tok)).sum(1, keepdim=True)
+    ids = torch.cat([rank, top_ids], dim=1)
     lps = torch.cat([lsm.gather(1, tok), top_lp], dim=1)
     return pad_logprobs(ids, lps, num_logprobs)

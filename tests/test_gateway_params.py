@@ -117,7 +117,7 @@ def test_token_bytes_join_back_a_character_split_over_tokens(tokenizer):
 def test_chat_and_legacy_logprob_shapes(tokenizer):
     texts = TokenTexts(tokenizer)
     a, b, c = ids_of(tokenizer, "abc")
-    lps = [TokenLogprobs(-0.5, [a, c], [-0.5, -1.5]), TokenLogprobs(-2.0, [c, a], [-0.1, -0.2])]
+    lps = [TokenLogprobs(-0.5, [a, c], [-0.5, -1.5]), TokenLogprobs(-2.0, [c, a], [-0.1, -0.2], 7)]
     chat = msgspec.to_builtins(chat_logprobs(texts, [a, b], lps, 1))
     assert chat == {"content": [
         {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}]},
@@ -128,13 +128,16 @@ def test_chat_and_legacy_logprob_shapes(tokenizer):
                       "top_logprobs": [{"a": -0.5, "c": -1.5}, {"c": -0.1, "a": -0.2, "b": -2.0}]}
     plps = json.loads(msgspec.json.encode(prompt_logprobs(texts, [a, b], [None, lps[1]], 2)))  # JSON keys: strings
     assert plps[0] is None
-    assert plps[1] == {str(b): {"logprob": -2.0, "rank": None, "decoded_token": "b"},
+    assert plps[1] == {str(b): {"logprob": -2.0, "rank": 7, "decoded_token": "b"},
                        str(c): {"logprob": -0.1, "rank": 1, "decoded_token": "c"},
                        str(a): {"logprob": -0.2, "rank": 2, "decoded_token": "a"}}
     # the server sent more alternatives than prompt_logprobs asked (echo with a larger logprobs): cut to the ask
     plps = json.loads(msgspec.json.encode(prompt_logprobs(texts, [a, b], [None, lps[1]], 1)))
-    assert plps[1] == {str(b): {"logprob": -2.0, "rank": None, "decoded_token": "b"},
+    assert plps[1] == {str(b): {"logprob": -2.0, "rank": 7, "decoded_token": "b"},
                        str(c): {"logprob": -0.1, "rank": 1, "decoded_token": "c"}}
+    unranked = TokenLogprobs(-2.0, [c], [-0.1])  # a rank not known (0): null
+    assert json.loads(msgspec.json.encode(prompt_logprobs(texts, [a, b], [None, unranked], 1)))[1][str(b)]["rank"] \
+        is None
 
 
 # ---------------------------------------------------------------------------

@@ -346,6 +346,10 @@ def test_needs_engine_completion_logprobs_and_echo(oai, sdk):
     assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
     plps = v.choices[0].model_extra["prompt_logprobs"]
     assert plps[0] is None and len(plps) == n_prompt and all(len(d) >= 1 for d in plps[1:])
+    # every entry has its rank, the prompt token's too where it is outside the top 1 (vLLM's shape)
+    ranks = [(e["rank"], e["logprob"]) for d in plps[1:] for e in d.values()]
+    assert all(isinstance(k, int) and k >= 1 for k, _ in ranks), ranks
+    assert any(k > 1 for k, _ in ranks)  # a prompt has tokens the model did not expect most
 
 
 def test_needs_engine_penalties_and_bias_accepted(oai, sdk):

@@ -124,7 +124,11 @@ def test_logprobs_match_reference(S, V, dtype):
     rids, rlps = token_logprobs_ref(logits, tokens, n)
     _same_top(logits, ids, rids)
     torch.testing.assert_close(lps, rlps, rtol=0, atol=1e-4)
-    assert (ids[n < 0] == -1).all() and (ids[n >= 0, 0] == tokens[n >= 0]).all()
+    x = logits.float()
+    rank = (x >= x.gather(1, tokens[:, None])).sum(1)  # column 0: the token's rank (ties count against it)
+    assert (ids[n < 0] == -1).all() and (ids[n >= 0, 0] == rank[n >= 0]).all() and (rank >= 1).all()
+    ties = (x == x.max(1, keepdim=True).values).sum(1)  # the most likely token: rank 1 but for ties (bf16)
+    assert (token_logprobs(logits, torch.argmax(x, 1), n)[0][n >= 0, 0] == ties[n >= 0]).all()
     want = torch.log_softmax(logits.float(), -1)
     assert torch.allclose(lps[n >= 0, 0], want[n >= 0].gather(1, tokens[n >= 0, None])[:, 0], atol=1e-4)
 

@@ -19,8 +19,8 @@ from ipc.protocol import TokenLogprobs
 
 
 def _token_logprobs(ids: list, lps: list, n: int) -> TokenLogprobs:
-    """One row of the fixed ``[.., 21]`` layout: column 0 the token's logprob, then the top n."""
-    return TokenLogprobs(lps[0], ids[1:1 + n], lps[1:1 + n])
+    """One row of the fixed ``[.., 21]`` layout: column 0 the token's rank and logprob, then the top n."""
+    return TokenLogprobs(lps[0], ids[1:1 + n], lps[1:1 + n], ids[0])
 
 
 @dataclass

@@ -52,7 +52,7 @@ class CompletionLogprobs(msgspec.Struct):
 
 class PromptLogprob(msgspec.Struct):
     logprob: float
-    rank: Optional[int] = None  # 1 for the most likely token; None when outside the reported top
+    rank: Optional[int] = None  # 1 for the most likely token (None: not known)
     decoded_token: Optional[str] = None
 
 
@@ -163,7 +163,7 @@ def prompt_logprobs(texts: TokenTexts, prompt_ids: Sequence[int],
             continue
         entry = {t: PromptLogprob(v, rank + 1, texts(t))
                  for rank, (t, v) in enumerate(zip(lp.top_ids[:top_n], lp.top_logprobs[:top_n]))}
-        if tid not in entry:
-            entry = {tid: PromptLogprob(lp.logprob, None, texts(tid)), **entry}
+        if tid not in entry:  # the prompt token outside the reported top: its own rank
+            entry = {tid: PromptLogprob(lp.logprob, lp.rank or None, texts(tid)), **entry}
         out.append(entry)
     return out
