@@ -130,7 +130,7 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     model.use_backend(backend)
     # after the backend: FP8 weights are quantized there
     weights = model.weight_bytes()
-    draft = load_draft(cfg, device, dtype, max_len, mcfg.vocab_size, progress)
+    draft, draft_positions = load_draft(cfg, device, dtype, max_len, mcfg.vocab_size, progress)
     kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else dtype
     kv_scales = calibrate_kv_scales(model, device, cfg.block_size) if cfg.kv_cache_dtype == "fp8" else None
     per_block = kv_cache_bytes_per_block(model.config, cfg.block_size, kv_dtype)  # the rank's KV heads
@@ -214,6 +214,7 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     served_len = min(max_len, plan.kv_tokens)
     note = (f"; a request holds at most {served_len:,} tokens (the KV cache's {plan.kv_blocks:,} blocks, below "
             f"the context length of {max_len:,})" if served_len < max_len else "")
+    note += draft_note(cfg, draft, draft_positions, served_len)
     return BuiltWorker(worker, mcfg, plan.kv_blocks, served_len, device, host_blocks, num_graphs=num_graphs,
                        graph_capture_s=capture_s, graph_memory_bytes=graph_bytes, tp=tp, plan=plan, plan_note=note)
 
@@ -394,13 +395,13 @@ def _capture_graphs(worker: Worker, device: torch.device, progress, compile_prog
 
 
 def load_draft(cfg: ExecutorConfig, device: torch.device, dtype: torch.dtype, max_len: int, vocab_size: int,
-               progress: ProgressCallback) -> Optional[DraftModel]:
-    """The draft model of ``--speculative-method draft`` on its backend (None: another method or none); its KV
-    cache in ``dtype`` (an FP8 cache's scales are the model's own).  A vocabulary other than the model's is
-    refused (:class:`StartupRefused`)."""
+               progress: ProgressCallback) -> tuple[Optional[DraftModel], int]:
+    """The draft model of ``--speculative-method draft`` on its backend (None: another method or none), and the
+    positions it was made for; its KV cache in ``dtype`` (an FP8 cache's scales are the model's own).  A
+    vocabulary other than the model's is refused (:class:`StartupRefused`)."""
     sc = cfg.speculative
     if sc.method != "draft":
-        return None
+        return None, 0
     fmt = sc.draft_load_format or cfg.load_format
     draft_progress = lambda stage, done, total: progress(f"draft model: {stage}", done, total)  # noqa: E731
     with refused_as(f"--draft-model {sc.draft_model}"):
@@ -408,8 +409,17 @@ def load_draft(cfg: ExecutorConfig, device: torch.device, dtype: torch.dtype, ma
     if dcfg.vocab_size != vocab_size:
         raise StartupRefused(f"--draft-model {sc.draft_model} has a vocabulary of {dcfg.vocab_size:,} tokens, the "
                              f"model {vocab_size:,}: the draft must share the model's tokenizer and vocabulary")
-    model.use_backend(select_backend(cfg, device, model, max_len, draft_progress))
-    return DraftModel(model, sc.num_tokens, cfg.block_size, dtype, device)
+    model.use_backend(select_backend(cfg, device, model, max_len, draft_progress))  # its rotary covers max_len
+    return DraftModel(model, sc.num_tokens, cfg.block_size, dtype, device), dcfg.max_model_len
+
+
+def draft_note(cfg: ExecutorConfig, draft: Optional[DraftModel], positions: int, served_len: int) -> str:
+    """What the start-up line says of a draft model made for fewer positions than a request may hold: past them
+    its drafts still run and are verified (the output is the model's either way) but are rarely accepted."""
+    if draft is None or positions >= served_len:
+        return ""
+    return (f"; --draft-model {cfg.speculative.draft_model} was made for {positions:,} positions, fewer than the "
+            f"{served_len:,} a request may hold: past them its drafts are seldom accepted")
 
 
 @contextlib.contextmanager

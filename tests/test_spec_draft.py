@@ -245,3 +245,24 @@ def test_graph_buckets_pad_rows_into_the_scratch_block(tiny_draft):
     assert torch.equal(draft.kv.storage[:, :, 0], block0)  # the padded row's block
     torch.testing.assert_close(draft.kv.storage[:, :, :32], kept)  # the real rows rewrote what they wrote before
     assert graphs.rows[:, 3].tolist() == [4, -1, 0]
+
+
+def test_a_draft_made_for_fewer_positions_is_named_at_start_up(tmp_path):
+    """A draft of 64 positions under a model of 512 starts (its drafts are verified like any), and the start-up
+    line says past which position they are seldom accepted; a draft of the model's positions adds nothing."""
+    import json
+
+    from ipc.config import SpeculativeConfig
+    from tests.test_gpu_fastpath import built
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "d").mkdir()
+    model, draft = write_config(tmp_path / "m"), write_config(tmp_path / "d", layers=1)
+    short = json.loads((tmp_path / "d" / "config.json").read_text()) | {"max_position_embeddings": 64}
+    (tmp_path / "d" / "config.json").write_text(json.dumps(short))
+    spec = SpeculativeConfig(method="draft", num_tokens=2, draft_model=draft)
+    note = built(model, "cpu", num_slots=2, num_blocks=128, speculative=spec).plan_note
+    assert note == (f"; --draft-model {draft} was made for 64 positions, fewer than the 512 a request may hold: "
+                    f"past them its drafts are seldom accepted"), note
+    spec = SpeculativeConfig(method="draft", num_tokens=2, draft_model=model)
+    assert built(model, "cpu", num_slots=2, num_blocks=128, speculative=spec).plan_note == ""
