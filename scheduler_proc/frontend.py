@@ -12,7 +12,9 @@
   (*gone*) instead of libzmq dropping the message silently.  The server aborts
   those clients' requests; a slow one is owed an error, sent once it reads again.
 * Clients whose Hello set ``heartbeat_s`` are expired after
-  ``HEARTBEAT_MISSES`` silent intervals.
+  ``HEARTBEAT_MISSES`` silent intervals, counted up to the last time the socket
+  was read empty: a loop running behind (an overloaded host) has not read what
+  its clients sent, which is not their silence.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class Frontend:
         self.slow: set[bytes] = set()  # a send found their pipe full since the last take_dropped()
         self.gone: set[bytes] = set()  # a send found no connection since the last take_dropped()
         self.owed: dict[bytes, deque[tuple[float, bytes]]] = {}
+        self.read_all_at = time.monotonic()  # when the socket was last read to empty (recv_batch)
         self.ipc_path: Optional[str] = None
         try:
             check_address(address)
@@ -136,6 +139,7 @@ class Frontend:
             try:
                 out.append(recv(zmq.NOBLOCK))
             except zmq.Again:
+                self.read_all_at = time.monotonic()  # every message sent before now is read
                 break
         return out
 
@@ -202,9 +206,11 @@ class Frontend:
         self.batch_clients.discard(client)
 
     def expired(self, now: float) -> list[bytes]:
-        """Heartbeating clients silent for HEARTBEAT_MISSES intervals: forgotten and returned."""
+        """Heartbeating clients silent for HEARTBEAT_MISSES intervals up to the socket's last read to empty (not
+        ``now``: what waits unread says nothing of its senders): forgotten and returned."""
+        heard_until = min(now, self.read_all_at)
         dead = [c for c, st in self.clients.items()
-                if st.heartbeat_s > 0 and now - st.last_seen > HEARTBEAT_MISSES * st.heartbeat_s]
+                if st.heartbeat_s > 0 and heard_until - st.last_seen > HEARTBEAT_MISSES * st.heartbeat_s]
         for client in dead:
             self.forget(client)
         return dead
