@@ -64,6 +64,20 @@ def check_replica_count(num_replicas: int, device: str) -> None:
                          f"{cpus} CPU{'s' if cpus > 1 else ''} here, shared by the replicas), got {num_replicas}")
 
 
+def check_cpu_ranks(num_replicas: int, tensor_parallel_size: int, device: str) -> None:
+    """On the cpu, every replica's every tensor-parallel rank is a process on the same cores: at most PER_CPU per CPU
+    of them (each imports torch, ~2 s and ~100 MB, before its shard is even checked).  ValueError with one line."""
+    from scheduler_proc.cli_flags import PER_CPU, usable_cpus
+
+    ranks, cpus = num_replicas * tensor_parallel_size, usable_cpus()
+    if device.startswith("cuda") or tensor_parallel_size == 1 or ranks <= PER_CPU * cpus:
+        return
+    what = f"--tensor-parallel-size {tensor_parallel_size}" + (
+        f" x --data-parallel-size {num_replicas}" if num_replicas > 1 else "")
+    raise ValueError(f"{what} starts {ranks} executor processes on the cpu; at most {PER_CPU * cpus} run there "
+                     f"({PER_CPU} per CPU; {cpus} CPU{'s' if cpus > 1 else ''} here)")
+
+
 def visible_gpus() -> Optional[list[str]]:
     """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` if set, else nvidia-smi's list (None: unknown)."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -114,6 +128,7 @@ def main(argv: list[str]) -> int:
 
     from ipc.models import resolve_model
     from scheduler_proc import server as server_module
+    from scheduler_proc.cli_flags import in_flag_names
     from scheduler_proc.frontend import StartupError
     from scheduler_proc.server import Server, say
 
@@ -130,7 +145,8 @@ def main(argv: list[str]) -> int:
         if _stop_asked.is_set():  # its KeyboardInterrupt was raised where Python drops exceptions (a fork hook)
             raise KeyboardInterrupt
     except (StartupError, ValueError, RuntimeError, TimeoutError, KeyboardInterrupt) as e:
-        say(str(e) or "interrupted while starting")
+        if not isinstance(e, KeyboardInterrupt):  # stopped while starting (the router's or the user's): the router says
+            say(in_flag_names(str(e)) or f"{type(e).__name__} while starting")  # the flags as typed
         if server is not None:
             server.close()
         return 1

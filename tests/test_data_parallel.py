@@ -80,6 +80,28 @@ def test_replica_gpus_give_each_replica_its_own():
             replica_gpus(*args)
 
 
+def test_a_replica_that_cannot_start_names_the_flags_as_typed(monkeypatch, capsys):
+    """A replica's start-up failure reads as a single server's (config fields as their flags), once, under its name;
+    stopped while starting (the router stops the others when one fails) it says nothing: the router speaks."""
+    import msgspec
+
+    from scheduler_proc import replica, server
+
+    cfg = replica_config(ServerConfig(executor=ExecutorConfig(device="cpu")), 1, "ipc:///tmp/r1.sock", None)
+    monkeypatch.setattr(server, "SPEAKER", server.SPEAKER)  # main renames the speaker: put it back after
+    for raised, line in ((ValueError("--model m: tensor_parallel_size 3 does not divide the model"),
+                          "forerun: replica 1: --model m: --tensor-parallel-size 3 does not divide the model\n"),
+                         (KeyboardInterrupt(), "")):
+        def refuse(*args, raised=raised):
+            raise raised
+
+        monkeypatch.setattr("ipc.models.resolve_model", refuse)
+        with monkeypatch.context() as m:
+            m.setattr(signal, "signal", lambda *args: None)  # main's handlers stay out of the test process
+            assert replica.main([msgspec.json.encode(cfg).decode()]) == 1
+        assert capsys.readouterr().err == line
+
+
 def test_a_replica_config_names_the_replica_to_its_executor():
     cfg = ServerConfig(executor=ExecutorConfig(device="cuda:1"))
     rep = replica_config(cfg, 1, "ipc:///tmp/r1.sock", "2")
