@@ -64,17 +64,20 @@ class BuiltWorker:
     plan_note: str = ""  # what the start-up line adds to the plan's (a context held to the KV cache's size)
 
 
-def resolve_device(name: str) -> torch.device:
-    """The device, with an explicit index for CUDA (made current); StartupRefused for a GPU this machine lacks."""
+def resolve_device(name: str, ranks: int = 1) -> torch.device:
+    """``--device name`` checked for all ``ranks`` tensor-parallel ranks (cuda:i .. cuda:i+ranks-1: every rank
+    refuses alike, naming the flags as typed), with an explicit index for CUDA; StartupRefused for GPUs this
+    machine lacks.  A rank's own device is :func:`executor_proc.parallel.group.rank_device` of it."""
     device = torch.device(name)
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if device.index >= count:
+        if device.index + ranks > count:
             have = f"{count} visible CUDA device{'s' if count > 1 else ''}" if count else \
                 f"no CUDA device torch {torch.__version__} can use"
-            raise StartupRefused(f"--device {name}: this machine has {have} (--device cpu runs without one)")
-        torch.cuda.set_device(device)
+            needs = (f" with --tensor-parallel-size {ranks} needs cuda:{device.index}..cuda:{device.index + ranks - 1}"
+                     if ranks > 1 else "")
+            raise StartupRefused(f"--device {name}{needs}: this machine has {have} (--device cpu runs without one)")
     return device
 
 
@@ -104,16 +107,17 @@ def build_worker(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
 
 
 def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorker:
-    tp_size = cfg.tensor_parallel_size
-    tp = None
+    tp_size, tp = cfg.tensor_parallel_size, None
+    device = resolve_device(cfg.device, tp_size)
     if tp_size > 1:
         from executor_proc.parallel.group import init_group, rank_device
 
-        device = resolve_device(rank_device(cfg.device, cfg.tp_rank))
-        tp = init_group(cfg.tp_init_method, cfg.tp_rank, tp_size, device, cfg.all_reduce)
-    else:
-        device = resolve_device(cfg.device)
+        device = torch.device(rank_device(str(device), cfg.tp_rank))
     cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    if tp_size > 1:
+        tp = init_group(cfg.tp_init_method, cfg.tp_rank, tp_size, device, cfg.all_reduce)
     dtype = getattr(torch, cfg.resolved_dtype())
     what = f"--model {cfg.model}" if cfg.model else "the default model"
     with refused_as(what):

@@ -81,7 +81,8 @@ def serve_flags(sub) -> argparse.ArgumentParser:
     s.add_argument("--tensor-parallel-size", "-tp", type=int, default=E("tensor_parallel_size"), metavar="N",
                    help="split the model over N executor processes (Megatron tensor parallelism: attention "
                         "heads and MLP columns sharded, each expert's too, an all-reduce per layer half): on "
-                        "cuda:i one GPU each, cuda:i..cuda:i+N-1, over NCCL; on the cpu N processes over gloo. N "
+                        "cuda:i one GPU each, cuda:i..cuda:i+N-1, over NCCL; on the cpu N processes over gloo "
+                        f"({PER_CPU} per CPU at most, every replica's counted: {PER_CPU * usable_cpus()} here). N "
                         "must divide the attention heads and the MLP and expert sizes, and divide or be a multiple "
                         "of the KV heads")
     s.add_argument("--all-reduce", default=E("all_reduce"), choices=list(get_args(AllReduce)),

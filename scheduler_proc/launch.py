@@ -174,12 +174,14 @@ def _quiet_interrupts(unraisable) -> None:
 
 
 def _replica_gpus(args, cfg):
-    """Each data-parallel replica's CUDA_VISIBLE_DEVICES (None: a single server); ValueError with one line."""
-    if args.data_parallel_size == 1:
-        return None
-    from scheduler_proc.replica import replica_gpus, visible_gpus
+    """Each data-parallel replica's CUDA_VISIBLE_DEVICES (None: a single server); ValueError with one line (also
+    for more executor ranks than the cpu runs)."""
+    from scheduler_proc.replica import check_cpu_ranks, replica_gpus, visible_gpus
 
     device = cfg.executor.device
+    check_cpu_ranks(args.data_parallel_size, cfg.executor.tensor_parallel_size, device)
+    if args.data_parallel_size == 1:
+        return None
     return replica_gpus(args.data_parallel_size, cfg.executor.tensor_parallel_size, device,
                         visible_gpus() if device.startswith("cuda") else None)
 

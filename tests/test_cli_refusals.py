@@ -95,6 +95,21 @@ def test_serve_refuses_in_one_line_and_leaves_no_run_directory(flags, expect, fi
 
 
 @pytest.mark.parametrize("flags, expect", [
+    (["-tp", str(CPU_LIMIT + 1)], f"--tensor-parallel-size {CPU_LIMIT + 1} starts {CPU_LIMIT + 1} executor processes "
+                                  f"on the cpu; at most {CPU_LIMIT} run there"),
+    (["-tp", "2", "-dp", str(CPU_LIMIT // 2 + 1)], f"--tensor-parallel-size 2 x --data-parallel-size "
+                                                   f"{CPU_LIMIT // 2 + 1} starts {2 * (CPU_LIMIT // 2 + 1)} executor")])
+def test_executor_ranks_past_what_the_cpu_runs_are_refused_before_any_starts(flags, expect, tmp_path):
+    """Each rank imports torch before its shard is checked (~2 s and ~100 MB apiece): the count is refused first."""
+    from tests.test_gpu_fastpath import write_config
+
+    (tmp_path / "m").mkdir()
+    run = _run("serve", "--quiet", "--device", "cpu", "--load-format", "dummy", "--model", write_config(tmp_path / "m"),
+               *flags, folder=str(tmp_path / "m"))
+    _assert_refused(run, expect)
+
+
+@pytest.mark.parametrize("flags, expect", [
     (["--scripted-step-ms", "3"], "--scripted-step-ms needs --load-format scripted (got --load-format dummy)"),
     (["--scripted-eos-at", "1:3"], "--scripted-eos-at needs --load-format scripted (got --load-format dummy)"),
     (["--speculative-method", "draft", "--ngram-min", "2"], "--ngram-min needs --speculative-method ngram (got "

@@ -106,6 +106,18 @@ def test_config_limits_and_devices():
     assert rank_device("cuda:2", 1) == "cuda:3" and rank_device("cpu", 3) == "cpu"
 
 
+def test_missing_gpus_are_named_as_the_flags_say_them_on_every_rank():
+    """Each rank checks the whole range --device cuda:i and --tensor-parallel-size N need, so that whichever rank
+    refuses first, the line is the same and names the flags as typed (not a rank's own cuda:i+r)."""
+    from executor_proc.build import StartupRefused, resolve_device
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(StartupRefused, match=rf"^--device cuda:{count} with --tensor-parallel-size 2 needs "
+                                             rf"cuda:{count}..cuda:{count + 1}: this machine has "):
+        resolve_device(f"cuda:{count}", 2)
+    assert resolve_device("cpu", 4) == torch.device("cpu")
+
+
 def test_a_gap_in_the_step_ids_fails_the_executor_loudly(tmp_path):
     """Every rank checks that plans arrive with consecutive step ids (here one process, the scripted executor)."""
     import zmq
