@@ -78,7 +78,8 @@ def test_sizes_that_do_not_divide_an_expert_are_refused_in_one_line():
         check_divisible(config, 4)  # the heads, the KV heads and the shared expert would split
     message = str(refused.value)
     assert re.fullmatch(r"tensor_parallel_size 4 does not divide the model \(4 attention heads, 2 KV heads \(.*\), "
-                        r"4 experts of an MLP of 34, a shared expert of 48\); sizes that do: 1, 2", message), message
+                        r"4 experts of an MLP of 34, a shared expert of 48\); sizes that do: 1, 2; or "
+                        r"enable_expert_parallel \(whole experts a rank\)", message), message  # then they need not
     assert isinstance(refused.value, StartupRefused)  # the executor reports it as this one line, no traceback
     qwen3 = {**BASE, "architectures": ["Qwen3MoeForCausalLM"], "intermediate_size": 90}
     with pytest.raises(ValueError, match=r"\), an MLP of 90, 4 experts of an MLP of 32\); sizes that do: 1, 2$"):

@@ -111,8 +111,11 @@ def check_divisible(config: ModelConfig, size: int, expert_parallel: bool = Fals
         if moe.shared_intermediate_size:
             counts.append(f"a shared expert of {moe.shared_intermediate_size}")
     good = [n for n in range(1, MAX_TENSOR_PARALLEL + 1) if divides(config, n, expert_parallel)]
+    # whole experts a rank need not split the experts' MLP: say so where that is what stood in the way
+    whole = "; or enable_expert_parallel (whole experts a rank)" if (
+        moe is not None and not expert_parallel and divides(config, size, expert_parallel=True)) else ""
     raise NotDivisible(f"tensor_parallel_size {size} does not divide the model ({', '.join(counts)}); "
-                       f"sizes that do: {', '.join(map(str, good))}")
+                       f"sizes that do: {', '.join(map(str, good))}{whole}")
 
 
 def _numel(t) -> int:
