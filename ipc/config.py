@@ -74,7 +74,8 @@ class SpeculativeConfig(_Config):
         if self.method is None:
             return ""
         source = f"n-grams of {self.ngram_min}-{self.ngram_max} tokens" if self.method == "ngram" else "a draft model"
-        return f", speculation: {self.num_tokens} tokens a step from {source}"
+        tokens = "token" if self.num_tokens == 1 else "tokens"
+        return f", speculation: {self.num_tokens} {tokens} a step from {source}"
 
     def values_per_slot(self) -> int:
         """Values a slot's row of one step may give, each a one-token row of a forward or an output: its first

@@ -231,3 +231,13 @@ def test_a_lone_request_has_a_row_in_every_step(depth):
                 wasted = len(inflight)  # its rows planned before its finish came back
         assert req.finish_reason == "stop" and len(req.output) == eos - 6 + 1, (eos, req.output)
         assert wasted <= depth and rows < len(req.output) and plain >= PAUSE_MIN, (eos, wasted, rows, plain)
+
+
+def test_the_start_up_line_counts_the_tokens_a_step():
+    from ipc.config import SpeculativeConfig
+
+    assert SpeculativeConfig().banner() == ""
+    assert SpeculativeConfig(method="ngram", num_tokens=1).banner() == (
+        ", speculation: 1 token a step from n-grams of 1-4 tokens")
+    assert SpeculativeConfig(method="draft", num_tokens=4, draft_model="d").banner() == (
+        ", speculation: 4 tokens a step from a draft model")
