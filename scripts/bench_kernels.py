@@ -5,6 +5,7 @@ Usage: bench_kernels.py SUB [flags]   (SUB --help: its flags)
 
     python3 scripts/bench_kernels.py check [--sweep] [--dry]     # every kernel against its reference, decode attention timed
     python3 scripts/bench_kernels.py gemv                        # skinny decode matmuls: cuBLAS vs every GEMV config
+    python3 scripts/bench_kernels.py w8a8 [--grid]               # FP8 weights above 8 rows: cuBLASLt vs W8A8 tiles
     python3 scripts/bench_kernels.py decode-attention            # split-KV decode attention's launch configs
     python3 scripts/bench_kernels.py prefill-attention           # paged prefill attention, TFLOP/s (--old MODULE: A/B)
     python3 scripts/bench_kernels.py mixed-step                  # one step with a prefill chunk: graphs vs eager, MFU
@@ -511,6 +512,91 @@ first.  ``--all`` prints every config's time, not only the best of each form.
         print("\n".join(table))
         if args.json:
             write_json(args.json, dict(meta=meta, rows=rows))
+    return main() or 0
+
+
+def _w8a8(argv: list[str]) -> int:
+    """FP8 weights at more than 8 rows on this GPU: cuBLASLt against the W8A8 Triton kernel's tiles.
+
+For each layer linear of the given model shapes (q|k|v, o, gate|up, down, random weights quantized to e4m3, one copy
+per layer so that L2 does not hold them) and each M: ms of one pass over the layers (a CUDA graph of back-to-back
+calls, as the start-up tuner times them), the fastest tile and its ratio to cuBLASLt.  The tiles are the tuner's
+candidates (:data:`kernels.matmul_fp8.FP8_MATMUL_CONFIGS`), or with ``--grid`` 60 more (64 or 128 rows; 64, 128 or
+256 columns; 64-256 deep; 4 or 8 warps; 3-6 stages), each checked against cuBLASLt first: where a tile of the grid
+beats every candidate, it is one to add.
+
+    python3 scripts/bench_kernels.py w8a8 [--models llama-3-8b] [--ms 16,64,128,256,512] [--grid] [--json OUT]
+    """
+    sys.argv = ["bench_kernels.py w8a8", *argv]
+
+    import argparse
+    import json
+
+    import torch
+
+    from benchlib import shapes_of, write_json  # noqa: E402
+    from executor_proc.backends.gemv_tuning import _time_pass  # noqa: E402  (the tuner's graph timing)
+    from kernels.fp8 import quantize_weight  # noqa: E402
+    from kernels.matmul_fp8 import (FP8_MATMUL_CONFIGS, Fp8MatmulConfig, fp8_matmul, quantize_rows,  # noqa: E402
+                                    scaled_mm)
+
+    GRID = [Fp8MatmulConfig(64, bn, bk, 4, st) for bn in (64, 128, 256) for bk in (128, 256) for st in (3, 4, 5, 6)]
+    GRID += [Fp8MatmulConfig(128, bn, bk, w, st) for bn in (64, 128, 256) for bk in (64, 128) for w in (4, 8)
+             for st in (3, 4, 5)]
+
+    def main() -> None:
+        ap = argparse.ArgumentParser(description=_w8a8.__doc__.splitlines()[0])
+        ap.add_argument("--models", default="llama-3-8b", help="config names under scripts/configs")
+        ap.add_argument("--ms", default="16,64,128,256,512", help="row counts to time (above 8: W8A8)")
+        ap.add_argument("--grid", action="store_true", help="also time the 60-tile grid, not only the candidates")
+        ap.add_argument("--reps", type=int, default=5, help="graph replays per tile (median)")
+        ap.add_argument("--json", default=None, help="write every timing to this JSON file")
+        args = ap.parse_args()
+        device = torch.device("cuda")
+        tiles = list(dict.fromkeys([*FP8_MATMUL_CONFIGS, *(GRID if args.grid else [])]))
+        rows, table = [], []
+        for model in args.models.split(","):
+            with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", model, "config.json")) as f:
+                layers = json.load(f)["num_hidden_layers"]
+            for name, (n, k) in shapes_of(model).items():
+                if name == "lm_head":  # bf16 under --quantization fp8
+                    continue
+                weights = [quantize_weight(torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02)
+                           for _ in range(layers)]
+                for m in (int(m) for m in args.ms.split(",")):
+                    xq, xs = quantize_rows(torch.randn(m, k, device=device, dtype=torch.bfloat16))
+                    ref = scaled_mm(xq, xs, weights[0]).float()
+                    times = {"cublaslt": _time_pass(lambda w: scaled_mm(xq, xs, w), weights, args.reps)}
+                    for tile in tiles:
+                        try:
+                            got = fp8_matmul(xq, xs, weights[0], config=tile).float()
+                        except Exception as e:  # stages past this GPU's shared memory: as the tuner, pass over it
+                            rows.append(dict(model=model, weight=name, n=n, k=k, m=m, config=list(tile),
+                                             error=f"{type(e).__name__}"))
+                            continue
+                        err = ((got - ref).norm() / ref.norm()).item()
+                        assert err < 1e-2, (model, name, m, tile, err)  # bf16 rounding and summation order only
+                        times[tile] = _time_pass(lambda w, c=tile: fp8_matmul(xq, xs, w, config=c), weights,
+                                                 args.reps)
+                    for key, t in times.items():
+                        rows.append(dict(model=model, weight=name, n=n, k=k, m=m, ms=t,
+                                         config=key if isinstance(key, str) else list(key),
+                                         candidate=key in FP8_MATMUL_CONFIGS, tflops=2 * m * n * k * layers / t / 1e9))
+                    ranked = sorted((t, key) for key, t in times.items() if key != "cublaslt")
+                    best_t, best = ranked[0]
+                    cand_t = min((t for t, key in ranked if key in FP8_MATMUL_CONFIGS), default=float("nan"))
+                    us = 1e3 / layers
+                    table.append(f"{model:<12}{name:<8}{m:>4}  cuBLASLt {times['cublaslt'] * us:7.1f} us  "
+                                 f"candidates {cand_t * us:7.1f}  best {best_t * us:7.1f} "
+                                 f"({times['cublaslt'] / best_t:.2f}x) {tuple(best)}"
+                                 f"{'' if best in FP8_MATMUL_CONFIGS else '  (not a candidate)'}")
+                del weights
+                torch.cuda.empty_cache()
+        print("\n".join(table))
+        if args.json:
+            write_json(args.json, dict(meta=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                                                 tiles=[list(t) for t in tiles]), rows=rows))
+
     return main() or 0
 
 
@@ -1643,7 +1729,7 @@ reference first.
     return main() or 0
 
 
-SUBCOMMANDS = {"check": _check, "gemv": _gemv, "decode-attention": _decode_attention, "prefill-attention": _prefill_attention, "mixed-step": _mixed_step, "transfer": _transfer, "sampling": _sampling, "sampling-step": _sampling_step, "spec": _spec, "moe": _moe}
+SUBCOMMANDS = {"check": _check, "gemv": _gemv, "w8a8": _w8a8, "decode-attention": _decode_attention, "prefill-attention": _prefill_attention, "mixed-step": _mixed_step, "transfer": _transfer, "sampling": _sampling, "sampling-step": _sampling_step, "spec": _spec, "moe": _moe}
 
 
 def main(argv: list[str]) -> int:

@@ -18,7 +18,7 @@ from tests.server_proc import ROOT, python_path
 
 SCRIPTS = os.path.join(ROOT, "scripts")
 PY_SCRIPTS = sorted(f for f in os.listdir(SCRIPTS) if f.endswith(".py") and not f.startswith("_"))
-SUBCOMMANDS = {"bench_kernels.py": ["check", "gemv", "decode-attention", "prefill-attention", "mixed-step",
+SUBCOMMANDS = {"bench_kernels.py": ["check", "gemv", "w8a8", "decode-attention", "prefill-attention", "mixed-step",
                                     "transfer", "sampling", "sampling-step", "spec", "moe"],
                "bench_reliability.py": ["flood", "restart"]}
 # Scripts whose CPU run lives in another test file.
