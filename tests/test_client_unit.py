@@ -435,6 +435,58 @@ async def test_leaving_a_stream_early_aborts_it(serve, address, completion_ids):
         assert client.in_flight == 0
 
 
+async def test_an_id_let_go_of_waits_for_its_abort_before_it_is_used_again(serve, address, completion_ids):
+    """A stream left early is aborted; its id cannot be reused until the server's Finished(abort) for it is back
+    (that late Finished would otherwise end the new request at once, which the server would still run): the
+    reuse is refused in one DuplicateRequestIdError, and once the Finished is in, it runs as any request."""
+    from ipc.client import DuplicateRequestIdError
+
+    calls = []
+
+    def script(gen: Generate) -> list:
+        calls.append(gen.request_id)
+        return finish_script(gen, completion_ids)[:1] + [HANG] if len(calls) == 1 else finish_script(gen, completion_ids)
+
+    server = serve(script)
+    kw = dict(prompt_token_ids=[5, 6], detokenize=False)
+    async with AsyncClient(address, timeout=5) as client:
+        async with client.stream(**kw, request_id="B") as stream:
+            async for _ in stream:
+                break
+        with pytest.raises(DuplicateRequestIdError, match="its abort is not finished on the server yet"):
+            await client.generate(**kw, request_id="B")  # no await since the release: the Finished is not in
+        assert server.wait_for(lambda: server.aborts == ["B"])
+        for _ in range(300):
+            if "B" not in client._retiring:
+                break
+            await asyncio.sleep(0.01)
+        result = await client.generate(**kw, request_id="B")
+        assert result.finish_reason == "length" and result.token_ids == completion_ids
+        assert calls == ["B", "B"] and client.in_flight == 0
+
+
+async def test_a_request_id_or_timeout_the_server_cannot_take_fails_that_call_only(serve, address, completion_ids):
+    """Checked before anything is sent: an Error the server could not route to the request (its id is not a
+    string) would reach every request of the client that has no reply yet."""
+    server = serve(lambda g: [HANG] if g.request_id == "slow" else finish_script(g, completion_ids))
+    kw = dict(prompt_token_ids=[5, 6], detokenize=False)
+    async with AsyncClient(address, timeout=5) as client:
+        slow = asyncio.ensure_future(client.generate(**kw, request_id="slow"))
+        for _ in range(300):  # sent and read by the server (its wait_for would block this loop)
+            if server.generates:
+                break
+            await asyncio.sleep(0.01)
+        for bad, field in ((dict(request_id=5), "request_id"), (dict(timeout=float("nan")), "timeout"),
+                           (dict(timeout=-1.0), "timeout")):
+            with pytest.raises(InvalidRequestError) as refused:
+                await client.generate(**kw, **bad)
+            assert refused.value.field == field, refused.value
+        assert len(server.generates) == 1 and not slow.done()
+        assert (await client.generate(**kw)).token_ids == completion_ids
+        await client.abort("slow")
+        assert (await slow).finish_reason == "abort"
+
+
 async def test_server_error_raises_with_code_and_field(serve, address):
     def script(gen: Generate) -> list:
         if math.isnan(gen.sampling.temperature):
@@ -480,7 +532,9 @@ async def test_duplicate_request_id_in_flight_is_refused(serve, address):
     async with AsyncClient(address, timeout=5) as client:
         first = client.stream(prompt_token_ids=[1], request_id="same", detokenize=False)
         await first.start()
-        with pytest.raises(ValueError):
+        from ipc.client import DuplicateRequestIdError  # the server's own code for a reused id, said before sending
+
+        with pytest.raises(DuplicateRequestIdError, match="already in flight on this client"):
             await client.generate(prompt_token_ids=[1], request_id="same")
         await first.aclose()
 

@@ -20,7 +20,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.client.errors import ForerunError, ServerGoneError
+from ipc.client.errors import DuplicateRequestIdError, ForerunError, ServerGoneError
 from ipc.client.asks import OrderedAsks
 from ipc.client.handshake import handshake
 from ipc.client.liveness import Liveness, keep_alive
@@ -32,6 +32,7 @@ from ipc.client.wire import encode_abort, encode_generate
 from ipc.protocol import (
     PROTOCOL_VERSION,
     Error,
+    Finished,
     Generate,
     GetStats,
     GetTokenizer,
@@ -98,6 +99,9 @@ class AsyncClient:
         self._heartbeat: Optional[asyncio.Task] = None
         self._server_info: Optional[ServerInfo] = None
         self._pending: dict[str, PendingRequest] = {}
+        # Requests let go of before their end (a stream left early, a timeout): the Finished each of their completions
+        # still sends, by id.  Until they are in, the id is not reused: those would end the new request.
+        self._retiring: dict[str, set[int]] = {}
         self._connect_lock: Optional[asyncio.Lock] = None
         self._tokenizer_lock: Optional[asyncio.Lock] = None
         self._stats_asks = OrderedAsks("stats")  # get_stats / reset_prefix_cache calls
@@ -198,6 +202,8 @@ class AsyncClient:
                     req = pending.get(request_id)
                     if req is not None:
                         req.deliver(t, msg)
+                    elif request_id in self._retiring:
+                        self._retired_reply(request_id, msg)
                 else:
                     # A full batch: let the consumers (and new requests) run before reading on.
                     await asyncio.sleep(0)
@@ -238,10 +244,19 @@ class AsyncClient:
             if not req.answered:
                 req.deliver(time.perf_counter(), msg)
 
+    def _retired_reply(self, request_id: str, msg: Any) -> None:
+        """A reply for a request let go of: its last Finished (or an Error) frees the id."""
+        left = self._retiring[request_id]
+        if isinstance(msg, Finished):
+            left.discard(msg.index)
+        if not left or isinstance(msg, Error):
+            del self._retiring[request_id]
+
     def _fail_pending(self, exc_type: type[BaseException], message: str) -> None:
         for req in self._pending.values():
             req.stop(Stop(exc_type, message))
         self._pending.clear()
+        self._retiring.clear()  # the connection is gone: so are the server's requests
 
     def _server_gone(self, sock: zmq.asyncio.Socket, reason: str) -> None:
         """Fail every waiting request with ServerGoneError and drop the connection (the next call reconnects)."""
@@ -412,7 +427,12 @@ class AsyncClient:
         self._check_open()
         # No await between this check and the send: ids stay unique among pending requests.
         if call.request_id in self._pending:
-            raise ValueError(f"request id {call.request_id!r} is already in flight on this client")
+            raise DuplicateRequestIdError("duplicate_id", "request_id", f"request id {call.request_id!r} is already "
+                                          f"in flight on this client", call.request_id)
+        if call.request_id in self._retiring:
+            raise DuplicateRequestIdError("duplicate_id", "request_id", f"request id {call.request_id!r} was let go "
+                                          f"of and its abort is not finished on the server yet: use another id, or "
+                                          f"retry in a moment", call.request_id)
         req = PendingRequest(call.request_id, tokenizer, call.sampling, prompt_ids)
         self._pending[call.request_id] = req
         if call.timeout is not None and not math.isinf(call.timeout):
@@ -435,4 +455,7 @@ class AsyncClient:
             del self._pending[req.request_id]
         if not req.done and not self._closed and self._sock is not None:
             req.done = True
+            left = req.unfinished()
+            if left:
+                self._retiring[req.request_id] = left
             await self._sock.send(encode_abort(req.request_id))

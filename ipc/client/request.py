@@ -102,10 +102,18 @@ class Call:
     def make(cls, prompt: Optional[str], messages: Optional[list[dict[str, Any]]],
              prompt_token_ids: Optional[Sequence[int]], *, request_id: Optional[str],
              timeout: Optional[float], detokenize: bool, sampling: SamplingParams) -> "Call":
-        """Check that exactly one prompt form is given and fill in a request id."""
+        """Check that exactly one prompt form is given, the request id (a string) and the timeout (None, or a
+        number of seconds >= 0: inf for none), and fill in a request id.  Checked here, before anything is sent: the
+        server could not route its error for a request id that is not a string to this request alone."""
         given = sum(x is not None for x in (prompt, messages, prompt_token_ids))
         if given != 1:
             raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
+        if request_id is not None and not isinstance(request_id, str):
+            raise InvalidRequestError("invalid_request", "request_id",
+                                      f"request_id must be a string, got {type(request_id).__name__}")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):  # NaN fails >= too
+            raise InvalidRequestError("invalid_request", "timeout",
+                                      f"timeout must be None or a number of seconds >= 0 (inf: none), got {timeout!r}")
         return cls(
             request_id=request_id if request_id is not None else new_request_id(),
             prompt=prompt,
@@ -135,6 +143,7 @@ class PendingRequest:
         self._items: deque = deque()
         self._waiter: Optional[asyncio.Future] = None
         self.answered = False  # any reply at all (see AsyncClient._on_connection_error)
+        self.finished_seen: set[int] = set()  # completions whose Finished arrived (consumed or queued)
         self.done = False  # Finished or Error received, or nothing more can come
         self.t_send = 0.0
         self.timer: Optional[asyncio.TimerHandle] = None
@@ -150,7 +159,14 @@ class PendingRequest:
     def deliver(self, t: float, msg: Any) -> None:
         """Called by the reader task with a reply and its arrival time."""
         self.answered = True
+        if isinstance(msg, Finished):
+            self.finished_seen.add(msg.index)
         self._put((t, msg))
+
+    def unfinished(self) -> set[int]:
+        """The completions whose Finished has not arrived: each will still send one (the server answers an Abort
+        with a Finished per live completion), unless the request errs or the connection goes."""
+        return set(range(len(self.outputs))) - self.finished_seen
 
     def stop(self, stop: Stop) -> None:
         """No reply will come (deadline, closed client, lost server): the reader raises ``stop``'s error."""
