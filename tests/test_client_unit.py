@@ -129,6 +129,7 @@ class FakeServer:
         self.reject_hello = reject_hello
         self.step_delay = step_delay
         self.server_id = server_id  # "" plays a server from before heartbeats: Pings go unanswered
+        self.known: set[bytes] = set()  # clients that said Hello
         self.muted = False  # True: read everything, answer nothing (a hung or unreachable server)
         self.hello_msgs: list[Hello] = []
         self.pings = 0
@@ -184,10 +185,11 @@ class FakeServer:
     def _handle(self, sock, ident: bytes, msg, active: dict) -> None:
         if isinstance(msg, Ping):
             self.pings += 1
-            if self.server_id:
-                sock.send_multipart([ident, encode(Pong(server_id=self.server_id))])
+            if self.server_id:  # as the real server: a client it has no Hello from is told so
+                sock.send_multipart([ident, encode(Pong(server_id=self.server_id, hello=ident in self.known))])
         elif isinstance(msg, Hello):
             self.hellos += 1
+            self.known.add(ident)
             self.hello_msgs.append(msg)
             if self.reject_hello:
                 reply = Error(code="protocol", message=f"server speaks {PROTOCOL_VERSION}")
@@ -537,6 +539,36 @@ async def test_duplicate_request_id_in_flight_is_refused(serve, address):
         with pytest.raises(DuplicateRequestIdError, match="already in flight on this client"):
             await client.generate(prompt_token_ids=[1], request_id="same")
         await first.aclose()
+
+
+async def test_a_stream_read_by_two_tasks_refuses_the_second(serve, address):
+    """The second reader would take the first one's wake-up and one of them would hang: it is refused instead."""
+    serve(lambda g: [HANG])
+    async with AsyncClient(address, timeout=5) as client:
+        stream = client.stream(prompt_token_ids=[1], detokenize=False)
+        await stream.start()
+        first = asyncio.ensure_future(stream.next_chunk())
+        await asyncio.sleep(0.05)  # the first reader waits
+        with pytest.raises(RuntimeError, match="already being read by another task or thread"):
+            await stream.next_chunk()
+        first.cancel()
+        await stream.aclose()
+
+
+def test_an_async_client_belongs_to_the_loop_it_connected_in(serve, address, completion_ids):
+    """Its sockets live in that loop: a second asyncio.run is told so at once, not left to time out."""
+    serve(lambda g: finish_script(g, completion_ids))
+    client = AsyncClient(address, timeout=5)
+
+    async def one():
+        return await client.generate(prompt_token_ids=[1], detokenize=False)
+
+    assert asyncio.run(one()).token_ids == completion_ids
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="connected in another event loop"):
+        asyncio.run(one())
+    assert time.monotonic() - start < 1
+    asyncio.run(client.close())
 
 
 async def test_close_fails_waiting_requests_and_aborts_them(serve, address):

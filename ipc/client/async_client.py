@@ -99,6 +99,7 @@ class AsyncClient:
         self._heartbeat: Optional[asyncio.Task] = None
         self._server_info: Optional[ServerInfo] = None
         self._pending: dict[str, PendingRequest] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None  # the loop the socket was made in (connect)
         # Requests let go of before their end (a stream left early, a timeout): the Finished each of their completions
         # still sends, by id.  Until they are in, the id is not reused: those would end the new request.
         self._retiring: dict[str, set[int]] = {}
@@ -149,7 +150,7 @@ class AsyncClient:
             except BaseException:
                 sock.close(linger=0)
                 raise
-            self._sock, self._server_info = sock, info
+            self._sock, self._server_info, self._loop = sock, info, asyncio.get_running_loop()
             live = Liveness(info.server_id, self.heartbeat_s)
             loop = asyncio.get_running_loop()
             self._reader = loop.create_task(self._read_loop(sock, live))
@@ -187,16 +188,14 @@ class AsyncClient:
                     if isinstance(msg, TokenizerFiles):
                         self._tokenizer_asks.answer(msg)
                         continue
-                    gone = self._forgotten(msg)
+                    # A restarted server does not know this client either: say the cause, not the symptom.
+                    gone = live.restarted(msg.server_id) if isinstance(msg, (Pong, ServerInfo)) else None
+                    gone = gone or self._forgotten(msg)
                     if gone is not None:
                         self._server_gone(sock, gone)
                         return
                     request_id = getattr(msg, "request_id", None)
                     if request_id is None:
-                        gone = live.restarted(msg.server_id) if isinstance(msg, (Pong, ServerInfo)) else None
-                        if gone is not None:
-                            self._server_gone(sock, gone)
-                            return
                         self._on_connection_error(msg)
                         continue
                     req = pending.get(request_id)
@@ -267,7 +266,7 @@ class AsyncClient:
         for asks in (self._stats_asks, self._tokenizer_asks):  # their answers will not come on this connection
             asks.fail(ServerGoneError(f"{reason} at {self.address}"))
         tasks = [t for t in (self._reader, self._heartbeat) if t is not None and t is not asyncio.current_task()]
-        self._sock, self._server_info, self._reader, self._heartbeat = None, None, None, None
+        self._sock, self._server_info, self._reader, self._heartbeat, self._loop = None, None, None, None, None
         for task in tasks:
             task.cancel()
         # Queued frames are dropped: they must not reach a restarted server at the same address.
@@ -276,6 +275,9 @@ class AsyncClient:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the client is closed")
+        if self._loop is not None and self._loop is not asyncio.get_running_loop():
+            raise RuntimeError("this AsyncClient connected in another event loop (its sockets live there): make one "
+                               "AsyncClient per loop, e.g. per asyncio.run")
 
     async def close(self) -> None:
         """Abort every in-flight request, then close the socket (idempotent)."""
@@ -283,12 +285,13 @@ class AsyncClient:
             return
         self._closed = True
         sock = self._sock
-        if sock is not None:
+        here = self._loop is None or self._loop is asyncio.get_running_loop()  # else its tasks died with their loop
+        if sock is not None and here:
             for req in self._pending.values():
                 if not req.done:
                     await sock.send(encode_abort(req.request_id))
         self._fail_pending(ConnectionError, "the client was closed")
-        tasks = [t for t in (self._reader, self._heartbeat) if t is not None]
+        tasks = [t for t in (self._reader, self._heartbeat) if t is not None and here]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

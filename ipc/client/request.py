@@ -184,6 +184,9 @@ class PendingRequest:
             return self._ready.pop(0)
         while not self.done:
             while not self._items:
+                if self._waiter is not None:  # a second reader would take the first one's wake-up: it would hang
+                    raise RuntimeError(f"request {self.request_id} is already being read by another task or thread: "
+                                       f"read a stream from one")
                 self._waiter = asyncio.get_running_loop().create_future()
                 try:
                     await self._waiter
