@@ -13,7 +13,10 @@ class AsyncStream:
 
     The Generate is sent when iteration (or ``async with``) starts.  Leaving
     early (``break``, an exception, ``aclose()``) aborts the request on the
-    server; ``abort()`` asks the server to stop it, after which the stream ends
+    server: at once inside ``async with stream:``; after a ``break`` out of a
+    bare ``async for``, when Python finalizes that loop's async generator (a
+    loop iteration or more later: until then the id is still in flight).
+    ``abort()`` asks the server to stop it, after which the stream ends
     normally with ``result.finish_reason == "abort"``.
     """
 
