@@ -459,7 +459,7 @@ async def test_an_id_let_go_of_waits_for_its_abort_before_it_is_used_again(serve
             await client.generate(**kw, request_id="B")  # no await since the release: the Finished is not in
         assert server.wait_for(lambda: server.aborts == ["B"])
         for _ in range(300):
-            if "B" not in client._retiring:
+            if "B" not in client._inflight.retiring:
                 break
             await asyncio.sleep(0.01)
         result = await client.generate(**kw, request_id="B")

@@ -23,6 +23,7 @@ Modules: ``errors`` (exceptions), ``results`` (what a request returns),
 ``request`` (one request's state, sampling arguments), ``outputs`` (one
 completion's tokens, logprobs and stop-string text), ``async_client``,
 ``blocking``, ``prompt`` (tokenizer and prompt encoding), ``detokenizer``,
+``reader`` (the reader task), ``inflight`` (requests by id),
 ``liveness`` (heartbeats), ``wire`` (checked encoding), ``stream``,
 ``raw`` (a bare protocol connection for tests and benchmarks).
 """

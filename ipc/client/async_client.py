@@ -1,7 +1,7 @@
 """The asyncio client: one DEALER socket, any number of concurrent requests on it.
 
-A reader task decodes every reply and hands it to its request's queue by
-``request_id`` (see :class:`~ipc.client.request.PendingRequest`); a heartbeat
+A reader task (:mod:`ipc.client.reader`) decodes every reply and hands it to its request's queue by
+``request_id`` (see :class:`~ipc.client.inflight.InFlight`); a heartbeat
 task pings the server and fails every waiting request with ServerGoneError
 once the server falls silent or turns out to be another process (see
 :mod:`ipc.client.liveness`).  After that the next call connects again.
@@ -16,36 +16,33 @@ import os
 import time
 from typing import Any, Optional, Sequence
 
-import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.client.errors import DuplicateRequestIdError, ForerunError, ServerGoneError
+from ipc.client.errors import ForerunError, ServerGoneError
 from ipc.client.asks import OrderedAsks
 from ipc.client.handshake import handshake
+from ipc.client.inflight import InFlight
 from ipc.client.liveness import Liveness, keep_alive
 from ipc.client.prompt import encode_prompt, load_tokenizer, load_tokenizer_files
-from ipc.client.request import Call, PendingRequest, Stop, sampling_params, split_deltas
+from ipc.client.reader import read_replies
+from ipc.client.request import Call, PendingRequest, Stop, sampling_params
 from ipc.client.results import GenerateResult
 from ipc.client.stream import AsyncStream
 from ipc.client.wire import encode_abort, encode_generate
 from ipc.protocol import (
     PROTOCOL_VERSION,
     Error,
-    Finished,
     Generate,
     GetStats,
     GetTokenizer,
     Hello,
-    Pong,
     ResetPrefixCache,
     SamplingParams,
     ServerInfo,
     ServerStats,
-    TokenDeltas,
     TokenizerFiles,
     encode,
-    server_reply_decoder,
 )
 from ipc.sockets import check_address, make_socket
 
@@ -60,8 +57,6 @@ DEFAULT_CONNECT_TIMEOUT = 5.0
 DEFAULT_HEARTBEAT_S = 1.0
 # Milliseconds that close() lets queued Abort messages drain before dropping them.
 CLOSE_LINGER_MS = 100
-# Replies read per wake-up of the reader task before it yields to other tasks.
-DRAIN_BATCH = 256
 # The server's shared secret when the api_key argument is not given (servers on a tcp:// address with a key).
 API_KEY_ENV = "FORERUN_API_KEY"
 
@@ -98,11 +93,8 @@ class AsyncClient:
         self._reader: Optional[asyncio.Task] = None
         self._heartbeat: Optional[asyncio.Task] = None
         self._server_info: Optional[ServerInfo] = None
-        self._pending: dict[str, PendingRequest] = {}
+        self._inflight = InFlight()
         self._loop: Optional[asyncio.AbstractEventLoop] = None  # the loop the socket was made in (connect)
-        # Requests let go of before their end (a stream left early, a timeout): the Finished each of their completions
-        # still sends, by id.  Until they are in, the id is not reused: those would end the new request.
-        self._retiring: dict[str, set[int]] = {}
         self._connect_lock: Optional[asyncio.Lock] = None
         self._tokenizer_lock: Optional[asyncio.Lock] = None
         self._stats_asks = OrderedAsks("stats")  # get_stats / reset_prefix_cache calls
@@ -123,7 +115,7 @@ class AsyncClient:
     @property
     def in_flight(self) -> int:
         """Requests sent and not yet finished."""
-        return len(self._pending)
+        return len(self._inflight)
 
     async def connect(self) -> ServerInfo:
         """Open the socket and do the Hello handshake (once; later calls return at once)."""
@@ -153,72 +145,13 @@ class AsyncClient:
             self._sock, self._server_info, self._loop = sock, info, asyncio.get_running_loop()
             live = Liveness(info.server_id, self.heartbeat_s)
             loop = asyncio.get_running_loop()
-            self._reader = loop.create_task(self._read_loop(sock, live))
+            self._reader = loop.create_task(read_replies(
+                sock, self.address, live, self._inflight,
+                {ServerStats: self._stats_asks, TokenizerFiles: self._tokenizer_asks},
+                lambda why: self._server_gone(sock, why), self._on_connection_error))
             if self.heartbeat_s > 0:
                 self._heartbeat = loop.create_task(keep_alive(sock, live, lambda why: self._server_gone(sock, why)))
         return info
-
-    async def _read_loop(self, sock: zmq.asyncio.Socket, live: Liveness) -> None:
-        pending = self._pending
-        # Drain through a plain shadow socket: an awaited recv per message costs ~50 us
-        # of future bookkeeping, which caps a busy client far below the server's rate.
-        raw = zmq.Socket.shadow(sock.underlying)
-        try:
-            while True:
-                await sock.poll(flags=zmq.POLLIN)
-                live.last_heard = time.perf_counter()
-                for _ in range(DRAIN_BATCH):
-                    try:
-                        frames = raw.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    t = time.perf_counter()
-                    try:
-                        msg = server_reply_decoder.decode(frames[-1])
-                    except msgspec.DecodeError as exc:
-                        logger.warning("dropping an undecodable reply from %s: %s", self.address, exc)
-                        continue
-                    if isinstance(msg, TokenDeltas):
-                        for delta in split_deltas(msg, pending):
-                            pending[delta.request_id].deliver(t, delta)
-                        continue
-                    if isinstance(msg, ServerStats):
-                        self._stats_asks.answer(msg)
-                        continue
-                    if isinstance(msg, TokenizerFiles):
-                        self._tokenizer_asks.answer(msg)
-                        continue
-                    # A restarted server does not know this client either: say the cause, not the symptom.
-                    gone = live.restarted(msg.server_id) if isinstance(msg, (Pong, ServerInfo)) else None
-                    gone = gone or self._forgotten(msg)
-                    if gone is not None:
-                        self._server_gone(sock, gone)
-                        return
-                    request_id = getattr(msg, "request_id", None)
-                    if request_id is None:
-                        self._on_connection_error(msg)
-                        continue
-                    req = pending.get(request_id)
-                    if req is not None:
-                        req.deliver(t, msg)
-                    elif request_id in self._retiring:
-                        self._retired_reply(request_id, msg)
-                else:
-                    # A full batch: let the consumers (and new requests) run before reading on.
-                    await asyncio.sleep(0)
-        except (asyncio.CancelledError, zmq.ContextTerminated):
-            raise
-        except Exception:
-            logger.exception("client reader for %s failed", self.address)
-            self._fail_pending(ConnectionError, "the connection to the server failed")
-
-    @staticmethod
-    def _forgotten(msg: Any) -> Optional[str]:
-        """Why the connection is void, if ``msg`` says the server does not know this client any more."""
-        if (isinstance(msg, Pong) and not msg.hello) or (isinstance(msg, Error) and msg.code == "hello_first"):
-            return ("the server forgot this client (silent past its heartbeat: a stalled event loop?) "
-                    "and aborted its requests")
-        return None
 
     async def get_stats(self, timeout: float = 10.0) -> ServerStats:
         """The server's pool occupancy and counters; TimeoutError if no answer within ``timeout`` s."""
@@ -238,31 +171,14 @@ class AsyncClient:
             return
         logger.warning("server error without a request id: [%s] %s", msg.code, msg.message)
         self.last_connection_error = msg
-        # Only a request with no reply yet can own the frame the server could not read.
-        for req in list(self._pending.values()):
-            if not req.answered:
-                req.deliver(time.perf_counter(), msg)
-
-    def _retired_reply(self, request_id: str, msg: Any) -> None:
-        """A reply for a request let go of: its last Finished (or an Error) frees the id."""
-        left = self._retiring[request_id]
-        if isinstance(msg, Finished):
-            left.discard(msg.index)
-        if not left or isinstance(msg, Error):
-            del self._retiring[request_id]
-
-    def _fail_pending(self, exc_type: type[BaseException], message: str) -> None:
-        for req in self._pending.values():
-            req.stop(Stop(exc_type, message))
-        self._pending.clear()
-        self._retiring.clear()  # the connection is gone: so are the server's requests
+        self._inflight.deliver_unaddressed(msg)
 
     def _server_gone(self, sock: zmq.asyncio.Socket, reason: str) -> None:
         """Fail every waiting request with ServerGoneError and drop the connection (the next call reconnects)."""
         if self._sock is not sock:
             return  # this connection was already dropped
         logger.warning("server at %s is gone: %s", self.address, reason)
-        self._fail_pending(ServerGoneError, f"{reason} at {self.address}; the request is lost")
+        self._inflight.fail_all(ServerGoneError, f"{reason} at {self.address}; the request is lost")
         for asks in (self._stats_asks, self._tokenizer_asks):  # their answers will not come on this connection
             asks.fail(ServerGoneError(f"{reason} at {self.address}"))
         tasks = [t for t in (self._reader, self._heartbeat) if t is not None and t is not asyncio.current_task()]
@@ -287,10 +203,9 @@ class AsyncClient:
         sock = self._sock
         here = self._loop is None or self._loop is asyncio.get_running_loop()  # else its tasks died with their loop
         if sock is not None and here:
-            for req in self._pending.values():
-                if not req.done:
-                    await sock.send(encode_abort(req.request_id))
-        self._fail_pending(ConnectionError, "the client was closed")
+            for request_id in self._inflight.open_ids():
+                await sock.send(encode_abort(request_id))
+        self._inflight.fail_all(ConnectionError, "the client was closed")
         tasks = [t for t in (self._reader, self._heartbeat) if t is not None and here]
         for task in tasks:
             task.cancel()
@@ -429,15 +344,8 @@ class AsyncClient:
             await self.connect()  # again: the server may have gone (and this client reconnects) meanwhile
         self._check_open()
         # No await between this check and the send: ids stay unique among pending requests.
-        if call.request_id in self._pending:
-            raise DuplicateRequestIdError("duplicate_id", "request_id", f"request id {call.request_id!r} is already "
-                                          f"in flight on this client", call.request_id)
-        if call.request_id in self._retiring:
-            raise DuplicateRequestIdError("duplicate_id", "request_id", f"request id {call.request_id!r} was let go "
-                                          f"of and its abort is not finished on the server yet: use another id, or "
-                                          f"retry in a moment", call.request_id)
         req = PendingRequest(call.request_id, tokenizer, call.sampling, prompt_ids)
-        self._pending[call.request_id] = req
+        self._inflight.add(req)
         if call.timeout is not None and not math.isinf(call.timeout):
             req.timer = asyncio.get_running_loop().call_later(
                 call.timeout, req.stop,
@@ -454,11 +362,5 @@ class AsyncClient:
         """Forget a request; abort it on the server if it has not ended."""
         if req.timer is not None:
             req.timer.cancel()
-        if self._pending.get(req.request_id) is req:
-            del self._pending[req.request_id]
-        if not req.done and not self._closed and self._sock is not None:
-            req.done = True
-            left = req.unfinished()
-            if left:
-                self._retiring[req.request_id] = left
+        if self._inflight.release(req, connected=not self._closed and self._sock is not None):
             await self._sock.send(encode_abort(req.request_id))

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import zmq
 import zmq.asyncio
 
-from ipc.protocol import HEARTBEAT_MISSES, Ping, encode
+from ipc.protocol import HEARTBEAT_MISSES, Error, Ping, Pong, ServerInfo, encode
 
 # How often the heartbeat task wakes to check for silence (seconds): detection comes at most
 # this late after HEARTBEAT_MISSES x heartbeat_s.
@@ -43,6 +43,17 @@ class Liveness:
         if server_id and self.server_id and server_id != self.server_id:
             return f"the server was restarted (server_id {self.server_id} became {server_id})"
         return None
+
+    def void(self, msg: Any) -> Optional[str]:
+        """Why the connection is void, if ``msg`` says so: another server answers (restarted), or the server no
+        longer knows this client (a Pong without its Hello, or a ``hello_first`` Error).  A restarted server does
+        not know the client either: the restart is the cause, said first."""
+        gone = self.restarted(msg.server_id) if isinstance(msg, (Pong, ServerInfo)) else None
+        if gone is None and ((isinstance(msg, Pong) and not msg.hello)
+                             or (isinstance(msg, Error) and msg.code == "hello_first")):
+            gone = "the server forgot this client (silent past its heartbeat: a stalled event loop?) and aborted its " \
+                   "requests"
+        return gone
 
     def silence(self) -> Optional[str]:
         """Why the connection is dead, if the server has been silent for HEARTBEAT_MISSES heartbeats."""
