@@ -34,7 +34,8 @@ def token_logprobs_ref(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs:
                        max_top_n: int = MAX_TOP_N) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, logprobs)`` ``[S, 1 + max_top_n]`` for logits ``[S, V]``, sampled ``tokens`` ``[S]`` (column 0 of
     ``ids``: each token's rank)."""
-    lsm = torch.log_softmax(logits.float(), dim=-1)
+    x = logits.float()
+    lsm = torch.log_softmax(x, dim=-1)
     top_lp, top_ids = torch.topk(lsm, min(max_top_n, lsm.shape[1]), dim=-1)
     S = lsm.shape[0]
     pad = max_top_n - top_ids.shape[1]
@@ -42,7 +43,6 @@ def token_logprobs_ref(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs:
         top_ids = torch.cat([top_ids, top_ids.new_full((S, pad), -1)], dim=1)
         top_lp = torch.cat([top_lp, top_lp.new_full((S, pad), float("-inf"))], dim=1)
     tok = tokens.long()[:, None]
-    x = logits.float()
     rank = (x >= x.gather(1, tok)).sum(1, keepdim=True)
     ids = torch.cat([rank, top_ids], dim=1)
     lps = torch.cat([lsm.gather(1, tok), top_lp], dim=1)
