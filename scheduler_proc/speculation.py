@@ -56,7 +56,7 @@ _FINISHED = Status.FINISHED
 RATE_START = 2.0  # accepted drafts a row, a request's mean before its first row (six rows of none pause it)
 RATE_WEIGHT = 0.3  # of each row's accepted count in the mean
 PAUSE_BELOW = 0.3  # accepted drafts a row below which the request pauses
-# Against 0.5, replaying the default model's greedy outputs of scripts/data/spec_prompts.jsonl and the chat
+# Against 0.5, replaying the default model's greedy outputs of short edit prompts and the chat
 # prompts under a cost model of the H200's steps (plain 0.638 ms, speculative 0.764), the edits gain 8% at K = 8
 # (4% at K = 4) and chat 3%; outputs with nothing to copy lose 2% more before their first pause.  Served on the
 # H200 (medians of five rounds, docs/performance.md): edits +1.5% at K = 4, +2.7% at K = 8; chat within 1%.

@@ -214,8 +214,10 @@ def part_verify(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def part_serve(args: argparse.Namespace) -> dict[str, Any]:
-    loads = {"edits_c1": ["--dataset", "chat", "--prompts-file", PROMPTS, "--num-requests", "24", "--concurrency", "1"],
-             "edits_c16": ["--dataset", "chat", "--prompts-file", PROMPTS, "--num-requests", "48",
+    edits = sum(1 for line in open(PROMPTS) if line.strip())  # each prompt once at 1 at a time, twice at 16
+    loads = {"edits_c1": ["--dataset", "chat", "--prompts-file", PROMPTS, "--num-requests", str(edits),
+                          "--concurrency", "1"],
+             "edits_c16": ["--dataset", "chat", "--prompts-file", PROMPTS, "--num-requests", str(2 * edits),
                            "--concurrency", "16"],
              "chat_c1": ["--dataset", "chat", "--num-requests", "24", "--concurrency", "1"]}
     spec = ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
