@@ -15,11 +15,12 @@ from scheduler_proc.steps import InflightStep
 FLUSH_EVERY = 512
 _ENCODER = msgspec.json.Encoder()
 # num_rows: requests in the step; num_tokens: tokens sampled; num_prefill: prefill tokens computed; num_backups:
-# KV blocks the host tier backs up behind it; gc_s: of the host time, the executor's garbage collector's.
+# KV blocks the host tier backs up behind it; gc_s: of the host time, the executor's garbage collector's;
+# num_drafts: the drafts its speculative rows verify (0: a step without speculation).
 # The scheduler's side, on the same clock (perf_counter is CLOCK_MONOTONIC, one per host): t_sent, when it sent
 # the step's plan; plan_s, how long planning and encoding it took; t_recv, when it read the result.
 KEYS = ("step_id", "t_start", "t_end", "idle_s", "num_rows", "num_tokens", "num_prefill", "num_backups",
-        "gpu_busy_s", "gpu_gap_s", "prepare_s", "launch_s", "gc_s", "t_sent", "plan_s", "t_recv")
+        "gpu_busy_s", "gpu_gap_s", "prepare_s", "launch_s", "gc_s", "t_sent", "plan_s", "t_recv", "num_drafts")
 
 
 class StepLog:
@@ -51,7 +52,7 @@ class StepLog:
         self.records.append((result.step_id, result.t_start, result.t_end, result.idle_s, len(step.requests),
                              len(result.token_ids), step.num_prefill, step.num_backups, result.gpu_busy_s,
                              result.gpu_gap_s, result.prepare_s, result.launch_s, result.gc_s, t_sent, plan_s,
-                             self._received.pop(result.step_id, 0.0)))
+                             self._received.pop(result.step_id, 0.0), sum(k for _, k in step.spec)))
         if len(self.records) >= FLUSH_EVERY:
             self.flush()
 

@@ -173,12 +173,19 @@ def served_side_by_side(args: argparse.Namespace, servers: dict[str, tuple[str, 
     return out
 
 
+def split_by_drafts(pairs: list) -> dict[str, list]:
+    """(previous, step) record pairs by whether the step verified drafts (``num_drafts``)."""
+    return {"drafting": [(a, b) for a, b in pairs if b.get("num_drafts", 0) > 0],
+            "plain": [(a, b) for a, b in pairs if b.get("num_drafts", 0) == 0]}
+
+
 def step_medians(path: str, windows: dict[str, Any]) -> Optional[dict[str, dict[str, float]]]:
     """Per load (the steps that ended in its time window, or in any of its windows: a list of (t0, t1) under
     ``--repeats``), from the server's ``--step-log``: its steps and rows,
     and medians (ms) over its steps of one row and no prefill of the period from one step's end to the next's, the
     executor's wait for the plan, the GPU's busy time (from the step's start on the device, so it includes any
-    wait for the executor's launches), the executor's host time (prepare + launch) and the scheduler's plan.  At
+    wait for the executor's launches), the executor's host time (prepare + launch) and the scheduler's plan, and the
+    period of those that verified drafts and of the plain ones apart (``drafting_*``, ``plain_*``).  At
     batch 1 and depth 1 a step's period is about half of the host chain (result, plan, prepare, launch) plus half
     of the GPU's time: step N + 1's plan leaves when step N - 1's result is back.  And totals (ms) over all its
     steps against the window: the GPU's busy and idle time, the window's length (what the medians miss: long
@@ -196,12 +203,17 @@ def step_medians(path: str, windows: dict[str, Any]) -> Optional[dict[str, dict[
         one = [(a, b) for xs in by_span for a, b in zip(xs, xs[1:]) if b["num_rows"] == 1 and not b["num_prefill"]]
         if not one:
             continue
+        apart = split_by_drafts(one)
         out[load] = {"steps": len(ours), "rows": sum(s["num_rows"] for s in ours), "one_row_steps": len(one),
                      "period_ms": median([b["t_end"] - a["t_end"] for a, b in one]),
                      "idle_ms": median([b["idle_s"] for _, b in one]),
                      "gpu_busy_ms": median([b["gpu_busy_s"] for _, b in one]),
                      "host_ms": median([b["prepare_s"] + b["launch_s"] for _, b in one]),
                      "plan_ms": median([b["plan_s"] for _, b in one]),
+                     # the speculative one-row steps and the plain ones (a paused request's) apart
+                     **{f"{kind}_steps": len(xs) for kind, xs in apart.items()},
+                     **{f"{kind}_period_ms": median([b["t_end"] - a["t_end"] for a, b in xs])
+                        for kind, xs in apart.items() if xs},
                      "gpu_busy_total_ms": 1e3 * sum(s["gpu_busy_s"] for s in ours),
                      "idle_total_ms": 1e3 * sum(s["idle_s"] for s in ours),
                      "window_ms": 1e3 * sum(t1 - t0 for t0, t1 in spans)}

@@ -128,9 +128,12 @@ def test_step_log_appends_in_small_batches(tmp_path):
     for i in range(n):
         log.sent(i, 1.0)
         log.received(i)
-        log.record(StepResult(i, [1, 2], t_start=2.0 + i, t_end=3.0 + i, idle_s=0.5), InflightStep(i, [], [], []))
+        spec = [(None, 4), (None, 0)] if i == 6 else ()  # a step of two speculative rows: 4 drafts and none
+        log.record(StepResult(i, [1, 2], t_start=2.0 + i, t_end=3.0 + i, idle_s=0.5),
+                   InflightStep(i, [], [], [], spec=spec))
     assert len(path.read_text().splitlines()) == 2 * FLUSH_EVERY
     log.flush()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step_id"] for r in records] == list(range(n)) and all(tuple(r) == KEYS for r in records)
     assert records[5]["t_end"] == 8.0 and records[5]["num_tokens"] == 2 and records[5]["t_recv"] >= records[5]["t_sent"]
+    assert [r["num_drafts"] for r in records[5:8]] == [0, 4, 0]

@@ -251,8 +251,11 @@ def test_bench_spec_step_medians_pair_steps_within_each_window(tmp_path, monkeyp
     step = dict(num_rows=1, num_prefill=0, idle_s=0.001, gpu_busy_s=0.0005, prepare_s=0.0002, launch_s=0.0001,
                 plan_s=0.00001)
     log = tmp_path / "steps.jsonl"
-    log.write_text("\n".join(json.dumps(dict(step, t_end=t)) for t in (1.0, 1.001, 1.002, 5.0, 5.002, 9.0)))
+    log.write_text("\n".join(json.dumps(dict(step, t_end=t, num_drafts=4 if t == 1.002 else 0))
+                             for t in (1.0, 1.001, 1.002, 5.0, 5.002, 9.0)))
     got = bench_spec.step_medians(str(log), {"one": (0.9, 1.1), "two": [(0.9, 1.1), (4.9, 5.1)]})
     assert (got["one"]["steps"], got["one"]["one_row_steps"]) == (3, 2)
     assert (got["two"]["steps"], got["two"]["one_row_steps"]) == (5, 3)
     assert abs(got["two"]["period_ms"] - 1.0) < 1e-6 and abs(got["two"]["window_ms"] - 400.0) < 1e-6
+    assert (got["two"]["drafting_steps"], got["two"]["plain_steps"]) == (1, 2)  # the step at 1.002 verified drafts
+    assert abs(got["two"]["drafting_period_ms"] - 1.0) < 1e-6 and abs(got["two"]["plain_period_ms"] - 2.0) < 1e-6
