@@ -133,10 +133,13 @@ def split_heads(qkv: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[to
     return q.view(t, -1, head_dim), k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
 
 
-def argmax_store(logits: torch.Tensor, last_token: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(logits, -1)``, also written to ``last_token[slots]`` (two torch launches)."""
+def argmax_store(logits: torch.Tensor, last_token: Optional[torch.Tensor] = None,
+                 slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``torch.argmax(logits, -1)``, with ``last_token`` also written to ``last_token[slots]`` (two torch
+    launches)."""
     tokens = torch.argmax(logits, dim=-1)
-    last_token[slots] = tokens
+    if last_token is not None:
+        last_token[slots] = tokens
     return tokens
 
 
@@ -220,8 +223,9 @@ class Backend(Protocol[PlanT]):
         """``linear(hidden, weight).float()``: the LM head's float32 logits, rounded as the model's dtype."""
         ...
 
-    def argmax(self, logits: torch.Tensor, last_token: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Greedy tokens ``torch.argmax(logits, -1)``, also written to ``last_token[slots]``."""
+    def argmax(self, logits: torch.Tensor, last_token: Optional[torch.Tensor] = None,
+               slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Greedy tokens ``torch.argmax(logits, -1)``, with ``last_token`` also written to ``last_token[slots]``."""
         ...
 
     def sample(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor: ...

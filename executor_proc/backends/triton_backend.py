@@ -421,7 +421,8 @@ class TritonBackend:
     decode_rows = staticmethod(decode_rows)
 
     @staticmethod
-    def argmax(logits: torch.Tensor, last_token: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def argmax(logits: torch.Tensor, last_token: Optional[torch.Tensor] = None,
+               slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         if logits.shape[0] <= argmax.MAX_ROWS:
             return argmax.argmax_rows(logits, last_token, slots)  # the pick kernel writes last_token too
         return argmax_store(logits, last_token, slots)

@@ -203,5 +203,5 @@ class SpecGraphs:
                              self.block_size)
         batch = dataclasses.replace(batch, input_ids=ids, host_context_lens=graph.host_lens,
                                     host_kv_rows=graph.host_kv_rows)
-        chosen = self.forward(batch).argmax(dim=-1)
+        chosen = self.backend.argmax(self.forward(batch))  # (Triton: two launches, not torch's one-block rows)
         return self.spec.accept(t, chosen, self.no_tokens[:t.rows], self.tables)
