@@ -51,6 +51,14 @@ def check_address(addr: str) -> str:
     raise ValueError(f"address {addr!r} must start with ipc:// or tcp://")
 
 
+def ipv6_for(sock: zmq.Socket, addr: str) -> zmq.Socket:
+    """IPv6 on for a ``tcp://[...]`` address (ZeroMQ's sockets are IPv4-only unless asked, and a bracketed host is
+    refused with "No such device"); other addresses leave the socket as it is."""
+    if addr.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    return sock
+
+
 def configure(sock: zmq.Socket, *, max_msg_bytes: int | None = None, hwm: int = DEFAULT_HWM) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
@@ -63,7 +71,7 @@ def configure(sock: zmq.Socket, *, max_msg_bytes: int | None = None, hwm: int = 
 def make_socket(ctx: zmq.Context, kind: int, addr: str, *, bind: bool,
                 max_msg_bytes: int | None = None, hwm: int = DEFAULT_HWM) -> zmq.Socket:
     """Create, configure and bind or connect one socket."""
-    sock = configure(ctx.socket(kind), max_msg_bytes=max_msg_bytes, hwm=hwm)
+    sock = ipv6_for(configure(ctx.socket(kind), max_msg_bytes=max_msg_bytes, hwm=hwm), addr)
     if bind:
         sock.bind(check_address(addr))
     else:

@@ -30,7 +30,7 @@ from typing import Optional
 import zmq
 
 from ipc.protocol import HEARTBEAT_MISSES, encode
-from ipc.sockets import check_address, configure
+from ipc.sockets import check_address, configure, ipv6_for
 
 CLIENT_FRAMES_PER_ITERATION = 64
 OWED_TTL_S = 60.0  # an error owed to a client that never reads again is dropped after this
@@ -114,7 +114,7 @@ class Frontend:
             check_address(address)
             if address.startswith("ipc://"):
                 claim_ipc_path(address[len("ipc://"):])
-            sock = configure(ctx.socket(zmq.ROUTER), max_msg_bytes=max_msg_bytes, hwm=send_hwm)
+            sock = ipv6_for(configure(ctx.socket(zmq.ROUTER), max_msg_bytes=max_msg_bytes, hwm=send_hwm), address)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or vanished peer raises, never a silent drop
             try:
                 sock.bind(address)

@@ -43,3 +43,33 @@ def test_unread_pings_are_not_silence(tmp_path):
         client.close(linger=0)
         front.close(linger_ms=0)
         ctx.term()
+
+
+def test_listens_on_an_ipv6_address():
+    """A ``tcp://[...]`` address serves (ZeroMQ's sockets are IPv4-only unless IPv6 is switched on), and the SDK's
+    sockets (ipc.sockets.make_socket) connect to it."""
+    import socket
+
+    import pytest
+
+    from ipc.sockets import make_socket
+
+    try:  # a host without IPv6 loopback cannot take the test
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+            port = probe.getsockname()[1]
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    ctx = zmq.Context()
+    front = Frontend(ctx, f"tcp://[::1]:{port}", send_hwm=100, max_msg_bytes=1 << 20)
+    client = make_socket(ctx, zmq.DEALER, front.address, bind=False)
+    try:
+        client.send(encode(Ping()))
+        deadline = time.monotonic() + 5
+        while not front.has_input() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(front.recv_batch()) == 1
+    finally:
+        client.close(linger=0)
+        front.close(linger_ms=0)
+        ctx.term()
