@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+from typing import Optional
 
 from scheduler_proc.cli_flags import ADDRESS_FILE, check_chat_flags
 
@@ -33,15 +34,33 @@ def stream_answer(address: str, prompt: str, *, system=None, max_tokens=256, tem
     out.flush()
 
 
+NO_TOKENIZER = ("the server has no tokenizer (its model has none), and questions are text: start it with "
+                "--tokenizer FILE|DIR")
+
 # The request fields `forerun chat` fills from its flags: a server's error names the field, the user typed the flag.
 CHAT_FLAG_OF_FIELD = {"sampling.max_tokens": "--max-tokens", "sampling.temperature": "--temperature",
                       "sampling.seed": "--seed"}
+
+
+def check_utf8(what: str, text: Optional[str]) -> None:
+    """Text from the command line is UTF-8: bytes that are not arrive as lone surrogates (Python decodes argv with
+    surrogateescape), which no tokenizer takes; ValueError naming ``what`` and the first such byte."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        byte = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise ValueError(f"{what} is not valid UTF-8 ({byte} at character {e.start})") from None
 
 
 def chat(args) -> int:
     """``forerun chat``: stream one answer; every expected failure is one line on stderr and exit 1 (130: Ctrl-C)."""
     try:
         check_chat_flags(args)
+        check_utf8("the prompt", args.prompt)
+        check_utf8("--system", args.system)
     except ValueError as e:
         raise SystemExit(f"forerun: {e}")
     address = args.address
@@ -71,6 +90,8 @@ def _chat_error(e: Exception) -> str:
     flag that set it (``[invalid_request] --max-tokens must be ...``), the SDK's own words otherwise."""
     from ipc.client import ForerunError
 
+    if isinstance(e, ForerunError) and e.code == "no_tokenizer":  # the SDK's advice (token ids) is not the CLI's
+        return f"[{e.code}] {NO_TOKENIZER}"
     flag = CHAT_FLAG_OF_FIELD.get(e.field or "") if isinstance(e, ForerunError) else None
     if flag is None:
         return str(e)

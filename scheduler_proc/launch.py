@@ -22,11 +22,11 @@ from typing import Optional
 import msgspec
 
 from ipc.models import resolve_model
-from scheduler_proc.chat_cli import chat, stream_answer
+from scheduler_proc.chat_cli import NO_TOKENIZER, chat, check_utf8, stream_answer
 from scheduler_proc.cli_flags import ADDRESS_FILE, API_KEY_ENV, build_parser, in_flag_names
 from scheduler_proc.config import ServerConfig
 from scheduler_proc.executor_process import NO_MULTICAST_ENV
-from scheduler_proc.serve_config import check_tokenizer, server_config
+from scheduler_proc.serve_config import check_tokenizer, has_chat_template, server_config
 
 
 class _Progress:
@@ -62,6 +62,10 @@ def serve(args) -> int:
         cfg = server_config(args)
         model = resolve_model(cfg.model, cfg.executor.load_format, cfg.tokenizer)
         check_tokenizer(model.tokenizer_path, args.tokenizer, args.model)
+        if args.ask is not None:
+            check_utf8("--ask", args.ask)
+            if not model.tokenizer_path:
+                raise ValueError(f"--ask: {NO_TOKENIZER}")
         gpus = _replica_gpus(args, cfg)
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"forerun: {in_flag_names(str(e))}")
@@ -192,6 +196,7 @@ def _announce(server, model, ready, cfg) -> None:
         f.write(server.client_address)
     if ready is None:  # a router: each replica said what it serves
         print(f"forerun: serving {model.name} on {len(server.replicas)} data-parallel replicas", flush=True)
+        _tokenizer_notes(model.tokenizer_path)
         print(f"forerun: ready at {server.client_address}", flush=True)
         return
     tp = cfg.executor.tensor_parallel_size
@@ -206,7 +211,18 @@ def _announce(server, model, ready, cfg) -> None:
               f"{ready.graph_memory_bytes / 2**20:.0f} MiB", flush=True)
     if ready.memory_plan:
         print(f"forerun: {ready.memory_plan}", flush=True)
+    _tokenizer_notes(model.tokenizer_path)
     print(f"forerun: ready at {server.client_address}", flush=True)
+
+
+def _tokenizer_notes(path: str) -> None:
+    """What clients cannot ask of a server without a tokenizer, or of one whose tokenizer has no chat template."""
+    if not path:
+        print("forerun: no tokenizer: clients send token ids and get token ids back (--tokenizer FILE|DIR gives "
+              "the server one)", flush=True)
+    elif has_chat_template(path) is False:
+        print("forerun: the tokenizer has no chat template: chat requests are refused; completions are served",
+              flush=True)
 
 
 def _listen_http(args, cfg):

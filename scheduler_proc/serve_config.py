@@ -129,6 +129,23 @@ def check_tokenizer(path: str, tokenizer: Optional[str], model: Optional[str]) -
         raise ValueError(f"--model {model or '(the default model)'}: {e}") from None
 
 
+def has_chat_template(path: str) -> Optional[bool]:
+    """Whether a tokenizer folder holds a chat template (chat_template.jinja or .json, or tokenizer_config.json's
+    ``chat_template``); a tokenizer.json file alone has none; None where this cannot tell without loading it (a
+    GGUF file's metadata)."""
+    if path.endswith(".gguf"):
+        return None
+    if not os.path.isdir(path):  # a tokenizer.json
+        return False
+    if any(os.path.isfile(os.path.join(path, f)) for f in ("chat_template.jinja", "chat_template.json")):
+        return True
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            return bool(json.load(f).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def check_json_files(folder: str) -> None:
     """Each JSON file besides tokenizer.json that clients fetch with the tokenizer (ipc.models.TOKENIZER_FILE_NAMES)
     is a JSON object; ValueError naming the first that is not."""

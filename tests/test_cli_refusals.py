@@ -182,6 +182,39 @@ def test_help_shows_every_default():
     assert all(f"{n} " in depth for n in ("0 waits", "1 sends", "2 also")), depth
 
 
+@pytest.mark.parametrize("flags, expect", [
+    (["--ask", "hi"], "--ask: the server has no tokenizer (its model has none), and questions are text: start it "
+                      "with --tokenizer FILE|DIR"),
+    (["--ask", "\udcff\udcfe hi"], "--ask is not valid UTF-8 (byte 0xff at character 0)"),  # argv's bytes as decoded
+])
+def test_an_ask_that_cannot_be_answered_is_refused_before_the_model_loads(flags, expect):
+    from scheduler_proc.launch import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", *SCRIPTED, *flags])
+    assert str(exit_.value) == f"forerun: {expect}"
+
+
+def test_the_start_up_says_what_a_tokenizer_without_chat_template_or_no_tokenizer_means(tmp_path, capsys):
+    from scheduler_proc.launch import _tokenizer_notes
+    from scheduler_proc.serve_config import has_chat_template
+
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    assert has_chat_template(str(tmp_path)) is True
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert has_chat_template(str(tmp_path)) is False
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    assert has_chat_template(str(tmp_path)) is True
+    assert has_chat_template(str(tmp_path / "tokenizer.json")) is False and has_chat_template("/x/m.gguf") is None
+    (tmp_path / "chat_template.jinja").unlink()
+    _tokenizer_notes(str(tmp_path))
+    _tokenizer_notes("")
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["forerun: the tokenizer has no chat template: chat requests are refused; completions are served",
+                   "forerun: no tokenizer: clients send token ids and get token ids back (--tokenizer FILE|DIR gives "
+                   "the server one)"]
+
+
 CHAT_REFUSALS = [
     (["--timeout", "-1"], "--timeout must be a positive number of seconds, got -1"),
     (["--timeout", "nan"], "--timeout must be a positive number of seconds, got nan"),
@@ -198,6 +231,19 @@ def test_chat_refuses_bad_flags_before_connecting(flags, expect, capsys):
         main(["chat", "hi", "--address", "ipc:///nonexistent/none.sock", *flags])
     assert str(exit_.value).startswith(f"forerun: {expect}"), exit_.value
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["\udcff hi"], "the prompt is not valid UTF-8 (byte 0xff at character 0)"),
+    (["hi", "--system", "ok \udce9"], "--system is not valid UTF-8 (byte 0xe9 at character 3)"),
+])
+def test_chat_refuses_text_that_is_not_utf8(argv, expect, capsys):
+    """Bytes that are not UTF-8 reach Python's argv as lone surrogates, which no tokenizer takes."""
+    from scheduler_proc.launch import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["chat", *argv, "--address", "ipc:///nonexistent/none.sock"])
+    assert str(exit_.value) == f"forerun: {expect}"
 
 
 def test_chat_failure_prints_nothing_on_stdout(capsys):
@@ -242,7 +288,7 @@ def test_chat_ends_a_partial_answer_with_a_newline_and_writes_nothing_else(monke
 
 
 def test_chat_names_the_flag_of_a_refused_field():
-    from ipc.client.errors import InvalidRequestError, ServerGoneError
+    from ipc.client.errors import ForerunError, InvalidRequestError, ServerGoneError
     from scheduler_proc.chat_cli import _chat_error
 
     def said(field: str, message: str) -> str:
@@ -257,6 +303,8 @@ def test_chat_names_the_flag_of_a_refused_field():
             == "[invalid_request] --temperature must be a finite number, got nan")
     assert said("sampling.top_p", "top_p must be in (0, 1]").endswith("top_p must be in (0, 1]")  # not a chat flag
     assert _chat_error(ServerGoneError("no server")) == "[server_gone] no server"
+    no_tokenizer = _chat_error(ForerunError("no_tokenizer", "tokenizer", "... send prompt_token_ids ..."))
+    assert no_tokenizer.startswith("[no_tokenizer] the server has no tokenizer") and "--tokenizer" in no_tokenizer
 
 
 def test_stale_tokenizer_folders_of_dead_processes_are_removed(tmp_path, monkeypatch):
