@@ -21,7 +21,7 @@ PROTOCOL_VERSION = 2
 MAX_REQUEST_ID_LEN = 128
 MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
-# Output features: scheduler_proc.validate.validate_output_features enforces them.
+# Output features: scheduler_proc.validate.validate_output_features enforces them (counts and n: count_problem).
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_BYTES = 256
 MAX_LOGPROBS = 20
@@ -45,8 +45,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     seed: Optional[int] = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    # Stop strings, matched on the detokenized output by the scheduler; the text ends before
-    # the match unless include_stop_str_in_output.
+    # Stop strings, matched on the detokenized output by the scheduler; the text ends before the
+    # match, and leaves out the text of a stop token that ended it (EOS, stop_token_ids), unless
+    # include_stop_str_in_output (vLLM's rules).
     stop: list[str] = []
     include_stop_str_in_output: bool = False
     min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are out
@@ -257,6 +258,26 @@ class Pong(_Msg, tag="pong"):
     # False: the server does not know this client (no Hello yet, or forgotten after a silence past its
     # heartbeat, its requests aborted): a client that had said Hello must fail its requests and say it again.
     hello: bool = True
+
+
+def count_problem(s: SamplingParams) -> Optional[tuple[str, str]]:
+    """The first count of ``s`` past its limit, as ``(field, message)``; None when every count is within.
+
+    The counts are what a client would loop over before the scheduler sees the request (``n`` completions to set
+    up, the stop strings of each) and what the scheduler loops over when it checks the rest (stop token ids,
+    logit_bias entries): the SDK checks them before it builds anything, the scheduler before its other checks.
+    """
+    if not (isinstance(s.n, int) and 1 <= s.n <= MAX_N):
+        return "sampling.n", f"n must be in [1, {MAX_N}], got {s.n!r}"
+    if len(s.stop) > MAX_STOP_STRINGS:
+        return "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(s.stop)}"
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        return ("sampling.stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(s.stop_token_ids)}")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        return ("sampling.logit_bias",
+                f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(s.logit_bias)}")
+    return None
 
 
 ClientToServer = Union[Hello, Generate, Abort, GetStats, Ping, ResetPrefixCache, GetTokenizer]

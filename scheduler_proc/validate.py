@@ -199,9 +199,9 @@ def _validate_sampling(s: p.SamplingParams, prompt_len: int, limits: Limits) -> 
                                                f"(the vocabulary), got {s.top_k}")
     if s.seed is not None and not 0 <= s.seed <= p.MAX_SEED:
         raise InvalidRequest("sampling.seed", f"seed must be in [0, {p.MAX_SEED}], got {s.seed}")
-    if len(s.stop_token_ids) > p.MAX_STOP_TOKEN_IDS:
-        raise InvalidRequest("sampling.stop_token_ids",
-                             f"at most {p.MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(s.stop_token_ids)}")
+    problem = p.count_problem(s)  # n and list lengths (the SDK checks the same before it sends), before any loop
+    if problem is not None:
+        raise InvalidRequest(*problem)
     _check_token_ids("sampling.stop_token_ids", s.stop_token_ids, limits.vocab_size)
     validate_output_features(s, limits)
 
@@ -211,9 +211,8 @@ MAX_REPETITION_PENALTY = 2.0
 
 
 def validate_output_features(s: p.SamplingParams, limits: Limits) -> None:
-    """Stop strings, logprobs, penalties, logit_bias, min_tokens and n: raise InvalidRequest."""
-    if len(s.stop) > p.MAX_STOP_STRINGS:
-        raise InvalidRequest("sampling.stop", f"at most {p.MAX_STOP_STRINGS} stop strings are allowed, got {len(s.stop)}")
+    """Stop strings, logprobs, penalties, logit_bias and min_tokens: raise InvalidRequest (their counts, and n:
+    ``ipc.client_protocol.count_problem``, checked before)."""
     for text in s.stop:
         size = len(text.encode("utf-8", "surrogatepass"))
         if not 1 <= size <= p.MAX_STOP_STRING_BYTES:
@@ -230,9 +229,6 @@ def validate_output_features(s: p.SamplingParams, limits: Limits) -> None:
         value = _float32(f"sampling.{name}", getattr(s, name))
         if not -2 <= value <= 2:
             raise InvalidRequest(f"sampling.{name}", f"{name} must be in [-2, 2], got {getattr(s, name)}")
-    if len(s.logit_bias) > p.MAX_LOGIT_BIAS:
-        raise InvalidRequest("sampling.logit_bias", f"at most {p.MAX_LOGIT_BIAS} logit_bias entries are allowed, "
-                                                    f"got {len(s.logit_bias)}")
     for token, bias in s.logit_bias.items():
         if not 0 <= token < limits.vocab_size:
             raise InvalidRequest("sampling.logit_bias", f"token id {token} is out of range [0, {limits.vocab_size})")
@@ -242,5 +238,3 @@ def validate_output_features(s: p.SamplingParams, limits: Limits) -> None:
     if not 0 <= s.min_tokens <= s.max_tokens:
         raise InvalidRequest("sampling.min_tokens", f"min_tokens must be in [0, max_tokens={s.max_tokens}], "
                                                     f"got {s.min_tokens}")
-    if not 1 <= s.n <= p.MAX_N:
-        raise InvalidRequest("sampling.n", f"n must be in [1, {p.MAX_N}], got {s.n}")

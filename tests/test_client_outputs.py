@@ -16,6 +16,7 @@ from ipc.client import AsyncClient, Client
 from ipc.client.outputs import StopStringText
 from ipc.protocol import Finished, ResetPrefixCache, TokenDelta, TokenDeltas, TokenLogprobs
 from tests.test_client_unit import (  # noqa: F401 (fixtures)
+    EOS,
     HANG,
     address,
     serve,
@@ -257,3 +258,53 @@ def test_stop_text_under_min_tokens_counts_only_stops_that_end_after_arming():
     st.arm()
     assert st.push("D y") == ""
     assert st.finish("END") == "" and st.text == "x "
+
+
+# ---------------------------------------------------------------------------
+# a finish on a stop token (EOS, or one of stop_token_ids)
+# ---------------------------------------------------------------------------
+
+
+def stop_token_script(tokenizer, text: str, stop_token: int, min_tokens: int = 0):
+    """The tokens of ``text``, then ``stop_token``: carried by the Finished (reason "stop", no stop string), as the
+    scheduler sends a finish on a stop token."""
+    ids = byte_ids(tokenizer, text)
+
+    def script(gen):
+        msgs = [TokenDelta(gen.request_id, [t], logprobs=[lp(t)]) for t in ids]
+        msgs.append(Finished(request_id=gen.request_id, reason="stop", prompt_tokens=len(gen.prompt_token_ids),
+                             completion_tokens=len(ids) + 1, token_ids=[stop_token], logprobs=[lp(stop_token)]))
+        return msgs
+    return script, ids + [stop_token]
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("min_tokens", [0, 3])
+async def test_a_stop_token_s_text_is_left_out_unless_included(serve, address, tokenizer, include, min_tokens):
+    """vLLM's rule: the text of the stop token that ended the request is not shown unless
+    include_stop_str_in_output; the token itself stays in token_ids, logprobs and the count."""
+    stop_token = byte_ids(tokenizer, "!")[0]
+    script, ids = stop_token_script(tokenizer, "Paris 世界", stop_token)
+    serve(script)
+    async with AsyncClient(address, timeout=5) as client:
+        kw = dict(stop_token_ids=[stop_token], include_stop_str_in_output=include, logprobs=1, min_tokens=min_tokens)
+        r = await client.generate("Hi", **kw)
+        stream = client.stream("Hi", **kw)
+        chunks = [c async for c in stream]
+    expected = "Paris 世界!" if include else "Paris 世界"
+    assert r.text == expected and r.finish_reason == "stop" and r.stop_str is None
+    assert r.token_ids == ids and r.completion_tokens == len(ids)
+    assert r.logprobs == [lp(t) for t in ids]  # the stop token's entry is kept (vLLM keeps it)
+    assert "".join(c.text_delta for c in chunks) == expected == stream.result.text
+    assert chunks[-1].token_ids == [stop_token] and chunks[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("include", [False, True])
+async def test_an_eos_finish_shows_the_same_text_either_way(serve, address, tokenizer, include):
+    """EOS is a special token, never rendered: include_stop_str_in_output changes nothing for it."""
+    script, ids = stop_token_script(tokenizer, "done.", EOS)
+    serve(script)
+    async with AsyncClient(address, timeout=5) as client:
+        r = await client.generate("Hi", include_stop_str_in_output=include)
+    assert r.text == "done." and r.token_ids == ids and r.finish_reason == "stop"
+

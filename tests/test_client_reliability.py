@@ -27,7 +27,8 @@ from ipc.client import (
     ServerShuttingDownError,
     SlowReaderError,
 )
-from ipc.client.prompt import MAX_CHARS_PER_TOKEN, encode_prompt
+from ipc.client.prompt import (MIN_CHARS_PER_TOKEN, NORMALIZER_FOLD, UNKNOWN_CHARS_PER_TOKEN, chars_per_token,
+                               encode_prompt, load_tokenizer)
 from ipc.protocol import HEARTBEAT_MISSES, Error, Generate, TokenDelta
 from tests.server_proc import ROOT, python_path
 from tests.test_client_unit import (  # noqa: F401  (fixtures)
@@ -185,7 +186,7 @@ async def test_frame_over_the_size_limit_fails_at_once(serve, address):
 async def test_huge_text_is_refused_before_tokenizing(serve, address):
     server = serve(lambda g: finish_script(g, [3]))
     async with AsyncClient(address, timeout=60) as client:
-        limit = client.server_info.max_model_len * MAX_CHARS_PER_TOKEN
+        limit = client.server_info.max_model_len * chars_per_token(await client.get_tokenizer())
         t0 = time.monotonic()
         with pytest.raises(InvalidRequestError, match="characters") as info:
             await client.generate("x" * 10_000_000)
@@ -196,6 +197,35 @@ async def test_huge_text_is_refused_before_tokenizing(serve, address):
             await client.generate(messages=[{"role": "user", "content": "y" * (limit + 1)}])
         assert info.value.field == "messages"
     assert server.generates == []
+
+
+def test_the_text_cap_is_the_tokenizers_longest_token(default_model_dir):
+    """SmolLM2's vocabulary holds tokens of up to 81 characters (80 '#', a newline and 80 spaces): a text of more
+    than 32 characters a token can still fit, and the cap's message ("no text over N characters fits") holds."""
+    tokenizer = load_tokenizer(default_model_dir)
+    per_token = chars_per_token(tokenizer)
+    assert per_token == max(map(len, tokenizer.get_vocab())) >= 80
+    context = 8192
+    for text in (" " * (32 * context + 1000), "#" * (32 * context + 1000)):
+        assert len(encode_prompt(tokenizer, text, max_model_len=context)) < context
+    with pytest.raises(InvalidRequestError, match=f"no text over {context * per_token} characters") as info:
+        encode_prompt(tokenizer, "#" * (context * per_token + 1), max_model_len=context)
+    assert info.value.field == "prompt"
+
+
+def test_the_text_cap_of_small_odd_or_normalizing_vocabularies(tokenizer):
+    """At least the floor (the fake byte-level vocabulary's longest token is 13 characters); a generous constant
+    for a tokenizer whose vocabulary cannot be read; a tokenizer that normalizes text first (NFC folds a letter and
+    its accents into one character) gets room for the folding."""
+    from tokenizers import Tokenizer, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    assert chars_per_token(tokenizer) == MIN_CHARS_PER_TOKEN
+    assert chars_per_token(None) == chars_per_token(object()) == UNKNOWN_CHARS_PER_TOKEN
+    word = "x" * 40
+    tok = Tokenizer(models.WordLevel({word: 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.NFC()
+    assert chars_per_token(PreTrainedTokenizerFast(tokenizer_object=tok)) == 40 * NORMALIZER_FOLD
 
 
 @pytest.mark.parametrize("messages, field", [

@@ -643,6 +643,41 @@ async def test_unknown_or_mistyped_sampling_keyword_is_refused_before_sending(se
     assert server.generates == []
 
 
+@pytest.mark.parametrize("kwargs,field,limit", [
+    ({"n": 10**6}, "sampling.n", "n must be in [1, 16], got 1000000"),
+    ({"n": 0}, "sampling.n", "[1, 16]"),
+    ({"sampling": SamplingParams(n=10**6)}, "sampling.n", "[1, 16]"),  # a struct is checked as keywords are
+    ({"stop": ["x"] * 17}, "sampling.stop", "at most 16"),
+    ({"stop_token_ids": [1] * 65}, "sampling.stop_token_ids", "at most 64"),
+    ({"logit_bias": {i: 1.0 for i in range(301)}}, "sampling.logit_bias", "at most 300"),
+])
+async def test_counts_past_their_limits_are_refused_before_anything_is_built(serve, address, kwargs, field, limit):
+    """n (each completion gets a detokenizer and a stop-string matcher) and the lists are bounded before the request
+    is set up or sent: an n of a million once held the caller's loop for 11 s.  Field and words are the server's."""
+    server = serve(lambda g: finish_script(g, [5]))
+    async with AsyncClient(address, timeout=5) as client:
+        t0 = time.monotonic()
+        with pytest.raises(InvalidRequestError) as info:
+            await client.generate("Hi", **kwargs)
+        assert time.monotonic() - t0 < 1.0
+        assert info.value.field == field and limit in info.value.message, info.value
+        with pytest.raises(InvalidRequestError):
+            client.stream("Hi", **kwargs)  # at the call, before iteration
+        assert client.in_flight == 0
+    with Client(address, timeout=5) as blocking:
+        with pytest.raises(InvalidRequestError):
+            blocking.generate("Hi", **kwargs)
+    assert server.generates == []
+
+
+def test_counts_at_their_limits_pass():
+    from ipc.protocol import count_problem
+
+    at_limits = SamplingParams(n=16, stop=["x"] * 16, stop_token_ids=[1] * 64, logit_bias={i: 1.0 for i in range(300)})
+    assert count_problem(at_limits) is None
+    assert count_problem(SamplingParams()) is None
+
+
 def test_forerun_package_reexports_the_sdk():
     import forerun
     from forerun import AsyncClient as A, Client as C, ForerunError as E, SamplingParams as S

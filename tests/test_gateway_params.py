@@ -90,6 +90,42 @@ def test_top_logprobs_without_logprobs_and_streamed_prompt_logprobs_are_400():
     assert s.unsupported_param(completion_req(n=2, echo=True, logprobs=1, stop=["x"])) is None
 
 
+def checked(req) -> None:
+    """``req`` through the checks every generation route makes first (a worker with no server behind it)."""
+    from ipc.gateway.worker import Gateway
+
+    gw = Gateway.__new__(Gateway)
+    gw.model_name, gw.failed = "m", False
+    gw.check_request(req)
+
+
+@pytest.mark.parametrize("field,value,param,words", [
+    ("n", 10**6, "n", "n must be in [1, 16], got 1000000"), ("n", 0, "n", "[1, 16]"), ("n", -1, "n", "[1, 16]"),
+    ("stop", ["x"] * 17, "stop", "at most 16 stop strings"),
+    ("stop_token_ids", [1] * 65, "stop_token_ids", "at most 64 stop token ids"),
+    ("logit_bias", {str(i): 1 for i in range(301)}, "logit_bias", "at most 300 logit_bias entries"),
+])
+def test_counts_are_400_naming_them_before_anything_loops_over_them(field, value, param, words):
+    """n (n streams per prompt, a detokenizer per completion) and the lists the gateway and the SDK loop over are
+    refused first, with the scheduler's limits: an n of a million once held a worker's loop for 11 s."""
+    for req in (completion_req(**{field: value}), chat_req(**{field: value}),
+                completion_req(prompt=["a"] * 1000, **{field: value})):
+        with pytest.raises(s.RequestError) as e:
+            checked(req)
+        assert e.value.status == 400 and e.value.param == param and words in e.value.message, e.value.message
+    checked(completion_req(n=16, stop=["x"] * 16, stop_token_ids=[1] * 64, logit_bias={str(i): 1 for i in range(300)}))
+
+
+def test_a_refused_prompt_names_the_field_it_came_from():
+    """The scheduler names the prompt's tokens; chat has no ``prompt``: there it is ``messages``."""
+    from ipc.client import InvalidRequestError
+
+    too_long = InvalidRequestError("invalid_request", "prompt_token_ids", "the prompt has 9000 tokens")
+    assert responses.sdk_error(too_long).param == "prompt"
+    assert responses.sdk_error(too_long, "messages").param == "messages"
+    assert responses.sdk_error(InvalidRequestError("invalid_request", "sampling.n", "n")).param == "n"
+
+
 # ---------------------------------------------------------------------------
 # logprob shapes
 # ---------------------------------------------------------------------------

@@ -248,6 +248,46 @@ def test_bad_new_params_are_400_naming_them(oai, kwargs, param):
     assert e.value.param == param
 
 
+def test_a_huge_n_is_400_at_once_and_the_worker_serves_on(http_server, oai):
+    """n is bounded before anything is set up per completion: n = 10**6 once held the worker's loop for 11 s, past
+    its heartbeat, and the scheduler dropped the worker with every request in flight."""
+    t0 = time.monotonic()
+    for create in (lambda: oai.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=10**6),
+                   lambda: oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, n=10**6)):
+        with pytest.raises(openai.BadRequestError) as e:
+            create()
+        assert e.value.param == "n" and "[1, 16]" in e.value.message
+    assert time.monotonic() - t0 < 5
+    assert len(oai.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=2).choices) == 2
+
+
+def test_a_long_text_the_context_holds_is_not_refused_by_its_length(http_server, oai):
+    """A run of spaces is 64 characters a token of SmolLM2: the cap before tokenizing is the tokenizer's longest
+    token (81 characters), not 32, so a text of 33 characters a token of the context is served."""
+    context = json.loads(http("GET", f"{http_server.url}/v1/models", key=API_KEY)[1])["data"][0]["max_model_len"]
+    text = " " * (33 * context)
+    status, body = http("POST", f"{http_server.url}/tokenize", {"prompt": text}, API_KEY)
+    assert status == 200 and json.loads(body)["count"] < context, body[:300]
+    r = oai.completions.create(model=MODEL, prompt=text, max_tokens=1)
+    assert r.usage.prompt_tokens == json.loads(body)["count"]
+
+
+def test_a_chat_prompt_too_long_names_messages(oai):
+    """Chat has no prompt field: a rendered prompt over the context, or a text over the length cap, is the
+    messages' fault, streamed or not."""
+    long_turn = [{"role": "user", "content": "hello " * 9000}]  # about 9000 tokens: over the context
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=MODEL, messages=long_turn, max_tokens=2, stream=stream)
+        assert e.value.param == "messages" and "context" in e.value.message, e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "#" * 900_000}], max_tokens=2)
+    assert e.value.param == "messages" and "characters" in e.value.message, e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # completions keep naming their prompt
+        oai.completions.create(model=MODEL, prompt="hello " * 9000, max_tokens=2)
+    assert e.value.param == "prompt", e.value.message
+
+
 # ---------------------------------------------------------------------------
 # sampling and output features: these need the scheduler and executor
 # sides of n, stop strings, logprobs and penalties; run them after merging those.
@@ -304,6 +344,38 @@ def test_needs_engine_stop_strings(oai, sdk):
     assert included.choices[0].text == cut + stop
     assert "".join(c.choices[0].text for c in stream if c.choices) == cut
     assert ref.text == cut and ref.stop_str == stop and ref.finish_reason == "stop"
+
+
+def test_a_stop_token_s_text_is_left_out_unless_included(oai, sdk):
+    """vLLM's rule for stop_token_ids: the text of the token that ended the answer is not shown unless
+    include_stop_str_in_output; the token still counts in the usage and keeps its logprobs entry."""
+    prompt = "The capital of France is"
+    first = sdk.generate(prompt, max_tokens=1, temperature=0)  # " Paris"
+    stop = {"stop_token_ids": first.token_ids}
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=0, extra_body=stop)
+    c = r.choices[0]
+    assert (c.text, c.finish_reason, r.usage.completion_tokens) == ("", "stop", 1)
+    assert c.logprobs.tokens == [first.text]
+    streamed = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                      extra_body=stop)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == ""
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+                               extra_body={**stop, "include_stop_str_in_output": True})
+    assert r.choices[0].text == first.text and r.choices[0].finish_reason == "stop"
+    # chat: stop on a token of the greedy answer after its first, where that token first comes
+    ids = sdk.generate(messages=MESSAGES, max_tokens=6, temperature=0).token_ids
+    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    before = sdk.generate(messages=MESSAGES, max_tokens=k, temperature=0).text
+    upto = sdk.generate(messages=MESSAGES, max_tokens=k + 1, temperature=0).text
+    assert before != upto
+    chat = {"stop_token_ids": [ids[k]]}
+    for include, expected in ((False, before), (True, upto)):
+        extra = {**chat, "include_stop_str_in_output": include}
+        r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, extra_body=extra)
+        assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+        streamed = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
+                                               stream=True, extra_body=extra)
+        assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == expected
 
 
 def test_needs_engine_chat_logprobs(oai, sdk):

@@ -249,7 +249,7 @@ class AsyncClient:
 
         Raises InvalidRequestError (naming the field) for malformed messages, a
         chat-template or tokenizer failure, or a text too long for the server's
-        context (checked before tokenizing; see ``prompt.MAX_CHARS_PER_TOKEN``).
+        context (checked before tokenizing; see ``prompt.chars_per_token``).
         """
         tokenizer = await self.get_tokenizer()
         max_model_len = self._server_info.max_model_len if self._server_info is not None else None

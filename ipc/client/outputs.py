@@ -10,6 +10,12 @@ character past the cut ever reaches the user.  Under ``min_tokens`` the
 scheduler counts only a stop string that a token past the first
 ``min_tokens - 1`` completes (as vLLM does); so is it cut here: an occurrence
 ending in the text of those first tokens stays in the text.
+
+A request that finishes on a stop token (EOS, or one of ``stop_token_ids``:
+reason ``stop`` without a ``stop_str``) does not show that token's text unless
+``include_stop_str_in_output``, as in vLLM; the token stays in ``token_ids``,
+the usage and the logprobs (vLLM keeps its logprobs entry too).  The scheduler
+sends the finishing token in the Finished, so no text of it ever went out.
 """
 
 from __future__ import annotations
@@ -107,6 +113,7 @@ class CompletionOutput:
                  include_stop_str: bool = False, min_tokens: int = 0) -> None:
         self.index = index
         self.detokenizer = detokenizer
+        self._include_stop = include_stop_str
         self._arm_at = max(min_tokens - 1, 0)  # tokens after which a stop string counts
         self.text = StopStringText(stop, include_stop_str, armed=self._arm_at == 0)
         self.token_ids: list[int] = []
@@ -127,13 +134,14 @@ class CompletionOutput:
         text = ""
         if self.detokenizer is not None:
             before = len(self.token_ids) - len(token_ids)
+            shown = token_ids[:-1] if self._hides_last_token(fin) else token_ids
             if before < self._arm_at <= len(self.token_ids):  # min_tokens: the text of the first tokens, then arm
-                text = self.text.push(self.detokenizer.add(token_ids[:self._arm_at - before]))
+                text = self.text.push(self.detokenizer.add(shown[:self._arm_at - before]))
                 self.text.arm()
-                token_ids_left = token_ids[self._arm_at - before:]
+                shown_left = shown[self._arm_at - before:]
             else:
-                token_ids_left = token_ids
-            text += self.text.push(self.detokenizer.add(token_ids_left))
+                shown_left = shown
+            text += self.text.push(self.detokenizer.add(shown_left))
             if fin is not None:
                 text += self.text.push(self.detokenizer.flush())
         if fin is not None:
@@ -145,6 +153,11 @@ class CompletionOutput:
             return None
         return StreamChunk(text, list(token_ids), logprobs=list(logprobs), index=self.index,
                            finish_reason=fin.reason if fin is not None else None)
+
+    def _hides_last_token(self, fin: Optional[Finished]) -> bool:
+        """Whether ``fin`` ends this completion on a stop token whose text is left out (vLLM's rule): a finish
+        "stop" that no stop string made is one on EOS or a stop token id, the last token of the Finished."""
+        return fin is not None and fin.reason == "stop" and fin.stop_str is None and not self._include_stop
 
     def end_with(self, since_send: float, like: Finished) -> StreamChunk:
         """End this completion because a sibling ended the whole request (abort or error)."""

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from typing import Any, Optional
 
 from ipc.client.errors import InvalidRequestError
@@ -20,11 +21,18 @@ from ipc.client.errors import InvalidRequestError
 # Roles the chat templates of the supported models know; the templates themselves take any
 # string (it is pasted between the template's own markers), so the check is ours.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-# A text prompt longer than max_model_len x this many characters cannot fit in the context, so
-# it is refused before tokenizing (10 MB of text takes seconds and gigabytes to tokenize).
-# Generous on purpose: English averages about 4 characters per token and code about 3; only
-# long runs of one repeated character come near 16 in common vocabularies.
-MAX_CHARS_PER_TOKEN = 32
+# A text prompt longer than max_model_len x (the most characters one token stands for) cannot fit in
+# the context, so it is refused before tokenizing (10 MB of text takes seconds and gigabytes to
+# tokenize).  That many is the tokenizer's longest token (:func:`chars_per_token`): English averages
+# about 4 characters per token, but vocabularies hold long runs of one character (SmolLM2's: 80 '#').
+# Never less than this floor, so a small vocabulary's cap is not tight to the character:
+MIN_CHARS_PER_TOKEN = 32
+# ...and this many for a tokenizer whose vocabulary cannot be read (longer than any token of common vocabularies).
+UNKNOWN_CHARS_PER_TOKEN = 256
+# A normalizer (Unicode NFC, say) may fold a few characters into one before the text is split into tokens (a
+# Hangul syllable from its 3 jamo; a letter with its 3 accents): a token may then stand for this many times its
+# own length.  Byte-level vocabularies (Llama 3, SmolLM2) have no normalizer.
+NORMALIZER_FOLD = 4
 
 # transformers imports its submodules lazily and not thread-safely: two threads loading their
 # first tokenizer at once can see a half-imported module (ImportError). One load at a time.
@@ -97,9 +105,46 @@ def _alive(pid: int) -> bool:
 
 
 def load_tokenizer(path: str) -> Any:
-    """The HuggingFace tokenizer in a local folder (or a hub name); safe to call from several threads."""
+    """The HuggingFace tokenizer in a local folder (or a hub name); safe to call from several threads.  Its
+    :func:`chars_per_token` is found here, once, off the caller's event loop (clients load in a thread)."""
     with _load_lock:
-        return tokenizer_class(path).from_pretrained(path)
+        tokenizer = tokenizer_class(path).from_pretrained(path)
+    chars_per_token(tokenizer)
+    return tokenizer
+
+
+# chars_per_token's answers, by tokenizer (a tokenizer lives as long as its clients: weak keys).
+_chars_per_token: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def chars_per_token(tokenizer: Any) -> int:
+    """The most characters of text one token of ``tokenizer`` can stand for: its longest vocabulary entry (added
+    and special tokens included; a byte-level or SentencePiece entry is at least as long as the text it stands for),
+    times :data:`NORMALIZER_FOLD` when the tokenizer normalizes text first, at least :data:`MIN_CHARS_PER_TOKEN`;
+    :data:`UNKNOWN_CHARS_PER_TOKEN` when the vocabulary cannot be read.  So no text longer than ``max_model_len``
+    times this fits in the context.  Found once per tokenizer (60 ms for a 49k vocabulary)."""
+    try:
+        return _chars_per_token[tokenizer]
+    except (KeyError, TypeError):  # not seen yet, or an object that takes no weak reference
+        pass
+    found = _longest_token(tokenizer)
+    try:
+        _chars_per_token[tokenizer] = found
+    except TypeError:
+        pass
+    return found
+
+
+def _longest_token(tokenizer: Any) -> int:
+    """:func:`chars_per_token`, found (a pass over the vocabulary)."""
+    try:
+        longest = max(map(len, tokenizer.get_vocab()))
+    except Exception:  # no get_vocab, an empty or odd vocabulary: whatever a tokenizer object raises
+        return UNKNOWN_CHARS_PER_TOKEN
+    # a fast tokenizer says whether it normalizes; any other may (a slow SentencePiece one does, inside the library)
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", "unknown")
+    fold = 1 if normalizer is None else NORMALIZER_FOLD
+    return max(longest * fold, MIN_CHARS_PER_TOKEN)
 
 
 def tokenizer_class(path: str) -> Any:
@@ -143,16 +188,23 @@ def check_messages(messages: Any) -> None:
                                       f"content must be a string or a list of parts, got {type(m.get('content')).__name__}")
 
 
-def check_text_size(field: str, text: str, max_model_len: Optional[int]) -> None:
+def text_size_problem(num_chars: int, max_model_len: int, per_token: int) -> Optional[str]:
+    """Why ``num_chars`` characters of text cannot fit in the context (``per_token``: :func:`chars_per_token`), or
+    None when they may."""
+    limit = max_model_len * per_token
+    if num_chars <= limit:
+        return None
+    return (f"the prompt has {num_chars} characters; the model's context is {max_model_len} tokens, and no text over "
+            f"{limit} characters ({per_token} per token at most, for this tokenizer) fits in it")
+
+
+def check_text_size(field: str, text: str, max_model_len: Optional[int], tokenizer: Any) -> None:
     """Refuse text that cannot fit in the context before spending time tokenizing it."""
     if max_model_len is None:
         return
-    limit = max_model_len * MAX_CHARS_PER_TOKEN
-    if len(text) > limit:
-        raise InvalidRequestError(
-            "invalid_request", field,
-            f"the prompt has {len(text)} characters; the model's context is {max_model_len} tokens, and no "
-            f"text over {limit} characters ({MAX_CHARS_PER_TOKEN} per token) fits in it")
+    problem = text_size_problem(len(text), max_model_len, chars_per_token(tokenizer))
+    if problem is not None:
+        raise InvalidRequestError("invalid_request", field, problem)
 
 
 def encode_prompt(tokenizer: Any, prompt: Optional[str] = None, *,
@@ -179,7 +231,7 @@ def encode_prompt(tokenizer: Any, prompt: Optional[str] = None, *,
         if not isinstance(prompt, str):
             raise InvalidRequestError("invalid_request", "prompt", f"prompt must be a str, got {type(prompt).__name__}")
         text, field, special = prompt, "prompt", True
-    check_text_size(field, text, max_model_len)
+    check_text_size(field, text, max_model_len, tokenizer)
     try:
         return list(tokenizer.encode(text, add_special_tokens=special))
     except Exception as exc:  # e.g. a lone surrogate: the tokenizer raises TypeError

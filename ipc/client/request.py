@@ -20,7 +20,7 @@ from ipc.client.detokenizer import IncrementalDetokenizer
 from ipc.client.errors import InvalidRequestError, error_from_wire
 from ipc.client.outputs import CompletionOutput
 from ipc.client.results import GenerateResult, StreamChunk
-from ipc.protocol import Error, Finished, SamplingParams, TokenDelta, TokenDeltas, TokenLogprobs
+from ipc.protocol import Error, Finished, SamplingParams, TokenDelta, TokenDeltas, TokenLogprobs, count_problem
 
 SAMPLING_FIELDS = SamplingParams.__struct_fields__
 
@@ -58,6 +58,18 @@ def sampling_params(sampling: Optional[SamplingParams] = None, /, **overrides: A
         except msgspec.ValidationError as exc:
             raise InvalidRequestError("invalid_request", f"sampling.{name}", str(exc)) from None
     raise InvalidRequestError("invalid_request", "sampling", str(error))
+
+
+def check_counts(sampling: SamplingParams) -> None:
+    """Refuse ``n`` or a list (stop strings, stop token ids, logit_bias) past the server's limit, with the server's
+    field and message: a request sets up each of its n completions (a detokenizer and a stop-string matcher each)
+    before the server has seen it, so an n of a million would hold the caller's event loop for seconds."""
+    try:
+        problem = count_problem(sampling)
+    except TypeError:  # a list field of another type (a struct built by hand): the server names it
+        return
+    if problem is not None:
+        raise InvalidRequestError("invalid_request", *problem)
 
 
 def new_request_id() -> str:
@@ -102,9 +114,10 @@ class Call:
     def make(cls, prompt: Optional[str], messages: Optional[list[dict[str, Any]]],
              prompt_token_ids: Optional[Sequence[int]], *, request_id: Optional[str],
              timeout: Optional[float], detokenize: bool, sampling: SamplingParams) -> "Call":
-        """Check that exactly one prompt form is given, the request id (a string) and the timeout (None, or a
-        number of seconds >= 0: inf for none), and fill in a request id.  Checked here, before anything is sent: the
-        server could not route its error for a request id that is not a string to this request alone."""
+        """Check that exactly one prompt form is given, the request id (a string), the timeout (None, or a number
+        of seconds >= 0: inf for none) and the sampling's counts (:func:`check_counts`), and fill in a request id.
+        Checked here, before anything is built or sent: the server could not route its error for a request id that
+        is not a string to this request alone."""
         given = sum(x is not None for x in (prompt, messages, prompt_token_ids))
         if given != 1:
             raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
@@ -114,6 +127,7 @@ class Call:
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):  # NaN fails >= too
             raise InvalidRequestError("invalid_request", "timeout",
                                       f"timeout must be None or a number of seconds >= 0 (inf: none), got {timeout!r}")
+        check_counts(sampling)
         return cls(
             request_id=request_id if request_id is not None else new_request_id(),
             prompt=prompt,

@@ -35,7 +35,10 @@ class GenerateResult:
 
     ``text`` ends before the stop string that finished it (``stop_str``), or
     after it with ``include_stop_str_in_output``; ``token_ids`` include the
-    token that completed it.  ``logprobs`` has one entry per token when the
+    token that completed it.  A finish on a stop token (EOS, or one of
+    ``stop_token_ids``) leaves that token's text out, unless
+    ``include_stop_str_in_output``; the token is still in ``token_ids`` and
+    ``logprobs``.  ``logprobs`` has one entry per token when the
     request asked (``logprobs=k``), ``prompt_logprobs`` one per prompt token
     (the first None) when it asked ``prompt_logprobs=k``.
 

@@ -85,14 +85,15 @@ async def chat_completions(request: Request) -> Response:
         # what a refused constraint's 400 names: "required" or a named function constrains the output with the
         # functions' parameters
         param = "tools" if tools.constrains(plan) else structured.constraint_param(req)
-        if req.stream:
+        if req.stream:  # chat has no prompt field: a prompt the scheduler refuses is the messages' fault
             events = chat_stream if plan is None else chat_tools_stream
-            return stream(gw, streams, lambda firsts: events(gw, req, rid, streams, firsts, len(ids)), param)
+            return stream(gw, streams, lambda firsts: events(gw, req, rid, streams, firsts, len(ids)), param,
+                          "messages")
         answer = whole_chat(gw, req, rid, Prompt(ids, ""), streams[0], plan)
         try:
             return await whole(gw, request, streams, answer)
         except InvalidRequestError as e:
-            return error_for(gw, e, param)
+            return error_for(gw, e, param, "messages")
     return await run(request, handle)
 
 

@@ -44,17 +44,19 @@ def gateway_of(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
-def error_for(gw: Gateway, exc: BaseException, constraint_param: Optional[str] = None) -> Optional[Response]:
+def error_for(gw: Gateway, exc: BaseException, constraint_param: Optional[str] = None,
+              prompt_param: str = "prompt") -> Optional[Response]:
     """The OpenAI error response for a RequestError or an SDK error (None: not one of those).  ``constraint_param``:
     the request field a refused constraint came from (``guided_json``, ...; ``tools``: tool_choice "required" or a
-    named function constrains the output with the functions' parameters)."""
+    named function constrains the output with the functions' parameters); ``prompt_param``: the one the prompt came
+    from (``messages`` for chat)."""
     if isinstance(exc, s.RequestError):
         return error_response(exc.status, exc.message, exc.param, exc.err_type, exc.code)
     if isinstance(exc, ClientGone):
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
     if isinstance(exc, (ForerunError, ConnectionError, TimeoutError)):
         gw.note_error(exc)
-        err = sdk_error(exc)
+        err = sdk_error(exc, prompt_param)
         param = constraint_param if constraint_param and constraint_field(exc) else err.param
         return error_response(err.status, err.message, param, err.err_type, err.code)
     return None
@@ -92,12 +94,14 @@ def count_aborts(gw: Gateway, streams: list[Any]) -> None:
             gw.metrics.request_success.labels(gw.model_name, "abort").inc()
 
 
-def stream(gw: Gateway, streams: list[Any], make_events: Any, constraint_param: Optional[str] = None) -> SSEResponse:
-    """An SSE response; it waits for every stream's first tokens before the 200, so that errors keep their status."""
+def stream(gw: Gateway, streams: list[Any], make_events: Any, constraint_param: Optional[str] = None,
+           prompt_param: str = "prompt") -> SSEResponse:
+    """An SSE response; it waits for every stream's first tokens before the 200, so that errors keep their status
+    (their params: :func:`error_for`'s)."""
     async def close(cut: bool) -> None:
         if cut:  # after the 200, or the client left before it: the streams that did not finish were aborted
             count_aborts(gw, streams)
         for st in streams:
             await st.aclose()
 
-    return SSEResponse(streams, make_events, lambda exc: error_for(gw, exc, constraint_param), close)
+    return SSEResponse(streams, make_events, lambda exc: error_for(gw, exc, constraint_param, prompt_param), close)

@@ -3,7 +3,8 @@
 Ranges are left to the scheduler, whose errors name the field and its limit
 (``sampling.logprobs`` becomes the ``logprobs`` param of the 400); only what
 the JSON shape cannot say is checked here (logit_bias keys are strings in JSON),
-and what the scheduler cannot check as the client sent it (:func:`check_numbers`).
+what the scheduler cannot check as the client sent it (:func:`check_numbers`), and the counts that the gateway
+and the SDK loop over before the scheduler sees the request (:func:`check_counts`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Optional, Union
 
 from ipc.gateway import schemas as s
 from ipc.gateway.structured import constraint_kwargs
-from ipc.protocol import MAX_LOGPROBS, MAX_SEED
+from ipc.protocol import MAX_LOGPROBS, MAX_SEED, SamplingParams, count_problem
 
 # Integer fields: the scheduler checks their ranges, but one past 64 bits cannot even be sent to it.
 _INTEGERS = ("max_tokens", "max_completion_tokens", "n", "seed", "top_k", "min_tokens", "prompt_logprobs", "logprobs",
@@ -72,6 +73,18 @@ def check_stream_params(req: Union[s.CompletionRequest, s.ChatCompletionRequest]
         raise s.RequestError(400, "prompt_logprobs is not available when stream=true", "prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise s.RequestError(400, "stream_options can only be given when stream=true", "stream_options")
+
+
+def check_counts(req: Union[s.CompletionRequest, s.ChatCompletionRequest]) -> None:
+    """``n`` and the lengths of ``stop``, ``stop_token_ids`` and ``logit_bias``, with the scheduler's limits and
+    words (a 400 naming the field), before anything loops over them: n times the prompts, each completion's
+    detokenizer, every stop token id and logit_bias key."""
+    sizes = SamplingParams(n=1 if req.n is None else req.n, stop=stop_strings(req.stop),  # only sizes are read
+                           stop_token_ids=req.stop_token_ids or [], logit_bias=req.logit_bias or {})
+    problem = count_problem(sizes)
+    if problem is not None:
+        field, message = problem
+        raise s.RequestError(400, message, field.removeprefix("sampling."))
 
 
 def check_numbers(req: Union[s.CompletionRequest, s.ChatCompletionRequest]) -> None:

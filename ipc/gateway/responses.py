@@ -30,15 +30,18 @@ from ipc.gateway.structured import PARAM_OF_FIELD
 from ipc.gateway.tool_calls import ToolCallStream, choice_message
 from ipc.gateway.tools import plan_tools
 
-# SDK field names -> the OpenAI parameter they came from (others: "sampling." dropped).
-_PARAM_OF_FIELD = {"prompt_token_ids": "prompt", "request_id": None, **PARAM_OF_FIELD}
+# SDK field names -> the OpenAI parameter they came from (others: "sampling." dropped; the prompt's: sdk_error's).
+_PARAM_OF_FIELD = {"request_id": None, **PARAM_OF_FIELD}
 _encode = msgspec.json.encode
 
 
-def sdk_error(exc: BaseException) -> s.RequestError:
-    """The HTTP status and OpenAI error for an SDK exception."""
+def sdk_error(exc: BaseException, prompt_param: str = "prompt") -> s.RequestError:
+    """The HTTP status and OpenAI error for an SDK exception; ``prompt_param`` is the request field the prompt's
+    tokens came from (``messages`` for chat, which has no ``prompt``)."""
     if isinstance(exc, InvalidRequestError):
         field = exc.field or ""
+        if field == "prompt_token_ids":
+            return s.RequestError(400, exc.message, prompt_param)
         param = _PARAM_OF_FIELD.get(field, field.removeprefix("sampling.") or None)
         return s.RequestError(400, exc.message, param)
     if isinstance(exc, (ExecutorFailedError, ConnectionError)):

@@ -15,7 +15,7 @@ import msgspec
 from starlette.requests import Request
 
 from ipc.client import AsyncClient, ExecutorFailedError, ForerunError, encode_prompt
-from ipc.client.prompt import MAX_CHARS_PER_TOKEN
+from ipc.client.prompt import chars_per_token, text_size_problem
 from ipc.gateway import params
 from ipc.gateway import schemas as s
 from ipc.gateway.body import read_body
@@ -169,9 +169,9 @@ class Gateway:
         info = await self.client.connect()
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
-        self.max_chars = info.max_model_len * MAX_CHARS_PER_TOKEN
         self.vocab_size = info.vocab_size
         self.tokenizer = await self.client.get_tokenizer() if info.has_tokenizer else None
+        self.chars_per_token = chars_per_token(self.tokenizer)  # found as the tokenizer loaded: no cost here
         self.token_texts = TokenTexts(self.tokenizer)
         self.metrics = request_metrics(self.model_name)
 
@@ -198,6 +198,7 @@ class Gateway:
             raise s.RequestError(400, f"{name}={echo(getattr(req, name))} is not supported by forerun yet"
                                       f"{s.INSTEAD.get(name, '')}", name, code="unsupported_parameter")
         params.check_stream_params(req)
+        params.check_counts(req)  # first: the checks after it, and the route, loop over these
         params.check_numbers(req)
         if self.failed:
             raise s.RequestError(503, "the executor failed; no new requests until the server serves again",
@@ -210,10 +211,9 @@ class Gateway:
 
     def check_chars(self, num_chars: int, param: str) -> None:
         """Refuse text that cannot fit in the context before templating or tokenizing it (a length, no parse)."""
-        if num_chars > self.max_chars:
-            raise s.RequestError(400, f"the prompt has {num_chars} characters; the model's context is "
-                                      f"{self.max_model_len} tokens, and no text over {self.max_chars} characters "
-                                      f"({MAX_CHARS_PER_TOKEN} per token) fits in it", param)
+        problem = text_size_problem(num_chars, self.max_model_len, self.chars_per_token)
+        if problem is not None:
+            raise s.RequestError(400, problem, param)
 
     async def off_loop(self, num_chars: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``: here for short text, else in the worker's thread pool (the loop serves on)."""
