@@ -21,15 +21,15 @@ from typing import Callable, Optional
 import torch
 
 from executor_proc.backends.select import graph_max_batch, mixed_max_tokens, select_backend
-from executor_proc.memory_plan import (MemoryPlan, MemoryPlanError, StartupRefused, check_fits, gc_threshold,
-                                      plan_memory)
+from executor_proc.memory_plan import (GIB, MemoryPlan, MemoryPlanError, StartupRefused, available_host_bytes,
+                                      check_fits, gc_threshold, plan_memory)
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.kv_cache import KVCache, kv_cache_bytes_per_block
 from executor_proc.model.kv_scales import calibrate_kv_scales
-from executor_proc.model.loader import load_model
+from executor_proc.model.loader import load_model, weights_advice
 from executor_proc.step.draft import DraftModel
 from executor_proc.step.grammar import build_grammar_slots
-from executor_proc.step.host_kv import HostKV, available_host_bytes, num_host_blocks
+from executor_proc.step.host_kv import HostKV, num_host_blocks
 from executor_proc.step.slot_tables import SlotTables
 from executor_proc.step.speculate import build_speculator
 from executor_proc.step.worker import Worker
@@ -87,7 +87,8 @@ def build_worker(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
     With ``tensor_parallel_size > 1`` this is one rank's worker: it joins the group first, loads its
     shard, and sizes its KV cache (its KV heads only) and host pool to the smallest any rank can hold.
     Raises :class:`executor_proc.memory_plan.MemoryPlanError` (a one-line message) when the configuration
-    does not fit the device, also for a device that runs out of memory while starting.
+    does not fit the device, also for a device that runs out of memory while starting, and for the host: naming
+    what was being allocated (:func:`host_allocation`) and the flags that make it smaller.
     """
     try:
         return _build_worker(cfg, progress)
@@ -97,13 +98,43 @@ def build_worker(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
                               f"--gpu-memory-utilization (other processes may be using the device), "
                               f"--max-num-seqs or --max-num-batched-tokens") from None
     except (MemoryError, RuntimeError) as e:
-        # host memory: the CPU's KV cache (an explicit --num-kv-blocks), the host tier's pool (torch's allocator
-        # raises a RuntimeError)
-        first = str(e).splitlines()[0] if str(e) else "out of memory"
-        if isinstance(e, RuntimeError) and "can't allocate memory" not in first:
+        # host memory outside the allocations host_allocation names: the slots' tables and the step machinery's
+        # buffers, which the slots and the context length size
+        first = host_out_of_memory(e)
+        if first is None:
             raise
-        raise MemoryPlanError(f"the host ran out of memory while starting ({first}); lower --num-kv-blocks, "
-                              f"--num-host-kv-blocks or --host-kv-gib") from None
+        raise MemoryPlanError(f"the host ran out of memory while starting ({first}); lower --max-num-seqs or "
+                              f"--max-model-len") from None
+
+
+def host_out_of_memory(e: BaseException) -> Optional[str]:
+    """The first line of an exception that says the host ran out of memory (a MemoryError, or torch's allocator's
+    RuntimeError); None for any other."""
+    first = str(e).splitlines()[0] if str(e) else "out of memory"
+    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in first):
+        return first
+    return None
+
+
+@contextlib.contextmanager
+def host_allocation(part: str, advice: str):
+    """Host memory that runs out while ``part`` is allocated: :class:`MemoryPlanError` naming the part and the
+    ``advice`` that makes it smaller (the flags that size it), no traceback."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        first = host_out_of_memory(e)
+        if first is None:
+            raise
+        raise MemoryPlanError(f"the host ran out of memory while allocating {part} ({first}); {advice}") from None
+
+
+def kv_advice(cfg: ExecutorConfig) -> str:
+    """The flags that make the KV cache smaller: the count given, else what sizes it on the cpu (the slots and the
+    context length, up to its fixed budget)."""
+    if cfg.num_kv_blocks is not None:
+        return f"lower --num-kv-blocks {cfg.num_kv_blocks:,}"
+    return "lower --max-num-seqs or --max-model-len, or give a smaller --num-kv-blocks"
 
 
 def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorker:
@@ -120,7 +151,7 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
         tp = init_group(cfg.tp_init_method, cfg.tp_rank, tp_size, device, cfg.all_reduce)
     dtype = getattr(torch, cfg.resolved_dtype())
     what = f"--model {cfg.model}" if cfg.model else "the default model"
-    with refused_as(what):
+    with refused_as(what), host_allocation(f"the weights of {what}", weights_advice(dtype)):
         model, mcfg = load_model(model_path(cfg, progress), cfg.load_format, device, dtype, progress_cb=progress,
                                  tp=tp, expert_parallel=cfg.enable_expert_parallel)
     if cfg.max_model_len and cfg.max_model_len > mcfg.max_model_len:  # positions the model was not made for
@@ -149,7 +180,8 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     # measured against it, then it makes way for the planned one.
     probes = ProfileStep.layouts(cfg, max_len, mcfg.vocab_size) if cuda else []
     provisional = max((p.num_blocks for p in probes), default=1)
-    kv = KVCache(model.config, provisional, cfg.block_size, device=device, dtype=kv_dtype, scales=kv_scales)
+    with host_allocation("the KV cache", kv_advice(cfg)):
+        kv = KVCache(model.config, provisional, cfg.block_size, device=device, dtype=kv_dtype, scales=kv_scales)
     worker = Worker(model, kv, tables, cfg.block_size, device, graph_max_batch=max_batch, capture_graphs=capture,
                     mixed_max_tokens=mixed_max_tokens(cfg, backend))
     worker.enable_speculation(build_speculator(cfg.speculative, cfg.num_slots, max_len, device, draft))
@@ -179,10 +211,11 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     host_blocks = tp.agree_min(host_blocks) if tp is not None else host_blocks
     for attempt in range(2):
         progress("kv_cache", 0, 1)
-        worker.kv_cache = kv = KVCache(model.config, plan.kv_blocks, cfg.block_size, device=device, dtype=kv_dtype,
-                                       scales=kv_scales)
-        if draft is not None:
-            draft.allocate(plan.kv_blocks)
+        with host_allocation(f"the KV cache ({plan.kv / GIB:.2f} GiB)", kv_advice(cfg)):
+            worker.kv_cache = kv = KVCache(model.config, plan.kv_blocks, cfg.block_size, device=device,
+                                           dtype=kv_dtype, scales=kv_scales)
+            if draft is not None:
+                draft.allocate(plan.kv_blocks)
         progress("kv_cache", 1, 1)
         num_graphs, capture_s, graph_bytes = _capture_graphs(
             worker, device, graph_progress, compile_progress, compile_first=measured is None or not measured.graphs)
@@ -209,8 +242,10 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     if host_blocks:  # after the captures: a host pool holds the KV cache's storage, not the graphs'
         progress("host_kv_cache", 0, 1)
         # Only rank 0 reports which backups are done: the other ranks' are ordered before their later steps.
-        worker.host_kv = HostKV(kv, host_blocks, device,
-                                backup_stream=cfg.host_kv_backup_stream and cfg.tp_rank == 0)
+        with host_allocation(f"the host KV tier's pool ({host_blocks * per_block / GIB:.2f} GiB)",
+                             "lower --num-host-kv-blocks or --host-kv-gib"):
+            worker.host_kv = HostKV(kv, host_blocks, device,
+                                    backup_stream=cfg.host_kv_backup_stream and cfg.tp_rank == 0)
         progress("host_kv_cache", 1, 1)
     # A given block count may hold less than one request of max_len (the plan refuses that otherwise): requests
     # are then held to what the cache holds, and the server says so (an OpenAI client's default max_tokens is the
@@ -408,7 +443,8 @@ def load_draft(cfg: ExecutorConfig, device: torch.device, dtype: torch.dtype, ma
         return None, 0
     fmt = sc.draft_load_format or cfg.load_format
     draft_progress = lambda stage, done, total: progress(f"draft model: {stage}", done, total)  # noqa: E731
-    with refused_as(f"--draft-model {sc.draft_model}"):
+    what = f"--draft-model {sc.draft_model}"
+    with refused_as(what), host_allocation(f"the weights of {what}", weights_advice(dtype)):
         model, dcfg = load_model(sc.draft_model, fmt, device, dtype, progress_cb=draft_progress)
     if dcfg.vocab_size != vocab_size:
         raise StartupRefused(f"--draft-model {sc.draft_model} has a vocabulary of {dcfg.vocab_size:,} tokens, the "

@@ -26,10 +26,16 @@ than the plan (``cap_allocator``, a soft cap), lazy captures empty its cache bef
 prompt logprobs run the LM head over the step's rows as one block, 1,024 positions at a time (one slice
 alive, as in the profile's long row), and a prompt split across steps keeps its chunk's last hidden row
 (not its float32 logits) for the next chunk.
+
+Host memory is not planned, only checked against what the host has available (:func:`available_host_bytes`), before
+it is allocated: the kernel would rather kill a process than fail an allocation.  The weights on the cpu
+(:func:`executor_proc.model.loader.check_host_memory`), the slots' tables (``build.check_host_slots``) and the host
+KV tier's pool (``host_kv.num_host_blocks``) are held to it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -107,6 +113,18 @@ class MemoryPlan:
         return (f"memory plan: {weights} + activations {_gib(self.activations)} + graphs {_gib(self.graphs)} + "
                 f"other {_gib(self.other)} + {kv} = {_gib(used)} GiB of {_gib(self.budget)} ({self.utilization:g} "
                 f"x {_gib(self.total)} GiB); KV {tokens}")
+
+
+def available_host_bytes() -> int:
+    """Host memory available now (MemAvailable), or the free physical pages where /proc is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def plan_memory(*, device: str, total: int, utilization: float, weights: int, activations: int, graphs: int,

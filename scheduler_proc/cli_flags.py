@@ -392,9 +392,13 @@ FLAG_OF_FIELD = {"num_slots": "--max-num-seqs", "threads": "--executor-threads",
 
 def in_flag_names(message: str) -> str:
     """A config error as the command line says it: each config field it names (``num_slots``,
-    ``kernels='triton'``) as its ``forerun serve`` flag (``--max-num-seqs``, ``--kernels triton``)."""
+    ``kernels='triton'``) as its ``forerun serve`` flag (``--max-num-seqs``, ``--kernels triton``).  Only the
+    message: a traceback after it (an executor that failed) quotes source lines, which stay as they are."""
     import re
 
+    trace = re.search(r"^Traceback \(most recent call last\):$", message, re.MULTILINE)
+    if trace is not None:
+        return in_flag_names(message[:trace.start()]) + message[trace.start():]
     flags = {o for a in serve_flags(argparse.ArgumentParser().add_subparsers())._actions for o in a.option_strings}
 
     def flag(field: str) -> Optional[str]:

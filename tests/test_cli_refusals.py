@@ -157,6 +157,89 @@ def test_config_errors_name_the_flag():
     assert "use --load-format dummy for random weights" in model, model
 
 
+def test_flag_names_leave_a_traceback_as_it_is():
+    """An executor's failure quotes its traceback: the message before it names flags, the source lines after it stay
+    as they are (``load_format == "gguf"`` in a quoted line once read ``--load-format == "gguf"``)."""
+    from scheduler_proc.cli_flags import in_flag_names
+
+    trace = ('Traceback (most recent call last):\n  File "/x/loader.py", line 98, in load_model\n'
+             '    reader = open_gguf(path) if load_format == "gguf" else None\nIndexError: num_slots')
+    message = f"the executor failed while loading:\nIndexError: bad num_slots\n{trace}"
+    assert in_flag_names(message) == f"the executor failed while loading:\nIndexError: bad --max-num-seqs\n{trace}"
+
+
+def _tiny_hf_folder(folder) -> str:
+    """A config.json of a tiny Llama and its weights in model.safetensors (not the config's: only the file's header
+    is read before a refusal)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)))
+    save_file({f"t{i}": torch.zeros(64, 64) for i in range(4)}, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def _spoil(file: str, how: str) -> None:
+    """Cut ``file`` in half, fill it with bytes of no format, or empty it."""
+    with open(file, "rb") as f:
+        content = f.read()
+    content = {"truncated": content[:len(content) // 2], "garbage": bytes(range(256)) * 8, "empty": b""}[how]
+    with open(file, "wb") as f:
+        f.write(content)
+
+
+SAFETENSORS_REFUSALS = {
+    "truncated": "(incomplete metadata, file not fully covered: truncated?)",
+    "garbage": "(header too large: another format, or a damaged file?)",
+    "empty": "(header too small: an empty file)",
+}
+
+
+@pytest.mark.parametrize("how", SAFETENSORS_REFUSALS)
+def test_an_unreadable_safetensors_file_is_named_in_one_line(tmp_path, how):
+    """The loader's error for a safetensors file it cannot read names the file and what is wrong, as a ValueError
+    (what the executor's start-up turns into a refusal naming --model), not safetensors' own error type."""
+    import torch
+
+    from executor_proc.model.loader import load_model
+
+    folder = _tiny_hf_folder(tmp_path / "m")
+    _spoil(os.path.join(folder, "model.safetensors"), how)
+    with pytest.raises(ValueError) as refused:
+        load_model(folder, "auto", "cpu", torch.float32)
+    expect = f"model.safetensors is not a readable safetensors file {SAFETENSORS_REFUSALS[how]}"
+    assert str(refused.value) == expect, refused.value
+
+
+@pytest.mark.parametrize("case", ["a truncated model.safetensors", "a GGUF file cut in its metadata"])
+def test_serve_refuses_an_unreadable_model_file_in_one_line(tmp_path, case):
+    """``forerun serve --model`` of a model file cut short: one line naming the flag and what is wrong with the file,
+    no traceback (each about 5 s: the executor starts and refuses before allocating)."""
+    if case == "a truncated model.safetensors":
+        model = _tiny_hf_folder(tmp_path / "m")
+        _spoil(os.path.join(model, "model.safetensors"), "truncated")
+        expect = "model.safetensors is not a readable safetensors file (incomplete metadata, file not fully covered"
+    else:
+        from executor_proc.model.default_model import default_gguf_path
+
+        try:
+            source = default_gguf_path()
+        except RuntimeError as e:  # the default model's package is not installed
+            pytest.skip(str(e))
+        model = str(tmp_path / "cut.gguf")
+        with open(source, "rb") as f, open(model, "wb") as out:
+            out.write(f.read(1000))
+        expect = "not a complete GGUF file (its header runs past the file's end at byte 1,000: truncated?)"
+    run = _run("serve", "--quiet", "--device", "cpu", "--model", model, folder=str(tmp_path), timeout=120)
+    _assert_refused(run, f"forerun: --model {model}: {expect}")
+
+
 def _helps(parser) -> dict[str, str]:
     """Each flag's help text as ``--help`` shows it (defaults expanded), unwrapped."""
     formatter = parser._get_formatter()

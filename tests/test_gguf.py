@@ -132,6 +132,36 @@ def test_llama3_rope_from_rope_freqs():
         with_llama3_scaling(config, llama_cpp_rope_factors(500000.0, 64, 32.0, 1.0, 2.0, 4096))
 
 
+GGUF_REFUSALS = {
+    # a copy of the default model's file: (its first bytes, or other bytes) -> what the refusal says
+    "cut in its metadata": (1000, "not a complete GGUF file (its header runs past the file's end at byte 1,000: "
+                                  "truncated?)"),
+    "cut in its tensors": (30_000_000, "not a complete GGUF file (its header declares a tensor at bytes "),
+    "a text file": (b"hi\n", "not a GGUF file (it starts with b'hi\\n', not b'GGUF')"),
+    "an empty file": (b"", "not a GGUF file (an empty file)"),
+    "GGUF's magic, then garbage": (b"GGUF" + bytes(range(7, 64)), "not a readable GGUF file ("),
+}
+
+
+@pytest.mark.parametrize("case", GGUF_REFUSALS)
+def test_a_gguf_file_cut_short_or_not_gguf_is_refused_in_one_line(gguf_path, tmp_path, case):
+    """A file that is not a whole GGUF file is refused before any tensor is read, in one line that says which: no
+    IndexError from the package's reader, no reshape or dtype error from numpy (``forerun serve`` puts the flag
+    before it)."""
+    content, expect = GGUF_REFUSALS[case]
+    if isinstance(content, int):
+        with open(gguf_path, "rb") as f:
+            content = f.read(content)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as refused:
+        load_model(str(path), "auto", "cpu", torch.float32)
+    message = str(refused.value)
+    assert message.startswith(expect) and "\n" not in message, message
+    if case == "cut in its tensors":
+        assert message.endswith(", past the file's end at byte 30,000,000: truncated?)"), message
+
+
 def test_default_model_folder(converted, ours, prompt_ids):
     from transformers import AutoConfig
 

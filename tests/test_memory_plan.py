@@ -3,6 +3,7 @@ does not fit, with one line and no traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -228,10 +229,28 @@ def test_serve_refuses_a_model_it_cannot_run_in_one_line(tmp_path):
                                                    f"'GPT2LMHeadModel'; forerun supports LlamaForCausalLM"), out
 
 
+@contextlib.contextmanager
+def address_space_headroom(extra: int):
+    """While it runs this process may map at most ``extra`` bytes more than it has mapped (RLIMIT_AS): an allocation
+    that a check should have refused, or that is meant to fail, fails there and never takes the host's memory."""
+    import resource
+
+    with open("/proc/self/status") as f:
+        mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = mapped + extra if hard == resource.RLIM_INFINITY else min(hard, mapped + extra)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 @pytest.mark.parametrize("case", ["no such GPU", "host memory", "context past the model's"])
 def test_startup_refusals_name_the_flag(tmp_path, case):
-    """A GPU the machine lacks, a KV cache larger than the host's memory, a context past the model's positions:
-    the executor's start-up raises StartupRefused (one line to the user) naming the flag to change."""
+    """A GPU the machine lacks, a KV cache larger than the host's memory (the allocation that failed, and the flag
+    that sizes it), a context past the model's positions: the executor's start-up raises StartupRefused (one line to
+    the user) naming the flag to change."""
     import json
 
     import msgspec
@@ -248,14 +267,18 @@ def test_startup_refusals_name_the_flag(tmp_path, case):
         max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)))
     flags, expect = {
         "no such GPU": (["--device", "cuda"], "--device cuda: this machine has no CUDA device"),
-        "host memory": (["--num-kv-blocks", str(10 ** 9)], "the host ran out of memory while starting"),
+        "host memory": (["--num-kv-blocks", str(10 ** 9)], "the host ran out of memory while allocating the KV cache "
+                                                            "(7629.39 GiB) ("),
         "context past the model's": (["--max-model-len", "300"], f"--max-model-len 300 exceeds the 256 positions "
                                      f"--model {tmp_path} runs (max_position_embeddings): use at most 256"),
     }[case]
     cfg = server_config(build_parser().parse_args(["serve", "--device", "cpu", "--load-format", "dummy", *flags]))
-    with pytest.raises(StartupRefused) as refused:  # the model as the launcher hands it to the executor
+    # the model as the launcher hands it to the executor
+    with pytest.raises(StartupRefused) as refused, address_space_headroom(8 * GIB):
         build_worker(msgspec.structs.replace(cfg.executor, model=str(tmp_path)))
     assert str(refused.value).startswith(expect) and "\n" not in str(refused.value), refused.value
+    if case == "host memory":  # the advice is the flag that sized it, not the host tier's that were not given
+        assert str(refused.value).endswith("; lower --num-kv-blocks 1,000,000,000"), refused.value
 
 
 @pytest.mark.parametrize("flags, expect", [
@@ -319,6 +342,83 @@ def test_slots_past_half_the_host_memory_are_refused_naming_the_flag():
     fit = int(message.rsplit("use --max-num-seqs ", 1)[1].split()[0].replace(",", ""))
     assert 17_000 < fit < 17_500  # 4 GiB of 0.237 MiB slots
     check_host_slots(fit, blocks, vocab, max_len, available=8 << 30)
+
+
+def test_weights_past_the_host_memory_available_are_refused_before_they_are_allocated():
+    """On the cpu the weights live in host memory: weights (parameters x dtype size, from the config alone) past
+    what the host has available are refused in one line with the two figures and what makes them smaller; the
+    model is never built (Llama 3 8B in float32: 29.9 GiB, in bfloat16 half)."""
+    import torch
+
+    from executor_proc.model.config import ModelConfig
+    from executor_proc.model.loader import check_host_memory
+
+    config = ModelConfig.from_pretrained(os.path.join(ROOT, "scripts", "configs", "llama-3-8b"))
+    with pytest.raises(ValueError) as refused:
+        check_host_memory(config, torch.float32, available=20 * GIB)
+    assert str(refused.value) == ("its weights take 29.9 GiB in float32, more than the 20.0 GiB of host memory "
+                                  "available; use dtype='bfloat16' or a smaller model"), refused.value
+    check_host_memory(config, torch.bfloat16, available=20 * GIB)
+    with pytest.raises(ValueError, match=r"^its weights take 15.0 GiB in bfloat16, more than the 10.0 GiB .*; use a "
+                                         r"smaller model$"):
+        check_host_memory(config, torch.bfloat16, available=10 * GIB)
+
+
+def _huge_model(folder) -> str:
+    """A config of a model no host holds (a vocabulary of 16M tokens, 16,384 wide: 2 TiB of float32 weights)."""
+    import json
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=16384, intermediate_size=256,
+        num_hidden_layers=1, num_attention_heads=128, num_key_value_heads=8, vocab_size=1 << 24,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)))
+    return str(folder)
+
+
+def _limit_address_space(limit: int) -> None:
+    """RLIMIT_AS for a child: an allocation a check should have refused fails there, it never takes the host's
+    memory."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def test_serve_refuses_weights_the_host_cannot_hold_in_one_line(tmp_path):
+    """A real `forerun serve` of weights larger than the host's memory: refused before they are allocated, in one
+    line naming --model, the figures and --dtype (under a 16 GiB address-space limit: without the check, the
+    allocation fails there, as "the host ran out of memory")."""
+    model = _huge_model(tmp_path / "huge")
+    env = dict(os.environ, PYTHONPATH=python_path(), FORERUN_RUN_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-m", "scheduler_proc.launch", "serve", "--quiet", "--device", "cpu",
+                          "--load-format", "dummy", "--model", model, "--address", f"ipc://{tmp_path}/s.sock"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+                         preexec_fn=lambda: _limit_address_space(16 * GIB))
+    out = run.stdout + run.stderr
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert run.returncode == 1 and "Traceback" not in out, out
+    assert len(lines) == 1 and lines[0].startswith(f"forerun: --model {model}: its weights take 2050.2 GiB in "
+                                                   f"float32, more than the "), out
+    assert lines[0].endswith(" GiB of host memory available; use --dtype bfloat16 or a smaller model"), out
+
+
+def test_weights_the_host_fails_to_allocate_are_named_with_their_advice(tmp_path, monkeypatch):
+    """Weights that pass the host-memory check but whose allocation fails anyway (a ulimit, memory taken since): the
+    refusal names the weights and what makes them smaller, not the KV cache's flags."""
+    import msgspec
+
+    from executor_proc.build import build_worker
+    from executor_proc.model import loader
+    from scheduler_proc.launch import build_parser, server_config
+
+    model = _huge_model(tmp_path / "huge")
+    monkeypatch.setattr(loader, "available_host_bytes", lambda: 1 << 60)  # the check passes
+    cfg = server_config(build_parser().parse_args(["serve", "--device", "cpu", "--load-format", "dummy"]))
+    with pytest.raises(StartupRefused) as refused, address_space_headroom(8 * GIB):
+        build_worker(msgspec.structs.replace(cfg.executor, model=model))
+    message = str(refused.value)
+    assert message.startswith(f"the host ran out of memory while allocating the weights of --model {model} ("), message
+    assert message.endswith("; use dtype='bfloat16' or a smaller model") and "\n" not in message, message
 
 
 def test_a_host_tier_size_without_prefix_caching_is_refused():

@@ -11,6 +11,9 @@ GGUF notes: llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` of
 :func:`unpermute_qk` undoes it.  Qwen2/Qwen3 GGUFs are not permuted.  Mixture-of-experts files (``qwen3moe``,
 ``qwen2moe``, and Mixtral's ``llama`` with an expert count) stack each layer's experts in one tensor per
 projection; the stream gives one HF-named tensor per expert, as a safetensors checkpoint does (docs/moe.md).
+
+A model file that cannot be read (cut short, empty, another format) and weights the host cannot hold are ValueErrors
+of one line saying what is wrong, which the executor's start-up turns into a refusal naming the flag.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 import numpy as np
 import torch
 
+from executor_proc.memory_plan import GIB, available_host_bytes
 from executor_proc.model.llama import CausalLM, build_model, rope_inv_freq
 from executor_proc.model.config import Llama3RopeScaling, ModelConfig
 from executor_proc.model.moe_config import MoEConfig, parse_moe
@@ -98,6 +102,8 @@ def load_model(
     reader = open_gguf(path) if load_format == "gguf" else None
     config = gguf_config(reader) if reader is not None else ModelConfig.from_pretrained(path)
     shards, make = _rank_model(config, tp, expert_parallel)
+    if torch.device(device).type == "cpu":  # the weights live in host memory: every rank's part, on one host
+        check_host_memory(config, dtype)
     if load_format == "dummy":
         model = build_model(config, device, dtype, make)
         init_dummy_weights(model, DUMMY_SEED, progress_cb, shards)
@@ -116,6 +122,30 @@ def load_model(
     report = None if progress_cb is None else (lambda done: progress_cb(stage, done, total))
     model.load_weights(weights, report)
     return model, config
+
+
+def model_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the whole model's parameters and buffers in ``dtype``, from its config alone (the model built on the
+    meta device: nothing allocated)."""
+    with torch.device("meta"):
+        return CausalLM(config, dtype).weight_bytes()
+
+
+def weights_advice(dtype: torch.dtype) -> str:
+    """What makes weights that do not fit smaller: half the bytes in bfloat16 (float32 only), else another model."""
+    return "use dtype='bfloat16' or a smaller model" if dtype == torch.float32 else "use a smaller model"
+
+
+def check_host_memory(config: ModelConfig, dtype: torch.dtype, available: Optional[int] = None) -> None:
+    """Refuse (ValueError, one line) weights in host memory that would take more than the host has available
+    (``available`` bytes, default MemAvailable): allocated anyway, they end in an allocation error at best, the
+    kernel's OOM killer ending this or another process at worst.  Checked before anything is allocated."""
+    weights = model_weight_bytes(config, dtype)
+    available = available_host_bytes() if available is None else available
+    if weights > available:
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(f"its weights take {weights / GIB:.1f} GiB in {name}, more than the {available / GIB:.1f} "
+                         f"GiB of host memory available; {weights_advice(dtype)}")
 
 
 # --------------------------------------------------------------------------- HF safetensors
@@ -146,8 +176,6 @@ def hf_weights(folder: str, shards: Optional["Shards"] = None) -> tuple[int, Wei
     """(number of tensors, stream of (name, CPU tensor)) over a folder's safetensors shards; with
     ``shards``, each tensor is the rank's slice, read as a slice (the rest, and the tensors of experts
     another rank holds, are never read)."""
-    from safetensors import safe_open
-
     files = _safetensors_files(folder)
     if not files:
         bins = glob.glob(os.path.join(folder, "*.bin"))
@@ -155,12 +183,12 @@ def hf_weights(folder: str, shards: Optional["Shards"] = None) -> tuple[int, Wei
         raise FileNotFoundError(f"no *.safetensors in {folder!r}{hint}")
     total = 0
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             total += sum(1 for name in f.keys() if shards is None or shards.holds(name))
 
     def stream() -> WeightStream:
         for file in files:
-            with safe_open(file, framework="pt", device="cpu") as f:
+            with open_safetensors(file) as f:
                 for name in f.keys():
                     if shards is None:
                         yield name, f.get_tensor(name)
@@ -168,6 +196,29 @@ def hf_weights(folder: str, shards: Optional["Shards"] = None) -> tuple[int, Wei
                         yield name, shards.take(name, f.get_slice(name))
 
     return total, stream()
+
+
+def open_safetensors(file: str):
+    """``safe_open`` of one safetensors file (on the CPU, as torch tensors); a file whose header cannot be read (cut
+    short, empty, another format) is a ValueError naming the file, what is wrong and its likely cause."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except SafetensorError as e:
+        reason = str(e).splitlines()[0].removeprefix("Error while deserializing header: ")
+        raise ValueError(f"{os.path.basename(file)} is not a readable safetensors file ({reason}: "
+                         f"{_safetensors_cause(file, reason)})") from None
+
+
+def _safetensors_cause(file: str, reason: str) -> str:
+    """The likely cause of a safetensors header error: a file cut short (its header declares more bytes than it
+    has, or it is shorter than a header), or one that is no safetensors file at all."""
+    if os.path.getsize(file) == 0:
+        return "an empty file"
+    if "not fully covered" in reason or "too small" in reason:
+        return "truncated?"
+    return "another format, or a damaged file?"
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -210,19 +261,34 @@ _GGUF_EXPERT_PARTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "f
 _ROPE_FREQS = "rope_freqs.weight"
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+class GGUFFileError(ValueError):
+    """A .gguf file that cannot be parsed: cut short, or not a GGUF file at all (one line saying which)."""
+
+
 def open_gguf(path: str):
-    """A ``gguf.GGUFReader`` over a .gguf file (or the one .gguf file in a folder).
+    """A ``gguf.GGUFReader`` over a .gguf file (or the one .gguf file in a folder); :class:`GGUFFileError` for a file
+    without GGUF's magic bytes, one cut short (a read of its header, or a tensor its header declares, past the
+    file's end) or one the package cannot parse (its exceptions while parsing, whatever their type).
 
     The reader parses every field at once, slicing its ``np.memmap`` of the file once per part: a tokenizer's
     vocabulary and merges are hundreds of thousands of parts, and each slice of a memmap builds another memmap (4 of
     the 5 s that SmolLM2's header takes).  Ours slices a plain ndarray view of the same mapping instead (a third of
-    the time); should the package's internal ``_get`` change, the override is never called and nothing else does."""
+    the time), and checks that each read lies within the file: the reader maps every tensor's bytes as it parses,
+    so a file that does not hold them all is refused before any is read (the package's own reader would fail on a
+    short slice with an IndexError or a reshape error, or map it).  Should the package's internal ``_get`` change,
+    the override is never called, and a file cut short is one the package cannot parse."""
     from gguf.gguf_reader import GGUFReader  # the class itself, whatever replaces the package-level name
 
     class Reader(GGUFReader):
         def _get(self, offset, dtype, count=1, override_order=None):
             if type(self.data) is np.memmap:
                 self.data = self.data.view(np.ndarray)  # the same mapped pages; slices of it are plain arrays
+            end = int(offset) + _itemsize(dtype) * int(count)
+            if end > len(self.data):
+                raise GGUFFileError(_cut_short(offset, end, len(self.data), getattr(self, "data_offset", None)))
             return super()._get(offset, dtype, count, override_order)
 
     if os.path.isdir(path):
@@ -232,7 +298,39 @@ def open_gguf(path: str):
         path = files[0]
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file at {path!r}")
-    return Reader(path)
+    check_gguf_magic(path)
+    try:
+        return Reader(path)
+    except GGUFFileError:
+        raise
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise GGUFFileError(f"not a readable GGUF file ({first})") from None
+
+
+def check_gguf_magic(path: str) -> None:
+    """:class:`GGUFFileError` unless the file starts with GGUF's magic bytes (an empty file, a text file, a
+    safetensors file given a .gguf name)."""
+    with open(path, "rb") as f:
+        head = f.read(len(GGUF_MAGIC))
+    if head != GGUF_MAGIC:
+        what = "an empty file" if not head else f"it starts with {head!r}, not {GGUF_MAGIC!r}"
+        raise GGUFFileError(f"not a GGUF file ({what})")
+
+
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype) -> int:
+    """Bytes of one item of a numpy dtype (the reader asks for a handful of them, hundreds of thousands of times)."""
+    return np.dtype(dtype).itemsize
+
+
+def _cut_short(offset: int, end: int, size: int, data_offset: Optional[int]) -> str:
+    """Why a GGUF file whose reader reads ``offset..end`` of its ``size`` bytes is refused: its header runs past
+    the end, or a tensor it declares (at or after ``data_offset``, where the tensors start) does."""
+    if data_offset is not None and offset >= data_offset:
+        return (f"not a complete GGUF file (its header declares a tensor at bytes {int(offset):,}..{end:,}, past the "
+                f"file's end at byte {size:,}: truncated?)")
+    return f"not a complete GGUF file (its header runs past the file's end at byte {size:,}: truncated?)"
 
 
 @contextlib.contextmanager

@@ -34,14 +34,13 @@ On the CPU every copy is immediate, onloads first.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from typing import Optional
 
 import numpy as np
 import torch
 
-from executor_proc.memory_plan import StartupRefused
+from executor_proc.memory_plan import StartupRefused, available_host_bytes
 from executor_proc.model.kv_cache import KVCache
 from executor_proc.step.staging import PinnedStaging
 from ipc.config import DEFAULT_HOST_KV_GIB, ExecutorConfig
@@ -53,18 +52,6 @@ GIB = 1 << 30
 # Backups on their own stream run beside decode steps: a few programs that loop over the items move
 # them at PCIe speed without taking every SM from the step (docs/performance.md, "Host KV tier").
 BACKUP_PROGRAMS = 16
-
-
-def available_host_bytes() -> int:
-    """Host memory available now (MemAvailable), or the free physical pages where /proc is missing."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 # Of the host's available memory, the most a host pool given by its flags may take (the kernel would rather kill a
