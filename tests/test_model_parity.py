@@ -210,12 +210,23 @@ def test_transformers_4_layout():
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"hidden_size": None}, "'hidden_size'"),
+        # sizes of the wrong JSON type or sign fail here, named, not later inside the model's build
+        ({"num_attention_heads": "4"}, "field 'num_attention_heads' must be a positive integer, got '4'"),
+        ({"hidden_size": 64.0}, "field 'hidden_size' must be a positive integer, got 64.0"),
+        ({"max_position_embeddings": -1}, "field 'max_position_embeddings' must be a positive integer, got -1"),
+        ({"head_dim": 0}, "field 'head_dim' must be a positive integer, got 0"),
+        ({"vocab_size": True}, "field 'vocab_size' must be a positive integer, got True"),
+        ({"architectures": [7]}, "field 'architectures' must be a list of names, got \\[7\\]"),
     ],
 )
 def test_config_errors(change, message):
     d = {"architectures": ["LlamaForCausalLM"], **SHAPE} | change
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_dict(d)
+
+
+def test_one_architecture_name_may_stand_for_the_list():
+    assert ModelConfig.from_hf_dict({"architectures": "MistralForCausalLM", **SHAPE}).architecture == "MistralForCausalLM"
 
 
 def test_mistral_sliding_window_caps_context():

@@ -104,7 +104,7 @@ class ModelConfig:
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
         hidden_size = _required(d, "hidden_size")
         num_heads = _required(d, "num_attention_heads")
-        num_kv_heads = d.get("num_key_value_heads") or num_heads
+        num_kv_heads = _optional(d, "num_key_value_heads") or num_heads
         rope_theta, rope_scaling = _parse_rope(d)
         max_pos = _required(d, "max_position_embeddings")
         attention_bias = bool(d.get("attention_bias", False))
@@ -124,7 +124,7 @@ class ModelConfig:
             num_layers=_required(d, "num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=d.get("head_dim") or hidden_size // num_heads,
+            head_dim=_optional(d, "head_dim") or hidden_size // num_heads,
             vocab_size=_required(d, "vocab_size"),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
@@ -216,6 +216,10 @@ def _unsupported_architecture(name: str) -> str:
 
 def _architecture(d: dict[str, Any]) -> str:
     archs = d.get("architectures") or []
+    if isinstance(archs, str):  # one name where transformers writes a list of them
+        archs = [archs]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"config.json field 'architectures' must be a list of names, got {archs!r}")
     if archs:
         for arch in archs:
             if arch in SUPPORTED_ARCHITECTURES:
@@ -230,10 +234,19 @@ def _architecture(d: dict[str, Any]) -> str:
     )
 
 
-def _required(d: dict[str, Any], key: str) -> Any:
+def _required(d: dict[str, Any], key: str) -> int:
+    """A size field: present, and a positive integer (a string or a float would fail far from here)."""
     if d.get(key) is None:
         raise ValueError(f"config.json lacks the required field {key!r}")
-    return d[key]
+    return _optional(d, key)
+
+
+def _optional(d: dict[str, Any], key: str) -> Optional[int]:
+    """A size field that may be absent (None): else a positive integer."""
+    value = d.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"config.json field {key!r} must be a positive integer, got {value!r}")
+    return value
 
 
 def _parse_rope(d: dict[str, Any]) -> tuple[float, Optional[Llama3RopeScaling]]:
