@@ -337,6 +337,7 @@ def _plan(cfg: ExecutorConfig, device: torch.device, measured: Optional[Measured
     draft_weights, draft_block = (draft.weight_bytes, draft.block_bytes) if draft is not None else (0, 0)
     if measured is None:  # the cpu: a fixed budget (host memory is not planned like a device's)
         blocks = cfg.num_kv_blocks or min(useful, (CPU_KV_BUDGET_BYTES - draft_block) // (per_block + draft_block))
+        check_host_kv(blocks, per_block + draft_block, given=cfg.num_kv_blocks is not None)
         plan = MemoryPlan("cpu", CPU_KV_BUDGET_BYTES, 1.0, weights, 0, 0, 0, blocks, per_block, cfg.block_size,
                           draft_weights, draft_block)
     elif cfg.num_kv_blocks is not None:
@@ -354,6 +355,17 @@ def _plan(cfg: ExecutorConfig, device: torch.device, measured: Optional[Measured
     if cfg.num_kv_blocks is None:  # a given block count is the caller's (tests, restarts of the same server)
         check_fits(plan, max_len)
     return plan
+
+
+def check_host_kv(blocks: int, block_bytes: int, given: bool) -> None:
+    """A KV cache in host memory (the cpu) fits what the host has available now, the weights loaded: else
+    MemoryPlanError naming --num-kv-blocks when it was ``given`` (a count past the address space would fail far
+    from here, in the allocator's words)."""
+    need, have = blocks * block_bytes, available_host_bytes()
+    if need > have:
+        what = f"--num-kv-blocks {blocks:,}: the KV cache" if given else f"the KV cache ({blocks:,} blocks)"
+        raise MemoryPlanError(f"{what} would take {need / GIB:,.1f} GiB, more than the {have / GIB:.1f} GiB of host "
+                              f"memory available; {'lower --num-kv-blocks' if given else 'give a smaller --num-kv-blocks'}")
 
 
 class ProfileStep:

@@ -246,7 +246,7 @@ def address_space_headroom(extra: int):
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-@pytest.mark.parametrize("case", ["no such GPU", "host memory", "context past the model's"])
+@pytest.mark.parametrize("case", ["no such GPU", "host memory", "past the address space", "context past the model's"])
 def test_startup_refusals_name_the_flag(tmp_path, case):
     """A GPU the machine lacks, a KV cache larger than the host's memory (the allocation that failed, and the flag
     that sizes it), a context past the model's positions: the executor's start-up raises StartupRefused (one line to
@@ -267,8 +267,10 @@ def test_startup_refusals_name_the_flag(tmp_path, case):
         max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)))
     flags, expect = {
         "no such GPU": (["--device", "cuda"], "--device cuda: this machine has no CUDA device"),
-        "host memory": (["--num-kv-blocks", str(10 ** 9)], "the host ran out of memory while allocating the KV cache "
-                                                            "(7629.39 GiB) ("),
+        "host memory": (["--num-kv-blocks", str(10 ** 9)], "--num-kv-blocks 1,000,000,000: the KV cache would take "
+                                                            "7,629.4 GiB, more than the "),
+        "past the address space": (["--num-kv-blocks", str(10 ** 14)], "--num-kv-blocks 100,000,000,000,000: the KV "
+                                                                       "cache would take 762,939,453.1 GiB"),
         "context past the model's": (["--max-model-len", "300"], f"--max-model-len 300 exceeds the 256 positions "
                                      f"--model {tmp_path} runs (max_position_embeddings): use at most 256"),
     }[case]
@@ -277,8 +279,8 @@ def test_startup_refusals_name_the_flag(tmp_path, case):
     with pytest.raises(StartupRefused) as refused, address_space_headroom(8 * GIB):
         build_worker(msgspec.structs.replace(cfg.executor, model=str(tmp_path)))
     assert str(refused.value).startswith(expect) and "\n" not in str(refused.value), refused.value
-    if case == "host memory":  # the advice is the flag that sized it, not the host tier's that were not given
-        assert str(refused.value).endswith("; lower --num-kv-blocks 1,000,000,000"), refused.value
+    if case in ("host memory", "past the address space"):  # before any allocation: the flag that sizes it
+        assert str(refused.value).endswith("GiB of host memory available; lower --num-kv-blocks"), refused.value
 
 
 @pytest.mark.parametrize("flags, expect", [
