@@ -243,8 +243,8 @@ def serve_flags(sub) -> argparse.ArgumentParser:
     s.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="read the shared secret (as --api-key) from the first line of this file")
     s.add_argument("--allow-unauthenticated", action="store_true",
-                   help="serve a tcp:// --address reachable from other machines without an API key "
-                        "(refused otherwise: anyone who can connect could send requests)")
+                   help="serve a tcp:// --address, or the HTTP API on a --host, reachable from other machines "
+                        "without an API key (refused otherwise: anyone who can connect could send requests)")
     s.add_argument("--max-request-bytes", type=int, default=GATEWAY_MAX_REQUEST_BYTES, metavar="N",
                    help="largest HTTP request body; a larger one is answered 413 before it is read in full")
     s.add_argument("--api-tokenizer-threads", type=int, default=GATEWAY_TOKENIZER_THREADS, metavar="N",
@@ -278,8 +278,9 @@ def check_serve_flags(args) -> None:
         _check_address_port(args.address)
     if args.step_log:
         _check_step_log(args.step_log)
-    if args.api_key == "":
-        raise ValueError("--api-key is an empty key, which would mean no key: leave --api-key out to serve without one")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is an empty key, which would mean no key (or a blank one, which no HTTP client can "
+                         "send: header values are trimmed): leave --api-key out to serve without one")
 
 
 def _check_counts(args) -> None:

@@ -17,6 +17,8 @@ from ipc.config import ExecutorConfig
 # The hang timeout's floor when the executor runs the Triton kernels in Triton's interpreter (--kernels triton on the
 # CPU): a step of new shapes takes minutes there, not a hang.
 INTERPRETER_HANG_TIMEOUT_S = 600.0
+MIN_HANG_TIMEOUT_S = 1.0  # a shorter hang timeout restarts the executor during ordinary steps
+MAX_SEND_HWM = 2**31 - 1  # ZeroMQ's high-water marks are C ints
 
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     model: Optional[str] = None  # None: the default model (SmolLM2-135M-Instruct)
@@ -62,6 +64,12 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
                      "grammar_compile_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.executor_hang_timeout_s < MIN_HANG_TIMEOUT_S:  # shorter than a first step (a prefill) may take
+            raise ValueError(f"executor_hang_timeout_s must be at least {MIN_HANG_TIMEOUT_S:g} s (a step may take "
+                             f"that long), got {self.executor_hang_timeout_s:g}")
+        if self.client_send_hwm > MAX_SEND_HWM:
+            raise ValueError(f"client_send_hwm must be in [1, {MAX_SEND_HWM}] (ZeroMQ's limit), got "
+                             f"{self.client_send_hwm}")
         for name in ("max_restarts", "shutdown_timeout_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")

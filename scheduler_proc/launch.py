@@ -231,9 +231,13 @@ def _listen_http(args, cfg):
     if args.port is None:
         return None
     from ipc.gateway.process import listening_socket
-    from scheduler_proc.frontend import StartupError
+    from scheduler_proc.frontend import LOOPBACK_HOSTS, StartupError
 
     host = args.host or ("0.0.0.0" if cfg.api_key else "127.0.0.1")  # no key: reachable from this host only
+    if host not in LOOPBACK_HOSTS and not host.startswith("127.") and not cfg.api_key and not cfg.allow_unauthenticated:
+        raise StartupError(f"--host {host} makes the HTTP API reachable from other machines and no API key is set: "
+                           f"anyone could send requests; set --api-key-file (or {API_KEY_ENV}), or pass "
+                           f"--allow-unauthenticated")
     try:
         return listening_socket(host, args.port)
     except OSError as e:

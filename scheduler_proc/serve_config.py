@@ -22,9 +22,13 @@ def api_key_of(args) -> Optional[str]:
         except OSError as e:
             raise ValueError(f"--api-key-file: {e}") from None
         if not key:
-            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+            raise ValueError(f"--api-key-file {args.api_key_file}: its first line holds no key")
         return key
-    return args.api_key or os.environ.get(API_KEY_ENV) or None
+    env = os.environ.get(API_KEY_ENV)
+    if args.api_key is None and env is not None and env and not env.strip():
+        raise ValueError(f"${API_KEY_ENV} is blank, which no HTTP client can send (header values are trimmed): set a "
+                         f"key or unset it")
+    return args.api_key or env or None
 
 
 def server_config(args) -> ServerConfig:

@@ -78,6 +78,8 @@ SERVE_REFUSALS = [
     (["--ngram-min", "2"], ["--ngram-min needs --speculative-method ngram (got --speculative-method off)"]),
     (["--ngram-max", "3"], ["--ngram-max needs --speculative-method ngram"]),
     (["--api-key", ""], ["--api-key is an empty key"]),
+    (["--port", "0", "--host", "0.0.0.0"], ["--host 0.0.0.0 makes the HTTP API reachable from other machines and no "
+                                            "API key is set", "--allow-unauthenticated"]),
     (["--tokenizer", "/nonexistent-dir"], ["--tokenizer '/nonexistent-dir' does not exist"]),
     (["--tokenizer", "{empty}"], ["--tokenizer ", "has none of tokenizer.json"]),
     (["--tokenizer", "{text}"], ["--tokenizer ", "notes.txt: not a tokenizer.json", "expected value"]),
@@ -263,6 +265,24 @@ def test_help_shows_every_default():
     assert "(default: $FORERUN_API_KEY)" in chat["--api-key"]
     depth = serve["--pipeline-depth"]
     assert all(f"{n} " in depth for n in ("0 waits", "1 sends", "2 also")), depth
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--api-key", "   "], "--api-key is an empty key, which would mean no key (or a blank one, which no HTTP client "
+                            "can send: header values are trimmed): leave --api-key out to serve without one"),
+    (["--api-key-file", "{blank}"], "--api-key-file {blank}: its first line holds no key"),
+    (["--client-send-hwm", str(2**31)], f"--client-send-hwm must be in [1, {2**31 - 1}] (ZeroMQ's limit), got {2**31}"),
+    (["--executor-hang-timeout", "0.001"], "--executor-hang-timeout must be at least 1 s (a step may take that long), "
+                                           "got 0.001"),
+])
+def test_values_the_server_could_not_use_are_refused_before_it_starts(flags, expect, tmp_path):
+    from scheduler_proc.launch import main
+
+    blank = tmp_path / "key.txt"
+    blank.write_text("\n\nkey-on-line-3\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", *SCRIPTED, *(f.format(blank=blank) for f in flags)])
+    assert str(exit_.value) == f"forerun: {expect.format(blank=blank)}"
 
 
 @pytest.mark.parametrize("flags, expect", [
