@@ -26,6 +26,7 @@ from scheduler_proc.chat_cli import NO_TOKENIZER, chat, check_utf8, stream_answe
 from scheduler_proc.cli_flags import ADDRESS_FILE, API_KEY_ENV, build_parser, in_flag_names
 from scheduler_proc.config import ServerConfig
 from scheduler_proc.executor_process import NO_MULTICAST_ENV
+from scheduler_proc.outputs import tokenizer_vocab_size
 from scheduler_proc.serve_config import check_tokenizer, has_chat_template, server_config
 
 
@@ -211,12 +212,21 @@ def _announce(server, model, ready, cfg) -> None:
               f"{ready.graph_memory_bytes / 2**20:.0f} MiB", flush=True)
     if ready.memory_plan:
         print(f"forerun: {ready.memory_plan}", flush=True)
-    _tokenizer_notes(model.tokenizer_path)
+    _tokenizer_notes(model.tokenizer_path, ready.vocab_size)
     print(f"forerun: ready at {server.client_address}", flush=True)
 
 
-def _tokenizer_notes(path: str) -> None:
-    """What clients cannot ask of a server without a tokenizer, or of one whose tokenizer has no chat template."""
+def _tokenizer_notes(path: str, vocab_size: Optional[int] = None) -> None:
+    """What clients cannot ask of a server without a tokenizer, or of one whose tokenizer has no chat template, and
+    a tokenizer that does not match the model's ``vocab_size`` (a --tokenizer of another model): more tokens than
+    the model's are refused in prompts; far fewer leave the model's other ids without text."""
+    if path and vocab_size:
+        known = tokenizer_vocab_size(path)
+        if known is not None and (known > vocab_size or known < 0.9 * vocab_size):
+            what = ("prompts holding ids past the model's are refused" if known > vocab_size else
+                    f"generated ids past {known:,} have no text")
+            print(f"forerun: the tokenizer knows {known:,} tokens and the model {vocab_size:,}: {what} (is the "
+                  f"tokenizer the model's?)", flush=True)
     if not path:
         print("forerun: no tokenizer: clients send token ids and get token ids back (--tokenizer FILE|DIR gives "
               "the server one)", flush=True)

@@ -58,6 +58,19 @@ def slot_sampling(req, eos_token_ids) -> SlotSampling:
         grammar=req.grammar)
 
 
+def tokenizer_vocab_size(tokenizer_path: str) -> Optional[int]:
+    """The tokens a tokenizer.json knows, added ones included (None: no tokenizer.json, or one that does not load)."""
+    path = os.path.join(tokenizer_path, "tokenizer.json") if os.path.isdir(tokenizer_path) else tokenizer_path
+    if not tokenizer_path or not os.path.isfile(path):
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
+    except Exception:  # load_detokenizer says why, at start-up
+        return None
+
+
 def load_detokenizer(tokenizer_path: str) -> Optional[Detokenize]:
     """``ids -> text`` from the model's tokenizer.json (the ``tokenizers`` library, no torch); None if absent;
     ValueError, one line, for a file the library cannot read (a text file, a malformed or foreign JSON)."""

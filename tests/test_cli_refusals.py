@@ -312,10 +312,21 @@ def test_the_start_up_says_what_a_tokenizer_without_chat_template_or_no_tokenize
     (tmp_path / "chat_template.jinja").unlink()
     _tokenizer_notes(str(tmp_path))
     _tokenizer_notes("")
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0, '
+                                             '"[UNK]": 1}, "unk_token": "[UNK]"}}')
+    _tokenizer_notes(str(tmp_path), 2)  # the model's own size: nothing to say but the missing template
+    _tokenizer_notes(str(tmp_path), 49152)
+    _tokenizer_notes(str(tmp_path), 1)
     out = capsys.readouterr().out.splitlines()
-    assert out == ["forerun: the tokenizer has no chat template: chat requests are refused; completions are served",
+    no_template = "forerun: the tokenizer has no chat template: chat requests are refused; completions are served"
+    assert out == [no_template,
                    "forerun: no tokenizer: clients send token ids and get token ids back (--tokenizer FILE|DIR gives "
-                   "the server one)"]
+                   "the server one)",
+                   no_template,
+                   "forerun: the tokenizer knows 2 tokens and the model 49,152: generated ids past 2 have no text (is "
+                   "the tokenizer the model's?)", no_template,
+                   "forerun: the tokenizer knows 2 tokens and the model 1: prompts holding ids past the model's are "
+                   "refused (is the tokenizer the model's?)", no_template]
 
 
 CHAT_REFUSALS = [
