@@ -283,6 +283,9 @@ def check_serve_flags(args) -> None:
                          "send: header values are trimmed): leave --api-key out to serve without one")
 
 
+MAX_TOKENIZER_THREADS = 64  # --api-tokenizer-threads: per gateway worker
+
+
 def _check_counts(args) -> None:
     """--api-workers and --executor-threads within PER_CPU per CPU, the gateway's other counts at their floors (with
     or without --port: a value that would fail once --port is added is wrong already)."""
@@ -291,7 +294,8 @@ def _check_counts(args) -> None:
     for flag, value, low, high, why in (
             ("--api-workers", args.api_workers, 1, max_api_workers(), f"{per_cpu}; at most {MAX_API_WORKERS}"),
             ("--executor-threads", args.executor_threads, 1, PER_CPU * cpus, per_cpu),
-            ("--api-tokenizer-threads", args.api_tokenizer_threads, 1, None, ""),
+            ("--api-tokenizer-threads", args.api_tokenizer_threads, 1, MAX_TOKENIZER_THREADS,
+             "each a thread of every gateway worker"),
             ("--max-request-bytes", args.max_request_bytes, 1024, None, "")):
         if value is None:  # not given: the default is computed later
             continue
@@ -303,7 +307,13 @@ def _check_counts(args) -> None:
 
 def _check_needs(args) -> None:
     """A flag given without the one it works with: refused, as it would be ignored (--draft-model's rule, in
-    ipc.config, for the speculative and scripted flags that default to None here)."""
+    ipc.config, for the speculative and scripted flags that default to None here); an empty --model or --host, which
+    would mean the current folder or the loopback address without saying so."""
+    for flag, value in (("--model", args.model), ("--host", args.host)):
+        if value is not None and not value.strip():
+            raise ValueError(f"{flag} is empty")
+    if args.host is not None and args.port is None:
+        raise ValueError("--host needs --port (the HTTP API's address; the SDK's is --address)")
     method, load_format = args.speculative_method, args.load_format
     for flag, given, needed, ok in (
             ("--num-speculative-tokens", args.num_speculative_tokens, "--speculative-method ngram or draft",

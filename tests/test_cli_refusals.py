@@ -78,6 +78,11 @@ SERVE_REFUSALS = [
     (["--ngram-min", "2"], ["--ngram-min needs --speculative-method ngram (got --speculative-method off)"]),
     (["--ngram-max", "3"], ["--ngram-max needs --speculative-method ngram"]),
     (["--api-key", ""], ["--api-key is an empty key"]),
+    (["--model", ""], ["--model is empty"]),
+    (["--host", "0.0.0.0"], ["--host needs --port (the HTTP API's address; the SDK's is --address)"]),
+    (["--port", "0", "--host", " "], ["--host is empty"]),
+    (["--api-tokenizer-threads", "100000"], ["--api-tokenizer-threads must be in [1, 64] (each a thread of every "
+                                             "gateway worker), got 100000"]),
     (["--port", "0", "--host", "0.0.0.0"], ["--host 0.0.0.0 makes the HTTP API reachable from other machines and no "
                                             "API key is set", "--allow-unauthenticated"]),
     (["--tokenizer", "/nonexistent-dir"], ["--tokenizer '/nonexistent-dir' does not exist"]),
