@@ -145,6 +145,8 @@ def main(argv: list[str]) -> int:
         if _stop_asked.is_set():  # its KeyboardInterrupt was raised where Python drops exceptions (a fork hook)
             raise KeyboardInterrupt
     except (StartupError, ValueError, RuntimeError, TimeoutError, KeyboardInterrupt) as e:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a stop now (the router's, a Ctrl-C) must not cut the report
+            signal.signal(sig, lambda signum, frame: _stop_asked.set())
         if not isinstance(e, KeyboardInterrupt):  # stopped while starting (the router's or the user's): the router says
             say(in_flag_names(str(e)) or f"{type(e).__name__} while starting")  # the flags as typed
         if server is not None:

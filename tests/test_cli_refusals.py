@@ -534,3 +534,34 @@ def test_a_default_that_another_flag_puts_out_of_range_is_said_to_be_the_default
 
     with pytest.raises(ValueError, match=r"got 4 \(its default\)"):
         _check_speculative(SpeculativeConfig(method="ngram", ngram_min=6))
+
+
+def test_a_replica_stopped_while_it_reports_its_failure_exits_quietly(monkeypatch):
+    """A data-parallel replica that cannot start says why; a SIGTERM (the router stopping it, a Ctrl-C) while it
+    does must not cut the report short with a KeyboardInterrupt traceback."""
+    import signal
+
+    import msgspec
+
+    from scheduler_proc import cli_flags, replica
+    from scheduler_proc import server as server_module
+    from scheduler_proc.cli_flags import build_parser
+    from scheduler_proc.serve_config import server_config
+
+    cfg = server_config(build_parser().parse_args(["serve", "--device", "cpu"]))
+    cfg = msgspec.structs.replace(cfg, model="/nonexistent/model", replica=0)
+    rewrite = cli_flags.in_flag_names
+
+    def stopped_while_reporting(message: str) -> str:
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered at once, in this (the main) thread
+        return rewrite(message)
+
+    monkeypatch.setattr(cli_flags, "in_flag_names", stopped_while_reporting)
+    monkeypatch.setattr(server_module, "SPEAKER", server_module.SPEAKER)  # main names itself "replica 0" there
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert replica.main([msgspec.json.encode(cfg).decode()]) == 1
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
