@@ -153,7 +153,7 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     what = f"--model {cfg.model}" if cfg.model else "the default model"
     with refused_as(what), host_allocation(f"the weights of {what}", weights_advice(dtype)):
         model, mcfg = load_model(model_path(cfg, progress), cfg.load_format, device, dtype, progress_cb=progress,
-                                 tp=tp, expert_parallel=cfg.enable_expert_parallel)
+                                 tp=tp, expert_parallel=cfg.enable_expert_parallel, host_replicas=cfg.host_replicas)
     if cfg.max_model_len and cfg.max_model_len > mcfg.max_model_len:  # positions the model was not made for
         why = "max_position_embeddings" + (", capped at its sliding window" if mcfg.sliding_window else "")
         raise StartupRefused(f"--max-model-len {cfg.max_model_len:,} exceeds the {mcfg.max_model_len:,} positions "

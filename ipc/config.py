@@ -145,6 +145,7 @@ class ExecutorConfig(_Config):
     parent_pid: int = 0  # the executor exits when this process goes away
     tp_rank: int = 0  # this process's rank in the tensor-parallel group
     replica: Optional[int] = None  # its data-parallel replica's index (what its reports name), None when alone
+    host_replicas: int = 1  # replicas whose weights share this host's memory (data parallelism on the cpu)
     tp_init_method: str = ""  # the group's torch.distributed rendezvous (file:// in the run directory)
 
     def __post_init__(self) -> None:

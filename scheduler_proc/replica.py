@@ -91,9 +91,11 @@ def visible_gpus() -> Optional[list[str]]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
-def replica_config(cfg: ServerConfig, index: int, address: str, gpus: Optional[str]) -> ServerConfig:
-    """Replica ``index``'s configuration: the router's, on its own address (and GPUs, seen as cuda:0...)."""
-    executor = msgspec.structs.replace(cfg.executor, replica=index)
+def replica_config(cfg: ServerConfig, index: int, address: str, gpus: Optional[str],
+                   replicas: int = 1) -> ServerConfig:
+    """Replica ``index``'s configuration of ``replicas``: the router's, on its own address (and GPUs, seen as
+    cuda:0...); without GPUs the replicas' weights share the host's memory (``host_replicas``)."""
+    executor = msgspec.structs.replace(cfg.executor, replica=index, host_replicas=replicas if gpus is None else 1)
     if gpus is not None:
         executor = msgspec.structs.replace(executor, device="cuda:0")
     return msgspec.structs.replace(cfg, client_address=address, replica=index, run_dir=None, executor=executor,

@@ -134,8 +134,8 @@ class Router(RouterClients, RouterRelay):
         self.client_address = cfg.client_address or ipc_address(self.run_dir, "client")
         self.ctx = zmq.asyncio.Context()
         self.frontend: Optional[Frontend] = None
-        self.replicas = [Replica(i, replica_config(cfg, i, ipc_address(self.run_dir, f"replica{i}"), g), g,
-                                 self.run_dir) for i, g in enumerate(gpus)]
+        self.replicas = [Replica(i, replica_config(cfg, i, ipc_address(self.run_dir, f"replica{i}"), g, len(gpus)),
+                                 g, self.run_dir) for i, g in enumerate(gpus)]
         self.hello = p.Hello(p.PROTOCOL_VERSION, "router", batch_deltas=True, api_key=cfg.api_key or "")
         self.info: Optional[p.ServerInfo] = None  # the first replica's, with the router's server_id
         self.tokenizer: Optional[bytes] = None  # a replica's TokenizerFiles, fetched once, as sent

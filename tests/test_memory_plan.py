@@ -364,6 +364,25 @@ def test_weights_past_the_host_memory_available_are_refused_before_they_are_allo
     with pytest.raises(ValueError, match=r"^its weights take 15.0 GiB in bfloat16, more than the 10.0 GiB .*; use a "
                                          r"smaller model$"):
         check_host_memory(config, torch.bfloat16, available=10 * GIB)
+    with pytest.raises(ValueError) as refused:  # bfloat16 offered only where half the bytes fit
+        check_host_memory(config, torch.float32, available=10 * GIB)
+    assert str(refused.value).endswith("; use a smaller model"), refused.value
+    # data-parallel replicas on the cpu load a copy each, at once: two of 15 GiB do not fit 20
+    with pytest.raises(ValueError) as refused:
+        check_host_memory(config, torch.bfloat16, available=20 * GIB, replicas=2)
+    assert str(refused.value) == ("its weights take 2 replicas of 15.0 GiB in bfloat16, more than the 20.0 GiB of "
+                                  "host memory available; use fewer replicas (--data-parallel-size) or a smaller "
+                                  "model"), refused.value
+
+
+def test_cpu_replicas_share_the_hosts_memory():
+    from ipc.config import ExecutorConfig
+    from scheduler_proc.config import ServerConfig
+    from scheduler_proc.replica import replica_config
+
+    cfg = ServerConfig(executor=ExecutorConfig(device="cpu"))
+    assert replica_config(cfg, 1, "ipc:///tmp/r1.sock", None, 3).executor.host_replicas == 3
+    assert replica_config(cfg, 1, "ipc:///tmp/r1.sock", "1", 3).executor.host_replicas == 1  # a GPU each
 
 
 def _huge_model(folder) -> str:
@@ -401,7 +420,7 @@ def test_serve_refuses_weights_the_host_cannot_hold_in_one_line(tmp_path):
     assert run.returncode == 1 and "Traceback" not in out, out
     assert len(lines) == 1 and lines[0].startswith(f"forerun: --model {model}: its weights take 2050.2 GiB in "
                                                    f"float32, more than the "), out
-    assert lines[0].endswith(" GiB of host memory available; use --dtype bfloat16 or a smaller model"), out
+    assert lines[0].endswith(" GiB of host memory available; use a smaller model"), out  # bfloat16 would not fit
 
 
 def test_weights_the_host_fails_to_allocate_are_named_with_their_advice(tmp_path, monkeypatch):

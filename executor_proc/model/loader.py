@@ -85,8 +85,10 @@ def load_model(
     progress_cb: Optional[ProgressCallback] = None,
     tp: Optional["TPGroup"] = None,
     expert_parallel: bool = False,
+    host_replicas: int = 1,
 ) -> tuple[CausalLM, ModelConfig]:
-    """Load a model for serving; ``progress_cb(stage, done, total)`` is called as tensors load.
+    """Load a model for serving; ``progress_cb(stage, done, total)`` is called as tensors load; on the cpu, refused
+    when ``host_replicas`` copies of its weights would not fit the host's available memory.
 
     With ``tp`` (a tensor-parallel group), the model is this rank's shard
     (:class:`executor_proc.parallel.model.ParallelCausalLM`) and only its slices are read: safetensors
@@ -103,7 +105,7 @@ def load_model(
     config = gguf_config(reader) if reader is not None else ModelConfig.from_pretrained(path)
     shards, make = _rank_model(config, tp, expert_parallel)
     if torch.device(device).type == "cpu":  # the weights live in host memory: every rank's part, on one host
-        check_host_memory(config, dtype)
+        check_host_memory(config, dtype, replicas=host_replicas)
     if load_format == "dummy":
         model = build_model(config, device, dtype, make)
         init_dummy_weights(model, DUMMY_SEED, progress_cb, shards)
@@ -136,16 +138,24 @@ def weights_advice(dtype: torch.dtype) -> str:
     return "use dtype='bfloat16' or a smaller model" if dtype == torch.float32 else "use a smaller model"
 
 
-def check_host_memory(config: ModelConfig, dtype: torch.dtype, available: Optional[int] = None) -> None:
+def check_host_memory(config: ModelConfig, dtype: torch.dtype, available: Optional[int] = None,
+                      replicas: int = 1) -> None:
     """Refuse (ValueError, one line) weights in host memory that would take more than the host has available
-    (``available`` bytes, default MemAvailable): allocated anyway, they end in an allocation error at best, the
-    kernel's OOM killer ending this or another process at worst.  Checked before anything is allocated."""
+    (``available`` bytes, default MemAvailable), counting the ``replicas`` that load a copy each at once (data
+    parallelism on the cpu): allocated anyway, they end in an allocation error at best, the kernel's OOM killer
+    ending this or another process at worst.  Checked before anything is allocated; the advice offers bfloat16
+    only where half the bytes would fit."""
     weights = model_weight_bytes(config, dtype)
     available = available_host_bytes() if available is None else available
-    if weights > available:
+    if weights * replicas > available:
         name = str(dtype).removeprefix("torch.")
-        raise ValueError(f"its weights take {weights / GIB:.1f} GiB in {name}, more than the {available / GIB:.1f} "
-                         f"GiB of host memory available; {weights_advice(dtype)}")
+        copies = f"{replicas} replicas of {weights / GIB:.1f} GiB" if replicas > 1 else f"{weights / GIB:.1f} GiB"
+        advice = ["fewer replicas (--data-parallel-size)"] if replicas > 1 else []
+        if dtype == torch.float32 and weights // 2 * replicas <= available:
+            advice.append("dtype='bfloat16'")
+        advice.append("a smaller model")
+        raise ValueError(f"its weights take {copies} in {name}, more than the {available / GIB:.1f} GiB of host "
+                         f"memory available; use {' or '.join(advice)}")
 
 
 # --------------------------------------------------------------------------- HF safetensors
