@@ -364,8 +364,9 @@ def check_host_kv(blocks: int, block_bytes: int, given: bool) -> None:
     need, have = blocks * block_bytes, available_host_bytes()
     if need > have:
         what = f"--num-kv-blocks {blocks:,}: the KV cache" if given else f"the KV cache ({blocks:,} blocks)"
+        advice = "lower --num-kv-blocks" if given else "give a smaller --num-kv-blocks"
         raise MemoryPlanError(f"{what} would take {need / GIB:,.1f} GiB, more than the {have / GIB:.1f} GiB of host "
-                              f"memory available; {'lower --num-kv-blocks' if given else 'give a smaller --num-kv-blocks'}")
+                              f"memory available; {advice}")
 
 
 class ProfileStep:
