@@ -24,7 +24,7 @@ from ipc.gateway.process import start_gateways
 from ipc.gateway.streaming import ClientGone
 from ipc.gateway.chat_template import render, template_kwargs
 from ipc.gateway.tool_calls import ToolCallStream, choice_message
-from ipc.gateway.tools import ToolPlan, plan_tools
+from ipc.gateway.tools import ToolPlan, plan_tools, with_constraint
 from ipc.gateway.worker import decode_body
 from tests.server_proc import run_dir
 from tests.test_gateway_params import FakeGateway, FakeStream, choice, request_result
@@ -247,6 +247,63 @@ def test_function_parameters_must_be_an_object_schema_whatever_the_choice(parame
     assert e.param == "tools[1].function.parameters" and word in e.message, e.message
 
 
+OVERLAPPING = {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 5},  # 3 to 5 match both
+                         {"type": "integer", "minimum": 3, "maximum": 9}]}
+ENGINE_ONE_OF = "oneOf constraints are not supported. Enable 'coerce_one_of' option to approximate oneOf with anyOf"
+ENGINE_REGEX = ('at 1(8): invalid regex "((" (in regex): regex parse error:\n    ((\n     ^\nerror: unclosed group\n'
+                '   1 | start: /((/\n              ^')
+
+
+def test_constraint_refusals_give_no_advice_the_api_cannot_follow_and_quote_the_regex_sent():
+    """The grammar engine's words for a oneOf it cannot enforce name an option of its own, and a regex that does not
+    parse comes wrapped in a Lark rule the client never wrote: the 400 says what the client can do, and quotes the
+    regex as sent; other messages pass as they are."""
+    from ipc.client import InvalidRequestError
+
+    def error(field, message, param, value):
+        exc = InvalidRequestError("invalid_request", field, message)
+        body = json.loads(handling.error_for(FakeGateway(None), exc, param, constraint_value=value).body)["error"]
+        return body["message"], body["param"]
+
+    message, param = error("sampling.json_schema", ENGINE_ONE_OF, "guided_json", OVERLAPPING)
+    assert param == "guided_json" and "coerce_one_of" not in message and "use anyOf" in message, message
+    assert error("sampling.regex", ENGINE_REGEX, "guided_regex", "((") == ('invalid regex "((": unclosed group',
+                                                                          "guided_regex")
+    lark = ENGINE_REGEX.replace('"(("', '"a\\\\/(("').replace("/((/", "/a\\/((/")  # "/" escaped for Lark
+    message, param = error("sampling.regex", lark, "structured_outputs.regex", "a/((")
+    assert (message, param) == ('invalid regex "a/((": unclosed group', "structured_outputs.regex")
+    assert error("sampling.grammar", ENGINE_REGEX, "guided_grammar", "start: /((/")[0] == ENGINE_REGEX  # its own rule
+    assert error("sampling.regex", "the constraint is longer than 65536 bytes", "guided_regex", "x")[0] == \
+        "the constraint is longer than 65536 bytes"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                           "properties": {"a": OVERLAPPING}}}}]
+    e = refused(plan_tools, chat({"tools": tools}))  # checked by the gateway itself, whatever the choice
+    assert e.param == "tools[0].function.parameters" and "coerce_one_of" not in e.message, e.message
+    assert "use anyOf" in e.message
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"guided_json": {"type": "integer", "minimum": 1180591620717411303424}}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"a": {"enum": [1, -2**64]}}}}}}, "response_format"),
+    ({"structured_outputs": {"json": {"type": "integer", "maximum": 10**300}}}, "structured_outputs.json"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"enum": [2**70]}}}}}], "tool_choice": "required"},
+     "tools[0].function.parameters"),
+])
+def test_a_json_schema_integer_past_64_bits_is_a_400_naming_the_field(body, param):
+    """No message to the scheduler can hold such an integer: msgpack's words ("can't serialize ints ...") named
+    neither the field nor the value."""
+    req = chat(body)
+    e = refused(lambda: with_constraint(params.sampling_kwargs(req, 4, 100), plan_tools(req)))
+    assert e.param == param and e.message.startswith(f"{param} holds an integer outside the 64-bit range: "), e.message
+    assert "serialize" not in e.message
+    bounded = chat({"guided_json": {"type": "integer", "minimum": 2**64 - 1}})  # it can be sent: the scheduler judges
+    assert params.sampling_kwargs(bounded, 4, 100)["json_schema"] == {"type": "integer", "minimum": 2**64 - 1}
+    auto = chat({**body, "tool_choice": "auto"}) if "tools" in body else None  # a schema only the model reads: fine
+    assert auto is None or with_constraint({}, plan_tools(auto)) == {}
+
+
 # ---------------------------------------------------------------------------
 # 3 and 5. messages of malformed requests
 # ---------------------------------------------------------------------------
@@ -257,6 +314,34 @@ def test_content_part_without_text_names_the_missing_field():
     assert (e.message, e.param) == ("missing required field `text`", "messages[0].content[0].text")
     e = refused(s.chat_messages, chat({"messages": [{"role": "user", "content": [{"type": "image"}]}]}).messages)
     assert e.param == "messages[0].content[0].type" and "'image'" in e.message
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+                                  {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+                                  {"type": "file", "file": {"file_id": "file-1"}},
+                                  {"type": "video_url", "video_url": {"url": "http://x/y.mp4"}},
+                                  {"type": "image_url"}])
+def test_a_content_part_other_than_text_is_refused_for_its_type_with_its_payload_or_not(part):
+    e = refused(s.chat_messages, chat({"messages": [{"role": "user", "content": [part]}]}).messages)
+    assert e.message == f"content part of type {part['type']!r} is not supported; only text parts are", e.message
+    assert e.param == "messages[0].content[0].type"
+
+
+def test_an_assistants_refusal_part_is_its_text_as_vllm_reads_it():
+    """What OpenAI answers with (and clients send back): a refusal part renders as text; other roles have none, as
+    they have no ``refusal`` field; a text part holds only text."""
+    saved = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}
+    req = chat({"messages": [USER[0], saved, USER[0]]})
+    assert s.chat_messages(req.messages)[1] == {"role": "assistant", "content": "I can't."}
+    mixed = {"role": "assistant", "content": [{"type": "text", "text": "No: "}, {"type": "refusal", "refusal": "x"}]}
+    assert s.chat_messages(chat({"messages": [mixed]}).messages) == [{"role": "assistant", "content": "No: x"}]
+    e = refused(s.chat_messages, chat({"messages": [{"role": "user", "content": saved["content"]}]}).messages)
+    assert e.param == "messages[0].content[0].type" and "assistant" in e.message
+    e = refused(s.chat_messages, chat({"messages": [{"role": "assistant", "content": [{"type": "refusal"}]}]}).messages)
+    assert (e.message, e.param) == ("missing required field `refusal`", "messages[0].content[0].refusal")
+    both = [{"type": "text", "text": "x", "image_url": {"url": "http://x/y.png"}}]
+    e = refused(s.chat_messages, chat({"messages": [{"role": "user", "content": both}]}).messages)
+    assert e.param == "messages[0].content[0].image_url", e.message
 
 
 @pytest.mark.parametrize("body,word", [

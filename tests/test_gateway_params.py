@@ -126,6 +126,36 @@ def test_a_refused_prompt_names_the_field_it_came_from():
     assert responses.sdk_error(InvalidRequestError("invalid_request", "sampling.n", "n")).param == "n"
 
 
+async def test_prompt_ids_out_of_the_vocabulary_are_named_in_the_schedulers_words_past_64_bits_too():
+    """Checked by the gateway as sent: an id past 64 bits cannot even be sent to the scheduler (msgpack's words
+    named neither).  Of several prompts, the message says which one; a prompt the scheduler refuses too."""
+    from ipc.client import InvalidRequestError
+    from ipc.gateway import app, handling
+    from ipc.gateway.worker import Gateway
+
+    gw = Gateway.__new__(Gateway)
+    gw.vocab_size, gw.tokenizer, gw.max_model_len, gw.chars_per_token = 49152, None, 8192, 81
+
+    async def refused(prompt) -> tuple[str, str]:
+        with pytest.raises(s.RequestError) as e:
+            await app._prompts(gw, completion_req(prompt=prompt))
+        assert e.value.status == 400
+        return e.value.message, e.value.param
+
+    for bad in (1180591620717411303424, 49152, -1, -(2**64)):
+        assert await refused([5, bad]) == (f"token id {bad} is out of range [0, 49152)", "prompt")
+    assert await refused([[5], [6, 2**70]]) == (f"prompt[1]: token id {2**70} is out of range [0, 49152)", "prompt")
+    message, _ = await refused([10**4000])  # cut, so that the 400's message keeps its range
+    assert message.endswith("... (4001 characters) is out of range [0, 49152)") and len(message) < 200, message
+    assert await refused(["hi", "there"]) == ("prompt[0]: the server has no tokenizer: send token ids", "prompt")
+    assert [p.ids for p in await app._prompts(gw, completion_req(prompt=[[0], [49151]]))] == [[0], [49151]]
+    too_long = InvalidRequestError("invalid_request", "prompt_token_ids", "the prompt has 9000 tokens", "cmpl-a-1")
+    for count, message in ((2, "prompt[1]: the prompt has 9000 tokens"), (1, "the prompt has 9000 tokens")):
+        response = handling.error_for(FakeGateway(None), too_long, prompt_names=app._prompt_names("cmpl-a", count))
+        assert json.loads(response.body)["error"] | {"type": None, "code": None} == {
+            "message": message, "param": "prompt", "type": None, "code": None}
+
+
 # ---------------------------------------------------------------------------
 # logprob shapes
 # ---------------------------------------------------------------------------

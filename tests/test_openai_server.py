@@ -288,6 +288,42 @@ def test_a_chat_prompt_too_long_names_messages(oai):
     assert e.value.param == "prompt", e.value.message
 
 
+def test_prompt_ids_out_of_the_vocabulary_are_named_and_so_is_one_prompt_of_several(http_server):
+    """An id past 64 bits gets the words of any id out of the vocabulary (as /detokenize's), not msgpack's; of
+    several prompts, the message names the one refused, by the gateway or the scheduler, streamed or not."""
+    def error(body):
+        status, answer = http("POST", f"{http_server.url}/v1/completions", {"model": MODEL, "max_tokens": 1, **body},
+                              API_KEY)
+        assert status == 400, answer
+        return json.loads(answer)["error"]["message"], json.loads(answer)["error"]["param"]
+
+    huge = 1180591620717411303424
+    assert error({"prompt": [huge]}) == (f"token id {huge} is out of range [0, 49152)", "prompt")
+    assert error({"prompt": [5, 49152]}) == ("token id 49152 is out of range [0, 49152)", "prompt")
+    assert error({"prompt": [[5], [6], [huge]]}) == (f"prompt[2]: token id {huge} is out of range [0, 49152)",
+                                                      "prompt")
+    status, answer = http("POST", f"{http_server.url}/detokenize", {"tokens": [huge]}, API_KEY)
+    assert json.loads(answer)["error"]["message"] == f"token id {huge} is out of range [0, 49152)"
+    for stream in (False, True):  # the scheduler refuses the second prompt: over the context
+        message, param = error({"prompt": ["Hi", "hello " * 9000], "stream": stream})
+        assert param == "prompt" and message.startswith("prompt[1]: the prompt has "), message
+
+
+def test_content_parts_other_than_text_are_refused_for_their_type_and_a_refusal_part_is_text(http_server, oai):
+    for part in ({"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+                 {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [part]}], max_tokens=1)
+        assert e.value.body["message"] == f"content part of type {part['type']!r} is not supported; only text parts " \
+                                          "are" and e.value.param == "messages[0].content[0].type", e.value.body
+    said, why = "I can't help with that.", {"role": "user", "content": "Why?"}
+    sent = MESSAGES + [{"role": "assistant", "content": [{"type": "refusal", "refusal": said}]}, why]
+    plain = MESSAGES + [{"role": "assistant", "content": said}, why]
+    counts = [oai.chat.completions.create(model=MODEL, messages=m, max_tokens=1).usage.prompt_tokens
+              for m in (sent, plain)]
+    assert counts[0] == counts[1]  # the refusal's text, rendered as a text part's
+
+
 # ---------------------------------------------------------------------------
 # sampling and output features: these need the scheduler and executor
 # sides of n, stop strings, logprobs and penalties; run them after merging those.

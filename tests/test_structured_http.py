@@ -165,6 +165,31 @@ BAD = [
 ]
 
 
+def test_constraint_refusals_say_what_is_wrong_in_the_requests_terms(api):
+    """An integer past 64 bits in a schema, a oneOf the grammar engine cannot enforce (no advice about its own
+    options) and a regex that does not parse (no Lark rule around it): 400s naming the field, in words about it."""
+    api = _client(api)
+    huge = {"type": "integer", "minimum": 1180591620717411303424}
+    overlapping = {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 5},
+                             {"type": "integer", "minimum": 3, "maximum": 9}]}
+    schema_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": overlapping}}
+    cases = [(dict(extra_body={"guided_json": huge}), "guided_json", "guided_json holds an integer outside the 64-bit "
+                                                                      "range: 1180591620717411303424 at /minimum"),
+             (dict(extra_body={"guided_json": overlapping}), "guided_json", None),
+             (dict(response_format=schema_format, stream=True), "response_format", None),
+             (dict(extra_body={"guided_regex": "(("}), "guided_regex", 'invalid regex "((": unclosed group')]
+
+    async def go():
+        for kw, param, message in cases:
+            with pytest.raises(openai.BadRequestError) as e:
+                await _chat(api, max_tokens=1, **kw)
+            body = e.value.body
+            assert body["param"] == param and "serialize" not in body["message"], body
+            assert body["message"] == message if message else ("coerce_one_of" not in body["message"]
+                                                                and "use anyOf" in body["message"]), body
+    asyncio.run(go())
+
+
 def test_bad_constraints_and_tools_are_400s(api):
     url, api = api, _client(api)
 

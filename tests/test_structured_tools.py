@@ -19,15 +19,16 @@ FUNCTIONS = [{"name": "get_weather", "parameters": {"type": "object", "propertie
 AUTO = ToolPlan(FUNCTIONS, "auto")
 PARIS, UTC = ("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "UTC"}')
 
-# (model output, content, calls) of an "auto" answer
+# (model output, content, calls) of an "auto" answer: the content is the text before the calls as it is (vLLM's)
 OUTPUTS = [
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', None, [PARIS]),
     ('Let me look.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
-     '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>', "Let me look.", [PARIS, UTC]),
+     '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>', "Let me look.\n", [PARIS, UTC]),
+    ('Sure. <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call> Done.', "Sure. ", [UTC]),
     ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
      '{"name": "get_time", "arguments": {"zone": "UTC"}}]', None, [PARIS, UTC]),
     ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}', None, [PARIS, UTC]),
-    ('Sure. [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]', "Sure.", [UTC]),
+    ('Sure. [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]', "Sure. ", [UTC]),
     ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [PARIS]),
     ('{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {"zone": "UTC"}}',
      None, [PARIS, UTC]),
@@ -54,7 +55,7 @@ def test_auto_calls_of_each_format(text, content, calls):
 
 @pytest.mark.parametrize("text,content,calls", OUTPUTS)
 def test_streamed_calls_assemble_to_the_answer(text, content, calls):
-    """Fed in small pieces, the stream's content and calls are the non-streaming answer's."""
+    """Fed in small pieces, the stream's content and calls are the non-streaming answer's, to the character."""
     stream, deltas = ToolCallStream(AUTO), []
     for i in range(0, len(text), 3):
         deltas += stream.feed(text[i:i + 3])
@@ -64,7 +65,21 @@ def test_streamed_calls_assemble_to_the_answer(text, content, calls):
     streamed_calls = [(c.function["name"], c.function["arguments"]) for d in deltas for c in d.tool_calls or []]
     assert finish == ("tool_calls" if calls else "stop")
     assert _canonical(streamed_calls) == _canonical(calls)
-    assert streamed_content.strip() == (content or "")
+    assert streamed_content == (content or "")
+
+
+def test_arguments_keep_non_ascii_characters_streaming_or_not():
+    """Arguments are JSON text with non-ASCII characters as they are (vLLM's ``ensure_ascii=False``)."""
+    args = {"city": "Z\u00fcrich \u6771\u4eac"}
+    for text in (f'<tool_call>{{"name": "get_weather", "arguments": {json.dumps(args)}}}</tool_call>',
+                 f'[TOOL_CALLS]get_weather[ARGS]{json.dumps(args)}',
+                 f'{{"name": "get_weather", "parameters": {json.dumps(args)}}}'):
+        message, _ = choice_message(text, "stop", AUTO)
+        assert message.tool_calls[0].function.arguments == '{"city": "Z\u00fcrich \u6771\u4eac"}', text
+        stream = ToolCallStream(AUTO)
+        deltas = stream.feed(text) + stream.finish("stop")[0]
+        streamed = [c.function["arguments"] for d in deltas for c in d.tool_calls or []]
+        assert streamed == ['{"city": "Z\u00fcrich \u6771\u4eac"}'], text
 
 
 def test_required_and_named_cut_short_finish_with_length():

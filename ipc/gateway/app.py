@@ -21,7 +21,7 @@ import os
 import sys
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -53,23 +53,52 @@ async def completions(request: Request) -> Response:
     async def handle(gw: Gateway, request: Request) -> Any:
         req = await gw.body(request, s.CompletionRequest)
         gw.check_request(req)
-        prompts = []
-        for p in s.prompts(req):
-            ids = await gw.encode_text(p) if isinstance(p, str) else p
-            text = p if isinstance(p, str) else (gw.tokenizer.decode(p) if req.echo and gw.tokenizer else "")
-            prompts.append(Prompt(ids, text))
+        prompts = await _prompts(gw, req)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default here
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = [gw.new_stream(p.ids, f"{rid}-{i}", gw.sampling_kwargs(req, max_tokens, len(p.ids)))
                    for i, p in enumerate(prompts)]
         param = structured.constraint_param(req)  # what a refused constraint's 400 names
+        names = dict(constraint_value=structured.constraint_value(req), prompt_names=_prompt_names(rid, len(prompts)))
         if req.stream:
-            return stream(gw, streams, lambda firsts: completion_stream(gw, req, rid, prompts, streams, firsts), param)
+            return stream(gw, streams, lambda firsts: completion_stream(gw, req, rid, prompts, streams, firsts), param,
+                          **names)
         try:
             return await whole(gw, request, streams, whole_completion(gw, req, rid, prompts, streams))
         except InvalidRequestError as e:
-            return error_for(gw, e, param)
+            return error_for(gw, e, param, **names)
     return await run(request, handle)
+
+
+def _prompt_names(rid: str, count: int) -> Optional[dict[str, str]]:
+    """The name of each prompt by its request id (``prompt[2]``), when there are several: an error names the one
+    refused (None: one prompt, which ``prompt`` names)."""
+    return {f"{rid}-{i}": f"prompt[{i}]" for i in range(count)} if count > 1 else None
+
+
+async def _prompts(gw: Gateway, req: s.CompletionRequest) -> list[Prompt]:
+    """The request's prompts as token ids, with their text for ``echo``; of several, a refused one is named at the
+    start of the 400's message (``prompt[2]: ...``)."""
+    given = s.prompts(req)
+    prompts = []
+    for i, p in enumerate(given):
+        try:
+            prompts.append(await _prompt(gw, req, p))
+        except (s.RequestError, InvalidRequestError) as e:
+            if len(given) == 1:
+                raise
+            if isinstance(e, s.RequestError):
+                raise s.RequestError(e.status, f"prompt[{i}]: {e.message}", e.param, e.err_type, e.code) from None
+            raise s.RequestError(400, f"prompt[{i}]: {e.message}", "prompt") from None  # the tokenizer's
+    return prompts
+
+
+async def _prompt(gw: Gateway, req: s.CompletionRequest, p: Union[str, list[int]]) -> Prompt:
+    """One prompt: text tokenized, or token ids checked against the vocabulary."""
+    if isinstance(p, str):
+        return Prompt(await gw.encode_text(p), p)
+    gw.check_token_ids(p, "prompt")
+    return Prompt(p, gw.tokenizer.decode(p) if req.echo and gw.tokenizer else "")
 
 
 async def chat_completions(request: Request) -> Response:
@@ -85,15 +114,16 @@ async def chat_completions(request: Request) -> Response:
         # what a refused constraint's 400 names: "required" or a named function constrains the output with the
         # functions' parameters
         param = "tools" if tools.constrains(plan) else structured.constraint_param(req)
+        value = None if tools.constrains(plan) else structured.constraint_value(req)
         if req.stream:  # chat has no prompt field: a prompt the scheduler refuses is the messages' fault
             events = chat_stream if plan is None else chat_tools_stream
             return stream(gw, streams, lambda firsts: events(gw, req, rid, streams, firsts, len(ids)), param,
-                          "messages")
+                          "messages", constraint_value=value)
         answer = whole_chat(gw, req, rid, Prompt(ids, ""), streams[0], plan)
         try:
             return await whole(gw, request, streams, answer)
         except InvalidRequestError as e:
-            return error_for(gw, e, param, "messages")
+            return error_for(gw, e, param, "messages", constraint_value=value)
     return await run(request, handle)
 
 

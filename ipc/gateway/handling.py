@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from ipc.client import ForerunError, InvalidRequestError
 from ipc.gateway import schemas as s
+from ipc.gateway import structured
 from ipc.gateway.limits import MAX_ERROR_MESSAGE_CHARS
 from ipc.gateway.responses import sdk_error
 from ipc.gateway.streaming import ClientGone, SSEResponse, until_disconnect
@@ -45,11 +46,14 @@ def gateway_of(request: Request) -> Gateway:
 
 
 def error_for(gw: Gateway, exc: BaseException, constraint_param: Optional[str] = None,
-              prompt_param: str = "prompt") -> Optional[Response]:
+              prompt_param: str = "prompt", *, constraint_value: Any = None,
+              prompt_names: Optional[dict[str, str]] = None) -> Optional[Response]:
     """The OpenAI error response for a RequestError or an SDK error (None: not one of those).  ``constraint_param``:
     the request field a refused constraint came from (``guided_json``, ...; ``tools``: tool_choice "required" or a
-    named function constrains the output with the functions' parameters); ``prompt_param``: the one the prompt came
-    from (``messages`` for chat)."""
+    named function constrains the output with the functions' parameters), ``constraint_value`` the constraint as
+    sent (a refused regex is quoted from it); ``prompt_param``: the field the prompt came from (``messages`` for
+    chat), ``prompt_names`` the name of each prompt of a request that has several, by request id (``prompt[2]``):
+    the message of a refused one starts with it."""
     if isinstance(exc, s.RequestError):
         return error_response(exc.status, exc.message, exc.param, exc.err_type, exc.code)
     if isinstance(exc, ClientGone):
@@ -57,8 +61,14 @@ def error_for(gw: Gateway, exc: BaseException, constraint_param: Optional[str] =
     if isinstance(exc, (ForerunError, ConnectionError, TimeoutError)):
         gw.note_error(exc)
         err = sdk_error(exc, prompt_param)
-        param = constraint_param if constraint_param and constraint_field(exc) else err.param
-        return error_response(err.status, err.message, param, err.err_type, err.code)
+        param, message = err.param, err.message
+        name = (prompt_names or {}).get(getattr(exc, "request_id", None))
+        if constraint_field(exc):
+            param = constraint_param or param
+            message = structured.refusal_message(exc.field, message, constraint_value)
+        elif name is not None and param == prompt_param:
+            message = f"{name}: {message}"
+        return error_response(err.status, message, param, err.err_type, err.code)
     return None
 
 
@@ -95,13 +105,15 @@ def count_aborts(gw: Gateway, streams: list[Any]) -> None:
 
 
 def stream(gw: Gateway, streams: list[Any], make_events: Any, constraint_param: Optional[str] = None,
-           prompt_param: str = "prompt") -> SSEResponse:
+           prompt_param: str = "prompt", *, constraint_value: Any = None,
+           prompt_names: Optional[dict[str, str]] = None) -> SSEResponse:
     """An SSE response; it waits for every stream's first tokens before the 200, so that errors keep their status
-    (their params: :func:`error_for`'s)."""
+    (their params and names: :func:`error_for`'s)."""
     async def close(cut: bool) -> None:
         if cut:  # after the 200, or the client left before it: the streams that did not finish were aborted
             count_aborts(gw, streams)
         for st in streams:
             await st.aclose()
 
-    return SSEResponse(streams, make_events, lambda exc: error_for(gw, exc, constraint_param, prompt_param), close)
+    return SSEResponse(streams, make_events, lambda exc: error_for(
+        gw, exc, constraint_param, prompt_param, constraint_value=constraint_value, prompt_names=prompt_names), close)

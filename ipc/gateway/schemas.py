@@ -34,8 +34,24 @@ class StreamOptions(_Body):
 
 
 class ContentPart(_Body):
+    """A part of a message's content.  Only text is read, and an assistant's ``refusal`` part (what OpenAI answers
+    with and clients send back) as its text, as vLLM reads it.  The payloads of the other parts OpenAI and vLLM
+    define are declared so that such a part is refused for its type, not for an unknown field."""
+
     type: str
     text: Optional[str] = None
+    refusal: Optional[str] = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    audio_url: Any = None
+    video_url: Any = None
+    image_embeds: Any = None
+
+
+# The payload field of each part type a message's text is read from.
+_TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+_PAYLOADS = tuple(name for name in ContentPart.__struct_fields__ if name != "type")
 
 
 class ChatMessage(_Body):
@@ -275,22 +291,33 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
         # OpenAI's rule: only an assistant's message may lack content (its tool_calls, or a refusal, stand for it)
         if m.content is None and m.role in ("system", "developer", "user", "tool"):
             raise RequestError(400, f"a {m.role} message needs content", f"messages[{i}].content")
-        content = _text(m.content, i) if isinstance(m.content, list) else m.content
+        content = _text(m.content, i, m.role) if isinstance(m.content, list) else m.content
         role = "system" if m.role == "developer" else m.role
         out.append({"role": role, "content": content or m.refusal or ""})
     return out
 
 
-def _text(parts: list[ContentPart], i: int) -> str:
-    """The text of message ``i``'s content parts, joined; a 400 naming the first part that is not text."""
+def _text(parts: list[ContentPart], i: int, role: str) -> str:
+    """The text of message ``i``'s content parts, joined; a 400 naming the first part that is not text (a refusal
+    part is text in an assistant's message only, as the message's ``refusal`` is)."""
     texts = []
     for j, part in enumerate(parts):
-        if part.type != "text":
+        where = f"messages[{i}].content[{j}]"
+        field = _TEXT_PARTS.get(part.type)
+        if field is None:
             raise RequestError(400, f"content part of type {part.type!r} is not supported; only text parts are",
-                               f"messages[{i}].content[{j}].type")
-        if part.text is None:
-            raise RequestError(400, "missing required field `text`", f"messages[{i}].content[{j}].text")
-        texts.append(part.text)
+                               f"{where}.type")
+        if field == "refusal" and role != "assistant":
+            raise RequestError(400, f"a refusal part belongs to an assistant message, not a {role!r} one",
+                               f"{where}.type")
+        other = next((name for name in _PAYLOADS if name != field and getattr(part, name) is not None), None)
+        if other is not None:
+            raise RequestError(400, f"a content part of type {part.type!r} holds only {field}; got {other} too",
+                               f"{where}.{other}")
+        text = getattr(part, field)
+        if text is None:
+            raise RequestError(400, f"missing required field `{field}`", f"{where}.{field}")
+        texts.append(text)
     return "".join(texts)
 
 
@@ -299,8 +326,8 @@ def chat_echo(req: ChatCompletionRequest) -> str:
     last = req.messages[-1] if req.echo and req.messages else None
     if last is None or last.role != "assistant":
         return ""
-    return (_text(last.content, len(req.messages) - 1) if isinstance(last.content, list) else last.content) \
-        or last.refusal or ""  # as chat_messages renders it
+    content = _text(last.content, len(req.messages) - 1, last.role) if isinstance(last.content, list) else last.content
+    return content or last.refusal or ""  # as chat_messages renders it
 
 
 # ---------------------------------------------------------------------------

@@ -75,9 +75,7 @@ async def detokenize(request: Request) -> Response:
     async def handle(gw: Gateway, request: Request) -> Any:
         req = await gw.body(request, s.DetokenizeRequest)
         gw.check_model(req.model)
-        bad = next((t for t in req.tokens if not 0 <= t < gw.vocab_size), None)
-        if bad is not None:
-            raise s.RequestError(400, f"token id {bad} is out of range [0, {gw.vocab_size})", "tokens")
+        gw.check_token_ids(req.tokens, "tokens")
         return json_response({"prompt": gw.need_tokenizer().decode(req.tokens)})
     return await run(request, handle)
 

@@ -9,13 +9,18 @@ Accepted (at most one per request; a second is a 400 naming it):
   ``structured_outputs: {json | regex | choice | grammar | json_object}`` (``extra_body``).
 
 The scheduler compiles the constraint and refuses a bad one with the SDK field (``sampling.json_schema``, ...); the
-400 names the request's field it came from (:func:`constraint_param`), else :data:`PARAM_OF_FIELD`'s.
+400 names the request's field it came from (:func:`constraint_param`), else :data:`PARAM_OF_FIELD`'s, and says
+what is wrong in terms of the request (:func:`refusal_message`).  A JSON schema holding an integer past 64 bits is
+refused here (:func:`check_integers`): no message to the scheduler can hold it.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Iterator, Optional
 
+import msgspec
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from ipc.gateway import schemas as s
@@ -67,6 +72,12 @@ def constraint_param(req: Any) -> Optional[str]:
     return found[0][0] if found else None
 
 
+def constraint_value(req: Any) -> Any:
+    """The request's constraint as sent (None: it has none): what a 400 for a refused regex quotes."""
+    found = _constraints(req)
+    return found[0][2] if found else None
+
+
 def constraint_kwargs(req: Any) -> dict[str, Any]:
     """``{sdk_field: value}`` of the request's one constraint (empty: none); a 400 when several are given."""
     found = _constraints(req)
@@ -79,7 +90,74 @@ def constraint_kwargs(req: Any) -> dict[str, Any]:
     if found and found[0][1] == "choice" and isinstance(found[0][2], list) and len(found[0][2]) > MAX_CHOICES:
         raise s.RequestError(400, f"{found[0][0]} allows at most {MAX_CHOICES} choices, got {len(found[0][2])}",
                              found[0][0])
+    if found and found[0][1] == "json_schema":
+        check_integers(found[0][2], found[0][0])
     return {found[0][1]: found[0][2]} if found else {}
+
+
+# The integers a message to the scheduler (msgpack) can hold.
+_SENDABLE_INTS = (-(2**63), 2**64 - 1)
+
+
+def check_integers(schema: Any, param: str) -> None:
+    """A 400 naming ``param`` for an integer of a JSON schema that no message to the scheduler can hold (past 64
+    bits), where msgpack's own words would name neither.  Encoding first (C): a schema without one costs no walk."""
+    try:
+        msgspec.msgpack.encode(schema)
+        return
+    except OverflowError:
+        pass
+    found = _wide_integer(schema)
+    if found is not None:
+        at, value = found
+        digits = str(value)
+        shown = digits if len(digits) <= 40 else f"{digits[:40]}... ({len(digits)} digits)"
+        raise s.RequestError(400, f"{param} holds an integer outside the 64-bit range: {shown} at {at or '/'}", param)
+
+
+def _wide_integer(schema: Any) -> Optional[tuple[str, int]]:
+    """(JSON pointer, value) of the first integer of ``schema`` outside :data:`_SENDABLE_INTS`, or None (a loop, not
+    recursion: a schema nested as deep as a body may be)."""
+    todo = [("", schema)]
+    while todo:
+        at, node = todo.pop()
+        if isinstance(node, dict):
+            todo += [(f"{at}/{key}", value) for key, value in reversed(node.items())]
+        elif isinstance(node, list):
+            todo += [(f"{at}/{i}", value) for i, value in reversed(list(enumerate(node)))]
+        elif type(node) is int and not _SENDABLE_INTS[0] <= node <= _SENDABLE_INTS[1]:
+            return at, node
+    return None
+
+
+# llguidance's advice for a oneOf it cannot enforce names an option of its own, which the API does not have.
+_ONE_OF = "oneOf constraints are not supported. Enable 'coerce_one_of' option to approximate oneOf with anyOf"
+_ONE_OF_HERE = ("this oneOf is not supported: its branches may match the same value, so exactly one of them cannot "
+                "be enforced; use anyOf instead")
+# llguidance's error for a regex that does not parse: wrapped in the Lark grammar it builds around it
+# (``start: /.../``, a rule the client never wrote); the reason is the regex parser's ``error:`` line.
+_REGEX_ERROR = re.compile(r'at \d+\(\d+\): invalid regex ".*" \(in regex\): regex parse error:\n.*?^error: (.+?)$',
+                          re.DOTALL | re.MULTILINE)
+_QUOTED_CHARS = 120  # of a refused regex, at most this many characters quoted
+
+
+def refusal_message(field: Optional[str], message: str, value: Any = None) -> str:
+    """The grammar engine's words for a refused constraint (SDK ``field``), as they concern the request: no advice
+    about options the API does not have, and a regex that does not parse as ``invalid regex "((": <why>`` (its
+    ``value`` as sent, without the grammar the engine wraps around it).  Otherwise ``message`` as it is."""
+    message = schema_message(message)
+    found = _REGEX_ERROR.match(message) if field == "sampling.regex" and isinstance(value, str) else None
+    if found is None:
+        return message
+    quoted = json.dumps(value, ensure_ascii=False)
+    if len(quoted) > _QUOTED_CHARS:
+        quoted = f"{quoted[:_QUOTED_CHARS]}...\" ({len(value)} characters)"
+    return f"invalid regex {quoted}: {found.group(1)}"
+
+
+def schema_message(message: str) -> str:
+    """The grammar engine's words for a JSON schema it refuses, without its advice to set an option of its own."""
+    return message.replace(_ONE_OF, _ONE_OF_HERE)
 
 
 def _constraints(req: Any) -> list[tuple[str, str, Any]]:

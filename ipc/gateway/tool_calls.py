@@ -25,7 +25,13 @@ def _call_of(obj: Any, names: list[str]) -> Optional[tuple[str, str]]:
             return (obj["name"], args) if isinstance(json.loads(args), dict) else None
         except ValueError:
             return None
-    return (obj["name"], json.dumps(args)) if isinstance(args, dict) else None
+    return (obj["name"], _arguments(args)) if isinstance(args, dict) else None
+
+
+def _arguments(args: dict[str, Any]) -> str:
+    """A call's arguments as JSON text, non-ASCII characters as they are (not ``\\u`` escapes), as vLLM writes
+    them."""
+    return json.dumps(args, ensure_ascii=False)
 
 
 def _named_json_calls(text: str, names: list[str]) -> list[tuple[str, str]]:
@@ -51,7 +57,7 @@ def _named_json_calls(text: str, names: list[str]) -> list[tuple[str, str]]:
             return []
         if not isinstance(args, dict):
             return []
-        calls.append((name, json.dumps(args)))
+        calls.append((name, _arguments(args)))
 
 
 def _may_be_named_call(head: str, names: list[str]) -> bool:
@@ -81,7 +87,9 @@ def _json_calls(text: str, names: list[str]) -> list[tuple[str, str]]:
 
 
 def parse_calls(text: str, plan: ToolPlan) -> tuple[Optional[str], list[tuple[str, str]]]:
-    """(content beside the calls or None, [(name, arguments JSON)]) of a finished output."""
+    """(content or None, [(name, arguments JSON)]) of a finished output.  Beside calls, the content is the text
+    before the first one as it is, unstripped (vLLM's parsers' content, and what a stream sends before the call
+    marker); text after Hermes calls is dropped, as vLLM drops it."""
     if plan.choice == "named":
         try:
             json.loads(text)
@@ -99,8 +107,7 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[Optional[str], list[tuple[st
         if call is not None:
             calls.append(call)
     if calls:
-        content = _HERMES.sub("", text).strip()
-        return content or None, calls
+        return text[:text.find("<tool_call>")] or None, calls
     calls = _json_calls(text, plan.names)
     if calls:
         return None, calls
@@ -108,7 +115,7 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[Optional[str], list[tuple[st
     if cut > 0:  # content, then a Mistral or Llama call marker (what the stream holds back and parses)
         calls = _json_calls(text[cut:], plan.names)
         if calls:
-            return text[:cut].strip() or None, calls
+            return text[:cut] or None, calls
     return text, []
 
 

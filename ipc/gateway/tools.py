@@ -18,8 +18,9 @@ This module reads the request (the tools, the choice, the constraint a forced ca
   (repeated; ``name{...}`` once the detokenizer has dropped those special tokens), Llama 3.1+ JSON
   ``{"name", "parameters"}`` (``;``-separated, after an optional ``<|python_tag|>``); text before a
   marker is content. Only calls of the request's functions count.
-  Calls found: ``message.tool_calls`` (arguments as JSON text), ``content`` the text beside them or
-  null, ``finish_reason`` ``tool_calls`` (``stop`` for a named function, as OpenAI and vLLM answer).
+  Calls found: ``message.tool_calls`` (arguments as JSON text, non-ASCII characters unescaped), ``content``
+  the text before them as it is or null (text after Hermes calls is dropped, as vLLM's parser drops it),
+  ``finish_reason`` ``tool_calls`` (``stop`` for a named function, as OpenAI and vLLM answer).
   A forced call cut short by max_tokens ends with ``length``, null content and the call as far as it came
   (:func:`ipc.gateway.tool_calls.finished`).
 * **Checks.** Each function's ``parameters`` must be a JSON schema of an object (OpenAI's rule) that the
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ipc.gateway import schemas as s
+from ipc.gateway.structured import check_integers, schema_message
 
 
 @dataclass
@@ -121,8 +123,8 @@ def _schema_problem(schema: str) -> str:
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
     except (ValueError, TypeError) as e:
-        return str(e)
-    return llguidance.LLMatcher.validate_grammar(grammar)
+        return schema_message(str(e))
+    return schema_message(llguidance.LLMatcher.validate_grammar(grammar))
 
 
 def plan_tools(req: s.ChatCompletionRequest) -> Optional[ToolPlan]:
@@ -159,9 +161,13 @@ def constrains(plan: Optional[ToolPlan]) -> bool:
 
 
 def constraint(plan: Optional[ToolPlan]) -> dict[str, Any]:
-    """The SDK constraint keyword that ``required`` and a named function need (empty for auto)."""
+    """The SDK constraint keyword that ``required`` and a named function need (empty for auto); a 400 naming a
+    constraining function's parameters that hold an integer past 64 bits (:func:`check_integers`)."""
     if not constrains(plan):
         return {}
+    for i, f in enumerate(plan.functions):  # the functions in the order of the request's tools
+        if plan.choice == "required" or f["name"] == plan.name:
+            check_integers(f["parameters"], f"tools[{i}].function.parameters")
     if plan.choice == "named":
         fn = next(f for f in plan.functions if f["name"] == plan.name)
         return {"json_schema": fn["parameters"]}

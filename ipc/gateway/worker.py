@@ -209,6 +209,14 @@ class Gateway:
             raise s.RequestError(400, "the server has no tokenizer: send token ids", "prompt")
         return self.tokenizer
 
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """A 400 naming ``param`` for the first id outside the vocabulary, in the scheduler's words: checked here, as
+        the client sent them, because one past 64 bits could not even be sent to it.  ``min`` and ``max`` first: a
+        long prompt of good ids costs no loop in Python."""
+        if ids and not (min(ids) >= 0 and max(ids) < self.vocab_size):
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise s.RequestError(400, f"token id {echo(bad)} is out of range [0, {self.vocab_size})", param)
+
     def check_chars(self, num_chars: int, param: str) -> None:
         """Refuse text that cannot fit in the context before templating or tokenizing it (a length, no parse)."""
         problem = text_size_problem(num_chars, self.max_model_len, self.chars_per_token)
