@@ -76,7 +76,9 @@ def serve_flags(sub) -> argparse.ArgumentParser:
     s.add_argument("--scripted-eos-at", type=_seed_position, action="append", default=[], metavar="SEED:POS",
                    help="with --load-format scripted: the token at absolute position POS of requests with this "
                         "seed is EOS (repeatable; SEED and POS in [0, 2^63-1])")
-    s.add_argument("--tokenizer", default=S("tokenizer"), help="folder with tokenizer files (default: the model folder)")
+    s.add_argument("--tokenizer", default=S("tokenizer"),
+                   help="folder with tokenizer files, or a tokenizer.json alone (a file has no chat template: give "
+                        "the folder for chat) (default: the model folder)")
     s.add_argument("--device", default=E("device"), help="cpu, cuda or cuda:N")
     s.add_argument("--tensor-parallel-size", "-tp", type=int, default=E("tensor_parallel_size"), metavar="N",
                    help="split the model over N executor processes (Megatron tensor parallelism: attention "
@@ -174,7 +176,8 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                    help="speculative decoding: each step verifies drafted tokens per row and keeps the longest "
                         "prefix the model's own sampler agrees with, so outputs are those without it (ngram: drafts "
                         "are what followed the last tokens' earlier occurrence in the prompt or output, found on "
-                        "the device; draft: the greedy tokens of --draft-model); default: off")
+                        "the device; draft: the greedy tokens of --draft-model, with --tensor-parallel-size 1); "
+                        "default: off")
     s.add_argument("--draft-model", default=SP("draft_model") or None, metavar="PATH",
                    help="with --speculative-method draft: the draft model, a smaller model with the same vocabulary "
                         "(HF folder, .gguf file, or with --draft-load-format dummy a config.json or folder); it runs "

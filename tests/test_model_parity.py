@@ -225,6 +225,13 @@ def test_config_errors(change, message):
         ModelConfig.from_hf_dict(d)
 
 
+def test_a_broken_generation_config_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **SHAPE}))
+    (tmp_path / "generation_config.json").write_text("{oops")
+    with pytest.raises(ValueError, match=r"generation_config.json: not a valid generation config \(JSONDecodeError"):
+        ModelConfig.from_pretrained(str(tmp_path))
+
+
 def test_one_architecture_name_may_stand_for_the_list():
     assert ModelConfig.from_hf_dict({"architectures": "MistralForCausalLM", **SHAPE}).architecture == "MistralForCausalLM"
 

@@ -159,8 +159,11 @@ class ModelConfig:
         # generation_config.json often lists more end tokens (e.g. Llama 3's <|eot_id|>) than config.json.
         generation = os.path.join(os.path.dirname(file), "generation_config.json")
         if os.path.isfile(generation):
-            with open(generation) as f:
-                extra = _token_ids(json.load(f).get("eos_token_id"))
+            try:
+                with open(generation, encoding="utf-8") as f:
+                    extra = _token_ids(json.load(f).get("eos_token_id"))
+            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError, ValueError) as e:
+                raise ValueError(f"{generation}: not a valid generation config ({type(e).__name__}: {e})") from None
             d = d | {"eos_token_id": list(dict.fromkeys(_token_ids(d.get("eos_token_id")) + extra))}
         return cls.from_hf_dict(d)
 
