@@ -27,7 +27,7 @@ from scheduler_proc.cli_flags import ADDRESS_FILE, API_KEY_ENV, build_parser, in
 from scheduler_proc.config import ServerConfig
 from scheduler_proc.executor_process import NO_MULTICAST_ENV
 from scheduler_proc.outputs import tokenizer_vocab_size
-from scheduler_proc.serve_config import check_tokenizer, has_chat_template, server_config
+from scheduler_proc.serve_config import chat_template_error, check_tokenizer, has_chat_template, server_config
 
 
 class _Progress:
@@ -233,6 +233,9 @@ def _tokenizer_notes(path: str, vocab_size: Optional[int] = None) -> None:
     elif has_chat_template(path) is False:
         print("forerun: the tokenizer has no chat template: chat requests are refused; completions are served",
               flush=True)
+    elif (error := chat_template_error(path)) is not None:
+        print(f"forerun: the tokenizer's chat template does not compile ({error}): chat requests are refused; "
+              f"completions are served", flush=True)
 
 
 def _listen_http(args, cfg):

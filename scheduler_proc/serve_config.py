@@ -150,6 +150,51 @@ def has_chat_template(path: str) -> Optional[bool]:
         return False
 
 
+def chat_template_error(path: str) -> Optional[str]:
+    """Why a tokenizer folder's chat template does not compile (jinja2's syntax error, with its line), or None: no
+    template, or one that compiles.  Checked once at start-up, so that it is said then, not at every chat request."""
+    if not os.path.isdir(path):
+        return None
+    templates = []
+    jinja = os.path.join(path, "chat_template.jinja")
+    try:
+        if os.path.isfile(jinja):
+            with open(jinja, encoding="utf-8") as f:
+                templates.append(f.read())
+        for name in ("chat_template.json", "tokenizer_config.json"):
+            if os.path.isfile(os.path.join(path, name)):
+                with open(os.path.join(path, name), encoding="utf-8") as f:
+                    value = json.load(f).get("chat_template")
+                # one template, or a list of named ones ({"name": ..., "template": ...})
+                named = value if isinstance(value, list) else []
+                templates += [value] if isinstance(value, str) else [
+                    t["template"] for t in named if isinstance(t, dict) and isinstance(t.get("template"), str)]
+    except (OSError, ValueError, AttributeError):
+        return None  # unreadable files are check_tokenizer's to refuse
+    try:
+        import jinja2  # transformers' template engine, with it wherever chat templates render
+        import jinja2.ext
+    except ImportError:
+        return None
+
+    class GenerationTag(jinja2.ext.Extension):
+        """transformers' ``{% generation %}...{% endgeneration %}`` (assistant masks): parsed, its body kept."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", GenerationTag])  # as transformers renders them
+    for template in templates:
+        try:
+            env.parse(template)
+        except jinja2.TemplateSyntaxError as e:
+            return f"{type(e).__name__}: {e.message} (line {e.lineno})"
+    return None
+
+
 def check_json_files(folder: str) -> None:
     """Each JSON file besides tokenizer.json that clients fetch with the tokenizer (ipc.models.TOKENIZER_FILE_NAMES)
     is a JSON object; ValueError naming the first that is not."""

@@ -305,7 +305,7 @@ def test_an_ask_that_cannot_be_answered_is_refused_before_the_model_loads(flags,
 
 def test_the_start_up_says_what_a_tokenizer_without_chat_template_or_no_tokenizer_means(tmp_path, capsys):
     from scheduler_proc.launch import _tokenizer_notes
-    from scheduler_proc.serve_config import has_chat_template
+    from scheduler_proc.serve_config import chat_template_error, has_chat_template
 
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
     assert has_chat_template(str(tmp_path)) is True
@@ -314,6 +314,14 @@ def test_the_start_up_says_what_a_tokenizer_without_chat_template_or_no_tokenize
     (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
     assert has_chat_template(str(tmp_path)) is True
     assert has_chat_template(str(tmp_path / "tokenizer.json")) is False and has_chat_template("/x/m.gguf") is None
+    assert chat_template_error(str(tmp_path)) is None
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{% generation %}{{ m.content }}"
+                                                  "{% endgeneration %}{% if loop.last %}{% break %}{% endif %}"
+                                                  "{% endfor %}")  # transformers' tags: it compiles
+    assert chat_template_error(str(tmp_path)) is None
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content ")
+    assert chat_template_error(str(tmp_path)).startswith("TemplateSyntaxError: unexpected end of template")
+    _tokenizer_notes(str(tmp_path))
     (tmp_path / "chat_template.jinja").unlink()
     _tokenizer_notes(str(tmp_path))
     _tokenizer_notes("")
@@ -324,7 +332,10 @@ def test_the_start_up_says_what_a_tokenizer_without_chat_template_or_no_tokenize
     _tokenizer_notes(str(tmp_path), 1)
     out = capsys.readouterr().out.splitlines()
     no_template = "forerun: the tokenizer has no chat template: chat requests are refused; completions are served"
-    assert out == [no_template,
+    assert out[0].startswith("forerun: the tokenizer's chat template does not compile (TemplateSyntaxError: "
+                             "unexpected end of template") and out[0].endswith("(line 1)): chat requests are refused; "
+                                                                             "completions are served"), out[0]
+    assert out[1:] == [no_template,
                    "forerun: no tokenizer: clients send token ids and get token ids back (--tokenizer FILE|DIR gives "
                    "the server one)",
                    no_template,
