@@ -233,8 +233,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     ``sumsq=(partial sums, eps)``, "dot" and "dotT" forms: x is the residual stream before a norm folded into
     the weight, applied from the producer's partial sums as :func:`gemv_silu` does.
 
-    ``out`` may be float32 for a lower-precision x: it then holds ``F.linear(...).float()`` (values rounded
-    to x's dtype first), one launch instead of two (the LM head's float logits).
+    ``out`` may be float32 for a lower-precision x: it then holds the float32 sums unrounded (the LM head's
+    logits, as cuBLAS writes them with a float32 output: rounding them to x's dtype would turn near-ties into ties).
     """
     _check_linear(x, weight, bias)
     M, N = x.shape[0], weight.shape[0]

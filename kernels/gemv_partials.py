@@ -34,11 +34,13 @@ def _load_residual(r_ptr, stride_rm, offs_m, offs_n, m_mask, n_mask, RESIDUAL: t
 @triton.jit
 def _store_rows(y, r, offs_m, offs_n, m_mask, n_mask, M, y_ptr, stride_ym, ss_ptr, dt: tl.constexpr,
                 RESIDUAL: tl.constexpr):
-    """Store the float32 sums ``y [rows, features]`` rounded as F.linear rounds.  ``RESIDUAL``: plus the
+    """Store the float32 sums ``y [rows, features]`` rounded as F.linear rounds (into a float32 ``y_ptr``, as they
+    are: the LM head's logits, as cuBLAS writes them with a float32 output).  ``RESIDUAL``: plus the
     residual tile ``r`` (rounded as :func:`kernels.norm.fused_add_rms_norm` rounds the add), and this
     program's partial sums of the stored values' squares, one per row, to ``ss [programs, M]``."""
     mask = m_mask[:, None] & n_mask[None, :]
-    y = y.to(dt)
+    if RESIDUAL or y_ptr.dtype.element_ty != tl.float32:  # a float32 out (the LM head's logits): the sums unrounded
+        y = y.to(dt)
     if RESIDUAL:
         y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
         h = tl.where(mask, y.to(tl.float32), 0.0)

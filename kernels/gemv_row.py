@@ -101,7 +101,9 @@ def _gemv_row_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, rout_ptr
         y = y * ws
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=n_mask)
+    if y_ptr.dtype.element_ty != tl.float32:  # rounded as F.linear rounds; a float32 out (logits) unrounded
+        y = y.to(x_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 def lanes(weight: torch.Tensor) -> int:

@@ -203,6 +203,19 @@ def fp8_variants():
                 forms = tuple(f for f in forms if f != name.split()[0])
 
 
+def logits_variants():
+    """The LM head's launches, which store float32 logits from bf16 rows (the sums unrounded): the plain kernel of
+    each matmul form at its first config."""
+    firsts = {}
+    for name, kernel, sig, consts, cfg in variants():
+        plain = not any(consts.get(k) for k in ("PROLOGUE", "ADD", "SILU", "RESIDUAL", "NORM_ROWS", "HAS_BIAS"))
+        form = name.split()[0]
+        key = (form, consts.get("SWAP"))
+        if plain and form in ("gemv_row", "gemv_dot", "gemv_rows", "matmul") and key not in firsts:
+            firsts[key] = (f"logits {name}", kernel, dict(sig, y_ptr="*fp32"), consts, cfg)
+    return list(firsts.values())
+
+
 def _weight(consts: dict) -> tuple:
     """How heavy a variant is for the register allocator: head dim, rows, partial sums, then epilogues on."""
     flags = sum(bool(consts.get(k)) for k in ("ADD", "HAS_BIAS", "SILU", "RESIDUAL", "NORM_FIRST", "PROLOGUE"))
@@ -231,7 +244,7 @@ def covering() -> list:
         if not keys(v) <= seen:
             seen |= keys(v)
             chosen.append(v)
-    return chosen + list(fp8_variants())
+    return chosen + list(fp8_variants()) + logits_variants()
 
 
 def pdl_problem(ptx: str, prefetch: bool = True) -> str:
@@ -261,7 +274,7 @@ def arrival_problem(ptx: str) -> str:
 
 def main(argv: list[str]) -> int:
     failed = 0
-    for name, kernel, sig, consts, config in (list(variants()) + list(fp8_variants())
+    for name, kernel, sig, consts, config in (list(variants()) + list(fp8_variants()) + logits_variants()
                                               if "--all" in argv else covering()):
         # a constexpr left at its default (W_SCALED: bf16 weights) is bound like the launches bind it
         consts = dict({p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default

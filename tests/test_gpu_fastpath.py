@@ -169,6 +169,36 @@ def test_gemv_matches_linear(dtype):
             assert err < (1e-6 if dtype == torch.float32 else 1e-2), (m, n, k, config, err)
 
 
+def test_lm_head_float32_logits_are_not_rounded_to_bf16():
+    """bf16 rows and weight, float32 logits (the LM head at the default model's shapes, with the kernels the H200's
+    tuner picked for it): the skinny matmul and the tiled one (K unsplit and split) store the float32 sums, as cuBLAS
+    with a float32 output does, not sums rounded to bf16 and widened: rounding turns near-ties into ties, which the
+    greedy pick gives to the lower id (the default model's first token for "What is the capital of France?": "The"
+    25.33 against "L" 25.24 in float32, under bf16's step of 0.125 there)."""
+    from kernels.gemv import gemv
+    from kernels.matmul import MatmulConfig, invariant_matmul
+
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(3)
+    k = 576
+    vocab = 49152 if CUDA else 1024  # the interpreter: the same program, fewer of them
+    for form, m, n, config in (("skinny", 8, vocab, ("dotT", 64, 64, 4, 6)),
+                               ("skinny", 1, 960, ("row", 4, 1024, 4, 4)),
+                               ("skinny", 16, 960, ("dot", 16, 512, 4, 3)),
+                               ("tiled", 48, 960, MatmulConfig(32, 128, 4, 6, 1)),
+                               ("tiled", 48, 960, MatmulConfig(64, 128, 4, 4, 2))):
+        x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+        w = (torch.randn(n, k, generator=g) / 4).to(device, torch.bfloat16)
+        out = torch.empty(m, n, dtype=torch.float32, device=device)
+        if form == "skinny":
+            gemv(x, w, config=config, out=out)
+        else:
+            invariant_matmul(x, w, config=config, out=out)
+        ref = x.double() @ w.double().T
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-5, (form, m, n, config, err)  # bf16 rounding: up to 2 ** -9 of the largest
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_prologue_matches_two_ops(dtype):
     """The fused one-token matmul (norm with and without the residual add, SiLU-mul) against the
@@ -468,8 +498,9 @@ def test_tuners_keep_only_faster_kernels(tmp_path, monkeypatch):
     assert torch.equal(backend.linear(x, w, None), invariant_matmul(x, w, config=gemv_tuning.MATMUL_CANDIDATES[2]))
     split = next(c for c in gemv_tuning.MATMUL_CANDIDATES if c.split_k > 1)  # the LM head's float logits too
     backend.matmul_choice = {key: split for key in tiled}
-    lm, xb = backend_model.lm_head.weight.bfloat16(), x.bfloat16()  # bf16: the float32 logits are a cast
-    assert torch.equal(backend.logits(xb, lm), invariant_matmul(xb, lm, config=split).float())
+    lm, xb = backend_model.lm_head.weight.bfloat16(), x.bfloat16()  # bf16: the float32 sums, unrounded
+    logits = torch.empty(xb.shape[0], lm.shape[0], dtype=torch.float32, device=xb.device)
+    assert torch.equal(backend.logits(xb, lm), invariant_matmul(xb, lm, config=split, out=logits))
     backend.matmul_choice = backend.gemv_choice = {}  # cuBLAS: on CUDA it writes the float32 logits itself
     want = torch.mm(xb, lm.t(), out_dtype=torch.float32) if CUDA else torch.nn.functional.linear(xb, lm).float()
     assert torch.equal(backend.logits(xb, lm), want)

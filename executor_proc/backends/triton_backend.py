@@ -284,8 +284,6 @@ class TritonBackend:
         if gemv is None and tiled is None and not self.batch_invariant and hidden.is_cuda \
                 and isinstance(weight, torch.Tensor) and weight.dtype in (torch.bfloat16, torch.float16):
             return torch.mm(hidden, weight.t(), out_dtype=torch.float32)  # where linear would call cuBLAS
-        if tiled is not None and tiled.split_k > 1:  # split partials are summed in float32 and rounded once
-            tiled = None
         if gemv is None and tiled is None:
             return self.linear(hidden, weight, None).float()
         out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
