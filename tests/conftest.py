@@ -154,7 +154,7 @@ def hf_model():
     from transformers import AutoModelForCausalLM
 
     from executor_proc.model.default_model import default_gguf_path
-    from executor_proc.model.loader import gguf_parsed_once
+    from executor_proc.model.gguf_file import gguf_parsed_once
 
     gguf = default_gguf_path()
     st = os.stat(gguf)

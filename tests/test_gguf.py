@@ -15,7 +15,8 @@ import torch
 from executor_proc.model import default_model
 from tests.forward_batch import all_logits, build_forward_batch
 from executor_proc.model.kv_cache import KVCache
-from executor_proc.model.loader import detect_format, load_model, unpermute_qk, with_llama3_scaling
+from executor_proc.model.gguf_file import unpermute_qk, with_llama3_scaling
+from executor_proc.model.loader import detect_format, load_model
 from executor_proc.model.config import ModelConfig
 
 pytestmark = pytest.mark.skipif(

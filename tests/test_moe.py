@@ -470,7 +470,8 @@ def write_gguf(name: str, folder: str, path: str, quantize_experts: bool = False
     import gguf
     import numpy as np
 
-    from executor_proc.model.loader import _GGUF_GLOBAL_NAMES, _GGUF_LAYER_PARTS, hf_weights
+    from executor_proc.model.gguf_file import _GGUF_GLOBAL_NAMES, _GGUF_LAYER_PARTS
+    from executor_proc.model.loader import hf_weights
 
     config = ModelConfig.from_pretrained(folder)
     moe = config.moe
@@ -504,7 +505,7 @@ def write_gguf(name: str, folder: str, path: str, quantize_experts: bool = False
         layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_name)
         gguf_name = f"blk.{layer[1]}.{parts[layer[2]]}.{layer[3]}" if layer else names[hf_name]
         heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(gguf_name.split(".")[-2])
-        if arch == "llama" and heads:  # llama.cpp's rotary interleaving (loader.unpermute_qk undoes it)
+        if arch == "llama" and heads:  # llama.cpp's rotary interleaving (gguf_file.unpermute_qk undoes it)
             t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
         w.add_tensor(gguf_name, np.ascontiguousarray(t))
     for (layer, proj), experts in sorted(stacks.items()):
@@ -675,7 +676,7 @@ def test_unsupported_paths_say_so(tmp_path, monkeypatch):
     import numpy as np
     from gguf import GGUFWriter
 
-    from executor_proc.model.loader import gguf_config
+    from executor_proc.model.gguf_file import gguf_config
 
     path = str(tmp_path / "qwen3moe.gguf")
     w = GGUFWriter(path, "qwen3moe")

@@ -42,7 +42,8 @@ def write_gguf(hf_folder: str, path: str) -> str:
     from gguf import GGUFWriter
 
     from executor_proc.model.config import ModelConfig
-    from executor_proc.model.loader import _GGUF_GLOBAL_NAMES, _GGUF_LAYER_PARTS, hf_weights
+    from executor_proc.model.gguf_file import _GGUF_GLOBAL_NAMES, _GGUF_LAYER_PARTS
+    from executor_proc.model.loader import hf_weights
 
     cfg = ModelConfig.from_pretrained(hf_folder)
     names = {hf: g for g, hf in _GGUF_GLOBAL_NAMES.items()}

@@ -64,7 +64,7 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from executor_proc.model.loader import gguf_config, gguf_parsed_once, gguf_weights
+    from executor_proc.model.gguf_file import gguf_config, gguf_parsed_once, gguf_weights
 
     folder, file = os.path.split(gguf_path)
     # transformers reads the tokenizer from the file's header with the gguf package's reader, whose parse of
