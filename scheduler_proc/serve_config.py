@@ -25,7 +25,7 @@ def api_key_of(args) -> Optional[str]:
             raise ValueError(f"--api-key-file {args.api_key_file}: its first line holds no key")
         return key
     env = os.environ.get(API_KEY_ENV)
-    if args.api_key is None and env is not None and env and not env.strip():
+    if args.api_key is None and env and not env.strip():
         raise ValueError(f"${API_KEY_ENV} is blank, which no HTTP client can send (header values are trimmed): set a "
                          f"key or unset it")
     return args.api_key or env or None
