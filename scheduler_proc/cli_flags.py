@@ -131,8 +131,9 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                         "quantized at load (the embedding and LM head stay in --dtype); decode reads half the "
                         "weight bytes. Not with --batch-invariant")
     s.add_argument("--kv-cache-dtype", default=E("kv_cache_dtype"), choices=list(get_args(KVCacheDtype)),
-                   help="fp8: the paged KV cache (and the host KV tier) in float8 e4m3, half the bytes per token: "
-                        "twice the tokens fit and attention reads half; a prefix-cache hit may then change tokens "
+                   help="fp8: the paged KV cache (and the host KV tier) in float8 e4m3, a byte a value (half a "
+                        "bfloat16 cache's: twice the tokens fit, attention reads half; a quarter of a float32 "
+                        "one's); a prefix-cache hit may then change tokens "
                         "(values computed in another batch shape can round to another e4m3 step) (auto: --dtype)")
     s.add_argument("--dtype", default=E("dtype"), choices=list(get_args(Dtype)),
                    help="weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda)")
