@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ipc.client import ForerunError, InvalidRequestError
+from ipc.gateway import response_bodies as rb
 from ipc.gateway import schemas as s
 from ipc.gateway import structured
 from ipc.gateway.limits import MAX_ERROR_MESSAGE_CHARS
@@ -27,7 +28,7 @@ def error_response(status: int, message: str, param: Optional[str] = None,
         message = f"{message[:MAX_ERROR_MESSAGE_CHARS]}... (cut)"
     if param is not None and len(param) > 256:
         param = param[:256]
-    body = s.ErrorResponse(s.ErrorInfo(message=message, type=err_type, param=param, code=code))
+    body = rb.ErrorResponse(rb.ErrorInfo(message=message, type=err_type, param=param, code=code))
     headers = _ERROR_HEADERS.get(status)
     return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
 

@@ -17,6 +17,7 @@ import msgspec
 from ipc.client import (ExecutorFailedError, ForerunError, InvalidRequestError, ServerGoneError,
                         ServerShuttingDownError, StreamChunk)
 from ipc.gateway import params
+from ipc.gateway import response_bodies as rb
 from ipc.gateway import schemas as s
 from ipc.gateway.logprobs import (
     CompletionLogprobs,
@@ -66,11 +67,11 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + _encode(obj) + b"\n\n"
 
 
-def _usage(results: list[Any]) -> s.Usage:
+def _usage(results: list[Any]) -> rb.Usage:
     """OpenAI's rule: each prompt counted once, every completion's tokens summed."""
     prompt = sum(r.prompt_tokens for r in results)
     completion = sum(c.completion_tokens for r in results for c in (r.choices or [r]))
-    return s.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return rb.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 async def _drain(stream: Any) -> Any:
@@ -95,7 +96,7 @@ def _echo_logprobs(gw: Any, req: s.CompletionRequest, prompt: Prompt, plps: Opti
 
 
 def _completion_choice(gw: Any, req: s.CompletionRequest, prompt: Prompt, index: int, c: Any,
-                       plps: Optional[list]) -> s.CompletionChoice:
+                       plps: Optional[list]) -> rb.CompletionChoice:
     text, lps = c.text, None
     if req.echo:
         text = prompt.text + text
@@ -106,34 +107,34 @@ def _completion_choice(gw: Any, req: s.CompletionRequest, prompt: Prompt, index:
             lps = join_completion_logprobs(_echo_logprobs(gw, req, prompt, plps), lps)
     vllm_plps = prompt_logprobs(gw.token_texts, prompt.ids, plps, req.prompt_logprobs) \
         if req.prompt_logprobs is not None else None
-    return s.CompletionChoice(index=index, text=text, finish_reason=c.finish_reason, logprobs=lps,
+    return rb.CompletionChoice(index=index, text=text, finish_reason=c.finish_reason, logprobs=lps,
                               prompt_logprobs=vllm_plps)
 
 
 async def whole_completion(gw: Any, req: s.CompletionRequest, rid: str, prompts: list[Prompt],
-                           streams: list[Any]) -> s.CompletionResponse:
+                           streams: list[Any]) -> rb.CompletionResponse:
     """The non-streaming /v1/completions answer: n choices per prompt."""
     results = await _results(gw, streams)
     n = req.n or 1
     choices = [_completion_choice(gw, req, prompt, p * n + c.index, c, r.prompt_logprobs)
                for p, (prompt, r) in enumerate(zip(prompts, results)) for c in r.choices]
-    return s.CompletionResponse(id=rid, created=int(time.time()), model=gw.model_name, choices=choices,
+    return rb.CompletionResponse(id=rid, created=int(time.time()), model=gw.model_name, choices=choices,
                                 usage=_usage(results))
 
 
 async def whole_chat(gw: Any, req: s.ChatCompletionRequest, rid: str, prompt: Prompt,
-                     stream: Any, plan: Any = None) -> s.ChatCompletionResponse:
+                     stream: Any, plan: Any = None) -> rb.ChatCompletionResponse:
     """The non-streaming /v1/chat/completions answer: n choices (``plan``: tools, ipc/gateway/tools.py)."""
     (r,) = await _results(gw, [stream])
     top_n = params.output_logprobs(req)
     echoed = s.chat_echo(req)  # vLLM's echo (never with tools: plan_tools refuses it)
-    choices = [s.ChatChoice(index=c.index, message=message, finish_reason=finish,
+    choices = [rb.ChatChoice(index=c.index, message=message, finish_reason=finish,
                             logprobs=None if top_n is None else chat_logprobs(gw.token_texts, c.token_ids,
                                                                                c.logprobs, top_n))
                for c in r.choices for message, finish in [choice_message(echoed + c.text, c.finish_reason, plan)]]
     vllm_plps = prompt_logprobs(gw.token_texts, prompt.ids, r.prompt_logprobs, req.prompt_logprobs) \
         if req.prompt_logprobs is not None else None
-    return s.ChatCompletionResponse(id=rid, created=int(time.time()), model=gw.model_name, choices=choices,
+    return rb.ChatCompletionResponse(id=rid, created=int(time.time()), model=gw.model_name, choices=choices,
                                     usage=_usage([r]), prompt_logprobs=vllm_plps)
 
 
@@ -153,11 +154,11 @@ class RunningUsage:
         if self.on:
             self.tokens[index] = self.tokens.get(index, 0) + new_tokens
 
-    def of(self, index: int, prompt_tokens: int) -> Optional[s.Usage]:
+    def of(self, index: int, prompt_tokens: int) -> Optional[rb.Usage]:
         if not self.on:
             return None
         n = self.tokens.get(index, 0)
-        return s.Usage(prompt_tokens=prompt_tokens, completion_tokens=n, total_tokens=prompt_tokens + n)
+        return rb.Usage(prompt_tokens=prompt_tokens, completion_tokens=n, total_tokens=prompt_tokens + n)
 
 
 async def _chunks(gw: Any, streams: list[Any], firsts: list[Any]
@@ -219,16 +220,16 @@ async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, prompts
         if first and req.echo:
             text = prompts[p].text + text
         sent[index] = offset + len(chunk.text_delta)
-        choice = s.CompletionChoice(index=index, text=text, finish_reason=chunk.finish_reason, logprobs=lps)
+        choice = rb.CompletionChoice(index=index, text=text, finish_reason=chunk.finish_reason, logprobs=lps)
         running.add(index, len(chunk.token_ids))
         usage = running.of(index, len(prompts[p].ids))
-        return _sse(s.CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage))
+        return _sse(rb.CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage))
 
     def end() -> bytes:
         if not _include_usage(req):
             return DONE
         usage = _usage([st.result for st in streams])
-        return _sse(s.CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage)) + DONE
+        return _sse(rb.CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage)) + DONE
 
     try:
         async for batch, last in _chunks(gw, streams, firsts):
@@ -246,15 +247,15 @@ async def chat_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: 
     top_n = params.output_logprobs(req)
     running = RunningUsage(req)
 
-    def event(index: int, delta: s.Delta, finish: Optional[str] = None, lps: Any = None) -> bytes:
-        choice = s.ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps)
-        return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice],
+    def event(index: int, delta: rb.Delta, finish: Optional[str] = None, lps: Any = None) -> bytes:
+        choice = rb.ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps)
+        return _sse(rb.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice],
                                           usage=running.of(index, prompt_tokens)))
 
     def chunk_event(c: StreamChunk) -> bytes:
         running.add(c.index, len(c.token_ids))
         lps = chat_logprobs(gw.token_texts, c.token_ids, c.logprobs, top_n) if top_n is not None else None
-        delta = s.Delta(content=c.text_delta) if c.text_delta or c.finish_reason is None else s.Delta()
+        delta = rb.Delta(content=c.text_delta) if c.text_delta or c.finish_reason is None else rb.Delta()
         return event(c.index, delta, c.finish_reason, lps)
 
     def end() -> bytes:
@@ -262,7 +263,7 @@ async def chat_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: 
 
     # The role events go out with the first tokens (they are there before the 200 is sent), with vLLM's echo.
     echoed = s.chat_echo(req)
-    head = b"".join([event(index, s.Delta(role="assistant", content=echoed)) for index in range(req.n or 1)])
+    head = b"".join([event(index, rb.Delta(role="assistant", content=echoed)) for index in range(req.n or 1)])
     try:
         async for batch, last in _chunks(gw, streams, firsts):
             data = head + b"".join([chunk_event(c) for _, c in batch])
@@ -278,13 +279,13 @@ def _chat_stream_end(req: s.ChatCompletionRequest, streams: list[Any], rid: str,
     if not _include_usage(req):
         return DONE
     usage = _usage([streams[0].result])
-    return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage)) + DONE
+    return _sse(rb.ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage)) + DONE
 
 
 def _error_event(exc: BaseException) -> bytes:
     """An error after the 200 header went out: an SSE event with the OpenAI error body."""
     err = sdk_error(exc)
-    return _sse(s.ErrorResponse(s.ErrorInfo(message=err.message, type=err.err_type, param=err.param,
+    return _sse(rb.ErrorResponse(rb.ErrorInfo(message=err.message, type=err.err_type, param=err.param,
                                             code=err.code)))
 
 
@@ -298,9 +299,9 @@ async def chat_tools_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, str
     top_n = params.output_logprobs(req)
     running = RunningUsage(req)
 
-    def event(index: int, delta: s.Delta, finish: Optional[str] = None, lps: Any = None) -> bytes:
-        choice = s.ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps)
-        return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice],
+    def event(index: int, delta: rb.Delta, finish: Optional[str] = None, lps: Any = None) -> bytes:
+        choice = rb.ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps)
+        return _sse(rb.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice],
                                           usage=running.of(index, prompt_tokens)))
 
     def chunk_events(c: StreamChunk) -> list[bytes]:
@@ -314,16 +315,16 @@ async def chat_tools_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, str
         lps = chat_logprobs(gw.token_texts, c.token_ids, c.logprobs, top_n) if top_n is not None and c.token_ids \
             else None
         if lps is not None and not deltas:
-            deltas = [s.Delta()]
+            deltas = [rb.Delta()]
         out = [event(c.index, d, None, lps if i == 0 else None) for i, d in enumerate(deltas)]
         if c.finish_reason is not None:
-            out.append(event(c.index, s.Delta(), finish))
+            out.append(event(c.index, rb.Delta(), finish))
         return out
 
     def end() -> bytes:
         return _chat_stream_end(req, streams, rid, created, model)
 
-    head = b"".join([event(index, s.Delta(role="assistant", content="")) for index in range(req.n or 1)])
+    head = b"".join([event(index, rb.Delta(role="assistant", content="")) for index in range(req.n or 1)])
     try:
         async for batch, last in _chunks(gw, streams, firsts):
             data = head + b"".join([e for _, c in batch for e in chunk_events(c)])

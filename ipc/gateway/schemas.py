@@ -1,10 +1,8 @@
-"""OpenAI request and response bodies as msgspec structs.
+"""OpenAI request bodies as msgspec structs (the responses': :mod:`ipc.gateway.response_bodies`).
 
 Requests are decoded straight from the HTTP body into these structs: a wrong
 type or an unknown field is a 400 naming the field (``forbid_unknown_fields``:
-a parameter is never ignored silently).  Responses are encoded with
-``msgspec.json``; fields that OpenAI sends as ``null`` are kept (no
-``omit_defaults``) because some clients read them.
+a parameter is never ignored silently).
 
 Parameters the engine does not implement are listed in :data:`UNSUPPORTED`,
 with the values that mean "off" (those are accepted).  OpenAI fields that do not
@@ -21,7 +19,6 @@ import msgspec
 
 from ipc.client_protocol import MAX_N
 from ipc.gateway.limits import MAX_PROMPTS
-from ipc.gateway.logprobs import ChatLogprobs, CompletionLogprobs
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True):
@@ -328,125 +325,3 @@ def chat_echo(req: ChatCompletionRequest) -> str:
         return ""
     content = _text(last.content, len(req.messages) - 1, last.role) if isinstance(last.content, list) else last.content
     return content or last.refusal or ""  # as chat_messages renders it
-
-
-# ---------------------------------------------------------------------------
-# responses
-# ---------------------------------------------------------------------------
-
-
-class Usage(msgspec.Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionChoice(msgspec.Struct):
-    index: int
-    text: str
-    finish_reason: Optional[str] = None
-    logprobs: Optional[CompletionLogprobs] = None
-    prompt_logprobs: Optional[list] = None  # vLLM's shape, see ipc/gateway/logprobs.py
-
-
-class CompletionResponse(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
-    object: str = "text_completion"
-
-
-class AssistantMessage(msgspec.Struct):
-    content: Optional[str]  # null: a forced tool call cut short (ipc/gateway/tool_calls.py)
-    role: str = "assistant"
-
-
-class ChatChoice(msgspec.Struct):
-    index: int
-    message: Union[AssistantMessage, ToolCallsMessage]
-    finish_reason: Optional[str] = None
-    logprobs: Optional[ChatLogprobs] = None
-
-
-class ChatCompletionResponse(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    object: str = "chat.completion"
-    prompt_logprobs: Optional[list] = None  # vLLM's shape, see ipc/gateway/logprobs.py
-
-
-class ToolCallFunction(msgspec.Struct):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(msgspec.Struct):
-    id: str
-    function: ToolCallFunction
-    type: str = "function"
-
-
-class ToolCallsMessage(msgspec.Struct):
-    """An assistant message that calls tools (``content``: any text beside the calls, else null)."""
-
-    tool_calls: list[ToolCall]
-    content: Optional[str] = None
-    role: str = "assistant"
-
-
-class ToolCallDelta(msgspec.Struct, omit_defaults=True):
-    index: int
-    id: Optional[str] = None
-    type: Optional[str] = None
-    function: Optional[dict[str, str]] = None
-
-
-class Delta(msgspec.Struct, omit_defaults=True):
-    role: Optional[str] = None
-    content: Optional[str] = None
-    tool_calls: Optional[list[ToolCallDelta]] = None
-
-
-class ChatChunkChoice(msgspec.Struct):
-    index: int
-    delta: Delta
-    finish_reason: Optional[str] = None
-    logprobs: Optional[ChatLogprobs] = None
-
-
-class ChatCompletionChunk(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Optional[Usage] = None
-    object: str = "chat.completion.chunk"
-
-
-class ErrorInfo(msgspec.Struct):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Optional[str] = None
-
-
-class ErrorResponse(msgspec.Struct):
-    error: ErrorInfo
-
-
-class ModelCard(msgspec.Struct):
-    id: str
-    created: int
-    owned_by: str = "forerun"
-    max_model_len: Optional[int] = None
-    object: str = "model"
-
-
-class ModelList(msgspec.Struct):
-    data: list[ModelCard]
-    object: str = "list"

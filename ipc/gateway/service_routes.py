@@ -9,6 +9,7 @@ from starlette.responses import Response
 
 from ipc.client import ForerunError, InvalidRequestError
 from ipc.client.prompt import check_messages
+from ipc.gateway import response_bodies as rb
 from ipc.gateway import schemas as s
 from ipc.gateway.handling import RETRY_AFTER_S, gateway_of, json_response, run
 from ipc.gateway.metrics import render
@@ -18,7 +19,7 @@ from ipc.version import forerun_version
 
 async def models(request: Request) -> Response:
     async def handle(gw: Gateway, request: Request) -> Any:
-        return json_response(s.ModelList([_card(gw)]))
+        return json_response(rb.ModelList([_card(gw)]))
     return await run(request, handle)
 
 
@@ -30,8 +31,8 @@ async def model(request: Request) -> Response:
     return await run(request, handle)
 
 
-def _card(gw: Gateway) -> s.ModelCard:
-    return s.ModelCard(id=gw.model_name, created=gw.created, max_model_len=gw.max_model_len)
+def _card(gw: Gateway) -> rb.ModelCard:
+    return rb.ModelCard(id=gw.model_name, created=gw.created, max_model_len=gw.max_model_len)
 
 
 async def tokenize(request: Request) -> Response:

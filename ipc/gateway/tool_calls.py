@@ -8,7 +8,7 @@ import re
 import uuid
 from typing import Any, Optional
 
-from ipc.gateway import schemas as s
+from ipc.gateway import response_bodies as rb
 from ipc.gateway.tools import ToolPlan, constrains
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -119,20 +119,20 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[Optional[str], list[tuple[st
     return text, []
 
 
-def _tool_calls(calls: list[tuple[str, str]], plan: ToolPlan) -> list[s.ToolCall]:
+def _tool_calls(calls: list[tuple[str, str]], plan: ToolPlan) -> list[rb.ToolCall]:
     calls = calls if plan.parallel else calls[:1]
-    return [s.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=s.ToolCallFunction(name, args))
+    return [rb.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=rb.ToolCallFunction(name, args))
             for name, args in calls]
 
 
 def choice_message(text: str, finish: str, plan: Optional[ToolPlan]) -> tuple[Any, str]:
     """(message, finish_reason) of one finished choice: its tool calls when it made any."""
     if plan is None:
-        return s.AssistantMessage(content=text), finish
+        return rb.AssistantMessage(content=text), finish
     content, calls, finish = finished(text, finish, plan)
     if not calls:
-        return s.AssistantMessage(content=content), finish
-    return s.ToolCallsMessage(tool_calls=_tool_calls(calls, plan), content=content), finish
+        return rb.AssistantMessage(content=content), finish
+    return rb.ToolCallsMessage(tool_calls=_tool_calls(calls, plan), content=content), finish
 
 
 def finished(text: str, finish: str, plan: ToolPlan) -> tuple[Optional[str], list[tuple[str, str]], str]:
@@ -217,14 +217,14 @@ class ToolCallStream:
         self.holding = plan.choice == "required"  # the rest is parsed at the end
         self.call_id: Optional[str] = None
 
-    def feed(self, delta: str) -> list[s.Delta]:
+    def feed(self, delta: str) -> list[rb.Delta]:
         self.text += delta
         if not delta:
             return []
         if self.plan.choice == "named":
             first, self.call_id = self.call_id is None, self.call_id or f"call_{uuid.uuid4().hex[:24]}"
             fn = {"name": self.plan.name, "arguments": delta} if first else {"arguments": delta}
-            return [s.Delta(tool_calls=[s.ToolCallDelta(index=0, id=self.call_id if first else None,
+            return [rb.Delta(tool_calls=[rb.ToolCallDelta(index=0, id=self.call_id if first else None,
                                                         type="function" if first else None, function=fn)])]
         if self.holding:
             return []
@@ -244,11 +244,11 @@ class ToolCallStream:
             cut = len(pending) - _held_tail(pending)
         return self._content(pending[:cut])
 
-    def _content(self, text: str) -> list[s.Delta]:
+    def _content(self, text: str) -> list[rb.Delta]:
         self.sent += len(text)
-        return [s.Delta(content=text)] if text else []
+        return [rb.Delta(content=text)] if text else []
 
-    def finish(self, finish_reason: str) -> tuple[list[s.Delta], str]:
+    def finish(self, finish_reason: str) -> tuple[list[rb.Delta], str]:
         """The last deltas of the choice and its finish reason (as :func:`finished` gives them)."""
         if self.plan.choice == "named":  # its arguments went out as they came
             return [], finished(self.text, finish_reason, self.plan)[2]
@@ -257,7 +257,7 @@ class ToolCallStream:
             return self._content(rest), finish_reason
         content, calls, finish_reason = finished(rest, finish_reason, self.plan)
         out = self._content(content or "")
-        out += [s.Delta(tool_calls=[s.ToolCallDelta(index=i, id=c.id, type="function", function={
+        out += [rb.Delta(tool_calls=[rb.ToolCallDelta(index=i, id=c.id, type="function", function={
                     "name": c.function.name, "arguments": c.function.arguments})])
                 for i, c in enumerate(_tool_calls(calls, self.plan))]
         return out, finish_reason
