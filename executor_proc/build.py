@@ -21,8 +21,9 @@ from typing import Callable, Optional
 import torch
 
 from executor_proc.backends.select import graph_max_batch, mixed_max_tokens, select_backend
-from executor_proc.memory_plan import (GIB, MemoryPlan, MemoryPlanError, StartupRefused, available_host_bytes,
-                                      check_fits, gc_threshold, plan_memory)
+from executor_proc.host_memory import check_host_kv, check_host_slots, host_allocation, host_out_of_memory, kv_advice
+from executor_proc.memory_plan import (GIB, MemoryPlan, MemoryPlanError, StartupRefused, check_fits, gc_threshold,
+                                      plan_memory)
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.kv_cache import KVCache, kv_cache_bytes_per_block
 from executor_proc.model.kv_scales import calibrate_kv_scales
@@ -105,36 +106,6 @@ def build_worker(cfg: ExecutorConfig, progress: ProgressCallback = lambda stage,
             raise
         raise MemoryPlanError(f"the host ran out of memory while starting ({first}); lower --max-num-seqs or "
                               f"--max-model-len") from None
-
-
-def host_out_of_memory(e: BaseException) -> Optional[str]:
-    """The first line of an exception that says the host ran out of memory (a MemoryError, or torch's allocator's
-    RuntimeError); None for any other."""
-    first = str(e).splitlines()[0] if str(e) else "out of memory"
-    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in first):
-        return first
-    return None
-
-
-@contextlib.contextmanager
-def host_allocation(part: str, advice: str):
-    """Host memory that runs out while ``part`` is allocated: :class:`MemoryPlanError` naming the part and the
-    ``advice`` that makes it smaller (the flags that size it), no traceback."""
-    try:
-        yield
-    except (MemoryError, RuntimeError) as e:
-        first = host_out_of_memory(e)
-        if first is None:
-            raise
-        raise MemoryPlanError(f"the host ran out of memory while allocating {part} ({first}); {advice}") from None
-
-
-def kv_advice(cfg: ExecutorConfig) -> str:
-    """The flags that make the KV cache smaller: the count given, else what sizes it on the cpu (the slots and the
-    context length, up to its fixed budget)."""
-    if cfg.num_kv_blocks is not None:
-        return f"lower --num-kv-blocks {cfg.num_kv_blocks:,}"
-    return "lower --max-num-seqs or --max-model-len, or give a smaller --num-kv-blocks"
 
 
 def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorker:
@@ -287,39 +258,6 @@ class Measured:
     other: int  # on the device outside torch's allocator: the CUDA context, libraries, other processes
 
 
-HOST_SLOTS_SHARE = 0.5  # of the host's available memory the slots' tables may take on the CPU
-
-
-def check_host_slots(num_slots: int, max_blocks: int, vocab: int, max_len: int,
-                     available: Optional[int] = None) -> None:
-    """Refuse (in one line naming --max-num-seqs) slot tables that would take more than :data:`HOST_SLOTS_SHARE` of
-    the host's available memory: the kernel would rather kill the process (or another one) than fail an allocation
-    (100,000 slots of the default model: ~23 GiB).  A slot's bytes are measured on tables of one and two slots."""
-    available = available_host_bytes() if available is None else available
-    cpu = torch.device("cpu")
-    per_slot = _storage_bytes(SlotTables(2, max_blocks, cpu, vocab)) - _storage_bytes(SlotTables(1, max_blocks, cpu,
-                                                                                                  vocab))
-    if num_slots * per_slot > HOST_SLOTS_SHARE * available:
-        fit = max(1, int(HOST_SLOTS_SHARE * available // per_slot))
-        raise StartupRefused(f"--max-num-seqs {num_slots:,}: the slots' tables take {num_slots * per_slot / 2**30:.1f} "
-                             f"GiB of host memory ({per_slot / 2**20:.2f} MiB a slot at --max-model-len {max_len:,} "
-                             f"and a {vocab:,}-token vocabulary), more than half of the "
-                             f"{available / 2**30:.1f} GiB available: use --max-num-seqs {fit:,} or fewer")
-
-
-def _storage_bytes(obj) -> int:
-    """Bytes of the distinct tensor storages in ``obj``'s attributes and its attributes' (the penalty tables),
-    views of one storage counted once."""
-    storages: dict[int, int] = {}
-    for value in vars(obj).values():
-        inner = (value,) if isinstance(value, torch.Tensor) else vars(value).values() if hasattr(value, "__dict__") \
-            else ()
-        for t in inner:
-            if isinstance(t, torch.Tensor):
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
 def _measure(device: torch.device, weights: int, transient: int, graphs: int) -> Measured:
     """What is on the device now (the weights and the step machinery's buffers, no KV cache, no graph)."""
     gc.collect()
@@ -355,18 +293,6 @@ def _plan(cfg: ExecutorConfig, device: torch.device, measured: Optional[Measured
     if cfg.num_kv_blocks is None:  # a given block count is the caller's (tests, restarts of the same server)
         check_fits(plan, max_len)
     return plan
-
-
-def check_host_kv(blocks: int, block_bytes: int, given: bool) -> None:
-    """A KV cache in host memory (the cpu) fits what the host has available now, the weights loaded: else
-    MemoryPlanError naming --num-kv-blocks when it was ``given`` (a count past the address space would fail far
-    from here, in the allocator's words)."""
-    need, have = blocks * block_bytes, available_host_bytes()
-    if need > have:
-        what = f"--num-kv-blocks {blocks:,}: the KV cache" if given else f"the KV cache ({blocks:,} blocks)"
-        advice = "lower --num-kv-blocks" if given else "give a smaller --num-kv-blocks"
-        raise MemoryPlanError(f"{what} would take {need / GIB:,.1f} GiB, more than the {have / GIB:.1f} GiB of host "
-                              f"memory available; {advice}")
 
 
 class ProfileStep:

@@ -29,7 +29,7 @@ alive, as in the profile's long row), and a prompt split across steps keeps its 
 
 Host memory is not planned, only checked against what the host has available (:func:`available_host_bytes`), before
 it is allocated: the kernel would rather kill a process than fail an allocation.  The weights on the cpu
-(:func:`executor_proc.model.loader.check_host_memory`), the slots' tables (``build.check_host_slots``) and the host
+(:func:`executor_proc.model.loader.check_host_memory`), the slots' tables (``host_memory.check_host_slots``) and the host
 KV tier's pool (``host_kv.num_host_blocks``) are held to it.
 """
 

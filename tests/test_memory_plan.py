@@ -333,7 +333,7 @@ def test_slots_past_half_the_host_memory_are_refused_naming_the_flag():
     """On the CPU the slots' tables live in host memory, whose overcommitted allocations succeed until the kernel
     kills a process (100,000 slots of the default model: ~23 GiB, the whole VM): more than half of what the host
     has available is refused in one line naming --max-num-seqs and a count that fits."""
-    from executor_proc.build import check_host_slots
+    from executor_proc.host_memory import check_host_slots
 
     vocab, max_len, blocks = 49152, 8192, 512
     check_host_slots(256, blocks, vocab, max_len, available=1 << 30)  # 256 slots: ~62 MiB
