@@ -289,7 +289,8 @@ def test_stats_and_metrics_show_both_replicas(dp):
 
 
 async def _streams(address: str, requests: list[list[int]], kill=None) -> tuple[list[list[int]], list[int]]:
-    """Greedy streams; with ``kill``, called once some stream has tokens: the tokens each had then."""
+    """Greedy streams; with ``kill``, called once every stream has tokens (so each replica's streams are in flight,
+    not all of one replica's done before the other's start on a loaded host): the tokens each had then."""
     counts = [0] * len(requests)
     at_kill: list[int] = []
 
@@ -300,7 +301,7 @@ async def _streams(address: str, requests: list[list[int]], kill=None) -> tuple[
                                              detokenize=False):
                 tokens += chunk.token_ids
                 counts[i] = len(tokens)
-                if kill is not None and not at_kill and sum(counts) >= len(requests):
+                if kill is not None and not at_kill and all(counts):
                     at_kill.extend(counts)
                     kill()
             return tokens
