@@ -181,6 +181,8 @@ def test_default_model_folder(converted, ours, prompt_ids):
     assert prompt_ids[-1] == 198 and 2 in prompt_ids  # "\n" after "assistant"; <|im_end|> closes turns
     with open(os.path.join(folder, "generation_config.json")) as f:
         assert json.load(f)["eos_token_id"] == [2]
+    with open(os.path.join(folder, "tokenizer_config.json")) as f:  # no clean-up: " ," decodes as " ,"
+        assert not json.load(f).get("clean_up_tokenization_spaces", False)
 
 
 def test_default_model_is_converted_once(converted):

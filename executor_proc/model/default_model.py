@@ -82,6 +82,9 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
             {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)},
         )
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    # a byte-level BPE's text is exact as decoded: the clean-up that drops spaces before punctuation would change it
+    # (some transformers versions set it for GGUF tokenizers, others ignore it for BPE with a warning at each load)
+    tokenizer.clean_up_tokenization_spaces = False
     tokenizer.save_pretrained(out_dir)
 
 
