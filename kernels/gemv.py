@@ -96,7 +96,10 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, P, 
     else:
         acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     if SILU:
-        acc_up = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+        if SWAP:
+            acc_up_t = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+        else:
+            acc_up = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     ws = _load_scales(ws_ptr, offs_n, n_mask, W_SCALED)
     # No weight prefetch before the wait here: peeling the first chunk out of the loop made this kernel
     # 8-23% slower on an H100 (scripts/bench_kernels.py gemv), more than PDL's overlap gives back.
@@ -116,12 +119,17 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, r_ptr, ss_ptr, M, N, K, P, 
             acc_t += tl.dot(w, tl.trans(x), input_precision=DOT_PREC)
         else:
             acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
-        if SILU:
+        if SILU:  # x is in the MMA's dtype now (_mma_operands); the up rows go the gate rows' way
             w_up = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc_up += tl.dot(x, tl.trans(w_up.to(x.dtype)), input_precision=DOT_PREC)
+            if SWAP:
+                acc_up_t += tl.dot(w_up.to(x.dtype), tl.trans(x), input_precision=DOT_PREC)
+            else:
+                acc_up += tl.dot(x, tl.trans(w_up.to(x.dtype)), input_precision=DOT_PREC)
     pdl_launch(USE_PDL)
     if SWAP:
         acc = tl.trans(acc_t)
+        if SILU:
+            acc_up = tl.trans(acc_up_t)
     if W_SCALED:
         acc = acc * ws[None, :]
         if SILU:
@@ -331,7 +339,7 @@ def _launch_dot(x, weight, bias, out, config, n, residual, ss_out, norm, silu: b
 def gemv_silu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
               config: tuple, sumsq: Optional[tuple[torch.Tensor, float]] = None) -> torch.Tensor:
     """``silu_and_mul(F.linear(x, weight, bias))`` in one launch, for x ``[M, K]`` (M <= 16) and a gate|up
-    weight ``[2I, K]``: a "dot" config's program streams the gate rows of its BLOCK_N features and the up
+    weight ``[2I, K]``: a "dot" or "dotT" config's program streams the gate rows of its BLOCK_N features and the up
     rows of the same features, and stores ``[M, I]``, rounded as the two unfused ops round.  Saves the
     activation's launch and the gate|up round trip through memory (a few-token MLP's third launch).
 
@@ -341,7 +349,7 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     after the loop (the norm's launch saved; the normalised x is not rounded on the way)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
     assert x.shape[0] <= MAX_M and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[0] % 2 == 0
-    assert x.dtype == weight.dtype and config[0] == "dot", (x.dtype, weight.dtype, config)
+    assert x.dtype == weight.dtype and config[0] in ("dot", "dotT"), (x.dtype, weight.dtype, config)
     M, K = x.shape
     I = weight.shape[0] // 2
     if bias is not None:

@@ -116,7 +116,7 @@ def variants():
         # plain, the residual epilogue (o, down), SiLU-mul with and without the norm from partial sums (gate|up)
         for silu, residual, rows in ((False, False, 0), (False, True, 0), (True, False, 0), (True, False, 2),
                                      (True, False, 8)):
-            if silu and config[0] != "dot":
+            if silu and config[0] not in ("dot", "dotT"):
                 continue
             consts = dict(HAS_BIAS=False, M_PAD=16, BLOCK_N=config[1], BLOCK_K=config[2], DOT_PREC="tf32",
                           SWAP=config[0] == "dotT", SILU=silu, RESIDUAL=residual, NORM_ROWS=rows,

@@ -228,8 +228,8 @@ def test_gemv_prologue_matches_two_ops(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_silu_matches_two_ops(dtype):
-    """gate|up with SiLU-mul as its epilogue equals ``silu_and_mul(gemv(...))`` of the same "dot" config bit for
-    bit (the same sums, the same roundings), at 1-8 rows, with and without a bias."""
+    """gate|up with SiLU-mul as its epilogue equals ``silu_and_mul(gemv(...))`` of the same "dot" or "dotT" config
+    bit for bit (the same sums, the same roundings), at 1-8 rows, with and without a bias."""
     from triton.runtime.errors import OutOfResources
 
     from kernels.activation import silu_and_mul
@@ -241,7 +241,7 @@ def test_gemv_silu_matches_two_ops(dtype):
     for m, i, k, bias in ((1, 40, 96, False), (3, 70, 300, True), (8, 64, 128, False), (5, 33, 1100, True)):
         x, w, b = rnd(m, k), rnd(2 * i, k) / k**0.5, (rnd(2 * i) if bias else None)
         checked = 0
-        for config in interpreted_kinds([c for c in CONFIGS if c[0] == "dot"], i, k):  # i: each program's features
+        for config in interpreted_kinds([c for c in CONFIGS if c[0] in ("dot", "dotT")], i, k):  # i: features
             try:
                 fused = gemv_silu(x, w, b, config=config)
             except OutOfResources:  # float32's two weight tiles overflow an H100's shared memory in the deeper
@@ -361,13 +361,14 @@ def test_residual_epilogue_and_norm_from_partial_sums(dtype):
         fold = lambda weight: (weight.float() * nw.float()[None, :]).to(dtype)  # noqa: E731
         # gate|up + SiLU-mul from the partial sums of the last producer (P not a power of two where it can be)
         gate_up = rnd(2 * inner, hidden) / hidden**0.5
-        got = gemv_silu(h, fold(gate_up), config=("dot", 16, 64, 4, 3), sumsq=(sumsq, eps))
-        want = gemv_silu(normed, gate_up, config=("dot", 16, 64, 4, 3))
-        torch.testing.assert_close(got.float(), want.float(), **tol)
         hd = h.double()
         gu = (hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps) * nw.double()) @ gate_up.double().T
         exact = torch.nn.functional.silu(gu[:, :inner]) * gu[:, inner:]
-        assert (got.double() - exact).abs().max() <= 3 * (want.double() - exact).abs().max() + 1e-5
+        for silu_config in (("dot", 16, 64, 4, 3), ("dotT", 64, 64, 4, 3)):  # gate and up rows as the MMA's N or M
+            got = gemv_silu(h, fold(gate_up), config=silu_config, sumsq=(sumsq, eps))
+            want = gemv_silu(normed, gate_up, config=silu_config)
+            torch.testing.assert_close(got.float(), want.float(), **tol)
+            assert (got.double() - exact).abs().max() <= 3 * (want.double() - exact).abs().max() + 1e-5
         # q|k|v + rotary + cache write, likewise
         qkv_w = rnd((h_ + 2 * hkv) * d, hidden) / hidden**0.5
         pos, idx = torch.arange(7, 7 + m, device=device), torch.arange(3, 3 + m, device=device)

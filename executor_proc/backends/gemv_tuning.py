@@ -228,7 +228,7 @@ def _fused_runs(backend, kind: str, n: int, k: int, m: int, w0: torch.Tensor, cf
             return backend.rotate_and_store(q, k, v, cache, cache, plan)
         fused = lambda c: lambda w: qkv_rope(x, w, None, config=c, norm=None, residual=None, **rope)  # noqa: E731
     else:  # gate_silu
-        configs = [c for c in skinny.CONFIGS if c[0] == "dot"]
+        configs = [c for c in skinny.CONFIGS if c[0] in ("dot", "dotT")]
         gate_up = (lambda w: backend.norm_linear(stream, w, None)[0]) if stream is not None else (  # noqa: E731
             lambda w: backend.linear(x, w, None))
         unfused = lambda w: backend.silu_and_mul(gate_up(w))  # noqa: E731
