@@ -104,8 +104,9 @@ def test_graphs_give_the_eager_steps_tokens(worker):
 
 
 def test_positions_past_a_rows_drafts_write_no_kv(worker):
-    """A row of 0 drafts runs ``K + 1`` positions: the ``K`` past its own write no KV (they may lie past the blocks
-    the planner reserved for the row)."""
+    """A row of 0 drafts beside a drafting one runs ``K + 1`` positions: the ``K`` past its own write no KV (they may
+    lie past the blocks the planner reserved for the row).  (A step whose every row has 0 drafts runs one position a
+    row.)"""
     run(worker, [([0, 1], [K, K])] * 2 + [([1], [0])])
     base = int(worker.spec.lengths[1])  # slot 1's next row starts here; blocks 5.. are slot 1's
     def kv(first: int, last: int) -> torch.Tensor:  # [layers, k|v, positions of slot 1, heads, dim]
@@ -113,11 +114,17 @@ def test_positions_past_a_rows_drafts_write_no_kv(worker):
 
     worker.kv_cache.storage[:, :, 5 + base // BLOCK, base % BLOCK] = 0
     own, before = kv(base, base + 1), kv(base + 1, base + K + 1)
-    step = worker.prepare(StepPlan(99, [1], [1], [base], [False], [True], num_drafts=[0]))
-    assert isinstance(step, SpecDecodeStep)
+    base0 = int(worker.spec.lengths[0])
+    step = worker.prepare(StepPlan(99, [1, 0], [1, K + 1], [base, base0], [False] * 2, [True] * 2, num_drafts=[0, K]))
+    assert isinstance(step, SpecDecodeStep) and step.outputs.spec.width == K
     worker.launch(step)
     assert not torch.equal(kv(base, base + 1), own)  # its own position is written
     assert torch.equal(kv(base + 1, base + K + 1), before)
+    length = int(worker.spec.lengths[1])
+    step = worker.prepare(StepPlan(100, [1], [1], [length], [False], [True], num_drafts=[0]))
+    assert isinstance(step, SpecDecodeStep) and step.outputs.spec.width == 0  # one position a row
+    worker.launch(step)
+    assert int(worker.spec.lengths[1]) == length + 1
 
 
 def test_a_step_of_the_last_rows_stages_nothing(worker):

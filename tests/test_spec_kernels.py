@@ -15,6 +15,8 @@ from kernels.ngram import ngram_drafts  # noqa: E402
 from kernels.ngram_ref import ngram_drafts_ref  # noqa: E402
 from kernels.spec_accept import accept_drafts  # noqa: E402
 from kernels.spec_accept_ref import accept_drafts_ref, accept_prefix  # noqa: E402
+from kernels.spec_inputs import graph_inputs  # noqa: E402
+from kernels.spec_inputs_ref import graph_inputs_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -88,3 +90,26 @@ def test_accept_kernel_matches_reference(padded):
     assert want[0][-rows:].tolist() == [a for _, a in cases]
     for got, ref in zip(run(accept_drafts, DEVICE), want):
         assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("width", [4, 0])
+def test_graph_inputs_kernel_matches_reference(width):
+    """A speculative graph's inputs in one launch against the torch ops: rows at the plan's position or the slot's
+    device length, 0 to K drafts, a padding row on the padding slot, every row ``width + 1`` positions wide (0: a
+    step without drafts); the bases, drafts, ids, positions, context lengths and the token table all equal."""
+    K, pad, rng = 4, 6, random.Random(width)
+    tokens = torch.tensor([[rng.randrange(4) for _ in range(300)] for _ in range(pad + 1)], dtype=torch.int32)
+    last_token = torch.tensor([rng.randrange(4) for _ in range(pad + 1)], dtype=torch.int64)
+    lengths = torch.tensor([5, 280, 0, 17, 40, 9, 0], dtype=torch.int64)
+    slots = torch.tensor([3, 1, 0, 4, 5, pad])
+    ks = torch.tensor([K, 2, 0, K, 1, K]) if width else torch.zeros(6, dtype=torch.int64)
+    start = torch.tensor([-1, -1, 3, 12, -1, 0])
+    want_tokens = tokens.clone()
+    want = graph_inputs_ref(want_tokens, slots, ks, start, last_token, lengths, pad, K, width, 1, 4)
+    got_tokens = tokens.to(DEVICE)
+    got = graph_inputs(got_tokens, slots.to(DEVICE), ks.to(DEVICE), start.to(DEVICE), last_token.to(DEVICE),
+                       lengths.to(DEVICE), pad, K, width, 1, 4)
+    for name, g, w in zip(("base", "drafts", "ids", "positions", "lengths"), got, want):
+        assert torch.equal(g.cpu(), w), (name, g, w)
+    assert torch.equal(got_tokens.cpu(), want_tokens)
+    assert want[3].view(6, width + 1)[-1].eq(0).all()  # the padding row: position 0

@@ -10,13 +10,17 @@ the same layer (every row's KV is written before any row attends), so the step i
 rows on the fused one-token kernels, whose logits give each position's argmax.  The step, from the slot tables to
 its output tensor, is one function of static buffers, captured once per bucket of row counts:
 
-- :meth:`Speculator.token_inputs`: the last token written at the row's first position, the drafts (the n-gram
-  kernel), each token's input id and position, from the device lengths;
+- :meth:`Speculator.graph_inputs`: the last token written at the row's first position, the n-gram drafts, each
+  position's input id, position and context length, from the device lengths (one launch on CUDA:
+  :mod:`kernels.spec_inputs`, where the torch ops took about fifteen);
 - the decode forward (:func:`executor_proc.step.decode_step.decode_batch` with those ids), the argmax;
 - :meth:`Speculator.accept`: the accepted counts, the tables' updates, the step's one output tensor.
 
 A step's rows are padded to a bucket of row counts (the decode graphs', :func:`graph_buckets`): padding rows run
-on the padding slot at position 0 (no KV write, and their output is cut away).  A step copies its speculative
+on the padding slot at position 0 (no KV write, and their output is cut away).  A step where no row has drafts (the
+scheduler gives a row none where its request's known tokens end in no repeat, or while its last drafts come back
+before a pause) runs one position a row, in a second graph per bucket (``width`` 0): a decode step at the device
+lengths, one position a row rather than ``K + 1``.  A step copies its speculative
 arrays (:func:`executor_proc.step.speculate.row_arrays`: their sizes depend on the bucket and ``K`` only) into
 one static buffer (one device copy) and replays.  A step whose every row starts at its slot's device length holds
 no position: its arrays are those of its slots and draft counts alone, so a step of the same slots and counts as the
@@ -51,7 +55,7 @@ from ipc.protocol import StepPlan
 
 @dataclass
 class SpecGraph:
-    """One row count's step template (arrays: views of the static buffer) and, once captured, graph and output."""
+    """One (row count, width)'s step template (arrays: views of the static buffer) and, once captured, graph and output."""
 
     template: SpecStep
     graph: Optional[torch.cuda.CUDAGraph] = None
@@ -69,12 +73,13 @@ class SpecGraphs:
         self.spec, self.forward, self.backend, self.tables = spec, forward, backend, tables
         self.block_size, self.capture, self.capturer = block_size, capture, capturer
         self.k = spec.k
+        self.widths = (self.k, 0) if spec.k else (0,)  # further positions a row: the drafts', or none
         self.buckets = graph_buckets(max_rows) if max_rows > 0 else []
         self.max_rows = max_rows
-        size = sum(len(a) for a in self._arrays(*self._padding(max(self.max_rows, 1))))
+        size = sum(len(a) for a in self._arrays(*self._padding(max(self.max_rows, 1), self.k), self.k))
         self.parts = torch.zeros(size, dtype=torch.int64, device=device)
         self.no_tokens = torch.zeros(max(self.max_rows, 1), dtype=torch.int64, device=device)
-        self.graphs: dict[int, SpecGraph] = {}
+        self.graphs: dict[tuple[int, int], SpecGraph] = {}  # by (bucket, width)
         # (slots, draft counts) of the last step staged whose every row starts at its device length, and its step:
         # its arrays are still in ``parts`` (None: a capture or a step of other rows wrote them since)
         self.last: Optional[tuple[tuple, SpecStep]] = None
@@ -95,17 +100,21 @@ class SpecGraphs:
         return last[1] if all(s in live for s in plan.slots) else None
 
     def stage(self, step: SpecStep, rows: PlanRows, upload) -> int:
-        """Add the step's arrays, every row ``K + 1`` positions wide and padding rows up to the bucket, to the
-        upload; its result's layout follows (:meth:`SpecStep.split`).  A plain row is a row of 0 drafts at the
-        plan's position (exact: its request has no drafts in flight).  Returns their upload index."""
+        """Add the step's arrays, every row ``K + 1`` positions wide (one, when no row has drafts) and padding rows
+        up to the bucket, to the upload; its result's layout follows (:meth:`SpecStep.split`).  A plain row is a
+        row of 0 drafts at the plan's position (exact: its request has no drafts in flight).  Returns their upload
+        index."""
         spec, _, ks, start, _ = step.host
         n = rows.num_rows
         all_ks, all_start = np.zeros(n, dtype=np.int64), rows.starts.copy()
         all_ks[spec], all_start[spec] = ks, start
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
-        step.padded, step.bucket, step.extra = list(zip(spec.tolist(), ks.tolist())), bucket, bucket * self.k
+        width = self.k if all_ks.any() else 0
+        step.padded, step.bucket, step.width = list(zip(spec.tolist(), ks.tolist())), bucket, width
+        step.extra = bucket * width
         ours = (rows.slots, all_ks, all_start, np.arange(n, dtype=np.int64))
-        arrays = self._arrays(*(np.concatenate([a, b]) for a, b in zip(ours, self._padding(bucket, first=n))))
+        padding = self._padding(bucket, width, first=n)
+        arrays = self._arrays(*(np.concatenate([a, b]) for a, b in zip(ours, padding)), width)
         # every row at its device length: no position in the arrays, which a step of these rows may find again
         self.last = ((rows.slots.tolist(), all_ks.tolist()), step) if len(spec) == n and (start < 0).all() else None
         return upload.add(np.concatenate(arrays), torch.int64)
@@ -114,7 +123,7 @@ class SpecGraphs:
         """Put the step's arrays (``part``, from :meth:`stage`; None: in place already, :meth:`again`) in place;
         ``host_starts``: each row's first position's upper bound (the uncaptured torch backend attends from host
         lengths)."""
-        graph = self.graphs.get(step.bucket) or self._new(step.bucket)
+        graph = self.graphs.get((step.bucket, step.width)) or self._new(step.bucket, step.width)
         if part is not None:
             self.parts[:part.numel()].copy_(part)
         if graph.graph is None:  # padding rows, and a row's positions past its drafts: one key each, no KV write
@@ -122,17 +131,19 @@ class SpecGraphs:
             ks = np.zeros(n, dtype=np.int64)
             for r, k in step.padded:
                 ks[r] = k
-            real = (np.arange(self.k + 1)[None, :] <= ks[:, None]).reshape(-1)  # as _step's padding slot
-            lens = np.repeat(host_starts, self.k + 1) + np.tile(np.arange(1, self.k + 2), n)
-            graph.host_lens = np.where(real, lens, 1).tolist() + [1] * ((step.bucket - n) * (self.k + 1))
+            w = step.width
+            real = (np.arange(w + 1)[None, :] <= ks[:, None]).reshape(-1)  # as _step's padding slot
+            lens = np.repeat(host_starts, w + 1) + np.tile(np.arange(1, w + 2), n)
+            graph.host_lens = np.where(real, lens, 1).tolist() + [1] * ((step.bucket - n) * (w + 1))
             graph.host_kv_rows = np.flatnonzero(real).tolist()
         return graph
 
     def capture_jobs(self) -> list[CaptureJob]:
-        """A capture per bucket not captured yet, largest first (none without capture)."""
+        """A capture per bucket and width not captured yet, largest first (none without capture)."""
         if not self.capture:
             return []
-        return [self._job(rows) for rows in reversed(self.buckets) if rows not in self.graphs]
+        return [self._job(rows, width) for rows in reversed(self.buckets) for width in self.widths
+                if (rows, width) not in self.graphs]
 
     def run(self, graph: SpecGraph) -> torch.Tensor:
         """The step's one output tensor: the rows' first tokens, ``K`` further tokens a row, the accepted counts."""
@@ -145,62 +156,61 @@ class SpecGraphs:
         self.graphs.clear()
         self.last = None
 
-    def _arrays(self, slots: np.ndarray, ks: np.ndarray, start: np.ndarray, sampled_at: np.ndarray) -> list:
-        """:func:`row_arrays` of ``K + 1`` positions a row (the rows' own draft counts kept: acceptance stops
+    def _arrays(self, slots: np.ndarray, ks: np.ndarray, start: np.ndarray, sampled_at: np.ndarray,
+                width: int) -> list:
+        """:func:`row_arrays` of ``width + 1`` positions a row (the rows' own draft counts kept: acceptance stops
         there), then each position's slot: the padding slot past a row's drafts (no KV write)."""
         rows = len(slots)
         r = np.arange(rows, dtype=np.int64)
-        arrays = row_arrays(r, slots, ks, start, r * (self.k + 1), sampled_at,
-                            widths=np.full(rows, self.k, dtype=np.int64))
+        arrays = row_arrays(r, slots, ks, start, r * (width + 1), sampled_at,
+                            widths=np.full(rows, width, dtype=np.int64))
         tok_row, tok_j = arrays[5], arrays[6]
         return arrays + [np.where(tok_j <= ks[tok_row], slots[tok_row], self.tables.pad_slot)]
 
-    def _padding(self, rows: int, first: int = 0) -> tuple[np.ndarray, ...]:
-        """Rows ``first`` to ``rows`` of a step padded to ``rows``: the padding slot at position 0 with ``K``
+    def _padding(self, rows: int, width: int, first: int = 0) -> tuple[np.ndarray, ...]:
+        """Rows ``first`` to ``rows`` of a step padded to ``rows``: the padding slot at position 0 with ``width``
         drafts (what a capture's warm-up runs), sampled in their places."""
         n = rows - first
-        return (np.full(n, self.tables.pad_slot, dtype=np.int64), np.full(n, self.k, dtype=np.int64),
+        return (np.full(n, self.tables.pad_slot, dtype=np.int64), np.full(n, width, dtype=np.int64),
                 np.zeros(n, dtype=np.int64), np.arange(first, rows, dtype=np.int64))
 
-    def _template(self, rows: int) -> SpecGraph:
-        """The bucket's step template, its arrays views of the static buffer."""
-        sizes = tuple(len(a) for a in self._arrays(*self._padding(rows)))
-        template = SpecStep(rows=rows, extra=rows * self.k, num_sampled=rows, num_tokens=rows * (self.k + 1),
-                            sizes=sizes)
+    def _template(self, rows: int, width: int) -> SpecGraph:
+        """The bucket's step template at ``width``, its arrays views of the static buffer."""
+        sizes = tuple(len(a) for a in self._arrays(*self._padding(rows, width), width))
+        template = SpecStep(rows=rows, extra=rows * width, num_sampled=rows, num_tokens=rows * (width + 1),
+                            sizes=sizes, width=width)
         template.parts = list(torch.split(self.parts[:sum(sizes)], sizes))
         return SpecGraph(template)
 
-    def _job(self, rows: int) -> CaptureJob:
-        """The bucket's capture, on padding rows (before a step's arrays are copied in)."""
-        graph = self._template(rows)
+    def _job(self, rows: int, width: int) -> CaptureJob:
+        """The bucket's capture at ``width``, on padding rows (before a step's arrays are copied in)."""
+        graph = self._template(rows, width)
 
         def prepare() -> None:
             self.last = None  # the padding rows' arrays replace the last step's
             self.parts[:sum(graph.template.sizes)].copy_(torch.from_numpy(np.concatenate(
-                self._arrays(*self._padding(rows)))))
+                self._arrays(*self._padding(rows, width), width))))
 
         def store(captured: torch.cuda.CUDAGraph, out: torch.Tensor) -> None:
             graph.graph, graph.out = captured, out
-            self.graphs[rows] = graph
+            self.graphs[rows, width] = graph
 
         return CaptureJob(lambda: self._step(graph), store, prepare)
 
-    def _new(self, rows: int) -> SpecGraph:
-        """A bucket not captured at start-up: captured now (or, without capture, its template)."""
+    def _new(self, rows: int, width: int) -> SpecGraph:
+        """A bucket and width not captured at start-up: captured now (or, without capture, its template)."""
         if not self.capture:
-            graph = self.graphs[rows] = self._template(rows)
+            graph = self.graphs[rows, width] = self._template(rows, width)
             return graph
-        self._job(rows).capture(self.capturer)
-        return self.graphs[rows]
+        self._job(rows, width).capture(self.capturer)
+        return self.graphs[rows, width]
 
     @torch.inference_mode()
     def _step(self, graph: SpecGraph) -> torch.Tensor:
         t = graph.template
-        ids, positions, _ = self.spec.token_inputs(t, self.tables)
+        ids, positions, lens = self.spec.graph_inputs(t, self.tables)
         slots = t.parts[10]  # each position's slot; the padding slot past its row's drafts
-        positions = torch.where(slots == self.tables.pad_slot, 0, positions)
-        batch = decode_batch(self.backend, DecodeInputs(slots, positions, positions + 1), self.tables,
-                             self.block_size)
+        batch = decode_batch(self.backend, DecodeInputs(slots, positions, lens), self.tables, self.block_size)
         batch = dataclasses.replace(batch, input_ids=ids, host_context_lens=graph.host_lens,
                                     host_kv_rows=graph.host_kv_rows)
         chosen = self.backend.argmax(self.forward(batch))  # (Triton: two launches, not torch's one-block rows)

@@ -56,6 +56,7 @@ from ipc.config import SpeculativeConfig
 from ipc.protocol import StepPlan
 from kernels.ngram_ref import ngram_drafts_ref
 from kernels.spec_accept_ref import accept_drafts_ref
+from kernels.spec_inputs_ref import graph_inputs_ref
 
 
 def build_speculator(sc: SpeculativeConfig, num_slots: int, max_len: int, device: torch.device,
@@ -83,6 +84,15 @@ def ngram_drafts(tokens, slots, lengths, k, ngram_min, ngram_max) -> torch.Tenso
 
         return kernel(tokens, slots, lengths, k, ngram_min, ngram_max)
     return ngram_drafts_ref(tokens, slots, lengths, k, ngram_min, ngram_max)
+
+
+def graph_inputs(*args) -> tuple[torch.Tensor, ...]:
+    """The Triton kernel on CUDA, its torch reference elsewhere."""
+    if args[0].is_cuda:
+        from kernels.spec_inputs import graph_inputs as kernel
+
+        return kernel(*args)
+    return graph_inputs_ref(*args)
 
 
 def row_arrays(spec, slots, ks, start, query_start, sampled_at, widths=None) -> list[np.ndarray]:
@@ -124,11 +134,12 @@ class SpecStep:
     # every row laid out K wide (the speculative graphs): each speculative row's place among them and draft count
     padded: Optional[list[tuple[int, int]]] = None
     bucket: int = 0  # with ``padded``: the rows laid out, padding rows last (their output is cut away)
+    width: int = 0  # with ``padded``: further positions a row (K; 0 when no row has drafts)
 
     def split(self, host: list[int]) -> tuple[list[int], dict]:
         """``token_ids`` and the StepResult's speculative fields from the step's one host list."""
         s, e = self.num_sampled, self.num_sampled + self.extra
-        if self.padded is not None:  # ``bucket`` first tokens, K further tokens a row (the row's first ``k``)
+        if self.padded is not None:  # ``bucket`` first tokens, ``width`` further tokens a row (its first ``k``)
             n = self.bucket
             width, accepted = self.extra // n, n + self.extra
             spec = [t for r, k in self.padded for t in host[n + r * width:n + r * width + k]]
@@ -224,6 +235,17 @@ class Speculator:
         step.state = (slots, ks, base, drafts)
         inputs = torch.cat([last[:, None], drafts], dim=1)  # [rows, K + 1]
         return inputs[tok_row, tok_j], base[tok_row] + tok_j, base + ks + 1
+
+    def graph_inputs(self, step: SpecStep, tables: SlotTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`token_inputs` for a speculative graph's rows (n-gram drafts), every row ``step.width + 1``
+        positions wide: each position's input id, position and context length, the positions past a row's drafts
+        and the padding rows' at 0 (:mod:`kernels.spec_inputs`: one launch on CUDA)."""
+        _, slots, ks, start = step.parts[:4]
+        base, drafts, ids, positions, lens = graph_inputs(self.tokens, slots, ks, start, tables.last_token,
+                                                          self.lengths, tables.pad_slot, self.k, step.width,
+                                                          self.ngram_min, self.ngram_max)
+        step.state = (slots, ks, base, drafts)
+        return ids, positions, lens
 
     def bind(self, step: SpecStep, batch: ForwardBatch, tables: SlotTables) -> None:
         """An eager step's batch: the rows' input ids, positions, KV indices and context lengths."""
