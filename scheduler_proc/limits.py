@@ -22,6 +22,10 @@ class Limits:
     # A request whose drafts keep being rejected pauses (n-gram drafts); a draft model's never do: its KV cache
     # must follow every position, and a plain row does not run it (scheduler_proc/speculation.py).
     spec_pauses: bool = True
+    # n-gram drafts: their shortest match (--ngram-min); a row gets drafts only where its request's known tokens end
+    # in an earlier n-gram of that many (0: drafts in every row: a draft model's, or the scripted executor's, whose
+    # script decides what is accepted; scheduler_proc/speculation.py).
+    spec_lookup_ngram: int = 0
 
     def __post_init__(self):
         for name in ("num_slots", "num_kv_blocks", "block_size", "max_model_len", "max_num_batched_tokens"):
@@ -36,4 +40,6 @@ class Limits:
                    eos_token_ids=frozenset(ready.eos_token_ids), vocab_size=ready.vocab_size,
                    num_host_blocks=ready.num_host_blocks,
                    num_speculative_tokens=cfg.speculative.num_tokens if cfg.speculative.method else 0,
-                   spec_pauses=cfg.speculative.method != "draft")
+                   spec_pauses=cfg.speculative.method != "draft",
+                   spec_lookup_ngram=cfg.speculative.ngram_min
+                   if cfg.speculative.method == "ngram" and cfg.load_format != "scripted" else 0)

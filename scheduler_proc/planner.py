@@ -266,6 +266,7 @@ class Planner(Reconciler, Speculation):
             self._prefilling[req.rid] = req
             sampling = slot_sampling(req, self.limits.eos_token_ids)
             req.spec_k, req.spec_rate, req.spec_pauses = self.spec_drafts_for(sampling), RATE_START, 0
+            req.spec_grams, req.spec_indexed = ({}, 0) if req.spec_k and self.limits.spec_lookup_ngram else (None, 0)
             # The slot's penalty state (and a speculating slot's token table) is built from every token the request
             # has, not from the chunks this admission computes: a prefix hit, an onload or a swap resume computes fewer.
             tokens = req.known_tokens(0, req.num_known) if sampling.reads_tokens or req.spec_k else []

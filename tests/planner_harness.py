@@ -292,7 +292,7 @@ def run(
     specs, *, depth: int, num_slots=4, num_blocks=64, block_size=4, max_len=512, budget=64,
     eos_at=None, tokens_at=None, arrivals=None, aborts=None, burst=False, check=True, max_steps=10_000,
     prefix_caching=True, prompts=None, leaders=None, num_host_blocks=0, backup_lag=0, prefill_ahead=False,
-    num_speculative_tokens=0, accept=None,
+    num_speculative_tokens=0, accept=None, lookup_ngram=0,
 ) -> tuple[Trace, Planner, ScriptedRunner]:
     """Run requests to completion.
 
@@ -308,10 +308,12 @@ def run(
     ``num_host_blocks``: the host KV tier's pool (0: none); ``backup_lag``: steps a backup takes.
     ``prefill_ahead``: as the server's option, a plan with a prefill chunk may go one step further ahead.
     ``num_speculative_tokens``: drafts per speculative row (0: off); ``accept(seed, position, k)``: how many
-    of a row's k drafts the script accepts (ScriptedRunner.accept).
+    of a row's k drafts the script accepts (ScriptedRunner.accept); ``lookup_ngram``: n-gram drafts' shortest
+    match (Limits.spec_lookup_ngram; 0: drafts in every row).
     """
     limits = Limits(num_slots, num_blocks, block_size, max_len, budget, frozenset({EOS}),
-                    num_host_blocks=num_host_blocks, num_speculative_tokens=num_speculative_tokens)
+                    num_host_blocks=num_host_blocks, num_speculative_tokens=num_speculative_tokens,
+                    spec_lookup_ngram=lookup_ngram)
     planner = Planner(limits, prefix_cache_id="scripted" if prefix_caching else None, detokenize=fake_detokenize)
     # What the planner was told, in order.  Request i is make_request(i, **specs[i]) with prompts[i], if given,
     # for its prompt: its spec and prompt stand for it.

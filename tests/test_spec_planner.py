@@ -73,7 +73,7 @@ def test_preemption_aborts_and_shared_prefixes(depth):
                                  num_speculative_tokens=K, accept=lambda s, p, k: (s + p) % (k + 1),
                                  arrivals={i: rng.randint(0, 4) for i in range(n)}, aborts=aborts,
                                  prompts=prompts, num_host_blocks=8 if case % 2 else 0, burst=case % 3 == 0,
-                                 prefill_ahead=bool(case % 2))
+                                 prefill_ahead=bool(case % 2), lookup_ngram=case % 4 == 3)  # rows without drafts too
         check(trace, planner, ex, aborted={f"r{i}" for i in aborts})
         preempted |= trace.preempted_inflight
         aborted_running += sum(s[0] == "running" for s in trace.abort_states)
@@ -198,6 +198,38 @@ def test_an_accepted_draft_makes_the_next_pause_short_again():
     pauses = [n for kind, n in runs_of(kinds) if kind == "plain"]
     assert pauses[:3] == [PAUSE_MIN, 2 * PAUSE_MIN, PAUSE_MIN], kinds
     assert pause_steps(0) == PAUSE_MIN and pause_steps(100) == PAUSE_MAX and free == 80
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_rows_get_drafts_only_where_the_known_tokens_end_in_a_repeat(depth):
+    """n-gram drafts (``Limits.spec_lookup_ngram``): a row gets drafts only where the request's tokens known when it
+    is planned end in a token seen earlier among them; before that its rows run without drafts (speculative rows of
+    one position, which count as none in the metrics), and the output is the script's all the same."""
+    from executor_proc.testing.scripted import ScriptedRunner
+    from scheduler_proc.limits import Limits
+    from scheduler_proc.planner import Planner
+    from tests.planner_harness import make_request
+
+    req = make_request(0, prompt_len=10, max_tokens=30)
+    prompt = list(req.prompt)  # ten distinct tokens; the output: new tokens to position 20, then the prompt again
+    token = lambda seed, pos: 200 + pos if pos < 20 else prompt[(pos - 20) % 10]  # noqa: E731
+    ex = ScriptedRunner(2, 80, 4, num_speculative_tokens=K, accept=lambda s, p, k: k, token_fn=token)
+    planner = Planner(Limits(2, 80, 4, 512, 16, frozenset({2}), num_speculative_tokens=K, spec_lookup_ngram=1),
+                      prefix_cache_id="m")
+    planner.add(req)
+    inflight, rows = [], []  # (tokens known when planned, drafts)
+    while planner.has_work or inflight:
+        while len(inflight) <= depth and (plan := planner.plan()) is not None:
+            if plan.num_drafts:
+                rows.append((req.num_known, plan.num_drafts[0]))
+            inflight.append(plan)
+        planner.reconcile(ex.execute(inflight.pop(0)))
+        planner.check_integrity()
+    assert req.output == [token(0, 10 + i) for i in range(30)]
+    assert rows and all(k == 0 for known, k in rows if known <= 20), rows  # positions 0-19: no token twice
+    assert all(k > 0 for known, k in rows if 20 < known <= 30), rows  # the copy: each last token seen before
+    drafted = sum(k > 0 for _, k in rows)
+    assert 0 < planner.spec_drafts.rows <= drafted < len(rows), (planner.spec_drafts.rows, rows)
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
