@@ -41,9 +41,10 @@ so plain rows would leave it behind.
 Where the drafts would come from (n-gram drafts): a row gets drafts only where its request's known tokens end in an
 n-gram of ``--ngram-min`` tokens seen earlier among them (:func:`ends_in_repeat`); elsewhere the device's lookup, which
 sees one or two steps more, most likely finds nothing, and the row runs without drafts: one position, which a step
-of such rows runs at about a plain step's cost (:mod:`executor_proc.step.spec_graphs`), where a row of ``K`` drafts
-runs ``K + 1`` (replaying the default model's greedy answers to the edit prompts, at K = 4: 1.87x -> 1.91x;
-chat 1.09x -> 1.13x).  Such rows count as no speculative row in the metrics.
+of such rows runs in a graph of one position a row (:mod:`executor_proc.step.spec_graphs`), where a row of ``K``
+drafts runs ``K + 1``.  With that step and its inputs in one launch, the default model at K = 4 on an H200 went from
+1.69x to 1.86x on the edit prompts and from 0.99x to 1.05x on chat (docs/performance.md).  Such rows count as no
+speculative row in the metrics.
 
 A mixin of :class:`~scheduler_proc.planner.Planner`, which owns the state (``_speculating``: the speculating
 requests past their prompt; ``_paused``: those pausing).
@@ -184,11 +185,13 @@ class Speculation:
                 if req.spec_rate < PAUSE_BELOW and req.status is _RUNNING and req.rid in self._speculating:
                     self._paused[req.rid] = req
             out = by_rid.get(req.rid)
-            if k and out is not None and out.finish_reason is None and req.status is not _FINISHED:
-                # counted for the request and the server: its drafts and those accepted, none past a finish (a
-                # finish inside the run: the drafts up to it, all accepted; a row without drafts, or of a request
-                # that finished before it or at its first token, counts nothing)
+            if out is not None and out.finish_reason is None and req.status is not _FINISHED:
                 emitted = self._spec_tokens(req, run, out, run_logprobs)
+                if not k:
+                    continue  # a row without drafts is no speculative row in the counts
+                # counted for the request and the server: its drafts and those accepted, none past a finish (a
+                # finish inside the run: the drafts up to it, all accepted; a row of a request that finished
+                # before it or at its first token counts nothing)
                 drafted = emitted if out.finish_reason is not None else k
                 counts.rows += 1
                 counts.drafted += drafted
