@@ -76,9 +76,11 @@ class Request:
     spec_pauses: int = 0  # pauses since its mean last rose past speculation.RESUME_RATE (the next pause's length)
     spec_drafted: int = 0  # drafts verified for it so far, and those accepted (its Finished reports them)
     spec_accepted: int = 0
-    # n-gram drafts: its known tokens' n-grams counted so far (speculation.ends_in_repeat), and how many tokens
+    # n-gram drafts: its known tokens' n-grams counted so far (speculation.ends_in_repeat), how many tokens, and
+    # whether the last n-gram repeats an earlier one
     spec_grams: Optional[dict] = None
     spec_indexed: int = 0
+    spec_repeats: bool = False
 
     @property
     def num_known(self) -> int:

@@ -82,16 +82,25 @@ def ends_in_repeat(req: Request, n: int) -> bool:
     """Whether the request's last ``n`` known tokens (prompt and received output) occur earlier among them.  Where
     they do not, the device's lookup, which matches ``n`` tokens at least, most likely finds no draft for the row
     being planned (its table holds these tokens and the one or two steps' in flight).  The n-grams are counted as
-    the tokens come back (``req.spec_grams``), each once."""
-    grams, known = req.spec_grams, req.num_known
+    the tokens come back (``req.spec_grams``: tokens themselves at ``n = 1``), each once, and the answer is kept
+    until more come (about 1 us a row a step on the CPU)."""
+    known = req.num_known
     if req.spec_indexed < known:
+        grams = req.spec_grams
         first = max(req.spec_indexed, n - 1)  # where the first n-gram not counted yet ends
         tokens = req.known_tokens(first - n + 1, known)
-        for end in range(n, len(tokens) + 1):
-            gram = tuple(tokens[end - n:end])
-            grams[gram] = grams.get(gram, 0) + 1
+        if n == 1:
+            for token in tokens:
+                grams[token] = grams.get(token, 0) + 1
+            last = tokens[-1]
+        else:
+            for end in range(n, len(tokens) + 1):
+                gram = tuple(tokens[end - n:end])
+                grams[gram] = grams.get(gram, 0) + 1
+            last = tuple(tokens[-n:])
+        req.spec_repeats = known >= n and grams.get(last, 0) > 1
         req.spec_indexed = known
-    return known >= n and grams.get(tuple(req.known_tokens(known - n, known)), 0) > 1
+    return req.spec_repeats
 
 
 def verifiable(s: SlotSampling) -> bool:

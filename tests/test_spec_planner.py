@@ -200,6 +200,24 @@ def test_an_accepted_draft_makes_the_next_pause_short_again():
     assert pause_steps(0) == PAUSE_MIN and pause_steps(100) == PAUSE_MAX and free == 80
 
 
+def test_ends_in_repeat_counts_the_tokens_as_they_come():
+    """The n-grams counted as tokens arrive, one or several at a time, give a plain scan's answer at every length:
+    whether the last ``n`` known tokens occur earlier among them."""
+    from scheduler_proc.speculation import ends_in_repeat
+    from tests.planner_harness import make_request
+
+    rng = random.Random(5)
+    for n in (1, 2, 3):
+        req = make_request(0, prompt_len=rng.randint(1, 6), max_tokens=99)
+        req.prompt = [rng.randrange(6) for _ in req.prompt]
+        req.spec_grams, req.spec_indexed = {}, 0
+        while len(req.output) < 60:
+            req.output += [rng.randrange(6) for _ in range(rng.choice((0, 1, 1, 3)))]
+            seq = req.prompt + req.output
+            want = len(seq) >= n and any(seq[e - n:e] == seq[-n:] for e in range(n, len(seq)))
+            assert ends_in_repeat(req, n) == want, (n, seq)
+
+
 @pytest.mark.parametrize("depth", [0, 1])
 def test_rows_get_drafts_only_where_the_known_tokens_end_in_a_repeat(depth):
     """n-gram drafts (``Limits.spec_lookup_ngram``): a row gets drafts only where the request's tokens known when it
