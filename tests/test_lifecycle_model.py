@@ -68,7 +68,8 @@ def test_outputs_equal_across_depths(servers, model_server, chat_prompt_ids):
     with ThreadPoolExecutor(len(depths)) as pool:
         started = [pool.submit(servers, "--pipeline-depth", str(depth), "--num-kv-blocks", "13", "--block-size", "8",
                                "--max-num-seqs", "8", "--debug-checks") for depth in depths]
-        srvs = dict(zip(depths, [f.result() for f in started])) | {0: model_server(0)}
+        reference = model_server(0)  # started here (where no test started it yet) while the pool's servers start
+        srvs = dict(zip(depths, [f.result() for f in started])) | {0: reference}
 
     async def run(address: str):
         return await _workload(address, chat_prompt_ids), await wait_idle(address)

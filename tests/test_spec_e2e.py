@@ -137,17 +137,25 @@ async def test_rows_at_the_context_limit_stay_within_the_slot(module_servers):
     keeps to the rows' block tables (it once gathered 128 keys and masked 144: the executor failed until the server
     gave up).  Alone on the server, with K = 8, at every depth the tokens are the plain row's."""
     ids = [1000, 1001, 1002, 1003] * 14  # 56 tokens, a pattern the lookup drafts from
-    for depth in ("0", "1"):
-        srv = module_servers("--speculative-method", "ngram", "--num-speculative-tokens", "8", "--max-model-len", "64",
-                             "--max-num-seqs", "4", "--num-kv-blocks", "32", "--pipeline-depth", depth,
-                             "--debug-checks", "--max-restarts", "0")
+    depths = ("0", "1")
+    # the two servers start together and run at the same time (each executor serves on one thread)
+    with ThreadPoolExecutor(len(depths)) as pool:
+        started = [pool.submit(module_servers, "--speculative-method", "ngram", "--num-speculative-tokens", "8",
+                               "--max-model-len", "64", "--max-num-seqs", "4", "--num-kv-blocks", "32",
+                               "--pipeline-depth", depth, "--debug-checks", "--max-restarts", "0") for depth in depths]
+        srvs = dict(zip(depths, [f.result() for f in started]))
+
+    async def one(depth: str):
+        srv = srvs[depth]
         async with AsyncClient(srv.address, timeout=120) as c:
             run = lambda **kw: c.generate(prompt_token_ids=ids, max_tokens=8, temperature=0.0, ignore_eos=True,  # noqa
                                           detokenize=False, **kw)
             spec = await run()
             plain = await run(prompt_logprobs=0)  # a row that cannot speculate
+        return spec, plain, await wait_idle(srv.address)
+
+    for depth, (spec, plain, stats) in zip(depths, await asyncio.gather(*[one(depth) for depth in depths])):
         assert (spec.token_ids, spec.finish_reason) == (plain.token_ids, "length"), depth
-        stats = await wait_idle(srv.address)
         assert stats.executor_restarts == 0 and stats.spec_draft_tokens > 0, depth
         assert_no_leak(stats)
-        srv.stop()
+        srvs[depth].stop()

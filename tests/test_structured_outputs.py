@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -93,7 +94,8 @@ async def _run_batch(address: str) -> dict[str, list[tuple[str, str]]]:
 
 @pytest.fixture(scope="module")
 def outputs_by_depth(model_server):
-    addresses = [model_server(depth).address for depth in (0, 1, 2)]
+    with ThreadPoolExecutor(3) as pool:  # those not running yet start together
+        addresses = [srv.address for srv in pool.map(model_server, (0, 1, 2))]
 
     async def all_depths():  # the three servers at once: each batch's outputs do not depend on timing
         return dict(zip((0, 1, 2), await asyncio.gather(*(_run_batch(a) for a in addresses))))
@@ -163,7 +165,8 @@ DEAD_END = 'start: "a" /[^\\x00-\\U0010FFFF]/\n'
 def test_a_constraint_with_no_continuation_fails_the_request(model_server):
     """A constraint that allows no token after the output so far fails its request with an error naming the
     field (never "stop" with an output the constraint does not match), at every depth, its n completions and
-    a stream alike; its batch mates finish as they would alone, and the server serves the next request."""
+    a stream alike; its batch mates finish as they would alone, and the server serves the next request.  The three
+    servers run it at the same time (each executor serves on one thread)."""
     async def go(depth):
         async with AsyncClient(model_server(depth).address) as c:
             async def dead(**kw):
@@ -182,8 +185,9 @@ def test_a_constraint_with_no_continuation_fails_the_request(model_server):
             *_, bounded = await asyncio.gather(dead(), dead(n=2, seed=1, temperature=1.0), streamed(), mate)
             assert bounded.finish_reason == "stop" and re.fullmatch("[0-9]{2}", bounded.text)
             assert (await c.generate("hi", max_tokens=2, temperature=0)).finish_reason == "length"
-    for depth in (0, 1, 2):
-        asyncio.run(go(depth))
+    async def every_depth():
+        await asyncio.gather(*(go(depth) for depth in (0, 1, 2)))
+    asyncio.run(every_depth())
 
 
 def test_no_leak_after_constrained_requests(model_server, outputs_by_depth):
