@@ -55,7 +55,8 @@ from ipc.protocol import StepPlan
 
 @dataclass
 class SpecGraph:
-    """One (row count, width)'s step template (arrays: views of the static buffer) and, once captured, graph and output."""
+    """One (row count, width)'s step template (arrays: views of the static buffer) and, once captured, graph and
+    output."""
 
     template: SpecStep
     graph: Optional[torch.cuda.CUDAGraph] = None
