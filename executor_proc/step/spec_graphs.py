@@ -147,7 +147,8 @@ class SpecGraphs:
                 if (rows, width) not in self.graphs]
 
     def run(self, graph: SpecGraph) -> torch.Tensor:
-        """The step's one output tensor: the rows' first tokens, ``K`` further tokens a row, the accepted counts."""
+        """The step's one output tensor: the rows' first tokens, ``width`` further tokens a row, the accepted
+        counts."""
         if graph.graph is not None:
             graph.graph.replay()
             return graph.out
