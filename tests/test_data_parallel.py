@@ -37,6 +37,7 @@ from tests.test_gpu_fastpath import write_config
 
 BLOCK = 4
 MAX_TOKENS = 40
+SLOTS = 4  # --max-num-seqs of each replica
 HANG_S = 5  # --executor-hang-timeout: a replica silent this long is killed
 
 
@@ -143,7 +144,8 @@ def dp(tmp_path_factory):
     """Two replicas behind a router; ``dp.single``: replica 0's own address (a server serving alone)."""
     tmp = tmp_path_factory.mktemp("dp")
     srv = ServerProcess("--load-format", "dummy", "--model", write_config(tmp), "--tokenizer", default_model_dir(),
-                        "--max-model-len", "256", "--block-size", str(BLOCK), "--max-num-seqs", "4", "--debug-checks",
+                        "--max-model-len", "256", "--block-size", str(BLOCK), "--max-num-seqs", str(SLOTS),
+                        "--debug-checks",
                         "--executor-threads", "1", "--data-parallel-size", "2", "--executor-hang-timeout", str(HANG_S),
                         tmpdir=str(tmp), timeout=120)
     srv.single = "ipc://" + glob.glob(f"{tmp}/forerun-*/replica0.sock")[0]
@@ -288,9 +290,11 @@ def test_stats_and_metrics_show_both_replicas(dp):
         assert f'forerun:prefix_cache_hits_total{{model_name="dpt",replica="{replica}"}}' in text
 
 
-async def _streams(address: str, requests: list[list[int]], kill=None) -> tuple[list[list[int]], list[int]]:
-    """Greedy streams; with ``kill``, called once every stream has tokens (so each replica's streams are in flight,
-    not all of one replica's done before the other's start on a loaded host): the tokens each had then."""
+async def _streams(address: str, requests: list[list[int]], kill=None,
+                   kill_at: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Greedy streams; with ``kill``, called once ``kill_at`` streams have tokens (default: every stream, so that
+    each replica's streams are in flight, not all of one replica's done before the other's start on a loaded host):
+    the tokens each had then."""
     counts = [0] * len(requests)
     at_kill: list[int] = []
 
@@ -301,7 +305,7 @@ async def _streams(address: str, requests: list[list[int]], kill=None) -> tuple[
                                              detokenize=False):
                 tokens += chunk.token_ids
                 counts[i] = len(tokens)
-                if kill is not None and not at_kill and all(counts):
+                if kill is not None and not at_kill and sum(c > 0 for c in counts) >= (kill_at or len(counts)):
                     at_kill.extend(counts)
                     kill()
             return tokens
@@ -337,13 +341,16 @@ def test_a_stuck_replica_is_killed_and_its_streams_go_on(dp):
     """SIGSTOP of replica 1's scheduler mid-stream: its process lives but answers nothing, not even the router's
     pings; after --executor-hang-timeout the router kills it, every stream ends with the tokens of an undisturbed
     run, and the replica rejoins.  Prompts no earlier test sent (a first token of their own): no replica holds
-    their prefixes, so the load spreads them over both replicas, and the second run follows the first's routing
-    (replica 1 holds streams when it stops)."""
+    their prefixes, so the load spreads them over both replicas, and the second run follows the first's routing.
+    The stop comes when both replicas' slots hold streams with tokens (the others wait in their queues): every
+    stream having tokens came only after one replica's first streams had finished, and on a loaded host replica
+    1's had all finished by then."""
     requests = [[85 + i] + ids for i, ids in enumerate(prompts(12))]
     want, _ = asyncio.run(_streams(dp.address, requests))
     victim = _replica_pid(dp, 1)
     t0 = time.monotonic()
-    got, at_stop = asyncio.run(_streams(dp.address, requests, kill=lambda: os.kill(victim, signal.SIGSTOP)))
+    got, at_stop = asyncio.run(_streams(dp.address, requests, kill=lambda: os.kill(victim, signal.SIGSTOP),
+                                        kill_at=2 * SLOTS))
     waited = time.monotonic() - t0
     assert got == want
     assert any(0 < n < MAX_TOKENS for n in at_stop), at_stop  # some were mid-stream
