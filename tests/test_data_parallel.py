@@ -290,8 +290,8 @@ def test_stats_and_metrics_show_both_replicas(dp):
         assert f'forerun:prefix_cache_hits_total{{model_name="dpt",replica="{replica}"}}' in text
 
 
-async def _streams(address: str, requests: list[list[int]], kill=None,
-                   kill_at: int = 0) -> tuple[list[list[int]], list[int]]:
+async def _streams(address: str, requests: list[list[int]], kill=None, kill_at: int = 0,
+                   max_tokens: int = MAX_TOKENS) -> tuple[list[list[int]], list[int]]:
     """Greedy streams; with ``kill``, called once ``kill_at`` streams have tokens (default: every stream, so that
     each replica's streams are in flight, not all of one replica's done before the other's start on a loaded host):
     the tokens each had then."""
@@ -301,7 +301,7 @@ async def _streams(address: str, requests: list[list[int]], kill=None,
     async with AsyncClient(address, timeout=60) as client:
         async def one(i: int) -> list[int]:
             tokens: list[int] = []
-            async for chunk in client.stream(prompt_token_ids=requests[i], max_tokens=MAX_TOKENS, temperature=0.0,
+            async for chunk in client.stream(prompt_token_ids=requests[i], max_tokens=max_tokens, temperature=0.0,
                                              detokenize=False):
                 tokens += chunk.token_ids
                 counts[i] = len(tokens)
@@ -342,20 +342,22 @@ def test_a_stuck_replica_is_killed_and_its_streams_go_on(dp):
     pings; after --executor-hang-timeout the router kills it, every stream ends with the tokens of an undisturbed
     run, and the replica rejoins.  Prompts no earlier test sent (a first token of their own): no replica holds
     their prefixes, so the load spreads them over both replicas, and the second run follows the first's routing.
-    The stop comes when both replicas' slots hold streams with tokens (the others wait in their queues): every
-    stream having tokens came only after one replica's first streams had finished, and on a loaded host replica
-    1's had all finished by then."""
+    The stop comes when as many streams have tokens as both replicas have slots, and the streams are long (160
+    tokens): on a loaded host one replica's process may get no CPU for a while, and with every stream's tokens
+    awaited (queued ones start only after a replica's first streams end) or with 40-token streams, replica 1 had
+    finished all of its streams before the stop."""
     requests = [[85 + i] + ids for i, ids in enumerate(prompts(12))]
-    want, _ = asyncio.run(_streams(dp.address, requests))
+    long = 4 * MAX_TOKENS
+    want, _ = asyncio.run(_streams(dp.address, requests, max_tokens=long))
     victim = _replica_pid(dp, 1)
     t0 = time.monotonic()
     got, at_stop = asyncio.run(_streams(dp.address, requests, kill=lambda: os.kill(victim, signal.SIGSTOP),
-                                        kill_at=2 * SLOTS))
+                                        kill_at=2 * SLOTS, max_tokens=long))
     waited = time.monotonic() - t0
     assert got == want
-    assert any(0 < n < MAX_TOKENS for n in at_stop), at_stop  # some were mid-stream
+    assert any(0 < n < long for n in at_stop), at_stop  # some were mid-stream
     assert waited >= HANG_S, waited  # its streams waited for the timeout
-    _assert_rejoins(dp, 1, victim, requests[:4], want[:4])
+    _assert_rejoins(dp, 1, victim, requests[:4], [w[:MAX_TOKENS] for w in want[:4]])  # greedy: a prefix
 
 
 def test_replicas_past_their_restarts_stay_down_and_the_last_one_stops_the_server(tmp_path_factory):
