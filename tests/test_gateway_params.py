@@ -323,6 +323,23 @@ async def test_completion_stream_echo_leads_each_choice_and_offsets_advance(toke
     assert bodies[1]["logprobs"]["text_offset"] == [2] and bodies[1]["finish_reason"] == "length"
 
 
+async def test_completion_stream_offsets_count_token_texts_past_held_back_text(tokenizer):
+    """A chunk whose text was held back (the start of a possible stop string: its tokens came, their text did not)
+    does not shift the next chunk's offsets: they continue from the token texts, as the answer without streaming
+    counts them."""
+    gw = FakeGateway(tokenizer)
+    (a,), (b,), (c,) = ids_of(tokenizer, "a"), ids_of(tokenizer, "b"), ids_of(tokenizer, "c")
+    lp = TokenLogprobs(-1.0, [], [])
+    chunks = [StreamChunk("a", [a], [lp]), StreamChunk("", [b], [lp]),
+              StreamChunk("bc", [c], [lp], finish_reason="length")]
+    stream = FakeStream(chunks[1:], request_result([choice(0, "abc", [a, b, c], [lp] * 3)]))
+    req = completion_req(stream=True, logprobs=0)
+    events = sse_events([e async for e in responses.completion_stream(gw, req, "c", [responses.Prompt([1], "P")],
+                                                                      [stream], [chunks[0]])])
+    offsets = [o for e in events[:-1] for o in json.loads(e[len(b"data: "):])["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == [0, 1, 2]
+
+
 def test_observe_many_matches_one_observe_per_value():
     from prometheus_client import CollectorRegistry, Histogram
 

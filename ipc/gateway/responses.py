@@ -203,7 +203,9 @@ async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, prompts
                             firsts: list[Any]) -> AsyncIterator[bytes]:
     """SSE events of a streaming /v1/completions answer (an echoed prompt leads each choice's first event)."""
     created, model, n = int(time.time()), gw.model_name, req.n or 1
-    sent: dict[int, int] = {}  # choice -> characters sent (the next text offset)
+    # choice -> the next token's text offset: the token texts so far (as the answer without streaming counts them; the
+    # text sent may lag behind them while a possible stop string's start is held back)
+    sent: dict[int, int] = {}
     plps: dict[int, list] = {}  # prompt -> its prompt logprobs, once they came
     running = RunningUsage(req)
 
@@ -213,13 +215,14 @@ async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, prompts
         index, text, lps = p * n + chunk.index, chunk.text_delta, None
         first = index not in sent
         offset = sent.get(index, len(prompts[p].text) if req.echo else 0)
+        sent[index] = offset
         if req.logprobs is not None:
             lps = completion_logprobs(gw.token_texts, chunk.token_ids, chunk.logprobs, req.logprobs, offset)
+            sent[index] += sum(len(token) for token in lps.tokens)
             if first and req.echo:
                 lps = join_completion_logprobs(_echo_logprobs(gw, req, prompts[p], plps.get(p)), lps)
         if first and req.echo:
             text = prompts[p].text + text
-        sent[index] = offset + len(chunk.text_delta)
         choice = rb.CompletionChoice(index=index, text=text, finish_reason=chunk.finish_reason, logprobs=lps)
         running.add(index, len(chunk.token_ids))
         usage = running.of(index, len(prompts[p].ids))
