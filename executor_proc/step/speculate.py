@@ -56,7 +56,7 @@ from ipc.config import SpeculativeConfig
 from ipc.protocol import StepPlan
 from kernels.ngram_ref import ngram_drafts_ref
 from kernels.spec_accept_ref import accept_drafts_ref
-from kernels.spec_inputs_ref import graph_inputs_ref
+from kernels.spec_inputs_ref import graph_inputs_ref, row_starts
 
 
 def build_speculator(sc: SpeculativeConfig, num_slots: int, max_len: int, device: torch.device,
@@ -225,9 +225,7 @@ class Speculator:
         """The rows' drafts (kept for the verify), then each token's input id and position and each row's context
         length, from the device lengths."""
         _, slots, ks, start, _, tok_row, tok_j = step.parts[:7]
-        last = tables.last_token[slots]
-        base = torch.where(start >= 0, start, self.lengths[slots])
-        self.tokens[slots, base] = last.to(torch.int32)
+        last, base = row_starts(self.tokens, slots, start, tables.last_token, self.lengths)
         if self.draft is None:
             drafts = ngram_drafts(self.tokens, slots, base + 1, self.k, self.ngram_min, self.ngram_max)
         else:  # the draft model's passes (the step's prefill chunks ride in its first)
