@@ -297,16 +297,23 @@ FP8_FEW_ROWS = 2
 def _default_config(head_dim: int, fp8: bool = False, rows: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages): bf16, the best of the H100 sweep in docs/kernels.md.  An FP8 cache: the
     best over contexts of 512 to 16k tokens in H200 sweeps of 1-256 rows (8B and 1B heads,
-    `decode_stages_h200_2026-11-30.json`).  At head_dim 128 its pipelines are 5 stages deep: the page-id load of
-    each tile takes a stage of the compiler's pipeline, and below 5 the K and V tiles had one buffer, loaded after
-    the previous tile's products, so that no load overlapped them (5 give two buffers: the next tile in flight);
-    past 128 rows 128-token tiles (3-4% faster at 256 rows of 512-2,048 tokens, 2% slower at 128 rows of 1k).
-    At head_dim 64 long tiles up to :data:`FP8_FEW_ROWS` rows, short ones in many small programs past it.
+    `decode_stages_h200_2026-11-30.json`, `fp8_attention_warps_h200_2026-11-30.json`).  At head_dim 128 its
+    pipelines are 5 stages deep: the page-id load of each tile takes a stage of the compiler's pipeline, and below 5
+    the K and V tiles had one buffer, loaded after the previous tile's products, so that no load overlapped them
+    (5 give two buffers: the next tile in flight); past 128 rows 128-token tiles (3-4% faster at 256 rows of
+    512-2,048 tokens, 2% slower at 128 rows of 1k).  From 3 to 128 rows two warps a program, not four: the
+    softmax's row max and sum and the probabilities' layout for the P@V product cross warps through shared
+    memory, nine barriers a tile, and with four warps the SMs issued in half their cycles (no warp eligible)
+    while DRAM ran at 69% (ncu, 8 rows of 16k); two warps, each holding more of the tile, take 3-11% less time
+    at 4-128 rows of 512-16k tokens (8 rows of 16k: 72.1 against 77.5 us).  At head_dim 64 long tiles up to
+    :data:`FP8_FEW_ROWS` rows, short ones in many small programs past it.
     """
     if fp8:
         if head_dim <= 64:
-            return (256, 4, 3) if rows <= FP8_FEW_ROWS else (64, 4, 2)
-        return (128, 4, 5) if rows <= FP8_FEW_ROWS or rows > 128 else (64, 4, 5)
+            return (256, 4, 3) if rows <= FP8_FEW_ROWS else (64, 2, 4)
+        if rows <= FP8_FEW_ROWS or rows > 128:
+            return (128, 4, 5)
+        return (64, 2, 5)
     if head_dim <= 64:
         return 32, 2, 3
     return 64, 4, 3
