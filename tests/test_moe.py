@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from executor_proc.backends.triton_backend import TritonBackend  # noqa: E402
 from executor_proc.model.config import ModelConfig  # noqa: E402
 from executor_proc.model.llama import CausalLM  # noqa: E402
 from executor_proc.model.loader import load_model  # noqa: E402
-from executor_proc.model.moe import MoEBlock, checkpoint_name  # noqa: E402
+from executor_proc.model.moe import MoEBlock, checkpoint_name, mixtral_name  # noqa: E402
 from kernels.moe import (SMALL_CONFIG, MoEConfig, SmallConfig, align_by_expert, fused_moe_grouped,  # noqa: E402
                          fused_moe_small)
 from kernels.fp8 import quantize_weight  # noqa: E402
@@ -591,6 +592,30 @@ def test_mixtral_names_map_to_the_stacked_experts():
         "model.layers.0.mlp.experts.12.down_proj.weight"
     assert checkpoint_name("model.layers.0.block_sparse_moe.gate.weight") == "model.layers.0.mlp.gate.weight"
     assert checkpoint_name("model.layers.0.mlp.gate_proj.weight") == "model.layers.0.mlp.gate_proj.weight"
+    for name in ("model.layers.3.block_sparse_moe.experts.7.w1.weight", "model.layers.0.block_sparse_moe.gate.weight",
+                 "model.layers.3.block_sparse_moe.experts.7.w3.weight_scale", "model.norm.weight"):
+        assert mixtral_name(checkpoint_name(name)) == name
+
+
+def test_mixtral_checkpoint_errors_name_its_own_tensors():
+    """A Mixtral checkpoint that lacks its router and an expert's w3: the error names them as its files do."""
+    config = ModelConfig.from_hf_dict({"architectures": ["MixtralForCausalLM"], **SHAPE, "num_local_experts": 4,
+                                       "num_experts_per_tok": 2})
+    model = CausalLM(config)
+    model.fuse_projections()
+    ours = {n: p.shape for n, p in model.named_parameters() if not n.endswith(("w13", "w2"))}
+    for i in range(config.num_layers):
+        ours.update((n, v.shape) for n, v in model.model.layers[i].mlp.expert_views(f"model.layers.{i}.mlp.").items())
+    weights = [(mixtral_name(n), torch.zeros(shape)) for n, shape in ours.items()
+               if n not in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.experts.2.up_proj.weight")]
+    with pytest.raises(ValueError, match=r"missing 2 weights: model\.layers\.0\.block_sparse_moe\.gate\.weight, "
+                                         r"model\.layers\.1\.block_sparse_moe\.experts\.2\.w3\.weight$"):
+        model.load_weights(weights)
+    name = "model.layers.1.block_sparse_moe.gate.weight"
+    with pytest.raises(ValueError, match=rf"1 shape mismatches: {re.escape(name)}: checkpoint \(2, 64\)"):
+        model.load_weights([(n, t[:2] if n == name else t) for n, t in weights]
+                           + [(mixtral_name(n), torch.zeros(ours[n])) for n in ("model.layers.0.mlp.gate.weight",
+                                                                           "model.layers.1.mlp.experts.2.up_proj.weight")])
 
 
 def test_missing_expert_is_named():
@@ -719,7 +744,9 @@ def test_server_greedy_tokens_match_hf(built):
     for name in FAMILIES:
         hf = built(name)[1]
         with torch.no_grad():
-            want[name] = [hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+            # the mask given: without one HF takes every prompt token equal to pad_token_id for padding
+            want[name] = [hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                      max_new_tokens=8, do_sample=False, eos_token_id=None,
                                       pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]
     cases = [(name, min(i, 1)) for i, name in enumerate(FAMILIES)] + [("qwen2_moe", "fp8")]
     tmp = run_dir()

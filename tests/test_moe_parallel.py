@@ -150,6 +150,11 @@ def test_expert_parallel_refusals_name_the_flag():
     with pytest.raises(StartupRefused, match="^--enable-expert-parallel needs a mixture-of-experts model; "
                                              "Qwen2ForCausalLM has none$"):
         Shards(dense, 0, 2, expert_parallel=True)
+    all_dense = ModelConfig.from_hf_dict({**BASE, "mlp_only_layers": [0, 1]})  # an MoE architecture, no MoE layer
+    with pytest.raises(StartupRefused, match=r"^--enable-expert-parallel needs a mixture-of-experts model; "
+                                             r"Qwen2MoeForCausalLM has no MoE layer \(decoder_sparse_step, "
+                                             r"mlp_only_layers\)$"):
+        Shards(all_dense, 0, 2, expert_parallel=True)
     too_many = (r"^--enable-expert-parallel gives each of the 8 tensor-parallel ranks whole experts, but the model "
                 r"has 4: use --tensor-parallel-size 4 or fewer, or leave the flag off \(tensor parallelism splits "
                 r"every expert\)$")

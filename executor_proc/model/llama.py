@@ -25,7 +25,7 @@ from executor_proc.model.kv_cache import KVCache
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.fp8_checkpoint import row_scales
 from executor_proc.model.mlp import MLP, FusedLinear
-from executor_proc.model.moe import MoEBlock, checkpoint_name
+from executor_proc.model.moe import MoEBlock, checkpoint_name, mixtral_name
 from kernels.fp8 import FP8
 from kernels.reference import rms_norm_ref
 
@@ -246,20 +246,22 @@ class CausalLM(nn.Module):
         unexpected: list[str] = []
         bad_shapes: list[str] = []
         misfits: set[str] = set()
-        for seen, (name, tensor) in enumerate(weights, 1):
+        mixtral_names = False  # the checkpoint names its MoE tensors as Mixtral's do: errors name them so too
+        for seen, (given, tensor) in enumerate(weights, 1):
             if progress_cb is not None:
                 progress_cb(seen)
-            name = checkpoint_name(name)
+            name = checkpoint_name(given)
+            mixtral_names |= ".block_sparse_moe." in given
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             param = params.get(name)
             if param is None:
-                unexpected.append(name)
+                unexpected.append(given)
                 continue
             if name.endswith(_SCALE):
                 tensor = row_scales(tensor, param.shape[0])
             if tuple(param.shape) != tuple(tensor.shape) or (param.dtype == FP8) != (tensor.dtype == FP8):
-                bad_shapes.append(f"{name}: checkpoint {tuple(tensor.shape)} {tensor.dtype} vs model "
+                bad_shapes.append(f"{given}: checkpoint {tuple(tensor.shape)} {tensor.dtype} vs model "
                                   f"{tuple(param.shape)} {param.dtype}")
                 misfits.add(name)
                 continue
@@ -269,6 +271,8 @@ class CausalLM(nn.Module):
             if stack in loaded:
                 loaded.update(views)
         missing = sorted(set(params) - loaded - misfits - set(stacks))  # a misfit is named once, with its shapes
+        if mixtral_names:
+            missing = [mixtral_name(n) for n in missing]
         problems = []
         if missing:
             problems.append(f"missing {len(missing)} weights: {_some(missing)}")

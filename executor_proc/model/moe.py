@@ -37,6 +37,10 @@ _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\."
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
+_OUR_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.")
+_MIXTRAL_W = {proj: w for w, proj in _MIXTRAL_PROJ.items()}
+
+
 # transformers 5's own layout (``save_pretrained(..., save_original_format=False)``): a layer's experts in one
 # tensor each, ``experts.gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and ``experts.down_proj [E, H, I]``,
 # laid out as the stacks are
@@ -53,6 +57,13 @@ def checkpoint_name(name: str) -> str:
         return name
     name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m[1]}.{_MIXTRAL_PROJ[m[2]]}.", name)
     return name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+
+
+def mixtral_name(name: str) -> str:
+    """What a Mixtral checkpoint calls this model's tensor ``name`` (:func:`checkpoint_name`'s inverse for the MoE
+    names), so that a load error names what the user's files hold."""
+    name = _OUR_EXPERT.sub(lambda m: f".block_sparse_moe.experts.{m[1]}.{_MIXTRAL_W[m[2]]}.", name)
+    return name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
 
 
 class MoEBlock(nn.Module):

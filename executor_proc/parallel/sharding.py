@@ -84,10 +84,12 @@ def expert_range(num_experts: int, rank: int, size: int) -> range:
 
 
 def check_expert_parallel(config: ModelConfig, size: int) -> None:
-    """Refuse ``--enable-expert-parallel`` in one line for a dense model, or more ranks than experts."""
-    if config.moe is None:
-        raise StartupRefused(f"--enable-expert-parallel needs a mixture-of-experts model; "
-                             f"{config.architecture} has none")
+    """Refuse ``--enable-expert-parallel`` in one line for a dense model (an MoE architecture whose layers are all
+    dense too), or more ranks than experts."""
+    if config.moe is None or not any(config.moe.is_sparse(i) for i in range(config.num_layers)):
+        none = "has none" if config.moe is None else "has no MoE layer (decoder_sparse_step, mlp_only_layers)"
+        raise StartupRefused(f"--enable-expert-parallel needs a mixture-of-experts model; {config.architecture} "
+                             f"{none}")
     experts = config.moe.num_experts
     if size > experts:
         fewer = f"use --tensor-parallel-size {experts} or fewer, or leave" if experts > 1 else "leave"
