@@ -307,7 +307,8 @@ class Server(ClientMessages, OutputStream):
         """Continuing is unsafe: every live request gets an error naming the cause, then the server exits."""
         if self.failure:
             return
-        self.failure = f"{cause}; the server is shutting down"
+        stops = "the server is shutting down" if self.cfg.replica is None else f"replica {self.cfg.replica} stops"
+        self.failure = f"{cause}; {stops}"
         say(self.failure)
         if self.cfg.replica is None:  # a replica's router re-sends its requests to another replica instead
             for req in list(self.requests.values()):

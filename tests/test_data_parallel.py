@@ -361,17 +361,25 @@ def test_a_stuck_replica_is_killed_and_its_streams_go_on(dp):
 
 
 def test_replicas_past_their_restarts_stay_down_and_the_last_one_stops_the_server(tmp_path_factory):
-    """``--max-restarts 0``: a killed replica stays down, its requests going to the other; when the other dies too,
-    the server says that every replica is down for good and exits (no "re-sent to other replicas" then)."""
+    """``--max-restarts 0``: replica 0's executor killed, the replica stops (saying so, not that the server does) and
+    stays down, its requests going to the other; when the other dies too, the server says that every replica is
+    down for good and exits (no "re-sent to other replicas" then)."""
     srv = ServerProcess("--load-format", "scripted", "--data-parallel-size", "2", "--max-restarts", "0",
                         tmpdir=str(tmp_path_factory.mktemp("dpr")), timeout=120)
-    replicas = sorted(int(pid) for pid in subprocess.run(["pgrep", "-P", str(srv.proc.pid)], capture_output=True,
-                                                          text=True).stdout.split())
+
+    def children(pid: int) -> list[int]:
+        return sorted(int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                                     text=True).stdout.split())
+
+    replicas = children(srv.proc.pid)
     assert len(replicas) == 2, replicas
-    os.kill(replicas[0], signal.SIGKILL)
-    time.sleep(1.0)
+    executor = children(replicas[0])
+    assert len(executor) == 1, executor
+    os.kill(executor[0], signal.SIGKILL)
+    time.sleep(1.5)
     os.kill(replicas[1], signal.SIGKILL)
     out = "".join(srv.log) + srv.proc.communicate(timeout=60)[0]
     assert out.count("re-sent to other replicas") == 1 and out.count("it stays down") == 2, out
+    assert "replica 0 stops" in out and out.count("the server is shutting down") == 1, out
     assert "every replica is down for good" in out, out
 
