@@ -45,6 +45,11 @@ __all__ = ["decode_attention", "DecodeWorkspace", "default_num_splits", "split_p
 
 _LOG2E = 1.4426950408889634
 
+# the most splits per (row, KV head) the default rule gives: past FEW_ROWS rows, and at FEW_ROWS rows or fewer
+MAX_SPLITS = 16
+FEW_ROWS = 1
+FEW_ROWS_MAX_SPLITS = 32
+
 
 @triton.jit
 def _split_kernel(
@@ -213,19 +218,17 @@ class DecodeWorkspace:
     default split count at every row count, so that a few slots' speculative rows are not cut to fewer splits).
     """
 
-    def __init__(self, max_batch: int, num_heads: int, head_dim: int, max_splits: int = 16,
+    def __init__(self, max_batch: int, num_heads: int, head_dim: int, max_splits: int = FEW_ROWS_MAX_SPLITS,
                  device: torch.device | str = "cuda", max_rows: int = 0, min_splits: int = 1, min_pairs: int = 0):
         self.max_batch, self.num_heads, self.head_dim, self.max_splits = max_batch, num_heads, head_dim, max_splits
         self.max_rows = max(max_rows, max_batch)
-        self.capacity = max(max_batch * max_splits, self.max_rows * min_splits, min_pairs)  # (row, split) pairs
+        # (row, split) pairs: max_splits for up to FEW_ROWS rows, MAX_SPLITS (or fewer) for every row
+        pairs = max(max_batch * min(max_splits, MAX_SPLITS), min(max_batch, FEW_ROWS) * max_splits)
+        self.capacity = max(pairs, self.max_rows * min_splits, min_pairs)
         n = self.capacity * num_heads
-        shape = (max_batch, num_heads, max_splits)
         self.partial_out = torch.empty(n * head_dim, dtype=torch.float32, device=device)
         self.partial_m = torch.empty(n, dtype=torch.float32, device=device)
         self.partial_l = torch.empty(n, dtype=torch.float32, device=device)
-        self.whole = (self.partial_out[:max_batch * num_heads * max_splits * head_dim].view(*shape, head_dim),
-                      self.partial_m[:max_batch * num_heads * max_splits].view(shape),
-                      self.partial_l[:max_batch * num_heads * max_splits].view(shape))
         # splits done per (row, KV head) of the call in progress; the merging split re-zeroes its entry
         self.arrivals = torch.zeros(self.max_rows, num_heads, dtype=torch.int32, device=device)
 
@@ -237,11 +240,8 @@ class DecodeWorkspace:
         return s
 
     def partials(self, rows: int, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(out, m, l) partials of a call: the whole buffers up to ``max_batch`` rows, else ``[rows, heads,
-        splits, ...]`` views packed into them."""
+        """(out, m, l) partials of a call: ``[rows, heads, splits, ...]`` views packed into the buffers."""
         assert rows <= self.max_rows and splits <= self.splits_for(rows), (rows, splits, self.max_rows)
-        if rows <= self.max_batch:
-            return self.whole
         shape = (rows, self.num_heads, splits)
         n = rows * self.num_heads * splits
         return (self.partial_out[:n * self.head_dim].view(*shape, self.head_dim),
@@ -255,8 +255,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_num_splits(batch: int, num_kv_heads: int, device: torch.device | str = "cuda",
-                       max_splits: int = 16, head_dim: int = 64) -> int:
-    """Splits per (row, KV head) so that the grid has about 4 programs per SM at head_dim 64, 2 at 128.
+                       max_splits: int = FEW_ROWS_MAX_SPLITS, head_dim: int = 64) -> int:
+    """Splits per (row, KV head) so that the grid has about 4 programs per SM at head_dim 64, 2 at 128; at most
+    :data:`MAX_SPLITS`, or :data:`FEW_ROWS_MAX_SPLITS` at up to :data:`FEW_ROWS` rows (and ``max_splits``).
 
     Depends on the batch size and head shape only (never on lengths), so one value serves a whole
     CUDA-graph bucket.  Short rows simply leave the later splits empty.  The H100 sweep
@@ -264,13 +265,17 @@ def default_num_splits(batch: int, num_kv_heads: int, device: torch.device | str
     the bytes per tile and fewer, longer programs win from batch 16 up (batch 64: 1 split 50 us
     against 2 splits 55 us per layer); at head_dim 64 the 4-per-SM rule was best at every batch.  An FP8 cache
     takes the same counts: with its deeper pipelines (:func:`_default_config`) they were the best of 1-16 splits
-    on an H200 at every row count from 4 to 256 (`decode_stages_h200_2026-11-30.json`).
+    on an H200 at every row count from 4 to 256 (`decode_stages_h200_2026-11-30.json`).  At one row 16 splits left
+    most SMs idle (8 KV heads: 128 programs on 132 SMs): 32 splits, on an H200, took 16k tokens from 38.0 to 26.6 us
+    (8B heads; FP8 18.5 -> 14.1) and no case of 512-16k tokens longer; at 2-4 rows they were slower at some lengths
+    (2 rows of 512, 8B heads: 7.6 against 6.0 us; `attention_few_rows_h200_2026-11-30.json`).
     """
-    return _splits(batch * num_kv_heads, _programs_wanted(device, head_dim), max_splits)
+    cap = min(max_splits, FEW_ROWS_MAX_SPLITS if batch <= FEW_ROWS else MAX_SPLITS)
+    return _splits(batch * num_kv_heads, _programs_wanted(device, head_dim), cap)
 
 
-def split_pairs(max_rows: int, num_kv_heads: int, device: torch.device | str = "cuda", max_splits: int = 16,
-                head_dim: int = 64) -> int:
+def split_pairs(max_rows: int, num_kv_heads: int, device: torch.device | str = "cuda",
+                max_splits: int = FEW_ROWS_MAX_SPLITS, head_dim: int = 64) -> int:
     """The most (row, split) pairs :func:`default_num_splits` asks for at any row count up to ``max_rows``: what a
     :class:`DecodeWorkspace` holds so that no call gets fewer splits than that rule gives (a speculative step of
     one slot at K = 8 is 9 rows: cut from 16 splits to 2, the default model's verify step took 0.97 ms on an H200
@@ -295,18 +300,20 @@ FP8_FEW_ROWS = 2
 
 
 def _default_config(head_dim: int, fp8: bool = False, rows: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages): bf16, the best of the H100 sweep in docs/kernels.md.  An FP8 cache: the
-    best over contexts of 512 to 16k tokens in H200 sweeps of 1-256 rows (8B and 1B heads,
-    `decode_stages_h200_2026-11-30.json`, `fp8_attention_warps_h200_2026-11-30.json`).  At head_dim 128 its
-    pipelines are 5 stages deep: the page-id load of each tile takes a stage of the compiler's pipeline, and below 5
-    the K and V tiles had one buffer, loaded after the previous tile's products, so that no load overlapped them
-    (5 give two buffers: the next tile in flight); past 128 rows 128-token tiles (3-4% faster at 256 rows of
-    512-2,048 tokens, 2% slower at 128 rows of 1k).  From 3 to 128 rows two warps a program, not four: the
-    softmax's row max and sum and the probabilities' layout for the P@V product cross warps through shared
-    memory, nine barriers a tile, and with four warps the SMs issued in half their cycles (no warp eligible)
-    while DRAM ran at 69% (ncu, 8 rows of 16k); two warps, each holding more of the tile, take 3-11% less time
-    at 4-128 rows of 512-16k tokens (8 rows of 16k: 72.1 against 77.5 us).  At head_dim 64 long tiles up to
-    :data:`FP8_FEW_ROWS` rows, short ones in many small programs past it.
+    """(BLOCK_N, num_warps, num_stages).  bf16: the best of the H100 sweep in docs/kernels.md, but at 3-4 rows
+    (head_dim 64) and 4 rows (128) 64-token tiles in two-warp programs (H200, 512-16k tokens: 8B heads at 4 rows
+    15.7 -> 10.8 us at 2k, 90.7 -> 69.3 at 16k; 1B heads at 3-4 rows 1.0-1.25x; at 3 rows of 8B heads they lost at
+    16k; `attention_few_rows_h200_2026-11-30.json`).  An FP8 cache: the best over contexts of 512 to 16k tokens in
+    H200 sweeps of 1-256 rows (8B and 1B heads, `decode_stages_h200_2026-11-30.json`,
+    `fp8_attention_warps_h200_2026-11-30.json`).  At head_dim 128 its pipelines are 5 stages deep: the page-id load
+    of each tile takes a stage of the compiler's pipeline, and below 5 the K and V tiles had one buffer, loaded
+    after the previous tile's products, so that no load overlapped them (5 give two buffers: the next tile in
+    flight); past 128 rows 128-token tiles (3-4% faster at 256 rows of 512-2,048 tokens, 2% slower at 128 rows of
+    1k).  From 3 to 128 rows two warps a program, not four: the softmax's row max and sum and the probabilities'
+    layout for the P@V product cross warps through shared memory, nine barriers a tile, and with four warps the SMs
+    issued in half their cycles (no warp eligible) while DRAM ran at 69% (ncu, 8 rows of 16k); two warps, each
+    holding more of the tile, take 3-11% less time at 4-128 rows of 512-16k tokens (8 rows of 16k: 72.1 against
+    77.5 us).  At head_dim 64 long tiles up to :data:`FP8_FEW_ROWS` rows, short ones in many small programs past it.
     """
     if fp8:
         if head_dim <= 64:
@@ -315,8 +322,8 @@ def _default_config(head_dim: int, fp8: bool = False, rows: int = 1) -> tuple[in
             return (128, 4, 5)
         return (64, 2, 5)
     if head_dim <= 64:
-        return 32, 2, 3
-    return 64, 4, 3
+        return (64, 2, 3) if 3 <= rows <= 4 else (32, 2, 3)
+    return (64, 2, 3) if rows == 4 else (64, 4, 3)
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
@@ -374,7 +381,7 @@ def decode_attention(
     # an FP8 cache under 16-bit queries: float16 products on e4m3 read two a word, its own tiles
     fp8 = k_cache.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
     if num_splits is None:
-        num_splits = default_num_splits(B, Hkv, q.device, workspace.max_splits if workspace else 16, D)
+        num_splits = default_num_splits(B, Hkv, q.device, workspace.max_splits if workspace else FEW_ROWS_MAX_SPLITS, D)
     dflt = _default_config(D, fp8, B if config_rows is None else config_rows)
     block_n = block_n or dflt[0]
     num_warps = num_warps or dflt[1]

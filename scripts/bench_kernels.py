@@ -239,7 +239,7 @@ Prints a short table last.
         cl = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
         q = torch.randn(B, H, D, device=DEV, dtype=torch.bfloat16)
         out = torch.empty_like(q)
-        ws = DecodeWorkspace(B, H, D, max_splits=32, device=DEV)
+        ws = DecodeWorkspace(B, H, D, max_splits=32, device=DEV, min_pairs=B * 32)  # the sweep tries up to 32
         kv_bytes = 2 * B * ctx * Hkv * D * 2
         scale = D ** -0.5
 
@@ -657,7 +657,8 @@ speed-up is printed.
         cl = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
         out = torch.empty_like(q)
-        ws = DecodeWorkspace(batch, H, D, max_splits=16, device="cuda")
+        most = max(32, *args.splits)  # room for every swept split count at this row count
+        ws = DecodeWorkspace(batch, H, D, max_splits=most, device="cuda", min_pairs=batch * most)
         kv_bytes = 2 * batch * ctx * Hkv * D * kc.element_size()
         fp8 = kv_dtype == "fp8"
         default = (default_num_splits(batch, Hkv, "cuda", head_dim=D), *_default_config(D, fp8, batch))
@@ -672,8 +673,8 @@ speed-up is printed.
             except Exception as e:  # noqa: BLE001 - out of shared memory etc.: skip the config
                 print(f"  skip {key}: {type(e).__name__}", flush=True)
         if default not in results:
-            results[default] = graph_time(lambda: decode_attention(q, kc, vc, bt, cl, D ** -0.5, out=out, workspace=ws),
-                                          args.reps)
+            results[default] = graph_time(lambda: decode_attention(q, kc, vc, bt, cl, D ** -0.5, out=out, workspace=ws,
+                                                                   num_splits=default[0]), args.reps)
         ranked = sorted(results.items(), key=lambda kv: kv[1])
         best = ranked[0][0]
         decode_attention(q, kc, vc, bt, cl, D ** -0.5, out=out, workspace=ws, num_splits=best[0], block_n=best[1],

@@ -127,6 +127,29 @@ def test_decode_attention_more_rows_than_the_workspace_batch():
     assert rel_err(out, R.decode_attention_ref(q, kc, vc, bt, cl, D ** -0.5)) < tol(torch.float32)
 
 
+def test_one_row_takes_more_splits_in_the_same_workspace(monkeypatch):
+    """At one row the default rule gives up to 32 splits (16 past it), and a workspace for 64 rows holds them without
+    growing: its partials are 64 rows' 16 splits, which a few rows' 32 fit in; the output is the reference's."""
+    import kernels.decode_attention as attention
+    from kernels.decode_attention import DecodeWorkspace, decode_attention, default_num_splits
+
+    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
+    assert [default_num_splits(r, 8, "cpu", head_dim=128) for r in (1, 2, 3, 4, 8)] == [32, 16, 16, 16, 8]
+    assert [default_num_splits(r, 8, "cpu", head_dim=64) for r in (1, 2, 4, 16)] == [32, 16, 16, 8]
+    assert default_num_splits(1, 8, "cpu", 16, 128) == 16  # a workspace of 16 splits caps the rule
+    ws = DecodeWorkspace(64, 8, 32, device=DEV)
+    assert ws.max_splits == 32 and ws.capacity == 64 * 16 and ws.splits_for(2) == 32 and ws.splits_for(64) == 16
+    g = torch.Generator().manual_seed(12)
+    lens = [700, 33]
+    kc, vc, bt = make_paged(lens, 16, 2, 32, torch.float32, gen=g)
+    cl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(2, 8, 32, generator=g).to(DEV)
+    poison(ws.partial_out), poison(ws.partial_m), poison(ws.partial_l)
+    out = decode_attention(q, kc, vc, bt, cl, 32 ** -0.5, workspace=ws, num_splits=32, block_n=16)
+    assert rel_err(out, R.decode_attention_ref(q, kc, vc, bt, cl, 32 ** -0.5)) < tol(torch.float32)
+    assert (ws.arrivals == 0).all()
+
+
 @pytest.mark.skipif(not ON_GPU, reason="large shapes on CUDA only")
 @pytest.mark.parametrize("D", [64, 128])
 def test_decode_attention_large(D):

@@ -191,7 +191,7 @@ def test_a_few_slots_speculative_rows_keep_the_default_attention_splits(monkeypa
         backend = TritonBackend(torch.ones(head_dim // 2), 64, heads, num_kv_heads, head_dim, slots + 1,
                                 torch.device("cpu"), max_decode_rows=max_rows)
         for rows in range(1, max_rows + 1):
-            want = attention.default_num_splits(rows, num_kv_heads, "cpu", 16, head_dim)
+            want = attention.default_num_splits(rows, num_kv_heads, "cpu", head_dim=head_dim)
             assert backend._num_splits(rows) == want, (slots, rows)
             backend.workspace.partials(rows, want)
         held = backend.workspace.capacity * heads * head_dim * 4
