@@ -45,7 +45,7 @@ __all__ = ["decode_attention", "DecodeWorkspace", "default_num_splits", "split_p
 
 _LOG2E = 1.4426950408889634
 
-# the most splits per (row, KV head) the default rule gives: past FEW_ROWS rows, and at FEW_ROWS rows or fewer
+# the most splits per (row, KV head) the default rule gives: MAX_SPLITS, FEW_ROWS_MAX_SPLITS at up to FEW_ROWS rows
 MAX_SPLITS = 16
 FEW_ROWS = 1
 FEW_ROWS_MAX_SPLITS = 32
@@ -267,8 +267,9 @@ def default_num_splits(batch: int, num_kv_heads: int, device: torch.device | str
     takes the same counts: with its deeper pipelines (:func:`_default_config`) they were the best of 1-16 splits
     on an H200 at every row count from 4 to 256 (`decode_stages_h200_2026-11-30.json`).  At one row 16 splits left
     most SMs idle (8 KV heads: 128 programs on 132 SMs): 32 splits, on an H200, took 16k tokens from 38.0 to 26.6 us
-    (8B heads; FP8 18.5 -> 14.1) and no case of 512-16k tokens longer; at 2-4 rows they were slower at some lengths
-    (2 rows of 512, 8B heads: 7.6 against 6.0 us; `attention_few_rows_h200_2026-11-30.json`).
+    (8B heads; FP8 18.5 -> 14.1; 1B heads 34.9 -> 20.5), 2k tokens 1.04-1.17x; one row of 512 tokens with 1B heads
+    took 0.36 us longer (4.09 -> 4.45: there the extra splits are empty programs); at 2-4 rows they were slower at
+    some lengths (2 rows of 512, 8B heads: 7.6 against 6.0 us; `attention_few_rows_h200_2026-11-30.json`).
     """
     cap = min(max_splits, FEW_ROWS_MAX_SPLITS if batch <= FEW_ROWS else MAX_SPLITS)
     return _splits(batch * num_kv_heads, _programs_wanted(device, head_dim), cap)

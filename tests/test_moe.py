@@ -613,9 +613,9 @@ def test_mixtral_checkpoint_errors_name_its_own_tensors():
         model.load_weights(weights)
     name = "model.layers.1.block_sparse_moe.gate.weight"
     with pytest.raises(ValueError, match=rf"1 shape mismatches: {re.escape(name)}: checkpoint \(2, 64\)"):
+        left_out = ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.experts.2.up_proj.weight")
         model.load_weights([(n, t[:2] if n == name else t) for n, t in weights]
-                           + [(mixtral_name(n), torch.zeros(ours[n])) for n in ("model.layers.0.mlp.gate.weight",
-                                                                           "model.layers.1.mlp.experts.2.up_proj.weight")])
+                           + [(mixtral_name(n), torch.zeros(ours[n])) for n in left_out])
 
 
 def test_missing_expert_is_named():
