@@ -231,6 +231,7 @@ class DecodeWorkspace:
         self.partial_l = torch.empty(n, dtype=torch.float32, device=device)
         # splits done per (row, KV head) of the call in progress; the merging split re-zeroes its entry
         self.arrivals = torch.zeros(self.max_rows, num_heads, dtype=torch.int32, device=device)
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by (rows, splits)
 
     def splits_for(self, rows: int) -> int:
         """The most splits (a power of two) a call of ``rows`` rows can keep its partials for."""
@@ -240,12 +241,16 @@ class DecodeWorkspace:
         return s
 
     def partials(self, rows: int, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(out, m, l) partials of a call: ``[rows, heads, splits, ...]`` views packed into the buffers."""
-        assert rows <= self.max_rows and splits <= self.splits_for(rows), (rows, splits, self.max_rows)
-        shape = (rows, self.num_heads, splits)
-        n = rows * self.num_heads * splits
-        return (self.partial_out[:n * self.head_dim].view(*shape, self.head_dim),
-                self.partial_m[:n].view(shape), self.partial_l[:n].view(shape))
+        """(out, m, l) partials of a call: ``[rows, heads, splits, ...]`` views packed into the buffers (made once
+        per row and split count: an eager forward asks at every layer)."""
+        views = self._views.get((rows, splits))
+        if views is None:
+            assert rows <= self.max_rows and splits <= self.splits_for(rows), (rows, splits, self.max_rows)
+            shape = (rows, self.num_heads, splits)
+            n = rows * self.num_heads * splits
+            views = self._views[rows, splits] = (self.partial_out[:n * self.head_dim].view(*shape, self.head_dim),
+                                                 self.partial_m[:n].view(shape), self.partial_l[:n].view(shape))
+        return views
 
 
 def _num_sms(device: torch.device) -> int:
