@@ -659,6 +659,35 @@ def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
     assert CUDA or not launches(fast)
 
 
+def test_qk_norm_models_fold_the_input_norm_into_qkv(tmp_path, monkeypatch):
+    """Qwen3's q/k norms sit between q|k|v and the rotary, so its attention input cannot be the one-token
+    norm -> q|k|v -> rotary kernel; the input norm still folds into the q|k|v matmul (the "norm" kind, tuned for
+    q|k|v's shape too), and with it forced a decode step at batch 1 gives the torch path's tokens."""
+    from executor_proc.backends import gemv_tuning
+
+    import executor_proc.backends.triton_backend as tb
+
+    write_config(tmp_path, layers=1)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    device = "cuda" if CUDA else "cpu"
+    model = built(str(tmp_path), device, kernels="triton", cuda_graphs=False).worker.model
+    keys = {job.key for job in gemv_tuning.prologue_jobs(model.backend, model)}
+    assert {("norm", 128, 64, 1), ("norm", 192, 64, 1)} <= keys  # q|k|v (4 heads + 2 + 2 of 16), gate|up
+    assert not any(kind in ("qkv", "rope") for kind, *_ in keys)
+    fewer_attention_splits(monkeypatch)
+    plans = scenario(vocab=97, steps=4, alone_from=2, admit_at=1, release_at=2)  # batch 1 from step 2
+    ref = run_plans(built(str(tmp_path), device, kernels="torch").worker, plans)
+    normed = []
+    monkeypatch.setattr(tb, "gemv_prologue", lambda x, w, *a, _f=tb.gemv_prologue, **k: normed.append(w.shape[0])
+                        or _f(x, w, *a, **k))
+    worker = built(str(tmp_path), device, kernels="triton", cuda_graphs=False).worker
+    worker.model.backend.prologue_everywhere = {"norm": ("row", 16, 256, 4, 4)}
+    assert [t for _, t in run_plans(worker, plans)] == [t for _, t in ref]
+    assert 128 in normed  # q|k|v took the fused norm at batch 1
+
+
 @needs_cuda
 def test_graphs_equal_eager_bf16(tmp_path):
     """Captured graphs give bit-identical greedy and sampled tokens to eager runs of the same buckets."""

@@ -179,9 +179,11 @@ def prologue_jobs(backend, model, ms: tuple[int, ...] = (1,), margin: float = 0.
     groups: dict[tuple[str, int, int], list[torch.Tensor]] = defaultdict(list)
     for layer in layers:
         qkv = layer.self_attn.qkv.weight
-        if layer.self_attn.q_norm is None:  # q/k norms sit between the matmul and the rotary: no fusion
+        if layer.self_attn.q_norm is None:
             groups[("qkv", *qkv.shape)].append(qkv)
             groups[("rope", *qkv.shape)].append(qkv)
+        else:  # q/k norms sit between the matmul and the rotary: only the input norm folds into q|k|v
+            groups[("norm", *qkv.shape)].append(qkv)
         if not _mlp_weights(layer):
             continue
         gate_up, down = _mlp_weights(layer)
