@@ -7,13 +7,18 @@ Two kernels do the product, and the start-up tuner keeps the faster per (shape, 
 (:func:`executor_proc.backends.gemv_tuning.matmul_jobs`):
 
 - ``torch._scaled_mm`` with row-wise scales (cuBLASLt's FP8 GEMM; bf16 output only), the default;
-- :func:`fp8_matmul`, a Triton ``tl.dot`` on e4m3 tiles (any output dtype, PDL-launched).
+- :func:`fp8_matmul`, a Triton ``tl.dot`` on e4m3 tiles (any output dtype, PDL-launched).  On Hopper its tiles
+  come in through the TMA unit (host-side tensor descriptors; ``FORERUN_FP8_TMA=0``: per-thread loads): the same
+  products in the same order, bit for bit, and on an H200 (8B shapes, one weight at a time past the L2) as fast at
+  64 rows and 2-16% faster at 256 (docs/performance.md).
 
 Both equal :func:`kernels.fp8.fp8_linear_ref` up to the order of the float32 sums.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -23,6 +28,11 @@ import triton.language as tl
 from .e4m3 import row_scale, scaled_to_e4m3
 from .fp8 import FP8, Fp8Weight
 from .pdl import pdl_args, pdl_launch, pdl_wait
+
+try:  # host-side tensor descriptors (Triton >= 3.4): the TMA form on Hopper
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer form everywhere
+    TensorDescriptor = None
 
 __all__ = ["Fp8MatmulConfig", "FP8_MATMUL_CONFIGS", "quantize_rows", "fp8_matmul", "scaled_mm", "w8a8_linear",
            "w8a8_quantized"]
@@ -96,17 +106,33 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _fp8_matmul_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, USE_PDL: tl.constexpr = False):
-    # grouped order: GROUP_M row tiles share each weight tile while it is in L2
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (row tile, column tile), in grouped order: GROUP_M row tiles share each weight tile while it
+    is in L2."""
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * tiles_n)
     first_m = group * GROUP_M
     size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
-    pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+    return first_m + (pid % (GROUP_M * tiles_n)) % size_m, (pid % (GROUP_M * tiles_n)) // size_m
+
+
+@triton.jit
+def _store_scaled(acc, xs_ptr, ws, b_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym, HAS_BIAS: tl.constexpr):
+    """``acc * xs[m] * s[n] (+ b)``, rounded once to y's dtype."""
+    xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+    acc = acc * (xs[:, None] * ws[None, :])
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _fp8_matmul_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
@@ -122,12 +148,41 @@ def _fp8_matmul_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stri
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
     pdl_launch(USE_PDL)
-    xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
-    acc = acc * (xs[:, None] * ws[None, :])
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    _store_scaled(acc, xs_ptr, ws, b_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _fp8_matmul_tma_kernel(x_desc, xs_ptr, w_desc, ws_ptr, b_ptr, y_ptr, M, N, K, stride_ym, HAS_BIAS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
+    """:func:`_fp8_matmul_kernel` with its tiles brought in by the TMA unit (tensor descriptors of x and w; the
+    descriptor's bounds zero what lies past M, N or K): no per-thread addresses or masks in the loop."""
+    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    pdl_wait(USE_PDL)
+    for k0 in range(0, K, BLOCK_K):
+        acc = tl.dot(x_desc.load([pid_m * BLOCK_M, k0]), w_desc.load([pid_n * BLOCK_N, k0]).T, acc)
+    pdl_launch(USE_PDL)
+    _store_scaled(acc, xs_ptr, ws, b_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym, HAS_BIAS)
+
+
+@functools.cache
+def _tma_supported(device_index: int) -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FORERUN_FP8_TMA", "1") == "0":
+        return False
+    return TensorDescriptor is not None and torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def _takes_tma(xq: torch.Tensor, weight: Fp8Weight) -> bool:
+    """Whether the TMA form serves this product: Hopper or later, both operands' rows 16-byte aligned."""
+    if not xq.is_cuda or not _tma_supported(xq.device.index if xq.device.index is not None
+                                            else torch.cuda.current_device()):
+        return False
+    return all(t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (xq, weight.data))
 
 
 def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: Fp8Weight, bias: Optional[torch.Tensor] = None, *,
@@ -142,10 +197,16 @@ def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: Fp8Weight, bias: Opti
         return out
     bm, bn, bk, num_warps, num_stages = config
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _fp8_matmul_kernel[grid](xq, xs, weight.data, weight.scale, bias if bias is not None else weight.scale, out,
-                             M, N, K, xq.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=num_warps,
-                             num_stages=num_stages, **pdl_args(xq))
+    b = bias if bias is not None else weight.scale
+    launch = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=num_warps,
+                  num_stages=num_stages, **pdl_args(xq))
+    if _takes_tma(xq, weight):
+        _fp8_matmul_tma_kernel[grid](TensorDescriptor.from_tensor(xq, [bm, bk]), xs,
+                                     TensorDescriptor.from_tensor(weight.data, [bn, bk]), weight.scale, b, out, M, N, K,
+                                     out.stride(0), **launch)
+    else:
+        _fp8_matmul_kernel[grid](xq, xs, weight.data, weight.scale, b, out, M, N, K, xq.stride(0), weight.stride(0),
+                                 out.stride(0), **launch)
     return out
 
 

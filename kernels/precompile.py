@@ -240,6 +240,9 @@ def specialization_key(fn, args: tuple, kwargs: dict) -> Optional[tuple]:
 def _spec(param, value) -> tuple:
     if param.is_constexpr:
         return ("c", repr(value))
+    if hasattr(value, "block_shape") and hasattr(value, "base"):  # a tensor descriptor (TMA): its dtype and tile
+        # (never its repr: that prints the tensor, a copy to the host that would break a dry run's capture)
+        return ("d", str(value.base.dtype), tuple(value.block_shape), str(getattr(value, "padding", "")))
     if hasattr(value, "data_ptr"):
         aligned = None if getattr(param, "do_not_specialize_on_alignment", False) else value.data_ptr() % 16 == 0
         return ("p", str(value.dtype), aligned)

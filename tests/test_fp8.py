@@ -156,6 +156,26 @@ def test_w8a8_matches_reference_gpu():
             assert err < 4e-3, (m, n, k, config, err)  # bf16 output rounding
 
 
+@pytest.mark.skipif(not CUDA, reason="the W8A8 kernels need FP8 tensor cores")
+def test_w8a8_tma_tiles_equal_pointer_tiles_bit_for_bit(monkeypatch):
+    """On Hopper the Triton W8A8 kernel reads its tiles through tensor descriptors; where rows, columns or depth
+    end inside a tile (the descriptor's bounds give zeros there), it still equals the per-thread-load kernel."""
+    import kernels.matmul_fp8 as mm
+
+    g = torch.Generator().manual_seed(5)
+    for m, n, k in ((16, 256, 512), (77, 200, 1040), (300, 4096, 4096)):
+        x = (torch.randn(m, k, generator=g) * 3).cuda().bfloat16()
+        w = quantize_weight(torch.randn(n, k, generator=g).cuda().bfloat16() * 0.05)
+        b = torch.randn(n, generator=g).cuda().bfloat16()
+        xq, xs = mm.quantize_rows(x)
+        assert mm._takes_tma(xq, w) == (torch.cuda.get_device_capability() >= (9, 0))
+        for config in mm.FP8_MATMUL_CONFIGS:
+            with monkeypatch.context() as patch:
+                patch.setattr(mm, "_takes_tma", lambda *_: False)
+                loads = mm.fp8_matmul(xq, xs, w, b, config=config)
+            assert torch.equal(mm.fp8_matmul(xq, xs, w, b, config=config), loads), (m, n, k, config)
+
+
 def test_norm_and_silu_mul_hand_over_the_rows_quantize_rows_makes():
     """The RMSNorm (with and without its residual add) and the SiLU-mul that write FP8 rows and scales for a W8A8
     matmul give, bit for bit, what the plain kernel followed by ``quantize_rows`` gives (one pass and, for the

@@ -88,6 +88,23 @@ def test_keys_follow_the_arguments_triton_specializes_on():
     assert specialization_key(SCALE, (x,), {"BLOCK": 64}) is None  # does not bind: no de-duplication
 
 
+def test_tensor_descriptors_key_on_their_dtype_and_tile_never_their_values():
+    """A TMA tensor descriptor specializes a kernel by its tensor's dtype and its tile; its key never formats the
+    tensor (a repr copies a GPU tensor to the host, which breaks the dry run's capture)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    class Unprintable(torch.Tensor):
+        def __repr__(self):
+            raise AssertionError("the key formatted the tensor")
+
+    x = torch.zeros(64, 64).as_subclass(Unprintable)
+    key = specialization_key(SCALE, (TensorDescriptor.from_tensor(x, [16, 32]), x, 64, 2.0), {"BLOCK": 64})
+    other = torch.ones(32, 128).as_subclass(Unprintable)
+    assert key == specialization_key(SCALE, (TensorDescriptor.from_tensor(other, [16, 32]), x, 64, 2.0),
+                                      {"BLOCK": 64})
+    assert key != specialization_key(SCALE, (TensorDescriptor.from_tensor(x, [32, 32]), x, 64, 2.0), {"BLOCK": 64})
+
+
 def test_records_hold_no_tensor_and_failures_are_left_for_the_launch():
     x = torch.zeros(4096)
     ref = weakref.ref(x)
