@@ -5,14 +5,16 @@ with each prologue, its 2-8-row form, the "dot" form with and without the SiLU e
 :mod:`kernels.gemv_qkv` with the norm and at 1-8 rows without, in both forms) for the tuner's configs, head dims 64
 and 128, as the H100 runs them (with programmatic dependent launch, :mod:`kernels.pdl`), the split-KV decode
 attention kernel whose last split merges, the tiled matmul, SiLU-mul and rotary/KV-write kernels (PDL, no
-weight prefetch), the MoE kernels and the tensor-parallel one-shot all-reduce; :func:`fp8_variants` the same kernels on FP8 weights and an FP8 KV cache.  Each compiled variant
+weight prefetch), the MoE kernels and the tensor-parallel one-shot all-reduce; :func:`fp8_variants` the same kernels on FP8 weights and an FP8 KV cache;
+:func:`w8a8_variants` the FP8 W8A8 matmul above 8 rows, per-thread loads and TMA tensor descriptors, at the tuner's
+tiles.  Each compiled variant
 prints one line: its size and whether anything spilled to local memory.  Exits 1 if a variant fails to compile,
 spills, or breaks PDL's rule in its PTX (a store before ``griddepcontrol.wait``, or no wait), or if the decode
 kernel's arrival is not a CTA barrier followed by a GPU-scope acquire-release atomic.
 
 ``python -m tests.compile_sm90`` (TRITON_INTERPRET unset) compiles :func:`covering`: every kernel at every config
 in its heaviest variant (largest head dim, most rows, every epilogue on), plus one variant of each other flag set:
-a quarter of the 222, the CI test's run (``tests/test_gpu_fastpath.py``).  ``--all`` compiles every variant
+98 of the 282, the CI test's run (``tests/test_gpu_fastpath.py``).  ``--all`` compiles every variant
 (``scripts/gpu_suite.sh tests``).
 """
 
@@ -26,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels import (activation, all_reduce, decode_attention, gemv, gemv_partials, gemv_qkv, gemv_row, kv_write,
-                     matmul, moe, moe_route)
+                     matmul, matmul_fp8, moe, moe_route)
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ROW_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16",
@@ -203,6 +205,23 @@ def fp8_variants():
                 forms = tuple(f for f in forms if f != name.split()[0])
 
 
+def w8a8_variants():
+    """The W8A8 matmul's two forms at each of the tuner's tiles: per-thread loads, and its tiles through TMA tensor
+    descriptors (Hopper's form)."""
+    for config in matmul_fp8.FP8_MATMUL_CONFIGS:
+        bm, bn, bk, warps, stages = config
+        tile = f"{bm}x{bn}x{bk} {warps}w {stages}s"
+        consts = dict(HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, USE_PDL=True)
+        scales = dict(xs_ptr="*fp32")
+        rest = dict(ws_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16", M="i32", N="i32", K="i32")
+        yield (f"w8a8 {tile}", matmul_fp8._fp8_matmul_kernel,
+               dict(x_ptr="*fp8e4nv", **scales, w_ptr="*fp8e4nv", **rest, stride_xm="i32", stride_wn="i32",
+                    stride_ym="i32"), consts, config)
+        yield (f"w8a8_tma {tile}", matmul_fp8._fp8_matmul_tma_kernel,
+               dict(x_desc=f"tensordesc<fp8e4nv[{bm}, {bk}]>", **scales, w_desc=f"tensordesc<fp8e4nv[{bn}, {bk}]>",
+                    **rest, stride_ym="i32"), consts, config)
+
+
 def logits_variants():
     """The LM head's launches, which store float32 logits from bf16 rows (the sums unrounded): the plain kernel of
     each matmul form at its first config."""
@@ -244,7 +263,10 @@ def covering() -> list:
         if not keys(v) <= seen:
             seen |= keys(v)
             chosen.append(v)
-    return chosen + list(fp8_variants()) + logits_variants()
+    first, heaviest = matmul_fp8.FP8_MATMUL_CONFIGS[0], max(matmul_fp8.FP8_MATMUL_CONFIGS,
+                                                             key=lambda c: (c.block_m * c.block_n, c.num_stages))
+    w8a8 = [v for v in w8a8_variants() if v[4] in (first, heaviest)]
+    return chosen + list(fp8_variants()) + logits_variants() + w8a8
 
 
 def pdl_problem(ptx: str, prefetch: bool = True) -> str:
@@ -274,8 +296,8 @@ def arrival_problem(ptx: str) -> str:
 
 def main(argv: list[str]) -> int:
     failed = 0
-    for name, kernel, sig, consts, config in (list(variants()) + list(fp8_variants()) + logits_variants()
-                                              if "--all" in argv else covering()):
+    every = list(variants()) + list(fp8_variants()) + logits_variants() + list(w8a8_variants())
+    for name, kernel, sig, consts, config in every if "--all" in argv else covering():
         # a constexpr left at its default (W_SCALED: bf16 weights) is bound like the launches bind it
         consts = dict({p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default
                        and p.name not in consts}, **consts)

@@ -385,10 +385,10 @@ def test_residual_epilogue_and_norm_from_partial_sums(dtype):
 
 
 def test_fused_kernels_compile_for_hopper_without_spills():
-    """The batch-1 fused kernels and the split-KV decode attention go through Triton's real compiler and ptxas for
-    sm_90 (offline: no GPU needed), on bf16 and FP8 operands, and none spills to local memory or breaks its ordering
-    rules (``tests/compile_sm90.py``: every kernel at every config in its heaviest variant and every flag set once;
-    ``--all``, every variant, runs in ``scripts/gpu_suite.sh tests``)."""
+    """The batch-1 fused kernels, the split-KV decode attention and the W8A8 matmul (both forms) go through Triton's
+    real compiler and ptxas for sm_90 (offline: no GPU needed), on bf16 and FP8 operands, and none spills to local
+    memory or breaks its ordering rules (``tests/compile_sm90.py``: every kernel at every config in its heaviest
+    variant and every flag set once; ``--all``, every variant, runs in ``scripts/gpu_suite.sh tests``)."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     # the real compiler, without the line tables nothing here reads (10% of its time)
     env = dict({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, TRITON_DISABLE_LINE_INFO="1")
