@@ -9,8 +9,8 @@ Two kernels do the product, and the start-up tuner keeps the faster per (shape, 
 - ``torch._scaled_mm`` with row-wise scales (cuBLASLt's FP8 GEMM; bf16 output only), the default;
 - :func:`fp8_matmul`, a Triton ``tl.dot`` on e4m3 tiles (any output dtype, PDL-launched).  On Hopper its tiles
   come in through the TMA unit (host-side tensor descriptors; ``FORERUN_FP8_TMA=0``: per-thread loads): the same
-  products in the same order, bit for bit, and on an H200 (8B shapes, one weight at a time past the L2) as fast at
-  64 rows and 2-16% faster at 256 (docs/performance.md).
+  products in the same order, bit for bit, and on an H200 (8B shapes, one weight at a time past the L2) within 1%
+  at 64 rows, up to 11% less time at 128-256 (down at 256 rows: 30.1 -> 26.8 us; docs/performance.md).
 
 Both equal :func:`kernels.fp8.fp8_linear_ref` up to the order of the float32 sums.
 """
