@@ -5,10 +5,10 @@ with each prologue, its 2-8-row form, the "dot" form with and without the SiLU e
 :mod:`kernels.gemv_qkv` with the norm and at 1-8 rows without, in both forms) for the tuner's configs, head dims 64
 and 128, as the H100 runs them (with programmatic dependent launch, :mod:`kernels.pdl`), the split-KV decode
 attention kernel whose last split merges, the tiled matmul, SiLU-mul and rotary/KV-write kernels (PDL, no
-weight prefetch), the MoE kernels and the tensor-parallel one-shot all-reduce; :func:`fp8_variants` the same kernels on FP8 weights and an FP8 KV cache;
-:func:`w8a8_variants` the FP8 W8A8 matmul above 8 rows, per-thread loads and TMA tensor descriptors, at the tuner's
-tiles.  Each compiled variant
-prints one line: its size and whether anything spilled to local memory.  Exits 1 if a variant fails to compile,
+weight prefetch), the MoE kernels and the tensor-parallel one-shot all-reduce; :func:`fp8_variants` the same
+kernels on FP8 weights and an FP8 KV cache; :func:`w8a8_variants` the FP8 W8A8 matmul above 8 rows, per-thread
+loads and TMA tensor descriptors, at the tuner's tiles.  Each compiled variant prints one line: its size and
+whether anything spilled to local memory.  Exits 1 if a variant fails to compile,
 spills, or breaks PDL's rule in its PTX (a store before ``griddepcontrol.wait``, or no wait), or if the decode
 kernel's arrival is not a CTA barrier followed by a GPU-scope acquire-release atomic.
 
