@@ -20,7 +20,7 @@
 #   memory         the memory plan's GPU test (1B, 256 slots, every step kind), then bench_memory.py's matrix
 #                  (--quick; the cells past its deadline are skipped)
 #   kernels        kernel benchmarks: transfer, sampling, sampling step, prefill attention, the default model's
-#                  shape's speculative verify step (K = 8)
+#                  shape's speculative verify step (K = 8), the FP8 W8A8 tiles with and without TMA (8B shapes)
 #   tp             tensor and data parallelism on the GPUs present: the tests on CUDA, then bench_tp.py with its
 #                  defaults (two GPUs: 8B at TP 1 and 2, 1B replicas at DP 1 and 2 and shared prefixes at DP 2;
 #                  four: also 8B at TP 4 and the 70B shape at TP 4, which with the tests may pass 10 minutes)
@@ -175,6 +175,10 @@ part_kernels() {
   run timeout 120 $PY scripts/bench_kernels.py prefill-attention --json "$OUT/prefill_attention.json"
   run timeout 120 $PY scripts/bench_kernels.py spec --model smollm2-135m --batches 1,2,16 --k 8 \
       --json "$OUT/spec_verify_default_shape.json"
+  for tma in 1 0; do  # the W8A8 tiles through TMA descriptors, then with per-thread loads
+    run env FORERUN_FP8_TMA=$tma timeout 90 $PY scripts/bench_kernels.py w8a8 --ms 64,128,256,2048 \
+        --json "$OUT/w8a8_tma$tma.json"
+  done
 }
 
 part_tp() {
