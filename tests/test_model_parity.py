@@ -217,6 +217,10 @@ def test_transformers_4_layout():
         ({"head_dim": 0}, "field 'head_dim' must be a positive integer, got 0"),
         ({"vocab_size": True}, "field 'vocab_size' must be a positive integer, got True"),
         ({"architectures": [7]}, "field 'architectures' must be a list of names, got \\[7\\]"),
+        # more heads than hidden values and no head_dim: a head of 0 values
+        ({"num_attention_heads": 128, "num_key_value_heads": 128}, "exceeds hidden_size .*give head_dim"),
+        ({"rope_theta": "abc"}, "field 'rope_theta' must be a number, got 'abc'"),
+        ({"rms_norm_eps": -1}, "field 'rms_norm_eps' must be a finite number >= 0, got -1"),
     ],
 )
 def test_config_errors(change, message):

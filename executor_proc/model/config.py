@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -80,6 +81,13 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.head_dim < 1:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) exceeds hidden_size ({self.hidden_size}): "
+                             f"no head_dim follows from them; give head_dim in config.json")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
+            raise ValueError(f"config.json field 'rms_norm_eps' must be a finite number >= 0, got {self.rms_norm_eps}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"config.json field 'rope_theta' must be a positive number, got {self.rope_theta}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
@@ -126,7 +134,7 @@ class ModelConfig:
             num_kv_heads=num_kv_heads,
             head_dim=_optional(d, "head_dim") or hidden_size // num_heads,
             vocab_size=_required(d, "vocab_size"),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_number(d, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             max_position_embeddings=max_pos,
             rope_scaling=rope_scaling,
@@ -252,12 +260,22 @@ def _optional(d: dict[str, Any], key: str) -> Optional[int]:
     return value
 
 
+def _number(d: dict[str, Any], key: str, default: float) -> float:
+    """A real-valued field (absent or null: ``default``); a string or a list is refused by name."""
+    value = d.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"config.json field {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
 def _parse_rope(d: dict[str, Any]) -> tuple[float, Optional[Llama3RopeScaling]]:
     # transformers 5.x: rope_parameters holds theta and type; 4.x: rope_theta + rope_scaling.
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ValueError(f"per-layer-type rope_parameters are not supported: {sorted(params)}")
-    theta = float(params.get("rope_theta") or d.get("rope_theta") or 10000.0)
+    theta = _number(params if params.get("rope_theta") else d, "rope_theta", 10000.0)
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
