@@ -10,16 +10,23 @@ from typing import Optional
 from scheduler_proc.cli_flags import ADDRESS_FILE, check_chat_flags
 
 
+ASK_MAX_TOKENS = 256  # serve --ask: at most this many new tokens, fewer where the context has less room
+
+
 def stream_answer(address: str, prompt: str, *, system=None, max_tokens=256, temperature=0.0,
                   seed=None, timeout=120.0, api_key=None, out=sys.stdout) -> None:
     """Stream the answer to ``prompt`` to ``out``, ended by a newline; after a failure the newline ends only a partial
-    answer (the error line must not run on after it), and nothing is written when nothing was answered."""
+    answer (the error line must not run on after it), and nothing is written when nothing was answered.
+    ``max_tokens=None``: :data:`ASK_MAX_TOKENS`, or what the server's context leaves after the prompt."""
     from ipc.client import Client
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     written = False
     try:
         with Client(address, timeout=timeout, api_key=api_key) as client:
+            if max_tokens is None:
+                room = client.server_info.max_model_len - len(client.encode(messages=messages))
+                max_tokens = max(1, min(ASK_MAX_TOKENS, room))  # no room at all: the server says why
             for chunk in client.stream(messages=messages, max_tokens=max_tokens, temperature=temperature,
                                        seed=seed):
                 out.write(chunk.text_delta)

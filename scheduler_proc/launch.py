@@ -22,7 +22,7 @@ from typing import Optional
 import msgspec
 
 from ipc.models import resolve_model
-from scheduler_proc.chat_cli import NO_TOKENIZER, chat, check_utf8, stream_answer
+from scheduler_proc.chat_cli import ASK_MAX_TOKENS, NO_TOKENIZER, chat, check_utf8, stream_answer
 from scheduler_proc.cli_flags import ADDRESS_FILE, API_KEY_ENV, build_parser, in_flag_names
 from scheduler_proc.config import ServerConfig
 from scheduler_proc.executor_process import NO_MULTICAST_ENV
@@ -305,7 +305,7 @@ def _ask(address: str, question, gateways, model_name: str, failed_start: thread
         return
     print(f"forerun: asking {question!r}", flush=True)
     try:
-        stream_answer(address, question, api_key=api_key)
+        stream_answer(address, question, max_tokens=None, api_key=api_key)
         if gateways:
             curl = curl_line(gateways.url, model_name, question, gateways.requires_key)
             print(f"forerun: the same over HTTP: {curl}", flush=True)
@@ -320,7 +320,7 @@ def curl_line(url: str, model_name: str, question: str, requires_key: bool) -> s
     import shlex
 
     body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": question}],
-                       "max_tokens": 256, "temperature": 0})  # as stream_answer asks
+                       "max_tokens": ASK_MAX_TOKENS, "temperature": 0})  # as --ask asks (at most)
     key = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if requires_key else ""
     return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}"
 

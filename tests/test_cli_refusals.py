@@ -576,3 +576,38 @@ def test_a_replica_stopped_while_it_reports_its_failure_exits_quietly(monkeypatc
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def test_ask_asks_for_what_the_context_leaves(monkeypatch):
+    """``serve --ask`` asks for up to 256 new tokens, fewer where the server's context leaves less room after the
+    question (a --max-model-len of 200 made it ask for more than fit, and the server refused); ``forerun chat``
+    keeps the --max-tokens its user typed."""
+    import io
+    from types import SimpleNamespace
+
+    import ipc.client
+    from scheduler_proc.chat_cli import stream_answer
+
+    asked = []
+
+    class Client:
+        def __init__(self, address, **kw):
+            self.server_info = SimpleNamespace(max_model_len=limit)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def encode(self, messages):
+            return list(range(30))
+
+        def stream(self, messages, max_tokens, **kw):
+            asked.append(max_tokens)
+            return [SimpleNamespace(text_delta="ok")]
+
+    monkeypatch.setattr(ipc.client, "Client", Client)
+    for limit, given, want in ((200, None, 170), (4096, None, 256), (30, None, 1), (200, 500, 500)):
+        stream_answer("ipc:///nowhere", "hi", max_tokens=given, out=io.StringIO())
+        assert asked[-1] == want, (limit, given, asked)
