@@ -79,12 +79,21 @@ def resolve_model(model: Optional[str], load_format: str, tokenizer: Optional[st
 
 
 def _tokenizer_path(tokenizer: str) -> str:
-    """``--tokenizer``: a file (a tokenizer.json, a .gguf) or a folder with tokenizer files; ValueError otherwise."""
+    """``--tokenizer``: a file (a tokenizer.json) or a folder with tokenizer files; ValueError otherwise."""
     path = os.path.abspath(tokenizer)
     if os.path.isfile(path) or any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return path
     what = "does not exist" if not os.path.exists(path) else f"has none of {', '.join(TOKENIZER_FILES)}"
     raise ValueError(f"--tokenizer {tokenizer!r} {what}")
+
+
+def is_gguf(path: str) -> bool:
+    """Whether ``path`` is a GGUF file (by its magic bytes)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 # What a client needs to build the tokenizer (AutoTokenizer reads config.json for the class when

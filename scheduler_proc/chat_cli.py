@@ -43,6 +43,8 @@ def stream_answer(address: str, prompt: str, *, system=None, max_tokens=256, tem
 
 NO_TOKENIZER = ("the server has no tokenizer (its model has none), and questions are text: start it with "
                 "--tokenizer FILE|DIR")
+GGUF_NO_TOKENIZER = ("the server has no tokenizer (a GGUF model's own is not read), and questions are text: start "
+                     "it with --tokenizer DIR, the model's HF tokenizer folder")
 
 # The request fields `forerun chat` fills from its flags: a server's error names the field, the user typed the flag.
 CHAT_FLAG_OF_FIELD = {"sampling.max_tokens": "--max-tokens", "sampling.temperature": "--temperature",

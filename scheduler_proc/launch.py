@@ -21,8 +21,9 @@ from typing import Optional
 
 import msgspec
 
-from ipc.models import resolve_model
-from scheduler_proc.chat_cli import ASK_MAX_TOKENS, NO_TOKENIZER, chat, check_utf8, stream_answer
+from ipc.models import is_gguf, resolve_model
+from scheduler_proc.chat_cli import (ASK_MAX_TOKENS, GGUF_NO_TOKENIZER, NO_TOKENIZER, chat, check_utf8,
+                                     stream_answer)
 from scheduler_proc.cli_flags import ADDRESS_FILE, API_KEY_ENV, build_parser, in_flag_names
 from scheduler_proc.config import ServerConfig
 from scheduler_proc.executor_process import NO_MULTICAST_ENV
@@ -66,7 +67,7 @@ def serve(args) -> int:
         if args.ask is not None:
             check_utf8("--ask", args.ask)
             if not model.tokenizer_path:
-                raise ValueError(f"--ask: {NO_TOKENIZER}")
+                raise ValueError(f"--ask: {GGUF_NO_TOKENIZER if is_gguf(model.path) else NO_TOKENIZER}")
         gpus = _replica_gpus(args, cfg)
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"forerun: {in_flag_names(str(e))}")

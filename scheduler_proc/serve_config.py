@@ -116,9 +116,12 @@ def check_tokenizer(path: str, tokenizer: Optional[str], model: Optional[str]) -
     """The tokenizer the server detokenizes with loads, and the other JSON files clients build theirs from parse: a
     text file, another format or a malformed file is refused now, in one line naming --tokenizer (or --model, whose
     folder it comes from), not once the model has loaded (a traceback) or in every gateway worker; ValueError."""
-    from ipc.models import TOKENIZER_FILES
+    from ipc.models import TOKENIZER_FILES, is_gguf
     from scheduler_proc.outputs import load_detokenizer
 
+    if tokenizer and os.path.isfile(path) and is_gguf(path):
+        raise ValueError(f"--tokenizer {tokenizer!r} is a GGUF file, whose tokenizer is not read: give the model's "
+                         f"HF tokenizer folder or its tokenizer.json")
     if tokenizer and not (os.path.isfile(path) or any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)):
         # resolve_model checks this for a model's formats; --load-format scripted takes any path
         what = "does not exist" if not os.path.exists(path) else f"has none of {', '.join(TOKENIZER_FILES)}"

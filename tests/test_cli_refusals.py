@@ -303,6 +303,22 @@ def test_an_ask_that_cannot_be_answered_is_refused_before_the_model_loads(flags,
     assert str(exit_.value) == f"forerun: {expect}"
 
 
+def test_a_gguf_files_tokenizer_is_not_taken_for_one_it_reads():
+    """A GGUF model's own tokenizer is not read: --ask says so (not that the model has none), and a GGUF file given
+    as --tokenizer is refused by name (it was read as a tokenizer.json: "stream did not contain valid UTF-8")."""
+    from ipc.models import default_gguf_path
+    from scheduler_proc.launch import main
+
+    gguf = default_gguf_path()
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--model", gguf, "--ask", "hi"])
+    assert "a GGUF model's own is not read" in str(exit_.value) and "--tokenizer DIR" in str(exit_.value)
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", *SCRIPTED, "--tokenizer", gguf])
+    assert str(exit_.value) == (f"forerun: --tokenizer {gguf!r} is a GGUF file, whose tokenizer is not read: give "
+                                f"the model's HF tokenizer folder or its tokenizer.json")
+
+
 def test_the_start_up_says_what_a_tokenizer_without_chat_template_or_no_tokenizer_means(tmp_path, capsys):
     from scheduler_proc.launch import _tokenizer_notes
     from scheduler_proc.serve_config import chat_template_error, has_chat_template
