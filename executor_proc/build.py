@@ -273,10 +273,13 @@ def _plan(cfg: ExecutorConfig, device: torch.device, measured: Optional[Measured
     """The rank's plan, agreed with the group (the smallest KV block count), or MemoryPlanError; ``draft``: a draft
     model, whose weights and KV bytes per block the plan counts."""
     draft_weights, draft_block = (draft.weight_bytes, draft.block_bytes) if draft is not None else (0, 0)
-    if measured is None:  # the cpu: a fixed budget (host memory is not planned like a device's)
-        blocks = cfg.num_kv_blocks or min(useful, (CPU_KV_BUDGET_BYTES - draft_block) // (per_block + draft_block))
-        check_host_kv(blocks, per_block + draft_block, given=cfg.num_kv_blocks is not None)
-        plan = MemoryPlan("cpu", CPU_KV_BUDGET_BYTES, 1.0, weights, 0, 0, 0, blocks, per_block, cfg.block_size,
+    if measured is None:  # the cpu: a fixed budget for the host (host memory is not planned like a device's),
+        # shared by the processes that each hold a KV cache there: the tensor-parallel ranks of every replica
+        processes = cfg.tensor_parallel_size * cfg.host_replicas
+        budget = CPU_KV_BUDGET_BYTES // processes
+        blocks = cfg.num_kv_blocks or max(1, min(useful, (budget - draft_block) // (per_block + draft_block)))
+        check_host_kv(blocks, per_block + draft_block, given=cfg.num_kv_blocks is not None, processes=processes)
+        plan = MemoryPlan("cpu", budget, 1.0, weights, 0, 0, 0, blocks, per_block, cfg.block_size,
                           draft_weights, draft_block)
     elif cfg.num_kv_blocks is not None:
         plan = MemoryPlan(str(device), measured.total, cfg.gpu_memory_utilization, weights, measured.activations,

@@ -78,13 +78,16 @@ def _storage_bytes(obj) -> int:
     return sum(storages.values())
 
 
-def check_host_kv(blocks: int, block_bytes: int, given: bool) -> None:
-    """A KV cache in host memory (the cpu) fits what the host has available now, the weights loaded: else
-    MemoryPlanError naming --num-kv-blocks when it was ``given`` (a count past the address space would fail far
-    from here, in the allocator's words)."""
-    need, have = blocks * block_bytes, available_host_bytes()
-    if need > have:
+def check_host_kv(blocks: int, block_bytes: int, given: bool, processes: int = 1,
+                  available: Optional[int] = None) -> None:
+    """A KV cache in host memory (the cpu) fits what the host has available now, the weights loaded, counting the
+    ``processes`` that each hold one (tensor-parallel ranks, data-parallel replicas): else MemoryPlanError naming
+    --num-kv-blocks when it was ``given`` (a count past the address space would fail far from here, in the
+    allocator's words)."""
+    one, have = blocks * block_bytes, available_host_bytes() if available is None else available
+    if one * processes > have:
         what = f"--num-kv-blocks {blocks:,}: the KV cache" if given else f"the KV cache ({blocks:,} blocks)"
+        size = f"{processes} x {one / GIB:,.1f} GiB (one a process)" if processes > 1 else f"{one / GIB:,.1f} GiB"
         advice = "lower --num-kv-blocks" if given else "give a smaller --num-kv-blocks"
-        raise MemoryPlanError(f"{what} would take {need / GIB:,.1f} GiB, more than the {have / GIB:.1f} GiB of host "
-                              f"memory available; {advice}")
+        raise MemoryPlanError(f"{what} would take {size}, more than the {have / GIB:.1f} GiB of host memory "
+                              f"available; {advice}")

@@ -450,3 +450,26 @@ def test_a_host_tier_size_without_prefix_caching_is_refused():
         server_config(build_parser().parse_args(["serve", "--no-prefix-caching", "--num-host-kv-blocks", "64"]))
     cfg = server_config(build_parser().parse_args(["serve", "--no-prefix-caching"]))
     assert cfg.executor.host_kv_gib == 0.0 and not cfg.enable_prefix_caching
+
+
+def test_the_cpu_kv_cache_counts_every_process_on_the_host():
+    """On the cpu every tensor-parallel rank of every data-parallel replica holds a KV cache in the same host
+    memory: the default budget is shared among them, and a --num-kv-blocks that fits one process but not all of
+    them is refused (three ranks of 18 GiB each started on a 22 GiB host)."""
+    import msgspec
+    import torch
+
+    from executor_proc.build import CPU_KV_BUDGET_BYTES, _plan
+    from executor_proc.host_memory import check_host_kv
+    from scheduler_proc.launch import build_parser, server_config
+
+    check_host_kv(100, GIB // 2, given=True, processes=3, available=200 * GIB)
+    with pytest.raises(MemoryPlanError, match=r"^--num-kv-blocks 100: the KV cache would take 3 x 100.0 GiB \(one "
+                                              r"a process\), more than the 250.0 GiB of host memory available"):
+        check_host_kv(100, GIB, given=True, processes=3, available=250 * GIB)
+    cfg = server_config(build_parser().parse_args(["serve", "--device", "cpu", "--load-format", "dummy"])).executor
+    per_block = 2**20
+    for tp, replicas in ((1, 1), (2, 1), (2, 3)):
+        shared = msgspec.structs.replace(cfg, tensor_parallel_size=tp, host_replicas=replicas)
+        plan = _plan(shared, torch.device("cpu"), None, 0, per_block, 0, 10**9, None)
+        assert plan.kv_blocks == CPU_KV_BUDGET_BYTES // (tp * replicas) // per_block, (tp, replicas)
