@@ -253,6 +253,11 @@ def test_load_weights_reports_mismatches():
     weights.append(("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(1)))
     with pytest.raises(ValueError, match=r"missing 9 weights: .*layers\.1\..*unexpected 1 weights: .*qkv_proj"):
         model.load_weights(weights)
+    # integer tensors where float weights go (copied in, they were whole numbers: an all-zero model that served)
+    ints = [(n, torch.zeros(p.shape, dtype=torch.int32)) for n, p in model.named_parameters()]
+    with pytest.raises(ValueError, match=r"shape or dtype mismatches: model\.embed_tokens\.weight: checkpoint "
+                                         r"\(97, 64\) torch\.int32 vs model \(97, 64\) torch\.float32"):
+        model.load_weights(ints)
 
 
 def test_dummy_weights(tmp_path):

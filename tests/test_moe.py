@@ -612,7 +612,7 @@ def test_mixtral_checkpoint_errors_name_its_own_tensors():
                                          r"model\.layers\.1\.block_sparse_moe\.experts\.2\.w3\.weight$"):
         model.load_weights(weights)
     name = "model.layers.1.block_sparse_moe.gate.weight"
-    with pytest.raises(ValueError, match=rf"1 shape mismatches: {re.escape(name)}: checkpoint \(2, 64\)"):
+    with pytest.raises(ValueError, match=rf"1 shape or dtype mismatches: {re.escape(name)}: checkpoint \(2, 64\)"):
         left_out = ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.experts.2.up_proj.weight")
         model.load_weights([(n, t[:2] if n == name else t) for n, t in weights]
                            + [(mixtral_name(n), torch.zeros(ours[n])) for n in left_out])
@@ -638,7 +638,7 @@ def test_missing_expert_is_named():
     whole = [(n, t.T if n == name else t) for n, t in whole]
     with pytest.raises(ValueError) as e:
         model.load_weights(whole)
-    assert "missing" not in str(e.value) and str(e.value).count(name) == 1 and "1 shape mismatches" in str(e.value)
+    assert "missing" not in str(e.value) and str(e.value).count(name) == 1 and "1 shape or dtype mismatches" in str(e.value)
 
 
 BASE = {"architectures": ["Qwen2MoeForCausalLM"], **SHAPE, **MOE, "num_experts": 4,

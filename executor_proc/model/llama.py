@@ -260,7 +260,8 @@ class CausalLM(nn.Module):
                 continue
             if name.endswith(_SCALE):
                 tensor = row_scales(tensor, param.shape[0])
-            if tuple(param.shape) != tuple(tensor.shape) or (param.dtype == FP8) != (tensor.dtype == FP8):
+            if tuple(param.shape) != tuple(tensor.shape) or (param.dtype == FP8) != (tensor.dtype == FP8) \
+                    or not tensor.is_floating_point():  # integers would be copied in as whole numbers (all zeros)
                 bad_shapes.append(f"{given}: checkpoint {tuple(tensor.shape)} {tensor.dtype} vs model "
                                   f"{tuple(param.shape)} {param.dtype}")
                 misfits.add(name)
@@ -279,7 +280,7 @@ class CausalLM(nn.Module):
         if unexpected:
             problems.append(f"unexpected {len(unexpected)} weights: {_some(sorted(unexpected))}")
         if bad_shapes:
-            problems.append(f"{len(bad_shapes)} shape mismatches: {_some(bad_shapes)}")
+            problems.append(f"{len(bad_shapes)} shape or dtype mismatches: {_some(bad_shapes)}")
         if problems:
             raise ValueError(f"checkpoint does not match {self.config.architecture}: " + "; ".join(problems))
         return len(loaded)
