@@ -58,7 +58,9 @@ def check_host_slots(num_slots: int, max_blocks: int, vocab: int, max_len: int,
     per_slot = _storage_bytes(SlotTables(2, max_blocks, cpu, vocab)) - _storage_bytes(SlotTables(1, max_blocks, cpu,
                                                                                                   vocab))
     if num_slots * per_slot > HOST_SLOTS_SHARE * available:
-        fit = max(1, int(HOST_SLOTS_SHARE * available // per_slot))
+        # a tenth below the limit: the memory available moves between one start and the next, and a count right
+        # at the limit would be refused by the start that takes the advice
+        fit = max(1, int(0.9 * HOST_SLOTS_SHARE * available // per_slot))
         raise StartupRefused(f"--max-num-seqs {num_slots:,}: the slots' tables take {num_slots * per_slot / 2**30:.1f} "
                              f"GiB of host memory ({per_slot / 2**20:.2f} MiB a slot at --max-model-len {max_len:,} "
                              f"and a {vocab:,}-token vocabulary), more than half of the "

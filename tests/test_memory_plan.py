@@ -342,8 +342,8 @@ def test_slots_past_half_the_host_memory_are_refused_naming_the_flag():
     message = str(refused.value)
     assert message.startswith("--max-num-seqs 100,000: the slots' tables take 23.") and "\n" not in message, message
     fit = int(message.rsplit("use --max-num-seqs ", 1)[1].split()[0].replace(",", ""))
-    assert 17_000 < fit < 17_500  # 4 GiB of 0.237 MiB slots
-    check_host_slots(fit, blocks, vocab, max_len, available=8 << 30)
+    assert 15_300 < fit < 15_700  # 90% of 4 GiB of 0.237 MiB slots
+    check_host_slots(fit, blocks, vocab, max_len, available=int(0.95 * (8 << 30)))  # taken with a little less free
 
 
 def test_weights_past_the_host_memory_available_are_refused_before_they_are_allocated():
