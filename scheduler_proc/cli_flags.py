@@ -236,10 +236,10 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                    help="also serve the OpenAI-compatible HTTP API on this port (default: SDK only)")
     s.add_argument("--host", default=None,
                    help="HTTP address to bind (default: 127.0.0.1, or 0.0.0.0 when an API key is set)")
-    s.add_argument("--api-workers", type=int, default=1, metavar="N",
+    s.add_argument("--api-workers", type=int, default=None, metavar="N",
                    help=f"HTTP gateway processes sharing --port, 1 to {max_api_workers()} here ({PER_CPU} per CPU, at "
                         f"most {MAX_API_WORKERS}: each is one event loop of about 420 MiB, so more per core only add "
-                        f"memory and start-up time)")
+                        f"memory and start-up time) (default: 1)")
     s.add_argument("--api-key", default=None,
                    help=f"shared secret: the bearer token the HTTP API requires, and the key SDK clients give at "
                         f"Hello on a tcp:// --address (default: ${API_KEY_ENV}; none: no check; an empty key is "
@@ -249,11 +249,13 @@ def serve_flags(sub) -> argparse.ArgumentParser:
     s.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve a tcp:// --address, or the HTTP API on a --host, reachable from other machines "
                         "without an API key (refused otherwise: anyone who can connect could send requests)")
-    s.add_argument("--max-request-bytes", type=int, default=GATEWAY_MAX_REQUEST_BYTES, metavar="N",
-                   help="largest HTTP request body; a larger one is answered 413 before it is read in full")
-    s.add_argument("--api-tokenizer-threads", type=int, default=GATEWAY_TOKENIZER_THREADS, metavar="N",
-                   help="threads per HTTP gateway worker that template and tokenize long prompts, so that one "
-                        "large request never stalls the worker's other requests")
+    s.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                   help=f"largest HTTP request body; a larger one is answered 413 before it is read in full "
+                        f"(default: {GATEWAY_MAX_REQUEST_BYTES})")
+    s.add_argument("--api-tokenizer-threads", type=int, default=None, metavar="N",
+                   help=f"threads per HTTP gateway worker that template and tokenize long prompts, so that one "
+                        f"large request never stalls the worker's other requests "
+                        f"(default: {GATEWAY_TOKENIZER_THREADS})")
     return s
 
 
@@ -318,6 +320,10 @@ def _check_needs(args) -> None:
             raise ValueError(f"{flag} is empty")
     if args.host is not None and args.port is None:
         raise ValueError("--host needs --port (the HTTP API's address; the SDK's is --address)")
+    for flag, given in (("--api-workers", args.api_workers), ("--max-request-bytes", args.max_request_bytes),
+                        ("--api-tokenizer-threads", args.api_tokenizer_threads)):
+        if given is not None and args.port is None:
+            raise ValueError(f"{flag} needs --port (it sets the HTTP API, which runs only with a --port)")
     method, load_format = args.speculative_method, args.load_format
     for flag, given, needed, ok in (
             ("--num-speculative-tokens", args.num_speculative_tokens, "--speculative-method ngram or draft",
@@ -440,3 +446,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve_flags(sub)
     chat_flags(sub)
     return parser
+
+
+def gateway_settings(args) -> dict:
+    """The HTTP gateways' counts: the flags given, else their defaults."""
+    def given(value, default):
+        return default if value is None else value
+
+    return dict(workers=given(args.api_workers, 1),
+                max_request_bytes=given(args.max_request_bytes, GATEWAY_MAX_REQUEST_BYTES),
+                tokenizer_threads=given(args.api_tokenizer_threads, GATEWAY_TOKENIZER_THREADS))

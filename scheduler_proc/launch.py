@@ -24,7 +24,7 @@ import msgspec
 from ipc.models import is_gguf, resolve_model
 from scheduler_proc.chat_cli import (ASK_MAX_TOKENS, GGUF_NO_TOKENIZER, NO_TOKENIZER, chat, check_utf8,
                                      stream_answer)
-from scheduler_proc.cli_flags import ADDRESS_FILE, API_KEY_ENV, build_parser, in_flag_names
+from scheduler_proc.cli_flags import ADDRESS_FILE, API_KEY_ENV, build_parser, gateway_settings, in_flag_names
 from scheduler_proc.config import ServerConfig
 from scheduler_proc.executor_process import NO_MULTICAST_ENV
 from scheduler_proc.outputs import tokenizer_vocab_size
@@ -266,9 +266,8 @@ def _start_gateways(args, cfg, server, sock):
     from ipc.gateway.process import start_gateways
 
     try:
-        return start_gateways(server.client_address, sock=sock, workers=args.api_workers, run_dir=server.run_dir,
-                              api_key=cfg.api_key, max_request_bytes=args.max_request_bytes,
-                              tokenizer_threads=args.api_tokenizer_threads)
+        return start_gateways(server.client_address, sock=sock, run_dir=server.run_dir, api_key=cfg.api_key,
+                              **gateway_settings(args))
     except ValueError as e:
         raise SystemExit(f"forerun: {e}")
 

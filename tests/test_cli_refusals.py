@@ -279,6 +279,12 @@ def test_help_shows_every_default():
     (["--client-send-hwm", str(2**31)], f"--client-send-hwm must be in [1, {2**31 - 1}] (ZeroMQ's limit), got {2**31}"),
     (["--executor-hang-timeout", "0.001"], "--executor-hang-timeout must be at least 1 s (a step may take that long), "
                                            "got 0.001"),
+    # the HTTP API's settings without --port: there is no HTTP API to set
+    (["--api-workers", "2"], "--api-workers needs --port (it sets the HTTP API, which runs only with a --port)"),
+    (["--max-request-bytes", "2048"], "--max-request-bytes needs --port (it sets the HTTP API, which runs only with "
+                                      "a --port)"),
+    (["--api-tokenizer-threads", "4"], "--api-tokenizer-threads needs --port (it sets the HTTP API, which runs only "
+                                       "with a --port)"),
 ])
 def test_values_the_server_could_not_use_are_refused_before_it_starts(flags, expect, tmp_path):
     from scheduler_proc.launch import main
