@@ -70,10 +70,25 @@ def is_remote(address: str) -> bool:
 def bind_frontend(ctx: zmq.Context, address: str, cfg, max_msg_bytes: int) -> "Frontend":
     """The client socket of a server or a data-parallel router (``cfg``: its ServerConfig), bound before any model
     loads so that address errors show at once; a reachable address without an API key is refused (StartupError)."""
+    host = tcp_host(address)
+    if host and host != "*" and not _resolves(host.strip("[]")):  # before it is called reachable: it is nowhere
+        raise StartupError(f"cannot listen on {address}: {host!r} is neither an address, a host name that resolves "
+                           f"nor a network interface of this machine")
     if is_remote(address) and not cfg.api_key and not cfg.allow_unauthenticated:
         raise StartupError(f"{address} is reachable from other machines and no API key is set: anyone could send "
                            "requests; set --api-key-file (or FORERUN_API_KEY), or pass --allow-unauthenticated")
     return Frontend(ctx, address, send_hwm=cfg.client_send_hwm, max_msg_bytes=max_msg_bytes)
+
+
+def _resolves(host: str) -> bool:
+    """Whether ZeroMQ can bind to ``host``: an address, a name DNS resolves, or an interface's name (eth0)."""
+    import socket
+
+    try:
+        socket.getaddrinfo(host, None)
+        return True
+    except (socket.gaierror, UnicodeError):
+        return host in {name for _, name in socket.if_nameindex()}
 
 
 def claim_ipc_path(path: str) -> None:

@@ -633,3 +633,19 @@ def test_ask_asks_for_what_the_context_leaves(monkeypatch):
     for limit, given, want in ((200, None, 170), (4096, None, 256), (30, None, 1), (200, 500, 500)):
         stream_answer("ipc:///nowhere", "hi", max_tokens=given, out=io.StringIO())
         assert asked[-1] == want, (limit, given, asked)
+
+
+def test_an_address_on_a_host_that_does_not_resolve_is_refused_as_such():
+    """A tcp:// --address whose host resolves nowhere: said so (it was first called reachable from other machines,
+    asking for an API key, then 'No such device')."""
+    from types import SimpleNamespace
+
+    import zmq
+
+    from scheduler_proc.frontend import StartupError, _resolves, bind_frontend
+
+    cfg = SimpleNamespace(api_key=None, allow_unauthenticated=False, client_send_hwm=1000)
+    with pytest.raises(StartupError, match=r"^cannot listen on tcp://nosuchhost\.invalid:18621: 'nosuchhost\.invalid' "
+                                           r"is neither an address, a host name that resolves nor a network interface"):
+        bind_frontend(zmq.Context.instance(), "tcp://nosuchhost.invalid:18621", cfg, 1 << 20)
+    assert _resolves("127.0.0.1") and _resolves("localhost") and _resolves("lo")  # an interface's name binds too
