@@ -204,8 +204,10 @@ def _announce(server, model, ready, cfg) -> None:
     tp = cfg.executor.tensor_parallel_size
     layout = "tensor parallel, expert parallel" if cfg.executor.enable_expert_parallel else "tensor parallel"
     device = f"{ready.device} x {tp} ranks ({layout})" if tp > 1 else ready.device
-    print(f"forerun: serving {model.name} on {device} ({ready.dtype}), "
-          f"{ready.num_kv_blocks} KV blocks of {cfg.executor.block_size}"
+    precision = ", ".join([ready.dtype] + [f"{what} fp8" for what, on in (
+        ("weights", cfg.executor.quantization == "fp8"), ("KV cache", cfg.executor.kv_cache_dtype == "fp8")) if on])
+    blocks = f"{ready.num_kv_blocks:,} KV block{'s' if ready.num_kv_blocks != 1 else ''}"
+    print(f"forerun: serving {model.name} on {device} ({precision}), {blocks} of {cfg.executor.block_size}"
           f"{f' (+{ready.num_host_blocks} on the host)' if ready.num_host_blocks else ''}, depth {cfg.pipeline_depth}"
           f"{cfg.executor.speculative.banner()}", flush=True)
     if ready.num_graphs:
@@ -300,7 +302,9 @@ def _ask(address: str, question, gateways, model_name: str, failed_start: thread
             failed_start.set()
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        print(f"forerun: OpenAI-compatible API at {gateways.url}/v1 ({len(gateways.procs)} workers)", flush=True)
+        workers = len(gateways.procs)
+        print(f"forerun: OpenAI-compatible API at {gateways.url}/v1 ({workers} worker{'s' if workers != 1 else ''})",
+              flush=True)
     if not question:
         return
     print(f"forerun: asking {question!r}", flush=True)
