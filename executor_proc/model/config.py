@@ -311,7 +311,8 @@ def _sliding_window(d: dict[str, Any], model_type: str, max_pos: int) -> Optiona
         window = None
     if window is not None and window < max_pos:
         logger.warning(
-            "sliding_window=%d is not implemented; sequences are capped at %d tokens so attention stays exact",
+            "forerun: sliding_window=%d is not implemented; sequences are capped at %d tokens so attention stays "
+            "exact",
             window,
             window,
         )
