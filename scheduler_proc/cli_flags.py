@@ -324,6 +324,9 @@ def _check_needs(args) -> None:
                         ("--api-tokenizer-threads", args.api_tokenizer_threads)):
         if given is not None and args.port is None:
             raise ValueError(f"{flag} needs --port (it sets the HTTP API, which runs only with a --port)")
+    if args.allow_unauthenticated and args.port is None and not (args.address or "").startswith("tcp://"):
+        raise ValueError("--allow-unauthenticated has nothing to allow: it lets a tcp:// --address or the HTTP API "
+                         "(--port) reach other machines without a key, and this server has neither")
     method, load_format = args.speculative_method, args.load_format
     for flag, given, needed, ok in (
             ("--num-speculative-tokens", args.num_speculative_tokens, "--speculative-method ngram or draft",

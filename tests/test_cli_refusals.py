@@ -285,6 +285,8 @@ def test_help_shows_every_default():
                                       "a --port)"),
     (["--api-tokenizer-threads", "4"], "--api-tokenizer-threads needs --port (it sets the HTTP API, which runs only "
                                        "with a --port)"),
+    (["--allow-unauthenticated"], "--allow-unauthenticated has nothing to allow: it lets a tcp:// --address or the "
+                                  "HTTP API (--port) reach other machines without a key, and this server has neither"),
 ])
 def test_values_the_server_could_not_use_are_refused_before_it_starts(flags, expect, tmp_path):
     from scheduler_proc.launch import main
