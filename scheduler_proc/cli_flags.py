@@ -324,6 +324,9 @@ def _check_needs(args) -> None:
                         ("--api-tokenizer-threads", args.api_tokenizer_threads)):
         if given is not None and args.port is None:
             raise ValueError(f"{flag} needs --port (it sets the HTTP API, which runs only with a --port)")
+    if args.host_kv_backup_on_compute_stream and not (args.device or "").startswith("cuda"):
+        raise ValueError(f"--host-kv-backup-on-compute-stream needs --device cuda (the host KV tier keeps copies of "
+                         f"GPU blocks in host memory; on --device {args.device} there is none)")
     if args.allow_unauthenticated and args.port is None and not (args.address or "").startswith("tcp://"):
         raise ValueError("--allow-unauthenticated has nothing to allow: it lets a tcp:// --address or the HTTP API "
                          "(--port) reach other machines without a key, and this server has neither")

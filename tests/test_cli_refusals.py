@@ -285,6 +285,9 @@ def test_help_shows_every_default():
                                       "a --port)"),
     (["--api-tokenizer-threads", "4"], "--api-tokenizer-threads needs --port (it sets the HTTP API, which runs only "
                                        "with a --port)"),
+    (["--host-kv-backup-on-compute-stream"], "--host-kv-backup-on-compute-stream needs --device cuda (the host KV "
+                                             "tier keeps copies of GPU blocks in host memory; on --device cpu there "
+                                             "is none)"),
     (["--allow-unauthenticated"], "--allow-unauthenticated has nothing to allow: it lets a tcp:// --address or the "
                                   "HTTP API (--port) reach other machines without a key, and this server has neither"),
 ])
