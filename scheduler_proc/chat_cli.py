@@ -7,7 +7,8 @@ import re
 import sys
 from typing import Optional
 
-from scheduler_proc.cli_flags import ADDRESS_FILE, check_chat_flags
+from scheduler_proc.cli_flags import ADDRESS_FILE
+from scheduler_proc.flag_checks import check_chat_flags
 
 
 ASK_MAX_TOKENS = 256  # serve --ask: at most this many new tokens, fewer where the context has less room

@@ -9,7 +9,8 @@ import sys
 from typing import Optional
 
 from ipc.config import ExecutorConfig, ScriptedOptions, SpeculativeConfig, default_of
-from scheduler_proc.cli_flags import API_KEY_ENV, check_serve_flags
+from scheduler_proc.cli_flags import API_KEY_ENV
+from scheduler_proc.flag_checks import check_serve_flags
 from scheduler_proc.config import INTERPRETER_HANG_TIMEOUT_S, ServerConfig
 
 
