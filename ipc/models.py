@@ -87,11 +87,14 @@ def _tokenizer_path(tokenizer: str) -> str:
     raise ValueError(f"--tokenizer {tokenizer!r} {what}")
 
 
+GGUF_MAGIC = b"GGUF"  # a GGUF file's first bytes
+
+
 def is_gguf(path: str) -> bool:
     """Whether ``path`` is a GGUF file (by its magic bytes)."""
     try:
         with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
     except OSError:
         return False
 

@@ -25,11 +25,13 @@ def stream_answer(address: str, prompt: str, *, system=None, max_tokens=256, tem
     written = False
     try:
         with Client(address, timeout=timeout, api_key=api_key) as client:
-            if max_tokens is None:
-                room = client.server_info.max_model_len - len(client.encode(messages=messages))
+            prompt_args: dict = {"messages": messages}
+            if max_tokens is None:  # the prompt tokenized once: to size the answer, then sent as its ids
+                ids = client.encode(messages=messages)
+                room = client.server_info.max_model_len - len(ids)
                 max_tokens = max(1, min(ASK_MAX_TOKENS, room))  # no room at all: the server says why
-            for chunk in client.stream(messages=messages, max_tokens=max_tokens, temperature=temperature,
-                                       seed=seed):
+                prompt_args = {"prompt_token_ids": ids}
+            for chunk in client.stream(**prompt_args, max_tokens=max_tokens, temperature=temperature, seed=seed):
                 out.write(chunk.text_delta)
                 out.flush()
                 written = written or bool(chunk.text_delta)

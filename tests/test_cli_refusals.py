@@ -630,7 +630,7 @@ def test_ask_asks_for_what_the_context_leaves(monkeypatch):
         def encode(self, messages):
             return list(range(30))
 
-        def stream(self, messages, max_tokens, **kw):
+        def stream(self, max_tokens, **kw):
             asked.append(max_tokens)
             return [SimpleNamespace(text_delta="ok")]
 

@@ -23,6 +23,7 @@ import torch
 from executor_proc.model.config import Llama3RopeScaling, ModelConfig
 from executor_proc.model.llama import rope_inv_freq
 from executor_proc.model.moe_config import MoEConfig, parse_moe
+from ipc.models import GGUF_MAGIC
 
 WeightStream = Iterator[tuple[str, torch.Tensor]]
 
@@ -63,8 +64,6 @@ _GGUF_EXPERT_PARTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "f
                       "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 _ROPE_FREQS = "rope_freqs.weight"
 
-
-GGUF_MAGIC = b"GGUF"
 
 
 class GGUFFileError(ValueError):
