@@ -135,7 +135,8 @@ class TritonBackend:
         # (a speculative step's rows take the splits the default rule gives them: room for that at every row count)
         self.workspace = DecodeWorkspace(max_batch, num_heads, head_dim, device=device, max_rows=max_decode_rows,
                                          min_splits=INVARIANT_ATTENTION_SPLITS if batch_invariant else 1,
-                                         min_pairs=split_pairs(max_decode_rows, num_kv_heads, device, head_dim=head_dim))
+                                         min_pairs=split_pairs(max_decode_rows, num_kv_heads, device,
+                                                               head_dim=head_dim))
         # (N, K, m_bucket) -> skinny-matmul config; absent: cuBLAS.
         self.gemv_choice: dict[tuple[int, int, int], GemvConfig] = {}
         self.gemv_everywhere: Optional[GemvConfig] = None  # tests: force the Triton path
