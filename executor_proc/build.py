@@ -28,6 +28,7 @@ from executor_proc.model.config import ModelConfig
 from executor_proc.model.kv_cache import KVCache, kv_cache_bytes_per_block
 from executor_proc.model.kv_scales import calibrate_kv_scales
 from executor_proc.model.loader import load_model, weights_advice
+from executor_proc.model.quantization import is_quantized
 from executor_proc.step.draft import DraftModel
 from executor_proc.step.grammar import build_grammar_slots
 from executor_proc.step.host_kv import HostKV, num_host_blocks
@@ -57,6 +58,7 @@ class BuiltWorker:
     max_model_len: int
     device: torch.device
     num_host_blocks: int = 0  # the host KV tier's pool (0: off)
+    fp8_weights: bool = False  # the layers' weights are FP8 (--quantization fp8, or an FP8 checkpoint)
     num_graphs: int = 0  # CUDA graphs captured at start-up
     graph_capture_s: float = 0.0  # how long capturing them took
     graph_memory_bytes: int = 0  # device memory they took (free memory before - after)
@@ -138,7 +140,9 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
     weights = model.weight_bytes()
     draft, draft_positions = load_draft(cfg, device, dtype, max_len, mcfg.vocab_size, progress)
     kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else dtype
-    kv_scales = calibrate_kv_scales(model, device, cfg.block_size) if cfg.kv_cache_dtype == "fp8" else None
+    kv_scales = None
+    if cfg.kv_cache_dtype == "fp8":  # the checkpoint's scales where it has them, else measured now
+        kv_scales = model.checkpoint_kv_scales or calibrate_kv_scales(model, device, cfg.block_size)
     per_block = kv_cache_bytes_per_block(model.config, cfg.block_size, kv_dtype)  # the rank's KV heads
     # A host pool costs per_block on every rank: its budget is the whole group's.
     host_blocks = num_host_blocks(cfg, device, per_block * tp_size)
@@ -226,7 +230,8 @@ def _build_worker(cfg: ExecutorConfig, progress: ProgressCallback) -> BuiltWorke
             f"the context length of {max_len:,})" if served_len < max_len else "")
     note += draft_note(cfg, draft, draft_positions, served_len)
     return BuiltWorker(worker, mcfg, plan.kv_blocks, served_len, device, host_blocks, num_graphs=num_graphs,
-                       graph_capture_s=capture_s, graph_memory_bytes=graph_bytes, tp=tp, plan=plan, plan_note=note)
+                       graph_capture_s=capture_s, graph_memory_bytes=graph_bytes, tp=tp, plan=plan, plan_note=note,
+                       fp8_weights=is_quantized(model))
 
 
 def cap_allocator(worker: Worker, plan: MemoryPlan) -> None:

@@ -197,7 +197,7 @@ class ExecutorProcess:
         self.send(p.ExecutorReady(
             num_kv_blocks=built.num_kv_blocks, max_model_len=built.max_model_len, vocab_size=mcfg.vocab_size,
             eos_token_ids=list(mcfg.eos_token_ids), device=str(built.device), dtype=cfg.resolved_dtype(),
-            num_host_blocks=built.num_host_blocks, num_graphs=built.num_graphs,
+            fp8_weights=built.fp8_weights, num_host_blocks=built.num_host_blocks, num_graphs=built.num_graphs,
             graph_capture_s=built.graph_capture_s, graph_memory_bytes=built.graph_memory_bytes,
             memory_plan=built.plan.line() + built.plan_note, memory_plan_bytes=built.plan.as_dict()))
         gc.freeze()  # the hot loop must not pay for scanning start-up objects (see _setup_scripted)

@@ -200,6 +200,10 @@ def check_executor_config(cfg: ExecutorConfig) -> None:
         raise ValueError("--moe-expert-counts needs a model: not with --load-format scripted")
     if cfg.speculative.method == "draft" and cfg.load_format == "scripted":
         raise ValueError("--speculative-method draft needs a model: not with --load-format scripted")
+    for flag, on in (("--quantization fp8", cfg.quantization == "fp8"),
+                     ("--kv-cache-dtype fp8", cfg.kv_cache_dtype == "fp8")):
+        if on and cfg.load_format == "scripted":
+            raise ValueError(f"{flag} needs a model: not with --load-format scripted")
     if cfg.quantization == "fp8" and cfg.batch_invariant:
         raise ValueError("quantization 'fp8' cannot run batch_invariant: its linears change kernel (and "
                          "activation rounding) between 8 and 9 rows")

@@ -70,6 +70,7 @@ class ExecutorReady(_Msg, tag="executor_ready"):
     eos_token_ids: list[int]
     device: str
     dtype: str
+    fp8_weights: bool = False  # the layers' weights are FP8 (--quantization fp8, or an FP8 checkpoint)
     num_host_blocks: int = 0  # the host KV tier's pool (0: no tier)
     num_graphs: int = 0  # CUDA graphs captured at start-up
     graph_capture_s: float = 0.0  # seconds they took to capture

@@ -128,9 +128,11 @@ def serve_flags(sub) -> argparse.ArgumentParser:
     s.add_argument("--quantization", default=E("quantization"), choices=list(get_args(Quantization)),
                    help="fp8: every layer's linear weights in float8 e4m3 with per-output-channel scales, "
                         "quantized at load (the embedding and LM head stay in --dtype); decode reads half the "
-                        "weight bytes. Not with --batch-invariant")
+                        "weight bytes. FP8 checkpoints (compressed-tensors float-quantized, quant_method fp8; "
+                        "per-channel or per-tensor scales) load as they are without it. Not with --batch-invariant")
     s.add_argument("--kv-cache-dtype", default=E("kv_cache_dtype"), choices=list(get_args(KVCacheDtype)),
-                   help="fp8: the paged KV cache (and the host KV tier) in float8 e4m3, a byte a value (half a "
+                   help="fp8: the paged KV cache (and the host KV tier) in float8 e4m3 with per-layer scales "
+                        "(an FP8 checkpoint's k_scale / v_scale, else measured at start-up), a byte a value (half a "
                         "bfloat16 cache's: twice the tokens fit, attention reads half; a quarter of a float32 "
                         "one's); a prefix-cache hit may then change tokens "
                         "(values computed in another batch shape can round to another e4m3 step) (auto: --dtype)")

@@ -205,7 +205,7 @@ def _announce(server, model, ready, cfg) -> None:
     layout = "tensor parallel, expert parallel" if cfg.executor.enable_expert_parallel else "tensor parallel"
     device = f"{ready.device} x {tp} ranks ({layout})" if tp > 1 else ready.device
     precision = ", ".join([ready.dtype] + [f"{what} fp8" for what, on in (
-        ("weights", cfg.executor.quantization == "fp8"), ("KV cache", cfg.executor.kv_cache_dtype == "fp8")) if on])
+        ("weights", ready.fp8_weights), ("KV cache", cfg.executor.kv_cache_dtype == "fp8")) if on])
     blocks = f"{ready.num_kv_blocks:,} KV block{'s' if ready.num_kv_blocks != 1 else ''}"
     print(f"forerun: serving {model.name} on {device} ({precision}), {blocks} of {cfg.executor.block_size}"
           f"{f' (+{ready.num_host_blocks} on the host)' if ready.num_host_blocks else ''}, depth {cfg.pipeline_depth}"

@@ -237,6 +237,10 @@ def test_w8a8_linears_take_quantized_rows_from_the_norm_and_silu_mul(tmp_path):
 def test_config_refuses_fp8_batch_invariant():
     with pytest.raises(ValueError, match="quantization 'fp8' cannot run batch_invariant"):
         ExecutorConfig(quantization="fp8", batch_invariant=True, kernels="triton")
+    for flags, words in ((dict(quantization="fp8"), "--quantization fp8 needs a model"),
+                         (dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8 needs a model")):
+        with pytest.raises(ValueError, match=words):  # the scripted executor has no weights and no KV cache
+            ExecutorConfig(load_format="scripted", **flags)
 
 
 def test_quantized_model_runs_and_counts_fp8_bytes(tmp_path):

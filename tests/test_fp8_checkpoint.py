@@ -36,17 +36,18 @@ def _compressed_tensors(strategy: str) -> dict:
                                                                 "dynamic": False}}}}
 
 
-def _write_checkpoint(folder, quantization: dict, per_tensor: bool, state: dict = None) -> tuple[str, str]:
+def _write_checkpoint(folder, quantization: dict, per_tensor: bool, state: dict = None, float_modules=(),
+                      extra: dict = None) -> tuple[str, str]:
     """A tiny model's random weights (``state``, HF names, beside ``folder``/config.json; default: a dense model's)
-    as an FP8 checkpoint (``folder``/fp8) and the same values dequantized as a float32 one (``folder``/ref);
-    returns both folders."""
+    as an FP8 checkpoint (``folder``/fp8; the ``float_modules`` left as they are, ``extra`` tensors added) and the
+    same values dequantized as a float32 one (``folder``/ref); returns both folders."""
     if state is None:
         model, _ = load_model(write_config(folder), "dummy", "cpu", torch.float32)
         state = {n: p.detach().clone() for n, p in model.named_parameters()}
     fp8, ref = dict(state), dict(state)
     for name, w in state.items():
-        if name.split(".")[-2] not in _PROJ or not name.endswith(".weight"):  # Qwen2's q|k|v biases stay float
-            continue
+        if name.split(".")[-2] not in _PROJ or not name.endswith(".weight") or name[:-7] in float_modules:
+            continue  # Qwen2's q|k|v biases stay float, and what the config ignores
         if per_tensor:  # one scale for the projection
             scale = w.abs().max().float() / 448
             q = Fp8Weight((w / scale).clamp(-448, 448).to(FP8), scale.expand(w.shape[0]).contiguous(), w.dtype)
@@ -56,6 +57,7 @@ def _write_checkpoint(folder, quantization: dict, per_tensor: bool, state: dict 
         fp8[name + "_scale"] = q.scale[0].reshape(()) if per_tensor else q.scale[:, None]
         fp8[name.removesuffix("weight") + "input_scale"] = torch.tensor([0.02])
         ref[name] = q.dequantize()
+    fp8.update(extra or {})
     config = json.loads((folder / "config.json").read_text())
     out = []
     for sub, tensors, extra in (("fp8", fp8, {"quantization_config": quantization}), ("ref", ref, {})):
@@ -157,3 +159,132 @@ def test_scales_shard_with_their_weights():
                        torch.tensor(0.5))
     assert torch.equal(shards.take("model.layers.0.self_attn.o_proj.input_scale", torch.tensor([0.5])),
                        torch.tensor([0.5]))
+    assert torch.equal(shards.take("model.layers.1.self_attn.k_scale", torch.tensor([0.5, 0.25])),
+                       torch.tensor([0.5, 0.25]))  # a KV-cache scale whole, on every rank
+    from executor_proc.model.moe_config import MoEConfig
+
+    moe = dataclasses.replace(cfg, architecture="MixtralForCausalLM", moe=MoEConfig(4, 2, 96, True))
+    name = "model.layers.0.block_sparse_moe.experts.3.w1.weight_scale"  # a whole expert's 0-dim (per-tensor) scale
+    experts = Shards(moe, 1, 2, expert_parallel=True)
+    assert experts.holds(name) and torch.equal(experts.take(name, torch.tensor(0.5)), torch.tensor(0.5))
+
+
+def _logits(worker, tokens: int = 4):
+    from tests.forward_batch import all_logits, build_forward_batch
+
+    batch = build_forward_batch([(0, list(range(3, 3 + tokens)), 0, True)], [[1, 2, 3, 4]], 4, "cpu")
+    batch = dataclasses.replace(batch, block_tables=batch.block_tables.int())
+    return all_logits(worker.model, batch, worker.kv_cache)
+
+
+@pytest.mark.parametrize("names", [("k_scale", "v_scale"), ("k_proj.output_scale", "v_proj.output_scale"),
+                                   ("kv_scale",)])
+def test_kv_cache_scales_of_the_checkpoint_serve_an_fp8_cache(tmp_path, names):
+    """A checkpoint's KV-cache scales (compressed-tensors' ``kv_cache_scheme`` names, the older output scales,
+    AutoFP8's one ``kv_scale``) load, and ``--kv-cache-dtype fp8`` stores under them instead of calibrating;
+    without that flag they are kept and unused."""
+    values = {(i, n): torch.tensor(0.01 * (i + 1) * (j + 2)) for i in range(2) for j, n in enumerate(names)}
+    extra = {f"model.layers.{i}.self_attn.{n}": v for (i, n), v in values.items()}
+    q = {**_compressed_tensors("channel"), "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                                "dynamic": False, "symmetric": True}}
+    fp8_dir, _ = _write_checkpoint(tmp_path, q, False, extra=extra)
+    worker = _built(fp8_dir, kv_cache_dtype="fp8")
+    want = [(float(values[i, names[0]]), float(values[i, names[-1]])) for i in range(2)]
+    assert worker.model.checkpoint_kv_scales == want
+    assert [worker.kv_cache.layer_scale(i) for i in range(2)] == want
+    assert torch.isfinite(_logits(worker)).all()
+    assert _built(fp8_dir).model.checkpoint_kv_scales == want
+
+
+def test_kv_cache_scales_of_some_layers_only_are_refused(tmp_path):
+    fp8_dir, _ = _write_checkpoint(tmp_path, _compressed_tensors("channel"), False,
+                                   extra={"model.layers.0.self_attn.k_scale": torch.tensor(0.1),
+                                          "model.layers.0.self_attn.v_scale": torch.tensor(0.1)})
+    with pytest.raises(ValueError, match=r"KV cache scales for some layers only: missing "
+                                         r"model\.layers\.1\.self_attn\.k_scale"):
+        load_model(fp8_dir, "hf", "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("bad,words", [(float("nan"), "holds a NaN or an infinity"),
+                                       (float("inf"), "holds a NaN or an infinity"),
+                                       (0.0, "holds a value <= 0"), (-0.5, "holds a value <= 0"),
+                                       ("int", "a scale must be a float tensor, got torch.int32"),
+                                       ("short", "31 values for 32 rows")])
+def test_bad_scales_are_refused_naming_the_tensor(tmp_path, bad, words):
+    """NaN, infinite, zero or negative scales, integer ones, or the wrong count: refused, naming the tensor (a NaN
+    scale used to load and give silently wrong logits)."""
+    fp8_dir, _ = _write_checkpoint(tmp_path, _compressed_tensors("channel"), False)
+    from safetensors.torch import load_file
+
+    state = load_file(f"{fp8_dir}/model.safetensors")
+    name = "model.layers.1.self_attn.k_proj.weight_scale"
+    scale = state[name].clone()
+    if bad == "int":
+        scale = scale.int()
+    elif bad == "short":
+        scale = scale[:31]
+    else:
+        scale[3] = bad
+    state[name] = scale
+    save_file(state, f"{fp8_dir}/model.safetensors")
+    with pytest.raises(ValueError, match=rf"{name.replace('.', '[.]')}: {words}"):
+        load_model(fp8_dir, "hf", "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("ignore", [["lm_head", "model.layers.0.mlp.down_proj"],
+                                    ["lm_head", r"re:model\.layers\.1\.self_attn\.[qkv]_proj"]])
+def test_projections_the_config_ignores_load_in_float(tmp_path, ignore):
+    """``ignore`` (names, or ``re:`` patterns): those projections stay float, the rest FP8, and the logits equal
+    those of the checkpoint's values dequantized (4 tokens: the FP8 weights' sums are exact in float32)."""
+    floats = {"model.layers.0.mlp.down_proj"} if "down" in ignore[1] else {
+        f"model.layers.1.self_attn.{p}_proj" for p in "qkv"}
+    fp8_dir, ref_dir = _write_checkpoint(tmp_path, {**_compressed_tensors("channel"), "ignore": ignore}, False,
+                                         float_modules=floats)
+    worker = _built(fp8_dir)
+    layers = worker.model.model.layers
+    fused = layers[0].mlp.down if "down" in ignore[1] else layers[1].self_attn.qkv
+    assert fused.weight.dtype == torch.float32 and isinstance(layers[1].mlp.gate_up.weight, Fp8Weight)
+    assert torch.allclose(_logits(worker), _logits(_built(ref_dir)), rtol=0, atol=1e-5)
+
+
+def test_part_of_a_fused_projection_ignored_is_refused(tmp_path):
+    q = {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["model.layers.0.self_attn.q_proj"]}
+    fp8_dir, _ = _write_checkpoint(tmp_path, q, False, float_modules={"model.layers.0.self_attn.q_proj"})
+    with pytest.raises(ValueError, match="ignores model.layers.0.self_attn.q_proj but not "
+                                         "model.layers.0.self_attn.k_proj: the parts of a fused projection"):
+        load_model(fp8_dir, "hf", "cpu", torch.float32)
+
+
+def test_an_fp8_lm_head_is_refused_by_name(tmp_path):
+    head = quantize_weight(torch.randn(97, 64))
+    fp8_dir, _ = _write_checkpoint(tmp_path, _compressed_tensors("channel"), False,
+                                   extra={"lm_head.weight": head.data, "lm_head.weight_scale": head.scale[:, None]})
+    with pytest.raises(ValueError, match="lm_head.weight_scale: the checkpoint's LM head is FP8"):
+        load_model(fp8_dir, "hf", "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("q,words", [("fp8", "quantization_config: an object expected, got str"),
+                                     ({**_compressed_tensors("channel"), "config_groups": [{}]},
+                                      "quantization_config.config_groups: an object expected, got list"),
+                                     ({**_compressed_tensors("channel"), "config_groups": {"g": None}},
+                                      "quantization_config.config_groups.g: an object expected"),
+                                     ({**_compressed_tensors("channel"), "ignore": "lm_head"},
+                                      "quantization_config.ignore: a list of module names expected"),
+                                     ({"quant_method": "fp8", "ignored_layers": ["re:("]},
+                                      "is not a regular expression")])
+def test_malformed_quantization_configs_are_refused_by_field(q, words):
+    with pytest.raises(ValueError, match=words):
+        fp8_scheme({"quantization_config": q})
+
+
+def test_an_fp8_checkpoint_refuses_batch_invariance_and_says_fp8_at_start(tmp_path):
+    from executor_proc.build import build_worker
+    from executor_proc.memory_plan import StartupRefused
+    from ipc.config import ExecutorConfig
+
+    fp8_dir, ref_dir = _write_checkpoint(tmp_path, _compressed_tensors("channel"), False)
+    cfg = dict(model=fp8_dir, load_format="hf", device="cpu", num_slots=2, num_kv_blocks=16, block_size=4)
+    with pytest.raises(StartupRefused, match="an FP8 checkpoint cannot run --batch-invariant"):
+        build_worker(ExecutorConfig(**cfg, kernels="triton", cuda_graphs=False, batch_invariant=True))
+    assert build_worker(ExecutorConfig(**cfg, kernels="torch")).fp8_weights
+    assert not build_worker(ExecutorConfig(**{**cfg, "model": ref_dir}, kernels="torch")).fp8_weights

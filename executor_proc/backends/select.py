@@ -34,6 +34,9 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
     the matmuls after them (:func:`folds_norms`) before the weights are quantized (:func:`quantize`), each
     tuning phase reported through ``progress`` (its kernels compiled, then its shapes timed).  Otherwise torch.
     """
+    if cfg.batch_invariant and is_quantized(model):  # --quantization fp8 is refused with the flags (ipc.config)
+        raise ValueError("an FP8 checkpoint cannot run --batch-invariant: its linears change kernel (and activation "
+                         "rounding) between 8 and 9 rows")
     if not uses_triton(cfg, device):
         quantize(cfg, model)
         return TorchBackend(model.rope_inv_freq)

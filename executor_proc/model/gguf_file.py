@@ -94,7 +94,7 @@ def open_gguf(path: str):
             return super()._get(offset, dtype, count, override_order)
 
     if os.path.isdir(path):
-        files = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        files = sorted(glob.glob(os.path.join(glob.escape(path), "*.gguf")))
         if len(files) != 1:
             raise ValueError(f"expected exactly one .gguf file in {path!r}, found {len(files)}")
         path = files[0]

@@ -1,4 +1,5 @@
-"""Per-layer scales of an FP8 KV cache (``--kv-cache-dtype fp8``): measured once at start-up, then fixed.
+"""Per-layer scales of an FP8 KV cache (``--kv-cache-dtype fp8``): an FP8 checkpoint's own (``k_scale`` /
+``v_scale``: :func:`executor_proc.model.fp8_checkpoint.kv_scale_name`), else measured once at start-up; then fixed.
 
 e4m3 keeps 3 mantissa bits from 2^-6 to 448; below, values lose bits.  A layer's keys and values span
 very different ranges (SmolLM2-135M: largest magnitude 0.6 in some layers, 19 in others), so stored as

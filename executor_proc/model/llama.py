@@ -23,7 +23,7 @@ from executor_proc.backends.torch_backend import TorchBackend
 from executor_proc.step.batch import ForwardBatch
 from executor_proc.model.kv_cache import KVCache
 from executor_proc.model.config import ModelConfig
-from executor_proc.model.fp8_checkpoint import row_scales
+from executor_proc.model.fp8_checkpoint import kv_scale_name, row_scales, scale_problem
 from executor_proc.model.mlp import MLP, FusedLinear
 from executor_proc.model.moe import MoEBlock, checkpoint_name, mixtral_name
 from kernels.fp8 import FP8
@@ -33,6 +33,7 @@ from kernels.reference import rms_norm_ref
 # kernels scale activations per token: executor_proc/model/fp8_checkpoint.py).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale")
 _SCALE = ".weight_scale"  # an FP8 weight's scales, loaded into the buffer of that name (fp8_checkpoint.prepare_fp8)
+_HEAD_SCALES = {"lm_head.weight_scale": "LM head", "model.embed_tokens.weight_scale": "embedding"}
 
 
 class RMSNorm(nn.Module):
@@ -155,6 +156,8 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
         self.backend: Backend = TorchBackend(self.rope_inv_freq)
+        # an FP8 checkpoint's KV-cache scales, [(k, v)] per layer (load_weights): --kv-cache-dtype fp8 takes them
+        self.checkpoint_kv_scales: Optional[list[tuple[float, float]]] = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -243,6 +246,7 @@ class CausalLM(nn.Module):
                 stacks[prefix + "w2"] = [n for n in views if n.endswith("down_proj.weight")]
         params.update((n, b) for n, b in self.named_buffers() if n.endswith(_SCALE))
         loaded: set[str] = set()
+        kv_scales: dict[tuple[int, str], float] = {}
         unexpected: list[str] = []
         bad_shapes: list[str] = []
         misfits: set[str] = set()
@@ -254,11 +258,31 @@ class CausalLM(nn.Module):
             mixtral_names |= ".block_sparse_moe." in given
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
+            kv = kv_scale_name(name)
+            if kv is not None:  # an FP8 KV cache's scale (its largest, where per head): kept for --kv-cache-dtype fp8
+                problem = scale_problem(tensor)
+                if problem is not None:
+                    bad_shapes.append(f"{given}: {problem}")
+                    continue
+                for which in ("k", "v") if kv[1] == "kv" else kv[1]:
+                    kv_scales[kv[0], which] = float(tensor.float().max())
+                continue
             param = params.get(name)
             if param is None:
+                if name in _HEAD_SCALES:
+                    raise ValueError(f"{given}: the checkpoint's {_HEAD_SCALES[name]} is FP8, and this engine keeps it "
+                                     f"in the model dtype (checkpoints made with quantization_config.ignore: "
+                                     f"[\"lm_head\"] load)")
                 unexpected.append(given)
                 continue
             if name.endswith(_SCALE):
+                problem = scale_problem(tensor)
+                if problem is None and tensor.numel() not in (1, param.shape[0]):
+                    problem = f"{tensor.numel()} values for {param.shape[0]} rows (per tensor or per channel only)"
+                if problem is not None:
+                    bad_shapes.append(f"{given}: {problem}")
+                    misfits.add(name)
+                    continue
                 tensor = row_scales(tensor, param.shape[0])
             if tuple(param.shape) != tuple(tensor.shape) or (param.dtype == FP8) != (tensor.dtype == FP8) \
                     or not tensor.is_floating_point():  # integers would be copied in as whole numbers (all zeros)
@@ -281,8 +305,15 @@ class CausalLM(nn.Module):
             problems.append(f"unexpected {len(unexpected)} weights: {_some(sorted(unexpected))}")
         if bad_shapes:
             problems.append(f"{len(bad_shapes)} shape or dtype mismatches: {_some(bad_shapes)}")
+        layers = self.config.num_layers
+        if kv_scales and len(kv_scales) != 2 * layers:
+            lacking = sorted({f"model.layers.{i}.self_attn.{w}_scale" for i in range(layers) for w in "kv"
+                              if (i, w) not in kv_scales})
+            problems.append(f"KV cache scales for some layers only: missing {_some(lacking)}")
         if problems:
             raise ValueError(f"checkpoint does not match {self.config.architecture}: " + "; ".join(problems))
+        if kv_scales:
+            self.checkpoint_kv_scales = [(kv_scales[i, "k"], kv_scales[i, "v"]) for i in range(layers)]
         return len(loaded)
 
 

@@ -24,7 +24,7 @@ from executor_proc.memory_plan import GIB, available_host_bytes
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.gguf_file import gguf_config, gguf_weights, open_gguf
 from executor_proc.model.llama import CausalLM, build_model
-from executor_proc.model.fp8_checkpoint import checkpoint_is_fp8, prepare_fp8
+from executor_proc.model.fp8_checkpoint import fp8_config, ignored_modules, prepare_fp8
 
 if TYPE_CHECKING:
     from executor_proc.parallel.group import TPGroup
@@ -60,7 +60,7 @@ def detect_format(path: str) -> str:
         return "gguf"
     if os.path.isdir(path) and _safetensors_files(path):
         return "hf"
-    if os.path.isdir(path) and glob.glob(os.path.join(path, "*.gguf")):
+    if os.path.isdir(path) and glob.glob(os.path.join(glob.escape(path), "*.gguf")):
         return "gguf"
     raise ValueError(
         f"cannot tell the weight format of {path!r}: expected a .gguf file or a folder with "
@@ -110,8 +110,9 @@ def load_model(
         total, weights = hf_weights(path, shards)
         stage = "loading weights"
     model = build_model(config, device, dtype, make)
-    if reader is None and checkpoint_is_fp8(path):  # e4m3 weights and their scales, read as they are
-        prepare_fp8(model)
+    fp8 = fp8_config(path) if reader is None else None
+    if fp8 is not None:  # e4m3 weights and their scales, read as they are
+        prepare_fp8(model, ignored_modules(fp8))
     report = None if progress_cb is None else (lambda done: progress_cb(stage, done, total))
     model.load_weights(weights, report)
     return model, config
@@ -158,7 +159,7 @@ def _safetensors_files(folder: str) -> list[str]:
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
         return [os.path.join(folder, name) for name in files]
-    return sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    return sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")))
 
 
 def _rank_model(config: ModelConfig, tp: Optional["TPGroup"],
@@ -179,7 +180,7 @@ def hf_weights(folder: str, shards: Optional["Shards"] = None) -> tuple[int, Wei
     another rank holds, are never read)."""
     files = _safetensors_files(folder)
     if not files:
-        bins = glob.glob(os.path.join(folder, "*.bin"))
+        bins = glob.glob(os.path.join(glob.escape(folder), "*.bin"))
         hint = " (only safetensors are supported, not .bin)" if bins else ""
         raise FileNotFoundError(f"no *.safetensors in {folder!r}{hint}")
     total = 0

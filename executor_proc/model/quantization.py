@@ -85,5 +85,11 @@ def _quantize_fused(fused) -> int:
 
 
 def is_quantized(model) -> bool:
-    """Whether :func:`quantize_model` ran on ``model``."""
-    return isinstance(model.model.layers[0].self_attn.qkv.weight, Fp8Weight)
+    """Whether ``model``'s layers hold FP8 weights: :func:`quantize_model` ran, or an FP8 checkpoint was loaded (some
+    of whose projections may be float: ``executor_proc.model.fp8_checkpoint.prepare_fp8``)."""
+    for layer in model.model.layers:
+        fused, experts = fp8_parts(layer)
+        weights = [f.weight for f in fused] + (list(experts.expert_stacks()) if experts is not None else [])
+        if any(isinstance(w, Fp8Weight) for w in weights):
+            return True
+    return False

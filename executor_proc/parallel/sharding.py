@@ -35,6 +35,7 @@ import torch
 
 from executor_proc.memory_plan import StartupRefused
 from executor_proc.model.config import ModelConfig
+from executor_proc.model.fp8_checkpoint import kv_scale_name
 from executor_proc.model.moe import checkpoint_name
 from ipc.config import MAX_TENSOR_PARALLEL
 
@@ -187,8 +188,10 @@ class Shards:
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
         if kind in _STACKED:
             return self._stacked_experts(kind, t)
-        if self.experts is not None and _EXPERT.search(name):  # a whole expert of the rank's
-            return t[:]
+        if self.experts is not None and _EXPERT.search(name):  # a whole expert of the rank's (a 0-dim scale too)
+            return t[...]
+        if kv_scale_name(name) is not None:  # an FP8 KV cache's scale: one a layer (its largest, where per head)
+            return t[...]
         if kind.endswith("_scale") and (module in _ROW or _numel(t) == 1):  # FP8 scales: per output row, or per tensor
             return t[...]
         if module in _COLUMN:
