@@ -221,6 +221,16 @@ def test_transformers_4_layout():
         ({"num_attention_heads": 128, "num_key_value_heads": 128}, "exceeds hidden_size .*give head_dim"),
         ({"rope_theta": "abc"}, "field 'rope_theta' must be a number, got 'abc'"),
         ({"rms_norm_eps": -1}, "field 'rms_norm_eps' must be a finite number >= 0, got -1"),
+        # a string "false" would read as true: the embeddings tied and the checkpoint's lm_head dropped
+        ({"tie_word_embeddings": "false"}, "field 'tie_word_embeddings' must be true or false, got 'false'"),
+        ({"attention_bias": 0}, "field 'attention_bias' must be true or false"),
+        ({"rope_parameters": "default"}, "field 'rope_parameters' must be an object, got 'default'"),
+        ({"eos_token_id": 16.5}, "field 'eos_token_id' must be a token id or a list of them, got 16.5"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": "4096"},
+         "field 'sliding_window' must be a positive integer or null, got '4096'"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "'sliding_window' must be a positive integer"),
+        ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": True},
+         "'sliding_window' must be a positive integer or null, got True"),
     ],
 )
 def test_config_errors(change, message):

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 from executor_proc.backends.torch_backend import TorchBackend  # noqa: E402
 from executor_proc.backends.triton_backend import TritonBackend  # noqa: E402
 from executor_proc.model.config import ModelConfig  # noqa: E402
-from executor_proc.model.llama import CausalLM  # noqa: E402
+from executor_proc.model.llama import CausalLM, build_model  # noqa: E402
 from executor_proc.model.loader import load_model  # noqa: E402
 from executor_proc.model.moe import MoEBlock, checkpoint_name, mixtral_name  # noqa: E402
 from kernels.moe import (SMALL_CONFIG, MoEConfig, SmallConfig, align_by_expert, fused_moe_grouped,  # noqa: E402
@@ -128,6 +128,12 @@ def test_transformers_5_stacked_experts_load_as_the_per_expert_tensors(built, tm
                                                    per_expert[f"{layer}experts.{e}.up_proj.weight"]])
                                         for e in experts])
                     assert torch.equal(t, want), (name, n, expert_parallel)
+    # a misshapen stack is named once, as the mismatch, not as its experts' tensors missing
+    weights = [(n, t[:, :-2] if n.endswith("experts.gate_up_proj") else t) for n, t in hf_weights(str(stacked))[1]]
+    mismatch = r"shape or dtype mismatches: model\.layers\.\d\.mlp\.experts\.gate_up_proj"
+    with pytest.raises(ValueError, match=mismatch) as e:
+        build_model(config, "cpu", torch.float32).load_weights(weights)
+    assert "missing" not in str(e.value)
 
 
 def test_folded_norms_match_hf(family):
@@ -656,10 +662,27 @@ BASE = {"architectures": ["Qwen2MoeForCausalLM"], **SHAPE, **MOE, "num_experts":
     ({"norm_topk_prob": "yes"}, "'norm_topk_prob' must be true or false"),
     ({"mlp_only_layers": "1"}, "'mlp_only_layers' must be a list"),
     ({"architectures": ["MixtralForCausalLM"], "num_experts": None}, "'num_local_experts'"),
+    ({"num_local_experts": 8}, r"'num_experts' \(4\) and 'num_local_experts' \(8\) disagree"),
 ])
 def test_config_errors_name_the_field(change, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_dict(BASE | change)
+
+
+def test_absent_fields_take_the_familys_defaults():
+    """Where a config leaves rope_theta or rms_norm_eps out, each family's HF default (Mixtral's differ from the
+    others': a 10,000 theta there gave logits 0.6 off HF's)."""
+    from transformers import AutoConfig
+
+    for arch, model_type in (("MixtralForCausalLM", "mixtral"), ("Qwen2MoeForCausalLM", "qwen2_moe"),
+                             ("Qwen3MoeForCausalLM", "qwen3_moe"), ("LlamaForCausalLM", "llama")):
+        d = {k: v for k, v in (BASE | {"architectures": [arch], "num_local_experts": 4}).items()
+             if k not in ("rope_theta", "rope_parameters", "rms_norm_eps")}
+        if model_type != "mixtral":
+            d.pop("num_local_experts")
+        ours, hf = ModelConfig.from_hf_dict(d), AutoConfig.for_model(model_type)
+        theta = getattr(hf, "rope_theta", None) or hf.rope_parameters["rope_theta"]
+        assert (ours.rope_theta, ours.rms_norm_eps) == (theta, hf.rms_norm_eps), arch
 
 
 def test_fp8_experts_stay_within_fp8_rounding_of_the_float_model(built):

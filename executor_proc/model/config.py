@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from executor_proc.model.moe_config import MOE_MODEL_TYPES, MoEConfig, parse_moe
+from executor_proc.model.moe_config import MOE_MODEL_TYPES, MoEConfig, flag_field, parse_moe
 
 logger = logging.getLogger(__name__)
 
@@ -113,13 +113,13 @@ class ModelConfig:
         hidden_size = _required(d, "hidden_size")
         num_heads = _required(d, "num_attention_heads")
         num_kv_heads = _optional(d, "num_key_value_heads") or num_heads
-        rope_theta, rope_scaling = _parse_rope(d)
+        rope_theta, rope_scaling = _parse_rope(d, _DEFAULT_THETA.get(model_type, 10000.0))
         max_pos = _required(d, "max_position_embeddings")
-        attention_bias = bool(d.get("attention_bias", False))
+        attention_bias = flag_field(d, "attention_bias", False)
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False  # Qwen2 always has q/k/v biases and no o_proj bias
         elif model_type == "qwen2_moe":
-            qkv_bias, o_bias = bool(d.get("qkv_bias", True)), False
+            qkv_bias, o_bias = flag_field(d, "qkv_bias", True), False
         elif model_type in ("mistral", "mixtral"):
             qkv_bias = o_bias = False
         else:
@@ -134,14 +134,14 @@ class ModelConfig:
             num_kv_heads=num_kv_heads,
             head_dim=_optional(d, "head_dim") or hidden_size // num_heads,
             vocab_size=_required(d, "vocab_size"),
-            rms_norm_eps=_number(d, "rms_norm_eps", 1e-6),
+            rms_norm_eps=_number(d, "rms_norm_eps", _DEFAULT_EPS.get(model_type, 1e-6)),
             rope_theta=rope_theta,
             max_position_embeddings=max_pos,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=flag_field(d, "tie_word_embeddings", False),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            mlp_bias=model_type == "llama" and bool(d.get("mlp_bias", False)),
+            mlp_bias=model_type == "llama" and flag_field(d, "mlp_bias", False),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             eos_token_ids=_token_ids(d.get("eos_token_id")),
             bos_token_id=d.get("bos_token_id"),
@@ -245,6 +245,11 @@ def _architecture(d: dict[str, Any]) -> str:
     )
 
 
+# HF's defaults where a family's differ from Llama's (rope_theta 10,000; rms_norm_eps 1e-6): MixtralConfig's
+_DEFAULT_THETA = {"mixtral": 1e6}
+_DEFAULT_EPS = {"mixtral": 1e-5}
+
+
 def _required(d: dict[str, Any], key: str) -> int:
     """A size field: present, and a positive integer (a string or a float would fail far from here)."""
     if d.get(key) is None:
@@ -270,12 +275,15 @@ def _number(d: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-def _parse_rope(d: dict[str, Any]) -> tuple[float, Optional[Llama3RopeScaling]]:
+def _parse_rope(d: dict[str, Any], default_theta: float) -> tuple[float, Optional[Llama3RopeScaling]]:
     # transformers 5.x: rope_parameters holds theta and type; 4.x: rope_theta + rope_scaling.
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+    params = d.get(key) or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config.json field {key!r} must be an object, got {params!r}")
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ValueError(f"per-layer-type rope_parameters are not supported: {sorted(params)}")
-    theta = _number(params if params.get("rope_theta") else d, "rope_theta", 10000.0)
+    theta = _number(params if params.get("rope_theta") else d, "rope_theta", default_theta)
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
@@ -303,12 +311,14 @@ def _sliding_window(d: dict[str, Any], model_type: str, max_pos: int) -> Optiona
     window = d.get("sliding_window")
     if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         layer_types = d.get("layer_types") or []
-        uses_window = d.get("use_sliding_window", False) and (
+        uses_window = flag_field(d, "use_sliding_window", False) and (
             not layer_types or "sliding_attention" in layer_types
         )
         window = window if uses_window else None
     elif model_type not in ("mistral", "mixtral"):
         window = None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"config.json field 'sliding_window' must be a positive integer or null, got {window!r}")
     if window is not None and window < max_pos:
         logger.warning(
             "forerun: sliding_window=%d is not implemented; sequences are capped at %d tokens so attention stays "
@@ -321,11 +331,11 @@ def _sliding_window(d: dict[str, Any], model_type: str, max_pos: int) -> Optiona
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    """``eos_token_id``: a token id, a list of them, or null."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids):
+        raise ValueError(f"config.json field 'eos_token_id' must be a token id or a list of them, got {value!r}")
+    return tuple(ids)
 
 
 def _token_id_field(ids: tuple[int, ...]) -> Any:

@@ -292,9 +292,11 @@ class CausalLM(nn.Module):
                 continue
             param.copy_(tensor)
             loaded.add(name)
-        for stack, views in stacks.items():
+        for stack, views in stacks.items():  # a stack loaded whole stands for its experts' slices (misfit: named once)
             if stack in loaded:
                 loaded.update(views)
+            elif stack in misfits:
+                misfits.update(views)
         missing = sorted(set(params) - loaded - misfits - set(stacks))  # a misfit is named once, with its shapes
         if mixtral_names:
             missing = [mixtral_name(n) for n in missing]

@@ -63,8 +63,11 @@ def parse_moe(d: dict[str, Any], model_type: str) -> Optional[MoEConfig]:
     else:
         key = "num_local_experts" if d.get("num_experts") is None and "num_local_experts" in d else "num_experts"
         num_experts = _positive(d, key, d.get(key))
+        if d.get("num_local_experts") not in (None, num_experts):
+            raise ValueError(f"config.json fields 'num_experts' ({num_experts}) and 'num_local_experts' "
+                             f"({d['num_local_experts']!r}) disagree: keep one")
         intermediate = _positive(d, "moe_intermediate_size", d.get("moe_intermediate_size"))
-        renormalize = _flag(d, "norm_topk_prob", False)
+        renormalize = flag_field(d, "norm_topk_prob", False)
         shared = 0
         if model_type == "qwen2_moe":
             shared = _positive(d, "shared_expert_intermediate_size", d.get("shared_expert_intermediate_size"))
@@ -84,7 +87,9 @@ def _positive(d: dict[str, Any], key: str, value: Any) -> int:
     return value
 
 
-def _flag(d: dict[str, Any], key: str, default: bool) -> bool:
+def flag_field(d: dict[str, Any], key: str, default: bool) -> bool:
+    """A true/false field (absent or null: ``default``); a string such as "false" is refused by name (it would read
+    as true)."""
     value = d.get(key, default)
     if value is None:
         return default
