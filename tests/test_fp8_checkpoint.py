@@ -23,8 +23,9 @@ def _built(model_dir: str, **kw):
     from ipc.config import ExecutorConfig
 
     kw.setdefault("kernels", "torch")
-    return build_worker(ExecutorConfig(model=model_dir, load_format="hf", device="cpu", num_slots=2, num_kv_blocks=16,
-                                       block_size=4, **kw)).worker
+    kw.setdefault("device", "cpu")
+    return build_worker(ExecutorConfig(model=model_dir, load_format="hf", num_slots=2, num_kv_blocks=16, block_size=4,
+                                       **kw)).worker
 
 
 def _compressed_tensors(strategy: str) -> dict:
@@ -37,12 +38,12 @@ def _compressed_tensors(strategy: str) -> dict:
 
 
 def _write_checkpoint(folder, quantization: dict, per_tensor: bool, state: dict = None, float_modules=(),
-                      extra: dict = None) -> tuple[str, str]:
+                      extra: dict = None, **shape) -> tuple[str, str]:
     """A tiny model's random weights (``state``, HF names, beside ``folder``/config.json; default: a dense model's)
     as an FP8 checkpoint (``folder``/fp8; the ``float_modules`` left as they are, ``extra`` tensors added) and the
-    same values dequantized as a float32 one (``folder``/ref); returns both folders."""
+    same values dequantized as a float32 one (``folder``/ref); returns both folders.  ``shape``: write_config's."""
     if state is None:
-        model, _ = load_model(write_config(folder), "dummy", "cpu", torch.float32)
+        model, _ = load_model(write_config(folder, **shape), "dummy", "cpu", torch.float32)
         state = {n: p.detach().clone() for n, p in model.named_parameters()}
     fp8, ref = dict(state), dict(state)
     for name, w in state.items():
@@ -169,10 +170,10 @@ def test_scales_shard_with_their_weights():
     assert experts.holds(name) and torch.equal(experts.take(name, torch.tensor(0.5)), torch.tensor(0.5))
 
 
-def _logits(worker, tokens: int = 4):
+def _logits(worker, tokens: int = 4, device: str = "cpu"):
     from tests.forward_batch import all_logits, build_forward_batch
 
-    batch = build_forward_batch([(0, list(range(3, 3 + tokens)), 0, True)], [[1, 2, 3, 4]], 4, "cpu")
+    batch = build_forward_batch([(0, list(range(3, 3 + tokens)), 0, True)], [[1, 2, 3, 4]], 4, device)
     batch = dataclasses.replace(batch, block_tables=batch.block_tables.int())
     return all_logits(worker.model, batch, worker.kv_cache)
 
@@ -244,7 +245,11 @@ def test_projections_the_config_ignores_load_in_float(tmp_path, ignore):
     layers = worker.model.model.layers
     fused = layers[0].mlp.down if "down" in ignore[1] else layers[1].self_attn.qkv
     assert fused.weight.dtype == torch.float32 and isinstance(layers[1].mlp.gate_up.weight, Fp8Weight)
-    assert torch.allclose(_logits(worker), _logits(_built(ref_dir)), rtol=0, atol=1e-5)
+    want = _logits(_built(ref_dir))
+    assert torch.allclose(_logits(worker), want, rtol=0, atol=1e-5)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels on both kinds (the interpreter on a CPU)
+    triton = _built(fp8_dir, kernels="triton", cuda_graphs=False, device=device, dtype="float32")
+    assert torch.allclose(_logits(triton, device=device).cpu(), want, rtol=0, atol=1e-4)
 
 
 def test_part_of_a_fused_projection_ignored_is_refused(tmp_path):
@@ -277,6 +282,17 @@ def test_malformed_quantization_configs_are_refused_by_field(q, words):
         fp8_scheme({"quantization_config": q})
 
 
+def test_heads_the_attention_kernels_cannot_take_are_refused():
+    from executor_proc.backends.select import check_head_dim
+
+    check_head_dim(16, "fp8", torch.device("cpu"))  # the interpreter takes them
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 needs a head_dim of 32 or more on the GPU, this "
+                                         "model's is 16"):
+        check_head_dim(16, "fp8", torch.device("cuda"))
+    with pytest.raises(ValueError, match="head_dim 512: the attention kernels take heads of up to 256 values"):
+        check_head_dim(512, "auto", torch.device("cpu"))
+
+
 def test_an_fp8_checkpoint_refuses_batch_invariance_and_says_fp8_at_start(tmp_path):
     from executor_proc.build import build_worker
     from executor_proc.memory_plan import StartupRefused
@@ -288,3 +304,33 @@ def test_an_fp8_checkpoint_refuses_batch_invariance_and_says_fp8_at_start(tmp_pa
         build_worker(ExecutorConfig(**cfg, kernels="triton", cuda_graphs=False, batch_invariant=True))
     assert build_worker(ExecutorConfig(**cfg, kernels="torch")).fp8_weights
     assert not build_worker(ExecutorConfig(**{**cfg, "model": ref_dir}, kernels="torch")).fp8_weights
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the tuner")
+def test_fp8_checkpoint_with_float_projections_and_kv_scales_gpu(tmp_path):
+    """On the GPU path (tuned kernels, CUDA graphs, an FP8 cache under the checkpoint's scales), a checkpoint that
+    leaves one projection float: replayed steps give the eager steps' tokens, and a prefill's logits are the CPU
+    torch path's for the same checkpoint."""
+    from executor_proc.build import build_worker
+    from ipc.config import ExecutorConfig
+    from tests.test_gpu_fastpath import run_plans, scenario
+
+    q = {**_compressed_tensors("channel"), "ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}
+    extra = {f"model.layers.{i}.self_attn.{w}_scale": torch.tensor(0.05) for i in range(2) for w in "kv"}
+    fp8_dir, _ = _write_checkpoint(tmp_path, q, False, float_modules={"model.layers.0.mlp.down_proj"}, extra=extra,
+                                   heads=2, kv_heads=1)  # heads of 32 values: an FP8 cache's least on the GPU
+    cfg = dict(model=fp8_dir, load_format="hf", num_slots=6, num_kv_blocks=256, block_size=4, cuda_graph_max_batch=4,
+               kv_cache_dtype="fp8", dtype="float32")
+    graphs = build_worker(ExecutorConfig(**cfg, device="cuda", kernels="triton")).worker
+    eager = build_worker(ExecutorConfig(**cfg, device="cuda", kernels="triton", cuda_graphs=False)).worker
+    eager.model.backend.use_choices_of(graphs.model.backend)
+    layers = graphs.model.model.layers
+    assert not isinstance(layers[0].mlp.down.weight, Fp8Weight) and isinstance(layers[1].mlp.down.weight, Fp8Weight)
+    assert graphs.kv_cache.layer_scale(1) == (float(torch.tensor(0.05)),) * 2
+    plans = scenario(vocab=97, steps=10, alone_from=8)
+    tokens = [t for _, t in run_plans(graphs, plans)]
+    assert tokens == [t for _, t in run_plans(eager, plans)]
+    cpu = build_worker(ExecutorConfig(**cfg, device="cpu", kernels="torch")).worker
+    want = _logits(cpu)
+    got = _logits(eager, device="cuda").cpu()
+    assert (got - want).abs().max() < 0.02 * want.abs().max()

@@ -56,12 +56,19 @@ class TuneJob:
 
 
 def _weight_groups(model) -> dict[tuple[int, int], list[torch.Tensor]]:
-    """The model's decode-time weights by shape (each group is streamed layer after layer, as in a step)."""
+    """The model's decode-time weights by shape (each group is streamed layer after layer, as in a step).  Where an
+    FP8 checkpoint leaves some projections of a shape float, the group is the shape's more numerous kind (FP8 on a
+    tie): the choices are keyed by shape, and the other kind's weights run them too (every config serves both)."""
     groups: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(list)
     for layer in model.model.layers:
         for w in (layer.self_attn.qkv.weight, layer.self_attn.o.weight, *_mlp_weights(layer), *_moe_linears(layer)):
             groups[tuple(w.shape)].append(w)
     groups[tuple(model.lm_head.weight.shape)].append(model.lm_head.weight)
+    for shape, weights in groups.items():
+        fp8 = [w for w in weights if isinstance(w, Fp8Weight)]
+        if fp8 and len(fp8) != len(weights):
+            groups[shape] = fp8 if 2 * len(fp8) >= len(weights) else [w for w in weights
+                                                                       if not isinstance(w, Fp8Weight)]
     return groups
 
 

@@ -46,6 +46,7 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
 
     patch_interpreter()  # the CPU runs the kernels in Triton's interpreter (a no-op on a GPU)
     c = model.config
+    check_head_dim(c.head_dim, cfg.kv_cache_dtype, device)
     # one-token rows of a forward: n-gram steps' K + 1 positions a row as decode rows, the mixed-step body's hidden
     # rows under either method
     backend = TritonBackend(model.rope_inv_freq, max_positions, c.num_heads, c.num_kv_heads, c.head_dim,
@@ -62,6 +63,15 @@ def select_backend(cfg: ExecutorConfig, device: torch.device, model, max_positio
         with open(os.environ["FORERUN_TUNER_LOG"], "w") as f:
             json.dump(tuner_report(backend), f, indent=1)
     return backend
+
+
+def check_head_dim(head_dim: int, kv_cache_dtype: str, device: torch.device) -> None:
+    """The attention kernels' heads: at most 256 values, and on a GPU an FP8 cache's at least 32 (its keys are read
+    as two halves of even and odd values, each a matrix product's depth of 16 at least); ValueError otherwise."""
+    if head_dim > 256:
+        raise ValueError(f"head_dim {head_dim}: the attention kernels take heads of up to 256 values")
+    if kv_cache_dtype == "fp8" and device.type == "cuda" and head_dim < 32:
+        raise ValueError(f"--kv-cache-dtype fp8 needs a head_dim of 32 or more on the GPU, this model's is {head_dim}")
 
 
 def quantize(cfg: ExecutorConfig, model) -> None:
