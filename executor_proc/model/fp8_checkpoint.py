@@ -45,12 +45,6 @@ from kernels.fp8 import FP8, Fp8Weight
 _SUPPORTED = "compressed-tensors float-quantized or fp8 (per-tensor or per-channel scales)"
 
 
-def checkpoint_is_fp8(folder: str) -> bool:
-    """Whether the HF folder's config.json declares FP8 weights this loader reads; ValueError naming the field for a
-    quantization it cannot."""
-    return fp8_config(folder) is not None
-
-
 def fp8_config(folder: str) -> Optional[dict]:
     """The folder's ``quantization_config`` where it declares FP8 weights this loader reads (None: no quantization);
     ValueError naming the field for one it cannot."""

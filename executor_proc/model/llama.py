@@ -264,7 +264,7 @@ class CausalLM(nn.Module):
                 if problem is not None:
                     bad_shapes.append(f"{given}: {problem}")
                     continue
-                for which in ("k", "v") if kv[1] == "kv" else kv[1]:
+                for which in ("k", "v") if kv[1] == "kv" else (kv[1],):
                     kv_scales[kv[0], which] = float(tensor.float().max())
                 continue
             param = params.get(name)
