@@ -129,7 +129,9 @@ def serve_flags(sub) -> argparse.ArgumentParser:
                    help="fp8: every layer's linear weights in float8 e4m3 with per-output-channel scales, "
                         "quantized at load (the embedding and LM head stay in --dtype); decode reads half the "
                         "weight bytes. FP8 checkpoints (compressed-tensors float-quantized, quant_method fp8; "
-                        "per-channel or per-tensor scales) load as they are without it. Not with --batch-invariant")
+                        "per-channel or per-tensor scales) load as they are without it. A step of more than 8 "
+                        "rows rounds its activations to e4m3 too, so a token may depend on the rows beside it (a "
+                        "prefix-cache hit may change tokens); not with --batch-invariant")
     s.add_argument("--kv-cache-dtype", default=E("kv_cache_dtype"), choices=list(get_args(KVCacheDtype)),
                    help="fp8: the paged KV cache (and the host KV tier) in float8 e4m3 with per-layer scales "
                         "(an FP8 checkpoint's k_scale / v_scale, else measured at start-up), a byte a value (half a "

@@ -270,6 +270,12 @@ def test_load_weights_reports_mismatches():
     with pytest.raises(ValueError, match=r"shape or dtype mismatches: model\.embed_tokens\.weight: checkpoint "
                                          r"\(97, 64\) torch\.int32 vs model \(97, 64\) torch\.float32"):
         model.load_weights(ints)
+    # NaN or infinite values (they served token 0 with null logprobs): refused, named
+    broken = [(n, torch.zeros(p.shape)) for n, p in model.named_parameters()]
+    broken[3][1][0, 1], broken[5][1][-1] = float("nan"), -float("inf")
+    with pytest.raises(ValueError, match=rf"2 checkpoint weights hold NaN or infinite values: {broken[3][0]}, "
+                                         rf"{broken[5][0]}"):
+        model.load_weights(broken)
 
 
 def test_dummy_weights(tmp_path):

@@ -247,6 +247,7 @@ class CausalLM(nn.Module):
         params.update((n, b) for n, b in self.named_buffers() if n.endswith(_SCALE))
         loaded: set[str] = set()
         kv_scales: dict[tuple[int, str], float] = {}
+        finite: list[tuple[str, torch.Tensor]] = []  # (name, no NaN or infinity in it), read once at the end
         unexpected: list[str] = []
         bad_shapes: list[str] = []
         misfits: set[str] = set()
@@ -292,6 +293,7 @@ class CausalLM(nn.Module):
                 continue
             param.copy_(tensor)
             loaded.add(name)
+            finite.append((given, _all_finite(param)))
         for stack, views in stacks.items():  # a stack loaded whole stands for its experts' slices (misfit: named once)
             if stack in loaded:
                 loaded.update(views)
@@ -314,9 +316,23 @@ class CausalLM(nn.Module):
             problems.append(f"KV cache scales for some layers only: missing {_some(lacking)}")
         if problems:
             raise ValueError(f"checkpoint does not match {self.config.architecture}: " + "; ".join(problems))
+        flags = torch.stack([ok for _, ok in finite]).tolist() if finite else []  # one read of the device for all
+        broken = [n for (n, _), ok in zip(finite, flags) if not ok]
+        if broken:
+            raise ValueError(f"{len(broken)} checkpoint weights hold NaN or infinite values: {_some(broken)}")
         if kv_scales:
             self.checkpoint_kv_scales = [(kv_scales[i, "k"], kv_scales[i, "v"]) for i in range(layers)]
         return len(loaded)
+
+
+def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    """A device bool: no NaN or infinity in ``t`` (its largest and smallest values carry either one; e4m3 has only
+    NaN, bits x1111111), computed without a full-size copy of a float tensor."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    if t.dtype == FP8:
+        return ((t.view(torch.uint8) & 0x7F) != 0x7F).all()
+    return torch.isfinite(torch.stack(torch.aminmax(t))).all()
 
 
 def _some(names: list[str], limit: int = 8) -> str:
