@@ -191,6 +191,12 @@ def test_tools_follow_openai_naming_and_a_function_without_parameters_takes_none
     from ipc.gateway.tools import constraint
 
     assert constraint(plan) == {"json_schema": {"type": "object", "properties": {}, "additionalProperties": False}}
+    # parameters without a type are an object's (OpenAI's reading), for the grammar too: with {} or an anyOf of
+    # non-objects a forced call's arguments were a bare number
+    for params in ({}, {"description": "anything"}, {"anyOf": [{"type": "object"}, {"type": "integer"}]}):
+        named = msgspec.structs.replace(tools({"name": "f", "parameters": params}),
+                                        tool_choice={"type": "function", "function": {"name": "f"}})
+        assert constraint(plan_tools(named)) == {"json_schema": {"type": "object", **params}}
 
 
 def test_auto_calls_whose_arguments_are_not_a_json_object_are_content():

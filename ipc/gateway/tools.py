@@ -25,7 +25,7 @@ This module reads the request (the tools, the choice, the constraint a forced ca
   (:func:`ipc.gateway.tool_calls.finished`).
 * **Checks.** Each function's ``parameters`` must be a JSON schema of an object (OpenAI's rule) that the
   grammar engine reads, whatever the tool_choice: a 400 naming ``tools[i].function.parameters``; none given:
-  no parameters (a forced call is ``{}``). Names follow OpenAI's rule (``[a-zA-Z0-9_-]{1,64}``), no two alike.
+  no parameters (a forced call is ``{}``); no ``type``: an object's (the grammar is told so too). Names follow OpenAI's rule (``[a-zA-Z0-9_-]{1,64}``), no two alike.
 * **Mistral's ids.** Mistral's templates refuse a call id that is not 9 characters: in a
   conversation rendered by such a template, ids (``tool_calls[].id``, ``tool_call_id``) become the
   last 9 letters and digits of the id the client sent back.
@@ -86,6 +86,8 @@ def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise s.RequestError(400, f"two tools are named {name!r}", f"tools[{i}].function.name")
         params = fn["parameters"] if "parameters" in fn else no_parameters()
         _check_parameters(params, f"tools[{i}].function.parameters")
+        if "type" not in params:  # any object, as OpenAI reads it: said to the grammar too (else any JSON value)
+            params = {"type": "object", **params}
         out.append({**fn, "parameters": params})
     return out
 
