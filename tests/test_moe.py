@@ -134,6 +134,10 @@ def test_transformers_5_stacked_experts_load_as_the_per_expert_tensors(built, tm
     with pytest.raises(ValueError, match=mismatch) as e:
         build_model(config, "cpu", torch.float32).load_weights(weights)
     assert "missing" not in str(e.value)
+    # a stack left out is named as the layout names it, not as its experts' tensors
+    weights = [(n, t) for n, t in hf_weights(str(stacked))[1] if not n.endswith("layers.1.mlp.experts.down_proj")]
+    with pytest.raises(ValueError, match=r"missing 1 weights: model\.layers\.1\.mlp\.experts\.down_proj$"):
+        build_model(config, "cpu", torch.float32).load_weights(weights)
 
 
 def test_folded_norms_match_hf(family):

@@ -25,7 +25,7 @@ from executor_proc.model.kv_cache import KVCache
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.fp8_checkpoint import kv_scale_name, row_scales, scale_problem
 from executor_proc.model.mlp import MLP, FusedLinear
-from executor_proc.model.moe import MoEBlock, checkpoint_name, mixtral_name
+from executor_proc.model.moe import MoEBlock, checkpoint_name, mixtral_name, stack_checkpoint_name
 from kernels.fp8 import FP8
 from kernels.reference import rms_norm_ref
 
@@ -294,12 +294,17 @@ class CausalLM(nn.Module):
             param.copy_(tensor)
             loaded.add(name)
             finite.append((given, _all_finite(param)))
+        stacked = any(stack in loaded or stack in misfits for stack in stacks)  # the checkpoint's layout
+        absent: list[str] = []
         for stack, views in stacks.items():  # a stack loaded whole stands for its experts' slices (misfit: named once)
             if stack in loaded:
                 loaded.update(views)
             elif stack in misfits:
                 misfits.update(views)
-        missing = sorted(set(params) - loaded - misfits - set(stacks))  # a misfit is named once, with its shapes
+            elif stacked and not loaded.intersection(views):  # named as the stacked checkpoint names it
+                absent.append(stack_checkpoint_name(stack))
+                misfits.update(views)
+        missing = sorted(set(params) - loaded - misfits - set(stacks)) + absent  # a misfit is named once
         if mixtral_names:
             missing = [mixtral_name(n) for n in missing]
         problems = []

@@ -48,6 +48,12 @@ _STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _STACK_NAME = {"gate_up_proj": "w13", "down_proj": "w2"}
 
 
+def stack_checkpoint_name(stack: str) -> str:
+    """A stack's name (``model.layers.N.mlp.w13`` / ``w2``) as transformers 5's stacked layout names its tensor."""
+    layer, kind = stack.rsplit(".", 1)
+    return f"{layer}.experts.{next(hf for hf, ours in _STACK_NAME.items() if ours == kind)}"
+
+
 def checkpoint_name(name: str) -> str:
     """A checkpoint tensor's name in this model: Mixtral's MoE names become the Qwen-MoE ones, transformers 5's
     stacked experts the stacks' (the rest as is)."""
