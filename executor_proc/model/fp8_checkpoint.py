@@ -130,8 +130,11 @@ def kv_scale_name(name: str) -> Optional[tuple[int, str]]:
     return None if m is None else (int(m[1]), m[2] or m[3])
 
 
-def scale_problem(scale: torch.Tensor) -> Optional[str]:
-    """What is wrong with a checkpoint's scale tensor (None: nothing): a float, finite and positive everywhere."""
+def scale_problem(scale: torch.Tensor, rows: Optional[int] = None) -> Optional[str]:
+    """What is wrong with a checkpoint's scale tensor (None: nothing): a float, finite and positive everywhere, and
+    (a weight's, of ``rows`` rows) one value, or one a row."""
+    if rows is not None and scale.numel() not in (1, rows):
+        return f"{scale.numel()} values for {rows} rows (per tensor or per channel only)"
     if not scale.is_floating_point() or scale.dtype == FP8:
         return f"a scale must be a float tensor, got {scale.dtype}"
     if scale.numel() and not bool(torch.isfinite(scale).all()):
@@ -180,11 +183,7 @@ def _unfilled(w: torch.Tensor, dtype: torch.dtype) -> Fp8Weight:
 
 
 def row_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
-    """A checkpoint's ``weight_scale`` as one float32 scale per output row: ``[rows, 1]`` or ``[rows]`` as it is,
-    one value (per tensor) repeated."""
+    """A checkpoint's ``weight_scale`` (one :func:`scale_problem` passes) as one float32 scale per output row:
+    ``[rows, 1]`` or ``[rows]`` as it is, one value (per tensor) repeated."""
     scale = scale.float()
-    if scale.numel() == 1:
-        return scale.reshape(1).expand(rows)
-    if scale.numel() != rows:
-        raise ValueError(f"weight_scale of {scale.numel()} values for {rows} rows (per tensor or per channel only)")
-    return scale.reshape(rows)
+    return scale.reshape(1).expand(rows) if scale.numel() == 1 else scale.reshape(rows)

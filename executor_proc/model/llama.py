@@ -277,9 +277,7 @@ class CausalLM(nn.Module):
                 unexpected.append(given)
                 continue
             if name.endswith(_SCALE):
-                problem = scale_problem(tensor)
-                if problem is None and tensor.numel() not in (1, param.shape[0]):
-                    problem = f"{tensor.numel()} values for {param.shape[0]} rows (per tensor or per channel only)"
+                problem = scale_problem(tensor, param.shape[0])
                 if problem is not None:
                     bad_shapes.append(f"{given}: {problem}")
                     misfits.add(name)
