@@ -75,6 +75,10 @@ ALL_REDUCE_SIG = dict(x_ptr="*bf16", buffers_ptr="*i64", flags_ptr="*i64", state
                       half_elems="i32")
 ROUTE_SIG = dict(logits_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64",
                  **{n: "i32" for n in ("E", "stride_l", "first", "num_held")})
+NORM_ROUTE_SIG = dict({n: "*bf16" for n in ("x_ptr", "r_ptr", "nw_ptr", "gw_ptr", "h_ptr", "rout_ptr")},
+                      logits_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64", arrivals_ptr="*i32", eps="fp32",
+                      **{n: "i32" for n in ("H", "E", "stride_x", "stride_r", "stride_h", "stride_ro", "stride_g",
+                                            "first", "num_held")})
 ROPE_SIG = dict({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "kc_ptr", "vc_ptr")}, index_ptr="*i64",
                 pos_ptr="*i64", cs_ptr="*fp32",
                 **{f"stride_{n}": "i32" for n in ("qt", "qh", "kt", "kh", "vt", "vh", "qot", "qoh", "kcb", "kct", "kch",
@@ -183,6 +187,11 @@ def variants():
                    (None, None, None, c.num_warps, c.num_stages))
     consts = dict(TOP_K=8, BLOCK_E=128, RENORMALIZE=True, USE_PDL=True)
     yield "moe_route E=128", moe_route._route_kernel, ROUTE_SIG, consts, (None,) * 3 + (4, 1)
+    for top_k, block_h, block_n, experts, warps in ((8, 2048, 4, 128, 4), (2, 4096, 2, 8, 4), (2, 8192, 1, 64, 8)):
+        consts = dict(TOP_K=top_k, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_E=experts, ADD=True, RENORMALIZE=True,
+                      USE_PDL=True)
+        yield (f"moe_norm_route H={block_h} E={experts}", moe_route._norm_route_kernel, NORM_ROUTE_SIG, consts,
+               (None,) * 3 + (warps, 1))
     consts = dict(RANK=1, WORLD=2, BLOCK=all_reduce.BLOCK, USE_PDL=True)  # the tensor-parallel one-shot sum
     config = (None,) * 3 + (all_reduce.NUM_WARPS, 1)
     yield "all_reduce world=2", all_reduce._one_shot_kernel, ALL_REDUCE_SIG, consts, config
@@ -284,8 +293,8 @@ def pdl_problem(ptx: str, prefetch: bool = True) -> str:
 
 
 def arrival_problem(ptx: str) -> str:
-    """'' if the split kernel's arrival is a CTA barrier and then a GPU-scope acquire-release add (so every
-    thread's partial stores are visible to the merging split); else what is wrong."""
+    """'' if a program's arrival is a CTA barrier and then a GPU-scope acquire-release add (so every thread's
+    stores are visible to the last program in, which merges them); else what is wrong."""
     atom = ptx.find("atom.global.gpu.acq_rel.add")
     if atom < 0:
         return "arrival: no GPU-scope acq_rel atomic add"
@@ -311,10 +320,10 @@ def main(argv: list[str]) -> int:
             continue
         ptx = compiled.asm["ptx"]
         spills = len(re.findall(r"\.local\b", ptx))
-        decode = kernel is decode_attention._split_kernel
+        arrives = kernel in (decode_attention._split_kernel, moe_route._norm_route_kernel)  # the last one in merges
         pdl = consts.get("USE_PDL", False)  # the grouped MoE launches run without PDL
         problem = "SPILL" if spills else ((pdl and pdl_problem(ptx, prefetch=kernel not in NO_PREFETCH))
-                                          or (decode and arrival_problem(ptx)))
+                                          or (arrives and arrival_problem(ptx)))
         print(f"{problem or 'ok'} {name}: cubin {len(compiled.asm['cubin'])} B")
         failed += bool(problem)
     return 1 if failed else 0

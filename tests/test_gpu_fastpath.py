@@ -34,11 +34,17 @@ TOP_K_P = SlotSampling(temperature=0.8, top_k=5, top_p=0.9, min_p=0.0, seed=1234
 MIN_P = SlotSampling(temperature=1.0, top_k=0, top_p=1.0, min_p=0.05, seed=77)
 
 
-def write_config(folder, hidden=64, layers=2, heads=4, kv_heads=2, vocab=97, intermediate=96) -> str:
-    (folder / "config.json").write_text(json.dumps(dict(
+def write_config(folder, hidden=64, layers=2, heads=4, kv_heads=2, vocab=97, intermediate=96, experts=0) -> str:
+    """A Llama config; ``experts``: a Qwen3-MoE one of that many experts (top-2, of ``intermediate`` each)."""
+    config = dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-        max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)))
+        max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    if experts:
+        config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=experts,
+                      num_experts_per_tok=2, moe_intermediate_size=intermediate, norm_topk_prob=True,
+                      head_dim=hidden // heads)
+    (folder / "config.json").write_text(json.dumps(config))
     return str(folder)
 
 
@@ -689,9 +695,12 @@ def test_qk_norm_models_fold_the_input_norm_into_qkv(tmp_path, monkeypatch):
 
 
 @needs_cuda
-def test_graphs_equal_eager_bf16(tmp_path):
-    """Captured graphs give bit-identical greedy and sampled tokens to eager runs of the same buckets."""
-    model_dir = write_config(tmp_path, hidden=256, layers=3, heads=8, kv_heads=2, vocab=1000, intermediate=512)
+@pytest.mark.parametrize("experts", [0, 16])
+def test_graphs_equal_eager_bf16(tmp_path, experts):
+    """Captured graphs give bit-identical greedy and sampled tokens to eager runs of the same buckets (a dense
+    model, and an MoE one: its one-launch norm and routing at 1-4 rows, the unfused front at 8)."""
+    model_dir = write_config(tmp_path, hidden=256, layers=3, heads=8, kv_heads=2, vocab=1000, intermediate=512,
+                             experts=experts)
     stages = []
     shape = dict(dtype="bfloat16", num_slots=8, max_batch=8, block_size=16, num_blocks=512)
     graphed = built(model_dir, "cuda", progress=lambda *a: stages.append(a), **shape).worker

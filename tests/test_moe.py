@@ -28,7 +28,8 @@ from kernels.moe import (SMALL_CONFIG, MoEConfig, SmallConfig, align_by_expert, 
                          fused_moe_small)
 from kernels.fp8 import quantize_weight  # noqa: E402
 from kernels.moe_align import MAX_PAIRS  # noqa: E402
-from kernels.moe_route import route  # noqa: E402
+from kernels.moe_route import norm_route, route  # noqa: E402
+from kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from kernels.moe_ref import align_by_expert_ref, moe_ref, route_held, route_ref  # noqa: E402
 from tests.test_model_parity import RTOL, SHAPE, VOCAB, PagedRun, hf_logits, random_tokens, rel_err  # noqa: E402
 
@@ -156,18 +157,21 @@ def test_folded_norms_match_hf(family):
 
 
 class FusedMoETorchBackend(TorchBackend):
-    """The torch backend with the Triton backend's MoE op (the fused kernels): the rest stays torch."""
+    """The torch backend with the Triton backend's MoE ops (the norm, router and routing in one launch at 1-4
+    tokens, the fused experts): the rest stays torch."""
 
     batch_invariant = False
     moe_small_choice: dict = {}  # untuned: the default tiles
     moe_grouped_choice: dict = {}
+    route_arrivals = torch.zeros(4, dtype=torch.int32)
+    moe_front = TritonBackend.moe_front
     moe = TritonBackend.moe
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU model's kernels need the interpreter")
 def test_fused_kernels_in_the_model_match_hf(built):
-    """The Triton MoE op in the model (Qwen2-MoE: routed and shared experts): 21 tokens (42 pairs: grouped by
-    expert), then 3 (the per-pair form)."""
+    """The Triton MoE ops in the model (Qwen2-MoE: routed and shared experts): 21 tokens (42 pairs: grouped by
+    expert), then 3 (the per-pair form, after the one-launch norm and routing)."""
     _, hf, model, config, _ = built("qwen2_moe")
     model.use_backend(FusedMoETorchBackend(model.rope_inv_freq))
     try:
@@ -223,6 +227,34 @@ def test_route_kernel_matches_torch(tokens, experts, k, renormalize, held):
         so, sr = i.sort(dim=1), i_ref.sort(dim=1)
         assert torch.equal(so.values, sr.values)
         assert torch.allclose(w.gather(1, so.indices), w_ref.gather(1, sr.indices), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("tokens,hidden,experts,k,add,held,dtype", [
+    (1, 64, 128, 8, True, None, torch.float32), (4, 96, 60, 4, False, None, torch.bfloat16),
+    (3, 64, 8, 2, True, range(4, 8), torch.bfloat16), (2, 32, 5, 1, True, None, torch.float32)])
+def test_norm_route_matches_unfused(tokens, hidden, experts, k, add, held, dtype):
+    """The MoE layer's front in one launch (:func:`kernels.moe_route.norm_route`): the stream and the normed row
+    as the norm kernel writes them (the row to its last bit), the router's logits as the linear's (rounded to the
+    model dtype), the routing of them as :func:`route_held` makes it, and every arrival counter back at zero
+    (twice: the counter re-arms)."""
+    g = torch.Generator().manual_seed(tokens + hidden)
+    x, residual = (torch.randn(tokens, hidden, generator=g).to(dtype) for _ in range(2))
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+    gate = (torch.randn(experts, hidden, generator=g) / hidden ** 0.5).to(dtype)
+    first, num_held = (held.start, len(held)) if held else (0, experts)
+    arrivals = torch.zeros(4, dtype=torch.int32, device=DEV)
+    want_h, want_stream = (fused_add_rms_norm(x.to(DEV), residual.to(DEV), norm_w.to(DEV), 1e-6) if add
+                           else (rms_norm(x.to(DEV), norm_w.to(DEV), 1e-6), x.to(DEV)))
+    for _ in range(2):
+        h, stream, logits, w, ids = norm_route(x.to(DEV), residual.to(DEV) if add else None, norm_w.to(DEV), 1e-6,
+                                               gate.to(DEV), k, True, arrivals, first, num_held)
+        assert torch.equal(stream, want_stream)  # the norm's sum of squares may be summed in another order:
+        assert rel_err(h.cpu(), want_h.cpu()) < (1e-6 if dtype == torch.float32 else 4e-3)  # a last bit apart
+        want_logits = (h.float() @ gate.to(DEV).float().t()).to(dtype).float()
+        assert rel_err(logits.cpu(), want_logits.cpu()) < (1e-6 if dtype == torch.float32 else 1e-2)
+        w_ref, ids_ref = route_held(logits.cpu(), k, True, first, num_held)
+        assert torch.equal(ids.cpu(), ids_ref) and torch.allclose(w.cpu(), w_ref, rtol=1e-5, atol=1e-7)
+        assert not arrivals.any()
 
 
 def test_planted_experts_weighted_sum():

@@ -36,7 +36,7 @@ CPU path) and :mod:`executor_proc.backends.triton_backend` (the CUDA fast path).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, TypeVar
+from typing import NamedTuple, Optional, Protocol, TypeVar
 
 import torch
 
@@ -162,6 +162,23 @@ def unfused_mlp(backend: "Backend", pre: NormInput, gate_up: tuple, down: tuple)
     return Stream(unfused_silu_linear(backend, h, *down), residual)
 
 
+class MoEFront(NamedTuple):
+    """An MoE layer's input side: the normed input ``h``, the residual stream, the router's logits ``[T, E]``,
+    and, where the backend routed in the same launch, ``routing`` (weights ``[T, k]`` float32, ids ``[T, k]``
+    local to the holder, as :func:`kernels.moe_ref.route_held`); None: :meth:`Backend.moe` routes."""
+
+    h: torch.Tensor
+    residual: torch.Tensor
+    router_logits: torch.Tensor
+    routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+
+def unfused_moe_front(backend: "Backend", pre: NormInput, gate: torch.Tensor) -> MoEFront:
+    """The norm, then the router's linear (the routing left to :meth:`Backend.moe`)."""
+    h, residual = normed(backend, pre)
+    return MoEFront(h, residual, backend.linear(h, gate, None))
+
+
 class Backend(Protocol[PlanT]):
     """Attention + ops + sampler (see the module docstring)."""
 
@@ -200,13 +217,20 @@ class Backend(Protocol[PlanT]):
         """``down(silu_and_mul(gate_up(norm(pre))))`` and the residual stream; (weight, bias) pairs."""
         ...
 
+    def moe_front(self, pre: NormInput, gate: torch.Tensor, top_k: int, renormalize: bool, first_expert: int,
+                  num_held: int) -> MoEFront:
+        """The norm and the router's logits (``linear(h, gate)``), and maybe the routing (:class:`MoEFront`)."""
+        ...
+
     def moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-            renormalize: bool, first_expert: int = 0) -> torch.Tensor:
+            renormalize: bool, first_expert: int = 0,
+            routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """``[T, H]`` in x's dtype: softmax of the router logits in float32, the top-k experts (weights divided by
         their sum if ``renormalize``), and the sum of their SiLU-gated MLPs (``w13 [E, 2I, H]`` gate|up, ``w2
         [E, H, I]``) weighted by them (:func:`kernels.moe_ref.route_ref`, :func:`kernels.moe_ref.moe_ref`).
         Expert parallelism: ``w13``/``w2`` may hold fewer experts than the router scores, experts
-        ``first_expert ..``; the pairs routed to the others add nothing (:func:`kernels.moe_ref.route_held`)."""
+        ``first_expert ..``; the pairs routed to the others add nothing (:func:`kernels.moe_ref.route_held`).
+        ``routing``: that routing, already made (:meth:`moe_front`)."""
         ...
 
     def project_out(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

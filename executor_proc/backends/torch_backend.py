@@ -29,9 +29,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import (NO_SCALE, KVScale, NormInput, QKNorm, SamplingRows, Stream, argmax_store,
-                                         unfused_mlp, unfused_norm_linear, unfused_project_out,
-                                         unfused_qkv_rotate_store)
+from executor_proc.backends.base import (NO_SCALE, KVScale, MoEFront, NormInput, QKNorm, SamplingRows, Stream,
+                                         argmax_store, unfused_mlp, unfused_moe_front, unfused_norm_linear,
+                                         unfused_project_out, unfused_qkv_rotate_store)
 from executor_proc.step.batch import ForwardBatch
 from kernels import reference as ops
 from kernels.fp8 import Fp8Weight, fp8_linear_ref
@@ -244,10 +244,17 @@ class TorchBackend:
                     residual: torch.Tensor) -> Stream:
         return unfused_project_out(self, x, weight, bias, residual)
 
+    def moe_front(self, pre: NormInput, gate: torch.Tensor, top_k: int, renormalize: bool, first_expert: int,
+                  num_held: int) -> MoEFront:
+        return unfused_moe_front(self, pre, gate)
+
     @staticmethod
     def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-            renormalize: bool, first_expert: int = 0) -> torch.Tensor:
-        return moe_ref(x, w13, w2, *route_held(router_logits, top_k, renormalize, first_expert, w13.shape[0]))
+            renormalize: bool, first_expert: int = 0,
+            routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        if routing is None:
+            routing = route_held(router_logits, top_k, renormalize, first_expert, w13.shape[0])
+        return moe_ref(x, w13, w2, *routing)
 
     def qkv_rotate_store(self, pre: NormInput, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          k_cache: torch.Tensor, v_cache: torch.Tensor, plan,

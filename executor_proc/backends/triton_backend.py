@@ -51,9 +51,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from executor_proc.backends.base import (NO_SCALE, KVScale, NormInput, QKNorm, SamplingRows, Stream, argmax_store,
-                                         normed, unfused_norm_linear, unfused_project_out, unfused_qkv_rotate_store,
-                                         unfused_silu_linear)
+from executor_proc.backends.base import (NO_SCALE, KVScale, MoEFront, NormInput, QKNorm, SamplingRows, Stream,
+                                         argmax_store, normed, unfused_moe_front, unfused_norm_linear,
+                                         unfused_project_out, unfused_qkv_rotate_store, unfused_silu_linear)
 from executor_proc.step.batch import ForwardBatch
 from kernels import argmax, gemv as skinny
 from kernels.fp8 import W8A16_MAX_ROWS, Fp8Weight
@@ -68,7 +68,7 @@ from kernels.logprobs import token_logprobs
 from kernels.matmul import MatmulConfig, choose_config, invariant_matmul
 from kernels.matmul_fp8 import Fp8MatmulConfig, w8a8_linear, w8a8_quantized
 from kernels.moe import MoEConfig, SmallConfig, fused_moe, fused_moe_small
-from kernels.moe_route import route, routes_here
+from kernels.moe_route import NORM_ROUTE_MAX_TOKENS, norm_route, norm_routes_here, route, routes_here
 from kernels.moe_ref import route_held
 from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_fp8
 from kernels.penalties import PenaltyTables, apply_penalties, count_sampled
@@ -156,6 +156,8 @@ class TritonBackend:
         self.moe_small_choice: dict[tuple[int, int, int, int], SmallConfig] = {}
         self.moe_grouped_choice: dict[tuple[int, int, int, int], MoEConfig] = {}
         self.moe_timings: dict = {}
+        # an MoE layer's norm, router and routing in one launch at 1-4 tokens: each token's arrival counter
+        self.route_arrivals = torch.zeros(NORM_ROUTE_MAX_TOKENS, dtype=torch.int32, device=device)
         self.batch_invariant = batch_invariant
         # Batch-invariant mode: one attention split count for every batch; each weight's kernel, by shape.
         self.invariant_splits = min(INVARIANT_ATTENTION_SPLITS, self.workspace.max_splits)
@@ -366,14 +368,28 @@ class TritonBackend:
         h, sumsq = skinny.gemv_residual(x, weight, bias, residual, config=config)
         return Stream(h, sumsq=sumsq)
 
+    def moe_front(self, pre: NormInput, gate: torch.Tensor, top_k: int, renormalize: bool, first_expert: int,
+                  num_held: int) -> MoEFront:
+        """At 1-4 tokens the norm, the router and the routing in one launch (:func:`kernels.moe_route.norm_route`:
+        two launches a layer fewer); else (and batch-invariant, whose router is the invariant matmul) the norm and
+        the router's linear."""
+        if self.batch_invariant or not norm_routes_here(pre.x, gate, top_k):
+            return unfused_moe_front(self, pre, gate)
+        h, residual, logits, weights, ids = norm_route(pre.x.contiguous(), pre.residual, pre.weight, pre.eps, gate,
+                                                       top_k, renormalize, self.route_arrivals, first_expert, num_held)
+        return MoEFront(h, residual, logits, (weights, ids))
+
     def moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-            renormalize: bool, first_expert: int = 0) -> torch.Tensor:
-        """Routing in one launch (:mod:`kernels.moe_route`, where it takes the config), then the fused experts with
-        the tuner's tiles for this stack and size.  Batch-invariant: the per-pair form at every size, on the
-        default tiles (each pair and each token's sum computed alone, in one order, whatever else the step
-        holds)."""
+            renormalize: bool, first_expert: int = 0,
+            routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """Routing in one launch (:mod:`kernels.moe_route`, where it takes the config; none where ``routing`` is
+        made), then the fused experts with the tuner's tiles for this stack and size.  Batch-invariant: the
+        per-pair form at every size, on the default tiles (each pair and each token's sum computed alone, in one
+        order, whatever else the step holds)."""
         held, num_experts = w13.shape[0], router_logits.shape[-1]
-        if routes_here(num_experts, top_k):
+        if routing is not None:
+            weights, ids = routing
+        elif routes_here(num_experts, top_k):
             weights, ids = route(router_logits, top_k, renormalize, first_expert, held)
         else:
             weights, ids = route_held(router_logits, top_k, renormalize, first_expert, held)

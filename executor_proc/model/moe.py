@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from executor_proc.backends.base import Backend, NormInput, Stream, normed
+from executor_proc.backends.base import Backend, NormInput, Stream
 from executor_proc.model.config import ModelConfig
 from executor_proc.model.mlp import MLP
 from kernels.fp8 import Fp8Weight
@@ -103,9 +103,10 @@ class MoEBlock(nn.Module):
 
     def forward(self, pre: NormInput, backend: Backend) -> Stream:
         """The layer's output and the residual stream, for the un-normalised input."""
-        h, residual = normed(backend, pre)
-        router_logits = backend.linear(h, self.gate.weight, None)
-        out = backend.moe(h, router_logits, *self.expert_stacks(), self.top_k, self.renormalize, self.experts.start)
+        h, residual, router_logits, routing = backend.moe_front(pre, self.gate.weight, self.top_k, self.renormalize,
+                                                                self.experts.start, len(self.experts))
+        out = backend.moe(h, router_logits, *self.expert_stacks(), self.top_k, self.renormalize, self.experts.start,
+                          routing=routing)
         if self.expert_counts is not None:  # --moe-expert-counts: the routing again and a device add, no host read
             ids = route_ref(router_logits, self.top_k, self.renormalize)[1].flatten()
             self.expert_counts.index_add_(0, ids, torch.ones_like(ids))
