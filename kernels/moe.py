@@ -75,14 +75,15 @@ class SmallConfig(NamedTuple):
 
 
 # Narrow tiles, as the dense skinny matmul's "row" form (kernels/gemv.py): a batch-1 step of Qwen3-MoE has 8 pairs;
-# gate|up's 768 features in 2-row blocks are 384 programs a pair, down's 2,048 outputs one program each.
-SMALL_CONFIG = SmallConfig(MoEConfig(1, 2, 512, 4, 6), MoEConfig(1, 1, 1024, 4, 4))
+# gate|up's 768 features a row each are 768 programs a pair (two warps: many programs an SM, each waiting on its
+# pair's expert id before its weight loads), down's 2,048 outputs one program each.
+SMALL_CONFIG = SmallConfig(MoEConfig(1, 1, 2048, 2, 4), MoEConfig(1, 1, 1024, 4, 4))
 # Under Triton's interpreter (the CPU's tests) each program is a Python loop: wide tiles keep the programs few.
 INTERPRETER_SMALL_CONFIG = SmallConfig(MoEConfig(1, 32, 128, 4, 3), MoEConfig(1, 32, 128, 4, 3))
 # The start-up tuner's candidates (executor_proc/backends/moe_tuning.py), each launch on its own: the best of an
 # H200 sweep of wider lists (`scripts/bench_kernels.py moe`, three real shapes at 1, 2 and 4 tokens).
-UP_CANDIDATES = (MoEConfig(1, 2, 512, 4, 6), MoEConfig(1, 4, 1024, 4, 3), MoEConfig(1, 8, 512, 4, 3),
-                 MoEConfig(1, 1, 2048, 4, 4), MoEConfig(1, 2, 1024, 4, 6))
+UP_CANDIDATES = (MoEConfig(1, 1, 2048, 2, 4), MoEConfig(1, 2, 512, 4, 6), MoEConfig(1, 4, 1024, 4, 3),
+                 MoEConfig(1, 8, 512, 4, 3), MoEConfig(1, 1, 2048, 4, 4), MoEConfig(1, 2, 1024, 4, 6))
 DOWN_CANDIDATES = (MoEConfig(1, 1, 1024, 4, 4), MoEConfig(1, 2, 256, 2, 4), MoEConfig(1, 4, 512, 4, 4),
                    MoEConfig(1, 2, 512, 4, 4), MoEConfig(1, 4, 256, 4, 4),
                    MoEConfig(1, 1, 256, 4, 4, True), MoEConfig(1, 2, 256, 4, 4, True),
