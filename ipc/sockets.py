@@ -41,6 +41,8 @@ def ipc_address(run_dir: str, name: str) -> str:
 
 def check_address(addr: str) -> str:
     """Validate a user-supplied ``ipc://`` or ``tcp://`` address."""
+    if not isinstance(addr, str):
+        raise TypeError(f"address must be a string, ipc://PATH or tcp://HOST:PORT; got {type(addr).__name__}")
     if addr.startswith("ipc://"):
         path = addr[len("ipc://") :]
         if len(path.encode()) > MAX_IPC_PATH:

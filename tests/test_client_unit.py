@@ -361,6 +361,26 @@ async def test_messages_go_through_the_chat_template(serve, address, tokenizer, 
     assert expected.count(BOS) == 1
 
 
+async def test_content_parts_are_joined_as_the_gateway_joins_them(serve, address, tokenizer, completion_ids):
+    """OpenAI's list of content parts reads as its text joined (the template renders strings); a part that is not
+    text is refused naming it."""
+    serve(lambda g: finish_script(g, completion_ids))
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]},
+             {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}]
+    async with AsyncClient(address, timeout=5) as client:
+        assert await client.encode(messages=parts) == await client.encode(
+            messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no"}])
+        for bad, field in (([{"type": "image_url", "image_url": {"url": "x"}}], r"messages\[0\]\.content\[0\]\.type"),
+                           (["hi"], r"content\[0\]\.type"), ([{"type": "text", "text": 5}], r"content\[0\]\.text"),
+                           ([{"type": "refusal", "refusal": "no"}], r"content\[0\]\.type")):
+            with pytest.raises(InvalidRequestError, match=field):
+                await client.encode(messages=[{"role": "user", "content": bad}])
+        # a text within the characters' bound that tokenizes past the context: named as the caller's field
+        with pytest.raises(InvalidRequestError, match="prompt is 4097 tokens.*at most 4095") as raised:
+            await client.generate("a" * 4096)
+        assert raised.value.field == "prompt"
+
+
 async def test_clients_of_one_model_share_one_tokenizer(serve, address, tokenizer_dir, completion_ids):
     """The tokenizer a server sends is built once a process: a second client gets the first one's; other files
     (another model's) build another."""
@@ -425,6 +445,47 @@ async def test_abort_mid_stream_ends_with_reason_abort(serve, address, completio
     assert server.aborts == [stream.request_id]
     assert stream.result.finish_reason == "abort"
     assert stream.result.token_ids == completion_ids[:2]
+
+
+async def test_an_abort_before_the_request_is_sent_follows_it(serve, address):
+    """abort() of a stream not iterated yet, or of a request whose prompt is still being tokenized (the first call
+    fetches the tokenizer), reaches the server right after its Generate: the request ends with reason "abort"."""
+    server = serve(lambda g: [HANG])
+    async with AsyncClient(address, timeout=5) as client:
+        stream = client.stream("Hi")
+        await client.abort(stream.request_id)
+        assert [chunk async for chunk in stream] == [] and stream.result.finish_reason == "abort"
+        task = asyncio.create_task(client.generate("Hi", request_id="tokenizing"))
+        await asyncio.sleep(0)  # the call is under way, its Generate not sent
+        await client.abort("tokenizing")
+        assert (await task).finish_reason == "abort"
+        await client.abort("unknown")  # an id no call has: sent as it is (the server ignores it)
+        assert client.in_flight == 0
+    assert [g.request_id for g in server.generates] == [stream.request_id, "tokenizing"]
+    assert server.wait_for(lambda: server.aborts == [stream.request_id, "tokenizing", "unknown"])
+
+
+def test_dropped_async_client_does_not_hang_the_process(serve, address):
+    """An AsyncClient used in ``asyncio.run`` and never closed: the garbage collector (or the exit) closes its
+    socket before its context, so the process neither hangs in pyzmq's context finalizer nor at exit."""
+    serve(lambda g: [Finished(request_id=g.request_id, reason="length", prompt_tokens=1, completion_tokens=1,
+                              token_ids=[5])])
+    code = f"""
+import asyncio, gc
+from ipc.client import AsyncClient
+async def ask():
+    client = AsyncClient({address!r}, timeout=10)
+    return (await client.generate(prompt_token_ids=[3], detokenize=False)).token_ids
+for _ in range(3):
+    assert asyncio.run(ask()) == [5]
+    gc.collect()
+print("ok")
+"""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 async def test_leaving_a_stream_early_aborts_it(serve, address, completion_ids):
@@ -747,6 +808,15 @@ def test_blocking_calls_from_threads_and_abort_from_another_thread(serve, addres
         assert server.aborts == ["hang"]
 
 
+def test_blocking_stream_aborted_before_it_is_read(serve, address):
+    server = serve(lambda g: [HANG])
+    with Client(address, timeout=5) as client:
+        stream = client.stream("Hi", request_id="early")
+        stream.abort()
+        assert list(stream) == [] and stream.result.finish_reason == "abort"
+    assert server.aborts == ["early"]
+
+
 def test_blocking_timeout_aborts(serve, address):
     def script(gen: Generate) -> list:
         return [HANG] if gen.request_id == "t" else [TokenDelta(request_id=gen.request_id, token_ids=[5]), HANG]
@@ -836,3 +906,34 @@ def test_the_sdk_loads_the_class_autotokenizer_picks_without_importing_it(defaul
                           ('{"tokenizer_class": "GPT2Tokenizer"}', transformers.GPT2TokenizerFast)):  # fast first
         config.write_text(written)
         assert tokenizer_class(str(tmp_path)) is want, written
+
+
+def test_an_address_that_is_not_a_string_is_refused_naming_it():
+    for bad in (None, 5):
+        with pytest.raises(TypeError, match="address must be a string"):
+            Client(bad)
+        with pytest.raises(TypeError, match="address must be a string"):
+            AsyncClient(bad)
+    with pytest.raises(ValueError, match="must start with ipc:// or tcp://"):
+        AsyncClient("http://localhost:8000")
+
+
+def test_a_client_used_after_a_fork_says_so(serve, address):
+    """A Client inherited through fork has no loop thread in the child: its calls raise at once, saying why."""
+    serve(lambda g: [HANG])
+    client = Client(address, timeout=5)
+    try:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what the call raised, then leave without running the parent's cleanup
+            try:
+                client.get_stats(timeout=1)
+                os.write(write, b"no error")
+            except RuntimeError as e:
+                os.write(write, str(e).encode()[:200])
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert b"made in another process" in os.read(read, 400)
+    finally:
+        client.close()

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from typing import Any, Optional, Sequence
 
 import zmq
@@ -61,6 +62,27 @@ CLOSE_LINGER_MS = 100
 API_KEY_ENV = "FORERUN_API_KEY"
 
 
+class _Zmq:
+    """The context and socket a client holds, where its finalizer reaches them (a finalizer must not hold the
+    client itself)."""
+
+    __slots__ = ("ctx", "sock")
+
+    def __init__(self) -> None:
+        self.ctx: Optional[zmq.asyncio.Context] = None
+        self.sock: Optional[zmq.asyncio.Socket] = None
+
+
+def _drop_zmq(held: _Zmq) -> None:
+    """A client dropped without close() (or open at exit): close its socket at once, then its context.  Left to
+    pyzmq's own finalizers, the context's could run first and wait forever in term() for the open socket."""
+    if held.sock is not None:
+        held.sock.close(linger=0)
+    if held.ctx is not None:
+        held.ctx.term()
+    held.sock = held.ctx = None
+
+
 class AsyncClient:
     """An asyncio client; any number of generate/stream calls may run concurrently.
 
@@ -90,6 +112,8 @@ class AsyncClient:
         self._tokenizer = None if isinstance(tokenizer, str) else tokenizer
         self._ctx: Optional[zmq.asyncio.Context] = None
         self._sock: Optional[zmq.asyncio.Socket] = None
+        self._zmq = _Zmq()  # the same two, for the finalizer of a client dropped without close()
+        self._finalizer = weakref.finalize(self, _drop_zmq, self._zmq)
         self._reader: Optional[asyncio.Task] = None
         self._heartbeat: Optional[asyncio.Task] = None
         self._server_info: Optional[ServerInfo] = None
@@ -97,6 +121,10 @@ class AsyncClient:
         self._loop: Optional[asyncio.AbstractEventLoop] = None  # the loop the socket was made in (connect)
         self._connect_lock: Optional[asyncio.Lock] = None
         self._tokenizer_lock: Optional[asyncio.Lock] = None
+        # Calls made and not yet sent (a stream not iterated yet, a prompt being tokenized), and those of them
+        # aborted meanwhile: their Abort follows their Generate (the server ignores one for an id it never saw)
+        self._unsent: "weakref.WeakValueDictionary[str, Call]" = weakref.WeakValueDictionary()
+        self._abort_on_send: set[str] = set()
         self._stats_asks = OrderedAsks("stats")  # get_stats / reset_prefix_cache calls
         self._tokenizer_asks = OrderedAsks("tokenizer files")
         self._closed = False
@@ -129,7 +157,7 @@ class AsyncClient:
                 return self._server_info
             self._check_open()
             if self._ctx is None:
-                self._ctx = zmq.asyncio.Context()
+                self._ctx = self._zmq.ctx = zmq.asyncio.Context()
             # No high-water mark: a ROUTER drops replies to a full peer silently, and a
             # lost Finished would hang its request; the client chose to ask for them all.
             sock = make_socket(self._ctx, zmq.DEALER, self.address, bind=False, hwm=0)
@@ -143,6 +171,7 @@ class AsyncClient:
                 sock.close(linger=0)
                 raise
             self._sock, self._server_info, self._loop = sock, info, asyncio.get_running_loop()
+            self._zmq.sock = sock
             live = Liveness(info.server_id, self.heartbeat_s)
             loop = asyncio.get_running_loop()
             self._reader = loop.create_task(read_replies(
@@ -183,6 +212,7 @@ class AsyncClient:
             asks.fail(ServerGoneError(f"{reason} at {self.address}"))
         tasks = [t for t in (self._reader, self._heartbeat) if t is not None and t is not asyncio.current_task()]
         self._sock, self._server_info, self._reader, self._heartbeat, self._loop = None, None, None, None, None
+        self._zmq.sock = None
         for task in tasks:
             task.cancel()
         # Queued frames are dropped: they must not reach a restarted server at the same address.
@@ -210,6 +240,7 @@ class AsyncClient:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._finalizer.detach()
         if sock is not None:
             sock.close(linger=CLOSE_LINGER_MS)
         if self._ctx is not None:
@@ -315,9 +346,13 @@ class AsyncClient:
         return AsyncStream(self, call)
 
     async def abort(self, request_id: str) -> None:
-        """Ask the server to stop a request; its generate/stream ends with reason "abort"."""
+        """Ask the server to stop a request; its generate/stream ends with reason "abort" (a request not sent yet,
+        a stream not iterated or a prompt still being tokenized, is aborted as soon as it is sent)."""
         self._check_open()
         frame = encode_abort(request_id)
+        if request_id not in self._inflight.pending and request_id in self._unsent:
+            self._abort_on_send.add(request_id)
+            return
         if self._sock is not None:
             await self._sock.send(frame)
 
@@ -325,9 +360,12 @@ class AsyncClient:
                    prompt_token_ids: Optional[Sequence[int]], sampling: Optional[SamplingParams],
                    timeout: Optional[float], request_id: Optional[str], detokenize: bool,
                    overrides: dict[str, Any]) -> Call:
-        return Call.make(prompt, messages, prompt_token_ids, request_id=request_id,
+        call = Call.make(prompt, messages, prompt_token_ids, request_id=request_id,
                          timeout=self.timeout if timeout is None else timeout, detokenize=detokenize,
                          sampling=sampling_params(sampling, **overrides))
+        self._unsent[call.request_id] = call
+        self._abort_on_send.discard(call.request_id)  # an abort of an earlier call of this id is not this one's
+        return call
 
     async def _start(self, call: Call) -> PendingRequest:
         """Tokenize, register and send one Generate."""
@@ -356,6 +394,12 @@ class AsyncClient:
         except BaseException:
             await self._release(req)
             raise
+        finally:
+            if self._unsent.get(call.request_id) is call:
+                del self._unsent[call.request_id]
+        if call.request_id in self._abort_on_send:  # aborted before it went out
+            self._abort_on_send.discard(call.request_id)
+            await self._sock.send(encode_abort(call.request_id))
         return req
 
     async def _release(self, req: PendingRequest) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 import weakref
 from typing import Any, Iterator, Optional, Sequence
@@ -63,11 +64,16 @@ class Client:
         self._thread = threading.Thread(target=self._loop.run_forever, name="forerun-client", daemon=True)
         self._thread.start()
         self._closed = False
+        self._pid = os.getpid()  # its loop thread does not survive a fork
         # A client dropped without close(), or still open at interpreter exit (finalize runs
         # at exit), closes and stops its loop thread.
         self._finalizer = weakref.finalize(self, _stop_loop, self._loop, self._thread, self._async)
 
     def _run(self, coro: Any) -> Any:
+        if self._pid != os.getpid():
+            coro.close()
+            raise RuntimeError("this Client was made in another process (before a fork): its loop thread did not "
+                               "come along; make a Client in each process")
         if self._closed or not self._finalizer.alive:
             coro.close()
             raise RuntimeError("the client is closed")

@@ -188,6 +188,31 @@ def check_messages(messages: Any) -> None:
                                       f"content must be a string or a list of parts, got {type(m.get('content')).__name__}")
 
 
+def flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each list of content parts joined into its text, as the HTTP gateway reads them (OpenAI's
+    ``[{"type": "text", "text": ...}]``; a ``refusal`` part in an assistant's message); InvalidRequestError naming
+    the first part that is not text.  Chat templates mostly render a string content only."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m["content"]
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                kind = part.get("type") if isinstance(part, dict) else None
+                field = "refusal" if kind == "refusal" and m["role"] == "assistant" else "text"
+                if kind != field:
+                    raise InvalidRequestError("invalid_request", f"{where}.type", f"a content part must be a dict of "
+                                              f"type 'text' (or 'refusal' in an assistant's message); got {kind!r}")
+                if not isinstance(part.get(field), str):
+                    raise InvalidRequestError("invalid_request", f"{where}.{field}",
+                                              f"a {field} part's {field} must be a string")
+                texts.append(part[field])
+            m = dict(m, content="".join(texts))
+        out.append(m)
+    return out
+
+
 def text_size_problem(num_chars: int, max_model_len: int, per_token: int) -> Optional[str]:
     """Why ``num_chars`` characters of text cannot fit in the context (``per_token``: :func:`chars_per_token`), or
     None when they may."""
@@ -222,7 +247,7 @@ def encode_prompt(tokenizer: Any, prompt: Optional[str] = None, *,
     if messages is not None:
         check_messages(messages)
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(flatten_content(messages), tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja2 and transformers raise many types; the caller sees one
             raise InvalidRequestError("invalid_request", "messages",
                                       f"the chat template failed: {type(exc).__name__}: {exc}") from None
@@ -233,7 +258,11 @@ def encode_prompt(tokenizer: Any, prompt: Optional[str] = None, *,
         text, field, special = prompt, "prompt", True
     check_text_size(field, text, max_model_len, tokenizer)
     try:
-        return list(tokenizer.encode(text, add_special_tokens=special))
+        ids = list(tokenizer.encode(text, add_special_tokens=special))
     except Exception as exc:  # e.g. a lone surrogate: the tokenizer raises TypeError
         raise InvalidRequestError("invalid_request", field,
                                   f"the text could not be tokenized: {type(exc).__name__}: {exc}") from None
+    if max_model_len is not None and len(ids) >= max_model_len:  # the server's limit, named by the caller's field
+        raise InvalidRequestError("invalid_request", field, f"the {field} is {len(ids)} tokens; the model's context "
+                                  f"length is {max_model_len}, so a prompt may hold at most {max_model_len - 1}")
+    return ids
