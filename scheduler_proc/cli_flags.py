@@ -105,8 +105,8 @@ def serve_flags(sub) -> argparse.ArgumentParser:
     s.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                    help="serve N replicas of the model (each a scheduler and its executor group of "
                         "--tensor-parallel-size ranks) behind one address: a router sends each request to the "
-                        "replica holding its longest cached prefix, else the least loaded one, and re-sends a dead "
-                        "replica's requests to another. On cuda:i replica r takes GPUs i+r*TP..i+(r+1)*TP-1; on the "
+                        "replica where it costs least (the prompt tokens past the prefix that replica caches, plus 128 "
+                        "a request in flight there), and re-sends a dead replica's requests to another. On cuda:i replica r takes GPUs i+r*TP..i+(r+1)*TP-1; on the "
                         f"cpu the replicas share the cores. N in [1, {MAX_DATA_PARALLEL}]; on the cpu at most "
                         f"{PER_CPU} per CPU ({PER_CPU * usable_cpus()} here)")
     s.add_argument("--kernels", default=E("kernels"), choices=list(get_args(Kernels)),

@@ -40,8 +40,9 @@ def replica_gpus(num_replicas: int, tensor_parallel_size: int, device: str,
         raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
     first, tp = int(index or 0), tensor_parallel_size
     if visible is None:
-        raise ValueError("cannot count this machine's GPUs (no nvidia-smi): set CUDA_VISIBLE_DEVICES for "
-                         f"--data-parallel-size {num_replicas}")
+        raise ValueError(f"--data-parallel-size {num_replicas} --device {device}: cannot count this machine's GPUs "
+                         "(no nvidia-smi: maybe it has none; --device cpu runs without one); where it has them, set "
+                         "CUDA_VISIBLE_DEVICES")
     if first + num_replicas * tp > len(visible):
         raise ValueError(f"--data-parallel-size {num_replicas} x --tensor-parallel-size {tp} needs "
                          f"{num_replicas * tp} GPUs from cuda:{first}; {len(visible)} are visible")

@@ -15,8 +15,8 @@ Main loop (asyncio + uvloop)::
 
 * **Clients** (``scheduler_proc/router_clients.py``): the client protocol at the router; GetStats is asked of every
   replica and answered with the sums (``ServerStats.replicas``: each one's); the tokenizer files are fetched once.
-* **Routing** (``scheduler_proc/routing.py``): to the replica holding the longest cached prefix, else the
-  least loaded one.
+* **Routing** (``scheduler_proc/routing.py``): to the replica where the request costs least, its cached prefix
+  weighed against its queue.
 * **Relaying** (``scheduler_proc/router_relay.py``): a replica's TokenDeltas is split per client under the clients'
   request ids (one decode, and one encode per client); the router records each completion's tokens as it relays them.
 * **Failover**: a replica whose process exits (killed, or its executor failed for good: it then exits without

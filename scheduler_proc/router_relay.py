@@ -84,7 +84,8 @@ class RouterRelay:
             self.orphans.append(leg)
             return
         hashes = leg.job.hashes
-        replica = up[choose([r.prefixes.matched(hashes) for r in up], [r.load for r in up], self.slack, len(hashes))]
+        replica = up[choose([r.prefixes.matched(hashes) for r in up], [r.load for r in up], self.slack, len(hashes),
+                            self.block_size)]
         leg.replica = replica
         replica.load += len(leg.indices)
         replica.prefixes.add(hashes)

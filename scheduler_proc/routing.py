@@ -1,4 +1,4 @@
-"""Which data-parallel replica serves a request: the one holding its longest cached prefix, else the least loaded.
+"""Which data-parallel replica serves a request: the one where it costs least, its cached prefix against its queue.
 
 Pure functions and one small index, used by the router (``scheduler_proc/replica_router.py``):
 
@@ -8,11 +8,13 @@ Pure functions and one small index, used by the router (``scheduler_proc/replica
 * the router keeps, per replica, a bounded LRU of the hashes it sent there (prompts at routing, prompt plus
   output at the finish: a chat's next turn starts with both).  It is a guess about the replica's cache, never
   a promise: a collision or an eviction on the replica costs a recompute, not a wrong token;
-* a request goes to the replica matching most of its leading blocks, unless that replica has ``slack`` more
-  requests in flight than the least loaded one (a whole batch more: recomputing the prefix elsewhere is then
-  cheaper than queueing behind it), or is busier at all while its match covers less than half the prompt's
-  blocks (a chat template's opening alone: following it put every chat on one replica); else to the least loaded.
-  Ties go to the lowest index.
+* a request goes to the replica where it costs least: the prompt tokens that replica would compute (those past
+  its matched blocks) plus ``REQUEST_TOKENS`` for each request it has in flight, among the replicas no more than
+  ``slack`` requests (a whole batch) busier than the least loaded.  So a long shared prefix (a RAG document, a
+  chat's history) stays where it is cached while the queue it joins is short against the prefill it saves, and a
+  short one (a chat template's opening, a brief system prompt) follows the load: concurrent requests sharing it
+  spread over the replicas, each of which then holds it too.  Ties go to the longer match, then to the lower
+  load, then to the lowest index.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from typing import Sequence
 
 # Hashes remembered per replica: ~100 bytes each; 64K blocks of 16 tokens is 1M tokens of prefixes.
 INDEX_CAPACITY = 1 << 16
+# Prompt tokens one more request in flight is worth when choosing a replica: a cached prefix this long is worth
+# queueing behind one more request (a request holds its slot for its whole decode; a prefill of 128 tokens is a
+# fraction of one step).
+REQUEST_TOKENS = 128
 
 
 def prefix_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
@@ -61,13 +67,10 @@ class PrefixIndex:
         self.entries.clear()
 
 
-def choose(matched: Sequence[int], loads: Sequence[int], slack: int, blocks: int) -> int:
-    """The position of the chosen candidate, given each one's matched blocks and requests in flight and the
-    prompt's full blocks (module docstring)."""
-    positions = range(len(loads))
-    least = min(positions, key=lambda i: (loads[i], i))
-    best = max(positions, key=lambda i: (matched[i], -loads[i], -i))
-    busier = loads[best] - loads[least]
-    if matched[best] > 0 and busier <= slack and (busier <= 0 or 2 * matched[best] >= blocks):
-        return best
-    return least
+def choose(matched: Sequence[int], loads: Sequence[int], slack: int, blocks: int, block_size: int) -> int:
+    """The position of the chosen candidate, given each one's matched blocks and requests in flight, the prompt's
+    full blocks and their size in tokens (module docstring)."""
+    least = min(loads)
+    fits = [i for i in range(len(loads)) if loads[i] - least <= slack]
+    return min(fits, key=lambda i: ((blocks - matched[i]) * block_size + REQUEST_TOKENS * loads[i], -matched[i],
+                                    loads[i], i))

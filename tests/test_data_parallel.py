@@ -59,15 +59,35 @@ def test_prefix_index_matches_leading_blocks_and_forgets_the_oldest():
     assert index.matched([10, 11]) == 0 and index.matched([20, 21]) == 2 and len(index.entries) == 3
 
 
-def test_choose_prefers_the_prefix_then_the_least_loaded_then_the_lowest_index():
-    assert choose([0, 0, 0], [3, 1, 1], slack=8, blocks=6) == 1  # no match: least loaded, lowest index on a tie
-    assert choose([0, 2, 5], [0, 0, 4], slack=8, blocks=6) == 2  # the longest match, though busier
-    assert choose([0, 2, 5], [0, 0, 9], slack=8, blocks=6) == 0  # ... unless a whole batch busier than the least
-    assert choose([3, 3], [2, 1], slack=8, blocks=6) == 1  # equal matches: the less loaded
-    assert choose([1], [100], slack=0, blocks=6) == 0
-    # a match of under half the prompt (a chat template's opening) only where it costs no queueing
-    assert choose([1, 0], [1, 0], slack=8, blocks=3) == 1 and choose([1, 0], [0, 0], slack=8, blocks=3) == 0
-    assert choose([2, 0], [1, 0], slack=8, blocks=4) == 0  # half of it: the prefix
+def test_choose_weighs_the_prefill_a_match_saves_against_the_queue():
+    """A replica costs the prompt tokens it would compute plus REQUEST_TOKENS (128) a request in flight."""
+    assert choose([0, 0, 0], [3, 1, 1], slack=8, blocks=6, block_size=16) == 1  # no match: least loaded, lowest index
+    assert choose([3, 3], [2, 1], slack=8, blocks=6, block_size=16) == 1  # equal matches: the less loaded
+    assert choose([0, 2], [0, 0], slack=8, blocks=6, block_size=16) == 1  # equal loads: the longer match
+    assert choose([1], [100], slack=0, blocks=6, block_size=16) == 0
+    # a 2,000-token match is worth up to 15 requests more in flight (1,920 tokens of queue), and no more
+    assert choose([125, 0], [15, 0], slack=64, blocks=126, block_size=16) == 0
+    assert choose([125, 0], [16, 0], slack=64, blocks=126, block_size=16) == 1
+    assert choose([125, 0], [9, 0], slack=8, blocks=126, block_size=16) == 1  # never a whole batch busier
+    # a chat template's opening (one block) only where it costs no queueing
+    assert choose([1, 0], [1, 0], slack=8, blocks=3, block_size=16) == 1
+    assert choose([1, 0], [0, 0], slack=8, blocks=3, block_size=16) == 0
+
+
+def test_concurrent_requests_sharing_a_system_prompt_spread_over_the_replicas():
+    """32 requests at once whose prompts share a 180-token system prompt, routed as the router does (each adds its
+    prompt to its replica's index and one to its load): the replica holding the prompt takes the first two, then
+    the other learns it too, and the two end up even (every one of them went to the holder while the rule was
+    "the longest match unless a whole batch busier")."""
+    system = list(range(100, 280))
+    indexes, loads = [PrefixIndex(), PrefixIndex()], [0, 0]
+    indexes[0].add(prefix_hashes(system + [1] * 40, 16))  # an earlier request left it on replica 0
+    for i in range(32):
+        hashes = prefix_hashes(system + [7 + i % 50] * (20 + i), 16)
+        r = choose([x.matched(hashes) for x in indexes], loads, slack=64, blocks=len(hashes), block_size=16)
+        indexes[r].add(hashes)
+        loads[r] += 1
+    assert abs(loads[0] - loads[1]) <= 2, loads
 
 
 def test_replica_gpus_give_each_replica_its_own():
@@ -253,10 +273,12 @@ def test_two_replicas_give_one_servers_tokens(dp):
 
 
 def test_a_shared_prefix_stays_on_the_replica_holding_it(dp):
+    """Requests one after another (the loads even) that share a prefix go where it is cached."""
     shared = [60 + i % 30 for i in range(6 * BLOCK)]
     asyncio.run(_generate(dp.address, prompts(1, shared), max_tokens=2, temperature=0.0))
     before = asyncio.run(wait_idle(dp.address))
-    asyncio.run(_generate(dp.address, prompts(4, shared)[1:], max_tokens=2, temperature=0.0))
+    for prompt in prompts(4, shared)[1:]:
+        asyncio.run(_generate(dp.address, [prompt], max_tokens=2, temperature=0.0))
     after = asyncio.run(wait_idle(dp.address))
     served = [a.requests - b.requests for a, b in zip(after.replicas, before.replicas)]
     hits = [a.prefix_cache_hit_tokens - b.prefix_cache_hit_tokens for a, b in zip(after.replicas, before.replicas)]
@@ -265,9 +287,10 @@ def test_a_shared_prefix_stays_on_the_replica_holding_it(dp):
 
 
 def test_requests_sharing_only_a_short_opening_spread_over_both_replicas(dp):
-    """Eight prompts at once that share one block (a chat template's opening) and differ after: the match covers
-    under half of each, so they go where the load is least, four and four (they once followed the opening until
-    its replica was a whole batch busier: five and three here, every chat on one replica at 64 slots)."""
+    """Eight prompts at once that share one block (a chat template's opening) and differ after: the match saves
+    less than a request in flight costs, so they go where the load is least, four and four (they once followed the
+    opening until its replica was a whole batch busier: five and three here, every chat on one replica at 64
+    slots)."""
     opening = [90 + i % 7 for i in range(BLOCK)]
     requests = [opening + [5 + (11 * i + j) % 80 for j in range(2 * BLOCK + i)] for i in range(8)]
     before = asyncio.run(wait_idle(dp.address))
