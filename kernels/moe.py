@@ -83,7 +83,9 @@ INTERPRETER_SMALL_CONFIG = SmallConfig(MoEConfig(1, 32, 128, 4, 3), MoEConfig(1,
 # The start-up tuner's candidates (executor_proc/backends/moe_tuning.py), each launch on its own: the best of an
 # H200 sweep of wider lists (`scripts/bench_kernels.py moe`, three real shapes at 1, 2 and 4 tokens).
 UP_CANDIDATES = (MoEConfig(1, 1, 2048, 2, 4), MoEConfig(1, 2, 512, 4, 6), MoEConfig(1, 4, 1024, 4, 3),
-                 MoEConfig(1, 8, 512, 4, 3), MoEConfig(1, 1, 2048, 4, 4), MoEConfig(1, 2, 1024, 4, 6))
+                 MoEConfig(1, 8, 512, 4, 3), MoEConfig(1, 1, 2048, 4, 4), MoEConfig(1, 2, 1024, 4, 6),
+                 # one warp a program: FP8 experts' best at one and four tokens (a byte a value)
+                 MoEConfig(1, 4, 2048, 1, 6), MoEConfig(1, 4, 512, 1, 6))
 DOWN_CANDIDATES = (MoEConfig(1, 1, 1024, 4, 4), MoEConfig(1, 2, 256, 2, 4), MoEConfig(1, 4, 512, 4, 4),
                    MoEConfig(1, 2, 512, 4, 4), MoEConfig(1, 4, 256, 4, 4),
                    MoEConfig(1, 1, 256, 4, 4, True), MoEConfig(1, 2, 256, 4, 4, True),
