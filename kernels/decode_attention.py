@@ -267,7 +267,7 @@ def default_num_splits(batch: int, num_kv_heads: int, device: torch.device | str
     Depends on the batch size and head shape only (never on lengths), so one value serves a whole
     CUDA-graph bucket.  Short rows simply leave the later splits empty.  The H100 sweep
     (``scripts/bench_kernels.py decode-attention``, 512-token rows): at head_dim 128 a program streams twice
-    the bytes per tile and fewer, longer programs win from batch 16 up (batch 64: 1 split 50 us
+    the bytes per tile and fewer, longer programs won at batch 32 and 64 (batch 64: 1 split 50 us
     against 2 splits 55 us per layer); at head_dim 64 the 4-per-SM rule was best at every batch.  An FP8 cache
     takes the same counts: with its deeper pipelines (:func:`_default_config`) they were the best of 1-16 splits
     on an H200 at every row count from 4 to 256 (`decode_stages_h200_2026-11-30.json`).  At one row 16 splits left

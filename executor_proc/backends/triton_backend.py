@@ -77,7 +77,7 @@ from kernels.sampling import sample
 
 GemvConfig = tuple
 # Batch-invariant decode attention splits each row's KV into this many parts at every batch size. The H100
-# sweep (docs/performance.md "Batch invariance"): 8 costs ~1 us/layer more than 16 at batch 1 (1B shape) and
+# sweep of 1..16 (2026-11): 8 costs ~1 us/layer more than 16 at batch 1 (1B shape) and
 # saves ~2 us/layer at batch 64; on the 8B shape it is the best of 1..16 at batch 1 and no worse at 64.
 INVARIANT_ATTENTION_SPLITS = 8
 
