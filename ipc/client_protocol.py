@@ -188,9 +188,12 @@ class ServerStats(_Msg, tag="server_stats"):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     # Data-parallel replicas (scheduler_proc/replica_router.py): a replica's index in its own stats; the router's
-    # answer holds the sums and, in ``replicas``, each replica's own stats (a replica that is down has none).
+    # answer holds the sums and, in ``replicas``, each replica's own stats (a replica that is down has none), the
+    # indices of the replicas down (restarting, or down for good), and each replica's restarts by index.
     replica: Optional[int] = None
     replicas: list[ServerStats] = []
+    replicas_down: list[int] = []
+    replica_restarts: list[int] = []
 
 
 class TokenDelta(_Msg, tag="token_delta"):

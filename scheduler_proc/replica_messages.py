@@ -109,13 +109,15 @@ _STATS_FIELDS = p.ServerStats.__struct_fields__
 _REQUIRED_STATS = _STATS_FIELDS[: len(_STATS_FIELDS) - len(p.ServerStats.__struct_defaults__)]
 
 
-def sum_stats(replies: list[p.ServerStats], draining: bool) -> p.ServerStats:
+def sum_stats(replies: list[p.ServerStats], draining: bool, down: list[int] = (),
+              restarts: list[int] = ()) -> p.ServerStats:
     """The replicas' stats as one server's: counts and times summed (bucket lists element-wise), the memory
-    extremes taken, and each reply kept in ``replicas`` (a replica that is down has none)."""
+    extremes taken, each reply kept in ``replicas`` (a replica that is down has none), with the router's own:
+    the replicas ``down`` and each one's ``restarts``."""
     out = p.ServerStats(**dict.fromkeys(_REQUIRED_STATS, 0))
     for name in _STATS_FIELDS:
         values = [getattr(s, name) for s in replies]
-        if name in ("replica", "replicas") or not values:
+        if name in ("replica", "replicas", "replicas_down", "replica_restarts") or not values:
             continue
         if name == "device_peak_bytes":
             value = max(values)
@@ -130,4 +132,5 @@ def sum_stats(replies: list[p.ServerStats], draining: bool) -> p.ServerStats:
         setattr(out, name, value)
     out.draining = out.draining or draining
     out.replicas = sorted(replies, key=lambda s: -1 if s.replica is None else s.replica)
+    out.replicas_down, out.replica_restarts = list(down), list(restarts)
     return out

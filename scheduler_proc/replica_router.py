@@ -82,6 +82,7 @@ class Replica:
         self.prefixes = PrefixIndex()
         self.asks: deque[StatsAsk] = deque()
         self.starts: deque[float] = deque()  # when it was (re)started, within the restart window
+        self.restarts = 0  # since the server started
         self.last_heard = 0.0  # when its last message came (it joined, at the latest)
         self.pinged = False  # a Ping went since then
 
@@ -353,14 +354,20 @@ class Router(RouterClients, RouterRelay):
             replica.starts.popleft()
         replica.retired = len(replica.starts) > self.cfg.max_restarts
         others = any(not r.retired for r in self.replicas if r is not replica)
-        if others or not replica.retired:  # (with no other replica up they wait for one: router_relay._place)
-            fate = "re-sent to other replicas" if others else "waiting for it to restart"
-            say(f"{why}; {sum(len(leg.indices) for leg in lost)} requests {fate}")
+        resent = sum(len(leg.indices) for leg in lost)
+        # (with no replica up they wait for one: router_relay._place)
+        fate = f"; {resent} request{'s' if resent > 1 else ''} " + ("re-sent to other replicas" if others else
+                                                                     "waiting for it to restart")
+        if not replica.retired:
+            say(f"{why}{fate if resent else ''}; restarting it")
+        elif resent and others:
+            say(f"{why}{fate}")
         if replica.retired:
             say(f"{why}; it restarted more than {self.cfg.max_restarts} times within {window:g} s: it stays down")
             if not others:
                 self.fail_stop("every replica is down for good")
             return
+        replica.restarts += 1
         replica.start(self.ctx, self.hello)
         self._watch(replica)
 

@@ -121,7 +121,9 @@ class RouterClients:
             self._answer(ask)
 
     def _answer(self, ask: StatsAsk) -> None:
-        self.frontend.send(ask.client, sum_stats(ask.replies, draining=self.shutdown_at is not None))
+        self.frontend.send(ask.client, sum_stats(ask.replies, draining=self.shutdown_at is not None,
+                                                 down=[r.index for r in self.replicas if not r.up],
+                                                 restarts=[r.restarts for r in self.replicas]))
 
     def _drop_client(self, client: bytes, code: Optional[str] = None, message: str = "") -> None:
         """Abort every request of a client that left (or stopped reading: each is owed ``code``)."""

@@ -158,7 +158,8 @@ class SchedulerCollector:
     """The scheduler's gauges and counters from one ``ServerStats`` (read just before the scrape).
 
     Behind a data-parallel router (``ServerStats.replicas``) every series has one sample per replica, labelled
-    ``replica`` (``sum by (model_name)`` gives the server's figure); a replica that is down has none.
+    ``replica`` (``sum by (model_name)`` gives the server's figure); a replica that is down has none, and
+    ``forerun:replica_up`` (1 or 0) and ``forerun:replica_restarts`` say which is down and how often each restarted.
     """
 
     def __init__(self, stats: Optional[ServerStats], model_name: str) -> None:
@@ -179,6 +180,17 @@ class SchedulerCollector:
                 family.add_metric(labels, value(s))
             yield family
         yield from grammar_metrics(samples, names)
+        if self.stats.replica_restarts:  # a data-parallel router's answer: every replica, up or down
+            up = GaugeMetricFamily("forerun:replica_up", "1 while a data-parallel replica serves, 0 while it is down "
+                                   "(restarting, or down for good).", labels=LABELS + ("replica",))
+            restarts = CounterMetricFamily("forerun:replica_restarts", "Times the router restarted a data-parallel "
+                                           "replica whose process exited.", labels=LABELS + ("replica",))
+            for index, count in enumerate(self.stats.replica_restarts):
+                labels = [self.model_name, str(index)]
+                up.add_metric(labels, 0.0 if index in self.stats.replicas_down else 1.0)
+                restarts.add_metric(labels, count)
+            yield up
+            yield restarts
 
 
 def _kv_used(s: ServerStats) -> int:
