@@ -117,6 +117,23 @@ def spawn_replica(cfg: ServerConfig, gpus: Optional[str], run_dir: str) -> subpr
     return subprocess.Popen(cmd, env=env, preexec_fn=_replica_preexec, start_new_session=True)
 
 
+def refusal_file(run_dir: str, index: int) -> str:
+    """Where replica ``index`` leaves the reason it could not start, for the router to say once."""
+    return os.path.join(run_dir, f"replica-{index}.refusal")
+
+
+def report_refusal(index: int, message: str, say) -> None:
+    """A replica's start-up refusal (the flags as typed): left in the router's run directory, which says the first
+    one it finds (the replicas of one configuration mostly refuse alike: said by each, a line per replica); said
+    here where there is none."""
+    run_dir = os.environ.get("FORERUN_RUN_DIR")
+    if run_dir and os.path.isdir(run_dir):
+        with open(refusal_file(run_dir, index), "w") as f:
+            f.write(message)
+    else:
+        say(message)
+
+
 def _replica_preexec() -> None:
     """Runs in the child before exec: die with the router, ignore SIGINT (the router acts on a Ctrl-C), and take
     SIGTERM's default until main() handles it.  Ignored, as an executor ignores it, a SIGTERM from a router that
@@ -151,7 +168,7 @@ def main(argv: list[str]) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a stop now (the router's, a Ctrl-C) must not cut the report
             signal.signal(sig, lambda signum, frame: _stop_asked.set())
         if not isinstance(e, KeyboardInterrupt):  # stopped while starting (the router's or the user's): the router says
-            say(in_flag_names(str(e)) or f"{type(e).__name__} while starting")  # the flags as typed
+            report_refusal(cfg.replica, in_flag_names(str(e)) or f"{type(e).__name__} while starting", say)
         if server is not None:
             server.close()
         return 1

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import shutil
 import signal
 import subprocess
@@ -53,7 +54,7 @@ from ipc.sockets import configure, ipc_address, new_run_dir
 from scheduler_proc.config import ServerConfig
 from scheduler_proc.executor_process import describe_exit
 from scheduler_proc.frontend import Frontend, bind_frontend
-from scheduler_proc.replica import replica_config, spawn_replica
+from scheduler_proc.replica import refusal_file, replica_config, spawn_replica
 from scheduler_proc.replica_messages import Job, Leg
 from scheduler_proc.router_clients import RouterClients, StatsAsk
 from scheduler_proc.router_relay import RouterRelay
@@ -97,6 +98,18 @@ class Replica:
 
     def send(self, msg) -> None:
         self.now.send(p.encode(msg))
+
+    def exit_reason(self, starting: bool = False) -> str:
+        """Why its process exited: the refusal it left while starting (scheduler_proc.replica.report_refusal), once,
+        or its exit status."""
+        path = refusal_file(self.run_dir, self.index)
+        try:
+            with open(path) as f:
+                refusal = f.read()
+            os.remove(path)
+            return f"replica {self.index}: {refusal}"
+        except OSError:
+            return f"replica {self.index} {describe_exit(self.proc.returncode)}{' while starting' if starting else ''}"
 
     def has_input(self) -> bool:
         """A message is waiting (reading ZeroMQ's events also re-arms its edge-triggered descriptor)."""
@@ -172,7 +185,7 @@ class Router(RouterClients, RouterRelay):
         while not (all(r.up for r in self.replicas) and self.tokenizer is not None):
             for r in self.replicas:
                 if r.proc.poll() is not None:
-                    raise RuntimeError(f"replica {r.index} {describe_exit(r.proc.returncode)} while starting")
+                    raise RuntimeError(r.exit_reason(starting=True))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the replicas were not ready after {self.cfg.executor_start_timeout_s:.0f} s")
             poller.poll(100)
@@ -334,7 +347,7 @@ class Router(RouterClients, RouterRelay):
     def _replica_died(self, replica: Replica, now: float) -> None:
         """Read what it sent before dying, re-send its requests' unfinished completions, restart it."""
         self._read_replica(replica, limit=1 << 30)
-        why = f"replica {replica.index} {describe_exit(replica.proc.returncode)}"
+        why = replica.exit_reason()
         replica.proc = None
         for ask in replica.asks:
             ask.waiting.discard(replica.index)

@@ -101,26 +101,38 @@ def test_replica_gpus_give_each_replica_its_own():
             replica_gpus(*args)
 
 
-def test_a_replica_that_cannot_start_names_the_flags_as_typed(monkeypatch, capsys):
-    """A replica's start-up failure reads as a single server's (config fields as their flags), once, under its name;
-    stopped while starting (the router stops the others when one fails) it says nothing: the router speaks."""
+def test_a_replica_that_cannot_start_names_the_flags_as_typed(monkeypatch, capsys, tmp_path):
+    """A replica's start-up failure reads as a single server's (config fields as their flags), under its name: left
+    in the router's run directory, which the router says once (a line per replica when each said it); without one
+    the replica says it.  Stopped while starting (the router stops the others when one fails) it says nothing."""
     import msgspec
 
     from scheduler_proc import replica, server
+    from scheduler_proc.replica_router import Replica
 
     cfg = replica_config(ServerConfig(executor=ExecutorConfig(device="cpu")), 1, "ipc:///tmp/r1.sock", None)
     monkeypatch.setattr(server, "SPEAKER", server.SPEAKER)  # main renames the speaker: put it back after
-    for raised, line in ((ValueError("--model m: tensor_parallel_size 3 does not divide the model"),
-                          "forerun: replica 1: --model m: --tensor-parallel-size 3 does not divide the model\n"),
-                         (KeyboardInterrupt(), "")):
+    said = "--model m: --tensor-parallel-size 3 does not divide the model"
+    for run_dir, raised, line in ((None, ValueError("--model m: tensor_parallel_size 3 does not divide the model"),
+                                   f"forerun: replica 1: {said}\n"),
+                                  (str(tmp_path), ValueError("--model m: tensor_parallel_size 3 does not divide the "
+                                                             "model"), ""),
+                                  (None, KeyboardInterrupt(), "")):
         def refuse(*args, raised=raised):
             raise raised
 
         monkeypatch.setattr("ipc.models.resolve_model", refuse)
         with monkeypatch.context() as m:
             m.setattr(signal, "signal", lambda *args: None)  # main's handlers stay out of the test process
+            if run_dir is None:
+                m.delenv("FORERUN_RUN_DIR", raising=False)
+            else:
+                m.setenv("FORERUN_RUN_DIR", run_dir)
             assert replica.main([msgspec.json.encode(cfg).decode()]) == 1
         assert capsys.readouterr().err == line
+    router_side = Replica(1, cfg, None, str(tmp_path))
+    assert router_side.exit_reason(starting=True) == f"replica 1: {said}"  # read once, then gone
+    assert not os.listdir(tmp_path)
 
 
 def test_a_replica_config_names_the_replica_to_its_executor():
