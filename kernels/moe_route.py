@@ -103,8 +103,9 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, gw_ptr, h_ptr, rout_ptr, logits_ptr
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
     h = (nw * (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)).to(x_ptr.dtype.element_ty)
-    logit = tl.sum(gw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)  # the router's output, rounded as a
-    tl.store(logits_ptr + token * E + rows, logit.to(x_ptr.dtype.element_ty).to(tl.float32), mask=r_mask)  # linear
+    # the router's output rounded to the model dtype, as a linear's, then widened
+    logit = tl.sum(gw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1).to(x_ptr.dtype.element_ty)
+    tl.store(logits_ptr + token * E + rows, logit.to(tl.float32), mask=r_mask)
     tl.debug_barrier()  # all of this program's stores (and its reads of x) before its arrival
     counter = arrivals_ptr + token
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -147,8 +148,8 @@ def norm_route(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: t
                gate: torch.Tensor, top_k: int, renormalize: bool, arrivals: torch.Tensor, first_expert: int = 0,
                num_held: Optional[int] = None) -> tuple[torch.Tensor, ...]:
     """The MoE layer's front in one launch: ``(h, residual stream, router logits [T, E] float32, weights, ids)``,
-    ``h`` the RMSNorm of ``x + residual`` (:func:`kernels.norm.fused_add_rms_norm`'s arithmetic; ``residual``
-    None: of ``x``, which is then the stream), the logits ``linear(h, gate)`` rounded to the model dtype, and the
+    ``h`` the RMSNorm of ``x + residual`` (:func:`kernels.norm.fused_add_rms_norm`'s arithmetic, its sum of
+    squares perhaps in another order; ``residual`` None: of ``x``, which is then the stream), the logits ``linear(h, gate)`` rounded to the model dtype, and the
     routing :func:`route` gives for them.  ``arrivals``: int32 zeros, one per token at least, left zero.  Up to
     :data:`NORM_ROUTE_MAX_TOKENS` tokens (:func:`norm_routes_here`)."""
     T, H = x.shape
