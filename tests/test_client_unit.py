@@ -937,3 +937,12 @@ def test_a_client_used_after_a_fork_says_so(serve, address):
         assert b"made in another process" in os.read(read, 400)
     finally:
         client.close()
+
+
+async def test_stats_timeout_must_be_positive(serve, address):
+    serve(lambda g: [HANG])
+    async with AsyncClient(address, timeout=5) as client:
+        for bad in (-1, 0, float("nan"), "1", True):
+            with pytest.raises(InvalidRequestError, match="timeout"):
+                await client.get_stats(timeout=bad)
+        assert (await client.get_stats(timeout=5)).num_slots == 4

@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import zmq
 import zmq.asyncio
 
-from ipc.client.errors import ForerunError, ServerGoneError
+from ipc.client.errors import ForerunError, InvalidRequestError, ServerGoneError
 from ipc.client.asks import OrderedAsks
 from ipc.client.handshake import handshake
 from ipc.client.inflight import InFlight
@@ -191,6 +191,9 @@ class AsyncClient:
         return await self._ask_stats(ResetPrefixCache(), timeout)
 
     async def _ask_stats(self, msg: Any, timeout: float) -> ServerStats:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:  # NaN fails > too
+            raise InvalidRequestError("invalid_request", "timeout", f"timeout must be a number of seconds > 0, "
+                                      f"got {timeout!r}")
         await self.connect()
         self._check_open()
         return await self._stats_asks.ask(self._sock, encode(msg), timeout, self.address)
