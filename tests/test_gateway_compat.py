@@ -536,6 +536,12 @@ def test_api_key_messages_and_model_retrieve(gateway):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=name, prompt=[5, 6], max_tokens=2, stream_options={"include_usage": True})
     assert e.value.body["param"] == "stream_options"
+    # no max_tokens: OpenAI's 16 within the rest of the context (a prompt 6 tokens short of it gets 6, not a 400
+    # naming a max_tokens the client never sent)
+    context = client.models.retrieve(name).model_extra["max_model_len"]
+    long = client.completions.create(model=name, prompt=[5 + i % 900 for i in range(context - 6)],
+                                     extra_body={"ignore_eos": True})
+    assert long.usage.completion_tokens == 6 and long.choices[0].finish_reason == "length"
 
 
 def test_an_abandoned_whole_answer_counts_as_abort(gateway):

@@ -439,9 +439,10 @@ def test_needs_engine_completion_logprobs_and_echo(oai, sdk):
     def complete(**kw):
         return lambda: oai.completions.create(model=MODEL, prompt=prompt, temperature=0, **kw)
 
-    r, e, plain, v = at_once(complete(max_tokens=6, logprobs=2), complete(max_tokens=6, logprobs=2, echo=True),
-                             complete(max_tokens=4, echo=True),
-                             complete(max_tokens=2, extra_body={"prompt_logprobs": 1}))
+    r, e, plain, v, scored = at_once(complete(max_tokens=6, logprobs=2), complete(max_tokens=6, logprobs=2, echo=True),
+                                     complete(max_tokens=4, echo=True),
+                                     complete(max_tokens=2, extra_body={"prompt_logprobs": 1}),
+                                     complete(max_tokens=0, logprobs=1, echo=True))  # scoring the prompt
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     assert all(len(d) >= 2 for d in lp.top_logprobs) and lp.text_offset[0] == 0
@@ -451,6 +452,14 @@ def test_needs_engine_completion_logprobs_and_echo(oai, sdk):
     assert len(elp.tokens) == n_prompt + 6
     assert elp.token_logprobs[0] is None and all(x is not None for x in elp.token_logprobs[1:])
     assert elp.token_logprobs[n_prompt:] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    # max_tokens 0 with echo (lm-eval-harness's loglikelihood): the prompt and its logprobs, nothing generated
+    slp = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0 and len(slp.tokens) == n_prompt
+    assert slp.token_logprobs == pytest.approx(elp.token_logprobs[:n_prompt], abs=1e-4)
+    for bad in (dict(echo=True, stream=True), dict()):  # streamed, or without echo: a 400 naming max_tokens
+        with pytest.raises(openai.BadRequestError) as refused:
+            oai.completions.create(model=MODEL, prompt=prompt, max_tokens=0, **bad)
+        assert refused.value.body["param"] == "max_tokens"
     assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
     plps = v.choices[0].model_extra["prompt_logprobs"]
     assert plps[0] is None and len(plps) == n_prompt and all(len(d) >= 1 for d in plps[1:])

@@ -53,18 +53,26 @@ async def completions(request: Request) -> Response:
     async def handle(gw: Gateway, request: Request) -> Any:
         req = await gw.body(request, s.CompletionRequest)
         gw.check_request(req)
+        # max_tokens 0 with echo scores the prompt (its logprobs, as lm-eval-harness asks): one token is generated
+        # and left out of the answer
+        score = req.max_tokens == 0 and bool(req.echo)
+        if score and req.stream:
+            raise s.RequestError(400, "max_tokens 0 with echo (scoring the prompt) is answered whole, not streamed",
+                                 "max_tokens")
         prompts = await _prompts(gw, req)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default here
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = [gw.new_stream(p.ids, f"{rid}-{i}", gw.sampling_kwargs(req, max_tokens, len(p.ids)))
-                   for i, p in enumerate(prompts)]
+        # OpenAI's default here is 16, within the rest of the context (a long prompt is not refused for a value
+        # its client never sent: vLLM's reading)
+        streams = [gw.new_stream(p.ids, f"{rid}-{i}", gw.sampling_kwargs(
+            req, 1 if score else max(1, min(16, gw.max_model_len - len(p.ids))) if req.max_tokens is None
+            else req.max_tokens, len(p.ids))) for i, p in enumerate(prompts)]
         param = structured.constraint_param(req)  # what a refused constraint's 400 names
         names = dict(constraint_value=structured.constraint_value(req), prompt_names=_prompt_names(rid, len(prompts)))
         if req.stream:
             return stream(gw, streams, lambda firsts: completion_stream(gw, req, rid, prompts, streams, firsts), param,
                           **names)
         try:
-            return await whole(gw, request, streams, whole_completion(gw, req, rid, prompts, streams))
+            return await whole(gw, request, streams, whole_completion(gw, req, rid, prompts, streams, score))
         except InvalidRequestError as e:
             return error_for(gw, e, param, **names)
     return await run(request, handle)

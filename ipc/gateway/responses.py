@@ -9,7 +9,7 @@ each request ends.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Optional
 
 import msgspec
@@ -111,10 +111,18 @@ def _completion_choice(gw: Any, req: s.CompletionRequest, prompt: Prompt, index:
                               prompt_logprobs=vllm_plps)
 
 
+def _prompt_only(r: Any) -> Any:
+    """A result without its one generated token (max_tokens 0 with echo: the prompt scored, nothing generated)."""
+    none = dict(text="", token_ids=[], logprobs=[], completion_tokens=0, finish_reason="length", stop_str=None)
+    return replace(r, choices=[replace(c, **none) for c in r.choices], **none)
+
+
 async def whole_completion(gw: Any, req: s.CompletionRequest, rid: str, prompts: list[Prompt],
-                           streams: list[Any]) -> rb.CompletionResponse:
-    """The non-streaming /v1/completions answer: n choices per prompt."""
+                           streams: list[Any], score: bool = False) -> rb.CompletionResponse:
+    """The non-streaming /v1/completions answer: n choices per prompt (``score``: the prompts only)."""
     results = await _results(gw, streams)
+    if score:
+        results = [_prompt_only(r) for r in results]
     n = req.n or 1
     choices = [_completion_choice(gw, req, prompt, p * n + c.index, c, r.prompt_logprobs)
                for p, (prompt, r) in enumerate(zip(prompts, results)) for c in r.choices]
