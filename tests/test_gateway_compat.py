@@ -54,7 +54,8 @@ def refused(fn, *args) -> s.RequestError:
 IGNORED = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto", "reasoning_effort": "low",
            "verbosity": "low", "prompt_cache_key": "p", "safety_identifier": "u", "modalities": ["text"],
            "audio": None, "prediction": None, "web_search_options": None, "functions": [], "function_call": "auto",
-           "chat_template_kwargs": {}, "echo": False}
+           "chat_template_kwargs": {}, "echo": False, "skip_special_tokens": True,
+           "spaces_between_special_tokens": True}
 
 
 def test_standard_fields_are_accepted_and_saved_answers_replay():
@@ -68,6 +69,9 @@ def test_standard_fields_are_accepted_and_saved_answers_replay():
     assert s.chat_messages(req.messages) == [{"role": "system", "content": "Be brief."}, USER[0],
                                              {"role": "assistant", "content": "Paris."},
                                              {"role": "assistant", "content": "I can't."}]
+    completion = decode_body(json.dumps({"prompt": "x", "metadata": {"k": "v"}, "skip_special_tokens": True}).encode(),
+                             s.CompletionRequest)  # completions take vLLM's fields and OpenAI's metadata too
+    assert s.unsupported_param(completion) is None
     assert refused(chat, {"temperatur": 1}).param == "temperatur"  # a typo is still a 400 naming it
     assert refused(chat, {"messages": [{**saved, "refusl": None}]}).param == "messages[0].refusl"
 
@@ -75,7 +79,8 @@ def test_standard_fields_are_accepted_and_saved_answers_replay():
 @pytest.mark.parametrize("field,value", [("modalities", ["text", "audio"]), ("audio", {"voice": "alloy"}),
                                          ("prediction", {"type": "content", "content": "x"}),
                                          ("web_search_options", {}), ("functions", [{"name": "f"}]),
-                                         ("function_call", {"name": "f"})])
+                                         ("function_call", {"name": "f"}), ("skip_special_tokens", False),
+                                         ("spaces_between_special_tokens", False)])
 def test_fields_that_would_change_the_answer_are_400_naming_them(field, value):
     assert s.unsupported_param(chat({field: value})) == field
     with pytest.raises(s.RequestError) as e:

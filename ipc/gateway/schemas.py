@@ -114,6 +114,9 @@ class _Sampling(_Body):
     stop_token_ids: Optional[list[int]] = None
     prompt_logprobs: Optional[int] = None
     include_stop_str_in_output: Optional[bool] = None
+    # vLLM's detokenizing options: accepted at their defaults (UNSUPPORTED), the text forerun writes
+    skip_special_tokens: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
     # Structured outputs (ipc/gateway/structured.py): OpenAI's response_format, vLLM's guided_* and structured_outputs.
     response_format: Optional[ResponseFormat] = None
     guided_json: Union[dict[str, Any], str, None] = None
@@ -131,6 +134,7 @@ class CompletionRequest(_Sampling):
     echo: Optional[bool] = None
     best_of: Optional[int] = None
     suffix: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None  # accepted and ignored, as chat's
 
 
 class ChatCompletionRequest(_Sampling):
@@ -202,12 +206,16 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "web_search_options": (),
     "functions": ([],),
     "function_call": ("none", "auto"),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
 }
 # What a client may use instead of an unsupported parameter (the end of its 400's message).
 INSTEAD: dict[str, str] = {
     "modalities": '; only ["text"] is',
     "functions": "; use tools",
     "function_call": "; use tool_choice",
+    "skip_special_tokens": "; special tokens are left out of the text",
+    "spaces_between_special_tokens": "",
 }
 
 
