@@ -376,7 +376,7 @@ async def test_content_parts_are_joined_as_the_gateway_joins_them(serve, address
             with pytest.raises(InvalidRequestError, match=field):
                 await client.encode(messages=[{"role": "user", "content": bad}])
         # a text within the characters' bound that tokenizes past the context: named as the caller's field
-        with pytest.raises(InvalidRequestError, match="prompt is 4097 tokens.*at most 4095") as raised:
+        with pytest.raises(InvalidRequestError, match="prompt has 4097 tokens.*at most 4095") as raised:
             await client.generate("a" * 4096)
         assert raised.value.field == "prompt"
 

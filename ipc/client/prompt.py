@@ -263,6 +263,6 @@ def encode_prompt(tokenizer: Any, prompt: Optional[str] = None, *,
         raise InvalidRequestError("invalid_request", field,
                                   f"the text could not be tokenized: {type(exc).__name__}: {exc}") from None
     if max_model_len is not None and len(ids) >= max_model_len:  # the server's limit, named by the caller's field
-        raise InvalidRequestError("invalid_request", field, f"the {field} is {len(ids)} tokens; the model's context "
+        raise InvalidRequestError("invalid_request", field, f"the prompt has {len(ids)} tokens; the model's context "
                                   f"length is {max_model_len}, so a prompt may hold at most {max_model_len - 1}")
     return ids
