@@ -220,7 +220,8 @@ def serve_flags(sub) -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=S("shutdown_timeout_s"), metavar="S",
                    help="on SIGTERM or Ctrl-C, running requests get this long to finish (a second signal: none)")
     s.add_argument("--max-waiting", type=int, default=S("max_waiting"),
-                   help="waiting requests beyond which a new one is refused with an 'overloaded' error")
+                   help="requests waiting for a slot (beyond those the free slots take) past which a new one is "
+                        "refused with an 'overloaded' error")
     s.add_argument("--client-send-hwm", type=int, default=S("client_send_hwm"), metavar="N",
                    help="messages queued to a client that stopped reading before its requests are aborted")
     s.add_argument("--grammar-compile-timeout", type=float, default=S("grammar_compile_timeout_s"), metavar="S",

@@ -124,8 +124,10 @@ class ClientMessages:
             return p.Error(code="executor_failed", message=self.failure)
         if self.shutdown_at is not None:
             return p.Error(code="shutting_down", message="the server is shutting down: no new requests")
-        if len(self.planner.waiting) >= self.cfg.max_waiting:
-            return p.Error(code="overloaded", message=f"{len(self.planner.waiting)} requests are waiting, the limit "
+        # those the free slots will take at the next plan are not waiting for one (requests that came at once)
+        queued = len(self.planner.waiting) - self.planner.slots.num_free
+        if queued >= self.cfg.max_waiting:
+            return p.Error(code="overloaded", message=f"{queued} requests are waiting for a slot, the limit "
                                                       f"(--max-waiting) is {self.cfg.max_waiting}: retry later")
         return None
 

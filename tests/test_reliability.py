@@ -430,6 +430,31 @@ def test_flood_does_not_stall_another_clients_stream(tmp_path):
     assert result["overloaded_refusals"] == result["overload_extra"], result
 
 
+def test_max_waiting_counts_the_requests_no_free_slot_takes():
+    """Ten requests at once on two free slots and ``--max-waiting 3``: five are taken (two run, three wait), five
+    refused as overloaded (the requests the free slots were about to take counted as waiting: three taken)."""
+    srv = ServerProcess("--load-format", "scripted", "--scripted-step-ms", "60000", "--max-num-seqs", "2",
+                        "--max-waiting", "3", "--shutdown-timeout", "0", tmpdir=run_dir("mw"), timeout=120)
+
+    async def flood() -> list:
+        async with RawConnection(srv.address, timeout=30) as conn:
+            await conn.hello("mw", batch_deltas=True)
+            for i in range(10):
+                await conn.send(p.Generate(f"w{i}", [5, 6, 7, 8], p.SamplingParams(max_tokens=4)))
+            refused = []
+            while len(refused) < 5:
+                msg = await conn.recv()
+                if isinstance(msg, p.Error) and msg.code == "overloaded":
+                    refused.append(msg.request_id)
+            stats = await conn.stats()
+            return refused, stats.num_running + stats.num_waiting
+    try:
+        refused, taken = asyncio.run(flood())
+    finally:
+        srv.stop()
+    assert sorted(refused) == [f"w{i}" for i in range(5, 10)] and taken == 5, (refused, taken)
+
+
 def test_triton_kernels_on_the_cpu_run_in_triton_s_interpreter(tmp_path, monkeypatch):
     """`--kernels triton --device cpu` serves with no TRITON_INTERPRET in the environment: the executor chooses
     Triton's interpreter before the kernels are defined (without it every step failed: Triton found no GPU driver)."""
