@@ -140,8 +140,8 @@ def validate_generate(msg: p.Generate, limits: Limits) -> None:
     if len(prompt) >= limits.max_model_len:
         raise InvalidRequest(
             "prompt_token_ids",
-            f"the prompt has {len(prompt)} tokens; the model's context length is {limits.max_model_len}, "
-            f"so a prompt may hold at most {limits.max_model_len - 1}",
+            f"the prompt has {len(prompt)} tokens; the model's context length is {limits.max_model_len}"
+            f"{_cache_bound(limits)}, so a prompt may hold at most {limits.max_model_len - 1}",
         )
     _check_token_ids("prompt_token_ids", prompt, limits.vocab_size)
     _validate_sampling(msg.sampling, len(prompt), limits)
@@ -170,14 +170,22 @@ def _validate_resume(msg: p.Generate, limits: Limits) -> None:
     _check_token_ids("resume_output_ids", resumed, limits.vocab_size)
 
 
+def _cache_bound(limits: Limits) -> str:
+    """Where the KV cache sets the context (the server lowered it to what the cache holds), the flags that do."""
+    if limits.max_model_len < limits.num_kv_blocks * limits.block_size:
+        return ""
+    return (f" (all this server's KV cache holds: {limits.num_kv_blocks:,} blocks of {limits.block_size}; "
+            f"--num-kv-blocks, --gpu-memory-utilization)")
+
+
 def _validate_sampling(s: p.SamplingParams, prompt_len: int, limits: Limits) -> None:
     if s.max_tokens < 1:
         raise InvalidRequest("sampling.max_tokens", f"max_tokens must be at least 1, got {s.max_tokens}")
     if prompt_len + s.max_tokens > limits.max_model_len:
         raise InvalidRequest(
             "sampling.max_tokens",
-            f"this model's context length is {limits.max_model_len} tokens; the request asks for "
-            f"{prompt_len + s.max_tokens} ({prompt_len} in the prompt, {s.max_tokens} in max_tokens)",
+            f"this model's context length is {limits.max_model_len} tokens{_cache_bound(limits)}; the request asks "
+            f"for {prompt_len + s.max_tokens} ({prompt_len} in the prompt, {s.max_tokens} in max_tokens)",
         )
     capacity = limits.num_kv_blocks * limits.block_size
     if prompt_len + s.max_tokens > capacity:

@@ -175,3 +175,18 @@ def test_validation_names_field_and_limit(field, value, limit):
                           repetition_penalty=2.0, frequency_penalty=-2, presence_penalty=2, min_tokens=8,
                           logit_bias={i: -100.0 for i in range(300)})
     validate_generate(p.Generate("r", [5, 6], ok), limits)
+
+
+def test_a_context_the_kv_cache_sets_is_named_with_its_flags():
+    """The server lowers the context to what its KV cache holds: a request past it is told so, with the flags."""
+    from ipc import protocol as p
+    from scheduler_proc.limits import Limits
+    from scheduler_proc.validate import InvalidRequest, validate_generate
+
+    for blocks, bound in ((64, "--num-kv-blocks"), (200, None)):  # 64 x 4 = 256 tokens: the cache sets it
+        limits = Limits(4, blocks, 4, 256, 64, frozenset({EOS}), vocab_size=VOCAB)
+        for prompt, max_tokens in (([5] * 256, 1), ([5] * 200, 100)):
+            with pytest.raises(InvalidRequest) as e:
+                validate_generate(p.Generate("r", prompt, p.SamplingParams(max_tokens=max_tokens)), limits)
+            assert "context length is 256" in e.value.message and (bound in e.value.message if bound else
+                                                                    "KV cache" not in e.value.message)
