@@ -613,7 +613,7 @@ def test_fast_path_matches_torch_path(tmp_path, force_gemv, monkeypatch):
         # release, then batch 1 (the fused one-token kernels where forced) for 2 steps; more steps of a phase
         # repeat the same kernels at the same shapes
         plans = scenario(vocab=97, steps=6, alone_from=4, admit_at=1, release_at=3)
-    import executor_proc.backends.triton_backend as tb
+    import executor_proc.backends.triton_linears as tb
 
     fused = []
     # the fused kernels, by the calls below; at 2-8 tokens "residual": an output projection adds the residual
@@ -671,7 +671,7 @@ def test_qk_norm_models_fold_the_input_norm_into_qkv(tmp_path, monkeypatch):
     q|k|v's shape too), and with it forced a decode step at batch 1 gives the torch path's tokens."""
     from executor_proc.backends import gemv_tuning
 
-    import executor_proc.backends.triton_backend as tb
+    import executor_proc.backends.triton_linears as tb
 
     write_config(tmp_path, layers=1)
     config = json.loads((tmp_path / "config.json").read_text())

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from executor_proc.backends.base import NormInput, split_heads
 from executor_proc.backends.moe_tuning import moe_choices, moe_runs
-from executor_proc.backends.triton_backend import FP8_GEMV_DEFAULT, ONE_TOKEN_KINDS, skinny_rows
+from executor_proc.backends.triton_linears import FP8_GEMV_DEFAULT, ONE_TOKEN_KINDS, skinny_rows
 from kernels import gemv as skinny
 from kernels.gemv_partials import sumsq_fits, sumsq_programs
 from kernels.capture import capturing

@@ -99,7 +99,7 @@ def tuned_sizes(cfg: ExecutorConfig, backend: Backend, device: torch.device) -> 
     default model's verify step took 1.26 ms on an H200, 0.97 tuned; 0.71 once the attention kept its splits:
     :func:`kernels.decode_attention.split_pairs`).  Batch-invariant linears are one
     kernel for every batch size: nothing to choose per size."""
-    from executor_proc.backends.triton_backend import m_bucket
+    from executor_proc.backends.triton_linears import m_bucket
 
     graphs = graph_max_batch(cfg, backend) if device.type == "cuda" and not cfg.batch_invariant else 0
     if graphs == 0:
