@@ -75,7 +75,9 @@ def resolve_model(model: Optional[str], load_format: str, tokenizer: Optional[st
     else:  # the model's folder, if it has tokenizer files (random-weight configs have none: ids only)
         folder = path if os.path.isdir(path) else os.path.dirname(path)
         tok = folder if any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES) else ""
-    return ModelSource(path, os.path.basename(path.rstrip("/")), tok)
+    # a config.json given directly is served under its folder's name, as the folder would be
+    named = os.path.dirname(path) if os.path.basename(path) == "config.json" else path.rstrip("/")
+    return ModelSource(path, os.path.basename(named), tok)
 
 
 def _tokenizer_path(tokenizer: str) -> str:

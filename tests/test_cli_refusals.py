@@ -224,6 +224,35 @@ def test_an_unreadable_safetensors_file_is_named_in_one_line(tmp_path, how):
     assert str(refused.value) == expect, refused.value
 
 
+@pytest.mark.parametrize("index, expect", [
+    ('{"metadata": {}}', '"weight_map" must map tensor names to the folder\'s .safetensors files, got None'),
+    ('{"weight_map": [1]}', '"weight_map" must map tensor names .* got \\[1\\]'),
+    ('{"weight_map": {}}', '"weight_map" must map tensor names .* got {}'),
+    ('[1, 2]', "cannot be read as a safetensors index .*'list' object has no attribute 'get'"),
+    ('{"weight_map": ', "cannot be read as a safetensors index .*Expecting value"),
+])
+def test_a_broken_safetensors_index_is_named_in_one_line(tmp_path, index, expect):
+    """A model.safetensors.index.json that is no JSON, or no map of tensor names to files, is refused naming the
+    index file (it was a KeyError / AttributeError traceback)."""
+    import torch
+
+    from executor_proc.model.loader import load_model
+
+    folder = _tiny_hf_folder(tmp_path / "m")
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        f.write(index)
+    with pytest.raises(ValueError, match=f"model.safetensors.index.json.*{expect}"):
+        load_model(folder, "auto", "cpu", torch.float32)
+
+
+def test_a_config_file_given_as_the_model_is_served_under_its_folders_name(tmp_path):
+    from ipc.models import resolve_model
+
+    folder = _tiny_hf_folder(tmp_path / "tiny-llama")
+    assert resolve_model(os.path.join(folder, "config.json"), "dummy").name == "tiny-llama"
+    assert resolve_model(folder, "dummy").name == "tiny-llama"
+
+
 @pytest.mark.parametrize("case", ["a truncated model.safetensors", "a GGUF file cut in its metadata"])
 def test_serve_refuses_an_unreadable_model_file_in_one_line(tmp_path, case):
     """``forerun serve --model`` of a model file cut short: one line naming the flag and what is wrong with the file,

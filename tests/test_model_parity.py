@@ -203,9 +203,14 @@ def test_transformers_4_layout():
     assert c.num_kv_heads == 4 and c.head_dim == 16 and c.eos_token_ids == (128001, 128009)
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
+        ({"rope_scaling": LLAMA3}, None),  # the values of a real llama3 config pass
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
@@ -225,6 +230,14 @@ def test_transformers_4_layout():
         ({"tie_word_embeddings": "false"}, "field 'tie_word_embeddings' must be true or false, got 'false'"),
         ({"attention_bias": 0}, "field 'attention_bias' must be true or false"),
         ({"rope_parameters": "default"}, "field 'rope_parameters' must be an object, got 'default'"),
+        # llama3 rope values that would divide by zero (NaN logits) or are no numbers, named
+        ({"rope_scaling": LLAMA3 | {"factor": None}}, "llama3 rope scaling lacks the field 'factor'"),
+        ({"rope_scaling": LLAMA3 | {"factor": 0}}, "rope_scaling.factor must be a number above 0, got 0"),
+        ({"rope_scaling": LLAMA3 | {"low_freq_factor": 0}}, "rope_scaling.low_freq_factor must be a number above 0"),
+        ({"rope_scaling": LLAMA3 | {"factor": "abc"}}, "field 'factor' must be a number, got 'abc'"),
+        ({"rope_scaling": LLAMA3 | {"high_freq_factor": 1.0}}, "high_freq_factor \\(1.0\\) must be above low_freq_factor"),
+        ({"rope_scaling": LLAMA3 | {"original_max_position_embeddings": 8192.5}},
+         "original_max_position_embeddings must be a positive integer, got 8192.5"),
         ({"eos_token_id": 16.5}, "field 'eos_token_id' must be a token id or a list of them, got 16.5"),
         ({"architectures": ["MistralForCausalLM"], "sliding_window": "4096"},
          "field 'sliding_window' must be a positive integer or null, got '4096'"),
@@ -235,6 +248,9 @@ def test_transformers_4_layout():
 )
 def test_config_errors(change, message):
     d = {"architectures": ["LlamaForCausalLM"], **SHAPE} | change
+    if message is None:
+        assert ModelConfig.from_hf_dict(d).rope_scaling.factor == 8.0
+        return
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_dict(d)
 

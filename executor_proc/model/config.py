@@ -293,17 +293,22 @@ def _parse_rope(d: dict[str, Any], default_theta: float) -> tuple[float, Optiona
         raise ValueError(
             f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    try:
-        scaling = Llama3RopeScaling(
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(
-                params.get("original_max_position_embeddings") or d["max_position_embeddings"]
-            ),
-        )
-    except KeyError as e:
-        raise ValueError(f"llama3 rope scaling lacks the field {e.args[0]!r}") from None
+    for field in ("factor", "low_freq_factor", "high_freq_factor"):
+        if params.get(field) is None:
+            raise ValueError(f"llama3 rope scaling lacks the field {field!r}")
+        # each divides a frequency or a wavelength: zero or less would serve NaN (transformers asks factor >= 1)
+        if _number(params, field, 0.0) <= 0:
+            raise ValueError(f"config.json {key}.{field} must be a number above 0, got {params[field]!r}")
+    if params["high_freq_factor"] <= params["low_freq_factor"]:
+        raise ValueError(f"config.json {key}: high_freq_factor ({params['high_freq_factor']!r}) must be above "
+                         f"low_freq_factor ({params['low_freq_factor']!r})")
+    original = params.get("original_max_position_embeddings") or d["max_position_embeddings"]
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise ValueError(f"config.json {key}.original_max_position_embeddings must be a positive integer, "
+                         f"got {original!r}")
+    scaling = Llama3RopeScaling(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+                                high_freq_factor=float(params["high_freq_factor"]),
+                                original_max_position_embeddings=original)
     return theta, scaling
 
 

@@ -156,9 +156,17 @@ def check_host_memory(config: ModelConfig, dtype: torch.dtype, available: Option
 def _safetensors_files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(folder, name) for name in files]
+        try:
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{index} cannot be read as a safetensors index (a JSON object with a "
+                             f"\"weight_map\"): {e}") from None
+        files = set(weight_map.values()) if isinstance(weight_map, dict) else None
+        if not files or not all(isinstance(name, str) for name in files):
+            raise ValueError(f"{index}: \"weight_map\" must map tensor names to the folder's .safetensors files, "
+                             f"got {str(weight_map)[:200]}")
+        return [os.path.join(folder, name) for name in sorted(files)]
     return sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")))
 
 
