@@ -157,6 +157,21 @@ def test_unfinished_constraint_ends_with_length(model_server):
     asyncio.run(go())
 
 
+def test_a_literal_holding_a_special_tokens_string_comes_out_as_text(model_server):
+    """A choice or regex whose text holds a special token's string (``<|im_end|>``, the model's EOS, or
+    ``<|im_start|>``) is written with ordinary tokens: it was the special token, which ended the output short of
+    its constraint (EOS) or failed the request (a token the grammar refuses).  A special token is never text."""
+    async def go():
+        async with AsyncClient(model_server(1).address) as c:
+            for kw, text in ((dict(choice=["<|im_end|>"]), "<|im_end|>"), (dict(choice=["<|im_start|>x"]), "<|im_start|>x"),
+                             (dict(regex="a<\\|im_end\\|>b"), "a<|im_end|>b")):
+                r = await c.generate("Say it.", max_tokens=16, temperature=0, **kw)
+                # the tokens of the text, then EOS where the constraint ends
+                assert (r.text, r.finish_reason) == (text, "stop") and 1 not in r.token_ids, r
+                assert 2 not in r.token_ids[:-1], r.token_ids
+    asyncio.run(go())
+
+
 # A language that ends after its first token: "a", then a terminal that matches nothing (checked lazily by
 # llguidance, so the compile's first mask allows "a")
 DEAD_END = 'start: "a" /[^\\x00-\\U0010FFFF]/\n'
