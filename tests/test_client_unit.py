@@ -362,14 +362,14 @@ async def test_messages_go_through_the_chat_template(serve, address, tokenizer, 
 
 
 async def test_content_parts_are_joined_as_the_gateway_joins_them(serve, address, tokenizer, completion_ids):
-    """OpenAI's list of content parts reads as its text joined (the template renders strings); a part that is not
-    text is refused naming it."""
+    """OpenAI's list of content parts reads as its texts a line each, as vLLM joins them (the template renders
+    strings); a part that is not text is refused naming it."""
     serve(lambda g: finish_script(g, completion_ids))
     parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]},
              {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}]
     async with AsyncClient(address, timeout=5) as client:
         assert await client.encode(messages=parts) == await client.encode(
-            messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no"}])
+            messages=[{"role": "user", "content": "h\ni"}, {"role": "assistant", "content": "no"}])
         for bad, field in (([{"type": "image_url", "image_url": {"url": "x"}}], r"messages\[0\]\.content\[0\]\.type"),
                            (["hi"], r"content\[0\]\.type"), ([{"type": "text", "text": 5}], r"content\[0\]\.text"),
                            ([{"type": "refusal", "refusal": "no"}], r"content\[0\]\.type")):

@@ -345,7 +345,7 @@ def test_an_assistants_refusal_part_is_its_text_as_vllm_reads_it():
     req = chat({"messages": [USER[0], saved, USER[0]]})
     assert s.chat_messages(req.messages)[1] == {"role": "assistant", "content": "I can't."}
     mixed = {"role": "assistant", "content": [{"type": "text", "text": "No: "}, {"type": "refusal", "refusal": "x"}]}
-    assert s.chat_messages(chat({"messages": [mixed]}).messages) == [{"role": "assistant", "content": "No: x"}]
+    assert s.chat_messages(chat({"messages": [mixed]}).messages) == [{"role": "assistant", "content": "No: \nx"}]
     e = refused(s.chat_messages, chat({"messages": [{"role": "user", "content": saved["content"]}]}).messages)
     assert e.param == "messages[0].content[0].type" and "assistant" in e.message
     e = refused(s.chat_messages, chat({"messages": [{"role": "assistant", "content": [{"type": "refusal"}]}]}).messages)

@@ -189,9 +189,9 @@ def check_messages(messages: Any) -> None:
 
 
 def flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages with each list of content parts joined into its text, as the HTTP gateway reads them (OpenAI's
-    ``[{"type": "text", "text": ...}]``; a ``refusal`` part in an assistant's message); InvalidRequestError naming
-    the first part that is not text.  Chat templates mostly render a string content only."""
+    """The messages with each list of content parts joined into its text, a part a line, as the HTTP gateway (and
+    vLLM) reads them (OpenAI's ``[{"type": "text", "text": ...}]``; a ``refusal`` part in an assistant's message);
+    InvalidRequestError naming the first part that is not text.  Chat templates mostly render a string content only."""
     out = []
     for i, m in enumerate(messages):
         content = m["content"]
@@ -208,7 +208,7 @@ def flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     raise InvalidRequestError("invalid_request", f"{where}.{field}",
                                               f"a {field} part's {field} must be a string")
                 texts.append(part[field])
-            m = dict(m, content="".join(texts))
+            m = dict(m, content="\n".join(texts))
         out.append(m)
     return out
 

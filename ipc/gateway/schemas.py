@@ -279,7 +279,7 @@ def prompts(req: CompletionRequest) -> list[Union[str, list[int]]]:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template wants them: text parts joined (other parts refused), ``developer`` as
+    """Messages as the chat template wants them: text parts joined a part a line (other parts refused), ``developer`` as
     ``system``, an assistant's ``refusal`` as its content when it has none."""
     if not messages:
         raise RequestError(400, "messages must hold at least one message", "messages")
@@ -303,7 +303,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 
 def _text(parts: list[ContentPart], i: int, role: str) -> str:
-    """The text of message ``i``'s content parts, joined; a 400 naming the first part that is not text (a refusal
+    """The text of message ``i``'s content parts, a part a line; a 400 naming the first part that is not text (a refusal
     part is text in an assistant's message only, as the message's ``refusal`` is)."""
     texts = []
     for j, part in enumerate(parts):
@@ -323,7 +323,7 @@ def _text(parts: list[ContentPart], i: int, role: str) -> str:
         if text is None:
             raise RequestError(400, f"missing required field `{field}`", f"{where}.{field}")
         texts.append(text)
-    return "".join(texts)
+    return "\n".join(texts)  # as vLLM joins them
 
 
 def chat_echo(req: ChatCompletionRequest) -> str:
