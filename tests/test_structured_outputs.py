@@ -163,7 +163,8 @@ def test_a_literal_holding_a_special_tokens_string_comes_out_as_text(model_serve
     its constraint (EOS) or failed the request (a token the grammar refuses).  A special token is never text."""
     async def go():
         async with AsyncClient(model_server(1).address) as c:
-            for kw, text in ((dict(choice=["<|im_end|>"]), "<|im_end|>"), (dict(choice=["<|im_start|>x"]), "<|im_start|>x"),
+            for kw, text in ((dict(choice=["<|im_end|>"]), "<|im_end|>"),
+                             (dict(choice=["<|im_start|>x"]), "<|im_start|>x"),
                              (dict(regex="a<\\|im_end\\|>b"), "a<|im_end|>b")):
                 r = await c.generate("Say it.", max_tokens=16, temperature=0, **kw)
                 # the tokens of the text, then EOS where the constraint ends
