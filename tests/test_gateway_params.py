@@ -323,6 +323,31 @@ async def test_completion_stream_echo_leads_each_choice_and_offsets_advance(toke
     assert bodies[1]["logprobs"]["text_offset"] == [2] and bodies[1]["finish_reason"] == "length"
 
 
+async def test_echoed_offsets_run_on_past_a_prompt_of_split_characters(tokenizer):
+    """An echoed prompt whose characters split over tokens (each part's text a U+FFFD) counts its token texts; the
+    output's offsets continue from there, whole or streamed (they restarted at the prompt's length in characters:
+    the offsets went back)."""
+    gw = FakeGateway(tokenizer)
+    prompt = "日本の首都は"
+    p_ids, out = ids_of(tokenizer, prompt), ids_of(tokenizer, "ab")
+    assert sum(len(gw.token_texts(t)) for t in p_ids) > len(prompt)  # split characters: the case at hand
+    lp = TokenLogprobs(-1.0, [], [])
+    chunks = [StreamChunk("a", out[:1], [lp], prompt_logprobs=[None] * len(p_ids)),
+              StreamChunk("b", out[1:], [lp], finish_reason="length")]
+    result = request_result([choice(0, "ab", out, [lp, lp])])
+    req = completion_req(echo=True, logprobs=0)
+    whole = msgspec.to_builtins(await responses.whole_completion(gw, req, "c", [responses.Prompt(p_ids, prompt)],
+                                                                 [FakeStream([], result)]))
+    offsets = whole["choices"][0]["logprobs"]["text_offset"]
+    tokens = whole["choices"][0]["logprobs"]["tokens"]
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))], offsets
+    events = sse_events([e async for e in responses.completion_stream(
+        gw, completion_req(stream=True, echo=True, logprobs=0), "c", [responses.Prompt(p_ids, prompt)],
+        [FakeStream(chunks[1:], result)], [chunks[0]])])
+    assert offsets == [o for e in events[:-1] for o in json.loads(e[len(b"data: "):])["choices"][0]["logprobs"][
+        "text_offset"]]
+
+
 async def test_completion_stream_offsets_count_token_texts_past_held_back_text(tokenizer):
     """A chunk whose text was held back (the start of a possible stop string: its tokens came, their text did not)
     does not shift the next chunk's offsets: they continue from the token texts, as the answer without streaming

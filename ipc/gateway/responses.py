@@ -95,6 +95,12 @@ def _echo_logprobs(gw: Any, req: s.CompletionRequest, prompt: Prompt, plps: Opti
     return completion_logprobs(gw.token_texts, prompt.ids, lps, req.logprobs)
 
 
+def _echo_end(gw: Any, prompt: Prompt) -> int:
+    """The text offset of the first output token after an echoed prompt: one running sum of the token texts over
+    prompt and output, as vLLM counts them (a character split over tokens counts once a part, its U+FFFD each)."""
+    return sum(len(gw.token_texts(t)) for t in prompt.ids)
+
+
 def _completion_choice(gw: Any, req: s.CompletionRequest, prompt: Prompt, index: int, c: Any,
                        plps: Optional[list]) -> rb.CompletionChoice:
     text, lps = c.text, None
@@ -102,7 +108,7 @@ def _completion_choice(gw: Any, req: s.CompletionRequest, prompt: Prompt, index:
         text = prompt.text + text
     if req.logprobs is not None:
         lps = completion_logprobs(gw.token_texts, c.token_ids, c.logprobs, req.logprobs,
-                                  len(prompt.text) if req.echo else 0)
+                                  _echo_end(gw, prompt) if req.echo else 0)
         if req.echo:
             lps = join_completion_logprobs(_echo_logprobs(gw, req, prompt, plps), lps)
     vllm_plps = prompt_logprobs(gw.token_texts, prompt.ids, plps, req.prompt_logprobs) \
@@ -222,7 +228,7 @@ async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, prompts
             plps[p] = chunk.prompt_logprobs
         index, text, lps = p * n + chunk.index, chunk.text_delta, None
         first = index not in sent
-        offset = sent.get(index, len(prompts[p].text) if req.echo else 0)
+        offset = sent.get(index, _echo_end(gw, prompts[p]) if req.echo else 0)
         sent[index] = offset
         if req.logprobs is not None:
             lps = completion_logprobs(gw.token_texts, chunk.token_ids, chunk.logprobs, req.logprobs, offset)
