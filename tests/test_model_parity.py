@@ -256,6 +256,20 @@ def test_config_errors(change, message):
         ModelConfig.from_hf_dict(d)
 
 
+def test_head_dim_left_out_takes_transformers_default():
+    """A config.json without head_dim gets the value transformers gives it: Qwen3's config class defaults to 128,
+    the others to hidden_size / heads (a Qwen3 checkpoint of another width was refused as a shape mismatch)."""
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    for arch, model_type, hf, more in (("Qwen3ForCausalLM", "qwen3", Qwen3Config, {}),
+                                       ("LlamaForCausalLM", "llama", LlamaConfig, {}),
+                                       ("Qwen3MoeForCausalLM", "qwen3_moe", Qwen3MoeConfig, moe)):
+        d = SHAPE | more | {"architectures": [arch], "model_type": model_type}
+        expect = getattr(hf(**d), "head_dim", None) or d["hidden_size"] // d["num_attention_heads"]
+        assert ModelConfig.from_hf_dict(d).head_dim == expect, arch
+
+
 def test_a_broken_generation_config_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **SHAPE}))
     (tmp_path / "generation_config.json").write_text("{oops")

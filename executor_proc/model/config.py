@@ -132,7 +132,7 @@ class ModelConfig:
             num_layers=_required(d, "num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=_optional(d, "head_dim") or hidden_size // num_heads,
+            head_dim=_optional(d, "head_dim") or _DEFAULT_HEAD_DIM.get(model_type) or hidden_size // num_heads,
             vocab_size=_required(d, "vocab_size"),
             rms_norm_eps=_number(d, "rms_norm_eps", _DEFAULT_EPS.get(model_type, 1e-6)),
             rope_theta=rope_theta,
@@ -248,6 +248,8 @@ def _architecture(d: dict[str, Any]) -> str:
 # HF's defaults where a family's differ from Llama's (rope_theta 10,000; rms_norm_eps 1e-6): MixtralConfig's
 _DEFAULT_THETA = {"mixtral": 1e6}
 _DEFAULT_EPS = {"mixtral": 1e-5}
+# transformers' defaults where a config.json leaves head_dim out (Qwen3's is 128, not hidden / heads)
+_DEFAULT_HEAD_DIM = {"qwen3": 128}
 
 
 def _required(d: dict[str, Any], key: str) -> int:
