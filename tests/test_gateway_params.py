@@ -348,6 +348,37 @@ async def test_echoed_offsets_run_on_past_a_prompt_of_split_characters(tokenizer
         "text_offset"]]
 
 
+async def test_stop_reason_names_the_stop_string_or_stop_token_as_vllm(tokenizer):
+    """vLLM's ``stop_reason`` on each choice: the stop string that ended it, or the token of ``stop_token_ids``;
+    null for EOS and ``length``; whole and streamed (where the finish chunk may bring no token), chat and
+    completions."""
+    import dataclasses
+
+    gw = FakeGateway(tokenizer)
+    (a,), (b,) = ids_of(tokenizer, "a"), ids_of(tokenizer, "b")
+    eos = tokenizer.eos_token_id
+    cases = [(dict(stop_str="x"), [a], "x"), (dict(), [a, b], b), (dict(), [a, eos], None),
+             (dict(finish_reason="length"), [a, b], None)]
+    for fields, ids, expect in cases:
+        c = dataclasses.replace(choice(0, "a", ids, [], reason="stop"), **fields)
+        result = request_result([c])
+        comp = msgspec.to_builtins(await responses.whole_completion(
+            gw, completion_req(stop_token_ids=[b]), "c", [responses.Prompt([1], "P")], [FakeStream([], result)]))
+        chat = msgspec.to_builtins(await responses.whole_chat(
+            gw, chat_req(stop_token_ids=[b]), "c", responses.Prompt([1], "P"), FakeStream([], result)))
+        assert comp["choices"][0]["stop_reason"] == chat["choices"][0]["stop_reason"] == expect, (fields, ids)
+        # streamed: the tokens, then a finish chunk without any
+        chunks = [StreamChunk("a", ids, []), StreamChunk("", [], finish_reason=c.finish_reason, stop_str=c.stop_str)]
+        for stream_fn, req in ((responses.completion_stream, completion_req(stream=True, stop_token_ids=[b])),
+                               (responses.chat_stream, chat_req(stream=True, stop_token_ids=[b]))):
+            args = ([responses.Prompt([1], "P")],) if stream_fn is responses.completion_stream else ()
+            events = sse_events([e async for e in stream_fn(gw, req, "c", *args, [FakeStream(chunks[1:], result)],
+                                                            [chunks[0]])])
+            finals = [json.loads(e[len(b"data: "):])["choices"][0] for e in events[:-1]]
+            finals = [f for f in finals if f["finish_reason"] is not None]
+            assert [f["stop_reason"] for f in finals] == [expect], (stream_fn.__name__, fields, ids)
+
+
 async def test_completion_stream_offsets_count_token_texts_past_held_back_text(tokenizer):
     """A chunk whose text was held back (the start of a possible stop string: its tokens came, their text did not)
     does not shift the next chunk's offsets: they continue from the token texts, as the answer without streaming

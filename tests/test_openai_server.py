@@ -380,6 +380,9 @@ def test_needs_engine_stop_strings(oai, sdk):
     assert included.choices[0].text == cut + stop
     assert "".join(c.choices[0].text for c in stream if c.choices) == cut
     assert ref.text == cut and ref.stop_str == stop and ref.finish_reason == "stop"
+    # vLLM's stop_reason names the stop string, whole and on the streamed finish
+    assert r.choices[0].stop_reason == included.choices[0].stop_reason == stop
+    assert [c.choices[0].stop_reason for c in stream if c.choices and c.choices[0].finish_reason] == [stop]
 
 
 def test_a_stop_token_s_text_is_left_out_unless_included(oai, sdk):
@@ -391,6 +394,7 @@ def test_a_stop_token_s_text_is_left_out_unless_included(oai, sdk):
     r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=0, extra_body=stop)
     c = r.choices[0]
     assert (c.text, c.finish_reason, r.usage.completion_tokens) == ("", "stop", 1)
+    assert c.stop_reason == first.token_ids[0]  # vLLM's stop_reason: the stop token
     assert c.logprobs.tokens == [first.text]
     streamed = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True,
                                       extra_body=stop)

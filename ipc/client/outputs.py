@@ -152,7 +152,8 @@ class CompletionOutput:
         if not token_ids and not text and fin is None:
             return None
         return StreamChunk(text, list(token_ids), logprobs=list(logprobs), index=self.index,
-                           finish_reason=fin.reason if fin is not None else None)
+                           finish_reason=fin.reason if fin is not None else None,
+                           stop_str=fin.stop_str if fin is not None else None)
 
     def _hides_last_token(self, fin: Optional[Finished]) -> bool:
         """Whether ``fin`` ends this completion on a stop token whose text is left out (vLLM's rule): a finish

@@ -77,3 +77,4 @@ class StreamChunk:
     index: int = 0
     finish_reason: Optional[str] = None
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    stop_str: Optional[str] = None  # on the last chunk: the stop string that ended it (finish_reason "stop")

@@ -6,7 +6,7 @@ streamed deltas) because some clients read them.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import msgspec
 
@@ -19,12 +19,17 @@ class Usage(msgspec.Struct):
     total_tokens: int
 
 
+# vLLM's ``stop_reason``: the stop string, or the token of ``stop_token_ids``, that ended a choice (else null)
+StopReason = Optional[Union[int, str]]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: Optional[str] = None
     logprobs: Optional[CompletionLogprobs] = None
     prompt_logprobs: Optional[list] = None  # vLLM's shape, see ipc/gateway/logprobs.py
+    stop_reason: StopReason = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -46,6 +51,7 @@ class ChatChoice(msgspec.Struct):
     message: Union[AssistantMessage, ToolCallsMessage]
     finish_reason: Optional[str] = None
     logprobs: Optional[ChatLogprobs] = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -95,6 +101,7 @@ class ChatChunkChoice(msgspec.Struct):
     delta: Delta
     finish_reason: Optional[str] = None
     logprobs: Optional[ChatLogprobs] = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionChunk(msgspec.Struct):

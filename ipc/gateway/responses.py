@@ -95,6 +95,17 @@ def _echo_logprobs(gw: Any, req: s.CompletionRequest, prompt: Prompt, plps: Opti
     return completion_logprobs(gw.token_texts, prompt.ids, lps, req.logprobs)
 
 
+def stop_reason(req: Any, finish_reason: Optional[str], stop_str: Optional[str],
+                last_token: Optional[int]) -> rb.StopReason:
+    """vLLM's ``stop_reason``: the stop string, or the token of the request's ``stop_token_ids``, that ended a
+    choice; None for EOS, ``length`` and the rest."""
+    if finish_reason != "stop":
+        return None
+    if stop_str is not None:
+        return stop_str
+    return last_token if last_token is not None and last_token in (req.stop_token_ids or ()) else None
+
+
 def _echo_end(gw: Any, prompt: Prompt) -> int:
     """The text offset of the first output token after an echoed prompt: one running sum of the token texts over
     prompt and output, as vLLM counts them (a character split over tokens counts once a part, its U+FFFD each)."""
@@ -114,7 +125,8 @@ def _completion_choice(gw: Any, req: s.CompletionRequest, prompt: Prompt, index:
     vllm_plps = prompt_logprobs(gw.token_texts, prompt.ids, plps, req.prompt_logprobs) \
         if req.prompt_logprobs is not None else None
     return rb.CompletionChoice(index=index, text=text, finish_reason=c.finish_reason, logprobs=lps,
-                              prompt_logprobs=vllm_plps)
+                              prompt_logprobs=vllm_plps,
+                              stop_reason=stop_reason(req, c.finish_reason, c.stop_str, _last(c.token_ids)))
 
 
 def _prompt_only(r: Any) -> Any:
@@ -144,7 +156,8 @@ async def whole_chat(gw: Any, req: s.ChatCompletionRequest, rid: str, prompt: Pr
     echoed = s.chat_echo(req)  # vLLM's echo (never with tools: plan_tools refuses it)
     choices = [rb.ChatChoice(index=c.index, message=message, finish_reason=finish,
                             logprobs=None if top_n is None else chat_logprobs(gw.token_texts, c.token_ids,
-                                                                               c.logprobs, top_n))
+                                                                               c.logprobs, top_n),
+                            stop_reason=stop_reason(req, c.finish_reason, c.stop_str, _last(c.token_ids)))
                for c in r.choices for message, finish in [choice_message(echoed + c.text, c.finish_reason, plan)]]
     vllm_plps = prompt_logprobs(gw.token_texts, prompt.ids, r.prompt_logprobs, req.prompt_logprobs) \
         if req.prompt_logprobs is not None else None
@@ -173,6 +186,25 @@ class RunningUsage:
             return None
         n = self.tokens.get(index, 0)
         return rb.Usage(prompt_tokens=prompt_tokens, completion_tokens=n, total_tokens=prompt_tokens + n)
+
+
+def _last(token_ids: list[int]) -> Optional[int]:
+    return token_ids[-1] if token_ids else None
+
+
+class LastTokens:
+    """Each streamed choice's last token so far, for its finish chunk's :func:`stop_reason` (that chunk may bring
+    no token of its own)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, int] = {}
+
+    def stop_reason(self, req: Any, index: int, chunk: StreamChunk) -> rb.StopReason:
+        if chunk.token_ids:
+            self.tokens[index] = chunk.token_ids[-1]
+        if chunk.finish_reason is None:
+            return None
+        return stop_reason(req, chunk.finish_reason, chunk.stop_str, self.tokens.get(index))
 
 
 async def _chunks(gw: Any, streams: list[Any], firsts: list[Any]
@@ -208,7 +240,8 @@ async def _chunks(gw: Any, streams: list[Any], firsts: list[Any]
             gw.observe(result)
             for c in result.choices:
                 if (p, c.index) not in finished:
-                    batch.append((p, StreamChunk("", [], index=c.index, finish_reason=c.finish_reason)))
+                    batch.append((p, StreamChunk("", [], index=c.index, finish_reason=c.finish_reason,
+                                                 stop_str=c.stop_str)))
         if batch or not left:
             yield batch, not left
 
@@ -222,6 +255,7 @@ async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, prompts
     sent: dict[int, int] = {}
     plps: dict[int, list] = {}  # prompt -> its prompt logprobs, once they came
     running = RunningUsage(req)
+    finals = LastTokens()
 
     def event(p: int, chunk: StreamChunk) -> bytes:
         if chunk.prompt_logprobs is not None:
@@ -237,7 +271,8 @@ async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, prompts
                 lps = join_completion_logprobs(_echo_logprobs(gw, req, prompts[p], plps.get(p)), lps)
         if first and req.echo:
             text = prompts[p].text + text
-        choice = rb.CompletionChoice(index=index, text=text, finish_reason=chunk.finish_reason, logprobs=lps)
+        choice = rb.CompletionChoice(index=index, text=text, finish_reason=chunk.finish_reason, logprobs=lps,
+                                     stop_reason=finals.stop_reason(req, index, chunk))
         running.add(index, len(chunk.token_ids))
         usage = running.of(index, len(prompts[p].ids))
         return _sse(rb.CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage))
@@ -263,9 +298,11 @@ async def chat_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: 
     created, model = int(time.time()), gw.model_name
     top_n = params.output_logprobs(req)
     running = RunningUsage(req)
+    finals = LastTokens()
 
-    def event(index: int, delta: rb.Delta, finish: Optional[str] = None, lps: Any = None) -> bytes:
-        choice = rb.ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps)
+    def event(index: int, delta: rb.Delta, finish: Optional[str] = None, lps: Any = None,
+              reason: rb.StopReason = None) -> bytes:
+        choice = rb.ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps, stop_reason=reason)
         return _sse(rb.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice],
                                           usage=running.of(index, prompt_tokens)))
 
@@ -273,7 +310,7 @@ async def chat_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, streams: 
         running.add(c.index, len(c.token_ids))
         lps = chat_logprobs(gw.token_texts, c.token_ids, c.logprobs, top_n) if top_n is not None else None
         delta = rb.Delta(content=c.text_delta) if c.text_delta or c.finish_reason is None else rb.Delta()
-        return event(c.index, delta, c.finish_reason, lps)
+        return event(c.index, delta, c.finish_reason, lps, finals.stop_reason(req, c.index, c))
 
     def end() -> bytes:
         return _chat_stream_end(req, streams, rid, created, model)
@@ -315,14 +352,17 @@ async def chat_tools_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, str
     parsers: dict[int, ToolCallStream] = {}
     top_n = params.output_logprobs(req)
     running = RunningUsage(req)
+    finals = LastTokens()
 
-    def event(index: int, delta: rb.Delta, finish: Optional[str] = None, lps: Any = None) -> bytes:
-        choice = rb.ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps)
+    def event(index: int, delta: rb.Delta, finish: Optional[str] = None, lps: Any = None,
+              reason: rb.StopReason = None) -> bytes:
+        choice = rb.ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps, stop_reason=reason)
         return _sse(rb.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice],
                                           usage=running.of(index, prompt_tokens)))
 
     def chunk_events(c: StreamChunk) -> list[bytes]:
         running.add(c.index, len(c.token_ids))
+        reason = finals.stop_reason(req, c.index, c)
         parser = parsers.setdefault(c.index, ToolCallStream(plan))
         deltas = parser.feed(c.text_delta)
         if c.finish_reason is not None:
@@ -335,7 +375,7 @@ async def chat_tools_stream(gw: Any, req: s.ChatCompletionRequest, rid: str, str
             deltas = [rb.Delta()]
         out = [event(c.index, d, None, lps if i == 0 else None) for i, d in enumerate(deltas)]
         if c.finish_reason is not None:
-            out.append(event(c.index, rb.Delta(), finish))
+            out.append(event(c.index, rb.Delta(), finish, reason=reason))
         return out
 
     def end() -> bytes:
