@@ -153,6 +153,7 @@ class ServerStats(_Msg, tag="server_stats"):
     resumes: int = 0
     resume_s_total: float = 0.0
     executor_restarts: int = 0
+    api_worker_restarts: int = 0  # HTTP gateway workers that exited while serving and were started again
     draining: bool = False  # a shutdown has begun (or the executor failed for good): no new requests
     # Sums over every returned step (seconds), from its StepResult: t_end - t_start, the GPU's
     # busy time and its idle gaps (CUDA only, else 0), and the executor's wait for plans.

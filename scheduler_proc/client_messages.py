@@ -89,7 +89,7 @@ class ClientMessages:
             num_waiting=len(pl.waiting), num_draining=len(pl.draining), num_inflight_steps=pl.num_inflight,
             steps=self.stats["steps"], requests=self.stats["requests"], preemptions=pl.num_preemptions,
             resumes=pl.resumes.count, resume_s_total=pl.resumes.seconds,
-            executor_restarts=self.stats["restarts"],
+            executor_restarts=self.stats["restarts"], api_worker_restarts=self.api_worker_restarts,
             draining=self.shutdown_at is not None or bool(self.failure),
             step_time_s_total=totals.step_s, gpu_busy_s_total=totals.gpu_busy_s,
             gpu_gap_s_total=totals.gpu_gap_s, executor_idle_s_total=totals.idle_s,

@@ -85,6 +85,10 @@ def serve(args) -> int:
         shutil.rmtree(cfg.run_dir, ignore_errors=True)
 
 
+WATCH_INTERVAL_S = 0.2  # how often the server looks at its gateway workers
+MAX_WORKER_RESTARTS = 5  # gateway worker exits within a minute that the server restarts; one more stops it
+
+
 def serve_in(args, cfg: ServerConfig, model, gpus) -> int:
     """Serve ``cfg`` (its run directory made, and removed by the caller) until a shutdown; the exit status."""
     import uvloop
@@ -137,6 +141,9 @@ def serve_in(args, cfg: ServerConfig, model, gpus) -> int:
         if args.ask or gateways:
             threading.Thread(target=_ask, args=(server.client_address, args.ask, gateways, model.name, failed_start,
                                                 stopping, cfg.api_key), daemon=True).start()
+        if gateways:
+            threading.Thread(target=_watch_gateways, args=(gateways, server, stopping, failed_start),
+                             daemon=True).start()
 
         async def run() -> int:
             loop = asyncio.get_running_loop()
@@ -286,6 +293,39 @@ def _stop_gateways(gateways) -> None:
             proc.kill()
     gateways.stop()
     remove_stale_tokenizer_folders()
+
+
+def _watch_gateways(gateways, server, stopping: threading.Event, failed: threading.Event) -> None:
+    """Once every gateway worker serves (a start that fails is ``_ask``'s to report): a worker that exits (killed,
+    out of memory, a crash in native code) is said in one line and started again, counted in the server's
+    ``api_worker_restarts``; its port stays open meanwhile (the server holds it), connections wait in its backlog.
+    More than :data:`MAX_WORKER_RESTARTS` exits within a minute stop the server, exit 1."""
+    import collections
+    import time
+
+    while not all(os.path.exists(c.ready_file) for c in gateways.configs):
+        if stopping.wait(WATCH_INTERVAL_S) or any(proc.poll() is not None and not os.path.exists(c.ready_file)
+                                                  for proc, c in zip(gateways.procs, gateways.configs)):
+            return  # stopped, or a worker that exited before it served: not ours to restart
+    exits: collections.deque = collections.deque()
+    while not stopping.wait(WATCH_INTERVAL_S):
+        for i, proc in enumerate(gateways.procs):
+            if proc.poll() is None or stopping.is_set():
+                continue
+            now = time.monotonic()
+            exits.append(now)
+            while now - exits[0] > 60.0:
+                exits.popleft()
+            if len(exits) > MAX_WORKER_RESTARTS:
+                print(f"forerun: gateway worker {i} exited with status {proc.returncode}, {len(exits)} exits within "
+                      f"60 s; stopping", file=sys.stderr, flush=True)
+                failed.set()
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            print(f"forerun: gateway worker {i} exited with status {proc.returncode}; starting it again",
+                  file=sys.stderr, flush=True)
+            gateways.restart(i)
+            server.api_worker_restarts += 1
 
 
 def _ask(address: str, question, gateways, model_name: str, failed_start: threading.Event,

@@ -152,6 +152,7 @@ class Router(RouterClients, RouterRelay):
                                  g, self.run_dir) for i, g in enumerate(gpus)]
         self.hello = p.Hello(p.PROTOCOL_VERSION, "router", batch_deltas=True, api_key=cfg.api_key or "")
         self.info: Optional[p.ServerInfo] = None  # the first replica's, with the router's server_id
+        self.api_worker_restarts = 0  # gateway workers restarted (scheduler_proc/launch.py counts them)
         self.tokenizer: Optional[bytes] = None  # a replica's TokenizerFiles, fetched once, as sent
         self.tokenizer_asked = False
         self.jobs: dict[tuple[bytes, str], Job] = {}

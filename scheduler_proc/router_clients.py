@@ -121,9 +121,11 @@ class RouterClients:
             self._answer(ask)
 
     def _answer(self, ask: StatsAsk) -> None:
-        self.frontend.send(ask.client, sum_stats(ask.replies, draining=self.shutdown_at is not None,
-                                                 down=[r.index for r in self.replicas if not r.up],
-                                                 restarts=[r.restarts for r in self.replicas]))
+        stats = sum_stats(ask.replies, draining=self.shutdown_at is not None,
+                          down=[r.index for r in self.replicas if not r.up],
+                          restarts=[r.restarts for r in self.replicas])
+        stats.api_worker_restarts = self.api_worker_restarts  # the router's own gateway workers
+        self.frontend.send(ask.client, stats)
 
     def _drop_client(self, client: bytes, code: Optional[str] = None, message: str = "") -> None:
         """Abort every request of a client that left (or stopped reading: each is owed ``code``)."""

@@ -75,6 +75,7 @@ class Server(ClientMessages, OutputStream):
         self._rids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self.stats = {"steps": 0, "requests": 0, "restarts": 0}
+        self.api_worker_restarts = 0  # gateway workers restarted (scheduler_proc/launch.py counts them)
         self.step_totals = StepTotals()
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
 

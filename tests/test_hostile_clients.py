@@ -314,6 +314,56 @@ def test_sigterm_drains_and_stops_cleanly():
             os.killpg(srv.proc.pid, signal.SIGKILL)
 
 
+def test_a_gateway_worker_that_dies_while_serving_is_started_again():
+    """A gateway worker killed while serving (the OOM killer, a crash in native code): the server says so in one
+    line and starts another, /health answers again (connections wait in the port's backlog meanwhile: the server
+    holds it), /metrics counts it; the server still stops cleanly.  It used to stay dead: with one worker every
+    connection hung unanswered."""
+    srv = Serve("--load-format", "scripted", "--scripted-step-ms", "10", "--port", str(free_port()))
+    try:
+        srv.wait_for("OpenAI-compatible API at")
+        port = int(next(line for line in srv.lines if "OpenAI-compatible" in line).split(":")[-1].split("/")[0])
+        worker = next(pid for pid in srv.children()
+                      if b"ipc.gateway.process" in open(f"/proc/{pid}/cmdline", "rb").read())
+        os.kill(worker, signal.SIGKILL)
+        srv.wait_for("gateway worker 0 exited with status -9; starting it again", timeout=10)
+        assert request(port, "GET", "/health")[0] == 200  # answered by the new worker
+        status, _, body = request(port, "GET", "/metrics")
+        assert status == 200 and b'forerun:api_worker_restarts_total{model_name="scripted"} 1.0' in body, body[-2000:]
+        assert worker not in srv.children() and len(srv.children()) == 2
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.finish() == 0 and not os.listdir(srv.run_dir)
+    finally:
+        if srv.proc.poll() is None:
+            os.killpg(srv.proc.pid, signal.SIGKILL)
+
+
+def test_a_gateway_worker_that_keeps_exiting_stops_the_server(monkeypatch, tmp_path):
+    """More than MAX_WORKER_RESTARTS exits within a minute: the server is stopped (exit 1) rather than started again
+    without end; each exit before that is one line and a restart."""
+    from types import SimpleNamespace
+
+    from scheduler_proc import launch
+
+    class Exited:
+        pid, returncode = 12345, 1
+
+        def poll(self):
+            return 1
+
+    ready = tmp_path / "gateway-0.ready"
+    ready.write_text("")
+    restarts = []
+    gateways = SimpleNamespace(configs=[SimpleNamespace(ready_file=str(ready))], procs=[Exited()],
+                               restart=lambda i: restarts.append(i))
+    server, failed, killed = SimpleNamespace(api_worker_restarts=0), threading.Event(), []
+    monkeypatch.setattr(launch, "WATCH_INTERVAL_S", 0.001)
+    monkeypatch.setattr(launch.os, "kill", lambda pid, sig: killed.append(sig))
+    launch._watch_gateways(gateways, server, threading.Event(), failed)
+    assert restarts == [0] * launch.MAX_WORKER_RESTARTS and server.api_worker_restarts == launch.MAX_WORKER_RESTARTS
+    assert failed.is_set() and killed == [signal.SIGTERM]
+
+
 def test_ctrl_c_drains_and_stops_cleanly(server):
     """SIGINT to the process group (a terminal's Ctrl-C) with streams in flight: /health 503 and new requests
     503 + Retry-After while draining, the streams finish, one line per step, no traceback, exit 0, nothing left."""

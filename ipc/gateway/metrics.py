@@ -19,7 +19,7 @@ The series (labelled ``model_name``):
   ``e2e_request_latency_seconds`` (histograms, vLLM's buckets, from the SDK's timings);
 * scheduler: ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (0 to 1),
   ``num_kv_blocks_used``, ``num_kv_blocks_free``, ``num_host_kv_blocks_free`` (gauges);
-  ``num_preemptions_total``, ``steps_total``, ``executor_restarts_total``,
+  ``num_preemptions_total``, ``steps_total``, ``executor_restarts_total``, ``api_worker_restarts_total``,
   ``prefix_cache_queries_total``, ``prefix_cache_hits_total``, ``prefix_cache_host_hits_total``
   (tokens looked up and found at admission), ``step_time_seconds_total``, ``gpu_busy_seconds_total``,
   ``gpu_idle_seconds_total``, ``executor_idle_seconds_total`` (counters, summed from each
@@ -180,6 +180,10 @@ class SchedulerCollector:
                 family.add_metric(labels, value(s))
             yield family
         yield from grammar_metrics(samples, names)
+        workers = CounterMetricFamily("forerun:api_worker_restarts", "Times the server started again an HTTP gateway "
+                                      "worker that exited while serving.", labels=LABELS)
+        workers.add_metric([self.model_name], self.stats.api_worker_restarts)  # the server's own (a router's too)
+        yield workers
         if self.stats.replica_restarts:  # a data-parallel router's answer: every replica, up or down
             up = GaugeMetricFamily("forerun:replica_up", "1 while a data-parallel replica serves, 0 while it is down "
                                    "(restarting, or down for good).", labels=LABELS + ("replica",))

@@ -60,13 +60,28 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
 class Gateways:
     """The running gateway workers of one server."""
 
-    def __init__(self, procs: list[subprocess.Popen], configs: list[WorkerConfig], metrics_dir: str,
-                 sock: socket.socket, requires_key: bool) -> None:
-        self.procs = procs
+    def __init__(self, configs: list[WorkerConfig], env: dict[str, str], metrics_dir: str, sock: socket.socket,
+                 requires_key: bool) -> None:
         self.sock = sock
         self.requires_key = requires_key
         self.configs = configs
+        self.env = env
         self.metrics_dir = metrics_dir
+        self.procs = [self._spawn(cfg) for cfg in configs]
+
+    def _spawn(self, cfg: WorkerConfig) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "ipc.gateway.process", msgspec.json.encode(cfg).decode()]
+        return subprocess.Popen(cmd, env=self.env, preexec_fn=_die_with_parent, pass_fds=(self.sock.fileno(),))
+
+    def restart(self, i: int) -> None:
+        """Start worker ``i`` again after it exited: its ready file removed and its live gauges dropped from the
+        shared metrics (its counters stay: they only go up)."""
+        from prometheus_client import multiprocess
+
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.configs[i].ready_file)
+        multiprocess.mark_process_dead(self.procs[i].pid, self.metrics_dir)
+        self.procs[i] = self._spawn(self.configs[i])
 
     @property
     def url(self) -> str:
@@ -143,11 +158,7 @@ def start_gateways(address: str, *, workers: int, run_dir: str, sock: Optional[s
                             max_request_bytes=max_request_bytes, tokenizer_threads=tokenizer_threads,
                             body_timeout_s=body_timeout_s)
                for i in range(workers)]
-    procs = []
-    for cfg in configs:
-        cmd = [sys.executable, "-m", "ipc.gateway.process", msgspec.json.encode(cfg).decode()]
-        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, pass_fds=(sock.fileno(),)))
-    return Gateways(procs, configs, metrics_dir, sock, requires_key=bool(api_key))
+    return Gateways(configs, env, metrics_dir, sock, requires_key=bool(api_key))
 
 
 def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
