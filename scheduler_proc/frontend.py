@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import socket
 import stat
@@ -91,23 +92,63 @@ def _resolves(host: str) -> bool:
         return host in {name for _, name in socket.if_nameindex()}
 
 
-def claim_ipc_path(path: str) -> None:
-    """Refuse a path a live server listens on; remove a stale socket file (connection refused)."""
+def claim_ipc_path(path: str) -> int:
+    """Claim an ipc:// socket path for this server's life: lock ``PATH.lock`` (the descriptor returned; two servers
+    started at once on one path both passed the check below before either bound, and ZeroMQ's bind replaces the
+    file), then refuse a path a live server listens on and remove a stale socket file (connection refused)."""
+    lock = _locked(path + ".lock", path)
     try:
-        mode = os.stat(path).st_mode
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            return lock
+        if not stat.S_ISSOCK(mode):
+            raise StartupError(f"{path} exists and is not a socket; choose another --address")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)  # nobody listens: a killed server's leftover
+            return lock
+        finally:
+            probe.close()
+        raise StartupError(f"another server is already serving at ipc://{path}; stop it or choose another --address")
+    except BaseException:
+        _release(lock, path + ".lock")
+        raise
+
+
+def _release(lock: int, lock_path: str) -> None:
+    """Remove the lock file while still holding it (a server that opened it meanwhile finds it gone: _locked), then
+    let it go."""
+    try:
+        os.unlink(lock_path)
     except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise StartupError(f"{path} exists and is not a socket; choose another --address")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except ConnectionRefusedError:
-        os.unlink(path)  # nobody listens: a killed server's leftover
-        return
-    finally:
-        probe.close()
-    raise StartupError(f"another server is already serving at ipc://{path}; stop it or choose another --address")
+        pass
+    os.close(lock)
+
+
+def _locked(lock_path: str, path: str) -> int:
+    """A descriptor of ``lock_path`` holding its exclusive lock; StartupError while another server holds it.  A lock
+    file its holder removed while this one opened it is opened again (the inode the path names is the one locked)."""
+    while True:
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            reason = "no such directory" if e.errno == errno.ENOENT else e.strerror
+            raise StartupError(f"cannot listen on ipc://{path}: {reason}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StartupError(f"another server is already serving (or starting) at ipc://{path}; stop it or "
+                               f"choose another --address") from None
+        try:
+            if os.fstat(fd).st_ino == os.stat(lock_path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
 
 
 class Frontend:
@@ -125,10 +166,11 @@ class Frontend:
         self.owed: dict[bytes, deque[tuple[float, bytes]]] = {}
         self.read_all_at = time.monotonic()  # when the socket was last read to empty (recv_batch)
         self.ipc_path: Optional[str] = None
+        self._ipc_lock: Optional[int] = None  # claim_ipc_path's lock, held while the socket file is ours
         try:
             check_address(address)
             if address.startswith("ipc://"):
-                claim_ipc_path(address[len("ipc://"):])
+                self._ipc_lock = claim_ipc_path(address[len("ipc://"):])
             sock = ipv6_for(configure(ctx.socket(zmq.ROUTER), max_msg_bytes=max_msg_bytes, hwm=send_hwm), address)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or vanished peer raises, never a silent drop
             try:
@@ -136,7 +178,8 @@ class Frontend:
             except zmq.ZMQError as e:
                 sock.close(linger=0)
                 raise StartupError(f"cannot listen on {address}: {_bind_error(e)}") from None
-        except ValueError as e:
+        except (ValueError, StartupError) as e:
+            self._release_ipc_lock()
             raise StartupError(str(e)) from None
         self.sock = sock
         if address.startswith("ipc://"):
@@ -231,13 +274,19 @@ class Frontend:
         return dead
 
     def close(self, linger_ms: int = 1000) -> None:
-        """Close (replies already queued get ``linger_ms`` to leave) and remove the socket file."""
+        """Close (replies already queued get ``linger_ms`` to leave) and remove the socket file and its lock."""
         self.sock.close(linger=linger_ms)
         if self.ipc_path is not None:
             try:
                 os.unlink(self.ipc_path)
             except FileNotFoundError:
                 pass
+        self._release_ipc_lock()
+
+    def _release_ipc_lock(self) -> None:
+        if self._ipc_lock is not None:
+            _release(self._ipc_lock, self.address[len("ipc://"):] + ".lock")
+            self._ipc_lock = None
 
 
 def _bind_error(e: zmq.ZMQError) -> str:

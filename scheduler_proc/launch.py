@@ -71,6 +71,8 @@ def serve(args) -> int:
         gpus = _replica_gpus(args, cfg)
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"forerun: {in_flag_names(str(e))}")
+    except KeyboardInterrupt:  # Ctrl-C before serve_in takes the signals (a tokenizer being parsed)
+        raise SystemExit("forerun: interrupted while starting")
     from ipc.sockets import new_run_dir
 
     # The run directory is made here and removed in serve_in's every exit, whatever fails first (a Server or Router

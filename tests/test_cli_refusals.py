@@ -683,3 +683,18 @@ def test_an_address_on_a_host_that_does_not_resolve_is_refused_as_such():
                                            r"is neither an address, a host name that resolves nor a network interface"):
         bind_frontend(zmq.Context.instance(), "tcp://nosuchhost.invalid:18621", cfg, 1 << 20)
     assert _resolves("127.0.0.1") and _resolves("localhost") and _resolves("lo")  # an interface's name binds too
+
+
+def test_ctrl_c_while_the_tokenizer_is_checked_is_one_line(monkeypatch):
+    """A Ctrl-C in the first moments of a start (the tokenizer being parsed, before the server takes the signals)
+    is the start's one line, not a KeyboardInterrupt traceback."""
+    from scheduler_proc import launch
+    from scheduler_proc.cli_flags import build_parser
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "check_tokenizer", interrupted)
+    with pytest.raises(SystemExit) as ended:
+        launch.serve(build_parser().parse_args(["serve", "--load-format", "scripted"]))
+    assert ended.value.code == "forerun: interrupted while starting"

@@ -4,12 +4,14 @@ unread, and a client that really went quiet is still expired."""
 
 from __future__ import annotations
 
+import os
 import time
 
+import pytest
 import zmq
 
 from ipc.protocol import HEARTBEAT_MISSES, Ping, encode
-from scheduler_proc.frontend import Frontend
+from scheduler_proc.frontend import Frontend, StartupError, claim_ipc_path
 
 
 def test_unread_pings_are_not_silence(tmp_path):
@@ -73,3 +75,24 @@ def test_listens_on_an_ipv6_address():
         client.close(linger=0)
         front.close(linger_ms=0)
         ctx.term()
+
+
+def test_one_ipc_path_takes_one_server_even_when_two_start_at_once(tmp_path):
+    """Two servers that check an ipc:// path before either binds (started at the same moment) both found it free,
+    and ZeroMQ's bind replaced the first one's socket file: both served, one unreachable, and stopping it removed the
+    other's file.  The claim is a lock held from the check to the server's end: the second is refused, with or
+    without a bound socket yet; once the first stops (its socket and lock files gone) the path is free again."""
+    path = str(tmp_path / "s.sock")
+    first = claim_ipc_path(path)  # checked, not yet bound: the window two servers raced through
+    with pytest.raises(StartupError, match="another server is already serving \\(or starting\\) at ipc://"):
+        claim_ipc_path(path)
+    os.close(first)
+    ctx = zmq.Context()
+    front = Frontend(ctx, f"ipc://{path}", send_hwm=100, max_msg_bytes=1 << 20)
+    with pytest.raises(StartupError, match="already serving"):
+        Frontend(ctx, f"ipc://{path}", send_hwm=100, max_msg_bytes=1 << 20)
+    assert os.path.exists(path)  # the refused one left the first one's socket file alone
+    front.close(linger_ms=0)
+    assert sorted(os.listdir(tmp_path)) == []
+    Frontend(ctx, f"ipc://{path}", send_hwm=100, max_msg_bytes=1 << 20).close(linger_ms=0)
+    ctx.term()
