@@ -9,6 +9,8 @@ by the transport and the peer is disconnected, the server keeps serving).
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import tempfile
 import uuid
 
@@ -21,12 +23,45 @@ DEFAULT_HWM = 100_000
 MAX_CLIENT_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
+_RUN_DIR_NAME = re.compile(r"forerun-(\d+)-[0-9a-f]{12}")  # forerun-PID-HEX: a server's run directory
+
+
 def new_run_dir() -> str:
-    """A private per-server directory for ipc:// socket files."""
+    """A private per-server directory for ipc:// socket files, named after this process; the run directories of
+    this user's servers that died without removing theirs (SIGKILL, an OOM kill) are removed first."""
     base = os.environ.get("FORERUN_RUN_DIR") or tempfile.gettempdir()
-    path = os.path.join(base, f"forerun-{uuid.uuid4().hex[:12]}")
+    remove_dead_run_dirs(base)
+    path = os.path.join(base, f"forerun-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
+
+
+def remove_dead_run_dirs(base: str) -> None:
+    """Remove the run directories in ``base`` of this user whose process is gone."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        match = _RUN_DIR_NAME.fullmatch(name)
+        path = os.path.join(base, name)
+        try:
+            if match is None or os.stat(path).st_uid != os.getuid() or process_alive(int(match.group(1))):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts: it is not ours to judge)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def ipc_address(run_dir: str, name: str) -> str:

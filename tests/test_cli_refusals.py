@@ -507,6 +507,24 @@ def test_stale_tokenizer_folders_of_dead_processes_are_removed(tmp_path, monkeyp
     assert sorted(os.listdir(tmp_path)) == [f"forerun-tokenizer-{os.getpid()}-def", "forerun-tokenizer-x1y2z3"]
 
 
+def test_run_directories_of_dead_servers_are_removed_by_the_next(tmp_path, monkeypatch):
+    """A server killed with SIGKILL leaves its run directory (sockets, metric files); the next server's start
+    removes those of this user's dead servers, and only those (not a live one's, nor other forerun folders)."""
+    from ipc.sockets import new_run_dir
+
+    monkeypatch.setenv("FORERUN_RUN_DIR", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f"forerun-{dead.pid}-0123456789ab" / "prometheus").mkdir(parents=True)
+    live = f"forerun-{os.getpid()}-ba9876543210"
+    others = [live, f"forerun-tokenizer-{dead.pid}-abc", "forerun-0123456789ab"]
+    for name in others:
+        (tmp_path / name).mkdir()
+    mine = os.path.basename(new_run_dir())
+    assert mine.startswith(f"forerun-{os.getpid()}-")
+    assert sorted(os.listdir(tmp_path)) == sorted(others + [mine])
+
+
 def _interrupt_when(proc: subprocess.Popen, ready, timeout: float = 60) -> float:
     """SIGINT ``proc`` once ``ready()``; the seconds it then took to exit."""
     deadline = time.monotonic() + timeout

@@ -17,6 +17,7 @@ import weakref
 from typing import Any, Optional
 
 from ipc.client.errors import InvalidRequestError
+from ipc.sockets import process_alive
 
 # Roles the chat templates of the supported models know; the templates themselves take any
 # string (it is pasted between the template's own markers), so the check is ours.
@@ -86,22 +87,11 @@ def remove_stale_tokenizer_folders() -> None:
         pid = name[len(_FOLDER_PREFIX):].partition("-")[0]
         path = os.path.join(base, name)
         try:
-            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or _alive(int(pid)):
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or process_alive(int(pid)):
                 continue
         except OSError:
             continue
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (another user's counts: it is not ours to judge)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def load_tokenizer(path: str) -> Any:
