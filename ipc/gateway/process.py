@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -67,6 +68,8 @@ class Gateways:
         self.configs = configs
         self.env = env
         self.metrics_dir = metrics_dir
+        self._lock = threading.Lock()  # a restart (the server's watcher thread) against stop
+        self._stopped = False
         self.procs = [self._spawn(cfg) for cfg in configs]
 
     def _spawn(self, cfg: WorkerConfig) -> subprocess.Popen:
@@ -78,10 +81,13 @@ class Gateways:
         shared metrics (its counters stay: they only go up)."""
         from prometheus_client import multiprocess
 
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.configs[i].ready_file)
-        multiprocess.mark_process_dead(self.procs[i].pid, self.metrics_dir)
-        self.procs[i] = self._spawn(self.configs[i])
+        with self._lock:
+            if self._stopped:
+                return
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.configs[i].ready_file)
+            multiprocess.mark_process_dead(self.procs[i].pid, self.metrics_dir)
+            self.procs[i] = self._spawn(self.configs[i])
 
     @property
     def url(self) -> str:
@@ -102,6 +108,8 @@ class Gateways:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Terminate every worker (SIGTERM, then SIGKILL after ``timeout``) and drop the metric files."""
+        with self._lock:
+            self._stopped = True
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
