@@ -16,8 +16,9 @@ For row ``i`` with logits ``x`` (float32, ``[V]``):
    ``< top_p * Z``.  This always keeps the maximum, and keeps or drops tied values
    together.
 5. **min-p** (``min_p > 0``): keep ``s - max(s) >= log(min_p)``.  (Relative to the
-   maximum, so it does not matter whether it is applied before or after 3-4; the
-   order above is HF's: top-k, top-p, min-p.)
+   maximum, so its own survivors are the same before or after 3-4; top-p's are not:
+   min-p first would take the nucleus of a smaller mass.  The order above is HF's and
+   SGLang's: top-k, top-p, min-p; vLLM's V1 engine applies min-p before top-k/top-p.)
 6. **Gumbel-max** over the survivors: ``argmax(s + g)`` with
    ``g = -log(-log(u))`` and ``u = uniform(seed, position, vocab index)`` below
    (first index on ties).  This samples exactly ``softmax(s)`` restricted to the

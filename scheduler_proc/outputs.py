@@ -43,13 +43,14 @@ def request_extras(sampling, num_prompt_tokens: int, detokenize: Optional[Detoke
                          PromptLogprobs(num_prompt_tokens) if sampling.prompt_logprobs is not None else None)
 
 
-def slot_sampling(req, eos_token_ids) -> SlotSampling:
-    """Everything the executor keeps per slot for ``req`` (see SlotSampling)."""
+def slot_sampling(req, eos_token_ids, vocab_size: int) -> SlotSampling:
+    """Everything the executor keeps per slot for ``req`` (see SlotSampling); a top_k of the whole vocabulary or
+    more is no top-k (0), as vLLM reads it."""
     s = req.sampling
     stop_ids = sorted(set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos_token_ids))) if s.min_tokens else []
     bias = sorted(s.logit_bias.items())
     return SlotSampling(
-        s.temperature, s.top_k if s.top_k > 0 else 0, s.top_p, s.min_p, req.seed,
+        s.temperature, s.top_k if 0 < s.top_k < vocab_size else 0, s.top_p, s.min_p, req.seed,
         logprobs=-1 if s.logprobs is None else s.logprobs,
         prompt_logprobs=-1 if s.prompt_logprobs is None else s.prompt_logprobs,
         repetition_penalty=s.repetition_penalty, frequency_penalty=s.frequency_penalty,

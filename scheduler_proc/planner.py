@@ -264,7 +264,7 @@ class Planner(Reconciler, Speculation):
             req.t_readmit = time.perf_counter() if req.num_preemptions else 0.0
             self._running[req.rid] = req
             self._prefilling[req.rid] = req
-            sampling = slot_sampling(req, self.limits.eos_token_ids)
+            sampling = slot_sampling(req, self.limits.eos_token_ids, self.limits.vocab_size)
             req.spec_k, req.spec_rate, req.spec_pauses = self.spec_drafts_for(sampling), RATE_START, 0
             req.spec_grams, req.spec_indexed = ({}, 0) if req.spec_k and self.limits.spec_lookup_ngram else (None, 0)
             # The slot's penalty state (and a speculating slot's token table) is built from every token the request

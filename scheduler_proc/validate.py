@@ -202,9 +202,8 @@ def _validate_sampling(s: p.SamplingParams, prompt_len: int, limits: Limits) -> 
         raise InvalidRequest("sampling.top_p", f"top_p must be in (0, 1] (as a float32), got {s.top_p}")
     if not 0 <= _float32("sampling.min_p", s.min_p) <= 1:
         raise InvalidRequest("sampling.min_p", f"min_p must be in [0, 1], got {s.min_p}")
-    if not -1 <= s.top_k <= limits.vocab_size:
-        raise InvalidRequest("sampling.top_k", f"top_k must be -1 or 0 (disabled) or in [1, {limits.vocab_size}] "
-                                               f"(the vocabulary), got {s.top_k}")
+    if not -1 <= s.top_k < 2**63:  # the vocabulary or more: every token, as vLLM reads it (scheduler_proc/outputs.py)
+        raise InvalidRequest("sampling.top_k", f"top_k must be -1 or 0 (disabled) or in [1, 2^63), got {s.top_k}")
     if s.seed is not None and not 0 <= s.seed <= p.MAX_SEED:
         raise InvalidRequest("sampling.seed", f"seed must be in [0, {p.MAX_SEED}], got {s.seed}")
     problem = p.count_problem(s)  # n and list lengths (the SDK checks the same before it sends), before any loop

@@ -36,8 +36,8 @@ def sampling_cases(vocab: int, ctx: int) -> list[tuple[str, object, bool]]:
     add("max_tokens", [1], True)
     add("temperature", [U64, 2**63, I64_MIN, -1, 1e4 + 1, "0", None] + BAD_FLOATS, False)
     add("temperature", [0, 1e4, 0.7] + TINY_FLOATS, True)
-    add("top_k", [U64, 2**63, I64_MAX, I64_MIN, -2, vocab + 1, 1.5, NAN, INF], False)
-    add("top_k", [-1, 0, 1, vocab], True)
+    add("top_k", [U64, 2**63, I64_MIN, -2, 1.5, NAN, INF], False)
+    add("top_k", [-1, 0, 1, vocab, vocab + 1, I64_MAX], True)  # the vocabulary or more: no top-k, as in vLLM
     add("top_p", [U64, I64_MIN, 0, -1, 1.0000001, 5e-324, -0.0] + BAD_FLOATS, False)
     add("top_p", [1, 0.5, 1e-45], True)
     add("min_p", [U64, I64_MIN, -1, 1.5] + BAD_FLOATS, False)
@@ -207,3 +207,16 @@ def test_forerun_chat_prints_one_line_for_expected_failures(model_server, tmp_pa
     bad = chat("--address", model_server(1).address, "--max-tokens", "0", "hi")
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().startswith("forerun: [invalid_request] --max-tokens must be at least 1"), bad.stderr
+
+
+def test_a_top_k_of_the_vocabulary_or_more_is_no_top_k():
+    """vLLM reads a top_k at or past the vocabulary as no top-k: the executor's slot gets 0 (off), as for -1."""
+    from types import SimpleNamespace
+
+    from scheduler_proc.outputs import slot_sampling
+
+    def slot_top_k(top_k: int) -> int:
+        req = SimpleNamespace(sampling=p.SamplingParams(top_k=top_k), seed=None, prompt=[1, 2], grammar=None)
+        return slot_sampling(req, [0], vocab_size=100).top_k
+
+    assert [slot_top_k(k) for k in (-1, 0, 1, 99, 100, 101, 2**63 - 1)] == [0, 0, 1, 99, 0, 0, 0]
