@@ -231,11 +231,13 @@ def test_extra_body_sampling(oai, sdk):
 # errors
 # ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("param,kwargs", [("best_of", {"best_of": 2}), ("suffix", {"suffix": "end"})])
-def test_unsupported_completion_params_are_400(oai, param, kwargs):
+@pytest.mark.parametrize("param,kwargs,instead", [("best_of", {"best_of": 2}, "only 1 is"),
+                                                  ("best_of", {"best_of": 0}, "only 1 is"),
+                                                  ("suffix", {"suffix": "end"}, "")])
+def test_unsupported_completion_params_are_400(oai, param, kwargs, instead):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=MODEL, prompt="Hi", max_tokens=4, **kwargs)
-    assert e.value.param == param and "not supported" in e.value.message
+    assert e.value.param == param and "not supported" in e.value.message and instead in e.value.message
 
 
 @pytest.mark.parametrize("kwargs,param", [

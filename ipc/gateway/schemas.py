@@ -211,6 +211,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 # What a client may use instead of an unsupported parameter (the end of its 400's message).
 INSTEAD: dict[str, str] = {
+    "best_of": "; only 1 is (each completion is its own sample: use n)",
     "modalities": '; only ["text"] is',
     "functions": "; use tools",
     "function_call": "; use tool_choice",
