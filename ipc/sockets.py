@@ -23,7 +23,9 @@ DEFAULT_HWM = 100_000
 MAX_CLIENT_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
-_RUN_DIR_NAME = re.compile(r"forerun-(\d+)-[0-9a-f]{12}")  # forerun-PID-HEX: a server's run directory
+# forerun-PID-HEX: a server's run directory (no longer than the 20 characters of forerun-HEX12 it once was at a
+# 7-digit process id: its socket paths must fit ipc's 107 bytes)
+_RUN_DIR_NAME = re.compile(r"forerun-(\d+)-[0-9a-f]{4}")
 
 
 def new_run_dir() -> str:
@@ -31,9 +33,14 @@ def new_run_dir() -> str:
     this user's servers that died without removing theirs (SIGKILL, an OOM kill) are removed first."""
     base = os.environ.get("FORERUN_RUN_DIR") or tempfile.gettempdir()
     remove_dead_run_dirs(base)
-    path = os.path.join(base, f"forerun-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    return path
+    os.makedirs(base, exist_ok=True)
+    while True:
+        path = os.path.join(base, f"forerun-{os.getpid()}-{uuid.uuid4().hex[:4]}")
+        try:
+            os.mkdir(path, mode=0o700)
+            return path
+        except FileExistsError:  # this process's own, made before
+            continue
 
 
 def remove_dead_run_dirs(base: str) -> None:

@@ -515,8 +515,8 @@ def test_run_directories_of_dead_servers_are_removed_by_the_next(tmp_path, monke
     monkeypatch.setenv("FORERUN_RUN_DIR", str(tmp_path))
     dead = subprocess.Popen(["true"])
     dead.wait()
-    (tmp_path / f"forerun-{dead.pid}-0123456789ab" / "prometheus").mkdir(parents=True)
-    live = f"forerun-{os.getpid()}-ba9876543210"
+    (tmp_path / f"forerun-{dead.pid}-0123" / "prometheus").mkdir(parents=True)
+    live = f"forerun-{os.getpid()}-ba98"
     others = [live, f"forerun-tokenizer-{dead.pid}-abc", "forerun-0123456789ab"]
     for name in others:
         (tmp_path / name).mkdir()
