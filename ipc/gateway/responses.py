@@ -262,7 +262,7 @@ async def completion_stream(gw: Any, req: s.CompletionRequest, rid: str, prompts
             plps[p] = chunk.prompt_logprobs
         index, text, lps = p * n + chunk.index, chunk.text_delta, None
         first = index not in sent
-        offset = sent.get(index, _echo_end(gw, prompts[p]) if req.echo else 0)
+        offset = sent[index] if not first else _echo_end(gw, prompts[p]) if req.echo else 0
         sent[index] = offset
         if req.logprobs is not None:
             lps = completion_logprobs(gw.token_texts, chunk.token_ids, chunk.logprobs, req.logprobs, offset)
