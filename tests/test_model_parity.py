@@ -237,6 +237,8 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
         ({"rope_scaling": LLAMA3 | {"factor": "abc"}}, "field 'factor' must be a number, got 'abc'"),
         ({"rope_scaling": LLAMA3 | {"high_freq_factor": 1.0}},
          "high_freq_factor \\(1.0\\) must be above low_freq_factor"),
+        ({"rope_scaling": {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"},
+          "max_position_embeddings": None}, "original_max_position_embeddings must be a positive integer, got None"),
         ({"rope_scaling": LLAMA3 | {"original_max_position_embeddings": 8192.5}},
          "original_max_position_embeddings must be a positive integer, got 8192.5"),
         ({"eos_token_id": 16.5}, "field 'eos_token_id' must be a token id or a list of them, got 16.5"),

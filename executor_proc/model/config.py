@@ -304,7 +304,7 @@ def _parse_rope(d: dict[str, Any], default_theta: float) -> tuple[float, Optiona
     if params["high_freq_factor"] <= params["low_freq_factor"]:
         raise ValueError(f"config.json {key}: high_freq_factor ({params['high_freq_factor']!r}) must be above "
                          f"low_freq_factor ({params['low_freq_factor']!r})")
-    original = params.get("original_max_position_embeddings") or d["max_position_embeddings"]
+    original = params.get("original_max_position_embeddings") or d.get("max_position_embeddings")
     if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
         raise ValueError(f"config.json {key}.original_max_position_embeddings must be a positive integer, "
                          f"got {original!r}")
