@@ -366,6 +366,18 @@ def test_lone_surrogates_are_named(body, word):
     assert word.decode() in e.message and "surrogate" in e.message and "truncated" not in e.message, e.message
 
 
+@pytest.mark.parametrize("body,param,literal", [
+    ({"prompt": "x", "temperature": float("nan")}, "temperature", "NaN"),
+    ({"prompt": "x", "logit_bias": {"13": float("inf")}}, "logit_bias.13", "Infinity"),
+    ({"prompt": "x", "stop": ["a"], "top_p": -float("inf")}, "top_p", "-Infinity"),
+])
+def test_a_nan_or_infinity_is_named_by_its_field(body, param, literal):
+    """Python's json.dumps (and so the openai client) writes NaN and Infinity, which JSON has no number for: the 400
+    names the field (it said only that the body was not JSON)."""
+    e = refused(decode_body, json.dumps(body).encode(), s.CompletionRequest)
+    assert e.param == param and e.message.startswith(f"{param} is {literal},"), (e.param, e.message)
+
+
 def test_json_that_is_fine_or_truncated_keeps_its_answer():
     """A pair, and an escaped backslash before "ud800", are no lone surrogates."""
     assert decode_body(rb'{"prompt": "\ud83d\ude00 \\ud800"}', s.CompletionRequest).prompt == "\U0001F600 \\ud800"

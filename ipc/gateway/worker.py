@@ -51,6 +51,10 @@ def decode_body(body: bytes, kind: type) -> Any:
     except msgspec.ValidationError as e:
         raise _validation_error(e) from None
     except msgspec.DecodeError as e:
+        where = _non_finite(body)  # Python's json.dumps (the openai client's too) writes NaN and Infinity
+        if where is not None:
+            raise s.RequestError(400, f"{where[0]} is {where[1]}, which JSON has no number for; give a finite "
+                                      f"number", where[0]) from None
         raise s.RequestError(400, f"the body is not valid JSON: {_json_problem(body, e)}") from None
     except UnicodeDecodeError as e:
         raise s.RequestError(400, f"the body is not valid UTF-8: {e.reason} at byte {e.start}") from None
@@ -106,6 +110,28 @@ def _has(obj: Any, key: Any) -> bool:
     if isinstance(obj, dict):
         return key in obj
     return isinstance(obj, list) and isinstance(key, int) and key < len(obj)
+
+
+def _non_finite(body: bytes) -> Optional[tuple[str, str]]:
+    """(the field's path, the literal) of the first NaN or Infinity in a body that is JSON but for them, else None
+    (on the error path only)."""
+    import json
+    import math
+
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return path, "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(list(value.items())))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+    return None
 
 
 def _json_problem(body: bytes, e: msgspec.DecodeError) -> str:
