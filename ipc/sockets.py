@@ -8,6 +8,7 @@ by the transport and the peer is disconnected, the server keeps serving).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -26,11 +27,15 @@ MAX_CLIENT_MESSAGE_BYTES = 16 * 1024 * 1024
 # forerun-PID-HEX: a server's run directory (no longer than the 20 characters of forerun-HEX12 it once was at a
 # 7-digit process id: its socket paths must fit ipc's 107 bytes)
 _RUN_DIR_NAME = re.compile(r"forerun-(\d+)-[0-9a-f]{4}")
+# In each run directory: a file its process holds an exclusive lock on for its life (a process id says nothing across
+# PID namespaces: containers sharing /tmp)
+ALIVE_FILE = ".alive"
+_held: list[int] = []  # this process's run directories' locks, held until it exits
 
 
 def new_run_dir() -> str:
-    """A private per-server directory for ipc:// socket files, named after this process; the run directories of
-    this user's servers that died without removing theirs (SIGKILL, an OOM kill) are removed first."""
+    """A private per-server directory for ipc:// socket files, locked for this process's life (:data:`ALIVE_FILE`);
+    the run directories of servers that died without removing theirs (SIGKILL, an OOM kill) are removed first."""
     base = os.environ.get("FORERUN_RUN_DIR") or tempfile.gettempdir()
     remove_dead_run_dirs(base)
     os.makedirs(base, exist_ok=True)
@@ -38,26 +43,37 @@ def new_run_dir() -> str:
         path = os.path.join(base, f"forerun-{os.getpid()}-{uuid.uuid4().hex[:4]}")
         try:
             os.mkdir(path, mode=0o700)
-            return path
+            break
         except FileExistsError:  # this process's own, made before
             continue
+    fd = os.open(os.path.join(path, ALIVE_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: no one else holds it
+    _held.append(fd)
+    return path
 
 
 def remove_dead_run_dirs(base: str) -> None:
-    """Remove the run directories in ``base`` of this user whose process is gone."""
+    """Remove the run directories in ``base`` whose lock no process holds (one without a lock file is being made, or
+    is not ours to judge)."""
     try:
         names = os.listdir(base)
     except OSError:
         return
     for name in names:
-        match = _RUN_DIR_NAME.fullmatch(name)
+        if _RUN_DIR_NAME.fullmatch(name) is None:
+            continue
         path = os.path.join(base, name)
         try:
-            if match is None or os.stat(path).st_uid != os.getuid() or process_alive(int(match.group(1))):
-                continue
+            fd = os.open(os.path.join(path, ALIVE_FILE), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its server lives
+            os.close(fd)
+            continue
         shutil.rmtree(path, ignore_errors=True)
+        os.close(fd)
 
 
 def process_alive(pid: int) -> bool:

@@ -509,20 +509,30 @@ def test_stale_tokenizer_folders_of_dead_processes_are_removed(tmp_path, monkeyp
 
 def test_run_directories_of_dead_servers_are_removed_by_the_next(tmp_path, monkeypatch):
     """A server killed with SIGKILL leaves its run directory (sockets, metric files); the next server's start
-    removes those of this user's dead servers, and only those (not a live one's, nor other forerun folders)."""
-    from ipc.sockets import new_run_dir
+    removes those whose lock no process holds, and only those: not a live one's (a process id alone misjudged a
+    server in another PID namespace sharing the folder), not one being made (no lock file yet), not other folders."""
+    import fcntl
+
+    from ipc.sockets import ALIVE_FILE, new_run_dir
 
     monkeypatch.setenv("FORERUN_RUN_DIR", str(tmp_path))
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    (tmp_path / f"forerun-{dead.pid}-0123" / "prometheus").mkdir(parents=True)
-    live = f"forerun-{os.getpid()}-ba98"
-    others = [live, f"forerun-tokenizer-{dead.pid}-abc", "forerun-0123456789ab"]
-    for name in others:
+    dead = tmp_path / "forerun-4242-0123"
+    (dead / "prometheus").mkdir(parents=True)
+    (dead / ALIVE_FILE).write_text("")  # its process died: nobody holds the lock
+    live = tmp_path / "forerun-1-ba98"  # a server in another PID namespace: its process id means nothing here
+    live.mkdir()
+    held = os.open(live / ALIVE_FILE, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    others = [live.name, "forerun-4243-0aa1", "forerun-tokenizer-4242-abc", "forerun-0123456789ab"]
+    for name in others[1:]:
         (tmp_path / name).mkdir()
-    mine = os.path.basename(new_run_dir())
-    assert mine.startswith(f"forerun-{os.getpid()}-")
-    assert sorted(os.listdir(tmp_path)) == sorted(others + [mine])
+    try:
+        mine = os.path.basename(new_run_dir())
+        assert mine.startswith(f"forerun-{os.getpid()}-")
+        assert sorted(os.listdir(tmp_path)) == sorted(others + [mine])
+        assert os.path.basename(new_run_dir()) in os.listdir(tmp_path) and mine in os.listdir(tmp_path)  # held
+    finally:
+        os.close(held)
 
 
 def _interrupt_when(proc: subprocess.Popen, ready, timeout: float = 60) -> float:
