@@ -46,8 +46,10 @@ def new_run_dir() -> str:
             break
         except FileExistsError:  # this process's own, made before
             continue
-    fd = os.open(os.path.join(path, ALIVE_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    # locked under another name, then named: a server cleaning up never finds the lock file unheld
+    fd = os.open(os.path.join(path, ALIVE_FILE + ".new"), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: no one else holds it
+    os.rename(os.path.join(path, ALIVE_FILE + ".new"), os.path.join(path, ALIVE_FILE))
     _held.append(fd)
     return path
 
