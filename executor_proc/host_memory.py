@@ -61,8 +61,8 @@ def check_host_slots(num_slots: int, max_blocks: int, vocab: int, max_len: int,
         # a tenth below the limit: the memory available moves between one start and the next, and a count right
         # at the limit would be refused by the start that takes the advice
         fit = max(1, int(0.9 * HOST_SLOTS_SHARE * available // per_slot))
-        raise StartupRefused(f"--max-num-seqs {num_slots:,}: the slots' tables take {num_slots * per_slot / 2**30:,.1f} "
-                             f"GiB of host memory ({per_slot / 2**20:.2f} MiB a slot at --max-model-len {max_len:,} "
+        raise StartupRefused(f"--max-num-seqs {num_slots:,}: the slots' tables take "
+                             f"{num_slots * per_slot / 2**30:,.1f} GiB of host memory ({per_slot / 2**20:.2f} MiB a slot at --max-model-len {max_len:,} "
                              f"and a {vocab:,}-token vocabulary), more than half of the "
                              f"{available / 2**30:.1f} GiB available: use --max-num-seqs {fit:,} or fewer")
 

@@ -149,8 +149,8 @@ def norm_route(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: t
                num_held: Optional[int] = None) -> tuple[torch.Tensor, ...]:
     """The MoE layer's front in one launch: ``(h, residual stream, router logits [T, E] float32, weights, ids)``,
     ``h`` the RMSNorm of ``x + residual`` (:func:`kernels.norm.fused_add_rms_norm`'s arithmetic, its sum of
-    squares perhaps in another order; ``residual`` None: of ``x``, which is then the stream), the logits ``linear(h, gate)`` rounded to the model dtype, and the
-    routing :func:`route` gives for them.  ``arrivals``: int32 zeros, one per token at least, left zero.  Up to
+    squares perhaps in another order; ``residual`` None: of ``x``, which is then the stream), the logits
+    ``linear(h, gate)`` rounded to the model dtype, and the routing :func:`route` gives for them.  ``arrivals``: int32 zeros, one per token at least, left zero.  Up to
     :data:`NORM_ROUTE_MAX_TOKENS` tokens (:func:`norm_routes_here`)."""
     T, H = x.shape
     E = gate.shape[0]

@@ -61,11 +61,9 @@ async def completions(request: Request) -> Response:
                                  "max_tokens")
         prompts = await _prompts(gw, req)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        # OpenAI's default here is 16, within the rest of the context (a long prompt is not refused for a value
-        # its client never sent: vLLM's reading)
         streams = [gw.new_stream(p.ids, f"{rid}-{i}", gw.sampling_kwargs(
-            req, 1 if score else max(1, min(16, gw.max_model_len - len(p.ids))) if req.max_tokens is None
-            else req.max_tokens, len(p.ids))) for i, p in enumerate(prompts)]
+            req, _completion_max_tokens(req, score, gw.max_model_len - len(p.ids)), len(p.ids)))
+            for i, p in enumerate(prompts)]
         param = structured.constraint_param(req)  # what a refused constraint's 400 names
         names = dict(constraint_value=structured.constraint_value(req), prompt_names=_prompt_names(rid, len(prompts)))
         if req.stream:
@@ -82,6 +80,15 @@ def _prompt_names(rid: str, count: int) -> Optional[dict[str, str]]:
     """The name of each prompt by its request id (``prompt[2]``), when there are several: an error names the one
     refused (None: one prompt, which ``prompt`` names)."""
     return {f"{rid}-{i}": f"prompt[{i}]" for i in range(count)} if count > 1 else None
+
+
+def _completion_max_tokens(req: s.CompletionRequest, score: bool, room: int) -> int:
+    """A completion's max_tokens: one when it scores the prompt (the token is left out of the answer); unset,
+    OpenAI's 16 within the ``room`` the prompt leaves in the context (a long prompt is not refused for a value its
+    client never sent: vLLM's reading)."""
+    if score:
+        return 1
+    return max(1, min(16, room)) if req.max_tokens is None else req.max_tokens
 
 
 async def _prompts(gw: Gateway, req: s.CompletionRequest) -> list[Prompt]:
